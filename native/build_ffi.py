@@ -1,0 +1,34 @@
+"""cffi build script: compiles native/*.c into the extension module flashllm._native.
+
+The cdef is the CDEF-BEGIN .. CDEF-END section of native/flashllm.h, so the header is the single
+source of truth for the C API.
+"""
+from pathlib import Path
+
+import cffi
+
+NATIVE = Path(__file__).resolve().parent
+HEADER = NATIVE / "flashllm.h"
+SOURCES = sorted(str(p.relative_to(NATIVE.parent)) for p in NATIVE.glob("*.c"))
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c11", "-Wall", "-Wextra", "-D_GNU_SOURCE"]
+
+
+def cdef_text(header: str) -> str:
+    """The part of the header between the CDEF markers."""
+    start = header.index("/* CDEF-BEGIN */") + len("/* CDEF-BEGIN */")
+    return header[start:header.index("/* CDEF-END */")]
+
+
+ffibuilder = cffi.FFI()
+ffibuilder.cdef(cdef_text(HEADER.read_text()))
+ffibuilder.set_source(
+    "flashllm._native",
+    '#include "flashllm.h"',
+    sources=SOURCES,
+    include_dirs=[str(NATIVE.relative_to(NATIVE.parent))],
+    extra_compile_args=CFLAGS,
+    extra_link_args=["-fopenmp", "-lpthread"],
+)
+
+if __name__ == "__main__":
+    ffibuilder.compile(verbose=True)

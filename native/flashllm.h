@@ -1,0 +1,101 @@
+/* flashllm.h — the whole C API of flashllm's native kernel.
+ *
+ * Conventions
+ *  - Every function returns an int32_t status (FL_OK on success) and never exits or prints.
+ *  - Arrays are row-major. Shapes are given in comments as (rows, cols).
+ *  - A "row" of a weight tensor holds `cols` values stored in `dtype`; its size in bytes is
+ *    fl_row_bytes(dtype, cols). Quantized rows are ggml-compatible blocks of 32 values:
+ *      q8_0: { f16 scale; int8 q[32]; }         34 bytes / 32 values, x = d * q
+ *      q4_0: { f16 scale; uint8 nibbles[16]; }   18 bytes / 32 values, x = d * (nibble - 8),
+ *            value j (0..15) in the low nibble of byte j, value j+16 in the high nibble.
+ *  - Threading is explicit: functions that take n_threads use at most that many threads.
+ *  - The section between CDEF-BEGIN and CDEF-END is fed verbatim to cffi: no preprocessor there.
+ */
+#ifndef FLASHLLM_H
+#define FLASHLLM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* CDEF-BEGIN */
+
+/* status codes */
+enum {
+    FL_OK = 0,
+    FL_EINVAL = 1,       /* bad argument: null pointer, bad size, unknown dtype */
+    FL_ENOMEM = 2,       /* allocation failed */
+    FL_EIO = 3,          /* read error from the device */
+    FL_ERANGE = 4,       /* request outside the file */
+    FL_EUNSUPPORTED = 5  /* valid request this build cannot do */
+};
+
+/* storage dtypes (values are part of the on-disk format, see docs/FORMAT.md) */
+enum { FL_F32 = 0, FL_F16 = 1, FL_Q8_0 = 2, FL_Q4_0 = 3 };
+
+/* FFN activations */
+enum { FL_ACT_SILU = 0, FL_ACT_GELU = 1, FL_ACT_RELU = 2 };
+
+/* ---- quantization (quant.c) ---------------------------------------------------------------- */
+
+/* Bytes of one row of n values in dtype; 0 when dtype is unknown or n is not a multiple of the
+ * block size (32) for a quantized dtype. */
+size_t fl_row_bytes(int32_t dtype, int64_t n);
+
+/* dst (n) f32 = dequantized src row (fl_row_bytes(dtype, n) bytes). */
+int32_t fl_dequantize_row(int32_t dtype, const void *src, float *dst, int64_t n);
+
+/* dst (fl_row_bytes(dtype, n) bytes) = src (n) f32 quantized, ggml reference rounding. */
+int32_t fl_quantize_row(int32_t dtype, const float *src, void *dst, int64_t n);
+
+/* out (n_ids, cols) f32 = rows ids[] of w (rows, cols) in dtype, dequantized (embedding lookup).
+ * Every id must be in [0, rows). */
+int32_t fl_get_rows(const void *w, int32_t dtype, int64_t rows, int64_t cols,
+                    const int32_t *ids, int64_t n_ids, float *out);
+
+/* ---- dense ops (ops.c) ------------------------------------------------------------------- */
+
+/* y (T, rows) = x (T, cols) @ w (rows, cols)^T  [+ bias (rows) when bias != NULL] */
+int32_t fl_matmul(const void *w, int32_t dtype, int64_t rows, int64_t cols, const float *bias,
+                  const float *x, int64_t T, float *y, int32_t n_threads);
+
+/* y (T, n) = x / rms(x) * w, per row; y may alias x */
+int32_t fl_rmsnorm(const float *x, const float *w, float *y, int64_t T, int64_t n, float eps);
+
+/* y (T, n) = (x - mean) / sqrt(var + eps) * w + b, per row; y may alias x */
+int32_t fl_layernorm(const float *x, const float *w, const float *b, float *y, int64_t T,
+                     int64_t n, float eps);
+
+/* In place rotary embedding, rotate-half (NEOX / Hugging Face) pairing: for each head, value j
+ * pairs with j + n_rot/2, j < n_rot/2; values at n_rot.. are left alone.
+ * x (T, n_heads, head_dim); pos (T) the absolute position of each row; freq_j = theta^(-2j/n_rot). */
+int32_t fl_rope(float *x, int64_t T, int64_t n_heads, int64_t head_dim, int64_t n_rot,
+                const int32_t *pos, float theta);
+
+/* Causal multi-head attention with grouped KV heads.
+ * q (T, n_heads, head_dim) holds the queries of positions pos0 .. pos0+T-1;
+ * k_cache, v_cache (n_ctx, n_kv_heads, head_dim) already hold keys/values of positions 0 .. pos0+T-1;
+ * out (T, n_heads * head_dim). Query head h reads KV head h / (n_heads / n_kv_heads).
+ * scores are scaled by `scale` (normally 1/sqrt(head_dim)). */
+int32_t fl_attention(const float *q, const float *k_cache, const float *v_cache, float *out,
+                     int64_t T, int64_t pos0, int64_t n_heads, int64_t n_kv_heads,
+                     int64_t head_dim, float scale, int32_t n_threads);
+
+/* ---- bundled FFN (ffn.c) ----------------------------------------------------------------- */
+
+/* One FFN neuron is one bundle of `stride` bytes: [gate row | up row | down column], each part
+ * fl_row_bytes(dtype, d) bytes (no gate part when glu == 0), padding up to stride.
+ *
+ * y (T, d) += sum over the n bundles i of  a_i(x) * down_i, where for each token t
+ *   glu:     a_i = act(gate_i . x_t) * (up_i . x_t + up_bias[id_i])
+ *   non-glu: a_i = act(up_i . x_t + up_bias[id_i])
+ * bundles (n, stride) bytes; ids (n) the neuron id of each bundle, used only to index up_bias
+ * (ids == NULL means bundle i is neuron i); up_bias (n_ff) or NULL; x (T, d); y (T, d) is
+ * accumulated into (the caller zeroes it or passes the residual). */
+int32_t fl_ffn_bundles(const uint8_t *bundles, int64_t n, int64_t stride, int32_t dtype,
+                       int64_t d, int32_t glu, int32_t act, const int32_t *ids,
+                       const float *up_bias, const float *x, int64_t T, float *y,
+                       int32_t n_threads);
+
+/* CDEF-END */
+
+#endif /* FLASHLLM_H */
