@@ -6,6 +6,7 @@ Generated tokens go alone to stdout; everything else goes to stderr.
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from pathlib import Path
@@ -36,8 +37,20 @@ def registry_path() -> Path:
     return Path(env) if env else Path(__file__).resolve().parent.parent / "models.toml"
 
 
+def command(fn):
+    """Register a CLI command whose FlashErrors become one line on stderr and exit code 1."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except FlashError as e:
+            err.print(f"error: {e}", markup=False, soft_wrap=True)
+            raise typer.Exit(1) from None
+    return app.command()(wrapper)
+
+
 def fail(message: str) -> None:
-    err.print(f"[red]error:[/red] {message}", markup=True, soft_wrap=True)
+    err.print(f"error: {message}", markup=False, soft_wrap=True)
     raise typer.Exit(1)
 
 
@@ -47,7 +60,7 @@ def _resolve(model: str) -> Path:
     return resolve_model(model, cache_dir(), registry_path(), log=lambda m: err.print(m, markup=False))
 
 
-@app.command()
+@command
 def convert(
     src: List[Path] = typer.Argument(..., help="HF checkpoint folder(s) or GGUF file(s)."),
     out: Path = typer.Option(..., "-o", "--out",
@@ -65,7 +78,7 @@ def convert(
         raise typer.Exit(1)
 
 
-@app.command()
+@command
 def pull(name: str = typer.Argument(..., help="A model name from models.toml.")) -> None:
     """Fetch a model listed in models.toml into the user cache and verify its checksum."""
     from .registry import load_registry, pull as pull_model
@@ -74,7 +87,7 @@ def pull(name: str = typer.Argument(..., help="A model name from models.toml."))
     err.print(f"{name}: {path}", markup=False)
 
 
-@app.command()
+@command
 def run(
     model: str = typer.Argument(..., help="Converted model folder, or a models.toml name."),
     prompt: Optional[str] = typer.Option(None, "-p", "--prompt", help="Prompt text; '-' reads stdin."),
