@@ -1,0 +1,107 @@
+"""Tiny random-initialized Hugging Face checkpoints, built offline, for parity tests.
+
+`make_tiny(name, folder)` writes a transformers model (config.json + model.safetensors in f32) and a
+small word-level tokenizer.json into `folder` and returns the folder. Every weight, bias and norm
+scale is drawn from a seeded generator, so norms and biases are not the identity/zero they are at
+transformers' init (a bug that ignores them would otherwise pass). Callers should first call
+`require_transformers()` (or use the `hf_tiny` fixture in conftest.py), which skips the test when
+torch or transformers cannot be imported.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+VOCAB = 512
+SEED = 1234
+
+# name -> (config class name, config kwargs). Hidden 64-128, 2-3 layers, GQA where the arch has it.
+TINY = {
+    "llama": ("LlamaConfig", dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0,
+                                  rms_norm_eps=1e-5, tie_word_embeddings=False)),
+    "llama_tied": ("LlamaConfig", dict(hidden_size=96, intermediate_size=192, num_hidden_layers=3,
+                                       num_attention_heads=3, num_key_value_heads=1,
+                                       rope_theta=50000.0, rms_norm_eps=1e-5,
+                                       tie_word_embeddings=True)),
+    "qwen2": ("Qwen2Config", dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, rope_theta=1000000.0,
+                                  rms_norm_eps=1e-6, tie_word_embeddings=False)),
+    "qwen2_tied": ("Qwen2Config", dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                                       num_attention_heads=8, num_key_value_heads=2,
+                                       rope_theta=1000000.0, rms_norm_eps=1e-6,
+                                       tie_word_embeddings=True)),
+    "mistral": ("MistralConfig", dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=1,
+                                      rope_theta=10000.0, rms_norm_eps=1e-5, sliding_window=None,
+                                      tie_word_embeddings=False)),
+    "opt": ("OPTConfig", dict(hidden_size=64, ffn_dim=256, num_hidden_layers=2,
+                              num_attention_heads=4, word_embed_proj_dim=64,
+                              max_position_embeddings=128, activation_function="relu",
+                              do_layer_norm_before=True, enable_bias=True)),
+    "opt_proj": ("OPTConfig", dict(hidden_size=96, ffn_dim=256, num_hidden_layers=3,
+                                   num_attention_heads=4, word_embed_proj_dim=32,
+                                   max_position_embeddings=128, activation_function="relu",
+                                   do_layer_norm_before=True, enable_bias=True)),
+}
+
+
+def require_transformers():
+    """(torch, transformers), or skip the calling test when either cannot be imported."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    return torch, transformers
+
+
+def build_model(name: str, seed: int = SEED):
+    """The tiny transformers model `name` (eval mode, f32) with seeded random parameters."""
+    torch, transformers = require_transformers()
+    cls_name, kwargs = TINY[name]
+    config = getattr(transformers, cls_name)(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2,
+                                             pad_token_id=0, **kwargs)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize(model, torch, seed)
+    return model.eval()
+
+
+def _randomize(model, torch, seed: int) -> None:
+    """Redraw every parameter: matrices ~ N(0, 1/sqrt(fan_in)) (embeddings and lm_head N(0, 1), so
+    logits are far from flat and greedy choices are not near ties), norm
+    scales ~ 1 + N(0, 0.1), biases ~ N(0, 0.1)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            if p.ndim == 2:
+                scale = 1.0 if ("embed" in pname or "lm_head" in pname) else p.shape[1] ** -0.5
+                p.copy_(noise * scale)
+            elif "norm" in pname and pname.endswith("weight"):
+                p.copy_(1.0 + 0.1 * noise)
+            else:
+                p.copy_(0.1 * noise)
+
+
+def write_tokenizer(folder: Path, vocab: int = VOCAB) -> None:
+    """A word-level tokenizer.json over `vocab` tokens: <pad> <s> </s> <unk> w4 w5 ..."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    words = ["<pad>", "<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(4, vocab)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}))
+
+
+def make_tiny(name: str, folder: Path, seed: int = SEED):
+    """Write the tiny model `name` into `folder` (safetensors, f32, with tokenizer); return
+    (folder, model) with the model in eval mode for computing reference outputs."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    model = build_model(name, seed)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    write_tokenizer(folder)
+    return folder, model
