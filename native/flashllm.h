@@ -96,6 +96,56 @@ int32_t fl_ffn_bundles(const uint8_t *bundles, int64_t n, int64_t stride, int32_
                        const float *up_bias, const float *x, int64_t T, float *y,
                        int32_t n_threads);
 
+/* ---- direct-I/O reader (io.c) ---- */
+
+/* A reader owns one open file (O_DIRECT when possible) and a pool of n_threads reader threads
+ * (the calling thread is one of them). One batch at a time per reader. */
+typedef struct fl_reader fl_reader;
+
+/* Counters since open or the last fl_reader_reset_stats. */
+typedef struct {
+    int64_t batches;          /* fl_reader_read calls that succeeded */
+    int64_t requests;         /* (offset, length) requests in them */
+    int64_t reads;            /* pread runs issued after merging */
+    int64_t bytes_requested;  /* sum of request lengths */
+    int64_t bytes_read;       /* bytes fetched from the device: requests + page padding + gaps */
+    int64_t gap_bytes;        /* bytes of holes between requests read to save a read */
+    int64_t merged_requests;  /* requests that joined the run of an earlier request */
+    double seconds;           /* wall time inside fl_reader_read */
+} fl_reader_stats_t;
+
+/* Open path for reading with n_threads (1..256) threads and a staging buffer of stage_bytes
+ * (a multiple of 4096, also the largest single read) per thread. want_direct: try O_DIRECT and
+ * fall back to buffered reads where the filesystem refuses it (see fl_reader_info). */
+int32_t fl_reader_open(const char *path, int32_t n_threads, int32_t want_direct,
+                       int64_t stage_bytes, fl_reader **out);
+
+/* direct = 1 when O_DIRECT is in use; file_size in bytes (at open). */
+int32_t fl_reader_info(const fl_reader *r, int32_t *direct, int64_t *file_size,
+                       int32_t *n_threads);
+
+/* Read n requests: file bytes [offsets[i], offsets[i] + lengths[i]) land at dst + dst_offsets[i].
+ * Requests may come in any order and overlap. Neighbours are merged into page-aligned reads
+ * across holes of at most max_gap bytes (max_gap < 0: no merging at all); one read is at most
+ * max_run bytes (<= 0 or above stage_bytes: stage_bytes). A run that is one 4096-aligned piece of
+ * one request whose destination is 4096-aligned is read in place, anything else is copied from
+ * staging. FL_ERANGE when a request leaves [0, file_size), FL_EIO on a read error (dst is then
+ * partly written). */
+int32_t fl_reader_read(fl_reader *r, const int64_t *offsets, const int64_t *lengths,
+                       uint8_t *dst, const int64_t *dst_offsets, int64_t n, int64_t max_gap,
+                       int64_t max_run);
+
+int32_t fl_reader_stats(const fl_reader *r, fl_reader_stats_t *out);
+int32_t fl_reader_reset_stats(fl_reader *r);
+
+/* Joins the threads, closes the file, frees r; r == NULL is fine. */
+int32_t fl_reader_close(fl_reader *r);
+
+/* The reads fl_reader_read would issue for these requests, without a file: their count, bytes
+ * (page padding and gaps included) and gap bytes. Pure; for the cost model. */
+int32_t fl_io_plan(const int64_t *offsets, const int64_t *lengths, int64_t n, int64_t max_gap,
+                   int64_t max_run, int64_t *n_reads, int64_t *bytes_read, int64_t *gap_bytes);
+
 /* CDEF-END */
 
 #endif /* FLASHLLM_H */
