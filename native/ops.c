@@ -1,0 +1,173 @@
+/* ops.c — dense ops: matmul over a weight in any storage dtype, norms, RoPE, causal attention.
+ *
+ * Threads: OpenMP over output rows (matmul) or over (token, head) pairs (attention); each
+ * thread allocates its own scratch and frees it before the parallel region ends.
+ */
+#include <math.h>
+#include <stdlib.h>
+
+#include "flashllm.h"
+#include "simd.h"
+
+#define TILE 4 /* weight rows dequantized together when T > 1 */
+
+/* y (rows) = w (rows, cols) . x (cols) [+ bias], fused dequantize + dot, one pass over w */
+static void matvec(const uint8_t *w, int32_t dtype, size_t rb, int64_t rows, int64_t cols,
+                   const float *bias, const float *x, float *y, int32_t n_threads) {
+#pragma omp parallel for num_threads(n_threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        y[r] = fli_dot(dtype, w + (size_t)r * rb, x, cols) + (bias ? bias[r] : 0.0f);
+}
+
+/* rows r0 .. r0+nr-1 (nr <= TILE) of y (T, rows), with those rows of w dequantized in buf */
+static void tile_tokens(const float *buf, int64_t r0, int64_t nr, int64_t rows, int64_t cols,
+                        const float *bias, const float *x, int64_t T, float *y) {
+    float out[TILE];
+    for (int64_t t = 0; t < T; t++) {
+        const float *xt = x + t * cols;  // (cols)
+        if (nr == TILE) {
+            fli_dot4_f32(buf, cols, xt, cols, out);
+        } else {
+            for (int64_t k = 0; k < nr; k++) out[k] = fli_dot_f32(buf + k * cols, xt, cols);
+        }
+        for (int64_t k = 0; k < nr; k++)
+            y[t * rows + r0 + k] = out[k] + (bias ? bias[r0 + k] : 0.0f);
+    }
+}
+
+/* y (T, rows) = x (T, cols) @ w^T: each tile of weight rows is dequantized once for all tokens */
+static int32_t matmul_tiles(const uint8_t *w, int32_t dtype, size_t rb, int64_t rows,
+                            int64_t cols, const float *bias, const float *x, int64_t T, float *y,
+                            int32_t n_threads) {
+    int failed = 0;
+    const int64_t n_tiles = (rows + TILE - 1) / TILE;
+#pragma omp parallel num_threads(n_threads)
+    {
+        float *buf = malloc((size_t)TILE * (size_t)cols * sizeof(float));  // (TILE, cols)
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < n_tiles; i++) {
+            if (!buf) continue;
+            const int64_t r0 = i * TILE;
+            const int64_t nr = rows - r0 < TILE ? rows - r0 : TILE;
+            for (int64_t k = 0; k < nr; k++)
+                fli_dequant(dtype, w + (size_t)(r0 + k) * rb, buf + k * cols, cols);
+            tile_tokens(buf, r0, nr, rows, cols, bias, x, T, y);
+        }
+        free(buf);
+    }
+    return failed ? FL_ENOMEM : FL_OK;
+}
+
+int32_t fl_matmul(const void *w, int32_t dtype, int64_t rows, int64_t cols, const float *bias,
+                  const float *x, int64_t T, float *y, int32_t n_threads) {
+    const size_t rb = fl_row_bytes(dtype, cols);
+    if (!w || !x || !y || rb == 0 || rows <= 0 || T <= 0 || n_threads < 1) return FL_EINVAL;
+    if (T == 1) {
+        matvec((const uint8_t *)w, dtype, rb, rows, cols, bias, x, y, n_threads);
+        return FL_OK;
+    }
+    return matmul_tiles((const uint8_t *)w, dtype, rb, rows, cols, bias, x, T, y, n_threads);
+}
+
+int32_t fl_rmsnorm(const float *x, const float *w, float *y, int64_t T, int64_t n, float eps) {
+    if (!x || !w || !y || T <= 0 || n <= 0 || !(eps >= 0.0f)) return FL_EINVAL;
+    for (int64_t t = 0; t < T; t++) {
+        const float *xt = x + t * n;  // (n)
+        float *yt = y + t * n;        // (n)
+        double ss = 0.0;
+        for (int64_t i = 0; i < n; i++) ss += (double)xt[i] * xt[i];
+        const float inv = (float)(1.0 / sqrt(ss / (double)n + (double)eps));
+        for (int64_t i = 0; i < n; i++) yt[i] = xt[i] * inv * w[i];
+    }
+    return FL_OK;
+}
+
+int32_t fl_layernorm(const float *x, const float *w, const float *b, float *y, int64_t T,
+                     int64_t n, float eps) {
+    if (!x || !w || !y || T <= 0 || n <= 0 || !(eps >= 0.0f)) return FL_EINVAL;
+    for (int64_t t = 0; t < T; t++) {
+        const float *xt = x + t * n;  // (n)
+        float *yt = y + t * n;        // (n)
+        double sum = 0.0, var = 0.0;
+        for (int64_t i = 0; i < n; i++) sum += xt[i];
+        const double mean = sum / (double)n;
+        for (int64_t i = 0; i < n; i++) var += (xt[i] - mean) * (xt[i] - mean);
+        const double inv = 1.0 / sqrt(var / (double)n + (double)eps);
+        for (int64_t i = 0; i < n; i++)
+            yt[i] = (float)((xt[i] - mean) * inv) * w[i] + (b ? b[i] : 0.0f);
+    }
+    return FL_OK;
+}
+
+int32_t fl_rope(float *x, int64_t T, int64_t n_heads, int64_t head_dim, int64_t n_rot,
+                const int32_t *pos, float theta) {
+    if (!x || !pos || T <= 0 || n_heads <= 0 || head_dim <= 0 || n_rot <= 0 || n_rot % 2 ||
+        n_rot > head_dim || !(theta > 0.0f))
+        return FL_EINVAL;
+    const int64_t half = n_rot / 2;
+    for (int64_t t = 0; t < T; t++) {
+        float *xt = x + t * n_heads * head_dim;  // (n_heads, head_dim)
+        for (int64_t j = 0; j < half; j++) {
+            const double angle = pos[t] * pow((double)theta, -2.0 * (double)j / (double)n_rot);
+            const float c = (float)cos(angle), s = (float)sin(angle);
+            for (int64_t h = 0; h < n_heads; h++) {
+                float *xh = xt + h * head_dim;  // (head_dim)
+                const float x0 = xh[j], x1 = xh[j + half];
+                xh[j] = x0 * c - x1 * s;
+                xh[j + half] = x0 * s + x1 * c;
+            }
+        }
+    }
+    return FL_OK;
+}
+
+/* out_h (head_dim) = softmax(scale * q_h . K[0..n_keys)) @ V[0..n_keys) for one query head */
+static void attend_one(const float *qh, const float *k, const float *v, float *outh,
+                       int64_t n_keys, int64_t kv_stride, int64_t head_dim, float scale,
+                       float *scores) {
+    float mx = -INFINITY;
+    for (int64_t s = 0; s < n_keys; s++) {
+        scores[s] = scale * fli_dot_f32(qh, k + s * kv_stride, head_dim);
+        if (scores[s] > mx) mx = scores[s];
+    }
+    float sum = 0.0f;
+    for (int64_t s = 0; s < n_keys; s++) {
+        scores[s] = expf(scores[s] - mx);
+        sum += scores[s];
+    }
+    memset(outh, 0, (size_t)head_dim * sizeof(float));
+    for (int64_t s = 0; s < n_keys; s++) fli_axpy_f32(scores[s], v + s * kv_stride, outh, head_dim);
+    const float inv = 1.0f / sum;
+    for (int64_t i = 0; i < head_dim; i++) outh[i] *= inv;
+}
+
+int32_t fl_attention(const float *q, const float *k_cache, const float *v_cache, float *out,
+                     int64_t T, int64_t pos0, int64_t n_heads, int64_t n_kv_heads,
+                     int64_t head_dim, float scale, int32_t n_threads) {
+    if (!q || !k_cache || !v_cache || !out || T <= 0 || pos0 < 0 || n_heads <= 0 ||
+        n_kv_heads <= 0 || n_heads % n_kv_heads || head_dim <= 0 || n_threads < 1)
+        return FL_EINVAL;
+    const int64_t group = n_heads / n_kv_heads, kv_stride = n_kv_heads * head_dim;
+    int failed = 0;
+#pragma omp parallel num_threads(n_threads)
+    {
+        float *scores = malloc((size_t)(pos0 + T) * sizeof(float));  // (pos0 + T)
+        if (!scores) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < T * n_heads; i++) {
+            if (!scores) continue;
+            const int64_t t = i / n_heads, h = i % n_heads, off = (h / group) * head_dim;
+            attend_one(q + i * head_dim, k_cache + off, v_cache + off, out + i * head_dim,
+                       pos0 + t + 1, kv_stride, head_dim, scale, scores);
+        }
+        free(scores);
+    }
+    return failed ? FL_ENOMEM : FL_OK;
+}

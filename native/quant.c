@@ -1,0 +1,108 @@
+/* quant.c — row sizes, ggml-compatible quantize / dequantize of rows, embedding lookup.
+ *
+ * Rounding follows ggml's reference quantizers (quantize_row_q8_0_ref, quantize_row_q4_0_ref)
+ * bit for bit. This file relies on the build not contracting x * id + 8.5f into an FMA
+ * (-std=c11 implies -ffp-contract=off in GCC), or q4_0 could round differently on ties.
+ */
+#include <math.h>
+
+#include "flashllm.h"
+#include "simd.h"
+
+size_t fl_row_bytes(int32_t dtype, int64_t n) {
+    if (n < 0) return 0;
+    switch (dtype) {
+    case FL_F32: return (size_t)n * 4;
+    case FL_F16: return (size_t)n * 2;
+    case FL_Q8_0: return n % FL_QK ? 0 : (size_t)(n / FL_QK) * FL_Q8_0_BYTES;
+    case FL_Q4_0: return n % FL_QK ? 0 : (size_t)(n / FL_QK) * FL_Q4_0_BYTES;
+    default: return 0;
+    }
+}
+
+/* a known dtype, non-null buffers and n > 0 that fits the dtype's block size */
+static int row_args_ok(int32_t dtype, const void *src, const void *dst, int64_t n) {
+    return src && dst && n > 0 && fl_row_bytes(dtype, n) != 0;
+}
+
+static void store_fp16(uint8_t *p, float f) {
+    const uint16_t h = fl_fp32_to_fp16(f);
+    memcpy(p, &h, sizeof h);
+}
+
+/* one q8_0 block: d = amax / 127, q = roundf(x / d) */
+static void quantize_block_q8_0(const float *x, uint8_t *blk) {
+    float amax = 0.0f;
+    for (int j = 0; j < FL_QK; j++) {
+        const float v = fabsf(x[j]);
+        if (v > amax) amax = v;
+    }
+    const float d = amax / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    store_fp16(blk, d);
+    int8_t *q = (int8_t *)(blk + 2);
+    for (int j = 0; j < FL_QK; j++) q[j] = (int8_t)roundf(x[j] * id);
+}
+
+/* one q4_0 block: d = max / -8 (max = signed value of the largest |x|), q = min(15, x/d + 8.5) */
+static void quantize_block_q4_0(const float *x, uint8_t *blk) {
+    float amax = 0.0f, max = 0.0f;
+    for (int j = 0; j < FL_QK; j++) {
+        if (amax < fabsf(x[j])) {
+            amax = fabsf(x[j]);
+            max = x[j];
+        }
+    }
+    const float d = max / -8.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    store_fp16(blk, d);
+    for (int j = 0; j < FL_QK / 2; j++) {
+        const float x0 = x[j] * id;
+        const float x1 = x[j + FL_QK / 2] * id;
+        const int8_t i0 = (int8_t)(x0 + 8.5f);
+        const int8_t i1 = (int8_t)(x1 + 8.5f);
+        const uint8_t q0 = i0 < 15 ? (uint8_t)i0 : 15;
+        const uint8_t q1 = i1 < 15 ? (uint8_t)i1 : 15;
+        blk[2 + j] = (uint8_t)(q0 | (q1 << 4));
+    }
+}
+
+int32_t fl_quantize_row(int32_t dtype, const float *src, void *dst, int64_t n) {
+    if (!row_args_ok(dtype, src, dst, n)) return FL_EINVAL;
+    uint8_t *out = (uint8_t *)dst;
+    switch (dtype) {
+    case FL_F32:
+        memcpy(out, src, (size_t)n * 4);
+        break;
+    case FL_F16:
+        for (int64_t i = 0; i < n; i++) store_fp16(out + 2 * i, src[i]);
+        break;
+    case FL_Q8_0:
+        for (int64_t b = 0; b < n / FL_QK; b++)
+            quantize_block_q8_0(src + b * FL_QK, out + b * FL_Q8_0_BYTES);
+        break;
+    case FL_Q4_0:
+        for (int64_t b = 0; b < n / FL_QK; b++)
+            quantize_block_q4_0(src + b * FL_QK, out + b * FL_Q4_0_BYTES);
+        break;
+    }
+    return FL_OK;
+}
+
+int32_t fl_dequantize_row(int32_t dtype, const void *src, float *dst, int64_t n) {
+    if (!row_args_ok(dtype, src, dst, n)) return FL_EINVAL;
+    fli_dequant(dtype, (const uint8_t *)src, dst, n);
+    return FL_OK;
+}
+
+int32_t fl_get_rows(const void *w, int32_t dtype, int64_t rows, int64_t cols,
+                    const int32_t *ids, int64_t n_ids, float *out) {
+    const size_t rb = fl_row_bytes(dtype, cols);
+    if (!w || !ids || !out || rb == 0 || rows <= 0 || n_ids < 0) return FL_EINVAL;
+    for (int64_t i = 0; i < n_ids; i++)
+        if (ids[i] < 0 || ids[i] >= rows) return FL_EINVAL;
+    const uint8_t *base = (const uint8_t *)w;
+    for (int64_t i = 0; i < n_ids; i++)
+        fli_dequant(dtype, base + (size_t)ids[i] * rb, out + i * cols, cols);
+    return FL_OK;
+}

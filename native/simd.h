@@ -1,0 +1,91 @@
+/* simd.h — internal helpers of the compute kernel (not part of the public API, not seen by cffi).
+ *
+ * fp16 <-> fp32 conversion (F16C when the build has it, otherwise exact bit manipulation with
+ * round-to-nearest-even, as in ggml) and the per-row vector kernels of vec.c, which dispatch on
+ * dtype and use AVX-512 / AVX2 / portable C chosen at compile time.
+ */
+#ifndef FLASHLLM_SIMD_H
+#define FLASHLLM_SIMD_H
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#define FL_QK 32          /* values per quantized block */
+#define FL_Q8_0_BYTES 34  /* f16 scale + 32 int8 */
+#define FL_Q4_0_BYTES 18  /* f16 scale + 16 bytes of nibbles */
+
+static inline float fl_bits_to_f32(uint32_t w) {
+    float f;
+    memcpy(&f, &w, sizeof f);
+    return f;
+}
+
+static inline uint32_t fl_f32_to_bits(float f) {
+    uint32_t w;
+    memcpy(&w, &f, sizeof w);
+    return w;
+}
+
+static inline float fl_fp16_to_fp32(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t w = (uint32_t)h << 16;
+    const uint32_t sign = w & 0x80000000u;
+    const uint32_t two_w = w + w;
+    const float normalized = fl_bits_to_f32((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+    const float denormalized = fl_bits_to_f32((two_w >> 17) | (126u << 23)) - 0.5f;
+    const uint32_t bits = two_w < (1u << 27) ? fl_f32_to_bits(denormalized)
+                                             : fl_f32_to_bits(normalized);
+    return fl_bits_to_f32(sign | bits);
+#endif
+}
+
+static inline uint16_t fl_fp32_to_fp16(float f) {
+#if defined(__F16C__)
+    return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    float base = (__builtin_fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f;
+    const uint32_t w = fl_f32_to_bits(f);
+    const uint32_t shl1_w = w + w;
+    const uint32_t sign = w & 0x80000000u;
+    uint32_t bias = shl1_w & 0xFF000000u;
+    if (bias < 0x71000000u) bias = 0x71000000u;
+    base = fl_bits_to_f32((bias >> 1) + 0x07800000u) + base;
+    const uint32_t bits = fl_f32_to_bits(base);
+    const uint32_t nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
+    return (uint16_t)((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+#endif
+}
+
+static inline float fl_load_fp16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    return fl_fp16_to_fp32(h);
+}
+
+/* ---- vec.c: one row of n values in dtype (n a multiple of 32 for quantized dtypes) ---------- */
+
+/* dst (n) = dequantized row */
+void fli_dequant(int32_t dtype, const uint8_t *row, float *dst, int64_t n);
+
+/* row . x, x (n) f32 */
+float fli_dot(int32_t dtype, const uint8_t *row, const float *x, int64_t n);
+
+/* y (n) += a * row */
+void fli_axpy(int32_t dtype, const uint8_t *row, float a, float *y, int64_t n);
+
+/* f32 dot of two contiguous vectors (n) */
+float fli_dot_f32(const float *a, const float *b, int64_t n);
+
+/* out[r] = rows[r] . x for 4 f32 rows spaced ld floats apart, x (n) */
+void fli_dot4_f32(const float *rows, int64_t ld, const float *x, int64_t n, float out[4]);
+
+/* y (n) += a * x (n), both f32 */
+void fli_axpy_f32(float a, const float *x, float *y, int64_t n);
+
+#endif /* FLASHLLM_SIMD_H */

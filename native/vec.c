@@ -1,0 +1,247 @@
+/* vec.c — per-row vector kernels: dequantize, fused dequantize+dot, fused dequantize+axpy.
+ *
+ * One generic body over a small vector abstraction (vf, VW lanes) that is AVX-512, AVX2+FMA+F16C
+ * or plain C, chosen at compile time. A 32-value quantized block is loaded unscaled into
+ * NV = 32 / VW vectors and scaled once per block.
+ */
+#include "flashllm.h"
+#include "simd.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+typedef __m512 vf;
+#define VW 16
+static inline vf vzero(void) { return _mm512_setzero_ps(); }
+static inline vf vset1(float a) { return _mm512_set1_ps(a); }
+static inline vf vload(const float *p) { return _mm512_loadu_ps(p); }
+static inline void vstore(float *p, vf v) { _mm512_storeu_ps(p, v); }
+static inline vf vload_h(const uint8_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
+static inline void load_q8(const uint8_t *qs, vf v[2]) {
+    v[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)qs)));
+    v[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16))));
+}
+static inline void load_q4(const uint8_t *qs, vf v[2]) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)qs);
+    const __m128i m = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+    const __m128i lo = _mm_sub_epi8(_mm_and_si128(raw, m), eight);
+    const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(raw, 4), m), eight);
+    v[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo));
+    v[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi));
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+typedef __m256 vf;
+#define VW 8
+static inline vf vzero(void) { return _mm256_setzero_ps(); }
+static inline vf vset1(float a) { return _mm256_set1_ps(a); }
+static inline vf vload(const float *p) { return _mm256_loadu_ps(p); }
+static inline void vstore(float *p, vf v) { _mm256_storeu_ps(p, v); }
+static inline vf vload_h(const uint8_t *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline float vsum(vf a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+static inline vf cvt8(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)); }
+static inline void load_q8(const uint8_t *qs, vf v[4]) {
+    const __m128i a = _mm_loadu_si128((const __m128i *)qs);
+    const __m128i b = _mm_loadu_si128((const __m128i *)(qs + 16));
+    v[0] = cvt8(a);
+    v[1] = cvt8(_mm_srli_si128(a, 8));
+    v[2] = cvt8(b);
+    v[3] = cvt8(_mm_srli_si128(b, 8));
+}
+static inline void load_q4(const uint8_t *qs, vf v[4]) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)qs);
+    const __m128i m = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+    const __m128i lo = _mm_sub_epi8(_mm_and_si128(raw, m), eight);
+    const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(raw, 4), m), eight);
+    v[0] = cvt8(lo);
+    v[1] = cvt8(_mm_srli_si128(lo, 8));
+    v[2] = cvt8(hi);
+    v[3] = cvt8(_mm_srli_si128(hi, 8));
+}
+#else
+typedef float vf;
+#define VW 1
+static inline vf vzero(void) { return 0.0f; }
+static inline vf vset1(float a) { return a; }
+static inline vf vload(const float *p) {
+    float f;
+    memcpy(&f, p, sizeof f);
+    return f;
+}
+static inline void vstore(float *p, vf v) { *p = v; }
+static inline vf vload_h(const uint8_t *p) { return fl_load_fp16(p); }
+static inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
+static inline vf vmul(vf a, vf b) { return a * b; }
+static inline vf vadd(vf a, vf b) { return a + b; }
+static inline float vsum(vf a) { return a; }
+static inline void load_q8(const uint8_t *qs, vf v[32]) {
+    for (int j = 0; j < 32; j++) v[j] = (float)(int8_t)qs[j];
+}
+static inline void load_q4(const uint8_t *qs, vf v[32]) {
+    for (int j = 0; j < 16; j++) {
+        v[j] = (float)((qs[j] & 0x0F) - 8);
+        v[j + 16] = (float)((qs[j] >> 4) - 8);
+    }
+}
+#endif
+
+#define NV (FL_QK / VW) /* vectors per quantized block */
+
+/* unscaled values of one block of a quantized dtype and its scale */
+static inline __attribute__((always_inline)) float load_block(int32_t dtype, const uint8_t *blk,
+                                                              vf v[NV]) {
+    if (dtype == FL_Q8_0) load_q8(blk + 2, v);
+    else load_q4(blk + 2, v);
+    return fl_load_fp16(blk);
+}
+
+static inline __attribute__((always_inline)) size_t block_bytes(int32_t dtype) {
+    return dtype == FL_Q8_0 ? FL_Q8_0_BYTES : FL_Q4_0_BYTES;
+}
+
+/* value i of a f32 (dtype 0) or f16 (dtype 1) row */
+static inline float scalar_at(int32_t dtype, const uint8_t *row, int64_t i) {
+    if (dtype == FL_F16) return fl_load_fp16(row + 2 * i);
+    float f;
+    memcpy(&f, row + 4 * i, sizeof f);
+    return f;
+}
+
+static inline __attribute__((always_inline)) vf vload_dt(int32_t dtype, const uint8_t *row,
+                                                         int64_t i) {
+    return dtype == FL_F16 ? vload_h(row + 2 * i) : vload((const float *)(row + 4 * i));
+}
+
+static inline __attribute__((always_inline)) float dot_plain(int32_t dtype, const uint8_t *row,
+                                                             const float *x, int64_t n) {
+    vf a0 = vzero(), a1 = vzero();
+    int64_t i = 0;
+    for (; i + 2 * VW <= n; i += 2 * VW) {
+        a0 = vfma(vload_dt(dtype, row, i), vload(x + i), a0);
+        a1 = vfma(vload_dt(dtype, row, i + VW), vload(x + i + VW), a1);
+    }
+    float s = vsum(vadd(a0, a1));
+    for (; i < n; i++) s += scalar_at(dtype, row, i) * x[i];
+    return s;
+}
+
+static inline __attribute__((always_inline)) float dot_blocks(int32_t dtype, const uint8_t *row,
+                                                              const float *x, int64_t n) {
+    vf acc = vzero(), v[NV];
+    const size_t bb = block_bytes(dtype);
+    for (int64_t b = 0; b < n / FL_QK; b++, row += bb, x += FL_QK) {
+        const float d = load_block(dtype, row, v);
+        vf t = vmul(v[0], vload(x));
+        for (int k = 1; k < NV; k++) t = vfma(v[k], vload(x + k * VW), t);
+        acc = vfma(vset1(d), t, acc);
+    }
+    return vsum(acc);
+}
+
+float fli_dot(int32_t dtype, const uint8_t *row, const float *x, int64_t n) {
+    switch (dtype) {
+    case FL_F32: return dot_plain(FL_F32, row, x, n);
+    case FL_F16: return dot_plain(FL_F16, row, x, n);
+    case FL_Q8_0: return dot_blocks(FL_Q8_0, row, x, n);
+    default: return dot_blocks(FL_Q4_0, row, x, n);
+    }
+}
+
+static inline __attribute__((always_inline)) void axpy_plain(int32_t dtype, const uint8_t *row,
+                                                             float a, float *y, int64_t n) {
+    const vf va = vset1(a);
+    int64_t i = 0;
+    for (; i + VW <= n; i += VW) vstore(y + i, vfma(va, vload_dt(dtype, row, i), vload(y + i)));
+    for (; i < n; i++) y[i] += a * scalar_at(dtype, row, i);
+}
+
+static inline __attribute__((always_inline)) void axpy_blocks(int32_t dtype, const uint8_t *row,
+                                                              float a, float *y, int64_t n) {
+    vf v[NV];
+    const size_t bb = block_bytes(dtype);
+    for (int64_t b = 0; b < n / FL_QK; b++, row += bb, y += FL_QK) {
+        const vf ad = vset1(a * load_block(dtype, row, v));
+        for (int k = 0; k < NV; k++) vstore(y + k * VW, vfma(ad, v[k], vload(y + k * VW)));
+    }
+}
+
+void fli_axpy(int32_t dtype, const uint8_t *row, float a, float *y, int64_t n) {
+    switch (dtype) {
+    case FL_F32: axpy_plain(FL_F32, row, a, y, n); break;
+    case FL_F16: axpy_plain(FL_F16, row, a, y, n); break;
+    case FL_Q8_0: axpy_blocks(FL_Q8_0, row, a, y, n); break;
+    default: axpy_blocks(FL_Q4_0, row, a, y, n); break;
+    }
+}
+
+static inline __attribute__((always_inline)) void dequant_blocks(int32_t dtype,
+                                                                 const uint8_t *row, float *dst,
+                                                                 int64_t n) {
+    vf v[NV];
+    const size_t bb = block_bytes(dtype);
+    for (int64_t b = 0; b < n / FL_QK; b++, row += bb, dst += FL_QK) {
+        const vf d = vset1(load_block(dtype, row, v));
+        for (int k = 0; k < NV; k++) vstore(dst + k * VW, vmul(d, v[k]));
+    }
+}
+
+void fli_dequant(int32_t dtype, const uint8_t *row, float *dst, int64_t n) {
+    switch (dtype) {
+    case FL_F32: memcpy(dst, row, (size_t)n * sizeof(float)); break;
+    case FL_F16: {
+        int64_t i = 0;
+        for (; i + VW <= n; i += VW) vstore(dst + i, vload_h(row + 2 * i));
+        for (; i < n; i++) dst[i] = fl_load_fp16(row + 2 * i);
+        break;
+    }
+    case FL_Q8_0: dequant_blocks(FL_Q8_0, row, dst, n); break;
+    default: dequant_blocks(FL_Q4_0, row, dst, n); break;
+    }
+}
+
+float fli_dot_f32(const float *a, const float *b, int64_t n) {
+    return dot_plain(FL_F32, (const uint8_t *)a, b, n);
+}
+
+void fli_axpy_f32(float a, const float *x, float *y, int64_t n) {
+    axpy_plain(FL_F32, (const uint8_t *)x, a, y, n);
+}
+
+void fli_dot4_f32(const float *rows, int64_t ld, const float *x, int64_t n, float out[4]) {
+    const float *r0 = rows, *r1 = rows + ld, *r2 = rows + 2 * ld, *r3 = rows + 3 * ld;
+    vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+    int64_t i = 0;
+    for (; i + VW <= n; i += VW) {
+        const vf xv = vload(x + i);
+        a0 = vfma(vload(r0 + i), xv, a0);
+        a1 = vfma(vload(r1 + i), xv, a1);
+        a2 = vfma(vload(r2 + i), xv, a2);
+        a3 = vfma(vload(r3 + i), xv, a3);
+    }
+    float s0 = vsum(a0), s1 = vsum(a1), s2 = vsum(a2), s3 = vsum(a3);
+    for (; i < n; i++) {
+        s0 += r0[i] * x[i];
+        s1 += r1[i] * x[i];
+        s2 += r2[i] * x[i];
+        s3 += r3[i] * x[i];
+    }
+    out[0] = s0;
+    out[1] = s1;
+    out[2] = s2;
+    out[3] = s3;
+}
