@@ -1,0 +1,207 @@
+"""The C compute kernel (through kernel.py) against float64 numpy references.
+
+Quantized weights are dequantized by gguf-py for the reference, so every dtype must match the
+f64 result to float32 accumulation error.
+"""
+import math
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as GQ
+from gguf.quants import dequantize, quantize
+
+from flashllm import kernel
+from flashllm.errors import KernelError
+from flashllm.tensor import QTensor
+
+DTYPES = ["f32", "f16", "q8_0", "q4_0"]
+GGUF_TYPES = {"f32": GQ.F32, "f16": GQ.F16, "q8_0": GQ.Q8_0, "q4_0": GQ.Q4_0}
+
+
+def _rng(seed: int) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+def _qtensor(rows: int, cols: int, dtype: str, seed: int) -> tuple[QTensor, np.ndarray]:
+    """A random weight in dtype (gguf-py quantizer) and its f64 dequantized value."""
+    w = _rng(seed).standard_normal((rows, cols)).astype(np.float32)  # (rows, cols)
+    data = quantize(w, GGUF_TYPES[dtype]).view(np.uint8).reshape(rows, -1)  # (rows, row_bytes)
+    ref = dequantize(data, GGUF_TYPES[dtype]).reshape(rows, cols).astype(np.float64)
+    return QTensor(np.ascontiguousarray(data), dtype, rows, cols), ref
+
+
+def _close(got: np.ndarray, ref: np.ndarray, rel: float = 2e-5) -> None:
+    """got matches ref to rel of ref's scale (float32 accumulation error)."""
+    scale = max(float(np.abs(ref).max()), 1e-30)
+    err = float(np.abs(got.astype(np.float64) - ref).max())
+    assert got.shape == ref.shape
+    assert err <= rel * scale, f"max error {err:.3g} > {rel} * {scale:.3g}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_matmul_matches_numpy(dtype, T, bias, threads):
+    cols = 96 if dtype.startswith("q") else 83
+    w, wref = _qtensor(37, cols, dtype, seed=T)  # (37, cols)
+    x = _rng(7).standard_normal((T, cols)).astype(np.float32)  # (T, cols)
+    b = _rng(8).standard_normal(37).astype(np.float32) if bias else None  # (37,)
+    ref = x.astype(np.float64) @ wref.T + (b if bias else 0.0)  # (T, 37)
+    _close(kernel.matmul(w, x, bias=b, n_threads=threads), ref)
+
+
+def test_matmul_vector_input_and_large_rows():
+    w, wref = _qtensor(1031, 512, "q4_0", seed=3)  # (1031, 512)
+    x = _rng(4).standard_normal(512).astype(np.float32)  # (512,)
+    _close(kernel.matmul(w, x, n_threads=2), wref @ x.astype(np.float64))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_get_rows(dtype):
+    w, wref = _qtensor(50, 64, dtype, seed=5)
+    ids = np.array([3, 0, 49, 3], np.int32)
+    np.testing.assert_array_equal(kernel.get_rows(w, ids), wref[ids].astype(np.float32))
+
+
+def test_rmsnorm_and_layernorm():
+    x = _rng(1).standard_normal((3, 77)).astype(np.float32) * 3 + 1  # (3, 77)
+    w = _rng(2).standard_normal(77).astype(np.float32)  # (77,)
+    b = _rng(3).standard_normal(77).astype(np.float32)  # (77,)
+    xd = x.astype(np.float64)
+    rms = xd / np.sqrt((xd**2).mean(1, keepdims=True) + 1e-6) * w
+    _close(kernel.rmsnorm(x, w, 1e-6), rms)
+    ln = (xd - xd.mean(1, keepdims=True)) / np.sqrt(xd.var(1, keepdims=True) + 1e-5) * w + b
+    _close(kernel.layernorm(x, w, b, 1e-5), ln)
+    _close(kernel.layernorm(x, w, None, 1e-5), ln - b)
+    y = x.copy()
+    kernel.rmsnorm(y, w, 1e-6, out=y)  # aliasing
+    _close(y, rms)
+
+
+def _rope_ref(x: np.ndarray, pos: np.ndarray, theta: float, n_rot: int) -> np.ndarray:
+    """Hugging Face rotate_half RoPE on the first n_rot values of every head, in f64."""
+    half = n_rot // 2
+    inv = theta ** (-np.arange(half) * 2.0 / n_rot)  # (half,)
+    ang = pos[:, None].astype(np.float64) * inv  # (T, half)
+    cos = np.concatenate([np.cos(ang)] * 2, 1)[:, None, :]  # (T, 1, n_rot)
+    sin = np.concatenate([np.sin(ang)] * 2, 1)[:, None, :]  # (T, 1, n_rot)
+    xr = x[..., :n_rot].astype(np.float64)  # (T, H, n_rot)
+    rot = np.concatenate([-xr[..., half:], xr[..., :half]], -1)  # (T, H, n_rot)
+    return np.concatenate([xr * cos + rot * sin, x[..., n_rot:]], -1)
+
+
+@pytest.mark.parametrize("n_rot", [16, 10])
+def test_rope_rotate_half(n_rot):
+    x = _rng(1).standard_normal((4, 3, 16)).astype(np.float32)  # (T, H, head_dim)
+    pos = np.array([0, 1, 7, 300], np.int32)
+    ref = _rope_ref(x, pos, 10000.0, n_rot)
+    _close(kernel.rope(x, pos, 10000.0, n_rot), ref, rel=1e-6)
+
+
+def _attention_ref(q, k, v, pos0, scale):
+    """Causal softmax attention with grouped KV heads, f64."""
+    t, n_heads, hd = q.shape
+    group = n_heads // k.shape[1]
+    out = np.zeros((t, n_heads, hd))  # (T, H, hd)
+    for i in range(t):
+        n = pos0 + i + 1
+        for h in range(n_heads):
+            s = scale * (k[:n, h // group].astype(np.float64) @ q[i, h])  # (n,)
+            p = np.exp(s - s.max())
+            out[i, h] = (p / p.sum()) @ v[:n, h // group]
+    return out.reshape(t, n_heads * hd)
+
+
+@pytest.mark.parametrize("T,pos0,n_heads,n_kv", [(1, 0, 4, 4), (1, 9, 6, 2), (5, 3, 6, 3),
+                                                   (7, 0, 2, 1)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_attention_causal_gqa(T, pos0, n_heads, n_kv, threads):
+    hd, n_ctx = 24, 20
+    rng = _rng(T + pos0)
+    q = rng.standard_normal((T, n_heads, hd)).astype(np.float32)  # (T, H, hd)
+    k = (rng.standard_normal((n_ctx, n_kv, hd)) * 4).astype(np.float32)  # (n_ctx, kv, hd)
+    v = rng.standard_normal((n_ctx, n_kv, hd)).astype(np.float32)  # (n_ctx, kv, hd)
+    got = kernel.attention(q, k, v, pos0, 1 / math.sqrt(hd), n_threads=threads)
+    _close(got, _attention_ref(q, k, v, pos0, 1 / math.sqrt(hd)))
+
+
+def _act(name: str, z: np.ndarray) -> np.ndarray:
+    if name == "silu":
+        return z / (1 + np.exp(-z))
+    if name == "gelu":
+        return 0.5 * z * (1 + np.vectorize(math.erf)(z / math.sqrt(2)))
+    return np.maximum(z, 0)
+
+
+def _bundles(n: int, d: int, dtype: str, glu: bool, pad: int, seed: int):
+    """(n, stride) bundles [gate | up | down] and the f64 dequantized parts."""
+    parts = [_qtensor(n, d, dtype, seed + j) for j in range(3 if glu else 2)]
+    data = np.concatenate([p[0].data for p in parts] + [np.zeros((n, pad), np.uint8)], 1)
+    return np.ascontiguousarray(data), [p[1] for p in parts]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("glu,act", [(True, "silu"), (True, "gelu"), (False, "relu"),
+                                     (False, "gelu"), (True, "relu")])
+@pytest.mark.parametrize("T", [1, 3])
+def test_ffn_bundles_matches_numpy(dtype, glu, act, T):
+    d, n, n_ff = 64, 150, 400
+    data, parts = _bundles(n, d, dtype, glu, pad=6, seed=11)
+    rng = _rng(12)
+    x = rng.standard_normal((T, d)).astype(np.float32)  # (T, d)
+    ids = rng.choice(n_ff, n, replace=False).astype(np.int32)  # (n,)
+    up_bias = rng.standard_normal(n_ff).astype(np.float32)  # (n_ff,)
+    y0 = rng.standard_normal((T, d)).astype(np.float32)  # (T, d) the residual
+    xd = x.astype(np.float64)
+    up = xd @ parts[-2].T + up_bias[ids]  # (T, n)
+    h = _act(act, xd @ parts[0].T) * up if glu else _act(act, up)  # (T, n)
+    ref = y0 + h @ parts[-1]  # (T, d)
+    for threads in (1, 2):
+        y = y0.copy()
+        kernel.ffn_bundles(data, dtype, d, glu, act, x, y, ids=ids, up_bias=up_bias,
+                           n_threads=threads)
+        _close(y, ref, rel=5e-5)
+
+
+def test_ffn_bundles_without_ids_or_bias_and_empty():
+    d, n = 32, 70
+    data, parts = _bundles(n, d, "q8_0", True, pad=0, seed=3)
+    x = _rng(1).standard_normal((2, d)).astype(np.float32)  # (2, d)
+    xd = x.astype(np.float64)
+    ref = (_act("silu", xd @ parts[0].T) * (xd @ parts[1].T)) @ parts[2]  # (2, d)
+    y = np.zeros((2, d), np.float32)
+    _close(kernel.ffn_bundles(data, "q8_0", d, True, "silu", x, y, n_threads=2), ref, 5e-5)
+    y = np.ones((2, d), np.float32)
+    kernel.ffn_bundles(data[:0], "q8_0", d, True, "silu", x, y)
+    np.testing.assert_array_equal(y, 1.0)
+
+
+def _bad_calls():
+    w, _ = _qtensor(8, 32, "q8_0", seed=1)
+    x = np.zeros((1, 32), np.float32)
+    k = np.zeros((4, 2, 8), np.float32)
+    data = np.zeros((4, 3 * 34), np.uint8)
+    y = np.zeros((1, 32), np.float32)
+    return [
+        lambda: kernel.matmul(w, np.zeros((1, 31), np.float32)),
+        lambda: kernel.matmul(w, x, bias=np.zeros(7, np.float32)),
+        lambda: kernel.matmul(w, x, n_threads=0),
+        lambda: kernel.get_rows(w, [8]),
+        lambda: kernel.rmsnorm(x, np.zeros(31, np.float32), 1e-6),
+        lambda: kernel.rope(np.zeros((1, 2, 8), np.float64), [0], 1e4, 8),
+        lambda: kernel.rope(np.zeros((1, 2, 8), np.float32), [0], 1e4, 9),
+        lambda: kernel.attention(np.zeros((1, 3, 8), np.float32), k, k, 0, 1.0),
+        lambda: kernel.attention(np.zeros((2, 2, 8), np.float32), k, k, 3, 1.0),
+        lambda: kernel.ffn_bundles(data, "q8_0", 32, True, "tanh", x, y),
+        lambda: kernel.ffn_bundles(data[:, :100], "q8_0", 32, True, "silu", x, y),
+        lambda: kernel.ffn_bundles(data, "q8_0", 32, True, "silu", x, y.astype(np.float64)),
+        lambda: kernel.ffn_bundles(data, "q8_0", 32, True, "silu", x, y, ids=[0, 1, 2, 9],
+                                   up_bias=np.zeros(5, np.float32)),
+    ]
+
+
+@pytest.mark.parametrize("i", range(13))
+def test_bad_arguments_raise_kernel_error(i):
+    with pytest.raises(KernelError):
+        _bad_calls()[i]()
