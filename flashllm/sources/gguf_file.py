@@ -1,0 +1,123 @@
+"""A GGUF file read through gguf-py: metadata, vocabulary and tensors, dequantized one at a time.
+
+GGUF tensor names are already the canonical names. Shapes are given to numpy reversed (ggml's ne
+order), which is HF's (out, in). llama-arch files store attn_q/attn_k permuted for interleaved RoPE;
+`load` undoes that so every architecture uses rotate-half RoPE.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from gguf import GGUFReader, GGUFValueType
+from gguf.quants import dequantize
+
+from ..arch import arch_for_gguf, check_tensor_set, gguf_config
+from ..errors import FlashError, SourceError
+from ..tokenizer import gguf_tokenizer_json
+from . import GGUF_MAGIC, Source
+
+# llama.cpp treats these as end-of-generation when present (llama_vocab::load, auto-detection).
+EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
+             "<EOT>", "<|eom_id|>")
+_BIG_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+               "tokenizer.ggml.scores")
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Invert llama.cpp's `w.reshape(n_head, 2, hd // 2, *rest).swapaxes(1, 2)` (HF -> GGUF)."""
+    shape = w.shape                                                  # (n_head * hd, ...) or (n_head * hd,)
+    hd = shape[0] // n_head
+    return w.reshape(n_head, hd // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def _read(path: Path) -> GGUFReader:
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise SourceError(f"{path}: not a GGUF file (magic {magic!r})")
+    try:
+        reader = GGUFReader(path, "r")
+    except Exception as e:                # gguf-py raises ValueError, struct.error, IndexError, ...
+        raise SourceError(f"{path}: corrupt or truncated GGUF ({type(e).__name__}: {e})") from None
+    size = path.stat().st_size
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise SourceError(f"{path}: truncated GGUF: tensor {t.name!r} ends at byte "
+                              f"{t.data_offset + t.n_bytes}, the file has {size}")
+    return reader
+
+
+def _metadata(reader: GGUFReader) -> dict:
+    """Scalar and small-array metadata as plain Python values."""
+    meta = {}
+    for key, field in reader.fields.items():
+        if key in _BIG_ARRAYS:
+            continue
+        meta[key] = field.contents()
+    return meta
+
+
+def _eos_ids(reader: GGUFReader, meta: dict) -> tuple[int, ...]:
+    ids = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                             "tokenizer.ggml.eom_token_id") if meta.get(k) is not None]
+    field = reader.fields.get("tokenizer.ggml.tokens")
+    if field is not None and field.types[-1:] == [GGUFValueType.STRING]:
+        wanted = {t.encode() for t in EOG_TEXTS}
+        for n, part in enumerate(field.data):
+            if field.parts[part].tobytes() in wanted and n not in ids:
+                ids.append(n)
+    return tuple(int(i) for i in ids)
+
+
+class GGUFSource(Source):
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._reader = _read(self.path)
+        meta = _metadata(self._reader)
+        try:
+            arch = arch_for_gguf(str(meta.get("general.architecture")))
+        except SourceError as e:
+            raise SourceError(f"{self.path}: {e}") from None
+        self._permuted = arch.gguf_permuted_qk
+        self._tensors = {t.name: t for t in self._reader.tensors}
+        if len(self._tensors) != len(self._reader.tensors):
+            raise SourceError(f"{self.path}: a tensor name appears twice")
+        tokens = self._reader.fields.get("tokenizer.ggml.tokens")
+        vocab = len(tokens.data) if tokens is not None else self._shape_of("token_embd.weight")[0]
+        try:
+            self.config = gguf_config(arch, meta, self._tensors, vocab, _eos_ids(self._reader, meta))
+            self.tokenizer_json = gguf_tokenizer_json(self._reader.fields)
+        except FlashError as e:
+            raise SourceError(f"{self.path}: {e}") from None
+        check_tensor_set(self.config, self._tensors, str(self.path))
+        self.chat_template = meta.get("tokenizer.chat_template")
+
+    def _shape_of(self, name: str) -> tuple[int, ...]:
+        if name not in self._tensors:
+            raise self._unknown(name)
+        return tuple(int(n) for n in reversed(self._tensors[name].shape))
+
+    def tensor_names(self) -> list[str]:
+        return list(self._tensors)
+
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        return self._shape_of(name)
+
+    def load(self, name: str) -> np.ndarray:
+        shape = self._shape_of(name)
+        t = self._tensors[name]
+        try:
+            values = dequantize(t.data, t.tensor_type)                 # storage rows -> f32
+        except NotImplementedError:
+            raise SourceError(f"{self.path}: tensor {name!r} has type {t.tensor_type.name}, "
+                              "which gguf-py cannot dequantize") from None
+        w = np.array(values, dtype=np.float32).reshape(shape)          # a copy, off the memory map
+        if self._permuted and name.split(".")[-2] in ("attn_q", "attn_k"):
+            heads = self.config.n_heads if ".attn_q." in name else self.config.n_kv_heads
+            w = unpermute_qk(w, heads)
+        return w
+
+    def close(self) -> None:
+        self._tensors = {}
+        self._reader = None
