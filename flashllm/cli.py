@@ -135,6 +135,34 @@ def run(
         err.print(stats.summary(), markup=False)
 
 
+@command
+def profile(
+    path: Path = typer.Argument(Path("."), help="A folder on the device to measure (a scratch "
+                                "file is written there), or an existing file to read."),
+    size: str = typer.Option("2GiB", "--size", help="Scratch file size."),
+    seconds: float = typer.Option(30.0, "--seconds", help="Total measuring time."),
+    as_json: bool = typer.Option(False, "--json", help="Print the profile as JSON."),
+) -> None:
+    """Measure the device's direct-I/O read throughput and save it for `run` to plan reads."""
+    import json
+    from rich.console import Console as StdoutConsole
+    from .costmodel import CostModel
+    from .profile import parse_size, save_profile
+    from .profile_view import model_table, profile_table, run_profile, sequential_table, throughput_chart
+    if not path.exists():
+        fail(f"{path} does not exist")
+    result = run_profile(err, path, parse_size(size), seconds)
+    saved = save_profile(result, cache_dir())
+    if as_json:
+        print(json.dumps(result.to_dict(), indent=1))
+    else:
+        out = StdoutConsole(highlight=False)
+        for view in (profile_table(result), sequential_table(result), throughput_chart(result),
+                     model_table(CostModel.from_profile(result))):
+            out.print(view)
+    err.print(f"profile saved to {saved}", markup=False)
+
+
 def _read_prompt(prompt: Optional[str], file: Optional[Path]) -> str:
     if prompt is not None and file is not None:
         fail("give the prompt with -p or -f, not both")
