@@ -89,8 +89,8 @@ class FlashWriter:
         if x.ndim not in (1, 2) or 0 in x.shape:
             raise FormatError(f"tensor {name} has shape {x.shape}: only 1-D and 2-D tensors are stored")
         dt = tensor_dtype(self.dtype, x.shape)
-        data = (np.ascontiguousarray(x, dtype=np.float32) if x.ndim == 1
-                else quantize_rows(np.ascontiguousarray(x, dtype=np.float32), dt))  # (rows, row_bytes)
+        x = np.ascontiguousarray(x, dtype=np.float32)                   # (n,) or (rows, cols)
+        data = x if dt == "f32" else quantize_rows(x, dt)               # f32 as is, else (rows, row_bytes)
         offset = align_up(self._dense.tell(), DENSE_ALIGN)
         self._io(self._dense, lambda f: (f.write(bytes(offset - f.tell())), f.write(data)))
         self.tensors.append({"name": name, "dtype": dt, "shape": list(x.shape), "offset": offset,

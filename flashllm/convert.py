@@ -99,8 +99,9 @@ def convert_many(srcs: Sequence[Path], out: Path, dtype: str, force: bool,
                 bar.update(task, description=f"{src.name} → {dest}")
             except (FlashError, OSError) as e:
                 bar.update(task, visible=False)
-                failures.append((src, str(e)))
-                console.print(f"error: {src}: {e}", markup=False, soft_wrap=True, highlight=False)
+                message = str(e) if str(src) in str(e) else f"{src}: {e}"
+                failures.append((src, message))
+                console.print(f"error: {message}", markup=False, soft_wrap=True, highlight=False)
     return failures
 
 
