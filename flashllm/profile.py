@@ -198,7 +198,7 @@ def measure(path: Path, seconds: float, chunks: Sequence[int] = CHUNKS,
     dst = aligned_empty(DST_BYTES)  # (DST_BYTES,) reused; its contents are never looked at
     cells, direct, size = [], True, 0
     for n_threads in sorted({t for _, _, t in grid}):
-        with Reader(path, n_threads=n_threads, stage_bytes=max(chunks + (SEQ_CHUNK,))) as reader:
+        with Reader(path, n_threads=n_threads, stage_bytes=max(max(chunks), SEQ_CHUNK)) as reader:
             direct, size = direct and reader.direct, reader.file_size
             for kind, chunk, t in grid:
                 if t == n_threads:

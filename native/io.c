@@ -318,8 +318,11 @@ static int32_t build_plan(const int64_t *offsets, const int64_t *lengths, const 
             last = k;
             continue;
         }
-        if (have && push_run(p, a, b, first, last) != FL_OK) return FL_ENOMEM;
-        a = fa; b = fb; first = last = k; have = 1;
+        /* a request straddling the end of a full run continues in the next one: no page twice */
+        int straddle = have && max_gap >= 0 && fa >= a && fa < b;
+        if (have && push_run(p, a, b, first, straddle ? k : last) != FL_OK) return FL_ENOMEM;
+        a = straddle ? b : fa;
+        b = fb; first = last = k; have = 1;
         for (; b - a > max_run; a += max_run)
             if (push_run(p, a, a + max_run, k, k) != FL_OK) return FL_ENOMEM;
     }
