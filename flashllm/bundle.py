@@ -35,7 +35,7 @@ class FfnLayout:
     layer_offsets: list[int]          # byte offset of each layer's region in ffn.bin (4096-aligned)
     layer_nbytes: int                 # n_ff * stride: bytes of bundles per layer
     layer_crc32: list[int]
-    neuron_order: np.ndarray | None   # (n_layers, n_ff) int32: slot j holds neuron order[l, j]; None = identity
+    neuron_order: np.ndarray | None   # (n_layers, n_ff) int32, slot j holds neuron order[l, j]; None: j
 
 
 def open_flash(path: Path, verify: bool = False) -> "FlashModel":
@@ -286,9 +286,9 @@ def _read_order(path: Path, entry, cfg: ModelConfig) -> np.ndarray | None:
         return None
     where = f"{path / MANIFEST_FILE} ffn.neuron_order"
     file = _side_file(path, entry, where)
-    shape = [cfg.n_layers, cfg.n_ff]
-    if entry.get("dtype") != "int32" or entry.get("shape") != shape or entry.get("nbytes") != 4 * shape[0] * shape[1]:
-        raise FormatError(f"{where}: expected int32 {shape} ({4 * shape[0] * shape[1]} bytes)")
+    shape, nbytes = [cfg.n_layers, cfg.n_ff], 4 * cfg.n_layers * cfg.n_ff
+    if (entry.get("dtype"), entry.get("shape"), entry.get("nbytes")) != ("int32", shape, nbytes):
+        raise FormatError(f"{where}: expected int32 {shape} ({nbytes} bytes)")
     _file_size(file, entry["nbytes"])
     order = np.fromfile(file, dtype="<i4").reshape(shape)                        # (n_layers, n_ff)
     if not np.array_equal(np.sort(order, axis=1), np.broadcast_to(np.arange(cfg.n_ff), shape)):

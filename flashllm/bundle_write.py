@@ -192,7 +192,8 @@ class FlashWriter:
         if all(o is None for o in self.orders):
             return None
         identity = np.arange(self.cfg.n_ff)
-        table = np.stack([identity if o is None else o for o in self.orders]).astype("<i4")  # (n_layers, n_ff)
+        table = np.stack([identity if o is None else o for o in self.orders])   # (n_layers, n_ff)
+        table = table.astype("<i4")
         return {**self._write_file(ORDER_FILE, table.tobytes()), "dtype": "int32",
                 "shape": list(table.shape)}
 

@@ -227,3 +227,14 @@ def test_verify_detects_a_flipped_byte(model_dir, file, where, message):
     open_flash(model_dir)                                   # structure is still valid
     with pytest.raises(FormatError, match=message):
         open_flash(model_dir, verify=True)
+
+
+def test_a_neuron_order_that_is_not_a_permutation_is_refused(tmp_path, cfg, arrays):
+    orders = [np.arange(cfg.n_ff)[::-1], None]
+    out = write(tmp_path / "m", cfg, arrays, "q4_0", orders)
+    _patch(out / "order.bin", 0, struct.pack("<i", 1))                       # slot 0 → neuron 1 twice
+    with pytest.raises(FormatError, match=r"order.bin: a layer's neuron order is not a permutation"):
+        open_flash(out)
+    with pytest.raises(FormatError, match="not a permutation of 0..95"):
+        write(tmp_path / "n", cfg, arrays, "q4_0", [np.zeros(cfg.n_ff, int), None])
+    assert [p.name for p in tmp_path.iterdir()] == ["m"]

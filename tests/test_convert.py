@@ -144,7 +144,8 @@ def test_cli_unwritable_output_and_success(tmp_path):
     blocker.write_text("")
     code, _, stderr = _cli([src, "-o", blocker / "out"])
     assert code == 1 and stderr.strip().splitlines() == [stderr.strip()]
-    assert stderr.strip() == f"error: {src}: cannot write the flash model to {blocker / 'out'}: Not a directory"
+    want = f"error: {src}: cannot write the flash model to {blocker / 'out'}: Not a directory"
+    assert stderr.strip() == want
     assert blocker.read_text() == ""
     code, _, stderr = _cli([src, "-o", tmp_path / "ok", "--dtype", "f32"])
     assert code == 0, stderr
