@@ -361,8 +361,21 @@ def resolve_model(model: str, cache_dir: Path, registry_path: Path, log: Log,
     log(f"{entry.name}: converting to {out} ({dtype}, once)")
     out.parent.mkdir(parents=True, exist_ok=True)
     from .convert import convert
-    convert(gguf, out, dtype, force=out.exists())
+    convert(gguf, out, dtype, force=out.exists(), progress=_tenths(entry.name, log))
     return out
+
+
+def _tenths(name: str, log: Log) -> Callable[[int, int], None]:
+    """A convert progress callback that logs each further 10% done."""
+    shown = [0]
+
+    def progress(done: int, total: int) -> None:
+        tenth = 10 * done // max(total, 1)
+        if tenth > shown[0]:
+            shown[0] = tenth
+            log(f"{name}: converted {10 * tenth}%")
+
+    return progress
 
 
 def _not_converted(path: Path) -> str:

