@@ -143,7 +143,7 @@ def load_profile(cache: Path, device: Device) -> Optional[Profile]:
 def scratch_file(folder: Path, size: int, progress: Callable[[int], None] = lambda n: None
                  ) -> Iterator[Path]:
     """A file of `size` random bytes in folder, removed on exit (also on Ctrl-C)."""
-    size = max(SEQ_CHUNK, size - size % SEQ_CHUNK)
+    size = -(-size // SEQ_CHUNK) * SEQ_CHUNK  # whole MiB, rounded up
     path = Path(folder) / f".flashllm-profile-{os.getpid()}.tmp"
     block = np.random.default_rng(0).integers(0, 256, min(size, 8 * MiB), dtype=np.uint8).tobytes()
     try:

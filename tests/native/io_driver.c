@@ -50,10 +50,11 @@ static int one_batch(fl_reader *r, const uint8_t *data, int trial) {
         }
         if (i == n - 1) off[i] = FILE_BYTES - len[i];  /* the unaligned tail */
         dst_off[i] = pos;
-        pos += len[i] + (int64_t)(rng() % 3) * 4096;
+        pos += len[i] + (int64_t)(rng() % 3) * 7;  /* packed, or a few guard bytes */
     }
     uint8_t *dst = NULL;
-    if (posix_memalign((void **)&dst, 4096, (size_t)pos + 1) != 0) return fail("alloc", pos);
+    if (posix_memalign((void **)&dst, 4096, (size_t)(pos > 0 ? pos : 1)) != 0) return fail("alloc", pos);
+    memset(dst, 0xAB, (size_t)pos);
     int64_t gap = (int64_t)(rng() % 4) * 8192 - 4096, run = 4096 * (int64_t)(1 + rng() % 64);
     int32_t st = fl_reader_read(r, off, len, dst, dst_off, n, gap, run);
     int bad = st != FL_OK ? fail("read status", st) : 0;
@@ -64,6 +65,9 @@ static int one_batch(fl_reader *r, const uint8_t *data, int trial) {
                     (long long)run);
             bad = fail("bytes differ", i);
         }
+    for (int64_t i = 0; i + 1 < n && !bad; i++)  /* the guard bytes between slots are untouched */
+        for (int64_t g = dst_off[i] + len[i]; g < dst_off[i + 1]; g++)
+            if (dst[g] != 0xAB) bad = fail("write outside a request's slot", i);
     free(dst);
     return bad;
 }
