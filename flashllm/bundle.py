@@ -15,12 +15,12 @@ import numpy as np
 from .bundle_format import (DENSE_FILE, DENSE_HEADER, DENSE_MAGIC, DTYPE_CODES, FFN_ALIGN, FFN_FILE,
                             FFN_HEADER, FFN_MAGIC, FORMAT_VERSION, MAGIC, MANIFEST_FILE, STRIDE_ALIGN,
                             crc32_file, ffn_parts, fits, ffn_weight, required_tensors, tensor_nbytes)
-from .bundle_write import FlashWriter, WriterState
+from .bundle_write import FlashWriter, WriterState, update_manifest
 from .config import ModelConfig
 from .errors import FormatError
 from .tensor import QTensor, row_bytes
 
-__all__ = ["FlashModel", "FfnLayout", "FlashWriter", "WriterState", "open_flash"]
+__all__ = ["FlashModel", "FfnLayout", "FlashWriter", "WriterState", "open_flash", "update_manifest"]
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,7 @@ def _read_manifest(path: Path) -> dict:
     if m.get("format_version") != FORMAT_VERSION:
         raise FormatError(f"{path}: format version {m.get('format_version')!r}, "
                           f"this flashllm reads version {FORMAT_VERSION}")
-    for key in ("config", "dense", "ffn", "tokenizer"):
+    for key in ("config", "dense", "ffn", "tokenizer", "sparsity", "predictor"):
         _get(m, key, dict, str(path))
     return m
 

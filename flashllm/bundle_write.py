@@ -19,7 +19,8 @@ from . import __version__
 from .bundle_format import (DENSE_ALIGN, DENSE_FILE, DENSE_HEADER, DENSE_MAGIC, DTYPE_CODES,
                             FFN_ALIGN, FFN_FILE, FFN_HEADER, FFN_MAGIC, FORMAT_VERSION, MAGIC,
                             MANIFEST_FILE, ORDER_FILE, TOKENIZER_FILE, align_up, crc32_array,
-                            ffn_parts, ffn_stride, ffn_weight, fits, tensor_dtype)
+                            ffn_parts, ffn_stride, ffn_weight, fits, required_tensors,
+                            tensor_dtype)
 from .config import ModelConfig
 from .errors import FormatError
 from .quant import quantize_rows
@@ -174,6 +175,11 @@ class FlashWriter:
         self._require(WriterState.FFN, what="finish")
         if len(self.layers) != self.cfg.n_layers:
             raise FormatError(f"finish() after {len(self.layers)} of {self.cfg.n_layers} FFN layers")
+        shapes = {t["name"]: tuple(t["shape"]) for t in self.tensors}
+        for name, shape in required_tensors(self.cfg).items():
+            if shapes.get(name) != shape:
+                raise FormatError(f"finish() without tensor {name} of shape {shape} "
+                                  f"(written: {shapes.get(name)})")
         self._io(self._ffn, _sync_close)
         files = {"tokenizer": self._write_tokenizer(), "order": self._write_order()}
         self._write_file(MANIFEST_FILE, (json.dumps(self._manifest(files), indent=1) + "\n").encode())
@@ -261,6 +267,28 @@ class FlashWriter:
             action(f)
         except OSError as e:
             raise FormatError(f"cannot write {f.name}: {_why(e)}") from None
+
+
+def update_manifest(path: Path, **sections: dict) -> None:
+    """Replace the reserved manifest sections (`sparsity`, `predictor`) of the model folder at path,
+    atomically (temporary file, fsync, rename). Side files they name must already be in the folder."""
+    unknown = set(sections) - {"sparsity", "predictor"}
+    if unknown:
+        raise FormatError(f"manifest sections {sorted(unknown)} cannot be updated")
+    file = Path(path) / MANIFEST_FILE
+    tmp = file.with_name(f".{MANIFEST_FILE}.tmp-{os.getpid()}")
+    try:
+        manifest = json.loads(file.read_text(encoding="utf-8"))
+        manifest.update(sections)
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(json.dumps(manifest, indent=1) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, file)
+        _fsync_dir(file.parent)
+    except (OSError, ValueError) as e:
+        tmp.unlink(missing_ok=True)
+        raise FormatError(f"cannot update {file}: {e}") from None
 
 
 def _sync_close(f) -> None:

@@ -8,7 +8,7 @@ import struct
 import numpy as np
 import pytest
 
-from flashllm.bundle import FlashWriter, WriterState, open_flash
+from flashllm.bundle import FlashWriter, WriterState, open_flash, update_manifest
 from flashllm.bundle_format import ffn_weight
 from flashllm.errors import FormatError
 from flashllm.tensor import QTensor
@@ -143,6 +143,8 @@ def test_writer_enforces_state_order(tmp_path, cfg, arrays):
             w.add_tensor("token_embd.weight", arrays["token_embd.weight"])
             w.add_ffn_layer(0, gate, up, down)
             w.finish()
+    with pytest.raises(FormatError, match=r"finish\(\) without tensor output_norm.weight"):
+        write(tmp_path / "g", cfg, {k: v for k, v in arrays.items() if k != "output_norm.weight"}, "f32")
     w = FlashWriter(tmp_path / "f", cfg, "f32")
     w.abort()
     assert w.state is WriterState.ABORTED
@@ -238,3 +240,13 @@ def test_a_neuron_order_that_is_not_a_permutation_is_refused(tmp_path, cfg, arra
     with pytest.raises(FormatError, match="not a permutation of 0..95"):
         write(tmp_path / "n", cfg, arrays, "q4_0", [np.zeros(cfg.n_ff, int), None])
     assert [p.name for p in tmp_path.iterdir()] == ["m"]
+
+
+def test_update_manifest_fills_the_reserved_sections(model_dir):
+    update_manifest(model_dir, sparsity={"thresholds": [0.5, 0.25]})
+    flash = open_flash(model_dir, verify=True)
+    assert flash.manifest["sparsity"] == {"thresholds": [0.5, 0.25]} and flash.manifest["predictor"] == {}
+    assert sorted(p.name for p in model_dir.iterdir()) == ["dense.bin", "ffn.bin", "manifest.json",
+                                                           "tokenizer.json"]
+    with pytest.raises(FormatError, match=r"sections \['config'\] cannot be updated"):
+        update_manifest(model_dir, config={})
