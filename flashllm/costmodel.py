@@ -19,6 +19,8 @@ import numpy as np
 from .ioreader import ALIGN, plan_reads
 from .profile import GiB, KiB, Profile, device_of, load_profile
 
+MIN_RUN, MAX_RUN = 64 * KiB, 1 << 20
+
 # This machine's figures (DESIGN.md §7), used when the device has no profile: (chunk, threads, GiB/s)
 DEFAULT_POINTS = ((4 * KiB, 1, 0.2), (32 * KiB, 1, 1.1), (256 * KiB, 1, 1.6),
                   (4 * KiB, 4, 0.45), (32 * KiB, 4, 1.5), (256 * KiB, 4, 2.2),
@@ -51,6 +53,7 @@ class ReadPlan:
 
     threads: int
     max_gap: int
+    max_run: int
     reads: int
     bytes_requested: int
     bytes_read: int
@@ -121,8 +124,9 @@ class CostModel:
         best = None
         for t in threads or self.fits:
             fit = self.fits[t] if t in self.fits else self.fits[self.nearest(t)]
-            reads, nbytes, gaps = plan_reads(offsets, lengths, fit.merge_gap)
-            plan = ReadPlan(t, fit.merge_gap, reads, int(np.sum(lengths)), nbytes, gaps,
+            run = run_size(offsets, lengths, t)
+            reads, nbytes, gaps = plan_reads(offsets, lengths, fit.merge_gap, run)
+            plan = ReadPlan(t, fit.merge_gap, run, reads, int(np.sum(lengths)), nbytes, gaps,
                             fit.seconds(reads, nbytes))
             if best is None or plan.seconds < best.seconds * 0.98:
                 best = plan
@@ -130,6 +134,15 @@ class CostModel:
 
     def nearest(self, threads: int) -> int:
         return min(self.fits, key=lambda t: (abs(np.log2(t / threads)), t))
+
+
+def run_size(offsets: np.ndarray, lengths: np.ndarray, threads: int) -> int:
+    """Largest single read: small enough that a batch gives every thread a read (64 KiB … 1 MiB)."""
+    if len(offsets) == 0:
+        return MAX_RUN
+    span = int(np.max(offsets + lengths) - np.min(offsets))
+    per_thread = -(-span // threads) // ALIGN * ALIGN
+    return int(min(MAX_RUN, max(MIN_RUN, per_thread)))
 
 
 def bundle_requests(base: int, stride: int, ids: np.ndarray, length: Optional[int] = None

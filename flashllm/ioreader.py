@@ -131,7 +131,7 @@ class Reader:
         _check(status, f"reading {n} requests from {self.path}")
 
     def read_bundles(self, base: int, stride: int, ids: np.ndarray, out: np.ndarray,
-                     slots: np.ndarray, max_gap: int = 0) -> None:
+                     slots: np.ndarray, max_gap: int = 0, max_run: int = 0) -> None:
         """Bundles ids[i] (stride bytes at base + ids[i] * stride) → rows slots[i] of out.
 
         out: (capacity, stride) uint8 matrix; ids, slots: (n,) integers.
@@ -143,7 +143,7 @@ class Reader:
         offsets = base + ids64 * stride  # (n,)
         lengths = np.full(len(ids64), stride, dtype=np.int64)  # (n,)
         self.read(offsets, lengths, out.reshape(-1), np.asarray(slots, dtype=np.int64) * stride,
-                  max_gap=max_gap)
+                  max_gap=max_gap, max_run=max_run)
 
     def stats(self) -> ReadStats:
         s = ffi.new("fl_reader_stats_t *")

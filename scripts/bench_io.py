@@ -63,7 +63,8 @@ def bench_fraction(path: Path, offsets: List[int], n_ff: int, stride: int, fract
     for _ in range(rounds):
         for base in offsets:
             ids = np.sort(rng.choice(n_ff, n, replace=False))  # (n,)
-            reader.read_bundles(base, stride, ids, out, slots, max_gap=plan.max_gap)
+            reader.read_bundles(base, stride, ids, out, slots, max_gap=plan.max_gap,
+                                max_run=plan.max_run)
     s = reader.stats()
     return dict(fraction=fraction, threads=plan.threads, max_gap=plan.max_gap, stats=s,
                 predicted=plan.seconds * len(offsets) * rounds)
