@@ -137,11 +137,11 @@ class CostModel:
 
 
 def run_size(offsets: np.ndarray, lengths: np.ndarray, threads: int) -> int:
-    """Largest single read: small enough that a batch gives every thread a read (64 KiB … 1 MiB)."""
+    """Largest single read: small enough that a batch gives each thread ~4 reads (64 KiB … 1 MiB)."""
     if len(offsets) == 0:
         return MAX_RUN
     span = int(np.max(offsets + lengths) - np.min(offsets))
-    per_thread = -(-span // threads) // ALIGN * ALIGN
+    per_thread = -(-span // (4 * threads)) // ALIGN * ALIGN  # ~4 reads per thread: even finish
     return int(min(MAX_RUN, max(MIN_RUN, per_thread)))
 
 

@@ -40,7 +40,7 @@ def test_plan_merges_holes_below_the_gap_and_picks_the_fast_pool():
     assert plan.threads == 16 and plan.max_gap == int(5e-6 * 2 * GiB) // ALIGN * ALIGN
     pages = -(-(offsets[-1] + stride) // ALIGN) - 1  # every page from 4096 to the last bundle's
     assert plan.bytes_read == pages * ALIGN and plan.gap_bytes == 0  # 1.5 KiB holes share pages
-    assert plan.max_run == -(-(offsets[-1] + stride - offsets[0]) // 16) // ALIGN * ALIGN
+    assert plan.max_run == -(-(offsets[-1] + stride - offsets[0]) // 64) // ALIGN * ALIGN
     assert plan.reads == -(-pages * ALIGN // plan.max_run)  # joined runs, one or more per thread
     assert plan.bytes_requested == 2000 * stride
     by_hand = plan.reads * 5e-6 + plan.bytes_read / (2.0 * GiB)
