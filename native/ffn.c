@@ -13,6 +13,7 @@
 #include "simd.h"
 
 #define MIN_BUNDLES_PER_THREAD 32
+#define PREFETCH_BUNDLES 2 /* bundles ahead of the one being computed */
 
 /* the bundle layout and arguments shared by every bundle of one call */
 typedef struct {
@@ -32,18 +33,48 @@ static inline float activate(int32_t act, float v) {
     }
 }
 
-/* acc (T, d) += a(x_t) * down for bundle i */
-static void one_bundle(const ffn_args *a, const uint8_t *bundle, int64_t i, float *acc) {
+/* acc (T, d) += h_t * down_i for bundle i, reading the quantized rows in place (T == 1) */
+static void bundle_fused(const ffn_args *a, const uint8_t *bundle, int64_t i, float *acc) {
     const uint8_t *up = bundle + (a->glu ? a->rb : 0);
-    const uint8_t *down = up + a->rb;
+    const float bias = a->up_bias ? a->up_bias[a->ids ? a->ids[i] : i] : 0.0f;
+    const float u = fli_dot(a->dtype, up, a->x, a->d) + bias;
+    const float h = a->glu ? activate(a->act, fli_dot(a->dtype, bundle, a->x, a->d)) * u
+                           : activate(a->act, u);
+    if (h != 0.0f) fli_axpy(a->dtype, up + a->rb, h, acc, a->d);
+}
+
+/* the same for T > 1 tokens: the bundle is dequantized once into scratch (3, d) */
+static void bundle_tokens(const ffn_args *a, const uint8_t *bundle, int64_t i, float *acc,
+                          float *scratch) {
+    const int64_t d = a->d;
+    float *gate = scratch, *up = scratch + d, *down = scratch + 2 * d;  // (d) each
+    if (a->glu) fli_dequant(a->dtype, bundle, gate, d);
+    const uint8_t *up_q = bundle + (a->glu ? a->rb : 0);
+    fli_dequant(a->dtype, up_q, up, d);
+    fli_dequant(a->dtype, up_q + a->rb, down, d);
     const float bias = a->up_bias ? a->up_bias[a->ids ? a->ids[i] : i] : 0.0f;
     for (int64_t t = 0; t < a->T; t++) {
-        const float *xt = a->x + t * a->d;  // (d)
-        const float u = fli_dot(a->dtype, up, xt, a->d) + bias;
-        const float h = a->glu ? activate(a->act, fli_dot(a->dtype, bundle, xt, a->d)) * u
+        const float *xt = a->x + t * d;  // (d)
+        const float u = fli_dot_f32(up, xt, d) + bias;
+        const float h = a->glu ? activate(a->act, fli_dot_f32(gate, xt, d)) * u
                                : activate(a->act, u);
-        if (h != 0.0f) fli_axpy(a->dtype, down, h, acc + t * a->d, a->d);
+        if (h != 0.0f) fli_axpy_f32(h, down, acc + t * d, d);
     }
+}
+
+/* acc (T, d) += the FFN over bundles i0 .. i1-1; FL_ENOMEM if the scratch cannot be had */
+static int32_t bundle_range(const ffn_args *a, const uint8_t *bundles, int64_t stride,
+                            int64_t i0, int64_t i1, float *acc) {
+    float *scratch = NULL;  // (3, d) when T > 1
+    if (a->T > 1 && !(scratch = malloc(3 * (size_t)a->d * sizeof(float)))) return FL_ENOMEM;
+    for (int64_t i = i0; i < i1; i++) {
+        if (i + PREFETCH_BUNDLES < i1) fli_prefetch(bundles + (i + PREFETCH_BUNDLES) * stride,
+                                                    (size_t)stride);
+        if (scratch) bundle_tokens(a, bundles + i * stride, i, acc, scratch);
+        else bundle_fused(a, bundles + i * stride, i, acc);
+    }
+    free(scratch);
+    return FL_OK;
 }
 
 /* bundles split over n_threads, per-thread partials (n_threads, T, d) summed into y */
@@ -52,20 +83,28 @@ static int32_t ffn_parallel(const ffn_args *a, const uint8_t *bundles, int64_t n
     const int64_t len = a->T * a->d;
     float *partial = calloc((size_t)n_threads * (size_t)len, sizeof(float));  // (nt, T, d)
     if (!partial) return FL_ENOMEM;
+    int32_t status = FL_OK;
 #pragma omp parallel num_threads(n_threads)
     {
-        float *mine = partial + (size_t)omp_get_thread_num() * (size_t)len;  // (T, d)
+        const int64_t th = omp_get_thread_num(), nth = omp_get_num_threads();
+        const int32_t st = bundle_range(a, bundles, stride, n * th / nth, n * (th + 1) / nth,
+                                        partial + (size_t)th * (size_t)len);
+        if (st != FL_OK) {
+#pragma omp atomic write
+            status = st;
+        }
+#pragma omp barrier
+        if (status == FL_OK) {  // every thread sees one value after the barrier
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < n; i++) one_bundle(a, bundles + i * stride, i, mine);
-#pragma omp for schedule(static)
-        for (int64_t k = 0; k < len; k++) {
-            float s = 0.0f;
-            for (int32_t p = 0; p < n_threads; p++) s += partial[(size_t)p * (size_t)len + k];
-            y[k] += s;
+            for (int64_t k = 0; k < len; k++) {
+                float s = 0.0f;
+                for (int32_t p = 0; p < n_threads; p++) s += partial[(size_t)p * (size_t)len + k];
+                y[k] += s;
+            }
         }
     }
     free(partial);
-    return FL_OK;
+    return status;
 }
 
 static int ids_ok(const int32_t *ids, int64_t n) {
@@ -86,9 +125,6 @@ int32_t fl_ffn_bundles(const uint8_t *bundles, int64_t n, int64_t stride, int32_
     const ffn_args a = {d, T, rb, dtype, glu != 0, act, ids, up_bias, x};
     const int64_t useful = n / MIN_BUNDLES_PER_THREAD;
     const int32_t nt = useful < n_threads ? (int32_t)(useful > 1 ? useful : 1) : n_threads;
-    if (nt == 1) {
-        for (int64_t i = 0; i < n; i++) one_bundle(&a, bundles + i * stride, i, y);
-        return FL_OK;
-    }
+    if (nt == 1) return bundle_range(&a, bundles, stride, 0, n, y);
     return ffn_parallel(&a, bundles, n, stride, y, nt);
 }

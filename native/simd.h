@@ -68,6 +68,11 @@ static inline float fl_load_fp16(const uint8_t *p) {
     return fl_fp16_to_fp32(h);
 }
 
+/* ask the cache for the n bytes at p (into every level: NTA hints evicted data we reuse) */
+static inline void fli_prefetch(const uint8_t *p, size_t n) {
+    for (size_t off = 0; off < n; off += 64) __builtin_prefetch(p + off, 0, 3);
+}
+
 /* ---- vec.c: one row of n values in dtype (n a multiple of 32 for quantized dtypes) ---------- */
 
 /* dst (n) = dequantized row */
@@ -82,8 +87,9 @@ void fli_axpy(int32_t dtype, const uint8_t *row, float a, float *y, int64_t n);
 /* f32 dot of two contiguous vectors (n) */
 float fli_dot_f32(const float *a, const float *b, int64_t n);
 
-/* out[r] = rows[r] . x for 4 f32 rows spaced ld floats apart, x (n) */
-void fli_dot4_f32(const float *rows, int64_t ld, const float *x, int64_t n, float out[4]);
+/* out[r][t] = w_r . x_t for 4 f32 rows w (4, ldw) and 4 f32 tokens x (4, ldx), n values each */
+void fli_dot4x4_f32(const float *w, int64_t ldw, const float *x, int64_t ldx, int64_t n,
+                    float out[4][4]);
 
 /* y (n) += a * x (n), both f32 */
 void fli_axpy_f32(float a, const float *x, float *y, int64_t n);

@@ -26,13 +26,12 @@ static inline void load_q8(const uint8_t *qs, vf v[2]) {
     v[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)qs)));
     v[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16))));
 }
+/* nibble -> float by table lookup: vpermps reads only the low 4 bits of each index lane */
 static inline void load_q4(const uint8_t *qs, vf v[2]) {
-    const __m128i raw = _mm_loadu_si128((const __m128i *)qs);
-    const __m128i m = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
-    const __m128i lo = _mm_sub_epi8(_mm_and_si128(raw, m), eight);
-    const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(raw, 4), m), eight);
-    v[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo));
-    v[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi));
+    const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    const __m512i raw = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
+    v[0] = _mm512_permutexvar_ps(raw, table);
+    v[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(raw, 4), table);
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -222,26 +221,28 @@ void fli_axpy_f32(float a, const float *x, float *y, int64_t n) {
     axpy_plain(FL_F32, (const uint8_t *)x, a, y, n);
 }
 
-void fli_dot4_f32(const float *rows, int64_t ld, const float *x, int64_t n, float out[4]) {
-    const float *r0 = rows, *r1 = rows + ld, *r2 = rows + 2 * ld, *r3 = rows + 3 * ld;
-    vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+void fli_dot4x4_f32(const float *w, int64_t ldw, const float *x, int64_t ldx, int64_t n,
+                    float out[4][4]) {
+    vf acc[4][4];
+    for (int r = 0; r < 4; r++)
+        for (int t = 0; t < 4; t++) acc[r][t] = vzero();
     int64_t i = 0;
     for (; i + VW <= n; i += VW) {
-        const vf xv = vload(x + i);
-        a0 = vfma(vload(r0 + i), xv, a0);
-        a1 = vfma(vload(r1 + i), xv, a1);
-        a2 = vfma(vload(r2 + i), xv, a2);
-        a3 = vfma(vload(r3 + i), xv, a3);
+        const vf w0 = vload(w + i), w1 = vload(w + ldw + i);
+        const vf w2 = vload(w + 2 * ldw + i), w3 = vload(w + 3 * ldw + i);
+        for (int t = 0; t < 4; t++) {
+            const vf xv = vload(x + t * ldx + i);
+            acc[0][t] = vfma(w0, xv, acc[0][t]);
+            acc[1][t] = vfma(w1, xv, acc[1][t]);
+            acc[2][t] = vfma(w2, xv, acc[2][t]);
+            acc[3][t] = vfma(w3, xv, acc[3][t]);
+        }
     }
-    float s0 = vsum(a0), s1 = vsum(a1), s2 = vsum(a2), s3 = vsum(a3);
-    for (; i < n; i++) {
-        s0 += r0[i] * x[i];
-        s1 += r1[i] * x[i];
-        s2 += r2[i] * x[i];
-        s3 += r3[i] * x[i];
+    for (int r = 0; r < 4; r++) {
+        for (int t = 0; t < 4; t++) {
+            float s = vsum(acc[r][t]);
+            for (int64_t j = i; j < n; j++) s += w[r * ldw + j] * x[t * ldx + j];
+            out[r][t] = s;
+        }
     }
-    out[0] = s0;
-    out[1] = s1;
-    out[2] = s2;
-    out[3] = s3;
 }
