@@ -74,6 +74,8 @@ static inline void fli_prefetch(const uint8_t *p, size_t n) {
 }
 
 /* ---- vec.c: one row of n values in dtype (n a multiple of 32 for quantized dtypes) ---------- */
+/* internal to the extension: not exported from the shared object */
+#pragma GCC visibility push(hidden)
 
 /* dst (n) = dequantized row */
 void fli_dequant(int32_t dtype, const uint8_t *row, float *dst, int64_t n);
@@ -93,5 +95,7 @@ void fli_dot4x4_f32(const float *w, int64_t ldw, const float *x, int64_t ldx, in
 
 /* y (n) += a * x (n), both f32 */
 void fli_axpy_f32(float a, const float *x, float *y, int64_t n);
+
+#pragma GCC visibility pop
 
 #endif /* FLASHLLM_SIMD_H */
