@@ -1,0 +1,79 @@
+"""llama.cpp's dense speed on a GGUF file: the peer row of flashllm's benchmark table.
+
+Run:  /work/venv/bin/python scripts/bench_llamacpp.py [--model /work/models/smollm2-135m.gguf]
+Measures, with llama-cpp-python (mmap, use_extra_bufts off, 2 threads), the median of --reps runs:
+  pp64   prefill tokens/s: one batch of a 64-token prompt
+  tg128  decode tokens/s: 128 tokens, one at a time, after that 64-token prompt
+The prompt is 64 fixed token ids (no tokenizer involved), so runs are comparable across models.
+Prints one markdown table row (with its header) on stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import llama_cpp
+import llama_cpp.llama_cpp as llama_lib
+import numpy as np
+
+N_PROMPT = 64
+N_GEN = 128
+
+
+def load(path: Path, threads: int) -> llama_cpp.Llama:
+    """Llama() ignores unknown keyword arguments, so switch off use_extra_bufts (weight
+    repacking into anonymous memory) on the model params it starts from."""
+    original = llama_lib.llama_model_default_params
+
+    def params():
+        p = original()
+        p.use_extra_bufts = False
+        return p
+
+    llama_lib.llama_model_default_params = params
+    try:
+        llm = llama_cpp.Llama(model_path=str(path), n_ctx=N_PROMPT + N_GEN + 8, n_threads=threads,
+                              n_threads_batch=threads, n_batch=N_PROMPT, verbose=False)
+    finally:
+        llama_lib.llama_model_default_params = original
+    assert not llm.model_params.use_extra_bufts
+    return llm
+
+
+def one_run(llm: llama_cpp.Llama, prompt: list) -> tuple:
+    """(prefill tok/s, decode tok/s) of one pp64 + tg128 run from an empty KV cache."""
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(prompt)
+    t1 = time.perf_counter()
+    token = prompt[-1]
+    for _ in range(N_GEN):
+        llm.eval([token])
+        token = (token * 31 + 7) % 1000 + 100  # any valid id: speed does not depend on it
+    t2 = time.perf_counter()
+    return N_PROMPT / (t1 - t0), N_GEN / (t2 - t1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=Path("/work/models/smollm2-135m.gguf"))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    llm = load(args.model, args.threads)
+    prompt = np.random.default_rng(0).integers(100, 1100, N_PROMPT).tolist()  # (N_PROMPT,)
+    one_run(llm, prompt)  # warm-up: page the weights in
+    runs = [one_run(llm, prompt) for _ in range(args.reps)]
+    pp = statistics.median(r[0] for r in runs)
+    tg = statistics.median(r[1] for r in runs)
+    print("| engine | model | threads | pp64 tok/s | tg128 tok/s |")
+    print("|---|---|---|---|---|")
+    print(f"| llama.cpp {llama_cpp.__version__} (dense, mmap) | {args.model.name} | "
+          f"{args.threads} | {pp:.1f} | {tg:.1f} |")
+    llm.close()
+
+
+if __name__ == "__main__":
+    main()
