@@ -1,9 +1,11 @@
-"""Weight-streaming speed of fl_matmul (GB/s of weight bytes read) against numpy f32 matmul.
+"""Weight-streaming speed of fl_matmul and fl_ffn_bundles against numpy f32 on the same work.
 
     PYTHONPATH=. python scripts/bench_kernels.py [--shapes 4864x896,151936x896] [--T 1]
+        [--ffn 4864x896]
 
-Decode (T = 1) is memory-bandwidth bound, so the figure of merit is weight bytes per second.
-numpy's row is the same work on the f32 weight (its bytes count as f32).
+Decode (T = 1) is memory-bandwidth bound, so the figure of merit is weight bytes per second
+(GMAC/s = multiply-adds per second, the figure for T > 1). numpy's row is the same work on the
+f32 weight (its bytes count as f32; numpy uses its BLAS's own thread count).
 """
 from __future__ import annotations
 
@@ -34,14 +36,46 @@ def bench_shape(rows: int, cols: int, t: int, threads: list[int]) -> None:
     w = rng.standard_normal((rows, cols), dtype=np.float32)  # (rows, cols)
     x = rng.standard_normal((t, cols), dtype=np.float32)  # (T, cols)
     print(f"\n{rows}x{cols}, T={t}")
-    print(f"{'what':<14}{'threads':>8}{'ms':>10}{'GB/s':>8}")
+    _row("what", "threads", "ms", "GB/s", "GMAC/s")
+    macs = rows * cols * t
     sec = _best_seconds(lambda: x @ w.T)
-    print(f"{'numpy f32':<14}{'-':>8}{sec * 1e3:>10.3f}{w.nbytes / sec / 1e9:>8.2f}")
+    _row("numpy f32", "-", sec * 1e3, w.nbytes / sec / 1e9, macs / sec / 1e9)
     for dtype in ("f32", "f16", "q8_0", "q4_0"):
         q = QTensor(quantize_rows(w, dtype), dtype, rows, cols)
         for n in threads:
             sec = _best_seconds(lambda: kernel.matmul(q, x, n_threads=n))
-            print(f"{dtype:<14}{n:>8}{sec * 1e3:>10.3f}{q.nbytes / sec / 1e9:>8.2f}")
+            _row(dtype, n, sec * 1e3, q.nbytes / sec / 1e9, macs / sec / 1e9)
+
+
+def _row(*cells) -> None:
+    fmt = [f"{c:<14}" if i == 0 else (f"{c:>9.3f}" if isinstance(c, float) else f"{c:>9}")
+           for i, c in enumerate(cells)]
+    print("".join(fmt))
+
+
+def bench_ffn(n_ff: int, d: int, t: int, threads: list[int]) -> None:
+    """A dense GLU FFN (every neuron a bundle) against numpy's three f32 matmuls."""
+    rng = np.random.default_rng(1)
+    gate, up, down = (rng.standard_normal((n_ff, d), dtype=np.float32) * 0.05 for _ in range(3))
+    x = rng.standard_normal((t, d), dtype=np.float32)  # (T, d)
+    print(f"\nffn_bundles GLU silu, {n_ff} neurons x d={d}, T={t}")
+    _row("what", "threads", "ms", "GB/s", "GMAC/s")
+    macs = 3 * n_ff * d * t
+
+    def numpy_ffn():
+        g = x @ gate.T  # (T, n_ff)
+        return (g / (1 + np.exp(-g)) * (x @ up.T)) @ down  # (T, d)
+
+    sec = _best_seconds(numpy_ffn)
+    _row("numpy f32", "-", sec * 1e3, 3 * gate.nbytes / sec / 1e9, macs / sec / 1e9)
+    for dtype in ("f32", "f16", "q8_0", "q4_0"):
+        bundles = np.ascontiguousarray(np.concatenate(
+            [quantize_rows(m, dtype) for m in (gate, up, down)], axis=1))  # (n_ff, stride)
+        for n in threads:
+            y = np.zeros((t, d), np.float32)  # (T, d)
+            sec = _best_seconds(lambda: kernel.ffn_bundles(bundles, dtype, d, True, "silu", x, y,
+                                                           n_threads=n))
+            _row(dtype, n, sec * 1e3, bundles.nbytes / sec / 1e9, macs / sec / 1e9)
 
 
 def main() -> None:
@@ -49,11 +83,15 @@ def main() -> None:
     ap.add_argument("--shapes", default="4864x896,151936x896")
     ap.add_argument("--T", type=int, default=1, help="tokens per call")
     ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--ffn", default="4864x896", help="n_ff x d of a bundled FFN ('' to skip)")
     args = ap.parse_args()
     threads = [int(n) for n in args.threads.split(",")]
     for shape in args.shapes.split(","):
         rows, cols = (int(v) for v in shape.split("x"))
         bench_shape(rows, cols, args.T, threads)
+    if args.ffn:
+        n_ff, d = (int(v) for v in args.ffn.split("x"))
+        bench_ffn(n_ff, d, args.T, threads)
 
 
 if __name__ == "__main__":
