@@ -52,13 +52,18 @@ def _as_f32(a, name: str, ndim: int) -> np.ndarray:
     return arr
 
 
-def _out_f32(a, name: str, shape: tuple[int, ...]) -> np.ndarray:
-    """a must already be a writable C-contiguous float32 array of exactly this shape."""
+def _big_f32(a, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """a must already be a C-contiguous float32 array of exactly this shape (never copied)."""
     if not isinstance(a, np.ndarray) or a.dtype != np.float32 or not a.flags.c_contiguous:
         raise KernelError(f"{name} must be a C-contiguous float32 numpy array")
     if a.shape != shape:
         raise KernelError(f"{name} must have shape {shape}, got {a.shape}")
-    if not a.flags.writeable:
+    return a
+
+
+def _out_f32(a, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """a must already be a writable C-contiguous float32 array of exactly this shape."""
+    if not _big_f32(a, name, shape).flags.writeable:
         raise KernelError(f"{name} must be writable")
     return a
 
@@ -191,8 +196,8 @@ def attention(q, k_cache: np.ndarray, v_cache: np.ndarray, pos0: int, scale: flo
     k = _native()
     qa = _as_f32(q, "q", 3)  # (T, n_heads, head_dim)
     t, n_heads, head_dim = qa.shape
-    kc = _out_f32(k_cache, "k_cache", k_cache.shape)  # (n_ctx, n_kv_heads, head_dim)
-    vc = _out_f32(v_cache, "v_cache", kc.shape)  # (n_ctx, n_kv_heads, head_dim)
+    kc = _big_f32(k_cache, "k_cache", np.shape(k_cache))  # (n_ctx, n_kv_heads, head_dim)
+    vc = _big_f32(v_cache, "v_cache", kc.shape)  # (n_ctx, n_kv_heads, head_dim)
     if kc.ndim != 3 or kc.shape[2] != head_dim or n_heads % kc.shape[1]:
         raise KernelError(f"kv cache must be (n_ctx, n_kv_heads, {head_dim}) with n_kv_heads "
                           f"dividing {n_heads}, got {kc.shape}")
@@ -207,7 +212,11 @@ def attention(q, k_cache: np.ndarray, v_cache: np.ndarray, pos0: int, scale: flo
 
 def ffn_bundles(bundles: np.ndarray, dtype: str, d: int, glu: bool, act: str, x, y: np.ndarray,
                 ids=None, up_bias=None, n_threads: int = 1) -> np.ndarray:
-    """y (T, d) += the FFN over bundles (n, stride) [gate | up | down] (see flashllm.h)."""
+    """y (T, d) += the FFN over bundles (n, stride) [gate | up | down] (see flashllm.h).
+
+    act: "silu", "relu" or "gelu" (the exact erf GELU, Hugging Face "gelu"; not the tanh
+    approximation "gelu_new" / "gelu_pytorch_tanh").
+    """
     k = _native()
     if act not in ACT_CODES:
         raise KernelError(f"unknown activation {act!r}: expected one of {', '.join(ACT_CODES)}")

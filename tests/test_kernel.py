@@ -149,7 +149,7 @@ def test_ffn_bundles_matches_numpy(dtype, glu, act, T):
     d, n, n_ff = 64, 150, 400
     data, parts = _bundles(n, d, dtype, glu, pad=6, seed=11)
     rng = _rng(12)
-    x = rng.standard_normal((T, d)).astype(np.float32)  # (T, d)
+    x = (rng.standard_normal((T, d)) / np.sqrt(d)).astype(np.float32)  # (T, d) pre-acts ~ 1
     ids = rng.choice(n_ff, n, replace=False).astype(np.int32)  # (n,)
     up_bias = rng.standard_normal(n_ff).astype(np.float32)  # (n_ff,)
     y0 = rng.standard_normal((T, d)).astype(np.float32)  # (T, d) the residual
@@ -205,3 +205,14 @@ def _bad_calls():
 def test_bad_arguments_raise_kernel_error(i):
     with pytest.raises(KernelError):
         _bad_calls()[i]()
+
+
+def test_read_only_inputs_are_accepted_without_copies():
+    w, wref = _qtensor(8, 32, "q4_0", seed=2)
+    w.data.flags.writeable = False
+    k = _rng(3).standard_normal((4, 1, 8)).astype(np.float32)  # (n_ctx, kv, hd)
+    k.flags.writeable = False
+    q = _rng(4).standard_normal((1, 2, 8)).astype(np.float32)  # (T, H, hd)
+    x = np.ones(32, np.float32)
+    _close(kernel.matmul(w, x), wref @ np.ones(32))
+    _close(kernel.attention(q, k, k, 3, 0.5), _attention_ref(q, k, k, 3, 0.5))
