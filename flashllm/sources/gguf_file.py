@@ -20,6 +20,7 @@ from . import GGUF_MAGIC, Source
 # llama.cpp treats these as end-of-generation when present (llama_vocab::load, auto-detection).
 EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
              "<EOT>", "<|eom_id|>")
+DEQUANT_ROWS = 8192          # rows dequantized at a time: gguf-py's temporaries stay small
 _BIG_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
                "tokenizer.ggml.scores")
 
@@ -73,21 +74,21 @@ def _eos_ids(reader: GGUFReader, meta: dict) -> tuple[int, ...]:
 class GGUFSource(Source):
     def __init__(self, path: Path):
         self.path = Path(path)
-        self._reader = _read(self.path)
-        meta = _metadata(self._reader)
+        reader = _read(self.path)
+        meta = _metadata(reader)
         try:
             arch = arch_for_gguf(str(meta.get("general.architecture")))
         except SourceError as e:
             raise SourceError(f"{self.path}: {e}") from None
         self._permuted = arch.gguf_permuted_qk
-        self._tensors = {t.name: t for t in self._reader.tensors}
-        if len(self._tensors) != len(self._reader.tensors):
+        self._tensors = {t.name: t for t in reader.tensors}
+        if len(self._tensors) != len(reader.tensors):
             raise SourceError(f"{self.path}: a tensor name appears twice")
-        tokens = self._reader.fields.get("tokenizer.ggml.tokens")
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
         vocab = len(tokens.data) if tokens is not None else self._shape_of("token_embd.weight")[0]
         try:
-            self.config = gguf_config(arch, meta, self._tensors, vocab, _eos_ids(self._reader, meta))
-            self.tokenizer_json = gguf_tokenizer_json(self._reader.fields)
+            self.config = gguf_config(arch, meta, self._tensors, vocab, _eos_ids(reader, meta))
+            self.tokenizer_json = gguf_tokenizer_json(reader.fields)
         except FlashError as e:
             raise SourceError(f"{self.path}: {e}") from None
         check_tensor_set(self.config, self._tensors, str(self.path))
@@ -107,17 +108,20 @@ class GGUFSource(Source):
     def load(self, name: str) -> np.ndarray:
         shape = self._shape_of(name)
         t = self._tensors[name]
+        out = np.empty(shape, dtype=np.float32)                        # HF shape, e.g. (n_ff, d_model)
+        rows = out.reshape(t.data.shape[0], -1) if t.data.ndim == 2 else out.reshape(1, -1)
+        data = t.data if t.data.ndim == 2 else t.data.reshape(1, -1)   # (rows, bytes per row) storage
         try:
-            values = dequantize(t.data, t.tensor_type)                 # storage rows -> f32
+            for r0 in range(0, data.shape[0], DEQUANT_ROWS):           # bounded temporaries
+                part = dequantize(data[r0:r0 + DEQUANT_ROWS], t.tensor_type)
+                rows[r0:r0 + DEQUANT_ROWS] = part.reshape(part.shape[0], -1)
         except NotImplementedError:
             raise SourceError(f"{self.path}: tensor {name!r} has type {t.tensor_type.name}, "
                               "which gguf-py cannot dequantize") from None
-        w = np.array(values, dtype=np.float32).reshape(shape)          # a copy, off the memory map
         if self._permuted and name.split(".")[-2] in ("attn_q", "attn_k"):
             heads = self.config.n_heads if ".attn_q." in name else self.config.n_kv_heads
-            w = unpermute_qk(w, heads)
-        return w
+            out = unpermute_qk(out, heads)
+        return out
 
     def close(self) -> None:
         self._tensors = {}
-        self._reader = None

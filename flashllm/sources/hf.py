@@ -134,7 +134,7 @@ class HFSource(Source):
         if raw.dtype.name not in FLOAT_DTYPES:
             raise SourceError(f"{file}: tensor {hf_name!r} has dtype {raw.dtype.name}, "
                               f"supported: {', '.join(FLOAT_DTYPES)}")
-        return raw.astype(np.float32)
+        return raw.astype(np.float32, copy=False)                   # get_tensor already copied
 
     def close(self) -> None:
         self._handles.clear()
