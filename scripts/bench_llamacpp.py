@@ -6,25 +6,32 @@ Measures, with llama-cpp-python (mmap, use_extra_bufts off, 2 threads), the medi
   tg128  decode tokens/s: 128 tokens, one at a time, after that 64-token prompt
 The prompt is 64 fixed token ids (no tokenizer involved), so runs are comparable across models.
 Prints one markdown table row (with its header) on stdout.
+
+llama.cpp's OpenMP threads spin-wait between ops by default. On an idle machine that is its best
+setting; when other processes share the 2 cores it collapses (measured here: tg128 2.4 tok/s
+spinning vs 24.5 passive under a load average of ~5). --omp-wait-policy passive sets
+OMP_WAIT_POLICY before llama.cpp loads; the row says which policy was used.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
-import llama_cpp
-import llama_cpp.llama_cpp as llama_lib
 import numpy as np
 
 N_PROMPT = 64
 N_GEN = 128
 
 
-def load(path: Path, threads: int) -> llama_cpp.Llama:
+def load(path: Path, threads: int):
     """Llama() ignores unknown keyword arguments, so switch off use_extra_bufts (weight
     repacking into anonymous memory) on the model params it starts from."""
+    import llama_cpp
+    import llama_cpp.llama_cpp as llama_lib
     original = llama_lib.llama_model_default_params
 
     def params():
@@ -42,7 +49,7 @@ def load(path: Path, threads: int) -> llama_cpp.Llama:
     return llm
 
 
-def one_run(llm: llama_cpp.Llama, prompt: list) -> tuple:
+def one_run(llm, prompt: list) -> tuple:
     """(prefill tok/s, decode tok/s) of one pp64 + tg128 run from an empty KV cache."""
     llm.reset()
     t0 = time.perf_counter()
@@ -61,17 +68,23 @@ def main() -> None:
     ap.add_argument("--model", type=Path, default=Path("/work/models/smollm2-135m.gguf"))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--omp-wait-policy", choices=["default", "active", "passive"], default="default")
     args = ap.parse_args()
+    if args.omp_wait_policy != "default":
+        os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()  # read when libgomp loads
+    import llama_cpp
     llm = load(args.model, args.threads)
     prompt = np.random.default_rng(0).integers(100, 1100, N_PROMPT).tolist()  # (N_PROMPT,)
     one_run(llm, prompt)  # warm-up: page the weights in
     runs = [one_run(llm, prompt) for _ in range(args.reps)]
+    print("runs (pp64, tg128 tok/s): " + ", ".join(f"({a:.1f}, {b:.1f})" for a, b in runs),
+          file=sys.stderr)
     pp = statistics.median(r[0] for r in runs)
     tg = statistics.median(r[1] for r in runs)
-    print("| engine | model | threads | pp64 tok/s | tg128 tok/s |")
-    print("|---|---|---|---|---|")
+    print("| engine | model | threads | OMP wait | pp64 tok/s | tg128 tok/s |")
+    print("|---|---|---|---|---|---|")
     print(f"| llama.cpp {llama_cpp.__version__} (dense, mmap) | {args.model.name} | "
-          f"{args.threads} | {pp:.1f} | {tg:.1f} |")
+          f"{args.threads} | {args.omp_wait_policy} | {pp:.1f} | {tg:.1f} |")
     llm.close()
 
 
