@@ -115,6 +115,8 @@ def run(
     flash = open_flash(_resolve(model))
     tok = Tokenizer.from_flash(flash)
     ids = tok.encode(text, add_special=True)
+    if not ids:
+        fail("the prompt is empty (no tokens to start from)")
     if len(ids) + n_predict > ctx_size:
         fail(f"prompt ({len(ids)} tokens) + --n-predict {n_predict} exceed --ctx-size {ctx_size}")
     net = Model(flash, n_threads=threads, n_ctx=ctx_size)
@@ -132,7 +134,7 @@ def run(
     out.write(detok.flush() + "\n")
     out.flush()
     if not no_timings:
-        err.print(stats.summary(), markup=False)
+        err.print(stats.summary(), markup=False, soft_wrap=True)
 
 
 @command
