@@ -67,13 +67,14 @@ def convert(
                              help="Output model folder (one source) or parent folder (several)."),
     dtype: str = typer.Option("q8_0", "--dtype", help=f"Storage dtype: {', '.join(DTYPES)}."),
     force: bool = typer.Option(False, "--force", help="Replace an existing output."),
+    jobs: int = typer.Option(1, "-j", "--jobs", min=1, help="Sources converted at once (worker processes)."),
 ) -> None:
     """Repack checkpoints into the row-column-bundled flash layout."""
     from .convert import convert_many
     if dtype not in DTYPES:
         err.print(f"error: --dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
         raise typer.Exit(2)
-    failures = convert_many(src, out, dtype, force, console=err)
+    failures = convert_many(src, out, dtype, force, console=err, jobs=jobs)
     if failures:
         raise typer.Exit(1)
 
@@ -85,6 +86,36 @@ def pull(name: str = typer.Argument(..., help="A model name from models.toml."))
     entry = load_registry(registry_path()).get(name)
     path = pull_model(entry, cache_dir(), log=lambda m: err.print(m, markup=False))
     err.print(f"{name}: {path}", markup=False)
+
+
+@command
+def models(as_json: bool = typer.Option(False, "--json", help="Print the list as JSON.")) -> None:
+    """List models.toml entries and the user cache: sizes, what is fetched and converted."""
+    import json
+    from .info import catalog, models_table
+    from .registry import load_registry
+    rows = catalog(load_registry(registry_path()), cache_dir())
+    if as_json:
+        print(json.dumps(rows, indent=1))
+    else:
+        Console(highlight=False).print(models_table(rows))
+
+
+@command
+def inspect(
+    path: Path = typer.Argument(..., help="A converted model folder."),
+    verify: bool = typer.Option(False, "--verify", help="Also check every checksum."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+) -> None:
+    """Summarize a converted model: config, dtypes, sizes, calibration state; --verify checksums."""
+    import json
+    from .bundle import open_flash
+    from .info import flash_summary, summary_table
+    summary = flash_summary(open_flash(path), verify=verify)
+    if as_json:
+        print(json.dumps(summary, indent=1))
+    else:
+        Console(highlight=False).print(summary_table(summary))
 
 
 @command

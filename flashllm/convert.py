@@ -2,12 +2,20 @@
 from __future__ import annotations
 
 import math
+import multiprocessing
+import time
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
 from pathlib import Path
+from queue import Empty
 from typing import Callable, Sequence
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn)
+from rich.table import Table
 
 from .bundle_format import ffn_parts, ffn_weight, required_tensors
 from .bundle_write import FlashWriter
@@ -80,29 +88,123 @@ def _plan(source) -> tuple[list[str], list[dict[str, str]]]:
     return dense, ffn
 
 
+@dataclass
+class JobResult:
+    src: Path
+    dest: Path | None          # None when no destination could be chosen
+    error: str | None = None   # one line; None on success
+    seconds: float = 0.0
+
+
 def convert_many(srcs: Sequence[Path], out: Path, dtype: str, force: bool,
-                 console: Console) -> list[tuple[Path, str]]:
+                 console: Console, jobs: int = 1) -> list[tuple[Path, str]]:
     """Convert each source; one source → out is the model folder, several → out/<source stem>.
-    A failing source prints one line on console and the others still convert. Returns the
-    failures as (source, message)."""
-    failures: list[tuple[Path, str]] = []
+    jobs > 1 converts that many sources at once in worker processes. A failing source prints
+    one line on console and the others still convert; with several sources a summary table
+    follows. Returns the failures as (source, message)."""
+    pairs = _targets([Path(s) for s in srcs], Path(out))
     columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
                TimeElapsedColumn(), TimeRemainingColumn())
     with Progress(*columns, console=console) as bar:
-        for src, dest in _targets([Path(s) for s in srcs], Path(out)):
-            task = bar.add_task(src.name, total=None)
-            try:
-                if isinstance(dest, str):
-                    raise FlashError(dest)
-                convert(src, dest, dtype, force,
-                        lambda done, total: bar.update(task, completed=done, total=total))
-                bar.update(task, description=f"{src.name} → {dest}")
-            except (FlashError, OSError) as e:
+        tasks = [bar.add_task(src.name, total=None) for src, _ in pairs]
+
+        def report(r: JobResult, task) -> None:
+            if r.error is None:
+                bar.update(task, description=f"{r.src.name} → {r.dest}")
+            else:
                 bar.update(task, visible=False)
-                message = str(e) if str(src) in str(e) else f"{src}: {e}"
-                failures.append((src, message))
-                console.print(f"error: {message}", markup=False, soft_wrap=True, highlight=False)
-    return failures
+                console.print(f"error: {r.error}", markup=False, soft_wrap=True, highlight=False)
+
+        if jobs > 1 and len(pairs) > 1:
+            results = _run_pool(pairs, dtype, force, jobs, bar, tasks, report)
+        else:
+            results = [_run_here(src, dest, dtype, force, bar, task, report)
+                       for (src, dest), task in zip(pairs, tasks)]
+    if len(pairs) > 1:
+        console.print(summary_table(results))
+    return [(r.src, r.error) for r in results if r.error is not None]
+
+
+def _one(src: Path, dest: Path | str, dtype: str, force: bool, progress: ProgressFn) -> JobResult:
+    """Convert one source, its failure as a one-line message naming the source."""
+    t0 = time.perf_counter()
+    try:
+        if isinstance(dest, str):
+            raise FlashError(dest)
+        convert(src, dest, dtype, force, progress)
+        return JobResult(src, dest, None, time.perf_counter() - t0)
+    except (FlashError, OSError) as e:
+        message = str(e) if str(src) in str(e) else f"{src}: {e}"
+        return JobResult(src, None if isinstance(dest, str) else dest, message, time.perf_counter() - t0)
+
+
+def _run_here(src, dest, dtype, force, bar, task, report) -> JobResult:
+    result = _one(src, dest, dtype, force, lambda done, total: bar.update(task, completed=done, total=total))
+    report(result, task)
+    return result
+
+
+def _job(queue, index: int, src: Path, dest: Path | str, dtype: str, force: bool) -> JobResult:
+    """Runs in a worker process; progress goes to the parent through queue by percent steps."""
+    shown = [-1]
+
+    def progress(done: int, total: int) -> None:
+        pct = 100 * done // max(total, 1)
+        if pct != shown[0]:
+            shown[0] = pct
+            queue.put((index, done, total))
+
+    return _one(src, dest, dtype, force, progress)
+
+
+def _run_pool(pairs, dtype, force, jobs, bar, tasks, report) -> list[JobResult]:
+    """Convert the pairs in `jobs` spawned worker processes; a crashed worker fails its source."""
+    ctx = multiprocessing.get_context("spawn")
+    results: list[JobResult | None] = [None] * len(pairs)
+    with ctx.Manager() as manager, ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+        queue = manager.Queue()
+        futures = {pool.submit(_job, queue, i, src, dest, dtype, force): i
+                   for i, (src, dest) in enumerate(pairs)}
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, timeout=0.1, return_when=FIRST_COMPLETED)
+            _drain(queue, bar, tasks)
+            for fut in done:
+                i = futures[fut]
+                results[i] = _result_of(fut, *pairs[i])
+                report(results[i], tasks[i])
+    return results
+
+
+def _drain(queue, bar, tasks) -> None:
+    while True:
+        try:
+            index, done, total = queue.get_nowait()
+        except (Empty, OSError, ValueError):
+            return
+        bar.update(tasks[index], completed=done, total=total)
+
+
+def _result_of(fut, src: Path, dest) -> JobResult:
+    try:
+        return fut.result()
+    except BrokenProcessPool:
+        return JobResult(src, None, f"{src}: the worker process converting it died (out of memory?)")
+    except Exception as e:      # a bug in a worker: reported for that source, the others go on
+        return JobResult(src, None, f"{src}: unexpected {type(e).__name__}: {e}")
+
+
+def summary_table(results: list[JobResult]) -> Table:
+    table = Table(title="convert summary", title_justify="left")
+    for col in ("source", "output", "status", "size", "time"):
+        table.add_column(col)
+    for r in results:
+        ok = r.error is None
+        size = sum(p.stat().st_size for p in r.dest.iterdir()) if ok else 0
+        table.add_row(escape(str(r.src)), escape(str(r.dest)) if ok else "-",
+                      "ok" if ok else "[red]FAILED[/red]", f"{size / 2**20:.1f} MiB" if ok else "-",
+                      f"{r.seconds:.1f} s")
+    return table
 
 
 def _targets(srcs: list[Path], out: Path) -> list[tuple[Path, Path | str]]:

@@ -1,0 +1,111 @@
+"""Batch jobs: `convert --jobs` with a corrupt source among good ones, disk full mid-convert,
+`flashllm models` and `flashllm inspect` (summary against the files, --verify on a flipped byte)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from flashllm.bundle import open_flash
+from flashllm.convert import convert_source
+from flashllm.errors import FormatError
+from tiny_sources import ArraySource, tiny_arrays, tiny_config, write_hf_llama
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def flashllm(*args, env=None, timeout=120):
+    return subprocess.run([sys.executable, "-m", "flashllm.cli", *map(str, args)], capture_output=True,
+                          text=True, cwd=ROOT, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200", **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    d = tmp_path_factory.mktemp("batch")
+    good = [write_hf_llama(d / "one", seed=1), write_hf_llama(d / "two", seed=2)]
+    bad = d / "broken.gguf"
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00" + bytes(range(256)) * 3)    # a header that lies
+    return good, bad
+
+
+def test_convert_jobs_2_keeps_good_outputs_and_reports_the_corrupt_one(tmp_path, sources):
+    (one, two), bad = sources
+    proc = flashllm("convert", one, bad, two, "-o", tmp_path / "out", "--jobs", "2", "--dtype", "f32")
+    assert proc.returncode == 1 and proc.stdout == ""
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error")]
+    assert len(errors) == 1 and str(bad) in errors[0] and "GGUF" in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr and "convert summary" in proc.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["one", "two"]
+    for src in (one, two):
+        flash = open_flash(tmp_path / "out" / src.name, verify=True)
+        want = load_file(str(src / "model.safetensors"))["model.embed_tokens.weight"]   # (40, 64)
+        got = flash.tensor("token_embd.weight").data.view(np.float32)                # (40, 64)
+        np.testing.assert_array_equal(got, want)
+
+
+def test_disk_full_mid_convert_leaves_nothing_that_looks_valid(tmp_path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        cfg = tiny_config(d_model=256, n_ff=1024, n_layers=2, vocab_size=64)     # ~6 MiB of f32
+        with pytest.raises(FormatError, match="No space left on device"):
+            convert_source(ArraySource(cfg, tiny_arrays(cfg)), mnt / "m", "f32")
+        assert list(mnt.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_inspect_summarizes_and_verify_finds_a_flipped_byte(tmp_path, sources):
+    out = tmp_path / "m"
+    assert flashllm("convert", sources[0][0], "-o", out, "--dtype", "q8_0").returncode == 0
+    proc = flashllm("inspect", out, "--json", "--verify")
+    assert proc.returncode == 0, proc.stderr
+    s = json.loads(proc.stdout)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert s["config"]["n_layers"] == 2 and s["dtype"] == "q8_0" and not s["calibrated"]
+    assert s["disk_bytes"] == sum(p.stat().st_size for p in out.iterdir())
+    assert s["ffn"]["nbytes"] == (out / "ffn.bin").stat().st_size == manifest["ffn"]["nbytes"]
+    assert s["verified_s"] is not None
+    assert "not calibrated" in flashllm("inspect", out).stdout
+    with open(out / "ffn.bin", "r+b") as f:                  # flip one bit inside layer 1
+        f.seek(manifest["ffn"]["layers"][1]["offset"] + 5)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
+    assert flashllm("inspect", out).returncode == 0          # sizes still fine without --verify
+    proc = flashllm("inspect", out, "--verify")
+    assert proc.returncode == 1 and proc.stderr.strip() == \
+        f"error: {out / 'ffn.bin'}: checksum mismatch in FFN layer 1"
+
+
+def test_models_lists_registry_and_cache(tmp_path):
+    cache = tmp_path / "cache"
+    (cache / "converted" / "smollm2-135m-q8_0").mkdir(parents=True)
+    (cache / "converted" / "smollm2-135m-q8_0" / "manifest.json").write_text("{}")
+    (cache / "converted" / "mine").mkdir()
+    proc = flashllm("models", "--json", env={"FLASHLLM_CACHE": str(cache)})
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["name"]: r for r in json.loads(proc.stdout)}
+    assert rows["smollm2-135m"]["size"] == 98362432 and not rows["smollm2-135m"]["pulled"]
+    assert [c["dtype"] for c in rows["smollm2-135m"]["converted"]] == ["q8_0"]
+    assert rows["mine"]["converted"][0]["complete"] is False
+    assert "qwen2.5-coder-0.5b" in rows and rows["qwen2.5-coder-0.5b"]["converted"] == []
+    table = flashllm("models", env={"FLASHLLM_CACHE": str(cache)}).stdout
+    assert "smollm2-135m" in table and "q8_0 2 B" in table
+
+
+def test_models_with_a_broken_registry_is_one_line(tmp_path):
+    bad = tmp_path / "models.toml"
+    bad.write_text("[models.x]\nsize = 'big'\n")
+    proc = flashllm("models", env={"FLASHLLM_MODELS": str(bad), "FLASHLLM_CACHE": str(tmp_path)})
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and "models.toml entry 'x'" in proc.stderr
