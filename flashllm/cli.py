@@ -85,7 +85,7 @@ def pull(name: str = typer.Argument(..., help="A model name from models.toml."))
     from .registry import load_registry, pull as pull_model
     entry = load_registry(registry_path()).get(name)
     path = pull_model(entry, cache_dir(), log=lambda m: err.print(m, markup=False))
-    err.print(f"{name}: {path}", markup=False)
+    print(path)  # on stdout, so scripts can use $(flashllm pull NAME)
 
 
 @command
