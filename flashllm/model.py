@@ -19,6 +19,7 @@ from typing import Optional
 import numpy as np
 
 from . import kernel
+from .tensor import QTensor
 from .errors import FlashError
 
 
@@ -31,10 +32,10 @@ class Layer:
     """One transformer block's resident weights. Matrices are QTensors, vectors f32 ndarrays."""
     attn_norm: np.ndarray               # (d_model,)
     attn_norm_b: Optional[np.ndarray]   # (d_model,) LayerNorm models only
-    wq: object                          # QTensor (n_heads * hd, d_model)
-    wk: object                          # QTensor (n_kv * hd, d_model)
-    wv: object                          # QTensor (n_kv * hd, d_model)
-    wo: object                          # QTensor (d_model, n_heads * hd)
+    wq: QTensor                         # (n_heads * hd, d_model)
+    wk: QTensor                         # (n_kv * hd, d_model)
+    wv: QTensor                         # (n_kv * hd, d_model)
+    wo: QTensor                         # (d_model, n_heads * hd)
     bq: Optional[np.ndarray]            # (n_heads * hd,)
     bk: Optional[np.ndarray]            # (n_kv * hd,)
     bv: Optional[np.ndarray]            # (n_kv * hd,)

@@ -128,3 +128,12 @@ def test_quantized_logits(flash_model, name, dtype):
     ours = net.forward(PROMPT, 0)                                            # (32, vocab)
     assert rel_err(ours, hf_logits(rounded_reference(hf, dtype), PROMPT)) < TOL_VS_ROUNDED[dtype]
     assert rel_err(ours, hf_logits(hf, PROMPT)) < TOL_VS_ORIGINAL[dtype]
+
+
+def test_running_past_the_context_is_a_clear_error(flash_model):
+    from flashllm.model import ContextError
+    net, _ = flash_model("llama", "f32")
+    with pytest.raises(ContextError, match="context holds 128"):
+        net.forward(PROMPT, 100)
+    with pytest.raises(ContextError, match="outside the vocabulary"):
+        net.forward(np.array([VOCAB]), 0)
