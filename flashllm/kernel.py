@@ -211,8 +211,12 @@ def attention(q, k_cache: np.ndarray, v_cache: np.ndarray, pos0: int, scale: flo
 
 
 def ffn_bundles(bundles: np.ndarray, dtype: str, d: int, glu: bool, act: str, x, y: np.ndarray,
-                ids=None, up_bias=None, n_threads: int = 1) -> np.ndarray:
+                ids=None, up_bias=None, n_threads: int = 1, rows=None,
+                threshold: float = 0.0) -> np.ndarray:
     """y (T, d) += the FFN over bundles (n, stride) [gate | up | down] (see flashllm.h).
+
+    rows (m,) picks the bundle rows to use (default: all); a term whose |activation| is below
+    threshold is dropped (magnitude sparsity).
 
     act: "silu", "relu" or "gelu" (the exact erf GELU, Hugging Face "gelu"; not the tanh
     approximation "gelu_new" / "gelu_pytorch_tanh").
@@ -238,9 +242,14 @@ def ffn_bundles(bundles: np.ndarray, dtype: str, d: int, glu: bool, act: str, x,
         raise KernelError(f"ids must have one id per bundle ({n}), got {idx.size}")
     if ba is not None and idx is None and ba.size < n:
         raise KernelError(f"up_bias has {ba.size} values for {n} bundles")
+    sel = None if rows is None else _ids(rows, "rows", n)              # (m,) int32
+    if not threshold >= 0.0:
+        raise KernelError(f"threshold must be >= 0, got {threshold}")
     _check(k.fl_ffn_bundles(ffi.from_buffer(bundles), n, stride, dtype_code(dtype), d, int(glu),
                             ACT_CODES[act], ffi.NULL if idx is None else ffi.from_buffer(
                                 "int32_t[]", idx),
-                            ffi.NULL if ba is None else _fptr(ba), _fptr(xa), xa.shape[0],
-                            _fptr(y), _threads(n_threads)), "ffn_bundles")
+                            ffi.NULL if ba is None else _fptr(ba),
+                            ffi.NULL if sel is None else ffi.from_buffer("int32_t[]", sel),
+                            0 if sel is None else sel.size, float(threshold),
+                            _fptr(xa), xa.shape[0], _fptr(y), _threads(n_threads)), "ffn_bundles")
     return y

@@ -21,8 +21,10 @@ typedef struct {
     size_t rb;
     int32_t dtype, glu, act;
     const int32_t *ids;
+    const int32_t *rows;  // (m) bundle rows to use, NULL = every row in order
     const float *up_bias;
     const float *x;  // (T, d)
+    float threshold;  // |h| below it contributes nothing
 } ffn_args;
 
 static inline float activate(int32_t act, float v) {
@@ -40,7 +42,7 @@ static void bundle_fused(const ffn_args *a, const uint8_t *bundle, int64_t i, fl
     const float u = fli_dot(a->dtype, up, a->x, a->d) + bias;
     const float h = a->glu ? activate(a->act, fli_dot(a->dtype, bundle, a->x, a->d)) * u
                            : activate(a->act, u);
-    if (h != 0.0f) fli_axpy(a->dtype, up + a->rb, h, acc, a->d);
+    if (h != 0.0f && fabsf(h) >= a->threshold) fli_axpy(a->dtype, up + a->rb, h, acc, a->d);
 }
 
 /* the same for T > 1 tokens: the bundle is dequantized once into scratch (3, d) */
@@ -58,18 +60,22 @@ static void bundle_tokens(const ffn_args *a, const uint8_t *bundle, int64_t i, f
         const float u = fli_dot_f32(up, xt, d) + bias;
         const float h = a->glu ? activate(a->act, fli_dot_f32(gate, xt, d)) * u
                                : activate(a->act, u);
-        if (h != 0.0f) fli_axpy_f32(h, down, acc + t * d, d);
+        if (h != 0.0f && fabsf(h) >= a->threshold) fli_axpy_f32(h, down, acc + t * d, d);
     }
 }
 
-/* acc (T, d) += the FFN over bundles i0 .. i1-1; FL_ENOMEM if the scratch cannot be had */
+/* acc (T, d) += the FFN over bundles j0 .. j1-1 (rows[j] when rows are given); FL_ENOMEM if
+ * the scratch cannot be had */
 static int32_t bundle_range(const ffn_args *a, const uint8_t *bundles, int64_t stride,
                             int64_t i0, int64_t i1, float *acc) {
     float *scratch = NULL;  // (3, d) when T > 1
     if (a->T > 1 && !(scratch = malloc(3 * (size_t)a->d * sizeof(float)))) return FL_ENOMEM;
-    for (int64_t i = i0; i < i1; i++) {
-        if (i + PREFETCH_BUNDLES < i1) fli_prefetch(bundles + (i + PREFETCH_BUNDLES) * stride,
-                                                    (size_t)stride);
+    for (int64_t j = i0; j < i1; j++) {
+        if (j + PREFETCH_BUNDLES < i1) {
+            const int64_t ahead = a->rows ? a->rows[j + PREFETCH_BUNDLES] : j + PREFETCH_BUNDLES;
+            fli_prefetch(bundles + ahead * stride, (size_t)stride);
+        }
+        const int64_t i = a->rows ? a->rows[j] : j;
         if (scratch) bundle_tokens(a, bundles + i * stride, i, acc, scratch);
         else bundle_fused(a, bundles + i * stride, i, acc);
     }
@@ -107,22 +113,26 @@ static int32_t ffn_parallel(const ffn_args *a, const uint8_t *bundles, int64_t n
     return status;
 }
 
-static int ids_ok(const int32_t *ids, int64_t n) {
-    for (int64_t i = 0; ids && i < n; i++)
-        if (ids[i] < 0) return 0;
+/* every index in [0, bound) (NULL is fine) */
+static int indices_ok(const int32_t *idx, int64_t n, int64_t bound) {
+    for (int64_t i = 0; idx && i < n; i++)
+        if (idx[i] < 0 || idx[i] >= bound) return 0;
     return 1;
 }
 
 int32_t fl_ffn_bundles(const uint8_t *bundles, int64_t n, int64_t stride, int32_t dtype,
                        int64_t d, int32_t glu, int32_t act, const int32_t *ids,
-                       const float *up_bias, const float *x, int64_t T, float *y,
+                       const float *up_bias, const int32_t *rows, int64_t n_rows,
+                       float threshold, const float *x, int64_t T, float *y,
                        int32_t n_threads) {
     const size_t rb = fl_row_bytes(dtype, d);
     if (rb == 0 || d <= 0 || n < 0 || stride < (int64_t)rb * (glu ? 3 : 2) || !x || !y ||
-        T <= 0 || n_threads < 1 || act < FL_ACT_SILU || act > FL_ACT_RELU || !ids_ok(ids, n) ||
-        (n > 0 && !bundles))
+        T <= 0 || n_threads < 1 || act < FL_ACT_SILU || act > FL_ACT_RELU ||
+        !indices_ok(ids, n, INT32_MAX) || !indices_ok(rows, n_rows, n) || n_rows < 0 ||
+        !(threshold >= 0.0f) || (n > 0 && !bundles))
         return FL_EINVAL;
-    const ffn_args a = {d, T, rb, dtype, glu != 0, act, ids, up_bias, x};
+    const ffn_args a = {d, T, rb, dtype, glu != 0, act, ids, rows, up_bias, x, threshold};
+    if (rows) n = n_rows;
     const int64_t useful = n / MIN_BUNDLES_PER_THREAD;
     const int32_t nt = useful < n_threads ? (int32_t)(useful > 1 ? useful : 1) : n_threads;
     if (nt == 1) return bundle_range(&a, bundles, stride, 0, n, y);

@@ -85,15 +85,18 @@ int32_t fl_attention(const float *q, const float *k_cache, const float *v_cache,
 /* One FFN neuron is one bundle of `stride` bytes: [gate row | up row | down column], each part
  * fl_row_bytes(dtype, d) bytes (no gate part when glu == 0), padding up to stride.
  *
- * y (T, d) += sum over the n bundles i of  a_i(x) * down_i, where for each token t
+ * y (T, d) += sum over the used bundles i of  a_i(x) * down_i, where for each token t
  *   glu:     a_i = act(gate_i . x_t) * (up_i . x_t + up_bias[id_i])
  *   non-glu: a_i = act(up_i . x_t + up_bias[id_i])
+ * and a term with |a_i| < threshold is dropped (magnitude sparsity; 0 keeps every term).
  * bundles (n, stride) bytes; ids (n) the neuron id of each bundle, used only to index up_bias
- * (ids == NULL means bundle i is neuron i); up_bias (n_ff) or NULL; x (T, d); y (T, d) is
- * accumulated into (the caller zeroes it or passes the residual). */
+ * (ids == NULL means bundle i is neuron i); up_bias (n_ff) or NULL; rows (n_rows) the bundle
+ * rows to use, each in [0, n) (rows == NULL uses all n rows in order, n_rows is then ignored);
+ * x (T, d); y (T, d) is accumulated into (the caller zeroes it or passes the residual). */
 int32_t fl_ffn_bundles(const uint8_t *bundles, int64_t n, int64_t stride, int32_t dtype,
                        int64_t d, int32_t glu, int32_t act, const int32_t *ids,
-                       const float *up_bias, const float *x, int64_t T, float *y,
+                       const float *up_bias, const int32_t *rows, int64_t n_rows,
+                       float threshold, const float *x, int64_t T, float *y,
                        int32_t n_threads);
 
 /* ---- direct-I/O reader (io.c) ---- */

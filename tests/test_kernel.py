@@ -177,6 +177,36 @@ def test_ffn_bundles_without_ids_or_bias_and_empty():
     np.testing.assert_array_equal(y, 1.0)
 
 
+@pytest.mark.parametrize("dtype", ["f32", "q4_0"])
+@pytest.mark.parametrize("T", [1, 4])
+def test_ffn_bundles_rows_and_threshold(dtype, T):
+    """rows gathers a subset of bundle rows; a term with |h| below threshold is dropped."""
+    d, n, n_ff = 64, 120, 300
+    data, parts = _bundles(n, d, dtype, True, pad=2, seed=21)
+    rng = _rng(22)
+    x = (rng.standard_normal((T, d)) / np.sqrt(d)).astype(np.float32)  # (T, d)
+    ids = rng.choice(n_ff, n, replace=False).astype(np.int32)  # (n,)
+    up_bias = rng.standard_normal(n_ff).astype(np.float32)  # (n_ff,)
+    rows = np.sort(rng.choice(n, 37, replace=False)).astype(np.int32)[::-1].copy()  # (37,)
+    xd = x.astype(np.float64)
+    h = _act("silu", xd @ parts[0].T) * (xd @ parts[1].T + up_bias[ids])  # (T, n)
+    v = np.sort(np.abs(h[:, rows]).ravel())  # (T * 37,)
+    k = len(v) // 3 + int(np.argmax(np.diff(v[len(v) // 3: 2 * len(v) // 3])))
+    thr = float(v[k] + v[k + 1]) / 2  # in the widest gap of the middle third: no near ties
+    keep = np.zeros_like(h)  # (T, n)
+    keep[:, rows] = np.abs(h[:, rows]) >= thr
+    ref = (h * keep) @ parts[2]  # (T, d)
+    for threads in (1, 2):
+        y = np.zeros((T, d), np.float32)
+        kernel.ffn_bundles(data, dtype, d, True, "silu", x, y, ids=ids, up_bias=up_bias,
+                           rows=rows, threshold=thr, n_threads=threads)
+        _close(y, ref, rel=5e-5)
+    with pytest.raises(KernelError):
+        kernel.ffn_bundles(data, dtype, d, True, "silu", x, y, rows=[0, n])
+    with pytest.raises(KernelError):
+        kernel.ffn_bundles(data, dtype, d, True, "silu", x, y, threshold=-1.0)
+
+
 def _bad_calls():
     w, _ = _qtensor(8, 32, "q8_0", seed=1)
     x = np.zeros((1, 32), np.float32)
