@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import LOCAL_GGUF, _local_models_dir
+from conftest import gguf_path
 
 pytestmark = pytest.mark.realmodel
 TOKENS = np.random.default_rng(5).integers(0, 32000, size=24)   # (24,)
@@ -95,10 +95,7 @@ def reference_logits(g: GGUF, ids: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b"])
 def test_forward_matches_numpy_graph_on_raw_gguf(real_model, name):
-    path = _local_models_dir() / LOCAL_GGUF[name]
-    if not path.is_file():
-        pytest.skip(f"{path} is not present")
-    ref = reference_logits(GGUF(path), TOKENS)                                 # (T, vocab)
+    ref = reference_logits(GGUF(gguf_path(name)), TOKENS)                                 # (T, vocab)
     net = real_model(name)
     net.reset()
     ours = net.forward(TOKENS, 0)                                              # (T, vocab)
