@@ -111,8 +111,11 @@ def expected_tensors(cfg: ModelConfig) -> list[str]:
 
 def check_tensor_set(cfg: ModelConfig, present: Iterable[str], where: str) -> None:
     """SourceError naming the first tensor that is missing or that the config does not expect."""
-    expected = expected_tensors(cfg)
     have = set(present)
+    if cfg.n_layers > len(have):       # checked first: a hostile layer count must not loop for ages
+        raise SourceError(f"{where}: the config has {cfg.n_layers} layers, the checkpoint only "
+                          f"{len(have)} tensors")
+    expected = expected_tensors(cfg)
     missing = [n for n in expected if n not in have]
     if missing:
         raise SourceError(f"{where}: missing tensor {missing[0]!r}"

@@ -145,11 +145,37 @@ def _read_manifest(path: Path) -> dict:
     return m
 
 
+_FLOAT_FIELDS = ("norm_eps", "rope_theta")
+_BOOL_FIELDS = ("glu", "tied_embeddings", "attn_qkv_bias", "attn_out_bias", "ffn_bias")
+_INT_FIELDS = ("pos_offset", "d_embed")
+
+
 def _config(m: dict) -> ModelConfig:
     try:
-        return ModelConfig.from_dict(m["config"])
+        cfg = ModelConfig.from_dict(m["config"])
+        _check_config_types(cfg)
+        return cfg
     except FormatError as e:
         raise FormatError(f"{MANIFEST_FILE}: {e}") from None
+
+
+def _check_config_types(cfg: ModelConfig) -> None:
+    """The fields ModelConfig.validate leaves alone: numbers, flags and token ids."""
+    for name in _FLOAT_FIELDS:
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+            raise FormatError(f"config field {name}={v!r} must be a positive finite number")
+    for name in _BOOL_FIELDS:
+        if not isinstance(getattr(cfg, name), bool):
+            raise FormatError(f"config field {name}={getattr(cfg, name)!r} must be true or false")
+    for name in _INT_FIELDS:
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise FormatError(f"config field {name}={v!r} must be a non-negative integer")
+    ids = cfg.eos_token_ids + (() if cfg.bos_token_id is None else (cfg.bos_token_id,))
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < cfg.vocab_size:
+            raise FormatError(f"config token id {i!r} (bos/eos) is not in [0, {cfg.vocab_size})")
 
 
 def _check_tensors(path: Path, m: dict, cfg: ModelConfig) -> dict[str, dict]:
@@ -181,6 +207,9 @@ def _check_tensors(path: Path, m: dict, cfg: ModelConfig) -> dict[str, dict]:
             raise FormatError(f"{w}: tensor {name} is duplicated or belongs in {FFN_FILE}")
         tensors[name] = {**t, "shape": list(shape)}
     _check_overlaps(tensors, where)
+    if cfg.n_layers > len(tensors):     # before listing what every layer needs
+        raise FormatError(f"{where}: the config has {cfg.n_layers} layers, {DENSE_FILE} only "
+                          f"{len(tensors)} tensors")
     _check_required(tensors, cfg, where)
     return tensors
 

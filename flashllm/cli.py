@@ -38,15 +38,37 @@ def registry_path() -> Path:
 
 
 def command(fn):
-    """Register a CLI command whose FlashErrors become one line on stderr and exit code 1."""
+    """Register a CLI command: a FlashError becomes one line on stderr and exit code 1; a closed
+    stdout (`| head`) ends quietly with exit code 0; Ctrl-C prints one line, exit code 130."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
+            sys.stdout.flush()
+            return result
         except FlashError as e:
             err.print(f"error: {e}", markup=False, soft_wrap=True)
             raise typer.Exit(1) from None
+        except BrokenPipeError:
+            _silence_stdout()
+            raise typer.Exit(0) from None
+        except KeyboardInterrupt:
+            err.print("interrupted", markup=False)
+            raise typer.Exit(130) from None
+        except ImportError as e:
+            if "_native" not in str(e):
+                raise
+            err.print(f"error: the C extension flashllm._native cannot be loaded ({e}): build it with "
+                      "`make setup`, or `make native` in a source tree", markup=False, soft_wrap=True)
+            raise typer.Exit(1) from None
     return app.command()(wrapper)
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush cannot fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def fail(message: str) -> None:

@@ -91,7 +91,10 @@ def gguf_tokenizer_json(fields: Mapping) -> str | None:
         raise SourceError("GGUF vocabulary has duplicate tokens or a token_type list of another length")
     if any(len(m) != 2 for m in merges):
         raise SourceError("GGUF tokenizer.ggml.merges holds an entry that is not 'left right'")
-    tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
+    try:
+        tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
+    except Exception as e:     # tokenizers raises plain Exception, e.g. a merge of unknown tokens
+        raise SourceError(f"GGUF vocabulary cannot be rebuilt ({e})") from None
     splits = [pre_tokenizers.Split(Regex(rx), behavior="isolated") for rx in _PRE_REGEXES[family]]
     tok.pre_tokenizer = pre_tokenizers.Sequence(splits + [pre_tokenizers.ByteLevel(
         add_prefix_space=False, trim_offsets=False, use_regex=False)])

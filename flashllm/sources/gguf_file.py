@@ -43,6 +43,8 @@ def _read(path: Path) -> GGUFReader:
         raise SourceError(f"{path}: corrupt or truncated GGUF ({type(e).__name__}: {e})") from None
     size = path.stat().st_size
     for t in reader.tensors:
+        if len(t.shape) == 0 or any(int(n) <= 0 for n in t.shape):
+            raise SourceError(f"{path}: tensor {t.name!r} has an empty shape {list(t.shape)}")
         if t.data_offset + t.n_bytes > size:
             raise SourceError(f"{path}: truncated GGUF: tensor {t.name!r} ends at byte "
                               f"{t.data_offset + t.n_bytes}, the file has {size}")
@@ -75,24 +77,30 @@ class GGUFSource(Source):
     def __init__(self, path: Path):
         self.path = Path(path)
         reader = _read(self.path)
-        meta = _metadata(reader)
         try:
-            arch = arch_for_gguf(str(meta.get("general.architecture")))
-        except SourceError as e:
-            raise SourceError(f"{self.path}: {e}") from None
+            self._parse(reader)
+        except FlashError as e:
+            raise SourceError(e if str(self.path) in str(e) else f"{self.path}: {e}") from None
+        except (UnicodeDecodeError, ValueError, TypeError, KeyError, IndexError, AttributeError,
+                ArithmeticError) as e:    # metadata of the wrong type or encoding in a hostile file
+            raise SourceError(f"{self.path}: corrupt GGUF metadata ({type(e).__name__}: {e})") from None
+
+    def _parse(self, reader: GGUFReader) -> None:
+        meta = _metadata(reader)
+        arch = arch_for_gguf(str(meta.get("general.architecture")))
         self._permuted = arch.gguf_permuted_qk
         self._tensors = {t.name: t for t in reader.tensors}
         if len(self._tensors) != len(reader.tensors):
-            raise SourceError(f"{self.path}: a tensor name appears twice")
+            raise SourceError("a tensor name appears twice")
         tokens = reader.fields.get("tokenizer.ggml.tokens")
         vocab = len(tokens.data) if tokens is not None else self._shape_of("token_embd.weight")[0]
-        try:
-            self.config = gguf_config(arch, meta, self._tensors, vocab, _eos_ids(reader, meta))
-            self.tokenizer_json = gguf_tokenizer_json(reader.fields)
-        except FlashError as e:
-            raise SourceError(f"{self.path}: {e}") from None
+        self.config = gguf_config(arch, meta, self._tensors, vocab, _eos_ids(reader, meta))
+        self.tokenizer_json = gguf_tokenizer_json(reader.fields)
         check_tensor_set(self.config, self._tensors, str(self.path))
-        self.chat_template = meta.get("tokenizer.chat_template")
+        template = meta.get("tokenizer.chat_template")
+        if template is not None and not isinstance(template, str):
+            raise SourceError("tokenizer.chat_template is not a string")
+        self.chat_template = template
 
     def _shape_of(self, name: str) -> tuple[int, ...]:
         if name not in self._tensors:
@@ -120,6 +128,9 @@ class GGUFSource(Source):
                               "which gguf-py cannot dequantize") from None
         if self._permuted and name.split(".")[-2] in ("attn_q", "attn_k"):
             heads = self.config.n_heads if ".attn_q." in name else self.config.n_kv_heads
+            if shape[0] % (2 * heads):
+                raise SourceError(f"{self.path}: tensor {name!r} has {shape[0]} rows, not whole "
+                                  f"RoPE pairs of {heads} heads")
             out = unpermute_qk(out, heads)
         return out
 

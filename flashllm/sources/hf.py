@@ -68,8 +68,8 @@ def _config(folder: Path) -> tuple[Arch, ModelConfig]:
     arch = arch_for_hf(cfg_json)
     try:
         cfg = arch.hf_config(cfg_json)
-    except (TypeError, ValueError) as e:
-        raise SourceError(f"{folder / 'config.json'}: bad value ({e})") from None
+    except (TypeError, ValueError, ArithmeticError, KeyError, IndexError, AttributeError) as e:
+        raise SourceError(f"{folder / 'config.json'}: bad value ({type(e).__name__}: {e})") from None
     except FlashError as e:
         raise SourceError(f"{folder / 'config.json'}: {e}") from None
     gen = folder / "generation_config.json"
