@@ -48,3 +48,11 @@ test-asan:
 	  -std=c11 -Wall -Wextra -Werror -D_GNU_SOURCE -Inative tests/native/io_driver.c native/io.c \
 	  -o build/asan/io_driver -lpthread
 	ASAN_OPTIONS=detect_leaks=1 build/asan/io_driver build/asan
+
+.PHONY: fuzz
+FUZZ_EXAMPLES ?= 1200
+## fuzz: every file reader under hypothesis with random seeds, FUZZ_EXAMPLES cases per target (≥ 10,000 in all); counts in build/fuzz.json
+fuzz: setup
+	@mkdir -p build
+	FLASHLLM_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) FLASHLLM_FUZZ_REPORT=build/fuzz.json \
+	  $(BIN)/pytest -q -s -p no:cacheprovider tests/test_fuzz.py
