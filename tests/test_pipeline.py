@@ -1,0 +1,88 @@
+"""Shell pipelines: tokens alone on stdout, everything else on stderr, stdin and `-` prompts,
+exit codes (0 ok, 1 user error, 2 usage), `| head -c 1` ending quietly, two runs sharing one
+flash model at once; and (realmodel) `echo ... | flashllm run smollm2-135m | wc -w`."""
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_chat import tiny  # noqa: F401  (the tiny converted model fixture)
+
+ROOT = Path(__file__).resolve().parent.parent
+FLASHLLM = f"{shlex.quote(sys.executable)} -m flashllm.cli"
+
+
+def sh(script: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    """Run a bash pipeline; the exit status of every stage is the last line of stderr."""
+    return subprocess.run(["bash", "-c", script + '; echo "status ${PIPESTATUS[*]}" >&2'],
+                          capture_output=True, text=True, cwd=ROOT, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "NO_COLOR": "1"})
+
+
+def statuses(proc) -> list[int]:
+    return [int(s) for s in proc.stderr.strip().splitlines()[-1].split()[1:]]
+
+
+@pytest.fixture(scope="module")
+def model(tiny):  # noqa: F811
+    return shlex.quote(str(tiny[0].path))
+
+
+def test_stdin_prompt_tokens_alone_on_stdout(model):
+    proc = sh(f"echo 'hello there how' | {FLASHLLM} run {model} -n 16 --seed 3")
+    assert statuses(proc) == [0, 0]
+    words = proc.stdout.split()
+    assert 0 < len(words) <= 16 and all(w in ("hello", "there", "how", "are", "you", "fine", "thanks",
+                                              "a", "b", "c", "system", "user", "assistant", "[UNK]")
+                                        for w in words), proc.stdout
+    assert "eval time" in proc.stderr and "eval time" not in proc.stdout
+
+
+def test_wc_counts_the_words_of_the_answer(model):
+    alone = sh(f"{FLASHLLM} run {model} -p 'hello there' -n 12 --temp 0 --no-timings")
+    piped = sh(f"echo 'hello there' | {FLASHLLM} run {model} -p - -n 12 --temp 0 | wc -w")
+    assert statuses(piped) == [0, 0, 0]
+    assert int(piped.stdout) == len(alone.stdout.split())
+
+
+def test_head_c_1_ends_quietly(model):
+    proc = sh(f"echo 'hello' | {FLASHLLM} run {model} -n 200 --seed 1 | head -c 1")
+    assert statuses(proc) == [0, 0, 0] and len(proc.stdout) == 1
+    assert "Traceback" not in proc.stderr and "Exception" not in proc.stderr and "Broken" not in proc.stderr
+
+
+@pytest.mark.parametrize("args, code, message", [
+    ("run /nonexistent/model -p hi", 1, "error: no such model"),
+    ("run {model} -p hi --top-p 7", 1, "error: top_p=7.0 must be in (0, 1]"),
+    ("run {model} --bogus-option", 2, "No such option"),
+    ("inspect", 2, "Missing argument"),
+])
+def test_exit_codes(model, args, code, message):
+    proc = sh(f"{FLASHLLM} {args.format(model=model)} < /dev/null")
+    assert statuses(proc) == [code] and proc.stdout == ""
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_two_runs_share_one_flash_model_at_once(model, tmp_path):
+    one = f"{FLASHLLM} run {model} -p 'hello there' -n 24 --temp 0 --no-timings"
+    a, b = (shlex.quote(str(tmp_path / n)) for n in "ab")
+    proc = sh(f"{one} > {a} & {one} > {b} & wait %1; s1=$?; wait %2; echo $s1 $? >&2")
+    assert proc.stderr.strip().splitlines()[-2] == "0 0", proc.stderr
+    first, second = (tmp_path / "a").read_text(), (tmp_path / "b").read_text()
+    assert first.strip() and first == second == sh(one).stdout
+
+
+@pytest.mark.realmodel
+def test_real_smollm2_pipeline_word_count():
+    from conftest import _converted
+    path = shlex.quote(str(_converted("smollm2-135m", "f32", log=lambda m: print(m, file=sys.stderr))))
+    proc = sh(f"echo 'The capital of France is' | {FLASHLLM} run {path} -n 8 --temp 0 -t 2 | wc -w",
+              timeout=600)
+    assert statuses(proc) == [0, 0, 0] and 1 <= int(proc.stdout) <= 8
+    head = sh(f"echo 'Once upon a time' | {FLASHLLM} run {path} -n 8 -t 2 | head -c 1", timeout=600)
+    assert statuses(head) == [0, 0, 0] and len(head.stdout) == 1 and "Traceback" not in head.stderr
