@@ -77,8 +77,32 @@ class Profile:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Profile":
-        return cls(Device(**d["device"]), bool(d["direct"]), int(d["file_bytes"]), str(d["created"]),
-                   [Cell(**c) for c in d["cells"]])
+        """Inverse of to_dict; ValueError/KeyError/TypeError on anything malformed."""
+        dev = d["device"]
+        device = Device(_typed(dev["major"], int), _typed(dev["minor"], int), _typed(dev["name"], str))
+        cells = [_cell(c) for c in _typed(d["cells"], list)]
+        return cls(device, _typed(d["direct"], bool), _typed(d["file_bytes"], int),
+                   _typed(d["created"], str), cells)
+
+
+def _typed(value, kind: type):
+    """value when it is a kind (bool is not an int; an int is a float); else TypeError."""
+    ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        ok = True
+    if not ok:
+        raise TypeError(f"{value!r} is not a {kind.__name__}")
+    return value
+
+
+def _cell(c: dict) -> Cell:
+    cell = Cell(kind=_typed(c["kind"], str), chunk=_typed(c["chunk"], int), threads=_typed(c["threads"], int),
+                gib_s=float(_typed(c["gib_s"], float)), iops=float(_typed(c["iops"], float)),
+                reads=_typed(c["reads"], int), seconds=float(_typed(c["seconds"], float)))
+    numbers = (cell.chunk, cell.threads, cell.gib_s, cell.iops, cell.seconds)
+    if cell.kind not in ("random", "seq") or not all(0 < v < float("inf") for v in numbers) or cell.reads < 0:
+        raise ValueError(f"bad measurement {c!r}")
+    return cell
 
 
 def parse_size(text: str) -> int:
