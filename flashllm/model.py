@@ -8,8 +8,9 @@ One code path serves prefill (T tokens at once) and decode (T = 1):
         x += ffn_bundles(norm(x)) [+ down bias]
     logits = output([proj_out](norm(x)))
 
-Per-token math runs in C through kernel.py; numpy only reshapes and adds. This is the dense
-runtime: every layer's FFN bundles are read into DRAM when the model is built.
+Per-token math runs in C through kernel.py; numpy only reshapes and adds. The FFN of each layer
+is a strategy object (flashllm/ffn.py): `ffn(layer, h, x)` adds the FFN of h to x. The default,
+DenseFfn, reads every layer's bundles into DRAM; the sparse flash FFN streams them.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from typing import Optional
 import numpy as np
 
 from . import kernel
+from .ffn import DenseFfn
 from .tensor import QTensor
 from .errors import FlashError
 
@@ -42,9 +44,6 @@ class Layer:
     bo: Optional[np.ndarray]            # (d_model,)
     ffn_norm: np.ndarray                # (d_model,)
     ffn_norm_b: Optional[np.ndarray]    # (d_model,)
-    bundles: np.ndarray                 # (n_ff, stride) uint8, [gate | up | down] per neuron
-    bundle_ids: Optional[np.ndarray]    # (n_ff,) int32 neuron id of each bundle, None = identity
-    up_b: Optional[np.ndarray]          # (n_ff,) indexed by neuron id
     down_b: Optional[np.ndarray]        # (d_model,)
 
 
@@ -53,16 +52,8 @@ def _opt(flash, name: str) -> Optional[np.ndarray]:
     return flash.tensor(name) if flash.has(name) else None
 
 
-def _bundle_ids(flash, layer: int) -> Optional[np.ndarray]:
-    """Neuron id of each stored bundle when the converter reordered neurons (hot-first)."""
-    order = flash.ffn.neuron_order                      # (n_layers, n_ff) int32 or None
-    if order is None:
-        return None
-    return np.ascontiguousarray(order[layer], dtype=np.int32)  # (n_ff,)
-
-
 def load_layer(flash, i: int) -> Layer:
-    """Layer i's attention weights, norms and biases, and its FFN bundles read into DRAM."""
+    """Layer i's resident weights: attention, norms and biases (the FFN belongs to the strategy)."""
     p = f"blk.{i}."
     return Layer(
         attn_norm=flash.tensor(p + "attn_norm.weight"), attn_norm_b=_opt(flash, p + "attn_norm.bias"),
@@ -71,22 +62,21 @@ def load_layer(flash, i: int) -> Layer:
         bq=_opt(flash, p + "attn_q.bias"), bk=_opt(flash, p + "attn_k.bias"),
         bv=_opt(flash, p + "attn_v.bias"), bo=_opt(flash, p + "attn_output.bias"),
         ffn_norm=flash.tensor(p + "ffn_norm.weight"), ffn_norm_b=_opt(flash, p + "ffn_norm.bias"),
-        bundles=np.ascontiguousarray(flash.read_ffn_layer(i)), bundle_ids=_bundle_ids(flash, i),
-        up_b=_opt(flash, p + "ffn_up.bias"), down_b=_opt(flash, p + "ffn_down.bias"),
+        down_b=_opt(flash, p + "ffn_down.bias"),
     )
 
 
 class Model:
-    """A flash model made runnable: resident weights, FFN bundles in DRAM, a preallocated KV cache."""
+    """A flash model made runnable: resident weights, an FFN strategy, a preallocated KV cache."""
 
-    def __init__(self, flash, n_threads: int = 1, n_ctx: int = 2048):
+    def __init__(self, flash, n_threads: int = 1, n_ctx: int = 2048, ffn=None):
         cfg = flash.config
         if n_ctx <= 0:
             raise ContextError(f"n_ctx={n_ctx} must be positive")
         self.config = cfg
         self.n_threads = n_threads
         self.n_ctx = n_ctx
-        self.ffn = flash.ffn
+        self.ffn = DenseFfn(flash, n_threads) if ffn is None else ffn
         self.token_embd = flash.tensor("token_embd.weight")              # QTensor (vocab, embed_dim)
         self.pos_embd = _opt(flash, "position_embd.weight")              # QTensor (n_pos, d_model)
         self.proj_in = _opt(flash, "proj_in.weight")                     # QTensor (d_model, embed_dim)
@@ -119,7 +109,9 @@ class Model:
             h = self._norm(x, layer.attn_norm, layer.attn_norm_b)        # (T, d_model)
             x += self._attention(i, layer, h, pos, pos0)                 # (T, d_model)
             h = self._norm(x, layer.ffn_norm, layer.ffn_norm_b)          # (T, d_model)
-            self._ffn(layer, h, x)                                       # x (T, d_model) += ffn(h)
+            self.ffn(i, h, x)                                            # x (T, d_model) += ffn(h)
+            if layer.down_b is not None:
+                x += layer.down_b
         if last_only:
             x = np.ascontiguousarray(x[-1:])                             # (1, d_model)
         x = self._norm(x, self.out_norm, self.out_norm_b)                # (T, d_model)
@@ -157,12 +149,3 @@ class Model:
         o = kernel.attention(q, self.k_cache[i], self.v_cache[i], pos0, hd ** -0.5,
                              n_threads=nt)                                # (T, n_heads * hd)
         return kernel.matmul(L.wo, o, L.bo, n_threads=nt)                 # (T, d_model)
-
-    def _ffn(self, L: Layer, h: np.ndarray, x: np.ndarray) -> None:
-        """x (T, d_model) += down(act(gate h) * up h) over all bundles [+ down bias]."""
-        f = self.ffn
-        kernel.ffn_bundles(L.bundles, f.dtype, self.config.d_model, self.config.glu,
-                           self.config.act, h, x, ids=L.bundle_ids, up_bias=L.up_b,
-                           n_threads=self.n_threads)
-        if L.down_b is not None:
-            x += L.down_b
