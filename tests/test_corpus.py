@@ -1,0 +1,62 @@
+"""Calibration / evaluation texts: disjoint, deterministic, traceable to their files."""
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from flashllm.corpus import (CODE_FILES, CorpusError, builtin_text, code_text, file_text,
+                             prose_text, stdlib_dir)
+
+
+def test_code_sets_are_disjoint_and_exist():
+    cal, ev = set(CODE_FILES["calibration"]), set(CODE_FILES["evaluation"])
+    assert cal and ev and not cal & ev
+    for name in cal | ev:
+        assert (stdlib_dir() / name).is_file(), name
+
+
+def test_code_text_is_the_files_in_order():
+    t = code_text("evaluation", stdlib_dir())
+    root = stdlib_dir()
+    want = "\n".join(f"# file: {n}\n" + (root / n).read_text(encoding="utf-8")
+                     for n in CODE_FILES["evaluation"])
+    assert t.text == want
+    assert t.description["sha256"] == hashlib.sha256(want.encode()).hexdigest()
+    assert t.description["files"] == list(CODE_FILES["evaluation"])
+
+
+def test_texts_are_deterministic_and_disjoint():
+    for kind in ("code", "prose"):
+        a1, a2 = builtin_text("calibration", kind), builtin_text("calibration", kind)
+        b = builtin_text("evaluation", kind)
+        assert a1.text == a2.text and a1.description == a2.description
+        assert a1.text != b.text
+    cal, ev = prose_text("calibration"), prose_text("evaluation")
+    assert cal.description["topics"] and not set(cal.description["topics"]) & set(ev.description["topics"])
+    # no evaluation line of some length appears in the calibration code text
+    cal_code = code_text("calibration", stdlib_dir()).text
+    ev_lines = [l for l in code_text("evaluation", stdlib_dir()).text.splitlines() if len(l) > 60]
+    assert sum(l in cal_code for l in ev_lines) < 0.02 * len(ev_lines)
+
+
+def test_max_chars_takes_a_share_of_every_file():
+    t = code_text("calibration", stdlib_dir(), max_chars=12000)
+    assert len(t.text) <= 12000 + len(CODE_FILES["calibration"])
+    for name in CODE_FILES["calibration"]:
+        assert f"# file: {name}\n" in t.text
+
+
+def test_file_text_and_errors(tmp_path):
+    p = tmp_path / "t.txt"
+    p.write_text("hello world\n", encoding="utf-8")
+    assert file_text(p).text == "hello world\n"
+    (tmp_path / "e.txt").write_text("  \n", encoding="utf-8")
+    with pytest.raises(CorpusError, match="empty"):
+        file_text(tmp_path / "e.txt")
+    with pytest.raises(CorpusError, match="cannot read"):
+        file_text(tmp_path / "missing.txt")
+    with pytest.raises(CorpusError, match="unknown text kind"):
+        builtin_text("calibration", "poetry")
+    with pytest.raises(CorpusError, match="cannot read standard-library file"):
+        code_text("calibration", tmp_path)
