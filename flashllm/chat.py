@@ -14,6 +14,7 @@ import signal
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
 from .chat_template import ChatError, ChatTemplate
@@ -260,3 +261,28 @@ def stats_text(session: ChatSession) -> str:
         reused = sum(t.n_reused for t in session.turns)
         lines.append(f"total: {total} tokens generated, {reused} prompt tokens reused from the cache")
     return "\n".join(lines)
+
+
+@contextmanager
+def line_editing(history_file: Optional[Path]) -> Iterator[None]:
+    """readline editing and a persistent history while the block runs (when readline exists)."""
+    try:
+        import readline
+    except ImportError:
+        yield
+        return
+    if history_file is not None:
+        try:
+            readline.read_history_file(history_file)
+        except OSError:
+            pass
+    readline.set_history_length(1000)
+    try:
+        yield
+    finally:
+        if history_file is not None:
+            try:
+                history_file.parent.mkdir(parents=True, exist_ok=True)
+                readline.write_history_file(history_file)
+            except OSError:
+                pass

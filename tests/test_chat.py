@@ -164,7 +164,7 @@ def test_terminal_session_with_smollm2(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "FLASHLLM_CACHE": str(tmp_path / "cache"),
            "TERM": "dumb", "NO_COLOR": "1"}
     child = pexpect.spawn(sys.executable, ["-m", "flashllm.cli", "run", str(model), "-i", "-c", "512",
-                                           "--temp", "0", "-n", "24", "-t", "2"],
+                                           "--temp", "0", "-n", "64", "-t", "2"],
                           env=env, cwd=str(tmp_path), encoding="utf-8", timeout=300)
     child.logfile_read = open(tmp_path / "session.log", "w")
     child.expect_exact("> ")
@@ -172,12 +172,15 @@ def test_terminal_session_with_smollm2(tmp_path):
     child.expect("Paris")
     child.expect_exact("> ")
     child.sendline("Write a long story about a dragon.")
-    child.expect(r"\w+ \w+")                      # the answer has started streaming
+    child.expect_exact("dragon.\r\n")               # the echo of the line typed
+    child.expect(r"\w+ \w+ \w+")                   # the answer is streaming
     child.sendintr()                              # Ctrl-C mid-answer
     child.expect_exact("[answer stopped]")
     child.expect_exact("> ")
     child.sendline("/stats")
-    child.expect(r"turns 2, messages \d+, context (\d+)/512")
+    child.expect(r"turns 2, messages 4, context \d+/512 tokens\r\nlast turn: (\d+) prompt tokens reused"
+                 r", \d+ prefilled .*, (\d+) generated .* stop: interrupted")
+    assert int(child.match.group(1)) > 30 and int(child.match.group(2)) >= 3
     child.expect_exact("> ")
     child.sendline("/reset")
     child.expect_exact("conversation cleared")
