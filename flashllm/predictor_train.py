@@ -71,6 +71,16 @@ def lowrank_fit(w: np.ndarray, h: np.ndarray, rank: int) -> tuple[np.ndarray, np
     return (p[:, :r] * s[:r]).astype(np.float32), ua.astype(np.float32)
 
 
+def lstsq_weights(h: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """(n, d) least-squares W with W h ≈ mask - mean over the tokens h (N, d): with lowrank_fit
+    on it, the reduced-rank regression start of the low-rank predictor (the SVD of W_gate
+    predicts g, whose sign says little about |act(g)·u|)."""
+    y = mask.astype(np.float32) - mask.mean(axis=0, dtype=np.float32)   # (N, n)
+    cov = h.T.astype(np.float64) @ h / len(h)                            # (d, d)
+    cov += 1e-4 * np.trace(cov) / len(cov) * np.eye(len(cov))
+    return np.linalg.solve(cov, h.T @ y / len(h)).T.astype(np.float32)   # (n, d)
+
+
 def train_lowrank(h: np.ndarray, mask: np.ndarray, a: np.ndarray, b: np.ndarray,
                   bias: np.ndarray, epochs: int = 4, lr: float = 3e-3, batch: int = 512,
                   seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -114,7 +124,7 @@ def layer_parts(kind: str, gate: Optional[np.ndarray], up: np.ndarray, h: np.nda
         ub, ua = lowrank_fit(up, h, rank)                                 # (n, r), (r, d)
         return {"gate": qtensor(gate, dtype), "up_a": qtensor(ua, "f16"),
                 "up_b": qtensor(ub, "f16")}
-    b, a = lowrank_fit(gate if gate is not None else up, h, rank)         # (n, r), (r, d)
+    b, a = lowrank_fit(lstsq_weights(h, mask), h, rank)                  # (n, r), (r, d)
     scale = 1.0 / max(float(np.std(h @ a.T @ b.T)), 1e-6)
     bias = -np.quantile(h @ a.T @ b.T * scale, 1.0 - mask.mean(), axis=0)  # (n,) start at the rate
     if epochs:

@@ -1,0 +1,232 @@
+"""Predictor study (issue 4, DESIGN.md §3): candidates compared by perplexity at equal bytes loaded.
+
+For a model (models.toml name or converted folder): run the dense model over calibration text and
+record each layer's FFN input h; the true mask of a layer is |act(g)·u| >= t_l with t_l set for
+--sparsity. Every candidate predictor is fitted on the calibration tokens, then for each load
+(share of slots predicted per token) its per-layer thresholds are set on calibration scores and
+held-out perplexity is measured with the FFN computing only the predicted slots, further
+filtered by t_l. Also: recall/precision on held-out calibration tokens, predictor DRAM bytes,
+predict time per token.
+
+    python scripts/predictor_study.py qwen2.5-coder-0.5b --calib-tokens 2048 --eval-tokens 1024
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from flashllm import kernel
+from flashllm.bundle import open_flash
+from flashllm.cli import cache_dir, registry_path
+from flashllm.corpus import builtin_text
+from flashllm.ffn import DenseFfn
+from flashllm.model import Model
+from flashllm.predictor_train import exact_acts, mask_metrics, slot_weights, train_predictor
+from flashllm.registry import resolve_model
+from flashllm.tokenizer import Tokenizer
+
+# name -> (kind, train_predictor keyword arguments)
+CANDIDATES = {
+    "lowrank-svd": ("lowrank", {"rank": 128, "dtype": "q8_0", "epochs": 0}),
+    "lowrank": ("lowrank", {"rank": 128, "dtype": "q8_0", "epochs": 4}),
+    "gate-q8": ("gate", {"dtype": "q8_0"}),
+    "gate-q4": ("gate", {"dtype": "q4_0"}),
+    "gate_up-q4": ("gate_up", {"dtype": "q4_0"}),
+    "gate_lrup-q4": ("gate_lrup", {"rank": 128, "dtype": "q4_0"}),
+}
+
+
+class Recorder:
+    """FFN strategy: the dense FFN, keeping a copy of every layer's input h."""
+
+    def __init__(self, dense: DenseFfn, n_layers: int):
+        self.dense, self.h = dense, [[] for _ in range(n_layers)]
+
+    def __call__(self, layer, h, x):
+        self.h[layer].append(np.array(h, dtype=np.float32))             # (T, d)
+        self.dense(layer, h, x)
+
+    def stats(self):
+        return {"ffn": "recorder"}
+
+
+class SparseEval:
+    """FFN strategy: per token only the predicted slots (all slots without a predictor), each
+    term dropped below the layer's activation threshold."""
+
+    def __init__(self, dense: DenseFfn, act_th, predictor=None, thresholds=None):
+        self.d, self.act_th, self.pred, self.th = dense, act_th, predictor, thresholds
+        self.loaded, self.tokens = 0, 0
+
+    def __call__(self, layer, h, x):
+        d = self.d
+        if self.pred is None:
+            kernel.ffn_bundles(d.bundles[layer], d.dtype, d.d, d.glu, d.act, h, x, ids=d.ids[layer],
+                               up_bias=d.up_b[layer], threshold=self.act_th[layer])
+            return
+        hit = self.pred.score(layer, h) >= self.th[layer]                # (T, n_ff) bool
+        for t in range(len(h)):
+            rows = np.flatnonzero(hit[t]).astype(np.int32)               # (m,)
+            self.loaded, self.tokens = self.loaded + rows.size, self.tokens + 1
+            kernel.ffn_bundles(d.bundles[layer], d.dtype, d.d, d.glu, d.act, h[t:t + 1],
+                               x[t:t + 1], ids=d.ids[layer], up_bias=d.up_b[layer], rows=rows,
+                               threshold=self.act_th[layer])
+
+    def stats(self):
+        return {"ffn": "sparse-eval"}
+
+
+def chunks(tokens: list, n_ctx: int) -> list:
+    return [tokens[i:i + n_ctx] for i in range(0, len(tokens) - n_ctx + 1, n_ctx)]
+
+
+def perplexity(model: Model, tokens: list, n_ctx: int) -> float:
+    """llama.cpp's definition: chunks of n_ctx, the second half of each chunk scored."""
+    nll, count = 0.0, 0
+    for c in chunks(tokens, n_ctx):
+        model.reset()
+        logits = model.forward(np.array(c), 0)                           # (n_ctx, vocab)
+        first = n_ctx // 2
+        z = logits[first - 1:-1].astype(np.float64)                      # (n, vocab)
+        z -= z.max(axis=1, keepdims=True)
+        lp = z[np.arange(len(z)), c[first:]] - np.log(np.exp(z).sum(axis=1))
+        nll, count = nll - lp.sum(), count + len(lp)
+    return float(np.exp(nll / count))
+
+
+def capture(model: Model, dense: DenseFfn, tokens: list, n_ctx: int) -> list:
+    """Per layer the (N, d) FFN inputs of the dense model over tokens."""
+    rec = Recorder(dense, model.config.n_layers)
+    model.ffn = rec
+    for c in chunks(tokens, n_ctx):
+        model.reset()
+        model.forward(np.array(c), 0, last_only=True)
+    return [np.concatenate(hs) for hs in rec.h]
+
+
+class Curves:
+    """Per layer, load and recall of a predictor's score at a grid of thresholds (calibration)."""
+
+    GRID = np.linspace(0.02, 1.0, 99)                                     # loads
+
+    def __init__(self, pred, hs, masks):
+        self.th, self.rec = [], []
+        for layer, (h, m) in enumerate(zip(hs, masks)):
+            s = pred.score(layer, h)                                      # (N, n_ff)
+            th = np.quantile(s, 1.0 - self.GRID)                          # (99,) per load
+            pos = np.sort(s[m])                                           # (k,)
+            self.th.append(th)
+            self.rec.append(1.0 - np.searchsorted(pos, th) / max(pos.size, 1))  # (99,)
+
+    def equal_load(self, load: float) -> list:
+        i = int(np.argmin(np.abs(self.GRID - load)))
+        return [float(t[i]) for t in self.th]
+
+    def equal_recall(self, load: float) -> list:
+        """One recall target for every layer, the highest whose mean load is <= load."""
+        lo, hi = 0.0, 1.0
+        for _ in range(30):
+            mid = (lo + hi) / 2
+            idx = [int(np.argmax(r >= mid)) for r in self.rec]            # first grid load
+            lo, hi = (mid, hi) if np.mean(self.GRID[idx]) <= load else (lo, mid)
+        idx = [int(np.argmax(r >= lo)) for r in self.rec]
+        return [float(t[i]) for t, i in zip(self.th, idx)]
+
+
+def held_out_metrics(pred, thresholds, hs, masks) -> dict:
+    per = [mask_metrics(pred.score(l, h) >= t, m) for l, (h, m, t) in
+           enumerate(zip(hs, masks, thresholds))]
+    return {k: [round(p[k], 4) for p in per] for k in ("recall", "precision", "load")}
+
+
+def predict_ms(pred, hs) -> float:
+    t0 = time.perf_counter()
+    for layer, h in enumerate(hs):
+        for t in range(8):
+            pred.predict(layer, h[t:t + 1])
+    return (time.perf_counter() - t0) / 8 * 1e3
+
+
+def study(args) -> dict:
+    log = lambda m: print(m, file=sys.stderr, flush=True)                 # noqa: E731
+    path = resolve_model(args.model, cache_dir(), registry_path(), log, dtype=args.dtype)
+    flash = open_flash(path)
+    cfg, tok = flash.config, Tokenizer.from_flash(flash)
+    dense = DenseFfn(flash, 1)
+    model = Model(flash, n_threads=1, n_ctx=args.n_ctx, ffn=dense)
+    cal = tok.encode(builtin_text("calibration", "code", args.calib_tokens * 6).text)[:args.calib_tokens]
+    ev = tok.encode(builtin_text("evaluation", "code", args.eval_tokens * 6).text)[:args.eval_tokens]
+    log(f"{path}: {len(cal)} calibration / {len(ev)} evaluation tokens")
+    hs = capture(model, dense, cal, args.n_ctx)                           # n_layers x (N, d)
+    acts_th, masks = [], []
+    for layer in range(cfg.n_layers):
+        a = exact_acts(*slot_weights(flash, layer), hs[layer], cfg.act)  # (N, n_ff)
+        acts_th.append(float(np.quantile(a, args.sparsity)))
+        masks.append(a >= acts_th[-1])
+    cut = int(len(hs[0]) * 0.75)
+    held_h, held_m = [h[cut:] for h in hs], [m[cut:] for m in masks]
+    out = {"model": str(path), "dtype": args.dtype, "sparsity": args.sparsity,
+           "calib_tokens": len(cal), "eval_tokens": len(ev), "n_ctx": args.n_ctx, "rows": []}
+    t0 = time.perf_counter()
+    model.ffn = dense
+    out["dense_ppl"] = perplexity(model, ev, args.n_ctx)
+    model.ffn = SparseEval(dense, acts_th)
+    out["oracle_ppl"] = perplexity(model, ev, args.n_ctx)
+    log(f"dense {out['dense_ppl']:.4f}  oracle mask {out['oracle_ppl']:.4f} "
+        f"({time.perf_counter() - t0:.0f} s)")
+    for name in args.candidates:
+        kind, kw = CANDIDATES[name]
+        t0 = time.perf_counter()
+        pred = train_predictor(flash, hs, masks, kind, [0.5] * cfg.n_layers, recall=0.95, **kw)
+        curves = Curves(pred, [h[:cut] for h in hs], [m[:cut] for m in masks])
+        ms = predict_ms(pred, held_h)
+        log(f"{name}: fitted in {time.perf_counter() - t0:.0f} s, {pred.nbytes / 2**20:.1f} MiB, "
+            f"{ms:.2f} ms/token")
+        for load in args.loads:
+            for alloc in args.alloc:
+                th = curves.equal_load(load) if alloc == "load" else curves.equal_recall(load)
+                pred.thresholds = th
+                strat = SparseEval(dense, acts_th, pred, th)
+                model.ffn = strat
+                ppl = perplexity(model, ev, args.n_ctx)
+                row = {"candidate": name, "kind": kind, "alloc": alloc, "target_load": load,
+                       "eval_load": strat.loaded / max(strat.tokens, 1) / cfg.n_ff,
+                       "ppl": ppl, "ppl_ratio": ppl / out["dense_ppl"],
+                       "dram_bytes": pred.nbytes, "predict_ms_per_token": ms,
+                       **held_out_metrics(pred, th, held_h, held_m)}
+                out["rows"].append(row)
+                log(f"  load {load:.2f} {alloc:6s}: eval load {row['eval_load']:.3f} "
+                    f"ppl {ppl:.4f} (x{row['ppl_ratio']:.3f}) recall "
+                    f"{np.mean(row['recall']):.3f} precision {np.mean(row['precision']):.3f}")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("--dtype", default="q8_0")
+    ap.add_argument("--calib-tokens", type=int, default=2048)
+    ap.add_argument("--eval-tokens", type=int, default=1024)
+    ap.add_argument("--n-ctx", type=int, default=256)
+    ap.add_argument("--sparsity", type=float, default=0.5)
+    ap.add_argument("--loads", default="0.4,0.5,0.6")
+    ap.add_argument("--alloc", default="load,recall", help="per-layer thresholds: equal load "
+                    "per layer, and/or one recall target for all layers at the same mean load")
+    ap.add_argument("--candidates", default=",".join(CANDIDATES))
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    args.loads = [float(v) for v in args.loads.split(",")]
+    args.alloc = args.alloc.split(",")
+    args.candidates = args.candidates.split(",")
+    out = study(args)
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
