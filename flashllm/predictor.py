@@ -11,6 +11,7 @@ Kinds (the score of slot j for one token with FFN input h):
   gate_up    |act(G_j · h) · (U_j · h)|   G, U (n_ff, d): low-bit copies of W_gate and W_up
   gate_lrup  |act(G_j · h) · (Ub_j · (Ua h))|  G (n_ff, d), Ua (r, d), Ub (n_ff, r): exact gate,
                                           rank-r estimate of up
+  lr_gate_up |act(Gb_j · (Ga h)) · (Ub_j · (Ua h))|  rank-r estimates of both gate and up
 Everything works in slots: row j of every (n_ff, ·) matrix belongs to bundle slot j of ffn.bin.
 
 On disk (next to the model): predictor.bin, a 64-byte header then 64-byte-aligned tensors, and
@@ -31,6 +32,7 @@ from typing import Optional
 import numpy as np
 
 from . import kernel
+from .calibrate import activation
 from .bundle_format import DTYPE_CODES, MANIFEST_FILE, align_up, fits, tensor_nbytes
 from .bundle_write import update_manifest
 from .config import ModelConfig
@@ -50,16 +52,8 @@ KINDS: dict[str, tuple[str, ...]] = {
     "gate": ("gate",),
     "gate_up": ("gate", "up"),
     "gate_lrup": ("gate", "up_a", "up_b"),
+    "lr_gate_up": ("gate_a", "gate_b", "up_a", "up_b"),
 }
-
-
-def act_np(x: np.ndarray, act: str) -> np.ndarray:
-    """The FFN activation in numpy, same shape as x (GELU uses the tanh form: a predictor only)."""
-    if act == "silu":
-        return x / (1.0 + np.exp(-np.clip(x, -80.0, 80.0)))
-    if act == "relu":
-        return np.maximum(x, 0.0)
-    return 0.5 * x * (1.0 + np.tanh(0.7978845608 * (x + 0.044715 * x ** 3)))
 
 
 @dataclass
@@ -89,7 +83,7 @@ class Predictor:
     @property
     def name(self) -> str:
         dt = "/".join(sorted({p.dtype for p in self.layers[0].values() if isinstance(p, QTensor)}))
-        ranks = sorted({p.rows for role, p in self.layers[0].items() if role in ("a", "up_a")})
+        ranks = sorted({p.rows for role, p in self.layers[0].items() if role in ("a", "gate_a", "up_a")})
         return f"{self.kind}" + (f"-r{ranks[0]}" if ranks else "") + f"-{dt}"
 
     @property
@@ -104,15 +98,18 @@ class Predictor:
         if self.kind == "lowrank":
             z = kernel.matmul(p["a"], x, n_threads=nt)                   # (T, r)
             return kernel.matmul(p["b"], z, p["bias"], n_threads=nt)     # (T, n_ff)
-        g = act_np(kernel.matmul(p["gate"], x, n_threads=nt), self.config.act)  # (T, n_ff)
+        with np.errstate(over="ignore"):
+            g = activation(self._project(p, "gate", x), self.config.act)  # (T, n_ff)
         if self.kind == "gate":
             return np.abs(g)
-        if self.kind == "gate_up":
-            u = kernel.matmul(p["up"], x, n_threads=nt)                  # (T, n_ff)
-        else:
-            z = kernel.matmul(p["up_a"], x, n_threads=nt)                # (T, r)
-            u = kernel.matmul(p["up_b"], z, n_threads=nt)                # (T, n_ff)
-        return np.abs(g * u)
+        return np.abs(g * self._project(p, "up", x))                     # (T, n_ff)
+
+    def _project(self, parts: dict, role: str, x: np.ndarray) -> np.ndarray:
+        """(T, n_ff) W x for the full matrix `role`, or Wb (Wa x) for its low-rank pair."""
+        if role in parts:
+            return kernel.matmul(parts[role], x, n_threads=self.n_threads)
+        z = kernel.matmul(parts[role + "_a"], x, n_threads=self.n_threads)          # (T, r)
+        return kernel.matmul(parts[role + "_b"], z, n_threads=self.n_threads)
 
     def predict(self, layer: int, h) -> np.ndarray:
         """(m,) int32 sorted slots predicted active for at least one token of h (T, d_model)."""
@@ -142,9 +139,11 @@ def _shapes(cfg: ModelConfig, kind: str, parts: dict) -> dict[str, tuple[int, ..
     rank = lambda role: parts[role].rows if isinstance(parts[role], QTensor) else -1  # noqa: E731
     if kind == "lowrank":
         return {"a": (rank("a"), d), "b": (n, rank("a")), "bias": (n,)}
-    if kind == "gate_lrup":
-        return {"gate": (n, d), "up_a": (rank("up_a"), d), "up_b": (n, rank("up_a"))}
-    return {role: (n, d) for role in KINDS[kind]}
+    out = {role: (n, d) for role in KINDS[kind] if role in ("gate", "up")}
+    for w in ("gate", "up"):
+        if w + "_a" in KINDS[kind]:
+            out.update({w + "_a": (rank(w + "_a"), d), w + "_b": (n, rank(w + "_a"))})
+    return out
 
 
 # ---- saving -----------------------------------------------------------------------------------

@@ -15,7 +15,8 @@ import numpy as np
 from . import quant
 from .bundle_format import tensor_dtype
 from .errors import FlashError
-from .predictor import KINDS, Predictor, act_np
+from .calibrate import ffn_weights
+from .predictor import KINDS, Predictor
 from .tensor import QTensor
 
 
@@ -27,24 +28,6 @@ def qtensor(x: np.ndarray, dtype: str) -> QTensor:
     """x (rows, cols) f32 stored as dtype (f16 when a quantized dtype does not fit the cols)."""
     dt = tensor_dtype(dtype, x.shape)
     return QTensor(quant.quantize_rows(x, dt, n_threads=1), dt, *x.shape)
-
-
-def slot_weights(flash, layer: int) -> tuple[Optional[np.ndarray], np.ndarray]:
-    """(gate (n_ff, d) or None, up (n_ff, d)) f32 in slot order, decoded from ffn.bin's bundles."""
-    f = flash.ffn
-    b = flash.read_ffn_layer(layer)                                       # (n_ff, stride) uint8
-    part = lambda k: quant.dequantize_rows(                               # noqa: E731
-        np.ascontiguousarray(b[:, k * f.part_bytes:(k + 1) * f.part_bytes]), f.dtype, f.d_model,
-        n_threads=1)                                                      # (n_ff, d)
-    return (part(0), part(1)) if f.glu else (None, part(0))
-
-
-def exact_acts(gate: Optional[np.ndarray], up: np.ndarray, h: np.ndarray, act: str) -> np.ndarray:
-    """(N, n_ff) |act(g)·u| (GLU) or act(u) (plain) for h (N, d)."""
-    u = h @ up.T                                                          # (N, n_ff)
-    if gate is None:
-        return act_np(u, act)
-    return np.abs(act_np(h @ gate.T, act) * u)
 
 
 def threshold_for(scores: np.ndarray, mask: np.ndarray, recall: Optional[float] = None,
@@ -114,16 +97,19 @@ def train_lowrank(h: np.ndarray, mask: np.ndarray, a: np.ndarray, b: np.ndarray,
 def layer_parts(kind: str, gate: Optional[np.ndarray], up: np.ndarray, h: np.ndarray,
                 mask: np.ndarray, rank: int, dtype: str, epochs: int) -> dict:
     """One layer's predictor parts of `kind` (see flashllm.predictor) fitted to h (N, d)."""
-    if kind in ("gate", "gate_up", "gate_lrup") and gate is None:
+    if kind != "lowrank" and gate is None:
         raise TrainError(f"a {kind} predictor needs a gated (GLU) FFN")
     if kind == "gate":
         return {"gate": qtensor(gate, dtype)}
     if kind == "gate_up":
         return {"gate": qtensor(gate, dtype), "up": qtensor(up, dtype)}
-    if kind == "gate_lrup":
+    if kind in ("gate_lrup", "lr_gate_up"):
         ub, ua = lowrank_fit(up, h, rank)                                 # (n, r), (r, d)
-        return {"gate": qtensor(gate, dtype), "up_a": qtensor(ua, "f16"),
-                "up_b": qtensor(ub, "f16")}
+        out = {"up_a": qtensor(ua, "q8_0"), "up_b": qtensor(ub, "q8_0")}
+        if kind == "gate_lrup":
+            return {"gate": qtensor(gate, dtype), **out}
+        gb, ga = lowrank_fit(gate, h, rank)                               # (n, r), (r, d)
+        return {"gate_a": qtensor(ga, "q8_0"), "gate_b": qtensor(gb, "q8_0"), **out}
     b, a = lowrank_fit(lstsq_weights(h, mask), h, rank)                  # (n, r), (r, d)
     scale = 1.0 / max(float(np.std(h @ a.T @ b.T)), 1e-6)
     bias = -np.quantile(h @ a.T @ b.T * scale, 1.0 - mask.mean(), axis=0)  # (n,) start at the rate
@@ -151,7 +137,8 @@ def train_predictor(flash, h_by_layer: list, acts_by_layer: list, kind: str,
         h = np.asarray(h_by_layer[i], dtype=np.float32)                   # (N, d)
         mask = np.asarray(acts_by_layer[i]) >= act_thresholds[i]          # (N, n_ff)
         cut = max(1, int(len(h) * (1.0 - held_out)))
-        gate, up = slot_weights(flash, i)                                 # (n, d) each
+        w = ffn_weights(flash, i)
+        gate, up = w.gate, w.up                                           # (n, d) each
         parts = layer_parts(kind, gate, up, h[:cut], mask[:cut], per(rank, i), dtype, epochs)
         layers.append(parts)
         probe = Predictor(cfg, kind, [parts] * cfg.n_layers, [0.0] * cfg.n_layers, n_threads)

@@ -22,11 +22,14 @@ import numpy as np
 
 from flashllm import kernel
 from flashllm.bundle import open_flash
+from flashllm.calibrate import (collect_ffn_inputs, default_criterion, ffn_activations,
+                                layer_thresholds)
 from flashllm.cli import cache_dir, registry_path
 from flashllm.corpus import builtin_text
 from flashllm.ffn import DenseFfn
 from flashllm.model import Model
-from flashllm.predictor_train import exact_acts, mask_metrics, slot_weights, train_predictor
+from flashllm.perplexity import bos_to_add, perplexity
+from flashllm.predictor_train import mask_metrics, train_predictor
 from flashllm.registry import resolve_model
 from flashllm.tokenizer import Tokenizer
 
@@ -38,21 +41,9 @@ CANDIDATES = {
     "gate-q4": ("gate", {"dtype": "q4_0"}),
     "gate_up-q4": ("gate_up", {"dtype": "q4_0"}),
     "gate_lrup-q4": ("gate_lrup", {"rank": 128, "dtype": "q4_0"}),
+    "lr_gate_up-r128": ("lr_gate_up", {"rank": 128}),
+    "lr_gate_up-r256": ("lr_gate_up", {"rank": 256}),
 }
-
-
-class Recorder:
-    """FFN strategy: the dense FFN, keeping a copy of every layer's input h."""
-
-    def __init__(self, dense: DenseFfn, n_layers: int):
-        self.dense, self.h = dense, [[] for _ in range(n_layers)]
-
-    def __call__(self, layer, h, x):
-        self.h[layer].append(np.array(h, dtype=np.float32))             # (T, d)
-        self.dense(layer, h, x)
-
-    def stats(self):
-        return {"ffn": "recorder"}
 
 
 class SparseEval:
@@ -79,34 +70,6 @@ class SparseEval:
 
     def stats(self):
         return {"ffn": "sparse-eval"}
-
-
-def chunks(tokens: list, n_ctx: int) -> list:
-    return [tokens[i:i + n_ctx] for i in range(0, len(tokens) - n_ctx + 1, n_ctx)]
-
-
-def perplexity(model: Model, tokens: list, n_ctx: int) -> float:
-    """llama.cpp's definition: chunks of n_ctx, the second half of each chunk scored."""
-    nll, count = 0.0, 0
-    for c in chunks(tokens, n_ctx):
-        model.reset()
-        logits = model.forward(np.array(c), 0)                           # (n_ctx, vocab)
-        first = n_ctx // 2
-        z = logits[first - 1:-1].astype(np.float64)                      # (n, vocab)
-        z -= z.max(axis=1, keepdims=True)
-        lp = z[np.arange(len(z)), c[first:]] - np.log(np.exp(z).sum(axis=1))
-        nll, count = nll - lp.sum(), count + len(lp)
-    return float(np.exp(nll / count))
-
-
-def capture(model: Model, dense: DenseFfn, tokens: list, n_ctx: int) -> list:
-    """Per layer the (N, d) FFN inputs of the dense model over tokens."""
-    rec = Recorder(dense, model.config.n_layers)
-    model.ffn = rec
-    for c in chunks(tokens, n_ctx):
-        model.reset()
-        model.forward(np.array(c), 0, last_only=True)
-    return [np.concatenate(hs) for hs in rec.h]
 
 
 class Curves:
@@ -138,6 +101,10 @@ class Curves:
         return [float(t[i]) for t, i in zip(self.th, idx)]
 
 
+def ppl(model, tokens, args) -> float:
+    return perplexity(model, tokens, args.n_ctx, bos_id=args.bos).ppl
+
+
 def held_out_metrics(pred, thresholds, hs, masks) -> dict:
     per = [mask_metrics(pred.score(l, h) >= t, m) for l, (h, m, t) in
            enumerate(zip(hs, masks, thresholds))]
@@ -161,22 +128,23 @@ def study(args) -> dict:
     model = Model(flash, n_threads=1, n_ctx=args.n_ctx, ffn=dense)
     cal = tok.encode(builtin_text("calibration", "code", args.calib_tokens * 6).text)[:args.calib_tokens]
     ev = tok.encode(builtin_text("evaluation", "code", args.eval_tokens * 6).text)[:args.eval_tokens]
+    args.bos = bos_to_add(tok, cfg.bos_token_id)
     log(f"{path}: {len(cal)} calibration / {len(ev)} evaluation tokens")
-    hs = capture(model, dense, cal, args.n_ctx)                           # n_layers x (N, d)
-    acts_th, masks = [], []
-    for layer in range(cfg.n_layers):
-        a = exact_acts(*slot_weights(flash, layer), hs[layer], cfg.act)  # (N, n_ff)
-        acts_th.append(float(np.quantile(a, args.sparsity)))
-        masks.append(a >= acts_th[-1])
+    hs = collect_ffn_inputs(model, cal, args.n_ctx)                     # n_layers x (N, d)
+    crit = default_criterion(cfg)
+    acts = [ffn_activations(flash, i, hs[i], crit) for i in range(cfg.n_layers)]  # (N, n_ff)
+    acts_th = layer_thresholds(acts, args.sparsity)
+    masks = [a >= t for a, t in zip(acts, acts_th)]                       # (N, n_ff) bool
+    del acts
     cut = int(len(hs[0]) * 0.75)
     held_h, held_m = [h[cut:] for h in hs], [m[cut:] for m in masks]
     out = {"model": str(path), "dtype": args.dtype, "sparsity": args.sparsity,
            "calib_tokens": len(cal), "eval_tokens": len(ev), "n_ctx": args.n_ctx, "rows": []}
     t0 = time.perf_counter()
     model.ffn = dense
-    out["dense_ppl"] = perplexity(model, ev, args.n_ctx)
+    out["dense_ppl"] = ppl(model, ev, args)
     model.ffn = SparseEval(dense, acts_th)
-    out["oracle_ppl"] = perplexity(model, ev, args.n_ctx)
+    out["oracle_ppl"] = ppl(model, ev, args)
     log(f"dense {out['dense_ppl']:.4f}  oracle mask {out['oracle_ppl']:.4f} "
         f"({time.perf_counter() - t0:.0f} s)")
     for name in args.candidates:
@@ -193,7 +161,7 @@ def study(args) -> dict:
                 pred.thresholds = th
                 strat = SparseEval(dense, acts_th, pred, th)
                 model.ffn = strat
-                ppl = perplexity(model, ev, args.n_ctx)
+                ppl = ppl(model, ev, args)
                 row = {"candidate": name, "kind": kind, "alloc": alloc, "target_load": load,
                        "eval_load": strat.loaded / max(strat.tokens, 1) / cfg.n_ff,
                        "ppl": ppl, "ppl_ratio": ppl / out["dense_ppl"],

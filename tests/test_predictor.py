@@ -32,7 +32,7 @@ def random_parts(cfg, kind, rank=32, dtype="q8_0", seed=0):
     rng = np.random.default_rng(seed)
     d, n = cfg.d_model, cfg.n_ff
     mats = {"gate": (n, d), "up": (n, d), "a": (rank, d), "b": (n, rank), "up_a": (rank, d),
-            "up_b": (n, rank)}
+            "up_b": (n, rank), "gate_a": (rank, d), "gate_b": (n, rank)}
     from flashllm.predictor import KINDS
     out = {}
     for role in KINDS[kind]:
@@ -49,14 +49,14 @@ def numpy_score(kind, parts, h):
              else v.astype(np.float64)) for k, v in parts.items()}
     if kind == "lowrank":
         return h @ w["a"].T @ w["b"].T + w["bias"]
-    g = silu(h @ w["gate"].T)
+    g = silu(h @ w["gate_a"].T @ w["gate_b"].T if kind == "lr_gate_up" else h @ w["gate"].T)
     if kind == "gate":
         return np.abs(g)
     u = h @ w["up"].T if kind == "gate_up" else h @ w["up_a"].T @ w["up_b"].T
     return np.abs(g * u)
 
 
-@pytest.mark.parametrize("kind", ["lowrank", "gate", "gate_up", "gate_lrup"])
+@pytest.mark.parametrize("kind", ["lowrank", "gate", "gate_up", "gate_lrup", "lr_gate_up"])
 @pytest.mark.parametrize("dtype", ["q8_0", "q4_0"])
 def test_predict_matches_numpy_rule(cfg, kind, dtype):
     layers = [random_parts(cfg, kind, dtype=dtype, seed=i) for i in range(cfg.n_layers)]
