@@ -1,0 +1,238 @@
+"""The sparse flash FFN: per token, predictor → neuron cache → direct-I/O reads of the misses →
+sparse FFN in C over the resident bundles, under the DRAM budget's plan (budget.py).
+
+Decode (T = 1), per layer:
+    slots = predictor.predict(layer, h)          sorted int32 slots predicted active
+    hits, misses = cache.lookup(slots)           rows already in DRAM / slots to read
+    rows = cache.insert(misses)                  rows for the misses (evicting stale rows)
+    read misses → rows   (a worker thread)   ‖   y += FFN over the hits (C kernel, no GIL)
+    y += FFN over the new rows; misses the cache could not take stream through the staging buffer
+Prefill (T > 1) reads the layer whole and sequentially through the staging buffer (pinned rows
+come from the cache) and computes densely. --naive reads every bundle of the layer every token
+(the paper's baseline). Every path applies the layer's calibrated magnitude threshold (manifest
+`sparsity.thresholds`, 0 when absent). Predictors: anything with predict(layer, h) -> sorted
+int32 slots and nbytes; AllSlots and StaticHot here need no training.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
+
+import numpy as np
+
+from . import kernel
+from .budget import BudgetPlan
+from .cache import NeuronCache
+from .costmodel import CostModel, run_size
+from .ffn import bundle_ids, up_biases
+from .flash_stats import FlashStats, TokenStats
+from .ioreader import aligned_empty
+
+clock = time.perf_counter
+
+
+class AllSlots:
+    """Every slot active: with threshold 0 the flash path computes exactly the dense FFN."""
+
+    nbytes = 0
+
+    def __init__(self, n_ff: int):
+        self.slots = np.arange(n_ff, dtype=np.int32)            # (n_ff,)
+
+    def predict(self, layer: int, h: np.ndarray) -> np.ndarray:
+        return self.slots
+
+
+class StaticHot:
+    """The first k slots of every layer: with hot-first order, the k most often active neurons."""
+
+    nbytes = 0
+
+    def __init__(self, n_ff: int, fraction: float):
+        self.slots = np.arange(max(1, int(round(n_ff * fraction))), dtype=np.int32)  # (k,)
+
+    def predict(self, layer: int, h: np.ndarray) -> np.ndarray:
+        return self.slots
+
+
+def thresholds(manifest: dict, n_layers: int) -> list[float]:
+    """Per-layer magnitude thresholds of the manifest's sparsity section; zeros when absent."""
+    t = manifest.get("sparsity", {}).get("thresholds")
+    return [float(v) for v in t] if t and len(t) == n_layers else [0.0] * n_layers
+
+
+class SparseFlashFfn:
+    """An FFN strategy (flashllm/ffn.py) that streams bundles from ffn.bin through `reader`."""
+
+    def __init__(self, flash, predictor, budget_plan: BudgetPlan, reader, n_threads: int = 1,
+                 window: int = 4, naive: bool = False, cost: Optional[CostModel] = None,
+                 check: bool = False):
+        cfg, f = flash.config, flash.ffn
+        self.flash, self.f, self.predictor, self.reader = flash, f, predictor, reader
+        self.d, self.glu, self.act, self.n_threads = cfg.d_model, cfg.glu, cfg.act, n_threads
+        self.naive, self.check, self.plan = naive, check, budget_plan
+        self.ids = [bundle_ids(flash, i) for i in range(cfg.n_layers)]   # (n_ff,) int32 or None
+        self.up_b = up_biases(flash)                                     # (n_ff,) f32 or None
+        self.threshold = thresholds(flash.manifest, cfg.n_layers)
+        self.staging = aligned_empty(budget_plan.staging_rows * f.stride).reshape(
+            -1, f.stride)                                                # (staging_rows, stride)
+        cost = cost or CostModel.defaults()
+        self.fit = cost.fits[cost.nearest(reader.n_threads)]
+        self.caches = [] if naive else [
+            NeuronCache(f.n_ff, budget_plan.capacity, f.stride, window, budget_plan.n_pinned)
+            for _ in range(cfg.n_layers)]
+        self.rec = FlashStats("naive" if naive else "sparse", {"summary": budget_plan.summary()})
+        self._token: Optional[TokenStats] = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="flashllm-read")
+        for layer, cache in enumerate(self.caches):
+            self._read_seq(layer, cache.pin(), cache.matrix, None)
+
+    # ---- the strategy seam -------------------------------------------------------------------
+
+    def __call__(self, layer: int, h: np.ndarray, x: np.ndarray) -> None:
+        if layer == 0:
+            self._token = self.rec.start("decode" if len(h) == 1 else "prefill", len(h))
+        if len(h) == 1 and not self.naive:
+            self._decode(layer, h, x)
+            return
+        pinned = 0 if self.naive else self.caches[layer].n_pinned
+        if pinned:
+            t0 = clock()
+            self._compute(layer, self.caches[layer].matrix, np.arange(pinned, dtype=np.int32), h,
+                          x, self.caches[layer])
+            self._token.compute_s += clock() - t0
+        self._stream(layer, np.arange(pinned, self.f.n_ff, dtype=np.int32), h, x)
+
+    def stats(self) -> dict:
+        return self.rec.to_dict(lambda size: self.fit.gib_s(max(size, 1.0)))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    # ---- decode ------------------------------------------------------------------------------
+
+    def _decode(self, layer: int, h: np.ndarray, x: np.ndarray) -> None:
+        t, cache = self._token, self.caches[layer]
+        t0 = clock()
+        slots = np.asarray(self.predictor.predict(layer, h), dtype=np.int32)  # (n,) sorted
+        t1 = clock()
+        cache.next_token()
+        rows_hit, miss = cache.lookup(slots)                     # (h,) rows, (m,) slots
+        moved = cache.copied_rows
+        rows_new = cache.insert(miss)                            # (k,) rows for miss[:k]
+        if cache.copied_rows != moved:                           # swap-delete moved rows
+            hit = np.ones(len(slots), dtype=bool)                # (n,)
+            hit[np.searchsorted(slots, miss)] = False
+            rows_hit = cache.rows_of(slots[hit])                 # (h,)
+        fit, over = miss[:len(rows_new)], miss[len(rows_new):]   # (k,) cached, (m-k,) streamed
+        t2 = clock()
+        job = self._pool.submit(self._read_rows, layer, fit, cache.matrix, rows_new, t) \
+            if len(fit) else None
+        self._compute(layer, cache.matrix, rows_hit, h, x, cache)
+        t3 = clock()
+        if job is not None:
+            job.result()
+        t4 = clock()
+        self._compute(layer, cache.matrix, rows_new, h, x, cache)
+        t5 = clock()
+        if len(over):
+            self._stream(layer, over, h, x)
+        t.predict_s += t1 - t0
+        t.mm_s += t2 - t1
+        t.io_s += t4 - t3
+        t.compute_s += (t3 - t2) + (t5 - t4)
+        t.active += len(slots)
+        t.hits += len(rows_hit)
+        if self.check:
+            self._check_recall(layer, h, slots, t)
+
+    def _compute(self, layer: int, matrix: np.ndarray, rows: np.ndarray, h: np.ndarray,
+                 x: np.ndarray, cache: Optional[NeuronCache] = None) -> None:
+        """x (T, d) += FFN over rows (k,) of matrix (n, stride); row i holds slot cache.slot_of[i]
+        (or slot i without a cache)."""
+        if len(rows) == 0:
+            return
+        ub, ids = self.up_b[layer], None
+        if ub is not None:
+            slots = cache.slot_of[:len(matrix)] if cache is not None else \
+                np.arange(len(matrix), dtype=np.int32)           # (n,) slot of each row
+            slots = np.maximum(slots, 0)
+            order = self.ids[layer]
+            ids = order[slots] if order is not None else slots   # (n,) neuron id of each row
+        kernel.ffn_bundles(matrix, self.f.dtype, self.d, self.glu, self.act, h, x, ids=ids,
+                           up_bias=ub, n_threads=self.n_threads, rows=rows,
+                           threshold=self.threshold[layer])
+
+    # ---- reads -------------------------------------------------------------------------------
+
+    def _read_seq(self, layer: int, slots: np.ndarray, out: np.ndarray,
+                  t: Optional[TokenStats]) -> None:
+        """Consecutive slots (k,) → out rows 0 .. k-1 in one sequential run (cut into the
+        reader's largest reads)."""
+        if len(slots):
+            start = self.f.layer_offsets[layer] + int(slots[0]) * self.f.stride
+            nbytes = np.array([len(slots) * self.f.stride])              # (1,)
+            self._counted(t, self.reader.read, np.array([start]), nbytes, out.reshape(-1),
+                          np.array([0]), max_gap=0, max_run=0)
+
+    def _read_rows(self, layer: int, slots: np.ndarray, out: np.ndarray, rows: np.ndarray,
+                   t: Optional[TokenStats]) -> None:
+        """Bundles slots (k,) sorted → rows (k,) of out, merged across gaps the cost model pays."""
+        f, base = self.f, self.f.layer_offsets[layer]
+        offsets = base + slots.astype(np.int64) * f.stride               # (k,)
+        lengths = np.full(len(slots), f.stride, dtype=np.int64)          # (k,)
+        self._counted(t, self.reader.read_bundles, base, f.stride, slots, out, rows,
+                      max_gap=self.fit.merge_gap,
+                      max_run=run_size(offsets, lengths, self.reader.n_threads))
+
+    def _counted(self, t: Optional[TokenStats], read, *args, **kwargs) -> None:
+        """read(*args, **kwargs), its reader counters added to t."""
+        before = self.reader.stats()
+        read(*args, **kwargs)
+        if t is not None:
+            after = self.reader.stats()
+            t.bytes_read += after.bytes_read - before.bytes_read
+            t.bytes_requested += after.bytes_requested - before.bytes_requested
+            t.gap_bytes += after.gap_bytes - before.gap_bytes
+            t.reads += after.reads - before.reads
+            t.read_s += after.seconds - before.seconds
+
+    def _stream(self, layer: int, slots: np.ndarray, h: np.ndarray, x: np.ndarray) -> None:
+        """x += FFN over slots (m,) read through the staging buffer, chunk by chunk (sequential
+        runs when slots are consecutive)."""
+        t, step = self._token, len(self.staging)
+        for c in range(0, len(slots), step):
+            chunk = slots[c:c + step]                            # (k,)
+            t0 = clock()
+            if int(chunk[-1] - chunk[0]) + 1 == len(chunk):
+                self._read_seq(layer, chunk, self.staging, t)
+            else:
+                self._read_rows(layer, chunk, self.staging, np.arange(len(chunk), dtype=np.int32), t)
+            t1 = clock()
+            self._compute_staged(layer, chunk, h, x)
+            t.io_s += t1 - t0
+            t.compute_s += clock() - t1
+            t.streamed += len(chunk)
+
+    def _compute_staged(self, layer: int, chunk: np.ndarray, h: np.ndarray, x: np.ndarray) -> None:
+        """x += FFN over staging rows 0 .. k-1, which hold slots chunk (k,)."""
+        ub, ids, order = self.up_b[layer], None, self.ids[layer]
+        if ub is not None:
+            ids = order[chunk] if order is not None else chunk   # (k,) neuron ids
+        kernel.ffn_bundles(self.staging[:len(chunk)], self.f.dtype, self.d, self.glu, self.act,
+                           h, x, ids=ids, up_bias=ub, n_threads=self.n_threads,
+                           threshold=self.threshold[layer])
+
+    # ---- predictor recall (check mode) -------------------------------------------------------
+
+    def _check_recall(self, layer: int, h: np.ndarray, slots: np.ndarray, t: TokenStats) -> None:
+        """Exact active set of this token from the layer's weights (slow: dequantizes the layer);
+        counts it and how much of it the predictor found."""
+        from .calibrate import active_mask, default_criterion, ffn_activations
+        crit = self.flash.manifest.get("sparsity", {}).get("criterion") or \
+            default_criterion(self.flash.config)
+        scores = ffn_activations(self.flash, layer, h, crit)     # (1, n_ff)
+        true = np.flatnonzero(active_mask(scores, self.threshold[layer], crit)[0])  # (a,)
+        t.true_active += len(true)
+        t.true_hits += int(np.isin(true, slots, assume_unique=True).sum())
