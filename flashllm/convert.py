@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+import os
+import signal
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
@@ -145,44 +147,72 @@ def _run_here(src, dest, dtype, force, bar, task, report) -> JobResult:
 
 
 def _job(queue, index: int, src: Path, dest: Path | str, dtype: str, force: bool) -> JobResult:
-    """Runs in a worker process; progress goes to the parent through queue by percent steps."""
+    """Runs in a worker process: announces its pid (done = -1), then progress by percent steps.
+    The progress display is not essential: a queue that has gone away is ignored."""
     shown = [-1]
+
+    def tell(done: int, total: int) -> None:
+        try:
+            queue.put((index, done, total))
+        except (OSError, EOFError):
+            pass
 
     def progress(done: int, total: int) -> None:
         pct = 100 * done // max(total, 1)
         if pct != shown[0]:
             shown[0] = pct
-            queue.put((index, done, total))
+            tell(done, total)
 
+    tell(-1, os.getpid())
     return _one(src, dest, dtype, force, progress)
 
 
 def _run_pool(pairs, dtype, force, jobs, bar, tasks, report) -> list[JobResult]:
-    """Convert the pairs in `jobs` spawned worker processes; a crashed worker fails its source."""
+    """Convert the pairs in `jobs` spawned worker processes; a crashed worker fails its source.
+    Ctrl-C interrupts the running conversions (each removes its temporary folder) and re-raises."""
     ctx = multiprocessing.get_context("spawn")
     results: list[JobResult | None] = [None] * len(pairs)
+    pids: dict[int, int] = {}                  # job index -> worker pid, while it runs
     with ctx.Manager() as manager, ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
         queue = manager.Queue()
         futures = {pool.submit(_job, queue, i, src, dest, dtype, force): i
                    for i, (src, dest) in enumerate(pairs)}
         pending = set(futures)
-        while pending:
-            done, pending = wait(pending, timeout=0.1, return_when=FIRST_COMPLETED)
-            _drain(queue, bar, tasks)
-            for fut in done:
-                i = futures[fut]
-                results[i] = _result_of(fut, *pairs[i])
-                report(results[i], tasks[i])
+        try:
+            while pending:
+                done, pending = wait(pending, timeout=0.1, return_when=FIRST_COMPLETED)
+                _drain(queue, bar, tasks, pids)
+                for fut in done:
+                    i = futures[fut]
+                    pids.pop(i, None)
+                    results[i] = _result_of(fut, *pairs[i])
+                    report(results[i], tasks[i])
+        except KeyboardInterrupt:
+            _drain(queue, bar, tasks, pids)
+            _interrupt(pids.values())
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
     return results
 
 
-def _drain(queue, bar, tasks) -> None:
+def _interrupt(pids) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGINT)
+        except OSError:
+            pass
+
+
+def _drain(queue, bar, tasks, pids: dict[int, int]) -> None:
     while True:
         try:
             index, done, total = queue.get_nowait()
-        except (Empty, OSError, ValueError):
+        except (Empty, OSError, EOFError, ValueError):
             return
-        bar.update(tasks[index], completed=done, total=total)
+        if done < 0:
+            pids[index] = total
+        else:
+            bar.update(tasks[index], completed=done, total=total)
 
 
 def _result_of(fut, src: Path, dest) -> JobResult:

@@ -109,3 +109,25 @@ def test_models_with_a_broken_registry_is_one_line(tmp_path):
     bad.write_text("[models.x]\nsize = 'big'\n")
     proc = flashllm("models", env={"FLASHLLM_MODELS": str(bad), "FLASHLLM_CACHE": str(tmp_path)})
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and "models.toml entry 'x'" in proc.stderr
+
+
+@pytest.mark.realmodel
+@pytest.mark.parametrize("whom", ["group", "parent"])
+def test_ctrl_c_during_convert_jobs_leaves_nothing(tmp_path, whom):
+    import signal
+    import time
+    srcs = [Path("/work/models/qwen05.gguf"), Path("/work/models/smollm2-135m.gguf")]
+    if not all(s.exists() for s in srcs):
+        pytest.skip("the real GGUF files are not present")
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "flashllm.cli", "convert", *map(str, srcs), "-o", str(out),
+                             "--jobs", "2"], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not (out.exists() and any(p.name.startswith(".") for p in out.iterdir())):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.2)
+    (os.killpg if whom == "group" else os.kill)(proc.pid, signal.SIGINT)   # Ctrl-C / kill -INT
+    stderr = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130 and stderr.rstrip().endswith("interrupted") and "Traceback" not in stderr
+    assert list(out.iterdir()) == []
