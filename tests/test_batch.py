@@ -112,7 +112,7 @@ def test_models_with_a_broken_registry_is_one_line(tmp_path):
 
 
 @pytest.mark.realmodel
-@pytest.mark.parametrize("whom", ["group", "parent"])
+@pytest.mark.parametrize("whom", ["group", pytest.param("parent", marks=pytest.mark.slow)])
 def test_ctrl_c_during_convert_jobs_leaves_nothing(tmp_path, whom):
     import signal
     import time
