@@ -273,6 +273,7 @@ def _check_ffn(path: Path, m: dict, cfg: ModelConfig) -> FfnLayout:
     for key, value in want.items():
         if f.get(key) != value:
             raise FormatError(f"{where}: {key}={f.get(key)!r}, the config needs {value!r}")
+    file = _side_file(path, f, where)      # ffn.bin, or the file a hot-first rewrite made
     stride, layer_bytes, size = (_nat(f, k, where) for k in ("stride", "layer_bytes", "nbytes"))
     n_ff, used = cfg.n_ff, len(want["parts"]) * want["part_bytes"]
     if stride < used or stride % STRIDE_ALIGN or layer_bytes < n_ff * stride or layer_bytes % FFN_ALIGN:
@@ -287,10 +288,10 @@ def _check_ffn(path: Path, m: dict, cfg: ModelConfig) -> FfnLayout:
         if e.get("nbytes") != n_ff * stride or off % FFN_ALIGN or off < FFN_ALIGN \
                 or off + layer_bytes > size or (i and off < offsets[i - 1] + layer_bytes):
             raise FormatError(f"{where}.layers[{i}]: region at {off} is misaligned, overlapping or "
-                              f"outside {FFN_FILE} ({size} bytes)")
-    _check_ffn_header(path / FFN_FILE, size, (DTYPE_CODES[dtype], int(cfg.glu), cfg.n_layers,
+                              f"outside {file.name} ({size} bytes)")
+    _check_ffn_header(file, size, (DTYPE_CODES[dtype], int(cfg.glu), cfg.n_layers,
                       cfg.d_model, n_ff, want["part_bytes"], stride, layer_bytes, size))
-    return FfnLayout(path / FFN_FILE, dtype, cfg.glu, cfg.d_model, n_ff, want["part_bytes"], stride,
+    return FfnLayout(file, dtype, cfg.glu, cfg.d_model, n_ff, want["part_bytes"], stride,
                      offsets, n_ff * stride, crcs, _read_order(path, f.get("neuron_order"), cfg))
 
 

@@ -271,8 +271,9 @@ class FlashWriter:
 
 def update_manifest(path: Path, **sections: dict) -> None:
     """Replace the reserved manifest sections (`sparsity`, `predictor`) of the model folder at path,
-    atomically (temporary file, fsync, rename). Side files they name must already be in the folder."""
-    unknown = set(sections) - {"sparsity", "predictor"}
+    or its `ffn` section (a hot-first rewrite), atomically (temporary file, fsync, rename). Side
+    files they name must already be complete and fsync'd in the folder."""
+    unknown = set(sections) - {"sparsity", "predictor", "ffn"}
     if unknown:
         raise FormatError(f"manifest sections {sorted(unknown)} cannot be updated")
     file = Path(path) / MANIFEST_FILE

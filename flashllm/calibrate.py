@@ -15,12 +15,15 @@ relu). Everything here works in slots: column j of an activation matrix is slot 
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from .bundle_write import update_manifest
 from .errors import FlashError
+from .hotfirst import rewrite_hot_first, write_frequency
 from .quant import dequantize_rows
 
 CRITERIA = ("glu_product", "gate", "relu", "magnitude")
@@ -219,3 +222,58 @@ def active_mask(scores: np.ndarray, thresh: float, criterion: str) -> np.ndarray
 def frequencies(scores: np.ndarray, thresh: float, criterion: str) -> np.ndarray:
     """(n_ff,) f64 fraction of tokens for which each slot is active."""
     return active_mask(scores, thresh, criterion).mean(axis=0, dtype=np.float64)
+
+
+# ---- the whole calibration -----------------------------------------------------------------
+
+def hot_share(freq: np.ndarray, top: float = 0.2) -> float:
+    """Share of all activations that fall on the `top` fraction of most frequent slots."""
+    f = np.sort(np.asarray(freq, np.float64))[::-1]                # (n_ff,)
+    total = f.sum()
+    return float(f[:max(1, int(round(top * f.size)))].sum() / total) if total > 0 else 0.0
+
+
+def layer_statistics(flash, inputs, sparsity: float, criterion: str, n_threads: int = 1,
+                     log: Callable[[str], None] = lambda m: None):
+    """Per layer from its FFN inputs (N, d_model): threshold, per-slot frequency, achieved
+    sparsity. Returns (thresholds [L], freq (L, n_ff) f64, achieved [L])."""
+    check_criterion(flash.config, criterion)
+    thresholds, freqs, achieved = [], [], []
+    for layer, h in enumerate(inputs):
+        scores = ffn_activations(flash, layer, h, criterion, n_threads=n_threads)  # (N, n_ff)
+        t = 0.0 if criterion == "relu" else threshold(scores, sparsity)
+        freq = frequencies(scores, t, criterion)                                    # (n_ff,)
+        thresholds.append(t)
+        freqs.append(freq)
+        achieved.append(1.0 - float(freq.mean()))
+        log(f"layer {layer}: threshold {t:.4g}, sparsity {achieved[-1]:.3f}, "
+            f"hottest 20% carry {hot_share(freq):.2f}")
+    return thresholds, np.stack(freqs), achieved
+
+
+def calibrate_model(flash, tokens: Sequence[int], text: dict, sparsity: float,
+                    criterion: Optional[str] = None, n_ctx: int = 512, reorder: bool = True,
+                    n_threads: int = 1, log: Callable[[str], None] = lambda m: None) -> dict:
+    """Calibrate the model folder of `flash` on tokens: thresholds for the target sparsity,
+    per-slot frequencies, and (reorder) the hot-first FFN rewrite. Writes and returns the
+    manifest's sparsity section; the model stays valid if this is interrupted."""
+    criterion = criterion or default_criterion(flash.config)
+    check_criterion(flash.config, criterion)
+    inputs = collect_ffn_inputs(flash, tokens, n_ctx=n_ctx, n_threads=n_threads)
+    thresholds, freq, achieved = layer_statistics(flash, inputs, sparsity, criterion, n_threads, log)
+    ids = np.asarray(tokens, dtype="<i4")                          # (N,)
+    section = {"criterion": criterion, "target": sparsity, "thresholds": thresholds,
+               "achieved": achieved,
+               "calibration": {"text": text, "n_tokens": len(ids), "n_ctx": n_ctx,
+                               "tokens_sha256": hashlib.sha256(ids.tobytes()).hexdigest()},
+               "hot_first": False,
+               "frequency": {"hot20_share": [hot_share(f) for f in freq],
+                             "never_active": [int((f == 0).sum()) for f in freq]}}
+    if reorder:
+        return rewrite_hot_first(flash, freq, section)
+    old = (flash.manifest.get("sparsity", {}).get("frequency") or {}).get("file")
+    section["frequency"].update(write_frequency(flash.path, freq, old))
+    update_manifest(flash.path, sparsity=section)
+    if old and old != section["frequency"]["file"]:
+        (flash.path / old).unlink(missing_ok=True)
+    return section

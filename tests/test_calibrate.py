@@ -123,3 +123,92 @@ def test_layer_thresholds_and_frequencies_vs_numpy():
     np.testing.assert_array_equal(frequencies(relu, 123.0, "relu"), (relu > 0).mean(0))
     with pytest.raises(CalibrationError, match="sparsity"):
         threshold(acts[0], 1.5)
+
+
+# ---- the whole calibration and the hot-first rewrite --------------------------------------
+
+def _fresh(tiny, name, tmp_path):
+    import shutil
+    _, path = tiny(name)
+    out = tmp_path / "m"
+    shutil.copytree(path, out)
+    return out
+
+
+def _reference_freq(hf, thresholds, criterion):
+    """(L, n_ff) per-neuron-id activation frequency from transformers' own activations."""
+    import torch
+    out = []
+    for layer, h in enumerate(_reference_inputs(hf, TOKENS, N_CTX)):
+        with torch.no_grad():
+            a = _mlps(hf)[layer][1](torch.from_numpy(h)).numpy()             # (N, n_ff)
+        out.append((a > 0).mean(0) if criterion == "relu" else (np.abs(a) >= thresholds[layer]).mean(0))
+    return np.stack(out)
+
+
+def _logits_match(hf, path, tokens):
+    import torch
+    from flashllm.model import Model
+    ours = Model(open_flash(path, verify=True), n_threads=1, n_ctx=64).forward(tokens, 0)
+    with torch.no_grad():
+        ref = hf(torch.tensor(tokens)[None]).logits[0].numpy()
+    assert np.abs(ours - ref).max() / np.abs(ref).max() < 1e-3
+
+
+@pytest.mark.parametrize("name", ["llama", "opt"])
+def test_calibrate_writes_thresholds_and_a_hot_first_order(tiny, tmp_path, name):
+    from flashllm.calibrate import calibrate_model
+    from flashllm.hotfirst import read_frequency
+    hf, _ = tiny(name)
+    path = _fresh(tiny, name, tmp_path)
+    for run in range(2):                                   # the second run reorders a reordered model
+        sec = calibrate_model(open_flash(path), TOKENS, {"source": "test"}, 0.5, n_ctx=N_CTX)
+        flash = open_flash(path, verify=True)
+        assert flash.manifest["sparsity"] == json_roundtrip(sec) and sec["hot_first"]
+        assert sorted(p.name for p in path.iterdir()) == sorted(
+            ["manifest.json", "dense.bin", "tokenizer.json", flash.ffn.file.name,
+             flash.manifest["ffn"]["neuron_order"]["file"], sec["frequency"]["file"]])
+        order, freq = flash.ffn.neuron_order, read_frequency(flash)            # (L, n_ff) each
+        assert np.all(np.diff(freq, axis=1) <= 0)                              # hottest first
+        ref = _reference_freq(hf, sec["thresholds"], sec["criterion"])        # by neuron id
+        np.testing.assert_allclose(freq, np.take_along_axis(ref, order, axis=1), atol=1.5 / len(TOKENS))
+        if sec["criterion"] != "relu":
+            np.testing.assert_allclose(sec["achieved"], 0.5, atol=0.02)
+        _logits_match(hf, path, TOKENS[:40])
+
+
+def json_roundtrip(x):
+    import json
+    return json.loads(json.dumps(x))
+
+
+@pytest.mark.parametrize("where", ["ffn", "manifest"])
+def test_interrupted_calibration_leaves_the_model_valid(tiny, tmp_path, monkeypatch, where):
+    import flashllm.hotfirst as hotfirst
+    from flashllm.bundle import FlashModel
+    from flashllm.calibrate import calibrate_model
+    hf, _ = tiny("llama")
+    path = _fresh(tiny, "llama", tmp_path)
+    before = (path / "manifest.json").read_bytes()
+    armed = []
+    if where == "ffn":          # stop while the reordered FFN file is half written
+        real_perm, real_read = hotfirst.hot_first_permutation, FlashModel.read_ffn_layer
+
+        def read(self, layer):
+            if armed and layer == 1:
+                raise KeyboardInterrupt
+            return real_read(self, layer)
+        monkeypatch.setattr(hotfirst, "hot_first_permutation", lambda f: armed.append(1) or real_perm(f))
+        monkeypatch.setattr(FlashModel, "read_ffn_layer", read)
+    else:                       # stop just before the manifest switch
+        def switch(*args, **kwargs):
+            raise KeyboardInterrupt
+        monkeypatch.setattr(hotfirst, "update_manifest", switch)
+    with pytest.raises(KeyboardInterrupt):
+        calibrate_model(open_flash(path), TOKENS, {}, 0.5, n_ctx=N_CTX)
+    assert (path / "manifest.json").read_bytes() == before
+    assert not [p for p in path.iterdir() if p.name.startswith(".")]       # no temporary files
+    monkeypatch.undo()
+    _logits_match(hf, path, TOKENS[:40])
+    calibrate_model(open_flash(path), TOKENS, {}, 0.5, n_ctx=N_CTX)       # a rerun succeeds
+    _logits_match(hf, path, TOKENS[:40])
