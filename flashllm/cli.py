@@ -156,6 +156,17 @@ def run(
     repeat_last_n: int = typer.Option(64, "--repeat-last-n", help="How many recent tokens the penalty sees."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed (default: random)."),
     no_timings: bool = typer.Option(False, "--no-timings", help="Do not print the timings line."),
+    dram_budget: Optional[str] = typer.Option(
+        None, "--dram-budget", help="Stream the FFN from flash within this DRAM: 1.5GiB, 560MiB, "
+        "or 50% of the converted model (default: everything in DRAM)."),
+    window: Optional[int] = typer.Option(
+        None, "--window", help="Keep the neurons of the last K tokens cached (default 4; 2 for GLU)."),
+    naive: bool = typer.Option(False, "--naive", help="Read every FFN bundle every token (baseline)."),
+    dense: bool = typer.Option(False, "--dense", help="Every FFN bundle in DRAM (the default)."),
+    flash_stats: bool = typer.Option(False, "--stats", help="Per-token flash I/O, cache and latency "
+                                     "table on stderr at the end."),
+    check_recall: bool = typer.Option(False, "--check-recall", help="With --stats: also compute each "
+                                      "token's exact mask for the predictor's recall (slow)."),
 ) -> None:
     """Generate text from a prompt; tokens stream to stdout as they are made."""
     from .generate import generate
@@ -164,15 +175,22 @@ def run(
     from .sampler import Sampler, SamplerParams
     from .tokenizer import Tokenizer
 
+    from .budget import process_rss
+    from .runtime import FlashOptions, make_ffn, plan_run
+
     text = _read_prompt(prompt, file)
-    flash = open_flash(_resolve(model))
+    path = _resolve(model)
+    fopts = FlashOptions(dram_budget, window, naive, dense, check_recall)
+    plan = plan_run(path, fopts, ctx_size, process_rss())     # refuses before loading anything
+    flash = open_flash(path)
     tok = Tokenizer.from_flash(flash)
     ids = tok.encode(text, add_special=True)
     if not ids:
         fail("the prompt is empty (no tokens to start from)")
     if len(ids) + n_predict > ctx_size:
         fail(f"prompt ({len(ids)} tokens) + --n-predict {n_predict} exceed --ctx-size {ctx_size}")
-    net = Model(flash, n_threads=threads, n_ctx=ctx_size)
+    ffn = make_ffn(flash, fopts, plan, threads, cache_dir(), log=lambda m: err.print(m, markup=False))
+    net = Model(flash, n_threads=threads, n_ctx=ctx_size, ffn=ffn)
     sampler = Sampler(SamplerParams(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p,
                                     repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
                                     seed=seed))
@@ -188,6 +206,10 @@ def run(
     out.flush()
     if not no_timings:
         err.print(stats.summary(), markup=False, soft_wrap=True)
+    if flash_stats:
+        from .flash_stats import stats_table
+        err.print(stats_table(net.ffn.stats()) if ffn is not None else "ffn: dense (no flash I/O)",
+                  markup=False, soft_wrap=True, highlight=False)
 
 
 @command
