@@ -1,0 +1,184 @@
+"""The sparse flash FFN against a numpy FFN on the source weights over the same active set; the
+flash path with every slot active and threshold 0 gives the dense model's tokens."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from flashllm.budget import plan_budget, read_manifest
+from flashllm.bundle import FlashWriter, open_flash, update_manifest
+from flashllm.bundle_format import ffn_weight
+from flashllm.ioreader import Reader
+from flashllm.model import Model
+from flashllm.sparse_ffn import AllSlots, SparseFlashFfn
+from tiny_sources import TOKENIZER_JSON, ref_dequant, ref_rows, tiny_arrays, tiny_config
+
+MiB = 1 << 20
+
+
+def write_model(out, glu: bool, dtype: str, seed: int = 0):
+    """A tiny model (layer 0 stored in a random neuron order) and its source arrays."""
+    cfg = tiny_config(glu=glu)
+    arrays = tiny_arrays(cfg, seed)
+    if not glu:   # ReLU with a bias: about half the neurons active, ids index the bias
+        for i in range(cfg.n_layers):
+            arrays[f"blk.{i}.ffn_up.bias"] = np.random.default_rng(i).standard_normal(cfg.n_ff) \
+                .astype(np.float32)
+    order = np.random.default_rng(seed + 1).permutation(cfg.n_ff)        # (n_ff,)
+    with FlashWriter(out, cfg, dtype, source={"name": "test"}) as w:
+        w.set_tokenizer(TOKENIZER_JSON, None)
+        for name, x in arrays.items():
+            if not ffn_weight(name):
+                w.add_tensor(name, x)
+        for i in range(cfg.n_layers):
+            w.add_ffn_layer(i, arrays.get(f"blk.{i}.ffn_gate.weight"),
+                            arrays[f"blk.{i}.ffn_up.weight"], arrays[f"blk.{i}.ffn_down.weight"],
+                            order if i == 0 else None)
+        w.finish()
+    return cfg, arrays, order
+
+
+def reference_ffn(cfg, arrays, dtype, layer, h, neurons, threshold):
+    """y (T, d) of the FFN restricted to neuron ids, from the source weights (quantized by gguf-py's
+    reference for q8_0), terms with |a| < threshold dropped."""
+    def w(name):
+        x = arrays[f"blk.{layer}.{name}"]
+        return x if dtype == "f32" else ref_dequant(ref_rows(x, dtype), dtype, x.shape[1])
+    up = w("ffn_up.weight")[neurons]                                    # (k, d)
+    down = arrays[f"blk.{layer}.ffn_down.weight"].T[neurons]            # (k, d)
+    down = down if dtype == "f32" else ref_dequant(ref_rows(down, dtype), dtype, cfg.d_model)
+    u = h.astype(np.float64) @ up.T.astype(np.float64)                  # (T, k)
+    if cfg.glu:
+        g = h.astype(np.float64) @ w("ffn_gate.weight")[neurons].T      # (T, k)
+        a = g / (1 + np.exp(-g)) * u
+    else:
+        a = np.maximum(u + arrays[f"blk.{layer}.ffn_up.bias"][neurons], 0)
+    a[np.abs(a) < threshold] = 0
+    return a @ down                                                     # (T, d)
+
+
+class Recorded:
+    """A predictor returning seeded random slot sets, remembering the last one."""
+
+    nbytes = 0
+
+    def __init__(self, n_ff: int, seed: int):
+        self.rng, self.n_ff, self.last = np.random.default_rng(seed), n_ff, None
+
+    def predict(self, layer, h):
+        k = int(self.rng.integers(1, self.n_ff))
+        self.last = np.sort(self.rng.choice(self.n_ff, size=k, replace=False)).astype(np.int32)
+        return self.last
+
+
+def flash_ffn(path, predictor, budget: str, naive=False, window=2, staging_rows=None):
+    flash = open_flash(path)
+    plan = plan_budget(read_manifest(path), budget, 64, process=0, naive=naive)
+    if staging_rows is not None:
+        plan = type(plan)(**{**plan.__dict__, "staging_rows": staging_rows})
+    reader = Reader(flash.ffn.file, n_threads=2)
+    return flash, SparseFlashFfn(flash, predictor, plan, reader, n_threads=1, window=window,
+                                 naive=naive)
+
+
+def neuron_ids(flash, layer, slots):
+    order = flash.ffn.neuron_order
+    return slots if order is None else order[layer][slots]
+
+
+@pytest.mark.parametrize("glu,dtype,threshold", [(True, "f32", 0.0), (True, "q8_0", 0.5),
+                                                 (False, "f32", 0.3), (False, "q8_0", 0.0)])
+def test_decode_equals_numpy_on_the_same_active_set(tmp_path, glu, dtype, threshold):
+    cfg, arrays, _ = write_model(tmp_path / "m", glu, dtype)
+    update_manifest(tmp_path / "m", sparsity={"thresholds": [threshold] * cfg.n_layers})
+    pred = Recorded(cfg.n_ff, seed=3)
+    # a cache of ~40% of the FFN: hits, evictions (swap-delete) and streamed overflow all happen
+    flash, ffn = flash_ffn(tmp_path / "m", pred, "64MiB", staging_rows=7)
+    ffn.caches = [type(c)(cfg.n_ff, 40, c.stride, 2, 0) for c in ffn.caches]
+    rng = np.random.default_rng(0)
+    for _ in range(12):
+        for layer in range(cfg.n_layers):
+            h = rng.standard_normal((1, cfg.d_model)).astype(np.float32)     # (1, d)
+            y = np.zeros_like(h)
+            ffn(layer, h, y)
+            ref = reference_ffn(cfg, arrays, dtype, layer, h, neuron_ids(flash, layer, pred.last),
+                                threshold)
+            tol = 1e-4 if dtype == "f32" else 0.03 * np.abs(ref).max() + 1e-3
+            np.testing.assert_allclose(y, ref, atol=tol, rtol=1e-4)
+    s = ffn.stats()["decode_mean"]
+    assert 0 < s["hit_rate"] < 1 and s["streamed"] > 0
+
+
+@pytest.mark.parametrize("naive", [False, True])
+def test_prefill_and_naive_read_whole_layers_in_chunks(tmp_path, naive):
+    cfg, arrays, _ = write_model(tmp_path / "m", True, "f32")
+    flash, ffn = flash_ffn(tmp_path / "m", AllSlots(cfg.n_ff), "64MiB", naive=naive,
+                           staging_rows=10)
+    h = np.random.default_rng(1).standard_normal((5, cfg.d_model)).astype(np.float32)  # (5, d)
+    for T in (5, 1):
+        y = np.zeros((T, cfg.d_model), np.float32)
+        ffn(0, h[:T], y)
+        ref = reference_ffn(cfg, arrays, "f32", 0, h[:T], np.arange(cfg.n_ff), 0.0)
+        np.testing.assert_allclose(y, ref, atol=1e-4, rtol=1e-4)
+    t = ffn.stats()["tokens"]
+    assert t[0]["kind"] == "prefill"
+    expect = cfg.n_ff * flash.ffn.stride - (0 if naive else ffn.plan.n_pinned * flash.ffn.stride)
+    assert t[0]["bytes_requested"] == expect
+
+
+def test_bytes_read_per_token_are_the_misses(tmp_path):
+    cfg, arrays, _ = write_model(tmp_path / "m", True, "q8_0")
+    pred = Recorded(cfg.n_ff, seed=9)
+    flash, ffn = flash_ffn(tmp_path / "m", pred, "64MiB", window=3)
+    stride, seen = flash.ffn.stride, set()
+    assert ffn.plan.capacity == ffn.plan.n_pinned == cfg.n_ff   # it all fits: all pinned
+    ffn.caches = [type(c)(cfg.n_ff, cfg.n_ff, c.stride, 3, 0) for c in ffn.caches]  # no pins
+    h = np.zeros((1, cfg.d_model), np.float32)
+    for _ in range(6):
+        y = np.zeros_like(h)
+        ffn(0, h, y)
+        misses = sorted(set(pred.last.tolist()) - seen)   # the cache holds every neuron here
+        seen |= set(pred.last.tolist())
+        t = ffn.stats()["tokens"][-1]
+        assert t["bytes_requested"] == len(misses) * stride
+        if misses:   # page padding and merge gaps never read past the misses' page span
+            base = flash.ffn.layer_offsets[0]
+            first = (base + misses[0] * stride) // 4096 * 4096
+            last = -(-(base + (misses[-1] + 1) * stride) // 4096) * 4096
+            assert t["bytes_requested"] + t["gap_bytes"] <= t["bytes_read"] <= last - first
+
+
+def greedy(model, prompt, n):
+    out, logits = [], model.forward(np.array(prompt), 0)[-1]
+    for p in range(len(prompt), len(prompt) + n):
+        out.append(int(np.argmax(logits)))
+        logits = model.forward(np.array([out[-1]]), p)[0]
+    return out
+
+
+def test_all_slots_threshold_zero_gives_the_dense_tokens_tiny(tmp_path):
+    cfg, _, _ = write_model(tmp_path / "m", True, "f32")
+    flash, ffn = flash_ffn(tmp_path / "m", AllSlots(cfg.n_ff), "64MiB", staging_rows=16)
+    ffn.caches = [type(c)(cfg.n_ff, 30, c.stride, 2, 0) for c in ffn.caches]
+    dense = Model(open_flash(tmp_path / "m"), n_threads=1, n_ctx=16)
+    sparse = Model(flash, n_threads=1, n_ctx=16, ffn=ffn)
+    assert greedy(sparse, [1, 5, 9], 10) == greedy(dense, [1, 5, 9], 10)
+
+
+def budget_for(path, cache_fraction: float) -> str:
+    """A --dram-budget (bytes) whose neuron caches hold about cache_fraction of the FFN."""
+    man = read_manifest(path)
+    full = plan_budget(man, str(1 << 40), 16, process=0)
+    fixed = full.total - full.cache_bytes
+    return str(int(fixed + cache_fraction * full.cache_bytes))
+
+
+@pytest.mark.realmodel
+def test_all_slots_gives_the_dense_tokens_smollm2_q8_0():
+    from conftest import _converted
+    path = _converted("smollm2-135m", "q8_0", log=lambda m: None)
+    flash, ffn = flash_ffn(path, AllSlots(1536), budget_for(path, 0.4))
+    assert 0 < ffn.plan.capacity < 1536       # part cached, part streamed
+    sparse = Model(flash, n_threads=1, n_ctx=64, ffn=ffn)
+    prompt = [1, 504, 3458, 282, 4649, 314]
+    assert greedy(sparse, prompt, 12) == greedy(Model(open_flash(path), 1, 64), prompt, 12)
