@@ -277,3 +277,30 @@ def calibrate_model(flash, tokens: Sequence[int], text: dict, sparsity: float,
     if old and old != section["frequency"]["file"]:
         (flash.path / old).unlink(missing_ok=True)
     return section
+
+
+def text_tokens(tok, text: str, n_tokens: Optional[int] = None) -> list[int]:
+    """text tokenized with the model's special tokens (BOS when it adds one), cut to n_tokens."""
+    ids = tok.encode(text, add_special=True)
+    if n_tokens is not None:
+        if len(ids) < n_tokens:
+            raise CalibrationError(f"the text has {len(ids)} tokens, {n_tokens} were asked for")
+        ids = ids[:n_tokens]
+    return ids
+
+
+def thresholds_for(flash, sparsity: float, calibration_tokens: Callable[[], Sequence[int]],
+                   n_ctx: int = 512, n_threads: int = 1,
+                   log: Callable[[str], None] = lambda m: None) -> list[float]:
+    """Per-layer kernel thresholds for a target sparsity: the model's own when it was calibrated
+    for that target with a criterion the kernel applies, else computed now (nothing written)
+    on calibration_tokens() with the model's default criterion."""
+    sec = flash.manifest.get("sparsity") or {}
+    if sec.get("target") == sparsity and sec.get("criterion") in ("glu_product", "relu", "magnitude"):
+        log(f"using the model's calibrated thresholds (target {sparsity}, {sec['criterion']})")
+        return [float(t) for t in sec["thresholds"]]
+    criterion = default_criterion(flash.config)
+    tokens = calibration_tokens()
+    log(f"calibrating thresholds for sparsity {sparsity} on {len(tokens)} tokens ({criterion})")
+    inputs = collect_ffn_inputs(flash, tokens, n_ctx=n_ctx, n_threads=n_threads)
+    return layer_statistics(flash, inputs, sparsity, criterion, n_threads)[0]
