@@ -65,7 +65,7 @@ def lstsq_weights(h: np.ndarray, mask: np.ndarray) -> np.ndarray:
 
 
 def train_lowrank(h: np.ndarray, mask: np.ndarray, a: np.ndarray, b: np.ndarray,
-                  bias: np.ndarray, epochs: int = 4, lr: float = 3e-3, batch: int = 512,
+                  bias: np.ndarray, epochs: int = 8, lr: float = 3e-3, batch: int = 128,
                   seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Adam on the balanced BCE of sigmoid(b + B A h) vs mask (N, n_ff); returns (A, B, bias)."""
     rng = np.random.default_rng(seed)

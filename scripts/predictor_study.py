@@ -101,7 +101,7 @@ class Curves:
         return [float(t[i]) for t, i in zip(self.th, idx)]
 
 
-def ppl(model, tokens, args) -> float:
+def eval_ppl(model, tokens, args) -> float:
     return perplexity(model, tokens, args.n_ctx, bos_id=args.bos).ppl
 
 
@@ -142,9 +142,9 @@ def study(args) -> dict:
            "calib_tokens": len(cal), "eval_tokens": len(ev), "n_ctx": args.n_ctx, "rows": []}
     t0 = time.perf_counter()
     model.ffn = dense
-    out["dense_ppl"] = ppl(model, ev, args)
+    out["dense_ppl"] = eval_ppl(model, ev, args)
     model.ffn = SparseEval(dense, acts_th)
-    out["oracle_ppl"] = ppl(model, ev, args)
+    out["oracle_ppl"] = eval_ppl(model, ev, args)
     log(f"dense {out['dense_ppl']:.4f}  oracle mask {out['oracle_ppl']:.4f} "
         f"({time.perf_counter() - t0:.0f} s)")
     for name in args.candidates:
@@ -161,7 +161,7 @@ def study(args) -> dict:
                 pred.thresholds = th
                 strat = SparseEval(dense, acts_th, pred, th)
                 model.ffn = strat
-                ppl = ppl(model, ev, args)
+                ppl = eval_ppl(model, ev, args)
                 row = {"candidate": name, "kind": kind, "alloc": alloc, "target_load": load,
                        "eval_load": strat.loaded / max(strat.tokens, 1) / cfg.n_ff,
                        "ppl": ppl, "ppl_ratio": ppl / out["dense_ppl"],
