@@ -56,3 +56,8 @@ fuzz: setup
 	@mkdir -p build
 	FLASHLLM_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) FLASHLLM_FUZZ_REPORT=build/fuzz.json \
 	  $(BIN)/pytest -q -s -p no:cacheprovider tests/test_fuzz.py
+
+.PHONY: bench
+## bench: DESIGN.md §8 into BENCHMARKS.md: dense decode and flash inference under cgroup memory caps (root), next to llama.cpp (llama-cpp-python in the venv); QUICK=1: SmolLM2 only, short
+bench: setup
+	$(BIN)/python scripts/bench.py $(if $(QUICK),--quick)

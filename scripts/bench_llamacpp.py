@@ -5,7 +5,9 @@ Measures, with llama-cpp-python (mmap, use_extra_bufts off, 2 threads), the medi
   pp64   prefill tokens/s: one batch of a 64-token prompt
   tg128  decode tokens/s: 128 tokens, one at a time, after that 64-token prompt
 The prompt is 64 fixed token ids (no tokenizer involved), so runs are comparable across models.
-Prints one markdown table row (with its header) on stdout.
+Prints one markdown table row (with its header) on stdout, or with --json one JSON object.
+--no-warmup measures from whatever the page cache holds (bench.py runs it cold under a cgroup cap
+through scripts/cgroup_run.py); --n-gen shortens the decode for slow capped runs.
 
 llama.cpp's OpenMP threads spin-wait between ops by default. On an idle machine that is its best
 setting; when other processes share the 2 cores it collapses (measured here: tg128 2.4 tok/s
@@ -15,6 +17,7 @@ OMP_WAIT_POLICY before llama.cpp loads; the row says which policy was used.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -27,7 +30,7 @@ N_PROMPT = 64
 N_GEN = 128
 
 
-def load(path: Path, threads: int):
+def load(path: Path, threads: int, n_ctx: int):
     """Llama() ignores unknown keyword arguments, so switch off use_extra_bufts (weight
     repacking into anonymous memory) on the model params it starts from."""
     import llama_cpp
@@ -41,7 +44,7 @@ def load(path: Path, threads: int):
 
     llama_lib.llama_model_default_params = params
     try:
-        llm = llama_cpp.Llama(model_path=str(path), n_ctx=N_PROMPT + N_GEN + 8, n_threads=threads,
+        llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads,
                               n_threads_batch=threads, n_batch=N_PROMPT, verbose=False)
     finally:
         llama_lib.llama_model_default_params = original
@@ -49,18 +52,18 @@ def load(path: Path, threads: int):
     return llm
 
 
-def one_run(llm, prompt: list) -> tuple:
-    """(prefill tok/s, decode tok/s) of one pp64 + tg128 run from an empty KV cache."""
+def one_run(llm, prompt: list, n_gen: int = N_GEN) -> tuple:
+    """(prefill tok/s, decode tok/s) of one pp64 + tg{n_gen} run from an empty KV cache."""
     llm.reset()
     t0 = time.perf_counter()
     llm.eval(prompt)
     t1 = time.perf_counter()
     token = prompt[-1]
-    for _ in range(N_GEN):
+    for _ in range(n_gen):
         llm.eval([token])
         token = (token * 31 + 7) % 1000 + 100  # any valid id: speed does not depend on it
     t2 = time.perf_counter()
-    return N_PROMPT / (t1 - t0), N_GEN / (t2 - t1)
+    return len(prompt) / (t1 - t0), n_gen / (t2 - t1)
 
 
 def main() -> None:
@@ -69,18 +72,30 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--omp-wait-policy", choices=["default", "active", "passive"], default="default")
+    ap.add_argument("--n-prompt", type=int, default=N_PROMPT)
+    ap.add_argument("--n-gen", type=int, default=N_GEN)
+    ap.add_argument("--no-warmup", action="store_true", help="measure the first run (cold cache)")
+    ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = ap.parse_args()
     if args.omp_wait_policy != "default":
         os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()  # read when libgomp loads
     import llama_cpp
-    llm = load(args.model, args.threads)
-    prompt = np.random.default_rng(0).integers(100, 1100, N_PROMPT).tolist()  # (N_PROMPT,)
-    one_run(llm, prompt)  # warm-up: page the weights in
-    runs = [one_run(llm, prompt) for _ in range(args.reps)]
-    print("runs (pp64, tg128 tok/s): " + ", ".join(f"({a:.1f}, {b:.1f})" for a, b in runs),
-          file=sys.stderr)
+    llm = load(args.model, args.threads, args.n_prompt + args.n_gen + 8)
+    prompt = np.random.default_rng(0).integers(100, 1100, args.n_prompt).tolist()  # (n_prompt,)
+    if not args.no_warmup:
+        one_run(llm, prompt, args.n_gen)  # warm-up: page the weights in
+    runs = [one_run(llm, prompt, args.n_gen) for _ in range(args.reps)]
+    print(f"runs (pp{args.n_prompt}, tg{args.n_gen} tok/s): "
+          + ", ".join(f"({a:.2f}, {b:.2f})" for a, b in runs), file=sys.stderr)
     pp = statistics.median(r[0] for r in runs)
     tg = statistics.median(r[1] for r in runs)
+    if args.json:
+        print(json.dumps({"engine": f"llama.cpp {llama_cpp.__version__}", "model": args.model.name,
+                          "threads": args.threads, "omp_wait": args.omp_wait_policy,
+                          "n_prompt": args.n_prompt, "n_gen": args.n_gen, "warmup": not args.no_warmup,
+                          "runs": runs, "prefill_tps": pp, "decode_tps": tg}))
+        llm.close()
+        return
     print("| engine | model | threads | OMP wait | pp64 tok/s | tg128 tok/s |")
     print("|---|---|---|---|---|---|")
     print(f"| llama.cpp {llama_cpp.__version__} (dense, mmap) | {args.model.name} | "

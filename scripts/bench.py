@@ -1,0 +1,296 @@
+"""`make bench`: the DESIGN.md §8 protocol, written to BENCHMARKS.md (sections "Dense decode" and
+"Flash inference"; every other section of the file is kept).
+
+Run:  python scripts/bench.py [--quick] [--sections dense,flash] [--out BENCHMARKS.md]
+
+Dense decode (issue 2): SmolLM2-135M converted at f16 / q8_0 / q4_0, `flashllm run` decode and
+prefill tok/s (median of 3), next to llama.cpp on the same GGUF with both OMP wait policies.
+Flash inference (issues 4/5): Qwen2.5-Coder-1.5B and SmolLM2-135M under cgroup-v1 memory caps, cold
+cache, flashllm sparse / --naive / dense and llama.cpp; the rows whose `flashllm run` option does
+not exist yet say "not available yet". --quick: SmolLM2 only, 32 tokens, one run each.
+Raw results (stderr tails, stats JSON) go to build/bench.json.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_flashllm import ROOT, Flashllm, converted_dir, ensure_converted, make_prompt, parse_run  # noqa: E402
+from bench_report import dense_section, flash_section, header, merge  # noqa: E402
+from bench_stats import parse_stats_table, stat_cells  # noqa: E402
+from cgroup_run import CgroupUnavailable, run_capped, unavailable_reason  # noqa: E402
+
+MiB = 1 << 20
+# name -> (local GGUF file name, flash dtype); the GGUF is looked up in --models-dir, else pulled
+MODELS = {"qwen2.5-coder-1.5b": ("qwen15.gguf", "q4_0"), "smollm2-135m": ("smollm2-135m.gguf", "q4_0")}
+QWEN_CAPS = [None, 560 * MiB, 280 * MiB]          # issue 4/5: unlimited / 560 MiB / 280 MiB
+
+
+def log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def loadavg() -> str:
+    return " / ".join(open("/proc/loadavg").read().split()[:3])
+
+
+def machine_info(args) -> Dict[str, str]:
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
+               platform.processor())
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                         cwd=ROOT).stdout.strip()
+    try:
+        import llama_cpp
+        llv = llama_cpp.__version__
+    except ImportError:
+        llv = "not installed"
+    return {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "cpu": cpu,
+            "cores": str(os.cpu_count()), "ram": f"{ram:.0f} GiB", "git": git, "llama_cpp": llv,
+            "mode": "quick" if args.quick else "full", "reps": str(args.reps),
+            "n_gen": "32" if args.quick else "128", "load": loadavg()}
+
+
+def gguf_for(fl: Flashllm, name: str, models_dir: Path) -> Path:
+    local = models_dir / MODELS[name][0]
+    if local.is_file():
+        return local
+    res = subprocess.run(fl.argv + ["pull", name], capture_output=True, text=True, cwd=ROOT, check=True)
+    return Path(res.stdout.strip().splitlines()[-1])
+
+
+def run_cmd(argv: List[str], cap: Optional[int], cold: bool, timeout: float,
+            env: Optional[Dict[str, str]] = None) -> dict:
+    """argv in a memory cgroup when possible (peak, failcnt), else plainly; the raw outcome."""
+    try:
+        r = run_capped(argv, cap, cold=cold, timeout=timeout, cwd=str(ROOT), env=env)
+        return {"rc": r.returncode, "stdout": r.stdout, "stderr": r.stderr, "peak": r.peak_bytes,
+                "failcnt": r.failcnt, "oom": r.oom_kills, "wall": r.wall_s}
+    except CgroupUnavailable as e:
+        if cap is not None:
+            return {"rc": None, "error": f"skipped: {e}"}
+        p = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=timeout, env=env)
+        return {"rc": p.returncode, "stdout": p.stdout, "stderr": p.stderr}
+
+
+def failure(raw: dict) -> str:
+    if raw.get("error"):
+        return raw["error"]
+    if raw.get("oom"):
+        return f"OOM-killed under the cap (peak {raw.get('peak', 0) / MiB:.0f} MiB)"
+    tail = (raw.get("stderr") or "").strip().splitlines()[-1:] or ["no output"]
+    return f"failed (exit {raw['rc']}): {tail[0][:120]}"
+
+
+def llamacpp_argv(gguf: Path, policy: str, reps: int, n_gen: int, warm: bool) -> List[str]:
+    argv = [sys.executable, "scripts/bench_llamacpp.py", "--model", str(gguf), "--threads", "2",
+            "--reps", str(reps), "--n-gen", str(n_gen), "--omp-wait-policy", policy, "--json"]
+    return argv + ([] if warm else ["--no-warmup"])
+
+
+def show_py(argv: List[str]) -> str:
+    return " ".join(["python"] + argv[1:])
+
+
+def capped(cmd: str, cap: Optional[int]) -> str:
+    """cmd as run by the flash section: in its own memory cgroup, cold cache."""
+    limit = f" --limit {cap // MiB}MiB" if cap else ""
+    return f"python scripts/cgroup_run.py --cold{limit} -- {cmd}"
+
+
+def omp_env(policy: str) -> tuple:
+    """(environment, command prefix) for flashllm's OpenMP kernel threads' wait policy."""
+    if policy == "default":
+        return None, ""
+    return {**os.environ, "OMP_WAIT_POLICY": policy.upper()}, f"OMP_WAIT_POLICY={policy.upper()} "
+
+
+def llamacpp_row(gguf: Path, policy: str, reps: int, n_gen: int, cap: Optional[int], warm: bool,
+                 timeout: float) -> dict:
+    argv = llamacpp_argv(gguf, policy, reps, n_gen, warm)
+    raw = run_cmd(argv, cap, cold=not warm, timeout=timeout)
+    row = {"cmd": show_py(argv), "raw": raw, "peak": raw.get("peak"), "failcnt": raw.get("failcnt")}
+    try:
+        data = json.loads(raw["stdout"].strip().splitlines()[-1])
+    except (KeyError, IndexError, ValueError, AttributeError):
+        return {**row, "error": failure(raw)}
+    return {**row, "decode_tps": data["decode_tps"], "prefill_tps": data["prefill_tps"],
+            "runs": [(a, b) for a, b in data["runs"]]}
+
+
+def flashllm_row(fl: Flashllm, model: Path, prompt: Path, n_gen: int, extra: List[str], reps: int,
+                 cap: Optional[int], cold: bool, as_json: bool, timeout: float, policy: str) -> dict:
+    argv = fl.run_argv(model, prompt, n_gen, 2, extra, as_json=as_json)
+    env, prefix = omp_env(policy)
+    row = {"cmd": prefix + fl.show(argv), "runs": [], "raws": []}
+    for _ in range(reps):
+        raw = run_cmd(argv, cap, cold=cold, timeout=timeout, env=env)
+        row["raws"].append({k: v for k, v in raw.items() if k != "stdout"})
+        parsed = parse_run(raw.get("stderr") or "") if raw.get("rc") == 0 else None
+        if parsed is None:
+            return {**row, "error": failure(raw)}
+        parsed.update(parse_stats_table(raw["stderr"]))
+        row["runs"].append((parsed["prefill_tps"], parsed["decode_tps"]))
+        row.update(peak=max(row.get("peak") or 0, raw.get("peak") or 0), failcnt=raw.get("failcnt"),
+                   parsed=parsed, n_decode=parsed.get("n_decode"))
+    row["prefill_tps"] = statistics.median(a for a, _ in row["runs"])
+    row["decode_tps"] = statistics.median(b for _, b in row["runs"])
+    return row
+
+
+def dense_rows(args, fl: Flashllm, opts: Dict[str, bool]) -> tuple:
+    gguf = gguf_for(fl, "smollm2-135m", args.models_dir)
+    rows, notes = [], []
+    n_gen = 32 if args.quick else 128
+    runs = [("f16", "passive"), ("q8_0", "passive"), ("q4_0", "passive"), ("q8_0", "default")]
+    for dtype, policy in (runs[1:2] if args.quick else runs):
+        out = converted_dir(args.cache, "smollm2-135m", dtype)
+        conv = ensure_converted(fl, gguf, out, dtype, log)
+        prompt = args.work / f"prompt-smollm2-{dtype}.txt"
+        n = make_prompt(out, 64, "code", prompt)
+        log(f"dense: flashllm smollm2-135m {dtype} (OMP wait {policy})")
+        spin = policy == "default"  # collapses under load: a short single run is enough to show it
+        row = flashllm_row(fl, out, prompt, 32 if spin else n_gen, [], 1 if spin else args.reps,
+                           None, False, opts["--json"], 600, policy)
+        rows.append({**row, "engine": f"flashllm (dense, OMP wait {policy})",
+                     "weights": f"{dtype} (converted)"})
+        notes.append(f"- {dtype}, {policy}: converted with `{conv}`; prompt {n} tokens; decoded "
+                     f"{row.get('n_decode', '–')} tokens per run.")
+    for policy in ["passive", "default"]:
+        log(f"dense: llama.cpp {policy}")
+        spin = policy == "default"
+        row = llamacpp_row(gguf, policy, 1 if spin else args.reps, 32 if spin else n_gen, None, True, 600)
+        rows.append({**row, "engine": f"llama.cpp (OMP wait {policy})", "weights": "Q4_1 GGUF",
+                     "ref": policy == "passive"})
+    return rows, notes
+
+
+def probe_floor(fl: Flashllm, model: Path, prompt: Path, n_gen: int) -> Optional[int]:
+    """The least --dram-budget `flashllm run` accepts for this model (bytes), from its refusal
+    of a 1 MiB budget; None when the CLI does not say."""
+    argv = fl.run_argv(model, prompt, n_gen, 2, ["--dram-budget", "1MiB"])
+    res = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    m = re.search(r"give at least (\d+) MiB", res.stderr)
+    return int(m.group(1)) * MiB if m else None
+
+
+def flash_caps(name: str, floor: Optional[int], ffn_bytes: int) -> List[tuple]:
+    """(cap bytes or None, label) per budget of this model: Qwen 1.5B the issue's caps plus
+    flashllm's floor + 25% of the FFN; SmolLM2 (fits in any cap above) floor + 50% / 25% FFN."""
+    caps = [(None, "none")]
+    if name == "qwen2.5-coder-1.5b":
+        caps += [(c, f"{c // MiB} MiB") for c in QWEN_CAPS if c]
+    fractions = [0.25] if name == "qwen2.5-coder-1.5b" else [0.5, 0.25]
+    if floor:
+        caps += [(floor + int(f * ffn_bytes), f"{(floor + int(f * ffn_bytes)) // MiB} MiB "
+                  f"(floor + {f:.0%} FFN)") for f in fractions]
+    return caps
+
+
+def contenders(budget: Optional[str], fits: bool, opts: Dict[str, bool]) -> List[tuple]:
+    """(label, extra run options, missing option or None) for one cap."""
+    stats = ["--stats"] if opts["--stats"] else []
+    b = ["--dram-budget", budget or "16GiB"]  # unlimited: more than the model needs
+
+    def missing(*names: str) -> Optional[str]:
+        return next((n for n in names if not opts[n]), None)
+
+    rows = [("flashllm sparse", b + stats, missing("--dram-budget")),
+            ("flashllm --naive", b + ["--naive"] + stats, missing("--dram-budget", "--naive"))]
+    if fits:
+        dense = ["--dense"] if opts["--dense"] else []
+        rows.append(("flashllm dense" + (" --dense" if dense else " (default run)"), dense, None))
+    return rows
+
+
+def flash_rows(args, fl: Flashllm, opts: Dict[str, bool]) -> tuple:
+    rows, notes = [], []
+    names = ["smollm2-135m"] if args.quick else ["qwen2.5-coder-1.5b", "smollm2-135m"]
+    n_gen = 32 if args.quick else 128
+    for name in names:
+        gguf = gguf_for(fl, name, args.models_dir)
+        dtype = MODELS[name][1]
+        out = converted_dir(args.cache, name, dtype)
+        conv = ensure_converted(fl, gguf, out, dtype, log)
+        size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+        prompt = args.work / f"prompt-{name}-{dtype}.txt"
+        n = make_prompt(out, 64, "code", prompt)
+        notes.append(f"- {name}: `{conv}` ({size / MiB:.0f} MiB on flash); prompt {n} tokens; "
+                     f"llama.cpp reads {gguf.name} ({gguf.stat().st_size / MiB:.0f} MiB).")
+        floor = probe_floor(fl, out, prompt, n_gen) if opts["--dram-budget"] else None
+        ffn = (out / "ffn.bin").stat().st_size
+        notes.append(f"- {name}: flashllm's least --dram-budget (its refusal of 1 MiB): "
+                     f"{floor // MiB if floor else '–'} MiB; FFN {ffn / MiB:.0f} MiB.")
+        for cap, label in flash_caps(name, floor, ffn):
+            budget = f"{cap // MiB}MiB" if cap else None
+            base = {"model": name, "cap": cap, "cap_label": label}
+            log(f"flash: llama.cpp {name} cap {label}")
+            row = llamacpp_row(gguf, "passive", 1, n_gen, cap, False, args.timeout)
+            row["cmd"] = capped(row["cmd"], cap)
+            rows.append({**base, **row, "contender": "llama.cpp (mmap)", "ref": True})
+            fits = cap is None or cap > 2 * size
+            for contender, extra, missing in contenders(budget, fits, opts):
+                if missing:
+                    rows.append({**base, "contender": contender,
+                                 "error": f"not available yet (no `run {missing}`)"})
+                    continue
+                log(f"flash: {contender} {name} cap {label}")
+                row = flashllm_row(fl, out, prompt, n_gen, extra, 1, cap, True, opts["--json"],
+                                   args.timeout, "passive")
+                row["cmd"] = capped(row["cmd"], cap)
+                row["stats"] = stat_cells(row.get("parsed") or {})
+                rows.append({**base, **row, "contender": contender})
+    return rows, notes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="SmolLM2 only, 32 tokens, one run each")
+    ap.add_argument("--sections", default="dense,flash")
+    ap.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
+    ap.add_argument("--models-dir", type=Path, default=Path("/work/models"))
+    ap.add_argument("--cache", type=Path, default=None, help="flashllm's user cache (default: the CLI's)")
+    ap.add_argument("--timeout", type=float, default=1200.0, help="seconds per capped run")
+    args = ap.parse_args()
+    args.reps = 1 if args.quick else 3
+    if args.cache is None:
+        sys.path.insert(0, str(ROOT))
+        from flashllm.cli import cache_dir
+        args.cache = cache_dir()
+    args.work = ROOT / "build" / "bench"
+    args.work.mkdir(parents=True, exist_ok=True)
+    fl = Flashllm.find(sys.executable)
+    opts = fl.options()
+    info = machine_info(args)
+    log(f"flashllm run options: {opts}; cgroup: {unavailable_reason() or 'available'}")
+    sections, raw = {}, {"info": info, "options": opts}
+    wanted = args.sections.split(",")
+    if "dense" in wanted:
+        start = loadavg()
+        rows, notes = dense_rows(args, fl, opts)
+        sections["## Dense decode"] = dense_section(info, rows, (start, loadavg()), notes)
+        raw["dense"] = rows
+    if "flash" in wanted:
+        start = loadavg()
+        rows, notes = flash_rows(args, fl, opts)
+        reason = unavailable_reason()
+        notes += [f"- cgroup: {reason}: capped rows skipped."] if reason else []
+        sections["## Flash inference"] = flash_section(info, rows, (start, loadavg()), notes)
+        raw["flash"] = rows
+    args.out.write_text(merge(args.out, header(info), sections), encoding="utf-8")
+    (ROOT / "build" / "bench.json").write_text(json.dumps(raw, indent=1, default=str))
+    log(f"wrote {args.out} and build/bench.json")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""flashllm as a benchmark contender: the CLI invocation, conversions, a fixed-length prompt and
+the parsing of `flashllm run`'s timings (--json when the CLI has it, else the timings lines).
+
+Used by scripts/bench.py; every figure comes from a `flashllm run` subprocess, so the command in
+BENCHMARKS.md is the one a user can type.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMING = re.compile(r"(prompt eval|eval) time\s*=\s*([0-9.]+) ms /\s*(\d+) (?:tokens|runs)")
+# the options of `flashllm run` a benchmark row may need
+RUN_OPTIONS = ("--json", "--stats", "--dram-budget", "--naive", "--dense", "--window")
+
+
+@dataclass
+class Flashllm:
+    """How to call the flashllm CLI here: argv prefix for subprocesses and its display name."""
+    argv: List[str]
+    shown: str = "flashllm"
+
+    @classmethod
+    def find(cls, python: str) -> "Flashllm":
+        """The console script next to python if installed, else the module through python -c."""
+        script = Path(python).parent / "flashllm"
+        if script.is_file():
+            return cls([str(script)])
+        if shutil.which("flashllm"):
+            return cls(["flashllm"])
+        return cls([python, "-c", "import sys; sys.argv[0] = 'flashllm'; "
+                                  "from flashllm.cli import main; main()"])
+
+    def options(self) -> Dict[str, bool]:
+        """Which of RUN_OPTIONS `flashllm run --help` lists."""
+        res = subprocess.run(self.argv + ["run", "--help"], capture_output=True, text=True,
+                             cwd=ROOT, env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"})
+        text = res.stdout + res.stderr
+        return {opt: re.search(re.escape(opt) + r"(?![-\w])", text) is not None for opt in RUN_OPTIONS}
+
+    def run_argv(self, model: Path, prompt_file: Path, n_gen: int, threads: int,
+                 extra: Sequence[str] = (), as_json: bool = False) -> List[str]:
+        ctx = 64 * ((n_tokens_max(n_gen) + 63) // 64)  # KV cache sized like llama.cpp's n_ctx
+        tail = ["run", str(model), "-f", str(prompt_file), "-n", str(n_gen), "-t", str(threads),
+                "-c", str(ctx), "--temp", "0", *extra]
+        return self.argv + tail + (["--json"] if as_json else [])
+
+    def show(self, argv: Sequence[str]) -> str:
+        """argv as a user would type it (the console script name instead of python -c ...)."""
+        rest = list(argv[len(self.argv):])
+        return " ".join([self.shown] + [_quote(a) for a in rest])
+
+
+def n_tokens_max(n_gen: int, n_prompt: int = 64) -> int:
+    return n_prompt + n_gen + 8
+
+
+def _quote(arg: str) -> str:
+    return arg if re.fullmatch(r"[\w./:=%+-]+", arg) else "'" + arg.replace("'", "'\\''") + "'"
+
+
+def converted_dir(cache: Path, name: str, dtype: str) -> Path:
+    """Where the registry keeps NAME converted at DTYPE (flashllm/registry.py resolve_model)."""
+    return cache / "converted" / f"{name}-{dtype}"
+
+
+def convert_argv(fl: Flashllm, gguf: Path, out: Path, dtype: str) -> List[str]:
+    return fl.argv + ["convert", str(gguf), "-o", str(out), "--dtype", dtype]
+
+
+def ensure_converted(fl: Flashllm, gguf: Path, out: Path, dtype: str, log) -> str:
+    """Convert gguf to out at dtype unless done already; the command, for the report."""
+    argv = convert_argv(fl, gguf, out, dtype)
+    if not (out / "manifest.json").is_file():
+        log(f"converting {gguf.name} -> {out} ({dtype})")
+        res = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT)
+        if res.returncode != 0:
+            raise RuntimeError(f"convert failed: {res.stderr.strip()[-400:]}")
+    return fl.show(argv)
+
+
+def prompt_text(kind: str) -> str:
+    """Real text present on every machine: stdlib source (code) or pydoc topics (prose)."""
+    if kind == "code":
+        return (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text(encoding="utf-8")
+    from pydoc_data.topics import topics
+    return topics["while"]
+
+
+def make_prompt(model: Path, n_tokens: int, kind: str, out: Path) -> int:
+    """Write a prefix of prompt_text(kind) that the model's tokenizer encodes (with its special
+    tokens) to exactly n_tokens ids, or the nearest count below; returns that count."""
+    import sys
+    sys.path.insert(0, str(ROOT))
+    from flashllm.bundle import open_flash
+    from flashllm.tokenizer import Tokenizer
+    tok = Tokenizer.from_flash(open_flash(model))
+    text = prompt_text(kind)
+    ids = tok.encode(text, add_special=False)
+    n_special = len(tok.encode(text[:200], add_special=True)) - len(tok.encode(text[:200], add_special=False))
+    best, best_n = "", 0
+    for k in range(n_tokens - n_special + 3, 0, -1):
+        cand = tok.decode(ids[:k])
+        n = len(tok.encode(cand, add_special=True))
+        if n <= n_tokens and n > best_n:
+            best, best_n = cand, n
+        if n == n_tokens:
+            break
+    out.write_text(best, encoding="utf-8")
+    return best_n
+
+
+def parse_run(stderr: str) -> Optional[dict]:
+    """The run's figures: the last JSON object on stderr (`--json`), else the timings lines.
+    Keys at least: n_prompt, prefill_s, n_decode, decode_s, prefill_tps, decode_tps."""
+    for line in reversed(stderr.splitlines()):
+        line = line.strip()
+        if line.startswith("{") and line.endswith("}"):
+            try:
+                data = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(data, dict) and ("decode_tps" in data or "decode_s" in data):
+                return _with_rates(data)
+    found = {}
+    for label, ms, n in TIMING.findall(stderr):
+        key = "prefill" if label == "prompt eval" else "decode"
+        found[f"{key}_s"] = float(ms) / 1e3
+        found["n_prompt" if key == "prefill" else "n_decode"] = int(n)
+    if "decode_s" not in found or "prefill_s" not in found:
+        return None
+    return _with_rates(found)
+
+
+def _with_rates(d: dict) -> dict:
+    d = dict(d)
+    if "prefill_tps" not in d and d.get("prefill_s"):
+        d["prefill_tps"] = d["n_prompt"] / d["prefill_s"]
+    if "decode_tps" not in d and d.get("decode_s"):
+        d["decode_tps"] = d["n_decode"] / d["decode_s"]
+    return d

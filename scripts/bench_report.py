@@ -1,0 +1,122 @@
+"""BENCHMARKS.md writing for scripts/bench.py: the header, the "## Dense decode" and
+"## Flash inference" sections, and the merge that keeps every other section (## I/O, ## Quality,
+owned by other scripts) as it is in the file."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Dict, List, Optional
+
+MINE = ("## Dense decode", "## Flash inference")
+TITLE = "# flashllm benchmarks"
+
+
+def fmt(x: Optional[float], digits: int = 2) -> str:
+    return "–" if x is None else f"{x:.{digits}f}"
+
+
+def mib(n: Optional[int]) -> str:
+    return "–" if not n else f"{n / 2**20:.0f}"
+
+
+def header(info: Dict[str, str]) -> str:
+    return "\n".join([
+        TITLE, "",
+        f"Last `make bench`: {info['date']} ({info['mode']} mode), load average at its start "
+        f"{info['load']} (1/5/15 min).", "",
+        f"Machine: {info['cpu']}, {info['cores']} cores, {info['ram']} RAM, no swap, virtio disk "
+        "(../shared/DESIGN.md §7). llama.cpp: llama-cpp-python " + info["llama_cpp"] + ".",
+        "",
+        "The machine is shared: other engineers build, test and convert on the same 2 cores while "
+        "these figures are taken. Absolute figures move by ±20% or more between runs; **compare "
+        "ratios within one run** (each section states its run's date and load average).",
+        "",
+        "`make bench` (scripts/bench.py) writes the sections \"Dense decode\" and \"Flash "
+        "inference\"; `make bench QUICK=1` is the SmolLM2-only development mode. \"## I/O\" and "
+        "\"## Quality\" come from their own scripts (named in each section). `flashllm` below is "
+        "the console script (`make setup`); in a source tree without it, bench.py calls "
+        "`python -c 'from flashllm.cli import main; main()'` with the same arguments.",
+        "",
+    ])
+
+
+def run_line(info: Dict[str, str], load_start: str, load_end: str) -> str:
+    return (f"Run: {info['date']}, git {info['git']}, {info['mode']} mode; load average "
+            f"(1/5/15 min) {load_start} at the start of this section, {load_end} at its end.")
+
+
+def dense_section(info: Dict[str, str], rows: List[dict], load: tuple, notes: List[str]) -> str:
+    out = ["## Dense decode", "", run_line(info, *load), "",
+           "SmolLM2-135M, all weights in DRAM, 2 threads, warm page cache. flashllm: `flashllm run` "
+           "on a 64-token code prompt (textwrap.py's opening, exactly 64 tokens with BOS), greedy, "
+           f"decode = tokens after the first (\"eval time\" line), median of {info['reps']} runs "
+           f"(OMP wait default rows: one run of 32 tokens, too slow under load for more). "
+           "The C kernel's OpenMP threads, like llama.cpp's, spin-wait by default: each row says which "
+           "wait policy it used. llama.cpp: scripts/bench_llamacpp.py on the source GGUF (Q4_1), 64 fixed token ids, "
+           f"one batch prefill then tg{info['n_gen']}, one warm-up + median of the runs; OMP wait policy per row "
+           "(spin-waiting collapses when other processes share the cores).", "",
+           "| engine | weights | decode tok/s | prefill tok/s | decode × llama.cpp | runs (prefill, decode) | cmd |",
+           "|---|---|---:|---:|---:|---|---|"]
+    ref = next((r["decode_tps"] for r in rows if r.get("ref") and r.get("decode_tps")), None)
+    for i, r in enumerate(rows, 1):
+        ratio = fmt(r["decode_tps"] / ref) if ref and r.get("decode_tps") else "–"
+        runs = ", ".join(f"({a:.1f}, {b:.1f})" for a, b in r.get("runs", []))
+        out.append(f"| {r['engine']} | {r['weights']} | {fmt(r.get('decode_tps'))} | "
+                   f"{fmt(r.get('prefill_tps'))} | {ratio} | {runs or r.get('error', '')} | [{i}] |")
+    out += ["", "Commands:", ""] + [f"{i}. `{r['cmd']}`" for i, r in enumerate(rows, 1)]
+    return "\n".join(out + [""] + notes + [""])
+
+
+FLASH_COLS = ("| model | cap | contender | decode tok/s | prefill tok/s | decode × llama.cpp | "
+              "cgroup peak MiB | failcnt | FFN MB/tok | reads/tok | avg read KiB | eff. GiB/s (profile) | "
+              "hit rate | recall / precision | ms/tok I/O / mm / compute / predictor | cmd |")
+
+
+def flash_section(info: Dict[str, str], rows: List[dict], load: tuple, notes: List[str]) -> str:
+    out = ["## Flash inference", "", run_line(info, *load), "",
+           "DESIGN.md §8 protocol. Every contender runs in its own cgroup-v1 memory group "
+           "(scripts/cgroup_run.py: memory.limit_in_bytes = the cap, page cache dropped before each "
+           "run, peak = memory.max_usage_in_bytes, failcnt = times the cap was hit), 2 threads, "
+           "one cold run per cell (no warm-up). flashllm: the model converted at the dtype shown, a "
+           "64-token code prompt, greedy; llama.cpp: mmap, use_extra_bufts off, the source GGUF, "
+           "OMP wait policy passive for both (flashllm's C kernel uses OpenMP too). \"–\": the run does not report that figure; \"not available "
+           "yet\": the `flashllm run` option it needs does not exist in this build.", "",
+           FLASH_COLS, "|---|---|---|" + "---:|" * 10 + "---|---|---|"]
+    refs = {(r["model"], r["cap"]): r.get("decode_tps") for r in rows if r.get("ref")}
+    cmds = []
+    for r in rows:
+        ref = refs.get((r["model"], r["cap"]))
+        dec = r.get("decode_tps")
+        ratio = fmt(dec / ref) if ref and dec else "–"
+        cmd = f"[{len(cmds) + 1}]" if r.get("cmd") else ""
+        if r.get("cmd"):
+            cmds.append(r["cmd"])
+        s = r.get("stats", {})
+        if r.get("error"):
+            figures = f"{r['error']} |" + " |" * 11
+        else:
+            figures = (f"{fmt(dec)} | {fmt(r.get('prefill_tps'))} | {ratio} | {mib(r.get('peak'))} | "
+                       f"{r.get('failcnt', '–')} | {s.get('mb_tok', '–')} | {s.get('reads_tok', '–')} | "
+                       f"{s.get('avg_read_kib', '–')} | {s.get('gibs', '–')} | {s.get('hit', '–')} | "
+                       f"{s.get('recall', '–')} | {s.get('split', '–')} |")
+        out.append(f"| {r['model']} | {r['cap_label']} | {r['contender']} | {figures} {cmd} |")
+    out += ["", "Commands:", ""]
+    out += [f"{i}. `{c}`" for i, c in enumerate(cmds, 1)]
+    return "\n".join(out + [""] + notes + [""])
+
+
+def merge(path: Path, head: str, sections: Dict[str, str]) -> str:
+    """The new file: head, then my sections (new text where given, else the file's), then every
+    other section of the existing file in its order."""
+    old = path.read_text(encoding="utf-8") if path.exists() else ""
+    parts = re.split(r"(?m)^(?=## )", old)
+    kept: Dict[str, str] = {}
+    others: List[str] = []
+    for part in parts[1:]:
+        title = part.splitlines()[0].strip()
+        if title in MINE:
+            kept[title] = part.rstrip() + "\n"
+        else:
+            others.append(part.rstrip() + "\n")
+    mine = [sections.get(t, kept.get(t, "")).rstrip() + "\n" for t in MINE if t in sections or t in kept]
+    return head + "\n" + "\n".join(mine + others)
