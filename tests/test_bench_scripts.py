@@ -1,0 +1,87 @@
+"""The benchmark harness: the cgroup-v1 cap runner against the kernel's own accounting, and the
+parsers of `flashllm run`'s timings and --stats table against hand-written llama.cpp-style text."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+import bench_flashllm  # noqa: E402
+import bench_report  # noqa: E402
+import bench_stats  # noqa: E402
+import cgroup_run  # noqa: E402
+
+MiB = 1 << 20
+needs_cgroup = pytest.mark.skipif(cgroup_run.unavailable_reason() is not None,
+                                  reason=str(cgroup_run.unavailable_reason()))
+
+TIMINGS = """\
+   sampling time =       1.51 ms /    16 runs   (    0.09 ms per token, 10567.68 tokens per second)
+prompt eval time =     640.00 ms /    64 tokens (   10.00 ms per token,   100.00 tokens per second)
+       eval time =     300.00 ms /    15 runs   (   20.00 ms per token,    50.00 tokens per second)
+"""
+STATS = """\
+flash FFN (sparse): DRAM budget 170 MiB: dense weights 30 MiB; neuron caches 16 MiB
+ tok    kind  MB read  reads  avg KiB  GiB/s  prof  hit%   io ms  mm ms  comp ms pred ms recall
+   0 prefill    45.00    180    250.0   1.00  2.00   0.0   40.00   0.00   534.86    0.00      -
+   1  decode    31.00    150    200.0   0.60  2.00  30.0   50.00   4.00    28.00    0.04   0.91
+mean  decode    31.06    154    206.1   0.64  2.02  29.0   50.19   4.27    28.69    0.04   0.90
+"""
+
+
+def test_parse_size():
+    assert cgroup_run.parse_size("560MiB") == 560 * MiB
+    assert cgroup_run.parse_size("1.5GiB") == 3 * (1 << 29)
+    assert cgroup_run.parse_size("4096") == 4096
+    with pytest.raises(ValueError):
+        cgroup_run.parse_size("lots")
+
+
+def test_parse_run_timings():
+    d = bench_flashllm.parse_run(TIMINGS)
+    assert (d["n_prompt"], d["n_decode"]) == (64, 15)
+    assert d["prefill_tps"] == pytest.approx(100.0)
+    assert d["decode_tps"] == pytest.approx(50.0)
+    assert bench_flashllm.parse_run("error: no such model") is None
+
+
+def test_parse_run_prefers_json():
+    d = bench_flashllm.parse_run(TIMINGS + '{"n_prompt": 64, "prefill_s": 2.0, "n_decode": 10, "decode_s": 4.0}\n')
+    assert d["prefill_tps"] == pytest.approx(32.0) and d["decode_tps"] == pytest.approx(2.5)
+
+
+def test_stats_table_mean_row():
+    d = bench_stats.parse_stats_table(STATS)
+    assert d["io_bytes_per_token"] == pytest.approx(31.06e6)
+    assert d["reads_per_token"] == 154 and d["hit_rate"] == pytest.approx(0.29)
+    assert d["recall"] == pytest.approx(0.90)
+    cells = bench_stats.stat_cells(d)
+    assert cells["mb_tok"] == "31.1" and cells["gibs"] == "0.64 (2.02)"
+    assert cells["split"] == "50.2 / 4.3 / 28.7 / 0.0"
+    assert bench_stats.parse_stats_table(STATS.replace("hit%", "hits")) == {"plan": STATS.splitlines()[0]}
+
+
+def test_merge_keeps_other_sections(tmp_path):
+    old = tmp_path / "B.md"
+    old.write_text("# t\n\nold head\n\n## I/O\n\nio text\n\n## Dense decode\n\nold dense\n\n## Quality\n\nq\n")
+    text = bench_report.merge(old, "# new\n", {"## Flash inference": "## Flash inference\n\nflash\n"})
+    assert "old head" not in text and "io text" in text and "q\n" in text and "old dense" in text
+    assert text.index("## Dense decode") < text.index("## Flash inference") < text.index("## I/O")
+
+
+@needs_cgroup
+def test_cap_kills_an_oversized_child_and_peak_stays_under_it():
+    res = cgroup_run.run_capped([sys.executable, "-c", "b = bytearray(256 << 20); b[::4096] = b'x' * (len(b) // 4096)"],
+                                64 * MiB)
+    assert res.returncode == -9 and res.oom_kills >= 1 and res.failcnt > 0
+    assert res.peak_bytes <= 64 * MiB
+
+
+@needs_cgroup
+def test_uncapped_group_measures_the_child():
+    res = cgroup_run.run_capped([sys.executable, "-c", "b = bytearray(96 << 20); b[::4096] = b'x' * (len(b) // 4096)"])
+    assert res.ok and res.failcnt == 0
+    assert 96 * MiB <= res.peak_bytes < 512 * MiB
+    assert not list(cgroup_run.ROOT.glob(f"flashllm_bench_{__import__('os').getpid()}_*"))
