@@ -212,3 +212,26 @@ def test_interrupted_calibration_leaves_the_model_valid(tiny, tmp_path, monkeypa
     _logits_match(hf, path, TOKENS[:40])
     calibrate_model(open_flash(path), TOKENS, {}, 0.5, n_ctx=N_CTX)       # a rerun succeeds
     _logits_match(hf, path, TOKENS[:40])
+
+
+def test_cli_calibrate_then_sparse_perplexity(tiny, tmp_path):
+    import json
+    from typer.testing import CliRunner
+    from flashllm.cli import app
+    path = _fresh(tiny, "llama", tmp_path)
+    text = tmp_path / "t.txt"
+    text.write_text(" ".join(f"w{i}" for i in TOKENS), encoding="utf-8")
+    r = CliRunner().invoke(app, ["calibrate", str(path), "--text", str(text), "--tokens", "48",
+                                 "--ctx", "24", "--sparsity", "0.4", "-t", "1"])
+    assert r.exit_code == 0, r.output
+    sec = open_flash(path, verify=True).manifest["sparsity"]
+    assert (sec["target"], sec["criterion"], sec["hot_first"]) == (0.4, "glu_product", True)
+    assert sec["calibration"]["text"]["source"] == "file" and sec["calibration"]["n_tokens"] == 48
+    r = CliRunner().invoke(app, ["perplexity", str(path), str(text), "--ctx", "24", "--sparsity",
+                                 "0.4", "--json", "-t", "1"])
+    assert r.exit_code == 0, r.output
+    assert "using the model's calibrated thresholds" in r.output
+    out = json.loads(r.output.strip().splitlines()[-1])
+    assert (out["count"], out["n_chunks"], out["sparsity"]) == (22, 2, 0.4)
+    r = CliRunner().invoke(app, ["calibrate", str(path), "--text", str(text), "--tokens", "999"])
+    assert r.exit_code == 1 and "999 were asked for" in r.output
