@@ -37,6 +37,7 @@ from flashllm.tokenizer import Tokenizer
 CANDIDATES = {
     "lowrank-svd": ("lowrank", {"rank": 128, "dtype": "q8_0", "epochs": 0}),
     "lowrank": ("lowrank", {"rank": 128, "dtype": "q8_0", "epochs": 4}),
+    "lowrank-pin16": ("lowrank", {"rank": 128, "dtype": "q8_0", "epochs": 4, "pin": 16}),
     "gate-q8": ("gate", {"dtype": "q8_0"}),
     "gate-q4": ("gate", {"dtype": "q4_0"}),
     "gate_up-q4": ("gate_up", {"dtype": "q4_0"}),
@@ -135,7 +136,6 @@ def study(args) -> dict:
     acts = [ffn_activations(flash, i, hs[i], crit) for i in range(cfg.n_layers)]  # (N, n_ff)
     acts_th = layer_thresholds(acts, args.sparsity)
     masks = [a >= t for a, t in zip(acts, acts_th)]                       # (N, n_ff) bool
-    del acts
     cut = int(len(hs[0]) * 0.75)
     held_h, held_m = [h[cut:] for h in hs], [m[cut:] for m in masks]
     out = {"model": str(path), "dtype": args.dtype, "sparsity": args.sparsity,
@@ -150,7 +150,7 @@ def study(args) -> dict:
     for name in args.candidates:
         kind, kw = CANDIDATES[name]
         t0 = time.perf_counter()
-        pred = train_predictor(flash, hs, masks, kind, [0.5] * cfg.n_layers, recall=0.95, **kw)
+        pred = train_predictor(flash, hs, acts, kind, acts_th, recall=0.95, **kw)
         curves = Curves(pred, [h[:cut] for h in hs], [m[:cut] for m in masks])
         ms = predict_ms(pred, held_h)
         log(f"{name}: fitted in {time.perf_counter() - t0:.0f} s, {pred.nbytes / 2**20:.1f} MiB, "

@@ -243,3 +243,20 @@ def test_train_predictor_end_to_end(tmp_path, cfg):
     assert all(pr > 0.8 for pr in p.metrics["precision"]), p.metrics
     save_predictor(folder, p, p.metrics)
     assert load_predictor(open_flash(folder)).metrics["recall"] == p.metrics["recall"]
+
+
+def test_pinned_slots_are_always_predicted(tmp_path, cfg):
+    """A slot with one huge calibration activation (an attention-sink-like outlier) is pinned."""
+    folder = write_model(tmp_path / "m", cfg, tiny_arrays(cfg))
+    rng = np.random.default_rng(3)
+    hs = [rng.standard_normal((300, cfg.d_model)).astype(np.float32) for _ in range(2)]
+    acts = [np.abs(rng.standard_normal((300, cfg.n_ff))).astype(np.float32) for _ in range(2)]
+    for a in acts:
+        a[0, 17] = 1e3                                                    # (N, n_ff) one outlier
+    p = train_predictor(open_flash(folder), hs, acts, "lowrank", [1.0, 1.0], rank=32, pin=1,
+                        load=0.1, epochs=1)
+    far = 50.0 * rng.standard_normal((4, cfg.d_model)).astype(np.float32)
+    assert all(17 in p.predict(layer, far[t:t + 1]) for layer in range(2) for t in range(4))
+    q = train_predictor(open_flash(folder), hs, acts, "lowrank", [1.0, 1.0], rank=32, pin=0,
+                        load=0.1, epochs=1)
+    assert not all(17 in q.predict(layer, far[t:t + 1]) for layer in range(2) for t in range(4))
