@@ -51,7 +51,13 @@ class TokenStats:
 
     @property
     def recall(self) -> Optional[float]:
+        """Share of the exact active set the predictor found (check mode)."""
         return self.true_hits / self.true_active if self.true_active else None
+
+    @property
+    def precision(self) -> Optional[float]:
+        """Share of the predicted set that is exactly active (check mode)."""
+        return self.true_hits / self.active if self.true_active and self.active else None
 
 
 @dataclass
@@ -70,10 +76,12 @@ class FlashStats:
     def to_dict(self, expected: Callable[[float], float]) -> dict:
         decode = [t for t in self.tokens if t.kind == "decode"]
         rows = [{**asdict(t), "hit_rate": t.hit_rate, "avg_read": t.avg_read, "gib_s": t.gib_s,
-                 "profile_gib_s": expected(t.avg_read) if t.reads else 0.0, "recall": t.recall}
+                 "profile_gib_s": expected(t.avg_read) if t.reads else 0.0, "recall": t.recall,
+                 "precision": t.precision}
                 for t in self.tokens]
-        return {"ffn": self.mode, "plan": self.plan, "tokens": rows,
-                "decode_mean": _mean(decode, expected)}
+        mean = _mean(decode, expected)
+        return {"ffn": self.mode, "plan": self.plan, "summary": _summary(mean), "tokens": rows,
+                "decode_mean": mean}
 
 
 def _mean(recs: list, expected: Callable[[float], float]) -> dict:
@@ -88,8 +96,22 @@ def _mean(recs: list, expected: Callable[[float], float]) -> dict:
     out = {f: getattr(total, f) / n for f in FIELDS}
     out.update(hit_rate=total.hit_rate, avg_read=total.avg_read, gib_s=total.gib_s,
                profile_gib_s=expected(total.avg_read) if total.reads else 0.0,
-               recall=total.recall, tokens=n)
+               recall=total.recall, precision=total.precision, tokens=n)
     return out
+
+
+def _summary(m: dict) -> dict:
+    """Per decode token figures under the names scripts/bench_stats.py looks for."""
+    if not m:
+        return {}
+    return {"io_bytes_per_token": m["bytes_read"], "reads_per_token": m["reads"],
+            "avg_read_bytes": m["avg_read"], "effective_gibs": m["gib_s"],
+            "profile_gibs": m["profile_gib_s"], "hit_rate": m["hit_rate"],
+            "io_ms_per_token": 1e3 * m["io_s"], "mm_ms_per_token": 1e3 * m["mm_s"],
+            "compute_ms_per_token": 1e3 * m["compute_s"],
+            "predictor_ms_per_token": 1e3 * m["predict_s"], "recall": m["recall"],
+            "precision": m["precision"], "active_per_token": m["active"],
+            "decode_tokens": m["tokens"]}
 
 
 def stats_table(d: dict) -> str:

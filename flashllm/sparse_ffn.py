@@ -67,16 +67,17 @@ class SparseFlashFfn:
 
     def __init__(self, flash, predictor, budget_plan: BudgetPlan, reader, n_threads: int = 1,
                  window: int = 4, naive: bool = False, cost: Optional[CostModel] = None,
-                 check: bool = False):
+                 check: bool = False, overlap: bool = True):
         cfg, f = flash.config, flash.ffn
         self.flash, self.f, self.predictor, self.reader = flash, f, predictor, reader
         self.d, self.glu, self.act, self.n_threads = cfg.d_model, cfg.glu, cfg.act, n_threads
-        self.naive, self.check, self.plan = naive, check, budget_plan
+        self.naive, self.check, self.plan, self.overlap = naive, check, budget_plan, overlap
         self.ids = [bundle_ids(flash, i) for i in range(cfg.n_layers)]   # (n_ff,) int32 or None
         self.up_b = up_biases(flash)                                     # (n_ff,) f32 or None
         self.threshold = thresholds(flash.manifest, cfg.n_layers)
-        self.staging = aligned_empty(budget_plan.staging_rows * f.stride).reshape(
-            -1, f.stride)                                                # (staging_rows, stride)
+        rows = 2 * max(1, budget_plan.staging_rows // 2)                 # two halves
+        self.staging = aligned_empty(rows * f.stride).reshape(-1, f.stride)  # (rows, stride)
+        self._ahead = None            # (layer, first chunk, half, read job) issued ahead
         cost = cost or CostModel.defaults()
         self.fit = cost.fits[cost.nearest(reader.n_threads)]
         self.caches = [] if naive else [
@@ -97,12 +98,15 @@ class SparseFlashFfn:
             self._decode(layer, h, x)
             return
         pinned = 0 if self.naive else self.caches[layer].n_pinned
+        last = layer + 1 == len(self.ids)
+        ahead = (0 if self.naive else None) if last else layer + 1
         if pinned:
             t0 = clock()
             self._compute(layer, self.caches[layer].matrix, np.arange(pinned, dtype=np.int32), h,
                           x, self.caches[layer])
             self._token.compute_s += clock() - t0
-        self._stream(layer, np.arange(pinned, self.f.n_ff, dtype=np.int32), h, x)
+        if pinned < self.f.n_ff:
+            self._stream(layer, np.arange(pinned, self.f.n_ff, dtype=np.int32), h, x, ahead)
 
     def stats(self) -> dict:
         return self.rec.to_dict(lambda size: self.fit.gib_s(max(size, 1.0)))
@@ -129,6 +133,8 @@ class SparseFlashFfn:
         t2 = clock()
         job = self._pool.submit(self._read_rows, layer, fit, cache.matrix, rows_new, t) \
             if len(fit) else None
+        if job is not None and not self.overlap:
+            job.result()
         self._compute(layer, cache.matrix, rows_hit, h, x, cache)
         t3 = clock()
         if job is not None:
@@ -198,31 +204,62 @@ class SparseFlashFfn:
             t.reads += after.reads - before.reads
             t.read_s += after.seconds - before.seconds
 
-    def _stream(self, layer: int, slots: np.ndarray, h: np.ndarray, x: np.ndarray) -> None:
-        """x += FFN over slots (m,) read through the staging buffer, chunk by chunk (sequential
-        runs when slots are consecutive)."""
-        t, step = self._token, len(self.staging)
-        for c in range(0, len(slots), step):
-            chunk = slots[c:c + step]                            # (k,)
+    def _stream(self, layer: int, slots: np.ndarray, h: np.ndarray, x: np.ndarray,
+                 ahead: Optional[int] = None) -> None:
+        """x += FFN over slots (m,) read through the staging buffer's two halves: chunk c+1 is
+        read while chunk c computes. ahead: a layer whose first chunk (same slots) to read while
+        the last chunk computes (the next layer of a prefill or a naive token)."""
+        t, step = self._token, len(self.staging) // 2
+        chunks = [slots[c:c + step] for c in range(0, len(slots), step)]   # each (k,)
+        job, half = self._take_ahead(layer, chunks[0])
+        if job is None:
+            job = self._pool.submit(self._read_chunk, layer, chunks[0], half, t)
+        for i, chunk in enumerate(chunks):
             t0 = clock()
-            if int(chunk[-1] - chunk[0]) + 1 == len(chunk):
-                self._read_seq(layer, chunk, self.staging, t)
-            else:
-                self._read_rows(layer, chunk, self.staging, np.arange(len(chunk), dtype=np.int32), t)
+            job.result()
             t1 = clock()
-            self._compute_staged(layer, chunk, h, x)
+            if i + 1 < len(chunks):
+                job = self._pool.submit(self._read_chunk, layer, chunks[i + 1], 1 - half, t)
+            elif ahead is not None:
+                self._ahead = (ahead, chunks[0], 1 - half,
+                               self._pool.submit(self._read_chunk, ahead, chunks[0], 1 - half, t))
+            self._compute_staged(layer, chunk, half, h, x)
             t.io_s += t1 - t0
             t.compute_s += clock() - t1
             t.streamed += len(chunk)
+            half = 1 - half
 
-    def _compute_staged(self, layer: int, chunk: np.ndarray, h: np.ndarray, x: np.ndarray) -> None:
-        """x += FFN over staging rows 0 .. k-1, which hold slots chunk (k,)."""
+    def _take_ahead(self, layer: int, first: np.ndarray):
+        """(the pending read of layer's first chunk, its half) if one was issued ahead, else
+        (None, 0); a read issued ahead for something else is waited for and dropped."""
+        pending, self._ahead = self._ahead, None
+        if pending is None:
+            return None, 0
+        p_layer, p_chunk, p_half, job = pending
+        if p_layer == layer and np.array_equal(p_chunk, first):
+            return job, p_half
+        job.result()
+        return None, 0
+
+    def _read_chunk(self, layer: int, chunk: np.ndarray, half: int, t: TokenStats) -> None:
+        """Slots chunk (k,) → staging half `half`: one run when they are consecutive."""
+        step = len(self.staging) // 2
+        out = self.staging[half * step:(half + 1) * step]                 # (step, stride)
+        if int(chunk[-1] - chunk[0]) + 1 == len(chunk):
+            self._read_seq(layer, chunk, out, t)
+        else:
+            self._read_rows(layer, chunk, out, np.arange(len(chunk), dtype=np.int32), t)
+
+    def _compute_staged(self, layer: int, chunk: np.ndarray, half: int, h: np.ndarray,
+                        x: np.ndarray) -> None:
+        """x += FFN over staging half `half`, whose rows 0 .. k-1 hold slots chunk (k,)."""
+        step = len(self.staging) // 2
         ub, ids, order = self.up_b[layer], None, self.ids[layer]
         if ub is not None:
             ids = order[chunk] if order is not None else chunk   # (k,) neuron ids
-        kernel.ffn_bundles(self.staging[:len(chunk)], self.f.dtype, self.d, self.glu, self.act,
-                           h, x, ids=ids, up_bias=ub, n_threads=self.n_threads,
-                           threshold=self.threshold[layer])
+        rows = self.staging[half * step:half * step + len(chunk)]           # (k, stride)
+        kernel.ffn_bundles(rows, self.f.dtype, self.d, self.glu, self.act, h, x, ids=ids,
+                           up_bias=ub, n_threads=self.n_threads, threshold=self.threshold[layer])
 
     # ---- predictor recall (check mode) -------------------------------------------------------
 

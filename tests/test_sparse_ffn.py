@@ -2,6 +2,8 @@
 flash path with every slot active and threshold 0 gives the dense model's tokens."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -71,11 +73,11 @@ class Recorded:
         return self.last
 
 
-def flash_ffn(path, predictor, budget: str, naive=False, window=2, staging_rows=None):
+def flash_ffn(path, predictor, budget: str, naive=False, window=2, **plan_fields):
+    """(flash, SparseFlashFfn) with the budget's plan, some of its fields overridden."""
     flash = open_flash(path)
     plan = plan_budget(read_manifest(path), budget, 64, process=0, naive=naive)
-    if staging_rows is not None:
-        plan = type(plan)(**{**plan.__dict__, "staging_rows": staging_rows})
+    plan = dataclasses.replace(plan, **plan_fields)
     reader = Reader(flash.ffn.file, n_threads=2)
     return flash, SparseFlashFfn(flash, predictor, plan, reader, n_threads=1, window=window,
                                  naive=naive)
@@ -93,7 +95,7 @@ def test_decode_equals_numpy_on_the_same_active_set(tmp_path, glu, dtype, thresh
     update_manifest(tmp_path / "m", sparsity={"thresholds": [threshold] * cfg.n_layers})
     pred = Recorded(cfg.n_ff, seed=3)
     # a cache of ~40% of the FFN: hits, evictions (swap-delete) and streamed overflow all happen
-    flash, ffn = flash_ffn(tmp_path / "m", pred, "64MiB", staging_rows=7)
+    flash, ffn = flash_ffn(tmp_path / "m", pred, "64MiB", staging_rows=14)
     ffn.caches = [type(c)(cfg.n_ff, 40, c.stride, 2, 0) for c in ffn.caches]
     rng = np.random.default_rng(0)
     for _ in range(12):
@@ -113,17 +115,21 @@ def test_decode_equals_numpy_on_the_same_active_set(tmp_path, glu, dtype, thresh
 def test_prefill_and_naive_read_whole_layers_in_chunks(tmp_path, naive):
     cfg, arrays, _ = write_model(tmp_path / "m", True, "f32")
     flash, ffn = flash_ffn(tmp_path / "m", AllSlots(cfg.n_ff), "64MiB", naive=naive,
-                           staging_rows=10)
+                           staging_rows=10, **({} if naive else {"capacity": 40, "n_pinned": 25}))
     h = np.random.default_rng(1).standard_normal((5, cfg.d_model)).astype(np.float32)  # (5, d)
-    for T in (5, 1):
-        y = np.zeros((T, cfg.d_model), np.float32)
-        ffn(0, h[:T], y)
-        ref = reference_ffn(cfg, arrays, "f32", 0, h[:T], np.arange(cfg.n_ff), 0.0)
-        np.testing.assert_allclose(y, ref, atol=1e-4, rtol=1e-4)
+    for T in (5, 1, 1):
+        for layer in range(cfg.n_layers):
+            y = np.zeros((T, cfg.d_model), np.float32)
+            ffn(layer, h[:T], y)
+            ref = reference_ffn(cfg, arrays, "f32", layer, h[:T], np.arange(cfg.n_ff), 0.0)
+            np.testing.assert_allclose(y, ref, atol=1e-4, rtol=1e-4)
     t = ffn.stats()["tokens"]
-    assert t[0]["kind"] == "prefill"
-    expect = cfg.n_ff * flash.ffn.stride - (0 if naive else ffn.plan.n_pinned * flash.ffn.stride)
-    assert t[0]["bytes_requested"] == expect
+    assert [r["kind"] for r in t] == ["prefill", "decode", "decode"]
+    stride, layers = flash.ffn.stride, cfg.n_layers
+    if naive:    # every token reads every bundle (one chunk of the next token read ahead)
+        assert t[1]["bytes_requested"] == layers * cfg.n_ff * stride
+    else:        # prefill streams what is not pinned
+        assert t[0]["bytes_requested"] == layers * (cfg.n_ff - 25) * stride
 
 
 def test_bytes_read_per_token_are_the_misses(tmp_path):
@@ -158,8 +164,8 @@ def greedy(model, prompt, n):
 
 def test_all_slots_threshold_zero_gives_the_dense_tokens_tiny(tmp_path):
     cfg, _, _ = write_model(tmp_path / "m", True, "f32")
-    flash, ffn = flash_ffn(tmp_path / "m", AllSlots(cfg.n_ff), "64MiB", staging_rows=16)
-    ffn.caches = [type(c)(cfg.n_ff, 30, c.stride, 2, 0) for c in ffn.caches]
+    flash, ffn = flash_ffn(tmp_path / "m", AllSlots(cfg.n_ff), "64MiB", staging_rows=16,
+                           capacity=30, n_pinned=10)
     dense = Model(open_flash(tmp_path / "m"), n_threads=1, n_ctx=16)
     sparse = Model(flash, n_threads=1, n_ctx=16, ffn=ffn)
     assert greedy(sparse, [1, 5, 9], 10) == greedy(dense, [1, 5, 9], 10)
@@ -182,3 +188,21 @@ def test_all_slots_gives_the_dense_tokens_smollm2_q8_0():
     sparse = Model(flash, n_threads=1, n_ctx=64, ffn=ffn)
     prompt = [1, 504, 3458, 282, 4649, 314]
     assert greedy(sparse, prompt, 12) == greedy(Model(open_flash(path), 1, 64), prompt, 12)
+
+
+def test_check_mode_counts_recall_against_the_exact_mask(tmp_path):
+    cfg, arrays, order = write_model(tmp_path / "m", True, "f32")
+    update_manifest(tmp_path / "m", sparsity={"thresholds": [0.4] * cfg.n_layers})
+    pred = Recorded(cfg.n_ff, seed=4)
+    flash, ffn = flash_ffn(tmp_path / "m", pred, "64MiB")
+    ffn.check = True
+    h = np.random.default_rng(2).standard_normal((1, cfg.d_model)).astype(np.float32)   # (1, d)
+    ffn(0, h, np.zeros_like(h))
+    g = h @ arrays["blk.0.ffn_gate.weight"].T                            # (1, n_ff) by neuron id
+    a = np.abs(g / (1 + np.exp(-g)) * (h @ arrays["blk.0.ffn_up.weight"].T))[0]
+    true = set(np.flatnonzero(a >= 0.4).tolist())                       # neuron ids
+    found = true & set(order[pred.last].tolist())
+    t = ffn.stats()["tokens"][-1]
+    assert (t["true_active"], t["true_hits"]) == (len(true), len(found))
+    assert t["recall"] == pytest.approx(len(found) / len(true))
+    assert t["precision"] == pytest.approx(len(found) / len(pred.last))
