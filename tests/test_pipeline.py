@@ -3,6 +3,7 @@ exit codes (0 ok, 1 user error, 2 usage), `| head -c 1` ending quietly, two runs
 flash model at once; and (realmodel) `echo ... | flashllm run smollm2-135m | wc -w`."""
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import subprocess
@@ -75,6 +76,29 @@ def test_two_runs_share_one_flash_model_at_once(model, tmp_path):
     assert proc.stderr.strip().splitlines()[-2] == "0 0", proc.stderr
     first, second = (tmp_path / "a").read_text(), (tmp_path / "b").read_text()
     assert first.strip() and first == second == sh(one).stdout
+
+
+def test_json_stats_on_stderr_tokens_alone_on_stdout(model):
+    proc = sh(f"{FLASHLLM} run {model} -p 'hello there' -n 6 --temp 0 --json 2>&1 >/dev/null")
+    stats = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert stats["n_prompt"] == 2 and 0 <= stats["n_gen"] <= 6 and stats["prefill_s"] > 0
+    assert statuses(proc) == [0]
+
+
+def test_piped_chat_with_a_system_prompt_and_a_template_file(model, tmp_path):
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages[0]['content'] }} {{ messages[-1]['content'] }}")
+    proc = sh(f"printf 'how are you\\n/stats\\n/exit\\n' | {FLASHLLM} run {model} -i -sys 'hello there' "
+              f"--chat-template {shlex.quote(str(template))} -n 6 --temp 0")
+    one_shot = sh(f"{FLASHLLM} run {model} -p 'hello there how are you' -n 6 --temp 0 --no-timings")
+    assert statuses(proc) == [0, 0]
+    assert proc.stdout == one_shot.stdout                     # answers alone on stdout
+    assert "chat template: --chat-template" in proc.stderr and "turns 1, messages 3" in proc.stderr
+
+
+def test_chat_refuses_a_prompt_too(model):
+    proc = sh(f"{FLASHLLM} run {model} -i -p hi")
+    assert statuses(proc) == [1] and "error: give a prompt (-p/-f) or -i/--chat, not both" in proc.stderr
 
 
 @pytest.mark.realmodel
