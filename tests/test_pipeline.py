@@ -101,6 +101,18 @@ def test_chat_refuses_a_prompt_too(model):
     assert statuses(proc) == [1] and "error: give a prompt (-p/-f) or -i/--chat, not both" in proc.stderr
 
 
+def test_a_missing_kernel_build_is_one_actionable_line(model, tmp_path):
+    import shutil
+    shutil.copytree(ROOT / "flashllm", tmp_path / "flashllm",
+                    ignore=shutil.ignore_patterns("_native*", "__pycache__"))
+    proc = subprocess.run([sys.executable, "-m", "flashllm.cli", "run", shlex.split(model)[0], "-p", "hi"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: ")
+    assert "flashllm._native" in lines[0] and "make setup" in lines[0]
+
+
 @pytest.mark.realmodel
 def test_real_smollm2_pipeline_word_count():
     from conftest import _converted
