@@ -72,7 +72,7 @@ def test_exit_codes(model, args, code, message):
 def test_two_runs_share_one_flash_model_at_once(model, tmp_path):
     one = f"{FLASHLLM} run {model} -p 'hello there' -n 24 --temp 0 --no-timings"
     a, b = (shlex.quote(str(tmp_path / n)) for n in "ab")
-    proc = sh(f"{one} > {a} & {one} > {b} & wait %1; s1=$?; wait %2; echo $s1 $? >&2")
+    proc = sh(f"{one} > {a} & p1=$!; {one} > {b} & p2=$!; wait $p1; s1=$?; wait $p2; echo $s1 $? >&2")
     assert proc.stderr.strip().splitlines()[-2] == "0 0", proc.stderr
     first, second = (tmp_path / "a").read_text(), (tmp_path / "b").read_text()
     assert first.strip() and first == second == sh(one).stdout
