@@ -171,6 +171,18 @@ def test_all_slots_threshold_zero_gives_the_dense_tokens_tiny(tmp_path):
     assert greedy(sparse, [1, 5, 9], 10) == greedy(dense, [1, 5, 9], 10)
 
 
+@pytest.mark.parametrize("name", ["llama", "opt"])
+def test_all_slots_gives_the_dense_tokens_tiny_hf(hf_tiny, tmp_path, name):
+    from flashllm.convert import convert
+    folder, _ = hf_tiny(name)
+    path = convert(folder, tmp_path / "m", "f32")
+    flash, ffn = flash_ffn(path, AllSlots(open_flash(path).config.n_ff), "64MiB",
+                           staging_rows=16, capacity=40, n_pinned=10)
+    sparse = Model(flash, n_threads=1, n_ctx=32, ffn=ffn)
+    dense = Model(open_flash(path), n_threads=1, n_ctx=32)
+    assert greedy(sparse, [1, 7, 42, 300], 12) == greedy(dense, [1, 7, 42, 300], 12)
+
+
 def budget_for(path, cache_fraction: float) -> str:
     """A --dram-budget (bytes) whose neuron caches hold about cache_fraction of the FFN."""
     man = read_manifest(path)
