@@ -36,7 +36,8 @@ def _gguf_template(path: Path) -> str:
     return GGUFReader(path).fields["tokenizer.chat_template"].contents()
 
 
-@pytest.mark.parametrize("which", ["smollm2", "qwen", "chatml"])
+@pytest.mark.parametrize("which", [pytest.param("smollm2", marks=pytest.mark.realmodel),
+                                   pytest.param("qwen", marks=pytest.mark.realmodel), "chatml"])
 def test_templates_render_as_transformers_does(which):
     reference = pytest.importorskip("transformers.utils.chat_template_utils")
     source = CHATML if which == "chatml" else _gguf_template(GGUFS[which])
