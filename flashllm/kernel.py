@@ -18,6 +18,11 @@ except ImportError as exc:  # the extension was not built
     _IMPORT_ERROR = str(exc)
 else:
     _IMPORT_ERROR = ""
+    _missing = ffi.new("char[]", 32)
+    if lib.fl_cpu_check(_missing, 32) != 0:  # built for another CPU: SIMD code would SIGILL
+        _IMPORT_ERROR = (f"it was compiled for a CPU with {ffi.string(_missing).decode()}, "
+                         "which this one lacks")
+        lib = None
 
 ACT_CODES = {"silu": 0, "gelu": 1, "relu": 2}
 _STATUS = {

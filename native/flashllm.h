@@ -35,6 +35,13 @@ enum { FL_F32 = 0, FL_F16 = 1, FL_Q8_0 = 2, FL_Q4_0 = 3 };
 /* FFN activations */
 enum { FL_ACT_SILU = 0, FL_ACT_GELU = 1, FL_ACT_RELU = 2 };
 
+/* ---- CPU check (cpu.c) ------------------------------------------------------------------- */
+
+/* FL_OK when this CPU has every SIMD extension the library was compiled for; otherwise
+ * FL_EUNSUPPORTED with the first missing one's name written to missing (n bytes). Call it before
+ * anything else: the rest of the library may use those instructions. */
+int32_t fl_cpu_check(char *missing, size_t n);
+
 /* ---- quantization (quant.c) ---------------------------------------------------------------- */
 
 /* Bytes of one row of n values in dtype; 0 when dtype is unknown or n is not a multiple of the
