@@ -147,9 +147,9 @@ def test_cli_unwritable_output_and_success(tmp_path):
     want = f"error: {src}: cannot write the flash model to {blocker / 'out'}: Not a directory"
     assert stderr.strip() == want
     assert blocker.read_text() == ""
-    code, _, stderr = _cli([src, "-o", tmp_path / "ok", "--dtype", "f32"])
-    assert code == 0, stderr
-    assert open_flash(tmp_path / "ok", verify=True).dtype == "f32"
+    code, _, stderr = _cli([src, "-o", tmp_path / "new" / "ok", "--dtype", "f32"])
+    assert code == 0, stderr  # missing parent folders are made, like mkdir -p
+    assert open_flash(tmp_path / "new" / "ok", verify=True).dtype == "f32"
 
 
 def test_cli_subprocess_exit_code_and_stderr(tmp_path, bad_sources):
