@@ -8,12 +8,13 @@ last-use token index per row drives eviction:
 
     lookup(slots)  -> (rows of the hits, slots missing)     marks the hits used now
     insert(slots)  -> rows for a prefix of slots            the caller reads the bundles into them
-    rows_of(slots) -> their rows (-1: not cached)           insert may move rows: ask again after it
+    rows_of(slots) -> their rows (-1: not cached)           remove() moves rows: ask again after it
 
 insert appends; when the matrix is full it first evicts rows not used in the last `window`
 tokens (oldest first), then, while capacity still falls short, rows not used by the current
-token (oldest first). Delete is the paper's: the last live row is copied into the hole, so the
-live rows stay packed in 0 .. count-1. Rows of the current token are never evicted: when even
+token (oldest first), and reads the new neurons straight into the evicted rows. remove() is the
+paper's delete: the last live row is copied into the hole. Either way the live rows stay packed
+in 0 .. count-1 and both maps stay exact. Rows of the current token are never evicted: when even
 then the matrix cannot take every slot, insert returns rows for the first slots only and the
 caller streams the rest (slots are sorted, so with hot-first order the hotter ones are cached).
 Everything is vectorised numpy: no per-neuron Python on the hot path.
@@ -86,32 +87,38 @@ class NeuronCache:
 
     def insert(self, slots: np.ndarray) -> np.ndarray:
         """Rows (k,) int32 for slots[:k] (k = len(slots) unless the current token fills the
-        matrix), marked used now. The slots must not be cached already."""
+        matrix), marked used now. The slots must not be cached already. Free rows are appended;
+        when the matrix is full, evicted rows are reused in place (the copy a swap-delete would
+        make is saved: the rows stay packed either way)."""
         slots = np.asarray(slots, dtype=np.int32)                # (n,)
         if len(slots) and (self.row_of[slots] >= 0).any():
             raise CacheError("insert() of a slot that is already cached")
-        short = len(slots) - (self.capacity - self.count)
-        if short > 0:
-            self._evict(short)
-        k = min(len(slots), self.capacity - self.count)
-        rows = np.arange(self.count, self.count + k, dtype=np.int32)  # (k,)
-        self.row_of[slots[:k]] = rows
-        self.slot_of[rows] = slots[:k]
+        free = self.capacity - self.count
+        victims = self._victims(len(slots) - free)               # (v,) rows to reuse
+        n_new = min(len(slots) - len(victims), free)
+        rows = np.concatenate([victims, np.arange(self.count, self.count + n_new,
+                                                  dtype=np.int32)])  # (k,)
+        self.row_of[self.slot_of[victims]] = -1
+        self.row_of[slots[:len(rows)]] = rows
+        self.slot_of[rows] = slots[:len(rows)]
         self.last_use[rows] = self.now
-        self.count += k
+        self.count += n_new
+        self.evicted_rows += len(victims)
         return rows
 
-    def _evict(self, n: int) -> None:
-        """Free up to n rows: out-of-window rows first, then rows not used by this token; the
-        oldest first in both cases (ties: the highest slot, with hot-first order the coldest);
-        pinned rows and the current token's rows never."""
+    def _victims(self, n: int) -> np.ndarray:
+        """Up to n rows (int32) to evict: out-of-window rows first, then rows not used by this
+        token; the oldest first in both cases (ties: the highest slot, with hot-first order the
+        coldest); pinned rows and the current token's rows never."""
+        if n <= 0:
+            return np.zeros(0, dtype=np.int32)
         used = self.last_use[self.n_pinned:self.count]           # (count - pinned,)
         free_ok = np.flatnonzero(used < self.now)                # not this token's
-        if len(free_ok) > n:      # the n oldest; among equally old, the highest slot (coldest)
+        if len(free_ok) > n:
             slot = self.slot_of[self.n_pinned:self.count][free_ok].astype(np.int64)  # (f,)
             age_key = used[free_ok] * (self.n_slots + 1) + (self.n_slots - slot)     # (f,)
             free_ok = free_ok[np.argpartition(age_key, n - 1)[:n]]
-        self.remove(free_ok.astype(np.int32) + self.n_pinned)
+        return (free_ok + self.n_pinned).astype(np.int32)
 
     def remove(self, rows: np.ndarray) -> None:
         """Swap-delete rows (k,) (distinct, unpinned, live): the last live rows move into the

@@ -123,12 +123,7 @@ class SparseFlashFfn:
         t1 = clock()
         cache.next_token()
         rows_hit, miss = cache.lookup(slots)                     # (h,) rows, (m,) slots
-        moved = cache.copied_rows
         rows_new = cache.insert(miss)                            # (k,) rows for miss[:k]
-        if cache.copied_rows != moved:                           # swap-delete moved rows
-            hit = np.ones(len(slots), dtype=bool)                # (n,)
-            hit[np.searchsorted(slots, miss)] = False
-            rows_hit = cache.rows_of(slots[hit])                 # (h,)
         fit, over = miss[:len(rows_new)], miss[len(rows_new):]   # (k,) cached, (m-k,) streamed
         t2 = clock()
         job = self._pool.submit(self._read_rows, layer, fit, cache.matrix, rows_new, t) \
