@@ -58,7 +58,8 @@ class FlashWriter:
         self.layer_bytes = align_up(config.n_ff * self.stride, FFN_ALIGN)
         self._ffn = None
         try:
-            self.out.parent.mkdir(parents=True, exist_ok=True)   # like mkdir -p
+            if not self.out.parent.exists():
+                self.out.parent.mkdir(parents=True)              # like mkdir -p
             if self.tmp.exists():
                 shutil.rmtree(self.tmp)
             self.tmp.mkdir()
