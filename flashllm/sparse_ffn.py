@@ -96,23 +96,42 @@ class SparseFlashFfn:
             self._token = self.rec.start("decode" if len(h) == 1 else "prefill", len(h))
         if len(h) == 1 and not self.naive:
             self._decode(layer, h, x)
-            return
-        pinned = 0 if self.naive else self.caches[layer].n_pinned
-        last = layer + 1 == len(self.ids)
-        ahead = (0 if self.naive else None) if last else layer + 1
-        if pinned:
-            t0 = clock()
-            self._compute(layer, self.caches[layer].matrix, np.arange(pinned, dtype=np.int32), h,
-                          x, self.caches[layer])
-            self._token.compute_s += clock() - t0
-        if pinned < self.f.n_ff:
-            self._stream(layer, np.arange(pinned, self.f.n_ff, dtype=np.int32), h, x, ahead)
+        else:
+            self._whole_layer(layer, h, x)
 
     def stats(self) -> dict:
         return self.rec.to_dict(lambda size: self.fit.gib_s(max(size, 1.0)))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+    # ---- prefill and naive: whole layers ----------------------------------------------------
+
+    def _whole_layer(self, layer: int, h: np.ndarray, x: np.ndarray) -> None:
+        """Prefill (T > 1) or a naive token: pinned rows from the cache, every other slot
+        streamed in order; a prefill also seeds the cache with what its last tokens predict."""
+        cache = None if self.naive else self.caches[layer]
+        pinned = 0 if cache is None else cache.n_pinned
+        last = layer + 1 == len(self.ids)
+        ahead = (0 if self.naive else None) if last else layer + 1
+        fill = None if cache is None else self._seed(layer, cache, h)
+        if pinned:
+            t0 = clock()
+            self._compute(layer, cache.matrix, np.arange(pinned, dtype=np.int32), h, x, cache)
+            self._token.compute_s += clock() - t0
+        if pinned < self.f.n_ff:
+            self._stream(layer, np.arange(pinned, self.f.n_ff, dtype=np.int32), h, x, ahead, fill)
+
+    def _seed(self, layer: int, cache: NeuronCache, h: np.ndarray):
+        """Rows for the slots the prompt's last `window` tokens predict: (matrix, slots (k,),
+        rows (k,)) for _stream to copy from staging as the slots pass by."""
+        t0 = clock()
+        slots = np.asarray(self.predictor.predict(layer, h[-cache.window:]), np.int32)  # (n,)
+        cache.next_token()
+        _, miss = cache.lookup(slots)                            # (m,)
+        rows = cache.insert(miss)                                # (k,)
+        self._token.mm_s += clock() - t0
+        return cache.matrix, miss[:len(rows)], rows
 
     # ---- decode ------------------------------------------------------------------------------
 
@@ -200,10 +219,11 @@ class SparseFlashFfn:
             t.read_s += after.seconds - before.seconds
 
     def _stream(self, layer: int, slots: np.ndarray, h: np.ndarray, x: np.ndarray,
-                 ahead: Optional[int] = None) -> None:
+                 ahead: Optional[int] = None, fill=None) -> None:
         """x += FFN over slots (m,) read through the staging buffer's two halves: chunk c+1 is
         read while chunk c computes. ahead: a layer whose first chunk (same slots) to read while
-        the last chunk computes (the next layer of a prefill or a naive token)."""
+        the last chunk computes (the next layer of a prefill or a naive token). fill: (matrix,
+        slots, rows) to copy into the cache as they pass (consecutive chunks only)."""
         t, step = self._token, len(self.staging) // 2
         chunks = [slots[c:c + step] for c in range(0, len(slots), step)]   # each (k,)
         job, half = self._take_ahead(layer, chunks[0])
@@ -219,10 +239,21 @@ class SparseFlashFfn:
                 self._ahead = (ahead, chunks[0], 1 - half,
                                self._pool.submit(self._read_chunk, ahead, chunks[0], 1 - half, t))
             self._compute_staged(layer, chunk, half, h, x)
+            if fill is not None:
+                self._fill(fill, chunk, half)
             t.io_s += t1 - t0
             t.compute_s += clock() - t1
             t.streamed += len(chunk)
             half = 1 - half
+
+    def _fill(self, fill, chunk: np.ndarray, half: int) -> None:
+        """Copy the fill slots that lie in chunk (consecutive slots, in staging half `half`)
+        into their cache rows."""
+        matrix, slots, rows = fill                               # (cap, stride), (k,), (k,)
+        sel = (slots >= chunk[0]) & (slots <= chunk[-1])         # (k,)
+        if sel.any():
+            step = len(self.staging) // 2
+            matrix[rows[sel]] = self.staging[half * step + slots[sel] - chunk[0]]
 
     def _take_ahead(self, layer: int, first: np.ndarray):
         """(the pending read of layer's first chunk, its half) if one was issued ahead, else

@@ -128,8 +128,10 @@ def test_prefill_and_naive_read_whole_layers_in_chunks(tmp_path, naive):
     stride, layers = flash.ffn.stride, cfg.n_layers
     if naive:    # every token reads every bundle (one chunk of the next token read ahead)
         assert t[1]["bytes_requested"] == layers * cfg.n_ff * stride
-    else:        # prefill streams what is not pinned
+    else:        # prefill streams what is not pinned, and leaves the cache full for decode
         assert t[0]["bytes_requested"] == layers * (cfg.n_ff - 25) * stride
+        assert t[1]["hits"] == layers * 40
+        assert t[1]["bytes_requested"] == layers * (cfg.n_ff - 40) * stride   # streamed
 
 
 def test_bytes_read_per_token_are_the_misses(tmp_path):
