@@ -202,11 +202,12 @@ def run(
         _chat(flash, net, tok, sampler, system, chat_template, n_predict, as_json)
     else:
         stats = _complete(net, tok, sampler, ids, n_predict)
+        flash_json = (ffn.stats() if ffn is not None else {"ffn": "dense"}) if flash_stats else None
         if as_json:
-            err.print(_stats_json(stats), markup=False, soft_wrap=True, highlight=False)
+            err.print(_stats_json(stats, flash_json), markup=False, soft_wrap=True, highlight=False)
         elif not no_timings:
             err.print(stats.summary(), markup=False, soft_wrap=True)
-    if flash_stats:
+    if flash_stats and not as_json:
         from .flash_stats import stats_table
         err.print(stats_table(net.ffn.stats()) if ffn is not None else "ffn: dense (no flash I/O)",
                   markup=False, soft_wrap=True, highlight=False)
@@ -403,12 +404,14 @@ def _read_line(prompt: str) -> str:
     return line
 
 
-def _stats_json(stats) -> str:
-    """One JSON object of a generation's counts, times and speeds."""
+def _stats_json(stats, flash: Optional[dict] = None) -> str:
+    """One JSON object of a generation's counts, times and speeds (and the flash FFN's
+    per-token stats under "flash" with --stats)."""
     import dataclasses
     import json
+    extra = {} if flash is None else {"flash": flash}
     return json.dumps({**dataclasses.asdict(stats), "prefill_tps": stats.prefill_tps,
-                       "decode_tps": stats.decode_tps})
+                       "decode_tps": stats.decode_tps, **extra})
 
 
 def main() -> None:

@@ -78,3 +78,14 @@ def test_flash_runs_give_the_dense_tokens_and_a_stats_table(tiny, monkeypatch, a
     assert dense.exit_code == 0 and flash.exit_code == 0, flash.output
     assert flash.stdout.splitlines()[0] == dense.stdout.splitlines()[0]
     assert "tok    kind  MB read" in flash.output and " prefill " in flash.output
+
+
+def test_stats_with_json_joins_the_timings_object(tiny, monkeypatch):  # noqa: F811
+    import json
+    r = run(tiny[0].path, "--dram-budget", "120MiB", "--stats", "--json", monkeypatch=monkeypatch)
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stderr.strip().splitlines()[-1])
+    assert data["n_decode"] == len(data["flash"]["tokens"]) - 1       # + the prefill record
+    summary = data["flash"]["summary"]
+    assert summary["decode_tokens"] == data["n_decode"] and 0 <= summary["hit_rate"] <= 1
+    assert "tok    kind" not in r.stderr                                # no text table with --json
