@@ -147,8 +147,10 @@ class SparseFlashFfn:
         t2 = clock()
         job = self._pool.submit(self._read_rows, layer, fit, cache.matrix, rows_new, t) \
             if len(fit) else None
+        waited = 0.0              # without overlap: the read finishes before the hits compute
         if job is not None and not self.overlap:
             job.result()
+            waited = clock() - t2
         self._compute(layer, cache.matrix, rows_hit, h, x, cache)
         t3 = clock()
         if job is not None:
@@ -160,8 +162,8 @@ class SparseFlashFfn:
             self._stream(layer, over, h, x)
         t.predict_s += t1 - t0
         t.mm_s += t2 - t1
-        t.io_s += t4 - t3
-        t.compute_s += (t3 - t2) + (t5 - t4)
+        t.io_s += (t4 - t3) + waited
+        t.compute_s += (t3 - t2 - waited) + (t5 - t4)
         t.active += len(slots)
         t.hits += len(rows_hit)
         if self.check:
