@@ -66,9 +66,10 @@ class BudgetPlan:
                 f"{self.n_pinned} pinned)")
 
 
-def mib(nbytes: int) -> str:
-    """Whole MiB, rounded up: '230 MiB'."""
-    return f"{-(-int(nbytes) // MiB)} MiB"
+def mib(nbytes: int, up: bool = True) -> str:
+    """Whole MiB, rounded up (a need) or down (what a budget gives): '230 MiB'."""
+    n = -(-int(nbytes) // MiB) if up else int(nbytes) // MiB
+    return f"{n} MiB"
 
 
 def parse_budget(text: str, model_bytes: int) -> int:
@@ -133,13 +134,13 @@ def plan_budget(manifest: dict, budget_text: str, n_ctx: int, process: int, pred
     fixed = sum(resident.values()) + (0 if naive else 4 * n_ff * n_layers)
     dense = resident["dense weights"]
     if budget < dense:
-        raise BudgetError(f"--dram-budget {budget_text} ({mib(budget)}) cannot hold the "
+        raise BudgetError(f"--dram-budget {budget_text} ({mib(budget, up=False)}) cannot hold the "
                           f"{mib(dense)} of dense weights (embeddings, attention, norms) that stay "
                           f"in DRAM; streaming them from flash is not implemented yet: give at "
                           f"least {mib(fixed)}")
     if budget < fixed:
         parts = ", ".join(f"{k} {mib(v)}" for k, v in resident.items() if v)
-        raise BudgetError(f"--dram-budget {budget_text} ({mib(budget)}) is below the "
+        raise BudgetError(f"--dram-budget {budget_text} ({mib(budget, up=False)}) is below the "
                           f"{mib(fixed)} that must stay resident ({parts}); give at least "
                           f"{mib(fixed)}, or lower --ctx-size")
     capacity = 0 if naive else min(n_ff, (budget - fixed) // (n_layers * (stride + ROW_MAP_BYTES)))

@@ -56,7 +56,7 @@ def plan_run(path: Path, opts: FlashOptions, n_ctx: int, process: int) -> Option
     if opts.dense and plan.capacity < plan.n_ff:
         need = plan.total - plan.cache_bytes + plan.n_layers * plan.n_ff * plan.stride
         raise BudgetError(f"--dense needs {mib(need)} (every FFN bundle in DRAM), --dram-budget "
-                          f"{opts.dram_budget} gives {mib(plan.budget)}: drop --dense to stream "
+                          f"{opts.dram_budget} gives {mib(plan.budget, up=False)}: drop --dense to stream "
                           f"the FFN from flash")
     return plan
 
