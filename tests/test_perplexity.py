@@ -72,10 +72,10 @@ def test_bos_to_add():
     from flashllm.tokenizer import Tokenizer
     hf = HF(models.WordLevel({"<s>": 0, "a": 1, "<unk>": 2}, unk_token="<unk>"))
     hf.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    assert bos_to_add(Tokenizer(hf), 0) is None
+    assert bos_to_add(Tokenizer.from_json(hf.to_str()), 0) is None
     hf.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
-    assert bos_to_add(Tokenizer(hf), 0) == 0
-    assert bos_to_add(Tokenizer(hf), None) is None
+    assert bos_to_add(Tokenizer.from_json(hf.to_str()), 0) == 0
+    assert bos_to_add(Tokenizer.from_json(hf.to_str()), None) is None
 
 
 @pytest.mark.realmodel
