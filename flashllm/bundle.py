@@ -1,7 +1,9 @@
 """Reading a flash model folder (docs/FORMAT.md): open_flash validates everything before use.
 
-dense.bin is read once into DRAM and tensors are views into it; FFN layers are read from ffn.bin
-on demand (the runtime's direct-I/O reader uses FlashModel.ffn for offsets and strides).
+Nothing is loaded at open: `tensor(name)` reads one dense tensor from dense.bin into DRAM when it is
+asked for (the caller keeps it resident or not; `dense_entry` gives the offsets for streaming it),
+and FFN layers are read from ffn.bin on demand (the runtime's direct-I/O reader uses FlashModel.ffn
+for offsets and strides).
 """
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ def open_flash(path: Path, verify: bool = False) -> "FlashModel":
 
 
 class FlashModel:
-    """A validated flash model: manifest, config, dense tensors in DRAM, the FFN layout."""
+    """A validated flash model: manifest, config, the dense tensor table, the FFN layout."""
 
     def __init__(self, path: Path) -> None:
         if not path.is_dir():
@@ -59,7 +61,8 @@ class FlashModel:
         if self.dtype not in DTYPE_CODES:
             raise FormatError(f"{path / MANIFEST_FILE}: unknown storage dtype {self.dtype!r}")
         self._tensors = _check_tensors(path, self.manifest, self.config)
-        self._dense = _read_dense(path, self.manifest, self._tensors)          # (file_bytes,) uint8
+        self.dense_file = path / DENSE_FILE
+        _check_dense_header(self.dense_file, self.manifest, self._tensors)
         self.ffn: FfnLayout = _check_ffn(path, self.manifest, self.config)
         self.tokenizer_json, self.chat_template = _read_tokenizer(path, self.manifest)
 
@@ -69,16 +72,18 @@ class FlashModel:
     def tensor_names(self) -> list[str]:
         return list(self._tensors)
 
-    def tensor(self, name: str) -> QTensor | np.ndarray:
-        """A 2-D weight as a QTensor over dense.bin's bytes; a 1-D tensor as an (n,) f32 array."""
+    def dense_entry(self, name: str) -> dict:
+        """The manifest entry of a dense tensor: offset, nbytes, dtype, shape (in dense.bin)."""
         t = self._tensors.get(name)
         if t is None:
             raise FormatError(f"{self.path}: no tensor {name} in {DENSE_FILE}")
-        raw = self._dense[t["offset"]:t["offset"] + t["nbytes"]]                # (nbytes,) uint8
-        shape = tuple(t["shape"])
-        if len(shape) == 1:
-            return raw.view(np.float32)                                          # (n,) f32
-        return QTensor(raw.reshape(shape[0], -1), t["dtype"], *shape)            # (rows, row_bytes)
+        return t
+
+    def tensor(self, name: str) -> QTensor | np.ndarray:
+        """A 2-D weight as a QTensor, a 1-D tensor as an (n,) f32 array, read now from dense.bin."""
+        t = self.dense_entry(name)
+        raw = _read_span(self.dense_file, t["offset"], t["nbytes"])              # (nbytes,) uint8
+        return as_tensor(raw, t)
 
     def read_ffn_layer(self, layer: int) -> np.ndarray:
         """Layer `layer`'s bundles read into DRAM: (n_ff, stride) uint8."""
@@ -96,7 +101,7 @@ class FlashModel:
     def verify(self) -> None:
         """Check the crc32 of every dense tensor, FFN layer and side file; FormatError on mismatch."""
         for name, t in self._tensors.items():
-            crc = zlib.crc32(self._dense[t["offset"]:t["offset"] + t["nbytes"]])
+            crc = zlib.crc32(_read_span(self.dense_file, t["offset"], t["nbytes"]))
             if crc != t["crc32"]:
                 raise FormatError(f"{self.path / DENSE_FILE}: checksum mismatch in tensor {name}")
         with open(self.ffn.file, "rb") as fh:
@@ -247,19 +252,37 @@ def _side_file(path: Path, entry: dict, where: str) -> Path:
     return path / name
 
 
-def _read_dense(path: Path, m: dict, tensors: dict[str, dict]) -> np.ndarray:
-    file = path / DENSE_FILE
+def as_tensor(raw: np.ndarray, t: dict) -> QTensor | np.ndarray:
+    """A dense tensor over its bytes raw (nbytes,) uint8: QTensor (2-D) or (n,) f32 (1-D)."""
+    shape = tuple(t["shape"])
+    if len(shape) == 1:
+        return raw.view(np.float32)                                              # (n,) f32
+    return QTensor(raw.reshape(shape[0], -1), t["dtype"], *shape)                # (rows, row_bytes)
+
+
+def _read_span(file: Path, offset: int, nbytes: int) -> np.ndarray:
+    """nbytes of file at offset, into a fresh (nbytes,) uint8 array."""
+    data = np.fromfile(file, dtype=np.uint8, count=nbytes, offset=offset)       # (nbytes,)
+    if data.size != nbytes:
+        raise FormatError(f"{file}: truncated ({data.size} of {nbytes} bytes at {offset})")
+    return data
+
+
+def _check_dense_header(file: Path, m: dict, tensors: dict[str, dict]) -> None:
     _file_size(file, m["dense"]["nbytes"])
-    data = np.fromfile(file, dtype=np.uint8)                                     # (file_bytes,)
-    magic, version, header_bytes, n_tensors, file_bytes = DENSE_HEADER.unpack_from(data)
+    with open(file, "rb") as fh:
+        raw = fh.read(DENSE_HEADER.size)
+    if len(raw) < DENSE_HEADER.size:
+        raise FormatError(f"{file}: truncated header")
+    magic, version, header_bytes, n_tensors, file_bytes = DENSE_HEADER.unpack(raw)
     if magic != DENSE_MAGIC:
         raise FormatError(f"{file}: bad magic {magic!r} (not a flashllm dense section)")
     if version != FORMAT_VERSION:
         raise FormatError(f"{file}: format version {version}, this flashllm reads {FORMAT_VERSION}")
-    if (n_tensors, file_bytes) != (len(tensors), data.size) or header_bytes < DENSE_HEADER.size:
+    size = m["dense"]["nbytes"]
+    if (n_tensors, file_bytes) != (len(tensors), size) or header_bytes < DENSE_HEADER.size:
         raise FormatError(f"{file}: header ({n_tensors} tensors, {file_bytes} bytes) does not match "
-                          f"the manifest ({len(tensors)} tensors, {data.size} bytes)")
-    return data
+                          f"the manifest ({len(tensors)} tensors, {size} bytes)")
 
 
 def _check_ffn(path: Path, m: dict, cfg: ModelConfig) -> FfnLayout:
