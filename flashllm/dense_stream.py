@@ -1,0 +1,234 @@
+"""The model's dense weights (embeddings, attention, output head), resident or streamed.
+
+`DenseWeights` answers the three questions a forward pass asks of them:
+
+    embed(tokens)  (T, embed_dim)   rows of token_embd: get_rows in DRAM, or those rows read from
+                                    dense.bin (one small read per distinct row)
+    layer(i)       Layer            attention matrices in DRAM, or read per layer into one of two
+                                    reused aligned buffers while the previous layer computes
+    output(x)      (T, vocab)       the head in DRAM, or read in row chunks (double-buffered) and
+                                    multiplied chunk by chunk
+
+Vectors (norms, biases) are always resident. Which matrices stream is the budget plan's decision
+(budget.py: `BudgetPlan.streamed`); reads go through the direct-I/O Reader (ioreader.py).
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import numpy as np
+
+from . import kernel
+from .bundle import as_tensor
+from .tensor import QTensor
+
+ATTN_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output")
+CHUNK_BYTES = 4 << 20          # rows of the streamed output head read at once (per buffer)
+ALIGN = 4096
+ROW_GROUP = 64                 # head chunks start at multiples of this many rows: the matmul kernel
+                               # sums row tiles (native/ops.c TILE 4) alike only when aligned
+
+
+@dataclass
+class Layer:
+    """One transformer block's attention, norms and biases. Matrices are QTensors, vectors f32."""
+    attn_norm: np.ndarray               # (d_model,)
+    attn_norm_b: Optional[np.ndarray]   # (d_model,) LayerNorm models only
+    wq: QTensor                         # (n_heads * hd, d_model)
+    wk: QTensor                         # (n_kv * hd, d_model)
+    wv: QTensor                         # (n_kv * hd, d_model)
+    wo: QTensor                         # (d_model, n_heads * hd)
+    bq: Optional[np.ndarray]            # (n_heads * hd,)
+    bk: Optional[np.ndarray]            # (n_kv * hd,)
+    bv: Optional[np.ndarray]            # (n_kv * hd,)
+    bo: Optional[np.ndarray]            # (d_model,)
+    ffn_norm: np.ndarray                # (d_model,)
+    ffn_norm_b: Optional[np.ndarray]    # (d_model,)
+    down_b: Optional[np.ndarray]        # (d_model,)
+
+
+def _opt(flash, name: str) -> Optional[np.ndarray]:
+    """The tensor `name` if the model has it, else None."""
+    return flash.tensor(name) if flash.has(name) else None
+
+
+def attn_names(i: int) -> list[str]:
+    """The dense tensor names of layer i's attention matrices."""
+    return [f"blk.{i}.{m}.weight" for m in ATTN_MATRICES]
+
+
+def load_layer(flash, i: int, matrices: Optional[list] = None) -> Layer:
+    """Layer i: vectors read now; matrices (wq, wk, wv, wo) given, or read now too."""
+    p = f"blk.{i}."
+    wq, wk, wv, wo = matrices or [flash.tensor(n) for n in attn_names(i)]
+    return Layer(
+        attn_norm=flash.tensor(p + "attn_norm.weight"), attn_norm_b=_opt(flash, p + "attn_norm.bias"),
+        wq=wq, wk=wk, wv=wv, wo=wo,
+        bq=_opt(flash, p + "attn_q.bias"), bk=_opt(flash, p + "attn_k.bias"),
+        bv=_opt(flash, p + "attn_v.bias"), bo=_opt(flash, p + "attn_output.bias"),
+        ffn_norm=flash.tensor(p + "ffn_norm.weight"), ffn_norm_b=_opt(flash, p + "ffn_norm.bias"),
+        down_b=_opt(flash, p + "ffn_down.bias"),
+    )
+
+
+def aligned_offsets(sizes: Iterable[int]) -> tuple[list[int], int]:
+    """Offsets of consecutive pieces each starting on a 4096-byte boundary, and the total."""
+    offs, end = [], 0
+    for n in sizes:
+        offs.append(end)
+        end += -(-int(n) // ALIGN) * ALIGN
+    return offs, end
+
+
+def stream_buffer_bytes(layer_bytes: int, head: bool, embed_rows: int) -> int:
+    """DRAM of the streaming buffers: two layer buffers, two head chunks, the embedding rows."""
+    return 2 * layer_bytes + (2 * CHUNK_BYTES if head else 0) + embed_rows
+
+
+class DenseWeights:
+    """The dense weights of a forward pass; `streamed` names the matrices read per use."""
+
+    def __init__(self, flash, n_threads: int = 1, streamed: Iterable[str] = (), reader=None,
+                 chunk_bytes: int = CHUNK_BYTES):
+        cfg = flash.config
+        self.flash, self.n_threads, self.chunk_bytes = flash, n_threads, chunk_bytes
+        self.streamed = frozenset(streamed)
+        self.reader = reader
+        self.tied = not flash.has("output.weight")
+        self.head_name = "token_embd.weight" if self.tied else "output.weight"
+        self.pos_embd = _opt(flash, "position_embd.weight")              # QTensor (n_pos, d_model)
+        self.proj_in = _opt(flash, "proj_in.weight")                     # QTensor (d_model, embed_dim)
+        self.proj_out = _opt(flash, "proj_out.weight")                   # QTensor (embed_dim, d_model)
+        self.out_norm = flash.tensor("output_norm.weight")               # (d_model,)
+        self.out_norm_b = _opt(flash, "output_norm.bias")                # (d_model,)
+        self.token_embd = self._resident("token_embd.weight")            # QTensor (vocab, embed_dim)
+        self.head = (self.token_embd if self.tied else self._resident("output.weight"))
+        self.layers = [load_layer(flash, i, None if self._layer_resident(i) else [None] * 4)
+                       for i in range(cfg.n_layers)]
+        self._layer_bufs = self._buffers(max((self._layer_span(i)[1] for i in self._stream_layers()),
+                                             default=0))
+        rb = flash.dense_entry(self.head_name)["nbytes"] // flash.dense_entry(self.head_name)["shape"][0]
+        chunk = max(ROW_GROUP * rb, chunk_bytes // (ROW_GROUP * rb) * ROW_GROUP * rb)
+        self._head_bufs = self._buffers(chunk if self.head is None else 0)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="flashllm-dense") \
+            if self.streamed else None
+        self._pending = None          # (layer, buffer index, future) of the prefetched layer
+        self.bytes_read, self.read_seconds = 0, 0.0
+
+    # ---- what the forward pass asks ---------------------------------------------------------
+
+    def embed(self, tokens: np.ndarray) -> np.ndarray:
+        """(T, embed_dim) f32 embedding rows of tokens (T,)."""
+        if self.token_embd is not None:
+            return kernel.get_rows(self.token_embd, tokens)               # (T, embed_dim)
+        t = self.flash.dense_entry("token_embd.weight")
+        rows, cols = t["shape"]
+        rb = t["nbytes"] // rows
+        uniq, inverse = np.unique(tokens, return_inverse=True)           # (U,) (T,)
+        buf = np.empty(len(uniq) * rb, dtype=np.uint8)                   # (U * row_bytes,)
+        self._pool.submit(self._read, t["offset"] + uniq.astype(np.int64) * rb,   # one reader
+                          np.full(len(uniq), rb), buf,                            # thread
+                          np.arange(len(uniq), dtype=np.int64) * rb).result()
+        sub = QTensor(buf.reshape(len(uniq), rb), t["dtype"], len(uniq), cols)
+        return kernel.get_rows(sub, inverse.astype(np.int32))             # (T, embed_dim)
+
+    def layer(self, i: int) -> Layer:
+        """Layer i's weights; streamed matrices are valid until the next call."""
+        L = self.layers[i]
+        if self._layer_resident(i):
+            return L
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[0] == i:
+            k = pending[1]
+            pending[2].result()
+        else:
+            if pending is not None:
+                pending[2].result()
+            k = 0 if pending is None else 1 - pending[1]
+            self._read_layer(i, k)
+        nxt = self._next_streamed(i)
+        self._pending = (nxt, 1 - k, self._pool.submit(self._read_layer, nxt, 1 - k))
+        wq, wk, wv, wo = self._layer_views(i, k)
+        return Layer(**{**L.__dict__, "wq": wq, "wk": wk, "wv": wv, "wo": wo})
+
+    def output(self, x: np.ndarray) -> np.ndarray:
+        """(T, vocab) f32 logits of the normalized final hidden states x (T, embed_dim)."""
+        if self.head is not None:
+            return kernel.matmul(self.head, x, n_threads=self.n_threads)  # (T, vocab)
+        t = self.flash.dense_entry(self.head_name)
+        rows, cols = t["shape"]
+        rb = t["nbytes"] // rows
+        step = max(ROW_GROUP, self.chunk_bytes // rb // ROW_GROUP * ROW_GROUP)
+        starts = list(range(0, rows, step))
+        logits = np.empty((len(x), rows), dtype=np.float32)               # (T, vocab)
+        job = self._pool.submit(self._read_rows, t, 0, min(step, rows), 0)
+        for j, r0 in enumerate(starts):
+            r1 = min(r0 + step, rows)
+            job.result()
+            if j + 1 < len(starts):
+                nxt = starts[j + 1]
+                job = self._pool.submit(self._read_rows, t, nxt, min(nxt + step, rows), (j + 1) % 2)
+            w = QTensor(self._head_bufs[j % 2][:(r1 - r0) * rb].reshape(r1 - r0, rb), t["dtype"],
+                        r1 - r0, cols)
+            logits[:, r0:r1] = kernel.matmul(w, x, n_threads=self.n_threads)  # (T, r1 - r0)
+        return logits
+
+    def stats(self) -> dict:
+        return {"dense_streamed": sorted(self.streamed), "dense_bytes_read": self.bytes_read,
+                "dense_read_s": self.read_seconds}
+
+    # ---- reads ------------------------------------------------------------------------------
+
+    def _resident(self, name: str):
+        return None if name in self.streamed else self.flash.tensor(name)
+
+    def _layer_resident(self, i: int) -> bool:
+        return not any(n in self.streamed for n in attn_names(i))
+
+    def _stream_layers(self) -> list[int]:
+        return [i for i in range(len(self.layers)) if not self._layer_resident(i)]
+
+    def _next_streamed(self, i: int) -> int:
+        """The streamed layer after i, wrapping to the first (the next token's)."""
+        s = self._stream_layers()
+        later = [j for j in s if j > i]
+        return later[0] if later else s[0]
+
+    def _layer_span(self, i: int) -> tuple[list[int], int]:
+        return aligned_offsets(self.flash.dense_entry(n)["nbytes"] for n in attn_names(i))
+
+    def _buffers(self, nbytes: int) -> list[np.ndarray]:
+        """Two 4096-aligned buffers (double buffering); none when nothing streams there."""
+        from .ioreader import aligned_empty
+        return [aligned_empty(-(-nbytes // ALIGN) * ALIGN) for _ in range(2)] if nbytes else []
+
+    def _read(self, offsets, lengths, dst: np.ndarray, dst_offsets) -> None:
+        """One batch of reads; only ever called on the pool's single thread."""
+        t0 = time.perf_counter()
+        self.reader.read(np.asarray(offsets, np.int64), np.asarray(lengths, np.int64), dst,
+                         np.asarray(dst_offsets, np.int64))
+        self.read_seconds += time.perf_counter() - t0
+        self.bytes_read += int(np.sum(lengths))
+
+    def _read_layer(self, i: int, k: int) -> None:
+        entries = [self.flash.dense_entry(n) for n in attn_names(i)]
+        dst, _ = self._layer_span(i)
+        self._read([e["offset"] for e in entries], [e["nbytes"] for e in entries],
+                   self._layer_bufs[k], dst)
+
+    def _layer_views(self, i: int, k: int) -> list[QTensor]:
+        dst, _ = self._layer_span(i)
+        buf = self._layer_bufs[k]
+        return [as_tensor(buf[o:o + e["nbytes"]], e) for o, e in
+                zip(dst, (self.flash.dense_entry(n) for n in attn_names(i)))]
+
+    def _read_rows(self, t: dict, r0: int, r1: int, k: int) -> None:
+        rb = t["nbytes"] // t["shape"][0]
+        self._read([t["offset"] + r0 * rb], [(r1 - r0) * rb], self._head_bufs[k], [0])
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
