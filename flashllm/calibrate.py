@@ -253,10 +253,12 @@ def layer_statistics(flash, inputs, sparsity: float, criterion: str, n_threads: 
 
 def calibrate_model(flash, tokens: Sequence[int], text: dict, sparsity: float,
                     criterion: Optional[str] = None, n_ctx: int = 512, reorder: bool = True,
-                    n_threads: int = 1, log: Callable[[str], None] = lambda m: None) -> dict:
+                    n_threads: int = 1, log: Callable[[str], None] = lambda m: None,
+                    predictor: Optional[str] = None) -> dict:
     """Calibrate the model folder of `flash` on tokens: thresholds for the target sparsity,
-    per-slot frequencies, and (reorder) the hot-first FFN rewrite. Writes and returns the
-    manifest's sparsity section; the model stays valid if this is interrupted."""
+    per-slot frequencies, (reorder) the hot-first FFN rewrite, and (predictor: a kind of
+    flashllm.predictor_train) a trained predictor. Writes and returns the manifest's sparsity
+    section; the model stays valid if this is interrupted."""
     criterion = criterion or default_criterion(flash.config)
     check_criterion(flash.config, criterion)
     inputs = collect_ffn_inputs(flash, tokens, n_ctx=n_ctx, n_threads=n_threads)
@@ -270,13 +272,36 @@ def calibrate_model(flash, tokens: Sequence[int], text: dict, sparsity: float,
                "frequency": {"hot20_share": [hot_share(f) for f in freq],
                              "never_active": [int((f == 0).sum()) for f in freq]}}
     if reorder:
-        return rewrite_hot_first(flash, freq, section)
-    old = (flash.manifest.get("sparsity", {}).get("frequency") or {}).get("file")
-    section["frequency"].update(write_frequency(flash.path, freq, old))
-    update_manifest(flash.path, sparsity=section)
-    if old and old != section["frequency"]["file"]:
-        (flash.path / old).unlink(missing_ok=True)
+        section = rewrite_hot_first(flash, freq, section)
+    else:
+        old = (flash.manifest.get("sparsity", {}).get("frequency") or {}).get("file")
+        section["frequency"].update(write_frequency(flash.path, freq, old))
+        update_manifest(flash.path, sparsity=section)
+        if old and old != section["frequency"]["file"]:
+            (flash.path / old).unlink(missing_ok=True)
+    if predictor:
+        fit_predictor(flash.path, inputs, thresholds, criterion, predictor, n_threads, log)
     return section
+
+
+def fit_predictor(path, inputs, thresholds: list, criterion: str, kind: str, n_threads: int,
+                  log: Callable[[str], None]) -> None:
+    """Train a `kind` predictor on the calibration inputs h (per layer (N, d_model)) against the
+    thresholded masks, in the model's current slot order (after any hot-first rewrite), at 95%
+    recall, and store it in the model folder."""
+    from .bundle import open_flash
+    from .predictor import save_predictor
+    from .predictor_train import DEFAULT_OPTIONS, train_predictor
+    flash = open_flash(path)                                       # the reordered slots
+    acts = [ffn_activations(flash, i, h, criterion, n_threads=n_threads)  # (N, n_ff) each
+            for i, h in enumerate(inputs)]
+    pred = train_predictor(flash, inputs, acts, kind, thresholds, recall=0.95,
+                           n_threads=n_threads, **DEFAULT_OPTIONS.get(kind, {}))
+    save_predictor(path, pred, pred.metrics)
+    m = pred.metrics
+    log(f"predictor {kind}: held-out recall {np.mean(m['recall']):.3f}, precision "
+        f"{np.mean(m['precision']):.3f}, load {np.mean(m['load']):.3f}, "
+        f"{pred.nbytes / 2**20:.1f} MiB in DRAM")
 
 
 def text_tokens(tok, text: str, n_tokens: Optional[int] = None) -> list[int]:

@@ -325,20 +325,29 @@ def calibrate(
     criterion: Optional[str] = typer.Option(None, "--criterion", help="glu_product (GLU default), "
                                             "gate (CATS), relu, magnitude."),
     reorder: bool = typer.Option(True, "--reorder/--no-reorder", help="Rewrite the FFN hot-first."),
+    predictor: str = typer.Option("default", "--predictor", help="Predictor to train: default "
+                                  "(gate_up for GLU models, lowrank otherwise), a kind, or none."),
     threads: int = typer.Option(DEFAULT_THREADS, "-t", "--threads", help="Compute threads."),
 ) -> None:
-    """Per-layer sparsity thresholds and neuron frequencies; rewrites the FFN hot-first."""
+    """Per-layer sparsity thresholds, neuron frequencies, hot-first FFN rewrite, predictor."""
     from .bundle import open_flash
     from .calibrate import calibrate_model, text_tokens
+    from .predictor import KINDS
+    from .predictor_train import DEFAULT_KIND
     from .tokenizer import Tokenizer
     if not 0.0 <= sparsity < 1.0:
         fail(f"--sparsity must be in [0, 1), not {sparsity}")
+    if predictor not in ("default", "none", *KINDS):
+        fail(f"--predictor must be default, none or one of {', '.join(KINDS)}, not {predictor!r}")
     flash = open_flash(_resolve(model))
+    if predictor == "default":
+        predictor = DEFAULT_KIND["glu" if flash.config.glu else "plain"]
     source = _quality_text(text, "calibration", corpus, None if text else 8 * tokens)
     ids = text_tokens(Tokenizer.from_flash(flash), source.text, tokens)
     log = lambda m: err.print(m, markup=False, soft_wrap=True)
     section = calibrate_model(flash, ids, source.description, sparsity, criterion, n_ctx=ctx,
-                              reorder=reorder, n_threads=threads, log=log)
+                              reorder=reorder, n_threads=threads, log=log,
+                              predictor=None if predictor == "none" else predictor)
     shares = section["frequency"]["hot20_share"]
     err.print(f"calibrated {flash.path}: {section['criterion']} target {sparsity}, sparsity "
               f"{sum(section['achieved']) / len(shares):.3f} on {len(ids)} tokens, hottest 20% carry "

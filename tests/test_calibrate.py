@@ -227,6 +227,12 @@ def test_cli_calibrate_then_sparse_perplexity(tiny, tmp_path):
     sec = open_flash(path, verify=True).manifest["sparsity"]
     assert (sec["target"], sec["criterion"], sec["hot_first"]) == (0.4, "glu_product", True)
     assert sec["calibration"]["text"]["source"] == "file" and sec["calibration"]["n_tokens"] == 48
+    from flashllm.predictor import load_predictor
+    flash = open_flash(path, verify=True)
+    pred = load_predictor(flash)                       # the default for GLU models, trained after
+    assert pred is not None and pred.kind == "gate_up"  # the hot-first rewrite, in its slot order
+    h = np.random.default_rng(0).standard_normal((1, flash.config.d_model)).astype(np.float32)
+    assert pred.predict(0, h).max() < flash.config.n_ff
     r = CliRunner().invoke(app, ["perplexity", str(path), str(text), "--ctx", "24", "--sparsity",
                                  "0.4", "--json", "-t", "1"])
     assert r.exit_code == 0, r.output
@@ -235,3 +241,5 @@ def test_cli_calibrate_then_sparse_perplexity(tiny, tmp_path):
     assert (out["count"], out["n_chunks"], out["sparsity"]) == (22, 2, 0.4)
     r = CliRunner().invoke(app, ["calibrate", str(path), "--text", str(text), "--tokens", "999"])
     assert r.exit_code == 1 and "999 were asked for" in r.output
+    r = CliRunner().invoke(app, ["calibrate", str(path), "--text", str(text), "--predictor", "x"])
+    assert r.exit_code == 1 and "--predictor must be default, none or one of" in r.output
