@@ -179,6 +179,7 @@ def run(
     """Generate text from a prompt (tokens stream to stdout as they are made), or chat (-i)."""
     from .bundle import open_flash
     from .budget import process_rss
+    from .integrity import verify_on_first_load
     from .model import Model
     from .runtime import FlashOptions, make_ffn, plan_run
     from .sampler import Sampler, SamplerParams
@@ -191,6 +192,7 @@ def run(
     fopts = FlashOptions(dram_budget, window, naive, dense, check_recall)
     plan = plan_run(path, fopts, ctx_size, process_rss())     # refuses before loading anything
     flash = open_flash(path)
+    verify_on_first_load(flash)
     tok = Tokenizer.from_flash(flash)
     ids = None if interactive else _prompt_ids(tok, text, n_predict, ctx_size)
     ffn = make_ffn(flash, fopts, plan, threads, cache_dir(), log=lambda m: err.print(m, markup=False))
