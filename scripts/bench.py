@@ -105,7 +105,9 @@ def show_py(argv: List[str]) -> str:
 def capped(cmd: str, cap: Optional[int]) -> str:
     """cmd as run by the flash section: in its own memory cgroup, cold cache."""
     limit = f" --limit {cap // MiB}MiB" if cap else ""
-    return f"python scripts/cgroup_run.py --cold{limit} -- {cmd}"
+    env, _, rest = cmd.rpartition("OMP_WAIT_POLICY=PASSIVE ")
+    prefix = "OMP_WAIT_POLICY=PASSIVE " if _ else ""
+    return f"{env}{prefix}python scripts/cgroup_run.py --cold{limit} -- {rest}"
 
 
 def omp_env(policy: str) -> tuple:
@@ -136,7 +138,8 @@ def flashllm_row(fl: Flashllm, model: Path, prompt: Path, n_gen: int, extra: Lis
     for _ in range(reps):
         raw = run_cmd(argv, cap, cold=cold, timeout=timeout, env=env)
         row["raws"].append({k: v for k, v in raw.items() if k != "stdout"})
-        parsed = parse_run(raw.get("stderr") or "") if raw.get("rc") == 0 else None
+        text = (raw.get("stderr") or "") + "\n" + (raw.get("stdout") or "")  # --json may use either
+        parsed = parse_run(text) if raw.get("rc") == 0 else None
         if parsed is None:
             return {**row, "error": failure(raw)}
         parsed.update(parse_stats_table(raw["stderr"]))
@@ -235,7 +238,8 @@ def flash_rows(args, fl: Flashllm, opts: Dict[str, bool]) -> tuple:
             budget = f"{cap // MiB}MiB" if cap else None
             base = {"model": name, "cap": cap, "cap_label": label}
             log(f"flash: llama.cpp {name} cap {label}")
-            row = llamacpp_row(gguf, "passive", 1, n_gen, cap, False, args.timeout)
+            # uncapped: one warm-up run first (the in-RAM figure); capped: the cold first run
+            row = llamacpp_row(gguf, "passive", 1, n_gen, cap, cap is None, args.timeout)
             row["cmd"] = capped(row["cmd"], cap)
             rows.append({**base, **row, "contender": "llama.cpp (mmap)", "ref": True})
             fits = cap is None or cap > 2 * size

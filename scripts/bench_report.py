@@ -77,13 +77,15 @@ def flash_section(info: Dict[str, str], rows: List[dict], load: tuple, notes: Li
            "DESIGN.md §8 protocol. Every contender runs in its own cgroup-v1 memory group "
            "(scripts/cgroup_run.py: memory.limit_in_bytes = the cap, page cache dropped before each "
            "run, peak = memory.max_usage_in_bytes, failcnt = times the cap was hit), 2 threads, "
-           "one cold run per cell (no warm-up). flashllm: the model converted at the dtype shown, a "
+           "one run per cell, cold (no warm-up) except llama.cpp uncapped (one warm-up run first: the "
+           "in-RAM figure). flashllm: the model converted at the dtype shown, a "
            "64-token code prompt, greedy; llama.cpp: mmap, use_extra_bufts off, the source GGUF, "
            "OMP wait policy passive for both (flashllm's C kernel uses OpenMP too). \"–\": the run does not report that figure; \"not available "
            "yet\": the `flashllm run` option it needs does not exist in this build.", "",
            FLASH_COLS, "|---|---|---|" + "---:|" * 10 + "---|---|---|"]
     refs = {(r["model"], r["cap"]): r.get("decode_tps") for r in rows if r.get("ref")}
-    cmds = []
+    cmds: List[str] = []
+    plans: List[str] = []
     for r in rows:
         ref = refs.get((r["model"], r["cap"]))
         dec = r.get("decode_tps")
@@ -91,6 +93,8 @@ def flash_section(info: Dict[str, str], rows: List[dict], load: tuple, notes: Li
         cmd = f"[{len(cmds) + 1}]" if r.get("cmd") else ""
         if r.get("cmd"):
             cmds.append(r["cmd"])
+            plan = (r.get("parsed") or {}).get("plan")
+            plans += [f"- [{len(cmds)}] {plan}"] if plan else []
         s = r.get("stats", {})
         if r.get("error"):
             figures = f"{r['error']} |" + " |" * 11
@@ -102,7 +106,8 @@ def flash_section(info: Dict[str, str], rows: List[dict], load: tuple, notes: Li
         out.append(f"| {r['model']} | {r['cap_label']} | {r['contender']} | {figures} {cmd} |")
     out += ["", "Commands:", ""]
     out += [f"{i}. `{c}`" for i, c in enumerate(cmds, 1)]
-    return "\n".join(out + [""] + notes + [""])
+    plans = ["", "flashllm's DRAM plan per run (its `--stats` header):", ""] + plans if plans else []
+    return "\n".join(out + plans + [""] + notes + [""])
 
 
 def merge(path: Path, head: str, sections: Dict[str, str]) -> str:
