@@ -1,17 +1,24 @@
-"""The DRAM budget of a flash run: every resident byte accounted, the neuron caches sized from
-what remains, and a one-line refusal before anything is loaded when the budget cannot work.
+"""The DRAM budget of a flash run: every resident byte accounted, the dense weights kept or
+streamed, the neuron caches sized from what remains, and a one-line refusal before anything is
+loaded when the budget cannot work.
 
 Resident at run time (all counted against --dram-budget):
-    dense weights   dense.bin, read whole into DRAM by open_flash (embeddings, attention, norms)
-    KV cache        2 · n_layers · n_ctx · n_kv_heads · head_dim · 4 bytes
-    tokenizer       the `tokenizers` object: measured ~23-30× its tokenizer.json, counted as 32×
     process         the Python process before the model (interpreter, numpy, cffi): measured
+    tokenizer       after release(): the JSON text, the id -> bytes table and the heap the
+                    `tokenizers` object leaves (measured 23 MiB for Qwen's 5.4 MB JSON, 10 MiB
+                    for SmolLM2's 1.6 MB), counted as 5x the JSON + 4 MiB. While it loads, before
+                    the model, it peaks at 26-28x the JSON (checked separately: TOKENIZER_LOAD)
+    KV cache        2 · n_layers · n_ctx · n_kv_heads · head_dim · 4 bytes
     work            logits and activations of one forward pass, the reader's staging buffers,
                     the sparse FFN's staging buffer for prefill / streamed neurons
     predictor       its nbytes
+    dense weights   vectors (norms, biases) always; then, while the budget lasts, the output
+                    head, each layer's attention matrices, and (only once the neuron caches hold
+                    the whole FFN) the embeddings. What does not fit streams from dense.bin
+                    (dense_stream.py) through two layer buffers and two head chunks.
     neuron caches   per layer (capacity, stride) rows + maps; the rest of the budget
-Streaming the dense weights too (embedding rows looked up on flash, attention read per layer) is
-not implemented: a budget below the dense weights is refused with that reason.
+A dense byte kept saves one byte read per token; a cache byte saves less (only its hits), and an
+embedding row costs one small read per token: hence that order.
 """
 from __future__ import annotations
 
@@ -20,9 +27,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import FlashError
+from .dense_stream import CHUNK_BYTES, aligned_offsets, attn_names
 from .profile import MiB, ProfileError, parse_size
 
-TOKENIZER_FACTOR = 32          # resident bytes of a loaded tokenizer per byte of tokenizer.json
+TOKENIZER_KEPT = 5             # resident bytes after release() per byte of tokenizer.json (+4 MiB)
+TOKENIZER_LOAD = 28            # peak bytes while the tokenizers object loads, per JSON byte
 STAGING_BYTES = 4 * MiB        # the sparse FFN's staging buffer (prefill chunks, streamed misses)
 ROW_MAP_BYTES = 4 + 8          # per cache row: slot_of (int32) + last_use (int64)
 WORK_FIXED = 8 * MiB           # activations, attention scratch, Python objects of a forward pass
@@ -45,6 +54,8 @@ class BudgetPlan:
     n_pinned: int                     # of them pinned (slots 0 .. n_pinned-1)
     staging_rows: int                 # rows of the staging buffer
     notes: tuple = field(default=())
+    streamed: tuple = field(default=())   # dense tensors read from dense.bin per use
+    streamed_bytes: int = 0           # of them read per token (the embedding rows not counted)
 
     @property
     def cache_bytes(self) -> int:
@@ -61,9 +72,20 @@ class BudgetPlan:
 
     def summary(self) -> str:
         parts = ", ".join(f"{k} {mib(v)}" for k, v in self.resident.items())
+        stream = f"; dense streamed: {_describe(self.streamed)} ({mib(self.streamed_bytes)} " \
+                 f"per token)" if self.streamed else ""
         return (f"DRAM budget {mib(self.budget)}: {parts}; neuron caches {mib(self.cache_bytes)} "
                 f"({self.capacity} of {self.n_ff} neurons per layer = {self.cache_fraction:.0%}, "
-                f"{self.n_pinned} pinned)")
+                f"{self.n_pinned} pinned){stream}")
+
+
+def _describe(names) -> str:
+    """'attention of 20 layers, output head, embeddings' for a set of streamed tensor names."""
+    layers = len({n.split(".")[1] for n in names if n.startswith("blk.")})
+    parts = [f"attention of {layers} layers"] if layers else []
+    parts += [w for n, w in (("output.weight", "output head"), ("token_embd.weight", "embeddings"))
+              if n in names]
+    return ", ".join(parts)
 
 
 def mib(nbytes: int, up: bool = True) -> str:
@@ -113,40 +135,108 @@ def model_bytes(manifest: dict) -> int:
 
 def resident_bytes(manifest: dict, n_ctx: int, process: int, predictor: int,
                    reader_stage: int, stride_rows: int) -> dict:
-    """Everything but the neuron caches, by what it is (see the module docstring)."""
+    """Everything but the dense matrices and the neuron caches, by what it is."""
     c = manifest["config"]
     kv = 2 * c["n_layers"] * n_ctx * c["n_kv_heads"] * c["head_dim"] * 4
     work = WORK_FIXED + 4 * 4 * c["vocab_size"] + reader_stage + stride_rows
-    return {"dense weights": int(manifest["dense"]["nbytes"]), "KV cache": kv,
-            "tokenizer": TOKENIZER_FACTOR * int(manifest["tokenizer"].get("nbytes") or 0),
+    tok = int(manifest["tokenizer"].get("nbytes") or 0)
+    return {"KV cache": kv, "tokenizer": TOKENIZER_KEPT * tok + (4 * MiB if tok else 0),
             "process": process, "buffers": work, "predictor": predictor}
+
+
+def dense_groups(manifest: dict) -> tuple[int, list[tuple[list[str], int]], tuple[list[str], int]]:
+    """(bytes always resident, [(names, bytes)] kept while the budget lasts in this order, the
+    embeddings (names, bytes) kept last): vectors and small matrices; the output head (the
+    largest piece first, so the small per-layer attention pieces fill what it leaves: fewest bytes
+    streamed per token), then each layer's attention; token_embd (the head too when tied)."""
+    tensors = {t["name"]: int(t["nbytes"]) for t in manifest["dense"]["tensors"]}
+    head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    groups = [([head], tensors[head])] + [(attn_names(i), sum(tensors[n] for n in attn_names(i)))
+                                          for i in range(manifest["config"]["n_layers"])]
+    embed = (["token_embd.weight"], tensors["token_embd.weight"]) if head == "output.weight" \
+        else ([], 0)
+    grouped = {n for names, _ in groups for n in names} | set(embed[0])
+    return sum(v for n, v in tensors.items() if n not in grouped), groups, embed
+
+
+def stream_reserve(manifest: dict, n_ctx: int, streamed=None) -> int:
+    """DRAM of the dense streaming buffers (dense_stream.py) for the streamed tensor names
+    (None: everything streams)."""
+    entries = {t["name"]: t for t in manifest["dense"]["tensors"]}
+    on = lambda name: streamed is None or name in streamed
+    layer = max(aligned_offsets(entries[n]["nbytes"] for n in attn_names(i))[1]
+                if on(attn_names(i)[0]) else 0 for i in range(manifest["config"]["n_layers"]))
+    e = entries["token_embd.weight"]
+    head = entries["output.weight" if "output.weight" in entries else "token_embd.weight"]
+    chunk = min(CHUNK_BYTES, head["nbytes"]) + 64 * (head["nbytes"] // head["shape"][0])
+    return 2 * layer + 2 * chunk * on(head["name"]) + n_ctx * (e["nbytes"] // e["shape"][0]) \
+        * on("token_embd.weight")
 
 
 def plan_budget(manifest: dict, budget_text: str, n_ctx: int, process: int, predictor: int = 0,
                 reader_stage: int = 0, naive: bool = False, pin_fraction: float = 0.5) -> BudgetPlan:
-    """Size the neuron caches from the budget; BudgetError (one line) when it cannot work."""
+    """Keep dense weights, then size the neuron caches; BudgetError (one line) when it cannot work."""
     f = manifest["ffn"]
     n_layers, n_ff, stride = int(f["n_layers"]), int(f["n_ff"]), int(f["stride"])
     budget = parse_budget(budget_text, model_bytes(manifest))
     staging_rows = min(n_ff, max(1, STAGING_BYTES // stride))
     resident = resident_bytes(manifest, n_ctx, process, predictor, reader_stage,
                               staging_rows * stride)
-    fixed = sum(resident.values()) + (0 if naive else 4 * n_ff * n_layers)
-    dense = resident["dense weights"]
-    if budget < dense:
-        raise BudgetError(f"--dram-budget {budget_text} ({mib(budget, up=False)}) cannot hold the "
-                          f"{mib(dense)} of dense weights (embeddings, attention, norms) that stay "
-                          f"in DRAM; streaming them from flash is not implemented yet: give at "
-                          f"least {mib(fixed)}")
-    if budget < fixed:
-        parts = ", ".join(f"{k} {mib(v)}" for k, v in resident.items() if v)
-        raise BudgetError(f"--dram-budget {budget_text} ({mib(budget, up=False)}) is below the "
-                          f"{mib(fixed)} that must stay resident ({parts}); give at least "
-                          f"{mib(fixed)}, or lower --ctx-size")
-    capacity = 0 if naive else min(n_ff, (budget - fixed) // (n_layers * (stride + ROW_MAP_BYTES)))
+    always, groups, embed = dense_groups(manifest)
+    dense_all = always + sum(b for _, b in groups) + embed[1]
+    fixed = sum(resident.values()) + always + (0 if naive else 4 * n_ff * n_layers)
+    row = n_layers * (stride + ROW_MAP_BYTES)
+    full_cache = 0 if naive else n_ff * row
+    _check_tokenizer_load(manifest, budget, budget_text, process)
+    kept, streamed, left = dense_all, [], budget - fixed - (dense_all - always)
+    if left < full_cache:         # streaming what does not fit, or the embeddings, may buy more
+        stream = _stream_plan(manifest, n_ctx, budget - fixed, groups, embed)
+        if stream is None and left < 0:
+            reserve = stream_reserve(manifest, n_ctx)
+            _refuse(budget, budget_text, {**resident, "dense vectors": always,
+                                          "stream buffers": reserve}, fixed + reserve)
+        if stream is not None and stream[2] > left:
+            kept, streamed, left = always + stream[0], stream[1], stream[2]
+    capacity = 0 if naive else min(n_ff, left // row)
+    per_token = sum(b for names, b in groups if names[0] in streamed)
+    resident = {"dense weights": kept, **resident}
+    if streamed:
+        resident["stream buffers"] = stream_reserve(manifest, n_ctx, set(streamed))
     hot_first = f.get("neuron_order") is not None
     pins = capacity if capacity == n_ff else int(capacity * pin_fraction) if hot_first else 0
     notes = () if hot_first or naive else ("no hot-first neuron order (run calibrate): "
                                            "nothing pinned",)
     return BudgetPlan(budget, resident, n_layers, n_ff, stride, int(capacity), int(pins),
-                      staging_rows, notes)
+                      staging_rows, notes, tuple(streamed), per_token)
+
+
+def _stream_plan(manifest: dict, n_ctx: int, avail: int, groups: list, embed: tuple):
+    """(dense bytes kept, names streamed, bytes left for the caches) when the groups are kept in
+    order while they fit and the embeddings stream; None when even the buffers do not fit."""
+    reserve = stream_reserve(manifest, n_ctx)
+    if avail < reserve:
+        return None
+    kept, streamed, left = 0, [], avail - reserve
+    for names, nbytes in groups:
+        if nbytes <= left:
+            kept, left = kept + nbytes, left - nbytes
+        else:
+            streamed += names
+    streamed += embed[0]
+    return kept, streamed, left + reserve - stream_reserve(manifest, n_ctx, set(streamed))
+
+
+def _check_tokenizer_load(manifest: dict, budget: int, text: str, process: int) -> None:
+    """The tokenizers object peaks while it loads (before the model): it must fit then."""
+    need = process + (TOKENIZER_LOAD + 1) * int(manifest["tokenizer"].get("nbytes") or 0)
+    if budget < need:
+        raise BudgetError(f"--dram-budget {text} ({mib(budget, up=False)}) cannot load the "
+                          f"tokenizer: the process and the tokenizer peak at {mib(need)} while "
+                          f"the prompt is encoded")
+
+
+def _refuse(budget: int, text: str, parts: dict, need: int) -> None:
+    listed = ", ".join(f"{k} {mib(v)}" for k, v in parts.items() if v)
+    raise BudgetError(f"--dram-budget {text} ({mib(budget, up=False)}) is below the {mib(need)} "
+                      f"that must stay resident ({listed}); give at least {mib(need)}, or lower "
+                      f"--ctx-size")

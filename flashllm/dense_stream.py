@@ -111,7 +111,8 @@ class DenseWeights:
         self._layer_bufs = self._buffers(max((self._layer_span(i)[1] for i in self._stream_layers()),
                                              default=0))
         rb = flash.dense_entry(self.head_name)["nbytes"] // flash.dense_entry(self.head_name)["shape"][0]
-        chunk = max(ROW_GROUP * rb, chunk_bytes // (ROW_GROUP * rb) * ROW_GROUP * rb)
+        chunk = min(max(ROW_GROUP * rb, chunk_bytes // (ROW_GROUP * rb) * ROW_GROUP * rb),
+                    flash.dense_entry(self.head_name)["nbytes"])
         self._head_bufs = self._buffers(chunk if self.head is None else 0)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="flashllm-dense") \
             if self.streamed else None

@@ -61,6 +61,16 @@ def plan_run(path: Path, opts: FlashOptions, n_ctx: int, process: int) -> Option
     return plan
 
 
+def make_weights(flash, plan: Optional[BudgetPlan], n_threads: int):
+    """The dense weights for Model(weights=...): None (all resident) unless the plan streams some."""
+    if plan is None or not plan.streamed:
+        return None
+    from .dense_stream import DenseWeights
+    from .ioreader import Reader
+    reader = Reader(flash.dense_file, n_threads=2, stage_bytes=READER_STAGE)
+    return DenseWeights(flash, n_threads, plan.streamed, reader)
+
+
 def make_ffn(flash, opts: FlashOptions, plan: Optional[BudgetPlan], n_threads: int,
              cache_dir: Path, log=lambda m: None):
     """The FFN strategy for Model(ffn=...): None (dense) or a SparseFlashFfn."""
