@@ -8,7 +8,6 @@ for offsets and strides).
 from __future__ import annotations
 
 import json
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,10 +99,10 @@ class FlashModel:
 
     def verify(self) -> None:
         """Check the crc32 of every dense tensor, FFN layer and side file; FormatError on mismatch."""
-        for name, t in self._tensors.items():
-            crc = zlib.crc32(_read_span(self.dense_file, t["offset"], t["nbytes"]))
-            if crc != t["crc32"]:
-                raise FormatError(f"{self.path / DENSE_FILE}: checksum mismatch in tensor {name}")
+        with open(self.dense_file, "rb") as fh:
+            for name, t in self._tensors.items():
+                if crc32_file(fh, t["offset"], t["nbytes"]) != t["crc32"]:
+                    raise FormatError(f"{self.dense_file}: checksum mismatch in tensor {name}")
         with open(self.ffn.file, "rb") as fh:
             for layer, (off, want) in enumerate(zip(self.ffn.layer_offsets, self.ffn.layer_crc32)):
                 if crc32_file(fh, off, self.ffn.layer_nbytes) != want:
