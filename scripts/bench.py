@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_flashllm import ROOT, Flashllm, converted_dir, ensure_converted, make_prompt, parse_run  # noqa: E402
+from bench_flashllm import (ROOT, Flashllm, converted_dir, ensure_converted,  # noqa: E402
+                            make_prompt, parse_run)
 from bench_report import dense_section, flash_section, header, merge  # noqa: E402
 from bench_stats import parse_stats_table, stat_cells  # noqa: E402
 from cgroup_run import CgroupUnavailable, run_capped, unavailable_reason  # noqa: E402

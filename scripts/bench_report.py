@@ -47,15 +47,16 @@ def run_line(info: Dict[str, str], load_start: str, load_end: str) -> str:
 
 def dense_section(info: Dict[str, str], rows: List[dict], load: tuple, notes: List[str]) -> str:
     out = ["## Dense decode", "", run_line(info, *load), "",
-           "SmolLM2-135M, all weights in DRAM, 2 threads, warm page cache. flashllm: `flashllm run` "
-           "on a 64-token code prompt (textwrap.py's opening, exactly 64 tokens with BOS), greedy, "
-           f"decode = tokens after the first (\"eval time\" line), median of {info['reps']} runs "
-           f"(OMP wait default rows: one run of 32 tokens, too slow under load for more). "
-           "The C kernel's OpenMP threads, like llama.cpp's, spin-wait by default: each row says which "
-           "wait policy it used. llama.cpp: scripts/bench_llamacpp.py on the source GGUF (Q4_1), 64 fixed token ids, "
-           f"one batch prefill then tg{info['n_gen']}, one warm-up + median of the runs; OMP wait policy per row "
-           "(spin-waiting collapses when other processes share the cores).", "",
-           "| engine | weights | decode tok/s | prefill tok/s | decode × llama.cpp | runs (prefill, decode) | cmd |",
+           "SmolLM2-135M, all weights in DRAM, 2 threads, warm page cache. flashllm: `flashllm "
+           "run` on a 64-token code prompt (textwrap.py's opening, exactly 64 tokens with BOS), "
+           f"greedy, decode = tokens after the first (\"eval time\" line), median of {info['reps']} "
+           "runs (OMP wait default rows: one run of 32 tokens, too slow under load for more). The C "
+           "kernel's OpenMP threads, like llama.cpp's, spin-wait by default: each row says which "
+           "wait policy it used. llama.cpp: scripts/bench_llamacpp.py on the source GGUF (Q4_1), 64 "
+           f"fixed token ids, one batch prefill then tg{info['n_gen']}, one warm-up + median of the "
+           "runs (spin-waiting collapses when other processes share the cores).", "",
+           "| engine | weights | decode tok/s | prefill tok/s | decode × llama.cpp | "
+           "runs (prefill, decode) | cmd |",
            "|---|---|---:|---:|---:|---|---|"]
     ref = next((r["decode_tps"] for r in rows if r.get("ref") and r.get("decode_tps")), None)
     for i, r in enumerate(rows, 1):
@@ -80,8 +81,9 @@ def flash_section(info: Dict[str, str], rows: List[dict], load: tuple, notes: Li
            "one run per cell, cold (no warm-up) except llama.cpp uncapped (one warm-up run first: the "
            "in-RAM figure). flashllm: the model converted at the dtype shown, a "
            "64-token code prompt, greedy; llama.cpp: mmap, use_extra_bufts off, the source GGUF, "
-           "OMP wait policy passive for both (flashllm's C kernel uses OpenMP too). \"–\": the run does not report that figure; \"not available "
-           "yet\": the `flashllm run` option it needs does not exist in this build.", "",
+           "OMP wait policy passive for both (flashllm's C kernel uses OpenMP too). \"–\": the "
+           "run does not report that figure; \"not available yet\": the `flashllm run` option it "
+           "needs does not exist in this build.", "",
            FLASH_COLS, "|---|---|---|" + "---:|" * 10 + "---|---|---|"]
     refs = {(r["model"], r["cap"]): r.get("decode_tps") for r in rows if r.get("ref")}
     cmds: List[str] = []
@@ -93,7 +95,7 @@ def flash_section(info: Dict[str, str], rows: List[dict], load: tuple, notes: Li
         cmd = f"[{len(cmds) + 1}]" if r.get("cmd") else ""
         if r.get("cmd"):
             cmds.append(r["cmd"])
-            plan = (r.get("parsed") or {}).get("plan")
+            plan = _plan(r.get("parsed") or {})
             plans += [f"- [{len(cmds)}] {plan}"] if plan else []
         s = r.get("stats", {})
         if r.get("error"):
@@ -108,6 +110,12 @@ def flash_section(info: Dict[str, str], rows: List[dict], load: tuple, notes: Li
     out += [f"{i}. `{c}`" for i, c in enumerate(cmds, 1)]
     plans = ["", "flashllm's DRAM plan per run (its `--stats` header):", ""] + plans if plans else []
     return "\n".join(out + plans + [""] + notes + [""])
+
+
+def _plan(parsed: dict) -> Optional[str]:
+    """flashllm's DRAM plan line: from the --stats table header, or `run --json`'s flash.plan."""
+    plan = parsed.get("plan") or ((parsed.get("flash") or {}).get("plan") or {}).get("summary")
+    return plan if isinstance(plan, str) else None
 
 
 def merge(path: Path, head: str, sections: Dict[str, str]) -> str:

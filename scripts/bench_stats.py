@@ -17,7 +17,7 @@ TABLE_KEYS = (("io_bytes_per_token", 1e6), ("reads_per_token", 1), ("avg_read_by
               ("recall", 1))
 
 COLUMNS = {  # column -> (key fragments tried in order, scale, digits)
-    "mb_tok": (("io_bytes_per_token", "bytes_per_token", "ffn_bytes_per_token", "read_bytes_per_token"), 1e-6, 1),
+    "mb_tok": (("io_bytes_per_token", "bytes_per_token", "ffn_bytes_per_token"), 1e-6, 1),
     "reads_tok": (("reads_per_token", "n_reads_per_token"), 1.0, 0),
     "avg_read_kib": (("avg_read_bytes", "average_read_bytes", "mean_read_bytes"), 1 / 1024, 0),
     "gib_run": (("effective_gibs", "effective_gib_s", "read_gibs", "io_gibs"), 1.0, 2),

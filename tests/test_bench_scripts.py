@@ -85,3 +85,16 @@ def test_uncapped_group_measures_the_child():
     assert res.ok and res.failcnt == 0
     assert 96 * MiB <= res.peak_bytes < 512 * MiB
     assert not list(cgroup_run.ROOT.glob(f"flashllm_bench_{__import__('os').getpid()}_*"))
+
+
+def test_run_json_flash_summary():
+    line = ('{"n_prompt": 64, "prefill_s": 1.0, "n_decode": 3, "decode_s": 0.5, "prefill_tps": 64.0, '
+            '"decode_tps": 6.0, "flash": {"plan": {"summary": "DRAM budget 170 MiB"}, "summary": '
+            '{"io_bytes_per_token": 2.5e6, "reads_per_token": 12.0, "hit_rate": 0.5, "recall": null, '
+            '"io_ms_per_token": 3.0, "mm_ms_per_token": 1.0, "compute_ms_per_token": 7.0, '
+            '"predictor_ms_per_token": 0.04}}}')
+    d = bench_flashllm.parse_run("note\n" + line + "\n")
+    assert bench_report._plan(d) == "DRAM budget 170 MiB"
+    cells = bench_stats.stat_cells(d)
+    assert (cells["mb_tok"], cells["reads_tok"], cells["hit"]) == ("2.5", "12", "0.500")
+    assert cells["recall"] == "–" and cells["split"] == "3.0 / 1.0 / 7.0 / 0.0"
