@@ -181,7 +181,7 @@ def run(
     from .budget import process_rss
     from .integrity import verify_on_first_load
     from .model import Model
-    from .runtime import FlashOptions, make_ffn, plan_run
+    from .runtime import FlashOptions, make_ffn, make_weights, plan_run
     from .sampler import Sampler, SamplerParams
     from .tokenizer import Tokenizer
 
@@ -195,8 +195,11 @@ def run(
     verify_on_first_load(flash)
     tok = Tokenizer.from_flash(flash)
     ids = None if interactive else _prompt_ids(tok, text, n_predict, ctx_size)
+    if plan is not None and not interactive:
+        tok.release()            # decoding needs only the token -> bytes table
     ffn = make_ffn(flash, fopts, plan, threads, cache_dir(), log=lambda m: err.print(m, markup=False))
-    net = Model(flash, n_threads=threads, n_ctx=ctx_size, ffn=ffn)
+    weights = make_weights(flash, plan, threads)
+    net = Model(flash, n_threads=threads, n_ctx=ctx_size, ffn=ffn, weights=weights)
     sampler = Sampler(SamplerParams(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p,
                                     repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
                                     seed=seed))
