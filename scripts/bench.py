@@ -121,7 +121,7 @@ def omp_env(policy: str) -> tuple:
 def llamacpp_row(gguf: Path, policy: str, reps: int, n_gen: int, cap: Optional[int], warm: bool,
                  timeout: float) -> dict:
     argv = llamacpp_argv(gguf, policy, reps, n_gen, warm)
-    raw = run_cmd(argv, cap, cold=not warm, timeout=timeout)
+    raw = run_cmd(argv, cap, cold=True, timeout=timeout)  # warm: the warm-up runs in-process
     row = {"cmd": show_py(argv), "raw": raw, "peak": raw.get("peak"), "failcnt": raw.get("failcnt")}
     try:
         data = json.loads(raw["stdout"].strip().splitlines()[-1])
@@ -184,17 +184,17 @@ def probe_floor(fl: Flashllm, model: Path, prompt: Path, n_gen: int) -> Optional
     of a 1 MiB budget; None when the CLI does not say."""
     argv = fl.run_argv(model, prompt, n_gen, 2, ["--dram-budget", "1MiB"])
     res = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=300)
-    m = re.search(r"give at least (\d+) MiB", res.stderr)
-    return int(m.group(1)) * MiB if m else None
+    m = re.search(r"give at least (\d+) MiB|peak at (\d+) MiB", res.stderr)
+    return int(m.group(1) or m.group(2)) * MiB if m else None
 
 
 def flash_caps(name: str, floor: Optional[int], ffn_bytes: int) -> List[tuple]:
-    """(cap bytes or None, label) per budget of this model: Qwen 1.5B the issue's caps plus
-    flashllm's floor + 25% of the FFN; SmolLM2 (fits in any cap above) floor + 50% / 25% FFN."""
+    """(cap bytes or None, label) per budget of this model: Qwen 1.5B the issue's caps; SmolLM2
+    (fits in any of those) flashllm's floor + 50% / 25% of the FFN."""
     caps = [(None, "none")]
     if name == "qwen2.5-coder-1.5b":
-        caps += [(c, f"{c // MiB} MiB") for c in QWEN_CAPS if c]
-    fractions = [0.25] if name == "qwen2.5-coder-1.5b" else [0.5, 0.25]
+        return caps + [(c, f"{c // MiB} MiB") for c in QWEN_CAPS if c]
+    fractions = [0.5, 0.25]
     if floor:
         caps += [(floor + int(f * ffn_bytes), f"{(floor + int(f * ffn_bytes)) // MiB} MiB "
                   f"(floor + {f:.0%} FFN)") for f in fractions]
