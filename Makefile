@@ -59,5 +59,13 @@ fuzz: setup
 
 .PHONY: bench
 ## bench: DESIGN.md §8 into BENCHMARKS.md: dense decode and flash inference under cgroup memory caps (root), next to llama.cpp (llama-cpp-python in the venv); QUICK=1: SmolLM2 only, short
-bench: setup
+bench: setup $(BIN)/llama-cpp-stamp
 	$(BIN)/python scripts/bench.py $(if $(QUICK),--quick)
+
+# llama.cpp, the benchmark's peer: built from source (~8 min on 2 cores) with explicit AVX-512 flags and
+# AMX off (GGML_NATIVE with AMX is slower here and crashes when repacking)
+LLAMA_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \
+	-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+$(BIN)/llama-cpp-stamp: | setup
+	CMAKE_ARGS="$(LLAMA_CMAKE)" $(BIN)/pip install -q --no-cache-dir llama-cpp-python==0.3.36
+	@touch $@

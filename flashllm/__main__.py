@@ -1,0 +1,4 @@
+"""`python -m flashllm` is the `flashllm` command."""
+from .cli import main
+
+main()
