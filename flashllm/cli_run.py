@@ -1,0 +1,185 @@
+"""`flashllm run`: one-shot completion, pipelines and chat (commands registered on cli.app).
+
+Generated tokens go alone to stdout; timings, stats and errors to stderr.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .cli import DEFAULT_THREADS, _resolve, cache_dir, command, err, fail
+
+
+@command
+def run(
+    model: str = typer.Argument(..., help="Converted model folder, or a models.toml name."),
+    prompt: Optional[str] = typer.Option(None, "-p", "--prompt", help="Prompt text; '-' reads stdin."),
+    file: Optional[Path] = typer.Option(None, "-f", "--file", help="Read the prompt from a file."),
+    n_predict: int = typer.Option(128, "-n", "--n-predict", help="Tokens to generate."),
+    ctx_size: int = typer.Option(2048, "-c", "--ctx-size", help="Context length (KV cache size)."),
+    threads: int = typer.Option(DEFAULT_THREADS, "-t", "--threads", help="Compute threads."),
+    temp: float = typer.Option(0.8, "--temp", help="Temperature; 0 is greedy."),
+    top_k: int = typer.Option(40, "--top-k", help="Keep the k most likely tokens; 0 disables."),
+    top_p: float = typer.Option(0.95, "--top-p", help="Nucleus sampling mass; 1 disables."),
+    min_p: float = typer.Option(0.05, "--min-p", help="Drop tokens below min_p × the top probability."),
+    repeat_penalty: float = typer.Option(1.0, "--repeat-penalty", help="Penalty on recent tokens; 1 disables."),
+    repeat_last_n: int = typer.Option(64, "--repeat-last-n", help="How many recent tokens the penalty sees."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed (default: random)."),
+    no_timings: bool = typer.Option(False, "--no-timings", help="Do not print the timings line."),
+    dram_budget: Optional[str] = typer.Option(
+        None, "--dram-budget", help="Stream the FFN from flash within this DRAM: 1.5GiB, 560MiB, "
+        "or 50% of the converted model (default: everything in DRAM)."),
+    window: Optional[int] = typer.Option(
+        None, "--window", help="Keep the neurons of the last K tokens cached (default 4; 2 for GLU)."),
+    naive: bool = typer.Option(False, "--naive", help="Read every FFN bundle every token (baseline)."),
+    dense: bool = typer.Option(False, "--dense", help="Every FFN bundle in DRAM (the default)."),
+    flash_stats: bool = typer.Option(False, "--stats", help="Per-token flash I/O, cache and latency "
+                                     "table on stderr at the end."),
+    check_recall: bool = typer.Option(False, "--check-recall", help="With --stats: also compute each "
+                                      "token's exact mask for the predictor's recall (slow)."),
+    interactive: bool = typer.Option(False, "-i", "--interactive", "--chat",
+                                     help="Chat: multi-turn, with the model's chat template."),
+    system: Optional[str] = typer.Option(None, "-sys", "--system", help="Chat: the system prompt."),
+    chat_template: Optional[Path] = typer.Option(None, "--chat-template",
+                                                 help="Chat: a Jinja template file to use instead "
+                                                 "of the model's."),
+    as_json: bool = typer.Option(False, "--json", help="Timings as one JSON object on stderr "
+                                 "(instead of the text lines)."),
+) -> None:
+    """Generate text from a prompt (tokens stream to stdout as they are made), or chat (-i)."""
+    from .bundle import open_flash
+    from .budget import process_rss
+    from .integrity import verify_on_first_load
+    from .model import Model
+    from .runtime import FlashOptions, make_ffn, make_weights, plan_run
+    from .sampler import Sampler, SamplerParams
+    from .tokenizer import Tokenizer
+
+    if interactive and (prompt is not None or file is not None):
+        fail("give a prompt (-p/-f) or -i/--chat, not both")
+    text = None if interactive else _read_prompt(prompt, file)
+    path = _resolve(model)
+    fopts = FlashOptions(dram_budget, window, naive, dense, check_recall)
+    plan = plan_run(path, fopts, ctx_size, process_rss())     # refuses before loading anything
+    flash = open_flash(path)
+    verify_on_first_load(flash)
+    tok = Tokenizer.from_flash(flash)
+    ids = None if interactive else _prompt_ids(tok, text, n_predict, ctx_size)
+    if plan is not None and not interactive:
+        tok.release()            # decoding needs only the token -> bytes table
+    ffn = make_ffn(flash, fopts, plan, threads, cache_dir(), log=lambda m: err.print(m, markup=False))
+    weights = make_weights(flash, plan, threads)
+    net = Model(flash, n_threads=threads, n_ctx=ctx_size, ffn=ffn, weights=weights)
+    sampler = Sampler(SamplerParams(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p,
+                                    repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
+                                    seed=seed))
+    if interactive:
+        _chat(flash, net, tok, sampler, system, chat_template, n_predict, as_json)
+    else:
+        stats = _complete(net, tok, sampler, ids, n_predict)
+        flash_json = (ffn.stats() if ffn is not None else {"ffn": "dense"}) if flash_stats else None
+        if as_json:
+            err.print(_stats_json(stats, flash_json), markup=False, soft_wrap=True, highlight=False)
+        elif not no_timings:
+            err.print(stats.summary(), markup=False, soft_wrap=True)
+    if flash_stats and not as_json:
+        from .flash_stats import stats_table
+        err.print(stats_table(net.ffn.stats()) if ffn is not None else "ffn: dense (no flash I/O)",
+                  markup=False, soft_wrap=True, highlight=False)
+
+
+def _prompt_ids(tok, text: str, n_predict: int, ctx_size: int) -> list[int]:
+    ids = tok.encode(text, add_special=True)
+    if not ids:
+        fail("the prompt is empty (no tokens to start from)")
+    if len(ids) + n_predict > ctx_size:
+        fail(f"prompt ({len(ids)} tokens) + --n-predict {n_predict} exceed --ctx-size {ctx_size}")
+    return ids
+
+
+def _complete(net, tok, sampler, ids: list[int], n_predict: int):
+    """One-shot generation: tokens to stdout, flushed one by one; the GenStats."""
+    from .generate import generate
+    detok = tok.detokenizer()
+    out = sys.stdout
+
+    def emit(token: int) -> None:
+        out.write(detok.push(token))
+        out.flush()
+
+    stats = generate(net, sampler, ids, n_predict, stop_ids=tok.eos_ids, on_token=emit)
+    out.write(detok.flush() + "\n")
+    out.flush()
+    return stats
+
+
+def _read_prompt(prompt: Optional[str], file: Optional[Path]) -> str:
+    if prompt is not None and file is not None:
+        fail("give the prompt with -p or -f, not both")
+    if file is not None:
+        try:
+            return file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            fail(f"cannot read prompt file {file}: {e}")
+    if prompt == "-" or (prompt is None and not sys.stdin.isatty()):
+        return sys.stdin.read()
+    if prompt is None:
+        fail("no prompt: give -p TEXT, -f FILE, or pipe text to stdin")
+    return prompt
+
+
+def _chat(flash, net, tok, sampler, system: Optional[str], template_file: Optional[Path],
+          n_predict: int, as_json: bool) -> None:
+    """The interactive chat of `run -i`: answers on stdout, everything else on stderr."""
+    import json
+    from .chat import ChatSession, Interrupt, ReplIO, line_editing, repl
+    from .chat_template import load_template
+    override = None
+    if template_file is not None:
+        try:
+            override = template_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            fail(f"cannot read chat template {template_file}: {e}")
+    cfg = flash.config
+    bos = tok.hf.id_to_token(cfg.bos_token_id) if cfg.bos_token_id is not None else None
+    eos = tok.hf.id_to_token(cfg.eos_token_ids[0]) if cfg.eos_token_ids else None
+    template, origin = load_template(flash.chat_template, override, bos or "", eos or "")
+    session = ChatSession(net, tok, sampler, template, system=system, n_predict=n_predict)
+    tty = sys.stdin.isatty()
+    color = tty and sys.stdout.isatty() and not os.environ.get("NO_COLOR") \
+        and os.environ.get("TERM") != "dumb"
+
+    def write(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    io = ReplIO(read=input if tty else _read_line, write=write,
+                note=lambda m: err.print(m, markup=False, soft_wrap=True), color=color)
+    err.print(f"chat template: {origin}; context {net.n_ctx} tokens", markup=False)
+    with line_editing(cache_dir() / "chat_history" if tty else None):
+        repl(session, io, Interrupt())
+    if as_json:
+        err.print(json.dumps({"turns": [t.to_dict() for t in session.turns]}), markup=False,
+                  soft_wrap=True, highlight=False)
+
+
+def _read_line(prompt: str) -> str:
+    """input() for a non-TTY stdin: no prompt echo (stdout carries answers only)."""
+    line = sys.stdin.readline()
+    if not line:
+        raise EOFError
+    return line
+
+
+def _stats_json(stats, flash: Optional[dict] = None) -> str:
+    """One JSON object of a generation's counts, times and speeds (and the flash FFN's
+    per-token stats under "flash" with --stats)."""
+    import dataclasses
+    import json
+    extra = {} if flash is None else {"flash": flash}
+    return json.dumps({**dataclasses.asdict(stats), "prefill_tps": stats.prefill_tps,
+                       "decode_tps": stats.decode_tps, **extra})
