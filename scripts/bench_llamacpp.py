@@ -31,23 +31,12 @@ N_GEN = 128
 
 
 def load(path: Path, threads: int, n_ctx: int):
-    """Llama() ignores unknown keyword arguments, so switch off use_extra_bufts (weight
-    repacking into anonymous memory) on the model params it starts from."""
+    """llama.cpp on path with use_extra_bufts off (see llamacpp_params.py)."""
     import llama_cpp
-    import llama_cpp.llama_cpp as llama_lib
-    original = llama_lib.llama_model_default_params
-
-    def params():
-        p = original()
-        p.use_extra_bufts = False
-        return p
-
-    llama_lib.llama_model_default_params = params
-    try:
+    from llamacpp_params import no_extra_bufts
+    with no_extra_bufts():
         llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads,
                               n_threads_batch=threads, n_batch=N_PROMPT, verbose=False)
-    finally:
-        llama_lib.llama_model_default_params = original
     assert not llm.model_params.use_extra_bufts
     return llm
 

@@ -45,18 +45,18 @@ the prompt in one batch, then one token per step (the decode path).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
 import tempfile
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, List, Optional
 
 import jinja2.sandbox
 import llama_cpp
 import llama_cpp.llama_cpp as llama_lib
 import numpy as np
 
+from llamacpp_params import no_extra_bufts
 from make_f32_gguf import export as export_f32
 
 N_POS = 64
@@ -77,22 +77,6 @@ PROMPTS = [
 MODELS = {"smollm2-135m": "smollm2-135m.gguf", "qwen2.5-coder-0.5b": "qwen05.gguf"}
 
 
-@contextlib.contextmanager
-def no_extra_bufts() -> Iterator[None]:
-    """Llama() swallows unknown keyword arguments, so use_extra_bufts=False passed to it is
-    silently ignored; set the field on the model params it starts from instead."""
-    original = llama_lib.llama_model_default_params
-
-    def params():
-        p = original()
-        p.use_extra_bufts = False
-        return p
-
-    llama_lib.llama_model_default_params = params
-    try:
-        yield
-    finally:
-        llama_lib.llama_model_default_params = original
 
 
 def load(path: Path, f32_kv: bool = False) -> llama_cpp.Llama:
