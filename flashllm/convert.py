@@ -173,7 +173,8 @@ def _run_pool(pairs, dtype, force, jobs, bar, tasks, report) -> list[JobResult]:
     ctx = multiprocessing.get_context("spawn")
     results: list[JobResult | None] = [None] * len(pairs)
     pids: dict[int, int] = {}                  # job index -> worker pid, while it runs
-    with ctx.Manager() as manager, ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+    with ctx.Manager() as manager, ProcessPoolExecutor(max_workers=jobs, mp_context=ctx,
+                                                       initializer=_interrupt_once) as pool:
         queue = manager.Queue()
         futures = {pool.submit(_job, queue, i, src, dest, dtype, force): i
                    for i, (src, dest) in enumerate(pairs)}
@@ -193,6 +194,16 @@ def _run_pool(pairs, dtype, force, jobs, bar, tasks, report) -> list[JobResult]:
             pool.shutdown(wait=True, cancel_futures=True)
             raise
     return results
+
+
+def _interrupt_once() -> None:
+    """Worker setup: the first SIGINT interrupts the conversion (its writer removes the temporary
+    folder); later ones — a terminal's Ctrl-C reaches the whole process group and the parent
+    forwards one too — are ignored, so the worker can report back instead of dying mid-handler."""
+    def once(signum, frame):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGINT, once)
 
 
 def _interrupt(pids) -> None:
