@@ -6,12 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flashllm.bundle import FlashWriter, open_flash
-from flashllm.bundle_format import ffn_weight
+from flashllm.bundle import open_flash
 from flashllm.dense_stream import DenseWeights, attn_names
 from flashllm.ioreader import Reader
 from flashllm.model import Model
-from tiny_sources import TOKENIZER_JSON, tiny_arrays, tiny_config
+from tiny_sources import tiny_arrays, tiny_config, write_arrays
 
 
 def write_model(out, glu: bool, dtype: str, tied: bool):
@@ -21,15 +20,7 @@ def write_model(out, glu: bool, dtype: str, tied: bool):
     if not tied:
         arrays["output.weight"] = np.random.default_rng(9).standard_normal(
             (cfg.vocab_size, cfg.d_model)).astype(np.float32)                      # (vocab, d)
-    with FlashWriter(out, cfg, dtype, source={"name": "test"}) as w:
-        w.set_tokenizer(TOKENIZER_JSON, None)
-        for name, x in arrays.items():
-            if not ffn_weight(name):
-                w.add_tensor(name, x)
-        for i in range(cfg.n_layers):
-            w.add_ffn_layer(i, arrays.get(f"blk.{i}.ffn_gate.weight"),
-                            arrays[f"blk.{i}.ffn_up.weight"], arrays[f"blk.{i}.ffn_down.weight"])
-        w.finish()
+    write_arrays(out, cfg, arrays, dtype)
     return cfg
 
 

@@ -8,12 +8,11 @@ import numpy as np
 import pytest
 
 from flashllm.budget import plan_budget, read_manifest
-from flashllm.bundle import FlashWriter, open_flash, update_manifest
-from flashllm.bundle_format import ffn_weight
+from flashllm.bundle import open_flash, update_manifest
 from flashllm.ioreader import Reader
 from flashllm.model import Model
 from flashllm.sparse_ffn import AllSlots, SparseFlashFfn
-from tiny_sources import TOKENIZER_JSON, ref_dequant, ref_rows, tiny_arrays, tiny_config
+from tiny_sources import ref_dequant, ref_rows, tiny_arrays, tiny_config, write_arrays
 
 MiB = 1 << 20
 
@@ -27,16 +26,7 @@ def write_model(out, glu: bool, dtype: str, seed: int = 0):
             arrays[f"blk.{i}.ffn_up.bias"] = np.random.default_rng(i).standard_normal(cfg.n_ff) \
                 .astype(np.float32)
     order = np.random.default_rng(seed + 1).permutation(cfg.n_ff)        # (n_ff,)
-    with FlashWriter(out, cfg, dtype, source={"name": "test"}) as w:
-        w.set_tokenizer(TOKENIZER_JSON, None)
-        for name, x in arrays.items():
-            if not ffn_weight(name):
-                w.add_tensor(name, x)
-        for i in range(cfg.n_layers):
-            w.add_ffn_layer(i, arrays.get(f"blk.{i}.ffn_gate.weight"),
-                            arrays[f"blk.{i}.ffn_up.weight"], arrays[f"blk.{i}.ffn_down.weight"],
-                            order if i == 0 else None)
-        w.finish()
+    write_arrays(out, cfg, arrays, dtype, orders={0: order})
     return cfg, arrays, order
 
 

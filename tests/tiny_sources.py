@@ -74,6 +74,24 @@ def ref_dequant(raw: np.ndarray, dtype: str, cols: int) -> np.ndarray:
     return raw.view("<f4" if dtype == "f32" else "<f2").astype(np.float32).reshape(-1, cols)
 
 
+def write_arrays(out: Path, cfg, arrays: dict, dtype: str, orders: dict | None = None) -> None:
+    """A flash model folder from canonical arrays through FlashWriter; orders: layer -> (n_ff,)
+    neuron order for the layers stored reordered."""
+    from flashllm.bundle import FlashWriter
+    from flashllm.bundle_format import ffn_weight
+    orders = orders or {}
+    with FlashWriter(out, cfg, dtype, source={"name": "test"}) as w:
+        w.set_tokenizer(TOKENIZER_JSON, None)
+        for name, x in arrays.items():
+            if not ffn_weight(name):
+                w.add_tensor(name, x)
+        for i in range(cfg.n_layers):
+            w.add_ffn_layer(i, arrays.get(f"blk.{i}.ffn_gate.weight"),
+                            arrays[f"blk.{i}.ffn_up.weight"], arrays[f"blk.{i}.ffn_down.weight"],
+                            orders.get(i))
+        w.finish()
+
+
 def write_hf_llama(folder: Path, seed: int = 0) -> Path:
     """A tiny Hugging Face llama checkpoint (config.json + model.safetensors, f32)."""
     from safetensors.numpy import save_file
