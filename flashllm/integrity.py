@@ -1,7 +1,7 @@
 """Checksums verified on a model's first load, then remembered.
 
-`flashllm run` (and the other commands that load a model) check every crc32 of a model folder the
-first time they open it, and write a stamp `.verified` holding a fingerprint of the folder: the
+`flashllm run` (one-shot and chat) checks every crc32 of a model folder the first time it opens
+it, and writes a stamp `.verified` holding a fingerprint of the folder: the
 manifest's sha256 and each file's name, size and modification time. A later load with the same
 fingerprint skips the check; any rewrite of a file changes the fingerprint and brings it back.
 A read-only folder is verified on every load.
