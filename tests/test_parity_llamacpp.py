@@ -110,19 +110,27 @@ def test_teacher_forced_top1_and_top16_logits(real_model, name):
 @pytest.mark.parametrize("prompt", PROMPTS)
 @pytest.mark.parametrize("name", MODELS)
 def test_greedy_matches_until_a_near_tie(flashllm_greedy, name, prompt):
-    _, arrays = fixture(name)
+    got, want, checked = greedy_against(flashllm_greedy, name, name, prompt, NEAR_TIE)
+    assert got[:checked] == want[:checked]
+
+
+def greedy_against(flashllm_greedy, name: str, fixture_name: str, prompt: str, near_tie: float):
+    """flashllm's greedy tokens next to the fixture's: (got, want, steps before llama.cpp's first
+    top-2 margin below near_tie); prints where they part and llama.cpp's margin there."""
+    _, arrays = fixture(fixture_name)
     want = arrays[f"{prompt}.greedy_ids"].tolist()                      # (64,)
     margin = arrays[f"{prompt}.greedy_margin"]                           # (64,)
     got = flashllm_greedy(name, arrays[f"{prompt}.prompt_ids"], len(want))
-    ties = np.flatnonzero(margin < NEAR_TIE)
+    ties = np.flatnonzero(margin < near_tie)
     checked = int(ties[0]) if len(ties) else len(want)
     parted = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
     if parted is not None:
-        print(f"{name} {prompt}: parts from llama.cpp at step {parted}, where its top-2 margin "
-              f"is {margin[parted]:.4f} (first near tie at step {checked})")
+        print(f"{fixture_name} {prompt}: parts from llama.cpp at step {parted}, where its top-2 "
+              f"margin is {margin[parted]:.2e} (first near tie at step {checked})")
     else:
-        print(f"{name} {prompt}: all {len(want)} greedy tokens identical")
-    assert got[:checked] == want[:checked]
+        print(f"{fixture_name} {prompt}: all {len(want)} greedy tokens identical (smallest "
+              f"llama.cpp margin {margin.min():.2e})")
+    return got, want, checked
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -160,17 +168,5 @@ def test_f32_teacher_forced_all_positions(real_model, name):
 @pytest.mark.parametrize("prompt", PROMPTS)
 @pytest.mark.parametrize("name", MODELS)
 def test_f32_greedy_matches_until_a_near_tie(flashllm_greedy, name, prompt):
-    _, arrays = fixture(f"{name}-f32")
-    want = arrays[f"{prompt}.greedy_ids"].tolist()                      # (64,)
-    margin = arrays[f"{prompt}.greedy_margin"]                           # (64,)
-    got = flashllm_greedy(name, arrays[f"{prompt}.prompt_ids"], len(want))
-    ties = np.flatnonzero(margin < F32_NEAR_TIE)
-    checked = int(ties[0]) if len(ties) else len(want)
-    parted = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
-    if parted is not None:
-        print(f"{name}-f32 {prompt}: parts from llama.cpp at step {parted}, where its top-2 "
-              f"margin is {margin[parted]:.2e} (first near tie at step {checked})")
-    else:
-        print(f"{name}-f32 {prompt}: all {len(want)} greedy tokens identical (smallest llama.cpp "
-              f"margin {margin.min():.2e})")
+    got, want, checked = greedy_against(flashllm_greedy, name, f"{name}-f32", prompt, F32_NEAR_TIE)
     assert got[:checked] == want[:checked]
