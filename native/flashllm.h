@@ -106,7 +106,7 @@ int32_t fl_ffn_bundles(const uint8_t *bundles, int64_t n, int64_t stride, int32_
                        float threshold, const float *x, int64_t T, float *y,
                        int32_t n_threads);
 
-/* ---- direct-I/O reader (io.c) ---- */
+/* ---- direct-I/O reader (io.c; batch planning in io_plan.c) ---- */
 
 /* A reader owns one open file (O_DIRECT when possible) and a pool of n_threads reader threads
  * (the calling thread is one of them). One batch at a time per reader. */

@@ -1,19 +1,20 @@
 /* io.c — the direct-I/O reader: a batch of (offset, length) requests → caller memory.
  *
- * A batch is planned into "runs": requests sorted by offset, widened to FL_IO_ALIGN pages,
- * neighbours joined when the hole between them is at most max_gap bytes and the run stays at
- * most max_run bytes (a long request is cut into max_run pieces). Each run is one pread
- * (repeated on EINTR / short reads) by one thread of the pool (the caller is one of them):
- * straight into the destination when the run is a single page-aligned piece of one request,
- * else into that thread's aligned staging buffer, from which each request's bytes are copied
- * to dst + dst_offsets[i]. So the caller always finds request i at a known place, whatever the
- * merging did.
+ * io_plan.c turns a batch into "runs" (sorted, page-aligned, merged reads). Each run is one
+ * pread (repeated on EINTR / short reads) by one thread of the pool (the caller is one of
+ * them); threads take runs in file order from a shared counter until none is left, and a batch
+ * of k runs wakes only min(k, n_threads) - 1 workers. A run lands straight in the destination
+ * when it is a single page-aligned piece of one request, else in that thread's aligned staging
+ * buffer, from which each request's bytes are copied to dst + dst_offsets[i]. So the caller
+ * always finds request i at a known place, whatever the merging did.
  */
 #include "flashllm.h"
+#include "io_internal.h"
 
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <semaphore.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,13 +22,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define FL_IO_ALIGN 4096
 #define FL_IO_MAX_THREADS 256
-
-typedef struct {
-    int64_t a, b;         /* file range [a, b), page aligned (b may pass EOF) */
-    int64_t first, last;  /* requests touching it: order[first .. last] */
-} io_run;
 
 typedef struct {
     const int64_t *offsets, *lengths, *dst_offsets, *order;
@@ -38,6 +33,12 @@ typedef struct {
     atomic_int status;
 } io_job;
 
+typedef struct {
+    struct fl_reader *r;
+    int32_t index;
+    sem_t go;                 /* posted once per batch this worker joins (or to quit) */
+} io_worker;
+
 struct fl_reader {
     int fd;
     int32_t direct;
@@ -45,23 +46,24 @@ struct fl_reader {
     int64_t file_size;
     int64_t stage_bytes;
     uint8_t **stage;          /* (n_threads) aligned buffers of stage_bytes */
-    pthread_t *workers;       /* (n_threads - 1); the caller is the last reader */
-    pthread_mutex_t mu;
-    pthread_cond_t cv_start, cv_done;
-    int64_t generation;
-    int32_t n_busy;
-    int32_t quit;
-    io_job *job;
+    pthread_t *threads;       /* (n_threads - 1); the caller is the last reader */
+    io_worker *workers;       /* (n_threads - 1) */
+    int32_t n_started;
+    sem_t done;               /* posted by a worker when it has finished its batch */
+    int32_t has_done;         /* done is initialised */
+    io_job *job;              /* the batch in flight, set before the workers are posted */
+    atomic_int quit;
     fl_reader_stats_t stats;
 };
-
-static int64_t align_down(int64_t x) { return x & ~(int64_t)(FL_IO_ALIGN - 1); }
-static int64_t align_up(int64_t x) { return align_down(x + FL_IO_ALIGN - 1); }
 
 static double now_seconds(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static void sem_wait_all(sem_t *s) {
+    while (sem_wait(s) != 0 && errno == EINTR) continue;
 }
 
 /* Read file range [off, off + len) into buf; a short count is fine only at end of file. */
@@ -116,55 +118,48 @@ static void work(struct fl_reader *r, io_job *job, uint8_t *stage) {
     }
 }
 
-typedef struct { struct fl_reader *r; int32_t index; } worker_arg;
-
 static void *worker_main(void *p) {
-    worker_arg arg = *(worker_arg *)p;
-    free(p);
-    struct fl_reader *r = arg.r;
-    int64_t seen = 0;
-    pthread_mutex_lock(&r->mu);
+    io_worker *w = p;
+    struct fl_reader *r = w->r;
     for (;;) {
-        while (!r->quit && r->generation == seen) pthread_cond_wait(&r->cv_start, &r->mu);
-        if (r->quit) break;
-        seen = r->generation;
-        io_job *job = r->job;
-        pthread_mutex_unlock(&r->mu);
-        work(r, job, r->stage[arg.index]);
-        pthread_mutex_lock(&r->mu);
-        if (--r->n_busy == 0) pthread_cond_signal(&r->cv_done);
+        sem_wait_all(&w->go);
+        if (atomic_load(&r->quit)) return NULL;
+        work(r, r->job, r->stage[w->index]);
+        sem_post(&r->done);
     }
-    pthread_mutex_unlock(&r->mu);
-    return NULL;
 }
 
-static void stop_workers(struct fl_reader *r, int32_t n_started) {
-    pthread_mutex_lock(&r->mu);
-    r->quit = 1;
-    pthread_cond_broadcast(&r->cv_start);
-    pthread_mutex_unlock(&r->mu);
-    for (int32_t i = 0; i < n_started; i++) pthread_join(r->workers[i], NULL);
+static void stop_workers(struct fl_reader *r) {
+    atomic_store(&r->quit, 1);
+    for (int32_t i = 0; i < r->n_started; i++) sem_post(&r->workers[i].go);
+    for (int32_t i = 0; i < r->n_started; i++) {
+        pthread_join(r->threads[i], NULL);
+        sem_destroy(&r->workers[i].go);
+    }
+    r->n_started = 0;
 }
 
 static int32_t start_workers(struct fl_reader *r) {
     for (int32_t i = 0; i < r->n_threads - 1; i++) {
-        worker_arg *arg = malloc(sizeof *arg);
-        if (!arg) { stop_workers(r, i); return FL_ENOMEM; }
-        arg->r = r;
-        arg->index = i;
-        if (pthread_create(&r->workers[i], NULL, worker_main, arg) != 0) {
-            free(arg);
-            stop_workers(r, i);
+        io_worker *w = &r->workers[i];
+        w->r = r;
+        w->index = i;
+        if (sem_init(&w->go, 0, 0) != 0) return FL_ENOMEM;
+        if (pthread_create(&r->threads[i], NULL, worker_main, w) != 0) {
+            sem_destroy(&w->go);
             return FL_ENOMEM;
         }
+        r->n_started++;
     }
     return FL_OK;
 }
 
 static int32_t alloc_reader(struct fl_reader *r) {
     r->stage = calloc((size_t)r->n_threads, sizeof *r->stage);
+    r->threads = calloc((size_t)r->n_threads, sizeof *r->threads);
     r->workers = calloc((size_t)r->n_threads, sizeof *r->workers);
-    if (!r->stage || !r->workers) return FL_ENOMEM;
+    if (!r->stage || !r->threads || !r->workers || sem_init(&r->done, 0, 0) != 0) return FL_ENOMEM;
+    r->has_done = 1;
     for (int32_t i = 0; i < r->n_threads; i++) {
         if (posix_memalign((void **)&r->stage[i], FL_IO_ALIGN, (size_t)r->stage_bytes) != 0) {
             r->stage[i] = NULL;
@@ -174,10 +169,14 @@ static int32_t alloc_reader(struct fl_reader *r) {
     return FL_OK;
 }
 
+/* Stops the workers that started, frees everything; safe on a partly built reader. */
 static void free_reader(struct fl_reader *r) {
+    stop_workers(r);
     if (r->stage)
         for (int32_t i = 0; i < r->n_threads; i++) free(r->stage[i]);
+    if (r->has_done) sem_destroy(&r->done);
     free(r->stage);
+    free(r->threads);
     free(r->workers);
     if (r->fd >= 0) close(r->fd);
     free(r);
@@ -203,23 +202,14 @@ int32_t fl_reader_open(const char *path, int32_t n_threads, int32_t want_direct,
     if (!r) return FL_ENOMEM;
     r->n_threads = n_threads;
     r->stage_bytes = stage_bytes;
+    atomic_init(&r->quit, 0);
     r->fd = open_file(path, want_direct, &r->direct);
     struct stat st;
     if (r->fd < 0 || fstat(r->fd, &st) != 0) { free_reader(r); return FL_EIO; }
     r->file_size = (int64_t)st.st_size;
     int32_t status = alloc_reader(r);
+    if (status == FL_OK) status = start_workers(r);
     if (status != FL_OK) { free_reader(r); return status; }
-    pthread_mutex_init(&r->mu, NULL);
-    pthread_cond_init(&r->cv_start, NULL);
-    pthread_cond_init(&r->cv_done, NULL);
-    status = start_workers(r);
-    if (status != FL_OK) {
-        pthread_mutex_destroy(&r->mu);
-        pthread_cond_destroy(&r->cv_start);
-        pthread_cond_destroy(&r->cv_done);
-        free_reader(r);
-        return status;
-    }
     *out = r;
     return FL_OK;
 }
@@ -245,143 +235,19 @@ int32_t fl_reader_reset_stats(fl_reader *r) {
 }
 
 int32_t fl_reader_close(fl_reader *r) {
-    if (!r) return FL_OK;
-    stop_workers(r, r->n_threads - 1);
-    pthread_mutex_destroy(&r->mu);
-    pthread_cond_destroy(&r->cv_start);
-    pthread_cond_destroy(&r->cv_done);
-    free_reader(r);
+    if (r) free_reader(r);
     return FL_OK;
-}
-
-
-/* ---- planning ---------------------------------------------------------------------------- */
-
-typedef struct {
-    io_run *runs;
-    int64_t n, cap;
-    int64_t bytes, gap_bytes, merged;
-} io_plan;
-
-typedef struct { int64_t off, idx; } io_key;
-
-static int cmp_key(const void *x, const void *y) {
-    const io_key *p = x, *q = y;
-    if (p->off != q->off) return p->off < q->off ? -1 : 1;
-    return (p->idx > q->idx) - (p->idx < q->idx);
-}
-
-/* order (n) = request indices by ascending offset (stable). */
-static int32_t sort_order(const int64_t *offsets, int64_t n, int64_t *order) {
-    int sorted = 1;
-    for (int64_t i = 0; i < n; i++) {
-        order[i] = i;
-        if (i > 0 && offsets[i] < offsets[i - 1]) sorted = 0;
-    }
-    if (sorted) return FL_OK;
-    io_key *keys = malloc((size_t)n * sizeof *keys);
-    if (!keys) return FL_ENOMEM;
-    for (int64_t i = 0; i < n; i++) keys[i] = (io_key){offsets[i], i};
-    qsort(keys, (size_t)n, sizeof *keys, cmp_key);
-    for (int64_t i = 0; i < n; i++) order[i] = keys[i].idx;
-    free(keys);
-    return FL_OK;
-}
-
-static int32_t push_run(io_plan *p, int64_t a, int64_t b, int64_t first, int64_t last) {
-    if (p->n == p->cap) {
-        int64_t cap = p->cap ? 2 * p->cap : 64;
-        io_run *runs = realloc(p->runs, (size_t)cap * sizeof *runs);
-        if (!runs) return FL_ENOMEM;
-        p->runs = runs;
-        p->cap = cap;
-    }
-    p->runs[p->n++] = (io_run){a, b, first, last};
-    p->bytes += b - a;
-    return FL_OK;
-}
-
-/* Runs of the requests taken in `order`: pages joined across holes of at most max_gap bytes
- * (max_gap < 0: never joined, not even when touching), at most max_run bytes each. */
-static int32_t build_plan(const int64_t *offsets, const int64_t *lengths, const int64_t *order,
-                          int64_t n, int64_t max_gap, int64_t max_run, io_plan *p) {
-    int64_t a = 0, b = 0, first = 0, last = 0;
-    int have = 0;
-    for (int64_t k = 0; k < n; k++) {
-        int64_t i = order[k];
-        if (lengths[i] == 0) continue;
-        int64_t fa = align_down(offsets[i]), fb = align_up(offsets[i] + lengths[i]);
-        if (have && max_gap >= 0 && fa >= a && fa <= b + max_gap && fb - a <= max_run) {
-            if (fa > b) p->gap_bytes += fa - b;
-            p->merged++;
-            b = fb > b ? fb : b;
-            last = k;
-            continue;
-        }
-        /* a request straddling the end of a full run continues in the next one: no page twice */
-        int straddle = have && max_gap >= 0 && fa >= a && fa < b;
-        if (have && push_run(p, a, b, first, straddle ? k : last) != FL_OK) return FL_ENOMEM;
-        a = straddle ? b : fa;
-        b = fb; first = last = k; have = 1;
-        for (; b - a > max_run; a += max_run)
-            if (push_run(p, a, a + max_run, k, k) != FL_OK) return FL_ENOMEM;
-    }
-    return have ? push_run(p, a, b, first, last) : FL_OK;
-}
-
-static int32_t plan_requests(const int64_t *offsets, const int64_t *lengths, int64_t n,
-                             int64_t max_gap, int64_t max_run, int64_t *order, io_plan *p) {
-    memset(p, 0, sizeof *p);
-    int32_t status = sort_order(offsets, n, order);
-    if (status != FL_OK) return status;
-    return build_plan(offsets, lengths, order, n, max_gap, max_run, p);
-}
-
-static int32_t check_requests(const int64_t *offsets, const int64_t *lengths, int64_t n,
-                              int64_t limit) {
-    for (int64_t i = 0; i < n; i++)
-        if (offsets[i] < 0 || lengths[i] < 0 || offsets[i] > limit - lengths[i]) return FL_ERANGE;
-    return FL_OK;
-}
-
-int32_t fl_io_plan(const int64_t *offsets, const int64_t *lengths, int64_t n, int64_t max_gap,
-                   int64_t max_run, int64_t *n_reads, int64_t *bytes_read, int64_t *gap_bytes) {
-    if (n < 0 || (n > 0 && (!offsets || !lengths)) || !n_reads || !bytes_read || !gap_bytes ||
-        max_run < FL_IO_ALIGN || max_run % FL_IO_ALIGN != 0)
-        return FL_EINVAL;
-    int32_t status = check_requests(offsets, lengths, n, INT64_MAX - FL_IO_ALIGN);
-    if (status != FL_OK) return status;
-    int64_t *order = malloc((size_t)(n > 0 ? n : 1) * sizeof *order);
-    if (!order) return FL_ENOMEM;
-    io_plan p;
-    status = plan_requests(offsets, lengths, n, max_gap, max_run, order, &p);
-    *n_reads = p.n;
-    *bytes_read = p.bytes;
-    *gap_bytes = p.gap_bytes;
-    free(p.runs);
-    free(order);
-    return status;
 }
 
 /* ---- reading a batch --------------------------------------------------------------------- */
 
 static int32_t run_job(struct fl_reader *r, io_job *job) {
-    uint8_t *own_stage = r->stage[r->n_threads - 1];
-    if (r->n_threads == 1 || job->n_runs < 2) {
-        work(r, job, own_stage);
-        return atomic_load(&job->status);
-    }
-    pthread_mutex_lock(&r->mu);
+    int64_t helpers = job->n_runs < r->n_threads ? job->n_runs - 1 : r->n_threads - 1;
     r->job = job;
-    r->n_busy = r->n_threads - 1;
-    r->generation++;
-    pthread_cond_broadcast(&r->cv_start);
-    pthread_mutex_unlock(&r->mu);
-    work(r, job, own_stage);
-    pthread_mutex_lock(&r->mu);
-    while (r->n_busy > 0) pthread_cond_wait(&r->cv_done, &r->mu);
+    for (int64_t i = 0; i < helpers; i++) sem_post(&r->workers[i].go);
+    work(r, job, r->stage[r->n_threads - 1]);
+    for (int64_t i = 0; i < helpers; i++) sem_wait_all(&r->done);
     r->job = NULL;
-    pthread_mutex_unlock(&r->mu);
     return atomic_load(&job->status);
 }
 
@@ -408,24 +274,24 @@ int32_t fl_reader_read(fl_reader *r, const int64_t *offsets, const int64_t *leng
     if (!r || n < 0 || (n > 0 && (!offsets || !lengths || !dst || !dst_offsets))) return FL_EINVAL;
     for (int64_t i = 0; i < n; i++)
         if (dst_offsets[i] < 0) return FL_EINVAL;
-    int32_t status = check_requests(offsets, lengths, n, r->file_size);
+    int32_t status = io_check_requests(offsets, lengths, n, r->file_size);
     if (status != FL_OK) return status;
     if (max_run <= 0 || max_run > r->stage_bytes) max_run = r->stage_bytes;
-    max_run = align_down(max_run) > 0 ? align_down(max_run) : FL_IO_ALIGN;
+    max_run = io_align_down(max_run) > 0 ? io_align_down(max_run) : FL_IO_ALIGN;
     double t0 = now_seconds();
     int64_t *order = malloc((size_t)(n > 0 ? n : 1) * sizeof *order);
     if (!order) return FL_ENOMEM;
     io_plan p;
-    status = plan_requests(offsets, lengths, n, max_gap, max_run, order, &p);
+    status = io_plan_requests(offsets, lengths, n, max_gap, max_run, order, &p);
     if (status == FL_OK) {
         io_job job = {.offsets = offsets, .lengths = lengths, .dst_offsets = dst_offsets,
                       .order = order, .dst = dst, .runs = p.runs, .n_runs = p.n};
         atomic_init(&job.next, 0);
         atomic_init(&job.status, FL_OK);
         status = run_job(r, &job);
+        if (status == FL_OK) count_batch(r, &p, lengths, n, now_seconds() - t0);
+        free(p.runs);
     }
-    if (status == FL_OK) count_batch(r, &p, lengths, n, now_seconds() - t0);
-    free(p.runs);
     free(order);
     return status;
 }

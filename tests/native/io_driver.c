@@ -1,4 +1,4 @@
-/* io_driver.c — exercises native/io.c under AddressSanitizer (make test-asan).
+/* io_driver.c — exercises native/io.c + io_plan.c under AddressSanitizer (make test-asan).
  *
  * Writes a file of random bytes (unaligned size), then reads seeded random batches through
  * fl_reader_read with several thread counts, gaps and run sizes and compares every request
