@@ -32,7 +32,7 @@ from .profile import MiB, ProfileError, parse_size
 
 TOKENIZER_KEPT = 5             # resident bytes after release() per byte of tokenizer.json (+4 MiB)
 TOKENIZER_LOAD = 28            # peak bytes while the tokenizers object loads, per JSON byte
-STAGING_BYTES = 4 * MiB        # the sparse FFN's staging buffer (prefill chunks, streamed misses)
+STAGING_BYTES = 16 * MiB       # the sparse FFN's staging buffer: prefill halves, the decode read-ahead ring
 ROW_MAP_BYTES = 4 + 8          # per cache row: slot_of (int32) + last_use (int64)
 WORK_FIXED = 8 * MiB           # activations, attention scratch, Python objects of a forward pass
 

@@ -16,6 +16,14 @@ FIELDS = ("bytes_read", "bytes_requested", "gap_bytes", "reads", "read_s", "io_s
           "compute_s", "predict_s", "active", "hits", "streamed", "true_active", "true_hits")
 
 
+def reader_delta(before, after) -> dict:
+    """TokenStats counters of the reads between two Reader.stats() snapshots."""
+    return {"bytes_read": after.bytes_read - before.bytes_read,
+            "bytes_requested": after.bytes_requested - before.bytes_requested,
+            "gap_bytes": after.gap_bytes - before.gap_bytes, "reads": after.reads - before.reads,
+            "read_s": after.seconds - before.seconds}
+
+
 @dataclass
 class TokenStats:
     """One forward pass of the flash FFN (all layers). bytes: from the device; *_s: seconds."""
@@ -36,6 +44,11 @@ class TokenStats:
     streamed: int = 0                  # read into the staging buffer (not cached)
     true_active: int = 0               # exact mask size (check mode only)
     true_hits: int = 0                 # exact active neurons the predictor found (check mode only)
+
+    def add_reads(self, delta: dict) -> None:
+        """Add reader counters (reader_delta) of reads made for this pass."""
+        for k, v in delta.items():
+            setattr(self, k, getattr(self, k) + v)
 
     @property
     def hit_rate(self) -> float:

@@ -7,11 +7,15 @@ Decode (T = 1), per layer:
     rows = cache.insert(misses)                  rows for the misses (evicting stale rows)
     read misses → rows   (a worker thread)   ‖   y += FFN over the hits (C kernel, no GIL)
     y += FFN over the new rows; misses the cache could not take stream through the staging buffer
-Prefill (T > 1) reads the layer whole and sequentially through the staging buffer (pinned rows
-come from the cache) and computes densely. --naive reads every bundle of the layer every token
-(the paper's baseline). Every path applies the layer's calibrated magnitude threshold (manifest
-`sparsity.thresholds`, 0 when absent). Predictors: anything with predict(layer, h) -> sorted
-int32 slots and nbytes; AllSlots and StaticHot here need no training.
+Static decode: when every token needs the same slots 0 .. k-1 (AllSlots, StaticHot: no trained
+predictor; or --naive, the paper's baseline, every bundle every token), every cache row is pinned
+and the rest is read by a ReadRing (read_ring.py) that runs ahead of the forward pass, across
+layers and tokens, through the staging memory cut into four buffers.
+Prefill (T > 1) reads the layer whole and sequentially through the staging buffer's two halves
+(pinned rows come from the cache) and computes densely; it stops the ring first. Every path
+applies the layer's calibrated magnitude threshold (manifest `sparsity.thresholds`, 0 when
+absent). Predictors: anything with predict(layer, h) -> sorted int32 slots and nbytes; with an
+`n_static` attribute k it promises slots 0 .. k-1 for every input.
 """
 from __future__ import annotations
 
@@ -26,8 +30,9 @@ from .budget import BudgetPlan
 from .cache import NeuronCache
 from .costmodel import CostModel, run_size
 from .ffn import bundle_ids, up_biases
-from .flash_stats import FlashStats, TokenStats
+from .flash_stats import FlashStats, TokenStats, reader_delta
 from .ioreader import aligned_empty
+from .read_ring import ReadRing
 
 clock = time.perf_counter
 
@@ -39,6 +44,7 @@ class AllSlots:
 
     def __init__(self, n_ff: int):
         self.slots = np.arange(n_ff, dtype=np.int32)            # (n_ff,)
+        self.n_static = n_ff          # predicts slots 0 .. n_static-1 whatever the input
 
     def predict(self, layer: int, h: np.ndarray) -> np.ndarray:
         return self.slots
@@ -51,6 +57,7 @@ class StaticHot:
 
     def __init__(self, n_ff: int, fraction: float):
         self.slots = np.arange(max(1, int(round(n_ff * fraction))), dtype=np.int32)  # (k,)
+        self.n_static = len(self.slots)
 
     def predict(self, layer: int, h: np.ndarray) -> np.ndarray:
         return self.slots
@@ -80,21 +87,56 @@ class SparseFlashFfn:
         self._ahead = None            # (layer, first chunk, half, read job) issued ahead
         cost = cost or CostModel.defaults()
         self.fit = cost.fits[cost.nearest(reader.n_threads)]
+        static = getattr(predictor, "n_static", None)   # a static set: every cache row pinned
+        pins = budget_plan.n_pinned if static is None else min(budget_plan.capacity, static)
         self.caches = [] if naive else [
-            NeuronCache(f.n_ff, budget_plan.capacity, f.stride, window, budget_plan.n_pinned)
+            NeuronCache(f.n_ff, budget_plan.capacity, f.stride, window, pins)
             for _ in range(cfg.n_layers)]
         self.rec = FlashStats("naive" if naive else "sparse", {"summary": budget_plan.summary()})
         self._token: Optional[TokenStats] = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="flashllm-read")
         for layer, cache in enumerate(self.caches):
             self._read_seq(layer, cache.pin(), cache.matrix, None)
+        self.ring = self._make_ring(cfg.n_layers)
+        self._ring_base = 0           # schedule position of the current decode token's layer 0
+        self._decoded = 0             # decode tokens started
+
+    def _static_slots(self) -> Optional[int]:
+        """k when every token needs slots 0 .. k-1 (naive, or a predictor independent of the
+        input), else None."""
+        return self.f.n_ff if self.naive else getattr(self.predictor, "n_static", None)
+
+    def _make_ring(self, n_layers: int) -> Optional[ReadRing]:
+        """A read-ahead ring over the slots a static token reads (those past the pinned cache
+        rows) in staging-sized chunks; None when the set is not static or all cached."""
+        k = self._static_slots()
+        if k is None:
+            return None
+        first = 0 if self.naive else min(self.caches[0].n_pinned, k)
+        n_buf = 4 if len(self.staging) >= 8 else 2
+        step = len(self.staging) // n_buf
+        schedule = [(layer, c, min(step, k - c)) for layer in range(n_layers)
+                    for c in range(first, k, step)]                       # (layer, first, n)
+        self._layer_pos = np.searchsorted([lay for lay, _, _ in schedule],
+                                          np.arange(n_layers + 1))       # (n_layers + 1,)
+        if not schedule:
+            return None
+        buffers = self.staging[:n_buf * step].reshape(n_buf, step, self.f.stride)  # (n_buf, step, stride)
+        return ReadRing(buffers, schedule, self._read_static)
 
     # ---- the strategy seam -------------------------------------------------------------------
 
     def __call__(self, layer: int, h: np.ndarray, x: np.ndarray) -> None:
         if layer == 0:
             self._token = self.rec.start("decode" if len(h) == 1 else "prefill", len(h))
-        if len(h) == 1 and not self.naive:
+            if len(h) == 1 and self.ring is not None:
+                self._ring_base = self._decoded * len(self.ring.schedule)
+                self._decoded += 1
+        if len(h) > 1 and self.ring is not None:
+            self.ring.stop()          # the prefill reads through the same staging memory
+        if len(h) == 1 and self._static_slots() is not None:
+            self._decode_static(layer, h, x)
+        elif len(h) == 1:
             self._decode(layer, h, x)
         else:
             self._whole_layer(layer, h, x)
@@ -103,6 +145,8 @@ class SparseFlashFfn:
         return self.rec.to_dict(lambda size: self.fit.gib_s(max(size, 1.0)))
 
     def close(self) -> None:
+        if self.ring is not None:
+            self.ring.stop()
         self._pool.shutdown(wait=True)
 
     # ---- prefill and naive: whole layers ----------------------------------------------------
@@ -113,7 +157,7 @@ class SparseFlashFfn:
         cache = None if self.naive else self.caches[layer]
         pinned = 0 if cache is None else cache.n_pinned
         last = layer + 1 == len(self.ids)
-        ahead = (0 if self.naive else None) if last else layer + 1
+        ahead = None if last else layer + 1      # decode reads through the ring
         fill = None if cache is None else self._seed(layer, cache, h)
         if pinned:
             t0 = clock()
@@ -169,6 +213,38 @@ class SparseFlashFfn:
         if self.check:
             self._check_recall(layer, h, slots, t)
 
+    def _decode_static(self, layer: int, h: np.ndarray, x: np.ndarray) -> None:
+        """One token when the slots are static: the pinned cache rows, then the layer's chunks
+        from the read-ahead ring (already read, or in flight) as they come."""
+        t, cache = self._token, None if self.naive else self.caches[layer]
+        pinned = 0 if cache is None else cache.n_pinned
+        t0 = clock()
+        if pinned:
+            self._compute(layer, cache.matrix, np.arange(pinned, dtype=np.int32), h, x, cache)
+        t.compute_s += clock() - t0
+        t.active += self._static_slots()
+        t.hits += pinned
+        if self.ring is not None:
+            for pos in range(self._layer_pos[layer], self._layer_pos[layer + 1]):
+                t0 = clock()
+                rows, counters = self.ring.take(self._ring_base + int(pos))   # (n, stride)
+                t1 = clock()
+                _, first, n = self.ring.schedule[pos]
+                self._compute_block(layer, rows, np.arange(first, first + n, dtype=np.int32), h, x)
+                self.ring.release()
+                t.add_reads(counters)
+                t.io_s += t1 - t0
+                t.compute_s += clock() - t1
+                t.streamed += n
+        if self.check:
+            self._check_recall(layer, h, np.arange(self._static_slots(), dtype=np.int32), t)
+
+    def _read_static(self, layer: int, first: int, n: int, out: np.ndarray) -> dict:
+        """The ring's read: slots first .. first+n-1 → out (n, stride); the reader's counters."""
+        before = self.reader.stats()
+        self._read_seq(layer, np.arange(first, first + n, dtype=np.int32), out, None)
+        return reader_delta(before, self.reader.stats())
+
     def _compute(self, layer: int, matrix: np.ndarray, rows: np.ndarray, h: np.ndarray,
                  x: np.ndarray, cache: Optional[NeuronCache] = None) -> None:
         """x (T, d) += FFN over rows (k,) of matrix (n, stride); row i holds slot cache.slot_of[i]
@@ -213,12 +289,7 @@ class SparseFlashFfn:
         before = self.reader.stats()
         read(*args, **kwargs)
         if t is not None:
-            after = self.reader.stats()
-            t.bytes_read += after.bytes_read - before.bytes_read
-            t.bytes_requested += after.bytes_requested - before.bytes_requested
-            t.gap_bytes += after.gap_bytes - before.gap_bytes
-            t.reads += after.reads - before.reads
-            t.read_s += after.seconds - before.seconds
+            t.add_reads(reader_delta(before, self.reader.stats()))
 
     def _stream(self, layer: int, slots: np.ndarray, h: np.ndarray, x: np.ndarray,
                  ahead: Optional[int] = None, fill=None) -> None:
@@ -282,10 +353,14 @@ class SparseFlashFfn:
                         x: np.ndarray) -> None:
         """x += FFN over staging half `half`, whose rows 0 .. k-1 hold slots chunk (k,)."""
         step = len(self.staging) // 2
+        self._compute_block(layer, self.staging[half * step:half * step + len(chunk)], chunk, h, x)
+
+    def _compute_block(self, layer: int, rows: np.ndarray, slots: np.ndarray, h: np.ndarray,
+                       x: np.ndarray) -> None:
+        """x += FFN over bundle rows (k, stride) holding slots (k,)."""
         ub, ids, order = self.up_b[layer], None, self.ids[layer]
         if ub is not None:
-            ids = order[chunk] if order is not None else chunk   # (k,) neuron ids
-        rows = self.staging[half * step:half * step + len(chunk)]           # (k, stride)
+            ids = order[slots] if order is not None else slots   # (k,) neuron ids
         kernel.ffn_bundles(rows, self.f.dtype, self.d, self.glu, self.act, h, x, ids=ids,
                            up_bias=ub, n_threads=self.n_threads, threshold=self.threshold[layer])
 
