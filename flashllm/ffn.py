@@ -36,7 +36,8 @@ def up_biases(flash) -> list[Optional[np.ndarray]]:
 class DenseFfn:
     """Every bundle of every layer read into DRAM once; each token runs the whole FFN."""
 
-    def __init__(self, flash, n_threads: int = 1, threshold: Optional[list[float]] = None):
+    def __init__(self, flash, n_threads: int = 1, threshold: Optional[list[float]] = None,
+                 exact: bool = False):
         cfg = flash.config
         self.dtype, self.d, self.glu, self.act = flash.ffn.dtype, cfg.d_model, cfg.glu, cfg.act
         self.n_threads = n_threads
@@ -45,11 +46,13 @@ class DenseFfn:
         self.ids = [bundle_ids(flash, i) for i in range(cfg.n_layers)]  # (n_ff,) int32 or None
         self.up_b = up_biases(flash)                                     # (n_ff,) or None
         self.threshold = threshold or [0.0] * cfg.n_layers              # per-layer |h| cut-off
+        self.exact = exact                                    # f32 instead of int8 activations
 
     def __call__(self, layer: int, h: np.ndarray, x: np.ndarray) -> None:
         kernel.ffn_bundles(self.bundles[layer], self.dtype, self.d, self.glu, self.act, h, x,
                            ids=self.ids[layer], up_bias=self.up_b[layer],
-                           threshold=self.threshold[layer], n_threads=self.n_threads)
+                           threshold=self.threshold[layer], n_threads=self.n_threads,
+                           exact=self.exact)
 
     def stats(self) -> dict:
         return {"ffn": "dense"}

@@ -129,8 +129,11 @@ def get_rows(w: QTensor, ids) -> np.ndarray:
     return out
 
 
-def matmul(w: QTensor, x, bias=None, n_threads: int = 1) -> np.ndarray:
-    """y (T, rows) = x (T, cols) @ w^T [+ bias (rows)]; a 1-D x gives a 1-D y."""
+def matmul(w: QTensor, x, bias=None, n_threads: int = 1, exact: bool = False) -> np.ndarray:
+    """y (T, rows) = x (T, cols) @ w^T [+ bias (rows)]; a 1-D x gives a 1-D y.
+
+    q4_0 / q8_0 weights meet x quantized to int8 per block of 32 (as llama.cpp does; each value
+    moves by at most its block's amax / 254) unless exact, which keeps x in f32."""
     k = _native()
     xa = _as_f32(x, "x", np.ndim(x))
     x2 = xa.reshape(1, -1) if xa.ndim == 1 else xa  # (T, cols)
@@ -143,7 +146,7 @@ def matmul(w: QTensor, x, bias=None, n_threads: int = 1) -> np.ndarray:
     y = np.empty((x2.shape[0], w.rows), np.float32)  # (T, rows)
     _check(k.fl_matmul(ffi.from_buffer(w.data), w.code, w.rows, w.cols,
                        ffi.NULL if b is None else _fptr(b), _fptr(x2), x2.shape[0], _fptr(y),
-                       _threads(n_threads)), "matmul")
+                       int(exact), _threads(n_threads)), "matmul")
     return y[0] if xa.ndim == 1 else y
 
 
@@ -217,11 +220,12 @@ def attention(q, k_cache: np.ndarray, v_cache: np.ndarray, pos0: int, scale: flo
 
 def ffn_bundles(bundles: np.ndarray, dtype: str, d: int, glu: bool, act: str, x, y: np.ndarray,
                 ids=None, up_bias=None, n_threads: int = 1, rows=None,
-                threshold: float = 0.0) -> np.ndarray:
+                threshold: float = 0.0, exact: bool = False) -> np.ndarray:
     """y (T, d) += the FFN over bundles (n, stride) [gate | up | down] (see flashllm.h).
 
     rows (m,) picks the bundle rows to use (default: all); a term whose |activation| is below
-    threshold is dropped (magnitude sparsity).
+    threshold is dropped (magnitude sparsity). q4_0 / q8_0 bundles take gate and up dot products
+    on int8-quantized x as matmul does, unless exact.
 
     act: "silu", "relu" or "gelu" (the exact erf GELU, Hugging Face "gelu"; not the tanh
     approximation "gelu_new" / "gelu_pytorch_tanh").
@@ -256,5 +260,6 @@ def ffn_bundles(bundles: np.ndarray, dtype: str, d: int, glu: bool, act: str, x,
                             ffi.NULL if ba is None else _fptr(ba),
                             ffi.NULL if sel is None else ffi.from_buffer("int32_t[]", sel),
                             0 if sel is None else sel.size, float(threshold),
-                            _fptr(xa), xa.shape[0], _fptr(y), _threads(n_threads)), "ffn_bundles")
+                            _fptr(xa), xa.shape[0], _fptr(y), int(exact), _threads(n_threads)),
+           "ffn_bundles")
     return y

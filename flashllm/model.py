@@ -33,14 +33,16 @@ class ContextError(FlashError):
 class Model:
     """A flash model made runnable: dense weights, an FFN strategy, a preallocated KV cache."""
 
-    def __init__(self, flash, n_threads: int = 1, n_ctx: int = 2048, ffn=None, weights=None):
+    def __init__(self, flash, n_threads: int = 1, n_ctx: int = 2048, ffn=None, weights=None,
+                 exact: bool = False):
         cfg = flash.config
         if n_ctx <= 0:
             raise ContextError(f"n_ctx={n_ctx} must be positive")
         self.config = cfg
         self.n_threads = n_threads
         self.n_ctx = n_ctx
-        self.ffn = DenseFfn(flash, n_threads) if ffn is None else ffn
+        self.exact = exact      # q4_0 / q8_0 matmuls in f32 instead of on int8 activations
+        self.ffn = DenseFfn(flash, n_threads, exact=exact) if ffn is None else ffn
         self.w = DenseWeights(flash, n_threads) if weights is None else weights
         shape = (cfg.n_layers, n_ctx, cfg.n_kv_heads, cfg.head_dim)
         self.k_cache = np.zeros(shape, dtype=np.float32)                 # (n_layers, n_ctx, n_kv, hd)
@@ -73,7 +75,14 @@ class Model:
             x = np.ascontiguousarray(x[-1:])                             # (1, d_model)
         x = self._norm(x, self.w.out_norm, self.w.out_norm_b)            # (T, d_model)
         if self.w.proj_out is not None:
-            x = kernel.matmul(self.w.proj_out, x, n_threads=self.n_threads)  # (T, embed_dim)
+            x = kernel.matmul(self.w.proj_out, x, None, self.n_threads, self.exact)  # (T, d_embed)
+        return self._output(x)                                           # (T, vocab)
+
+    def _output(self, x: np.ndarray) -> np.ndarray:
+        """(T, vocab) logits; exact runs a resident head here in f32 (DenseWeights.output does not
+        take exact: a streamed head stays on int8 activations)."""
+        if self.exact and getattr(self.w, "head", None) is not None:
+            return kernel.matmul(self.w.head, x, None, self.n_threads, True)  # (T, vocab)
         return self.w.output(x)                                          # (T, vocab)
 
     def _embed(self, tokens: np.ndarray, pos: np.ndarray) -> np.ndarray:
@@ -82,7 +91,7 @@ class Model:
             raise ContextError(f"token id outside the vocabulary [0, {cfg.vocab_size})")
         x = self.w.embed(tokens)                                         # (T, embed_dim)
         if self.w.proj_in is not None:
-            x = kernel.matmul(self.w.proj_in, x, n_threads=self.n_threads)  # (T, d_model)
+            x = kernel.matmul(self.w.proj_in, x, None, self.n_threads, self.exact)  # (T, d_model)
         if cfg.pos == "learned":
             x += kernel.get_rows(self.w.pos_embd, pos + cfg.pos_offset)  # (T, d_model)
         return np.ascontiguousarray(x, dtype=np.float32)
@@ -93,11 +102,11 @@ class Model:
         return kernel.layernorm(x, w, b, self.config.norm_eps)           # (T, d_model)
 
     def _attention(self, i: int, L: Layer, h: np.ndarray, pos: np.ndarray, pos0: int):
-        cfg, nt = self.config, self.n_threads
+        cfg, nt, ex = self.config, self.n_threads, self.exact
         T, hd = len(h), cfg.head_dim
-        q = kernel.matmul(L.wq, h, L.bq, n_threads=nt).reshape(T, cfg.n_heads, hd)     # (T, n_heads, hd)
-        k = kernel.matmul(L.wk, h, L.bk, n_threads=nt).reshape(T, cfg.n_kv_heads, hd)  # (T, n_kv, hd)
-        v = kernel.matmul(L.wv, h, L.bv, n_threads=nt).reshape(T, cfg.n_kv_heads, hd)  # (T, n_kv, hd)
+        q = kernel.matmul(L.wq, h, L.bq, nt, ex).reshape(T, cfg.n_heads, hd)       # (T, n_heads, hd)
+        k = kernel.matmul(L.wk, h, L.bk, nt, ex).reshape(T, cfg.n_kv_heads, hd)    # (T, n_kv, hd)
+        v = kernel.matmul(L.wv, h, L.bv, nt, ex).reshape(T, cfg.n_kv_heads, hd)    # (T, n_kv, hd)
         if cfg.pos == "rope":
             kernel.rope(q, pos, cfg.rope_theta, hd)
             kernel.rope(k, pos, cfg.rope_theta, hd)
@@ -105,4 +114,4 @@ class Model:
         self.v_cache[i, pos0:pos0 + T] = v
         o = kernel.attention(q, self.k_cache[i], self.v_cache[i], pos0, hd ** -0.5,
                              n_threads=nt)                                # (T, n_heads * hd)
-        return kernel.matmul(L.wo, o, L.bo, n_threads=nt)                 # (T, d_model)
+        return kernel.matmul(L.wo, o, L.bo, nt, ex)                       # (T, d_model)

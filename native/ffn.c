@@ -14,6 +14,8 @@
 
 #define MIN_BUNDLES_PER_THREAD 32
 #define PREFETCH_BUNDLES 2 /* bundles ahead of the one being computed */
+#define PREFETCH_GROUPS 1  /* int8 paths: groups of FL_QT bundles ahead */
+#define DOWN_K 16          /* neurons per f32 down GEMM when T > 1 (a multiple of FL_QT) */
 
 /* the bundle layout and arguments shared by every bundle of one call */
 typedef struct {
@@ -25,6 +27,8 @@ typedef struct {
     const float *up_bias;
     const float *x;  // (T, d)
     float threshold;  // |h| below it contributes nothing
+    const uint8_t *xq;  // (T, xb) x quantized to int8 (qdot.c), NULL: the f32 paths
+    size_t xb;
 } ffn_args;
 
 static inline float activate(int32_t act, float v) {
@@ -64,12 +68,108 @@ static void bundle_tokens(const ffn_args *a, const uint8_t *bundle, int64_t i, f
     }
 }
 
+/* the neuron's activation from its gate and up dot products; 0 when thresholded away */
+static inline float neuron_h(const ffn_args *a, int64_t i, float g, float u) {
+    u += a->up_bias ? a->up_bias[a->ids ? a->ids[i] : i] : 0.0f;
+    const float h = a->glu ? activate(a->act, g) * u : activate(a->act, u);
+    return h != 0.0f && fabsf(h) >= a->threshold ? h : 0.0f;
+}
+
+/* one group of up to FL_QT bundles (rows j .. j+nr-1 of the call): bundle row ids, gate and up
+ * row pointers (a short group repeats its first bundle) */
+typedef struct {
+    int64_t id[FL_QT];
+    const uint8_t *gate[FL_QT], *up[FL_QT];
+    int nr;
+} group;
+
+static void group_at(const ffn_args *a, const uint8_t *bundles, int64_t stride, int64_t j,
+                     int64_t j1, group *g) {
+    g->nr = j1 - j < FL_QT ? (int)(j1 - j) : FL_QT;
+    for (int k = 0; k < FL_QT; k++) {
+        const int64_t jj = j + (k < g->nr ? k : 0);
+        g->id[k] = a->rows ? a->rows[jj] : jj;
+        g->gate[k] = bundles + g->id[k] * stride;
+        g->up[k] = g->gate[k] + (a->glu ? a->rb : 0);
+    }
+    const int64_t ahead = j + FL_QT * PREFETCH_GROUPS;
+    for (int64_t k = ahead; k < ahead + FL_QT && k < j1; k++)
+        fli_prefetch(bundles + (a->rows ? a->rows[k] : k) * stride, (size_t)stride);
+}
+
+/* h (FL_QT, T) of a group for tokens t .. t+nt-1 from int8 tiles (column stride ld) */
+static void group_h(const ffn_args *a, const group *g, int64_t t, int64_t nt, float *h,
+                    int64_t ld) {
+    const uint8_t *xt[FL_QT];
+    for (int64_t j = 0; j < FL_QT; j++) xt[j] = a->xq + (size_t)(t + (j < nt ? j : 0)) * a->xb;
+    float go[FL_QT][FL_QT] = {{0}}, uo[FL_QT][FL_QT];
+    fli_qdot_tile(a->dtype, g->up, xt, (int32_t)nt, a->d, uo);
+    if (a->glu) fli_qdot_tile(a->dtype, g->gate, xt, (int32_t)nt, a->d, go);
+    for (int k = 0; k < FL_QT; k++)
+        for (int64_t j = 0; j < nt; j++)
+            h[k * ld + t + j] = k < g->nr ? neuron_h(a, g->id[k], go[k][j], uo[k][j]) : 0.0f;
+}
+
+/* T == 1, quantized: int8 gate/up tiles; the kept neurons queue up for fused 4-row down axpys */
+static void range_q1(const ffn_args *a, const uint8_t *bundles, int64_t stride, int64_t j0,
+                     int64_t j1, float *acc) {
+    const uint8_t *down[FL_QT];
+    float hq[FL_QT], h[FL_QT];
+    int nq = 0;
+    group g;
+    for (int64_t j = j0; j < j1; j += FL_QT) {
+        group_at(a, bundles, stride, j, j1, &g);
+        group_h(a, &g, 0, 1, h, 1);
+        for (int k = 0; k < g.nr; k++) {
+            if (h[k] == 0.0f) continue;
+            down[nq] = g.up[k] + a->rb;
+            hq[nq++] = h[k];
+            if (nq == FL_QT) {
+                fli_axpy4(a->dtype, down, hq, acc, a->d);
+                nq = 0;
+            }
+        }
+    }
+    for (int k = 0; k < nq; k++) fli_axpy(a->dtype, down[k], hq[k], acc, a->d);
+}
+
+/* T > 1, quantized: h (DOWN_K, T) of DOWN_K neurons from int8 tiles, their down columns
+ * dequantized once into scratch (DOWN_K, d), then one small f32 GEMM into acc */
+static void range_qt(const ffn_args *a, const uint8_t *bundles, int64_t stride, int64_t j0,
+                     int64_t j1, float *acc, float *scratch) {
+    const int64_t T = a->T, d = a->d;
+    float *h = scratch, *down = scratch + DOWN_K * T;  // (DOWN_K, T), (DOWN_K, d)
+    group g;
+    for (int64_t j = j0; j < j1;) {
+        int64_t K = 0;
+        for (; K < DOWN_K && j < j1; K += FL_QT, j += g.nr) {
+            group_at(a, bundles, stride, j, j1, &g);
+            for (int64_t t = 0; t < T; t += FL_QT)
+                group_h(a, &g, t, T - t < FL_QT ? T - t : FL_QT, h + K * T, T);
+            for (int k = 0; k < g.nr; k++)
+                fli_dequant(a->dtype, g.up[k] + a->rb, down + (K + k) * d, d);
+            for (int k = g.nr; k < FL_QT; k++) memset(down + (K + k) * d, 0, (size_t)d * sizeof(float));
+        }
+        fli_down_f32(h, T, down, K, d, acc, T);
+    }
+}
+
 /* acc (T, d) += the FFN over bundles j0 .. j1-1 (rows[j] when rows are given); FL_ENOMEM if
  * the scratch cannot be had */
 static int32_t bundle_range(const ffn_args *a, const uint8_t *bundles, int64_t stride,
                             int64_t i0, int64_t i1, float *acc) {
-    float *scratch = NULL;  // (3, d) when T > 1
-    if (a->T > 1 && !(scratch = malloc(3 * (size_t)a->d * sizeof(float)))) return FL_ENOMEM;
+    if (a->xq && a->T == 1) {
+        range_q1(a, bundles, stride, i0, i1, acc);
+        return FL_OK;
+    }
+    float *scratch = NULL;  // f32: (3, d) when T > 1; int8: (DOWN_K, T + d)
+    const size_t n_scratch = a->xq ? DOWN_K * (size_t)(a->T + a->d) : 3 * (size_t)a->d;
+    if (a->T > 1 && !(scratch = malloc(n_scratch * sizeof(float)))) return FL_ENOMEM;
+    if (a->xq) {
+        range_qt(a, bundles, stride, i0, i1, acc, scratch);
+        free(scratch);
+        return FL_OK;
+    }
     for (int64_t j = i0; j < i1; j++) {
         if (j + PREFETCH_BUNDLES < i1) {
             const int64_t ahead = a->rows ? a->rows[j + PREFETCH_BUNDLES] : j + PREFETCH_BUNDLES;
@@ -120,10 +220,22 @@ static int indices_ok(const int32_t *idx, int64_t n, int64_t bound) {
     return 1;
 }
 
+/* xq (T, fli_xq_bytes(d)) = x quantized for dtype, or NULL when the f32 paths run */
+static uint8_t *quantize_x(int32_t dtype, int32_t exact, const float *x, int64_t T, int64_t d,
+                           int32_t *status) {
+    *status = FL_OK;
+    if (exact || (dtype != FL_Q4_0 && dtype != FL_Q8_0)) return NULL;
+    const size_t xb = (size_t)fli_xq_bytes(d);
+    uint8_t *xq = malloc((size_t)T * xb);
+    if (!xq) *status = FL_ENOMEM;
+    for (int64_t t = 0; xq && t < T; t++) fli_xq_quantize(dtype, x + t * d, d, xq + t * xb);
+    return xq;
+}
+
 int32_t fl_ffn_bundles(const uint8_t *bundles, int64_t n, int64_t stride, int32_t dtype,
                        int64_t d, int32_t glu, int32_t act, const int32_t *ids,
                        const float *up_bias, const int32_t *rows, int64_t n_rows,
-                       float threshold, const float *x, int64_t T, float *y,
+                       float threshold, const float *x, int64_t T, float *y, int32_t exact,
                        int32_t n_threads) {
     const size_t rb = fl_row_bytes(dtype, d);
     if (rb == 0 || d <= 0 || n < 0 || stride < (int64_t)rb * (glu ? 3 : 2) || !x || !y ||
@@ -131,10 +243,16 @@ int32_t fl_ffn_bundles(const uint8_t *bundles, int64_t n, int64_t stride, int32_
         !indices_ok(ids, n, INT32_MAX) || !indices_ok(rows, n_rows, n) || n_rows < 0 ||
         !(threshold >= 0.0f) || (n > 0 && !bundles))
         return FL_EINVAL;
-    const ffn_args a = {d, T, rb, dtype, glu != 0, act, ids, rows, up_bias, x, threshold};
+    int32_t status;
+    uint8_t *xq = quantize_x(dtype, exact, x, T, d, &status);
+    if (status != FL_OK) return status;
+    const ffn_args a = {d,    T, rb,        dtype, glu != 0, act, ids, rows, up_bias,
+                        x, threshold, xq, (size_t)fli_xq_bytes(d)};
     if (rows) n = n_rows;
     const int64_t useful = n / MIN_BUNDLES_PER_THREAD;
     const int32_t nt = useful < n_threads ? (int32_t)(useful > 1 ? useful : 1) : n_threads;
-    if (nt == 1) return bundle_range(&a, bundles, stride, 0, n, y);
-    return ffn_parallel(&a, bundles, n, stride, y, nt);
+    status = nt == 1 ? bundle_range(&a, bundles, stride, 0, n, y)
+                     : ffn_parallel(&a, bundles, n, stride, y, nt);
+    free(xq);
+    return status;
 }

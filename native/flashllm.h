@@ -61,9 +61,13 @@ int32_t fl_get_rows(const void *w, int32_t dtype, int64_t rows, int64_t cols,
 
 /* ---- dense ops (ops.c) ------------------------------------------------------------------- */
 
-/* y (T, rows) = x (T, cols) @ w (rows, cols)^T  [+ bias (rows) when bias != NULL] */
+/* y (T, rows) = x (T, cols) @ w (rows, cols)^T  [+ bias (rows) when bias != NULL]
+ * For q4_0 / q8_0 weights each token of x is first quantized to int8 per block of 32
+ * (d = amax / 127 in f32, q = nearest-even(x / d): every value moves by at most d / 2) and the
+ * block products are exact integer sums scaled by d_w * d, as llama.cpp does; exact != 0 keeps
+ * x in f32 instead (the dequantized weights times f32 x). f32 / f16 weights are always f32. */
 int32_t fl_matmul(const void *w, int32_t dtype, int64_t rows, int64_t cols, const float *bias,
-                  const float *x, int64_t T, float *y, int32_t n_threads);
+                  const float *x, int64_t T, float *y, int32_t exact, int32_t n_threads);
 
 /* y (T, n) = x / rms(x) * w, per row; y may alias x */
 int32_t fl_rmsnorm(const float *x, const float *w, float *y, int64_t T, int64_t n, float eps);
@@ -99,11 +103,13 @@ int32_t fl_attention(const float *q, const float *k_cache, const float *v_cache,
  * bundles (n, stride) bytes; ids (n) the neuron id of each bundle, used only to index up_bias
  * (ids == NULL means bundle i is neuron i); up_bias (n_ff) or NULL; rows (n_rows) the bundle
  * rows to use, each in [0, n) (rows == NULL uses all n rows in order, n_rows is then ignored);
- * x (T, d); y (T, d) is accumulated into (the caller zeroes it or passes the residual). */
+ * x (T, d); y (T, d) is accumulated into (the caller zeroes it or passes the residual).
+ * q4_0 / q8_0 bundles: gate_i . x and up_i . x use int8-quantized x as fl_matmul does unless
+ * exact != 0; the down columns are always applied in f32. */
 int32_t fl_ffn_bundles(const uint8_t *bundles, int64_t n, int64_t stride, int32_t dtype,
                        int64_t d, int32_t glu, int32_t act, const int32_t *ids,
                        const float *up_bias, const int32_t *rows, int64_t n_rows,
-                       float threshold, const float *x, int64_t T, float *y,
+                       float threshold, const float *x, int64_t T, float *y, int32_t exact,
                        int32_t n_threads);
 
 /* ---- direct-I/O reader (io.c; batch planning in io_plan.c) ---- */

@@ -1,5 +1,8 @@
 /* ops.c — dense ops: matmul over a weight in any storage dtype, norms, RoPE, causal attention.
  *
+ * matmul: f32 / f16 weights (and quantized ones when `exact`) run in f32 on dequantized values;
+ * q4_0 / q8_0 weights otherwise meet int8-quantized activations (qdot.c), as in llama.cpp.
+ *
  * Threads: OpenMP over output rows (matmul) or over (token, head) pairs (attention); each
  * thread allocates its own scratch and frees it before the parallel region ends.
  */
@@ -74,10 +77,58 @@ static int32_t matmul_tiles(const uint8_t *w, int32_t dtype, size_t rb, int64_t 
     return failed ? FL_ENOMEM : FL_OK;
 }
 
+/* rows r0 .. r0+FL_QT-1 (fewer at the end) of y (T, rows) from quantized tokens xq (T, xb) */
+static void qtile_rows(const uint8_t *w, int32_t dtype, size_t rb, int64_t r0, int64_t rows,
+                       int64_t cols, const float *bias, const uint8_t *xq, size_t xb, int64_t T,
+                       float *y) {
+    const int64_t nr = rows - r0 < FL_QT ? rows - r0 : FL_QT;
+    const uint8_t *wr[FL_QT];
+    for (int64_t k = 0; k < FL_QT; k++) wr[k] = w + (size_t)(r0 + (k < nr ? k : 0)) * rb;
+    if ((size_t)(r0 + FL_QT) * rb + PREFETCH_BYTES <= (size_t)rows * rb)
+        fli_prefetch(wr[0] + PREFETCH_BYTES, FL_QT * rb);
+    float out[FL_QT][FL_QT];
+    for (int64_t t = 0; t < T; t += FL_QT) {
+        const int64_t nt = T - t < FL_QT ? T - t : FL_QT;
+        const uint8_t *xt[FL_QT];
+        for (int64_t j = 0; j < FL_QT; j++) xt[j] = xq + (size_t)(t + (j < nt ? j : 0)) * xb;
+        fli_qdot_tile(dtype, wr, xt, (int32_t)nt, cols, out);
+        for (int64_t j = 0; j < nt; j++)
+            for (int64_t k = 0; k < nr; k++)
+                y[(t + j) * rows + r0 + k] = out[k][j] + (bias ? bias[r0 + k] : 0.0f);
+    }
+}
+
+/* quantized weights: the tokens are quantized to int8 once (threads split them when T > 1), then
+ * FL_QT-row tiles of w meet FL_QT tokens at a time in integer dot products (qdot.c) */
+static int32_t matmul_q(const uint8_t *w, int32_t dtype, size_t rb, int64_t rows, int64_t cols,
+                        const float *bias, const float *x, int64_t T, float *y,
+                        int32_t n_threads) {
+    const size_t xb = (size_t)fli_xq_bytes(cols);
+    uint8_t *xq = malloc((size_t)T * xb);  // (T, xb)
+    if (!xq) return FL_ENOMEM;
+    if (T == 1) fli_xq_quantize(dtype, x, cols, xq);
+    const int64_t n_tiles = (rows + FL_QT - 1) / FL_QT;
+#pragma omp parallel num_threads(n_threads)
+    {
+        if (T > 1) {
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < T; t++)
+                fli_xq_quantize(dtype, x + t * cols, cols, xq + (size_t)t * xb);
+        }
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < n_tiles; i++)
+            qtile_rows(w, dtype, rb, i * FL_QT, rows, cols, bias, xq, xb, T, y);
+    }
+    free(xq);
+    return FL_OK;
+}
+
 int32_t fl_matmul(const void *w, int32_t dtype, int64_t rows, int64_t cols, const float *bias,
-                  const float *x, int64_t T, float *y, int32_t n_threads) {
+                  const float *x, int64_t T, float *y, int32_t exact, int32_t n_threads) {
     const size_t rb = fl_row_bytes(dtype, cols);
     if (!w || !x || !y || rb == 0 || rows <= 0 || T <= 0 || n_threads < 1) return FL_EINVAL;
+    if (!exact && (dtype == FL_Q4_0 || dtype == FL_Q8_0))
+        return matmul_q((const uint8_t *)w, dtype, rb, rows, cols, bias, x, T, y, n_threads);
     if (T == 1) {
         matvec((const uint8_t *)w, dtype, rb, rows, cols, bias, x, y, n_threads);
         return FL_OK;

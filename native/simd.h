@@ -17,6 +17,8 @@
 #define FL_QK 32          /* values per quantized block */
 #define FL_Q8_0_BYTES 34  /* f16 scale + 32 int8 */
 #define FL_Q4_0_BYTES 18  /* f16 scale + 16 bytes of nibbles */
+#define FL_QT 4           /* weight rows x tokens of one int8 tile (fli_qdot_tile) */
+#define FL_XQ_LANES 8     /* f32 / int32 lanes per block in a quantized token's side arrays */
 
 static inline float fl_bits_to_f32(uint32_t w) {
     float f;
@@ -95,6 +97,33 @@ void fli_dot4x4_f32(const float *w, int64_t ldw, const float *x, int64_t ldx, in
 
 /* y (n) += a * x (n), both f32 */
 void fli_axpy_f32(float a, const float *x, float *y, int64_t n);
+
+/* y (n) += sum over r < FL_QT of a[r] * row r (dtype; a quantized, f32 or f16 row each) */
+void fli_axpy4(int32_t dtype, const uint8_t *const rows[FL_QT], const float a[FL_QT], float *y,
+               int64_t n);
+
+/* y (T, d) += h^T @ down: y[t][j] += sum over k < K of h[k * ldh + t] * down[k * d + j];
+ * down (K, d) f32, d a multiple of 32 */
+void fli_down_f32(const float *h, int64_t ldh, const float *down, int64_t K, int64_t d, float *y,
+                  int64_t T);
+
+/* ---- qdot.c: int8 activations against q4_0 / q8_0 weights (n a multiple of 32) ---------- */
+
+/* Bytes of one token's quantized activations: int8 q (n), then per block FL_XQ_LANES f32 copies
+ * of its scale and FL_XQ_LANES int32 (a correction in lane 0, zeros), the vector layout of qdot.c.
+ * The correction depends on the weight dtype, so quantize for the dtype the buffer will meet. */
+int64_t fli_xq_bytes(int64_t n);
+
+/* buf (fli_xq_bytes(n)) = x (n) quantized per block of 32: d = amax / 127, q = nearest-even(x/d) */
+void fli_xq_quantize(int32_t dtype, const float *x, int64_t n, uint8_t *buf);
+
+/* w . x for one weight row (dtype q4_0 or q8_0) and one quantized token */
+float fli_qdot(int32_t dtype, const uint8_t *w, const uint8_t *x, int64_t n);
+
+/* out[r][t] = w[r] . x[t] for FL_QT rows and n_tok (1..FL_QT) quantized tokens; every x[t]
+ * must point at a quantized token (pad with any of them: results past n_tok are unused) */
+void fli_qdot_tile(int32_t dtype, const uint8_t *const w[FL_QT], const uint8_t *const x[FL_QT],
+                   int32_t n_tok, int64_t n, float out[FL_QT][FL_QT]);
 
 #pragma GCC visibility pop
 

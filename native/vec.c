@@ -221,6 +221,75 @@ void fli_axpy_f32(float a, const float *x, float *y, int64_t n) {
     axpy_plain(FL_F32, (const uint8_t *)x, a, y, n);
 }
 
+static inline __attribute__((always_inline)) void axpy4_plain(int32_t dtype,
+                                                              const uint8_t *const rows[FL_QT],
+                                                              const float a[FL_QT], float *y,
+                                                              int64_t n) {
+    int64_t i = 0;
+    for (; i + VW <= n; i += VW) {
+        vf acc = vload(y + i);
+        for (int r = 0; r < FL_QT; r++) acc = vfma(vset1(a[r]), vload_dt(dtype, rows[r], i), acc);
+        vstore(y + i, acc);
+    }
+    for (; i < n; i++)
+        for (int r = 0; r < FL_QT; r++) y[i] += a[r] * scalar_at(dtype, rows[r], i);
+}
+
+static inline __attribute__((always_inline)) void axpy4_blocks(int32_t dtype,
+                                                               const uint8_t *const rows[FL_QT],
+                                                               const float a[FL_QT], float *y,
+                                                               int64_t n) {
+    const size_t bb = block_bytes(dtype);
+    vf v[NV];
+    for (int64_t b = 0; b < n / FL_QK; b++, y += FL_QK) {
+        vf acc[NV];
+        for (int k = 0; k < NV; k++) acc[k] = vload(y + k * VW);
+        for (int r = 0; r < FL_QT; r++) {
+            const vf ad = vset1(a[r] * load_block(dtype, rows[r] + b * bb, v));
+            for (int k = 0; k < NV; k++) acc[k] = vfma(ad, v[k], acc[k]);
+        }
+        for (int k = 0; k < NV; k++) vstore(y + k * VW, acc[k]);
+    }
+}
+
+void fli_axpy4(int32_t dtype, const uint8_t *const rows[FL_QT], const float a[FL_QT], float *y,
+               int64_t n) {
+    switch (dtype) {
+    case FL_F32: axpy4_plain(FL_F32, rows, a, y, n); break;
+    case FL_F16: axpy4_plain(FL_F16, rows, a, y, n); break;
+    case FL_Q8_0: axpy4_blocks(FL_Q8_0, rows, a, y, n); break;
+    default: axpy4_blocks(FL_Q4_0, rows, a, y, n); break;
+    }
+}
+
+/* 4 tokens x 2 vectors of columns per register block, k streamed: each loaded down vector
+ * feeds 4 FMAs and each y vector is loaded and stored once per call */
+void fli_down_f32(const float *h, int64_t ldh, const float *down, int64_t K, int64_t d, float *y,
+                  int64_t T) {
+    for (int64_t j = 0; j + 2 * VW <= d; j += 2 * VW) {
+        for (int64_t t = 0; t < T; t += 4) {
+            const int64_t nt = T - t < 4 ? T - t : 4;
+            vf acc[4][2];
+            for (int64_t u = 0; u < nt; u++) {
+                acc[u][0] = vload(y + (t + u) * d + j);
+                acc[u][1] = vload(y + (t + u) * d + j + VW);
+            }
+            for (int64_t k = 0; k < K; k++) {
+                const vf d0 = vload(down + k * d + j), d1 = vload(down + k * d + j + VW);
+                for (int64_t u = 0; u < nt; u++) {
+                    const vf hb = vset1(h[k * ldh + t + u]);
+                    acc[u][0] = vfma(hb, d0, acc[u][0]);
+                    acc[u][1] = vfma(hb, d1, acc[u][1]);
+                }
+            }
+            for (int64_t u = 0; u < nt; u++) {
+                vstore(y + (t + u) * d + j, acc[u][0]);
+                vstore(y + (t + u) * d + j + VW, acc[u][1]);
+            }
+        }
+    }
+}
+
 void fli_dot4x4_f32(const float *w, int64_t ldw, const float *x, int64_t ldx, int64_t n,
                     float out[4][4]) {
     vf acc[4][4];

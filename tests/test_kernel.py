@@ -1,7 +1,8 @@
 """The C compute kernel (through kernel.py) against float64 numpy references.
 
 Quantized weights are dequantized by gguf-py for the reference, so every dtype must match the
-f64 result to float32 accumulation error.
+f64 result to float32 accumulation error. These tests run matmul and ffn_bundles with exact=True
+(f32 activations); the default int8-activation path of q4_0 / q8_0 is in test_kernel_int8.py.
 """
 import math
 
@@ -48,13 +49,13 @@ def test_matmul_matches_numpy(dtype, T, bias, threads):
     x = _rng(7).standard_normal((T, cols)).astype(np.float32)  # (T, cols)
     b = _rng(8).standard_normal(37).astype(np.float32) if bias else None  # (37,)
     ref = x.astype(np.float64) @ wref.T + (b if bias else 0.0)  # (T, 37)
-    _close(kernel.matmul(w, x, bias=b, n_threads=threads), ref)
+    _close(kernel.matmul(w, x, bias=b, n_threads=threads, exact=True), ref)
 
 
 def test_matmul_vector_input_and_large_rows():
     w, wref = _qtensor(1031, 512, "q4_0", seed=3)  # (1031, 512)
     x = _rng(4).standard_normal(512).astype(np.float32)  # (512,)
-    _close(kernel.matmul(w, x, n_threads=2), wref @ x.astype(np.float64))
+    _close(kernel.matmul(w, x, n_threads=2, exact=True), wref @ x.astype(np.float64))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -160,7 +161,7 @@ def test_ffn_bundles_matches_numpy(dtype, glu, act, T):
     for threads in (1, 2):
         y = y0.copy()
         kernel.ffn_bundles(data, dtype, d, glu, act, x, y, ids=ids, up_bias=up_bias,
-                           n_threads=threads)
+                           n_threads=threads, exact=True)
         _close(y, ref, rel=5e-5)
 
 
@@ -171,7 +172,8 @@ def test_ffn_bundles_without_ids_or_bias_and_empty():
     xd = x.astype(np.float64)
     ref = (_act("silu", xd @ parts[0].T) * (xd @ parts[1].T)) @ parts[2]  # (2, d)
     y = np.zeros((2, d), np.float32)
-    _close(kernel.ffn_bundles(data, "q8_0", d, True, "silu", x, y, n_threads=2), ref, 5e-5)
+    _close(kernel.ffn_bundles(data, "q8_0", d, True, "silu", x, y, n_threads=2, exact=True),
+           ref, 5e-5)
     y = np.ones((2, d), np.float32)
     kernel.ffn_bundles(data[:0], "q8_0", d, True, "silu", x, y)
     np.testing.assert_array_equal(y, 1.0)
@@ -199,7 +201,7 @@ def test_ffn_bundles_rows_and_threshold(dtype, T):
     for threads in (1, 2):
         y = np.zeros((T, d), np.float32)
         kernel.ffn_bundles(data, dtype, d, True, "silu", x, y, ids=ids, up_bias=up_bias,
-                           rows=rows, threshold=thr, n_threads=threads)
+                           rows=rows, threshold=thr, n_threads=threads, exact=True)
         _close(y, ref, rel=5e-5)
     with pytest.raises(KernelError):
         kernel.ffn_bundles(data, dtype, d, True, "silu", x, y, rows=[0, n])
@@ -244,5 +246,5 @@ def test_read_only_inputs_are_accepted_without_copies():
     k.flags.writeable = False
     q = _rng(4).standard_normal((1, 2, 8)).astype(np.float32)  # (T, H, hd)
     x = np.ones(32, np.float32)
-    _close(kernel.matmul(w, x), wref @ np.ones(32))
+    _close(kernel.matmul(w, x, exact=True), wref @ np.ones(32))
     _close(kernel.attention(q, k, k, 3, 0.5), _attention_ref(q, k, k, 3, 0.5))

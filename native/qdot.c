@@ -1,0 +1,230 @@
+/* qdot.c — int8 activation kernels: activations quantized per block of 32 (as ggml's q8_0, with an
+ * f32 scale), multiplied by q4_0 / q8_0 weight blocks in integer arithmetic.
+ *
+ * Per block b of a token: q[32] = nearest-even(x * (1/d)), d = amax / 127 (f32, so x = d * q up
+ * to d/2 per value). The exact integer dot of a weight block with q is scaled by d_w * d.
+ * AVX-512 VNNI (two blocks per zmm), AVX2 with or without AVX-VNNI (one block per ymm), or plain
+ * C, chosen at compile time. VNNI multiplies unsigned by signed bytes, so the weight side is made
+ * unsigned and the offset is paid back through a per-block correction precomputed with the
+ * activations (fli_xq.corr): q4_0 uses the raw nibble (value + 8) and subtracts 8 * sum(q);
+ * q8_0 under VNNI uses w + 128 (w ^ 0x80) and subtracts 128 * sum(q).
+ */
+#include <math.h>
+
+#include "flashllm.h"
+#include "simd.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define G 2 /* blocks per integer vector */
+#define Q8_BIAS 128
+typedef __m512i vi;
+typedef __m512 vs;
+static inline vi w_q4(const uint8_t *b) {  // blocks b, b + 18 -> 64 unsigned nibbles
+    const __m256i a = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(b + 2)));
+    const __m256i c = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(b + 20)));
+    const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(a), c, 1);
+    const __m512i sh = _mm512_srlv_epi64(z, _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0));
+    return _mm512_and_si512(sh, _mm512_set1_epi8(0x0F));
+}
+static inline vi w_q8(const uint8_t *b) {  // blocks b, b + 34 -> 64 values + 128
+    const __m256i a = _mm256_loadu_si256((const __m256i *)(b + 2));
+    const __m256i c = _mm256_loadu_si256((const __m256i *)(b + 2 + FL_Q8_0_BYTES));
+    return _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(a), c, 1),
+                            _mm512_set1_epi8((char)0x80));
+}
+static inline vs w_scale(const uint8_t *b, size_t bb) {  // [d_0 x8 | d_1 x8]
+    uint16_t h0, h1;
+    memcpy(&h0, b, 2);
+    memcpy(&h1, b + bb, 2);
+    const __m256i h = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi16((short)h0)),
+                                              _mm_set1_epi16((short)h1), 1);
+    return _mm512_cvtph_ps(h);
+}
+static inline vi vi_load(const void *p) { return _mm512_loadu_si512(p); }
+static inline vs vs_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline vs vs_zero(void) { return _mm512_setzero_ps(); }
+static inline vi dp(int32_t dtype, vi acc, vi w, vi x) {
+    (void)dtype;
+    return _mm512_dpbusd_epi32(acc, w, x);
+}
+static inline vs acc_block(vi p, vs scale, vs acc) {
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), scale, acc);
+}
+static inline vs vs_mul(vs a, vs b) { return _mm512_mul_ps(a, b); }
+static inline float vs_sum(vs a) { return _mm512_reduce_add_ps(a); }
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#include <immintrin.h>
+#define G 1
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#define HAVE_VNNI256 1
+#define Q8_BIAS 128
+#else
+#define Q8_BIAS 0
+#endif
+typedef __m256i vi;
+typedef __m256 vs;
+static inline vi w_q4(const uint8_t *b) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)(b + 2));
+    const __m128i m = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m), _mm_and_si128(raw, m));
+}
+static inline vi w_q8(const uint8_t *b) {
+    const __m256i w = _mm256_loadu_si256((const __m256i *)(b + 2));
+    return Q8_BIAS ? _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80)) : w;
+}
+static inline vs w_scale(const uint8_t *b, size_t bb) {
+    (void)bb;
+    return _mm256_set1_ps(fl_load_fp16(b));
+}
+static inline vi vi_load(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline vs vs_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline vs vs_zero(void) { return _mm256_setzero_ps(); }
+static inline vi dp(int32_t dtype, vi acc, vi w, vi x) {
+#if defined(HAVE_VNNI256) && defined(__AVXVNNI__)
+    (void)dtype;
+    return _mm256_dpbusd_avx_epi32(acc, w, x);
+#elif defined(HAVE_VNNI256)
+    (void)dtype;
+    return _mm256_dpbusd_epi32(acc, w, x);
+#else  // maddubs saturates at 16 bits: q8_0 goes through |w| * sign(x, w), |w| <= 127
+    const __m256i p16 = dtype == FL_Q8_0
+                            ? _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w))
+                            : _mm256_maddubs_epi16(w, x);
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+#endif
+}
+static inline vs acc_block(vi p, vs scale, vs acc) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc);
+}
+static inline vs vs_mul(vs a, vs b) { return _mm256_mul_ps(a, b); }
+static inline float vs_sum(vs a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#else
+#define G 0 /* no vector path: every block goes through block_idot */
+#define Q8_BIAS 0
+#endif
+
+/* exact sum over one block of (weight value) * q, in plain C (tails and the portable build).
+ * Not auto-vectorized: GCC 12 at -O2/-O3 with AVX512-VNNI turns the q8_0 loop (signed x signed
+ * bytes) into vpdpbusd, which reads one side as unsigned, and gets wrong sums. */
+__attribute__((noinline, optimize("no-tree-vectorize"))) static int32_t block_idot(int32_t dtype, const uint8_t *blk, const int8_t *q) {
+    int32_t s = 0;
+    if (dtype == FL_Q8_0) {
+        for (int j = 0; j < FL_QK; j++) s += (int32_t)(int8_t)blk[2 + j] * q[j];
+    } else {
+        for (int j = 0; j < FL_QK / 2; j++)
+            s += ((blk[2 + j] & 0x0F) - 8) * q[j] + ((blk[2 + j] >> 4) - 8) * q[j + FL_QK / 2];
+    }
+    return s;
+}
+
+int64_t fli_xq_bytes(int64_t n) { return n + (n / FL_QK) * FL_XQ_LANES * 8; }
+
+void fli_xq_quantize(int32_t dtype, const float *x, int64_t n, uint8_t *buf) {
+    const int64_t nb = n / FL_QK;
+    int8_t *q = (int8_t *)buf;                                // (n)
+    float *scale = (float *)(buf + n);                        // (nb, 8)
+    int32_t *corr = (int32_t *)(scale + nb * FL_XQ_LANES);     // (nb, 8)
+    const int32_t bias = dtype == FL_Q4_0 ? 8 : Q8_BIAS;
+    for (int64_t b = 0; b < nb; b++) {
+        const float *xb = x + b * FL_QK;
+        float amax = 0.0f;
+        for (int j = 0; j < FL_QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
+        const float d = amax / 127.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        int32_t sum = 0;
+        for (int j = 0; j < FL_QK; j++) {
+            q[b * FL_QK + j] = (int8_t)nearbyintf(xb[j] * id);
+            sum += q[b * FL_QK + j];
+        }
+        for (int l = 0; l < FL_XQ_LANES; l++) {
+            scale[b * FL_XQ_LANES + l] = d;
+            corr[b * FL_XQ_LANES + l] = l == 0 ? -bias * sum : 0;
+        }
+    }
+}
+
+/* the parts of one quantized token inside its fli_xq_bytes buffer */
+typedef struct {
+    const int8_t *q;
+    const float *scale;
+    const int32_t *corr;
+} xq_view;
+
+static inline xq_view view(const uint8_t *buf, int64_t n) {
+    const float *scale = (const float *)(buf + n);
+    return (xq_view){(const int8_t *)buf, scale, (const int32_t *)(scale + (n / FL_QK) * FL_XQ_LANES)};
+}
+
+/* out[r][t] = w_r . x_t for R rows (pointers) and C tokens, blocks [b0, nb) in plain C */
+static inline __attribute__((always_inline)) void tail_rc(int32_t dtype, const uint8_t *const *w,
+                                                          int R, const xq_view *x, int C,
+                                                          int64_t b0, int64_t nb,
+                                                          float out[FL_QT][FL_QT]) {
+    const size_t bb = dtype == FL_Q8_0 ? FL_Q8_0_BYTES : FL_Q4_0_BYTES;
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < C; t++)
+            for (int64_t b = b0; b < nb; b++)
+                out[r][t] += fl_load_fp16(w[r] + b * bb) * x[t].scale[b * FL_XQ_LANES] *
+                             (float)block_idot(dtype, w[r] + b * bb, x[t].q + b * FL_QK);
+}
+
+/* out[r][t] = w_r . x_t, R rows by C tokens (each 1 or FL_QT), nb blocks */
+static inline __attribute__((always_inline)) void tile_rc(int32_t dtype, const uint8_t *const *w,
+                                                          int R, const xq_view *x, int C,
+                                                          int64_t nb, float out[FL_QT][FL_QT]) {
+    int64_t b = 0;
+#if G > 0
+    const size_t bb = dtype == FL_Q8_0 ? FL_Q8_0_BYTES : FL_Q4_0_BYTES;
+    vs acc[FL_QT][FL_QT];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < C; t++) acc[r][t] = vs_zero();
+    for (; b + G <= nb; b += G) {
+        vi wv[FL_QT];
+        vs ws[FL_QT];
+        for (int r = 0; r < R; r++) {
+            wv[r] = dtype == FL_Q8_0 ? w_q8(w[r] + b * bb) : w_q4(w[r] + b * bb);
+            ws[r] = w_scale(w[r] + b * bb, bb);
+        }
+        for (int t = 0; t < C; t++) {
+            const vi xv = vi_load(x[t].q + b * FL_QK);
+            const vi cv = vi_load(x[t].corr + b * FL_XQ_LANES);
+            const vs xs = vs_load(x[t].scale + b * FL_XQ_LANES);
+            for (int r = 0; r < R; r++)
+                acc[r][t] = acc_block(dp(dtype, cv, wv[r], xv), vs_mul(ws[r], xs), acc[r][t]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < C; t++) out[r][t] = vs_sum(acc[r][t]);
+#else
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < C; t++) out[r][t] = 0.0f;
+#endif
+    tail_rc(dtype, w, R, x, C, b, nb, out);
+}
+
+void fli_qdot_tile(int32_t dtype, const uint8_t *const w[FL_QT], const uint8_t *const x[FL_QT],
+                   int32_t n_tok, int64_t n, float out[FL_QT][FL_QT]) {
+    xq_view xv[FL_QT];
+    for (int t = 0; t < FL_QT; t++) xv[t] = view(x[t], n);
+    if (n_tok == 1) {
+        if (dtype == FL_Q8_0) tile_rc(FL_Q8_0, w, FL_QT, xv, 1, n / FL_QK, out);
+        else tile_rc(FL_Q4_0, w, FL_QT, xv, 1, n / FL_QK, out);
+        return;
+    }
+    if (dtype == FL_Q8_0) tile_rc(FL_Q8_0, w, FL_QT, xv, FL_QT, n / FL_QK, out);
+    else tile_rc(FL_Q4_0, w, FL_QT, xv, FL_QT, n / FL_QK, out);
+}
+
+float fli_qdot(int32_t dtype, const uint8_t *w, const uint8_t *x, int64_t n) {
+    float out[FL_QT][FL_QT];
+    const xq_view xv = view(x, n);
+    if (dtype == FL_Q8_0) tile_rc(FL_Q8_0, &w, 1, &xv, 1, n / FL_QK, out);
+    else tile_rc(FL_Q4_0, &w, 1, &xv, 1, n / FL_QK, out);
+    return out[0][0];
+}

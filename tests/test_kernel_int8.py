@@ -1,0 +1,98 @@
+"""The int8-activation path of the C kernel (q4_0 / q8_0 weights, exact=False, the default).
+
+The reference quantizes x in numpy by the rule flashllm.h states (per block of 32: d = amax / 127
+in f32, q = nearest-even(x * (1 / d))) and multiplies the gguf-py dequantized weights in f64, so
+on the same quantized inputs the kernel must agree to f32 accumulation error (2e-5 of the scale;
+the integer block sums are exact). A second test bounds the distance to the exact f32 product by
+the rounding itself: each x value moves by at most d / 2, so |int8 - exact| <= sum over blocks of
+d / 2 * sum |w| — the tolerance the int8 path costs, and nothing more.
+"""
+import numpy as np
+import pytest
+
+from flashllm import kernel
+from test_kernel import _act, _bundles, _close, _qtensor, _rng
+
+QDTYPES = ["q4_0", "q8_0"]
+
+
+def _quantize_x(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x (T, n) f32 -> (the f64 values the kernel sees (T, n), block scales d (T, n / 32))."""
+    xb = x.astype(np.float32).reshape(x.shape[0], -1, 32)  # (T, nb, 32)
+    d = (np.abs(xb).max(-1) / np.float32(127)).astype(np.float32)  # (T, nb)
+    inv = np.zeros_like(d)  # (T, nb)
+    np.divide(np.float32(1), d, out=inv, where=d != 0)
+    q = np.rint(xb * inv[..., None])  # (T, nb, 32) f32 products, ties to even
+    return (q * d[..., None]).reshape(x.shape).astype(np.float64), d
+
+
+@pytest.mark.parametrize("dtype", QDTYPES)
+@pytest.mark.parametrize("T", [1, 2, 5, 9])
+@pytest.mark.parametrize("cols", [96, 256])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_matmul_int8_matches_numpy_on_quantized_x(dtype, T, cols, threads):
+    w, wref = _qtensor(37, cols, dtype, seed=T + cols)  # (37, cols)
+    x = _rng(7).standard_normal((T, cols)).astype(np.float32)  # (T, cols)
+    x[0, :32] = 0.0  # an all-zero block (d = 0)
+    b = _rng(8).standard_normal(37).astype(np.float32)  # (37,)
+    xq, _ = _quantize_x(x)
+    _close(kernel.matmul(w, x, bias=b, n_threads=threads), xq @ wref.T + b)
+
+
+@pytest.mark.parametrize("dtype", QDTYPES)
+def test_matmul_int8_error_is_bounded_by_activation_rounding(dtype):
+    w, wref = _qtensor(203, 512, dtype, seed=4)  # (203, 512)
+    x = (_rng(5).standard_normal((3, 512)) * np.linspace(0.1, 10, 512)).astype(np.float32)
+    _, d = _quantize_x(x)  # (3, 16)
+    absw = np.abs(wref).reshape(203, 16, 32).sum(-1)  # (203, 16)
+    bound = (d.astype(np.float64) / 2) @ absw.T  # (3, 203)
+    exact = x.astype(np.float64) @ wref.T  # (3, 203)
+    err = np.abs(kernel.matmul(w, x, n_threads=2) - exact)  # (3, 203)
+    assert (err <= bound * (1 + 1e-4) + 1e-5 * np.abs(exact).max()).all()
+    assert err.max() > 1e-3 * np.abs(exact).max()  # the int8 path really ran
+    _close(kernel.matmul(w, x, n_threads=2, exact=True), exact)
+
+
+@pytest.mark.parametrize("dtype", QDTYPES)
+@pytest.mark.parametrize("glu,act", [(True, "silu"), (False, "gelu")])
+@pytest.mark.parametrize("T", [1, 3, 6])
+def test_ffn_bundles_int8_matches_numpy(dtype, glu, act, T):
+    d, n, n_ff = 64, 150, 400
+    data, parts = _bundles(n, d, dtype, glu, pad=6, seed=11)
+    rng = _rng(12)
+    x = (rng.standard_normal((T, d)) / np.sqrt(d)).astype(np.float32)  # (T, d)
+    ids = rng.choice(n_ff, n, replace=False).astype(np.int32)  # (n,)
+    up_bias = rng.standard_normal(n_ff).astype(np.float32)  # (n_ff,)
+    y0 = rng.standard_normal((T, d)).astype(np.float32)  # (T, d) the residual
+    xq, _ = _quantize_x(x)  # (T, d)
+    up = xq @ parts[-2].T + up_bias[ids]  # (T, n)
+    h = _act(act, xq @ parts[0].T) * up if glu else _act(act, up)  # (T, n)
+    ref = y0 + h @ parts[-1]  # (T, d)
+    for threads in (1, 2):
+        y = y0.copy()
+        kernel.ffn_bundles(data, dtype, d, glu, act, x, y, ids=ids, up_bias=up_bias,
+                           n_threads=threads)
+        _close(y, ref, rel=5e-5)
+
+
+@pytest.mark.parametrize("dtype", QDTYPES)
+@pytest.mark.parametrize("T", [1, 5])
+def test_ffn_bundles_int8_rows_and_threshold(dtype, T):
+    d, n = 96, 130
+    data, parts = _bundles(n, d, dtype, True, pad=2, seed=21)
+    rng = _rng(22)
+    x = (rng.standard_normal((T, d)) / np.sqrt(d)).astype(np.float32)  # (T, d)
+    rows = rng.choice(n, 41, replace=False).astype(np.int32)  # (41,) any order
+    xq, _ = _quantize_x(x)
+    h = _act("silu", xq @ parts[0].T) * (xq @ parts[1].T)  # (T, n)
+    v = np.sort(np.abs(h[:, rows]).ravel())  # (T * 41,)
+    k = len(v) // 3 + int(np.argmax(np.diff(v[len(v) // 3: 2 * len(v) // 3])))
+    thr = float(v[k] + v[k + 1]) / 2  # in the widest gap of the middle third: no near ties
+    keep = np.zeros_like(h)  # (T, n)
+    keep[:, rows] = np.abs(h[:, rows]) >= thr
+    ref = (h * keep) @ parts[2]  # (T, d)
+    for threads in (1, 2):
+        y = np.zeros((T, d), np.float32)
+        kernel.ffn_bundles(data, dtype, d, True, "silu", x, y, rows=rows, threshold=thr,
+                           n_threads=threads)
+        _close(y, ref, rel=5e-5)
