@@ -56,6 +56,7 @@ class BudgetPlan:
     notes: tuple = field(default=())
     streamed: tuple = field(default=())   # dense tensors read from dense.bin per use
     streamed_bytes: int = 0           # of them read per token (the embedding rows not counted)
+    predictor: bool = False           # the manifest's predictor is resident (runtime's choice)
 
     @property
     def cache_bytes(self) -> int:
@@ -205,7 +206,8 @@ def plan_budget(manifest: dict, budget_text: str, n_ctx: int, process: int, pred
     hot_first = f.get("neuron_order") is not None
     pins = capacity if capacity == n_ff else int(capacity * pin_fraction) if hot_first else 0
     notes = () if hot_first or naive else ("no hot-first neuron order (run calibrate): "
-                                           "nothing pinned",)
+                                           "the caches hold the first neurons, not the most "
+                                           "active",)
     return BudgetPlan(budget, resident, n_layers, n_ff, stride, int(capacity), int(pins),
                       staging_rows, notes, tuple(streamed), per_token)
 

@@ -37,6 +37,9 @@ def run(
         None, "--window", help="Keep the neurons of the last K tokens cached (default 4; 2 for GLU)."),
     naive: bool = typer.Option(False, "--naive", help="Read every FFN bundle every token (baseline)."),
     dense: bool = typer.Option(False, "--dense", help="Every FFN bundle in DRAM (the default)."),
+    predictor: str = typer.Option("auto", "--predictor", help="With --dram-budget: use the model's "
+                                  "predictor (from calibrate): auto (when it is expected to make "
+                                  "tokens faster within the budget), on, or off."),
     flash_stats: bool = typer.Option(False, "--stats", help="Per-token flash I/O, cache and latency "
                                      "table on stderr at the end."),
     check_recall: bool = typer.Option(False, "--check-recall", help="With --stats: also compute each "
@@ -63,7 +66,7 @@ def run(
         fail("give a prompt (-p/-f) or -i/--chat, not both")
     text = None if interactive else _read_prompt(prompt, file)
     path = _resolve(model)
-    fopts = FlashOptions(dram_budget, window, naive, dense, check_recall)
+    fopts = FlashOptions(dram_budget, window, naive, dense, check_recall, predictor)
     plan = plan_run(path, fopts, ctx_size, process_rss())     # refuses before loading anything
     flash = open_flash(path)
     verify_on_first_load(flash)

@@ -4,6 +4,7 @@ budget that cannot work is refused before anything is loaded.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -14,6 +15,10 @@ from .budget import BudgetError, BudgetPlan, mib, model_bytes, plan_budget, read
 from .profile import KiB
 
 READER_STAGE = 256 * KiB        # per reader thread: the largest single read (64-256 KiB is best)
+READER_THREADS = 16             # staging buffers the budget reserves for the reader pool
+PREDICTOR_MODES = ("auto", "on", "off")
+READ_GIB_S = 2.0                # the auto predictor rule's device and DRAM speeds: only their
+DRAM_GIB_S = 10.0               # ratio matters (this machine: ~2 GiB/s reads, ~10-15 GiB/s DRAM)
 
 
 @dataclass(frozen=True)
@@ -25,6 +30,7 @@ class FlashOptions:
     naive: bool = False                   # read every bundle every token (the paper's baseline)
     dense: bool = False                   # every bundle in DRAM (today's default)
     check: bool = False                   # also compute the exact mask: predictor recall
+    predictor: str = "auto"               # auto: only when it is expected to pay; on; off
 
     @property
     def flash(self) -> bool:
@@ -45,20 +51,61 @@ def plan_run(path: Path, opts: FlashOptions, n_ctx: int, process: int) -> Option
         raise BudgetError(f"--window {opts.window} must be at least 1")
     if opts.dram_budget is None and not opts.naive:
         return None
+    if opts.predictor not in PREDICTOR_MODES:
+        raise BudgetError(f"--predictor {opts.predictor!r}: expected one of {', '.join(PREDICTOR_MODES)}")
     man = read_manifest(path)
     text = opts.dram_budget or "100%"
-    predictor = int((man.get("predictor") or {}).get("nbytes") or 0) if not opts.naive else 0
-    stage = 16 * READER_STAGE
     if opts.dram_budget is None:   # --naive alone: no limit, the whole model's worth
         text = f"{model_bytes(man) + (1 << 30)}"
-    plan = plan_budget(man, text, n_ctx, process, predictor=predictor, reader_stage=stage,
+    plan = plan_budget(man, text, n_ctx, process, reader_stage=READER_THREADS * READER_STAGE,
                        naive=opts.naive)
+    if not opts.naive and opts.predictor != "off" and man.get("predictor"):
+        plan = _with_predictor(man, text, n_ctx, process, plan, opts.predictor == "on")
+    elif opts.predictor == "on" and not opts.naive:
+        raise BudgetError(f"--predictor on: {path} has no predictor (run `flashllm calibrate`)")
+    if not plan.predictor and not opts.naive:    # the same slots every token: all rows pinned
+        plan = dataclasses.replace(plan, n_pinned=plan.capacity)
     if opts.dense and plan.capacity < plan.n_ff:
         need = plan.total - plan.cache_bytes + plan.n_layers * plan.n_ff * plan.stride
         raise BudgetError(f"--dense needs {mib(need)} (every FFN bundle in DRAM), --dram-budget "
                           f"{opts.dram_budget} gives {mib(plan.budget, up=False)}: drop --dense to stream "
                           f"the FFN from flash")
     return plan
+
+
+def _with_predictor(man: dict, text: str, n_ctx: int, process: int, plain: BudgetPlan,
+                    force: bool) -> BudgetPlan:
+    """The plan with the manifest's predictor resident when forced, or when it is expected to
+    make a token faster than `plain` (the same budget without it); else plain."""
+    sec = man["predictor"]
+    try:
+        plan = plan_budget(man, text, n_ctx, process, predictor=int(sec.get("nbytes") or 0),
+                           reader_stage=READER_THREADS * READER_STAGE)
+    except BudgetError:
+        if force:
+            raise
+        return dataclasses.replace(plain, notes=plain.notes + (
+            f"predictor {sec.get('kind')} not used: its {mib(int(sec.get('bytes') or 0))} do not "
+            f"fit the budget",))
+    loads = sec.get("load") or [1.0]
+    load = float(np.mean(loads)) if all(isinstance(v, (int, float)) for v in loads) else 1.0
+    if force or token_seconds(plan, load, int(sec.get("bytes") or 0)) < token_seconds(plain, 1.0, 0):
+        return dataclasses.replace(plan, predictor=True, notes=plan.notes + (
+            f"predictor {sec.get('kind')} resident ({mib(int(sec.get('bytes') or 0))}, "
+            f"{load:.0%} of the neurons per token)",))
+    return dataclasses.replace(plain, notes=plain.notes + (
+        f"predictor {sec.get('kind')} not used: it costs {mib(int(sec.get('bytes') or 0))} of DRAM "
+        f"and is not expected to make a token faster within this budget (--predictor on forces it)",))
+
+
+def token_seconds(plan: BudgetPlan, load: float, predictor_bytes: int) -> float:
+    """Estimated seconds per decode token of a plan: FFN bundles read for a `load` share of
+    the neurons outside the caches (plus the dense weights it streams) at READ_GIB_S, and the
+    bytes the FFN and the predictor touch in DRAM at DRAM_GIB_S."""
+    ffn = plan.n_layers * plan.n_ff * plan.stride
+    read = load * (1.0 - plan.cache_fraction) * ffn + plan.streamed_bytes
+    touched = load * ffn + predictor_bytes
+    return read / (READ_GIB_S * 2**30) + touched / (DRAM_GIB_S * 2**30)
 
 
 def make_weights(flash, plan: Optional[BudgetPlan], n_threads: int):
@@ -86,7 +133,7 @@ def make_ffn(flash, opts: FlashOptions, plan: Optional[BudgetPlan], n_threads: i
     sample = np.random.default_rng(0).choice(f.n_ff, size=max(1, f.n_ff // 3), replace=False)
     offs, lens = bundle_requests(f.layer_offsets[0], f.stride, sample)   # (k,) (k,)
     threads = cost.plan(offs, lens).threads
-    predictor = None if opts.naive else _predictor(flash, n_threads, log)
+    predictor = _predictor(flash, n_threads, log) if plan.predictor else None
     reader = Reader(f.file, n_threads=threads, stage_bytes=READER_STAGE)
     window = opts.window or default_window(flash.manifest)
     for note in plan.notes:
@@ -96,9 +143,6 @@ def make_ffn(flash, opts: FlashOptions, plan: Optional[BudgetPlan], n_threads: i
 
 
 def _predictor(flash, n_threads: int, log):
-    """The manifest's predictor, or None (every neuron then counts as active)."""
+    """The manifest's predictor (the plan chose it)."""
     from .predictor import load_predictor
-    pred = load_predictor(flash, n_threads)
-    if pred is None:
-        log("no predictor in the model (run calibrate): every FFN neuron is read as active")
-    return pred
+    return load_predictor(flash, n_threads)

@@ -122,3 +122,36 @@ def test_stats_with_json_joins_the_timings_object(tiny, monkeypatch):  # noqa: F
     summary = data["flash"]["summary"]
     assert summary["decode_tokens"] == data["n_decode"] and 0 <= summary["hit_rate"] <= 1
     assert "tok    kind" not in r.stderr                                # no text table with --json
+
+
+def q15_with_predictor(tmp_path, nbytes: int, load: float) -> Path:
+    """A model folder holding the 1.5B's manifest with a predictor section of nbytes and load."""
+    man = json.loads(Q15.read_text())
+    man["predictor"] = {"kind": "gate_up", "file": "predictor.bin", "nbytes": nbytes,
+                        "bytes": nbytes, "load": [load] * 28}
+    (tmp_path / "manifest.json").write_text(json.dumps(man))
+    return tmp_path
+
+
+@pytest.mark.parametrize("cap", ["560MiB", "2GiB", "8GiB"])
+def test_auto_skips_a_predictor_that_cannot_pay(tmp_path, cap):
+    """gate_up at q4_0 costs 2/3 of the FFN in DRAM: in a tight budget it displaces more cache
+    than it saves reads; in a large one it touches more DRAM than the FFN it prunes."""
+    from flashllm.runtime import FlashOptions, plan_run
+    path = q15_with_predictor(tmp_path, 434 * MiB, 0.5)
+    plan = plan_run(path, FlashOptions(cap), 512, 40 * MiB)
+    assert not plan.predictor and any("not used" in n for n in plan.notes)
+    if cap != "560MiB":       # forced, where it fits
+        assert plan_run(path, FlashOptions(cap, predictor="on"), 512, 40 * MiB).predictor
+
+
+def test_auto_takes_a_cheap_predictor_and_on_off_are_obeyed(tmp_path):
+    from flashllm.runtime import FlashOptions, plan_run
+    path = q15_with_predictor(tmp_path, 20 * MiB, 0.3)
+    assert plan_run(path, FlashOptions("560MiB"), 512, 40 * MiB).predictor
+    assert not plan_run(path, FlashOptions("560MiB", predictor="off"), 512, 40 * MiB).predictor
+    big = q15_with_predictor(tmp_path, 434 * MiB, 0.5)
+    with pytest.raises(BudgetError, match="below"):
+        plan_run(big, FlashOptions("560MiB", predictor="on"), 512, 40 * MiB)
+    with pytest.raises(BudgetError, match="expected one of auto, on, off"):
+        plan_run(big, FlashOptions("560MiB", predictor="maybe"), 512, 40 * MiB)
