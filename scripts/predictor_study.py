@@ -32,6 +32,7 @@ from flashllm.perplexity import bos_to_add, perplexity
 from flashllm.predictor_train import mask_metrics, train_predictor
 from flashllm.registry import resolve_model
 from flashllm.tokenizer import Tokenizer
+from predictor_sketches import SKETCHES, StaticHot, sketch_predictor
 
 # name -> (kind, train_predictor keyword arguments)
 CANDIDATES = {
@@ -44,6 +45,8 @@ CANDIDATES = {
     "gate_lrup-q4": ("gate_lrup", {"rank": 128, "dtype": "q4_0"}),
     "lr_gate_up-r128": ("lr_gate_up", {"rank": 128}),
     "lr_gate_up-r256": ("lr_gate_up", {"rank": 256}),
+    **{f"gate_up-{q}": ("sketch", {"quant": q}) for q in SKETCHES},    # simulated low-bit
+    "static": ("static", {}),                                        # most frequent slots
 }
 
 
@@ -150,7 +153,12 @@ def study(args) -> dict:
     for name in args.candidates:
         kind, kw = CANDIDATES[name]
         t0 = time.perf_counter()
-        pred = train_predictor(flash, hs, acts, kind, acts_th, recall=0.95, **kw)
+        if kind == "sketch":
+            pred = sketch_predictor(flash, hs, acts, acts_th, kw["quant"])
+        elif kind == "static":
+            pred = StaticHot([m[:cut] for m in masks])
+        else:
+            pred = train_predictor(flash, hs, acts, kind, acts_th, recall=0.95, **kw)
         curves = Curves(pred, [h[:cut] for h in hs], [m[:cut] for m in masks])
         ms = predict_ms(pred, held_h)
         log(f"{name}: fitted in {time.perf_counter() - t0:.0f} s, {pred.nbytes / 2**20:.1f} MiB, "
