@@ -97,14 +97,19 @@ static void group_at(const ffn_args *a, const uint8_t *bundles, int64_t stride, 
         fli_prefetch(bundles + (a->rows ? a->rows[k] : k) * stride, (size_t)stride);
 }
 
-/* h (FL_QT, T) of a group for tokens t .. t+nt-1 from int8 tiles (column stride ld) */
+/* h (FL_QT, T) of a group for tokens t .. t+nt-1 from int8 tiles (column stride ld); ex: NULL
+ * or the group's gate and up rows expanded by fli_wx_expand (2, FL_QT, xb) */
 static void group_h(const ffn_args *a, const group *g, int64_t t, int64_t nt, float *h,
-                    int64_t ld) {
-    const uint8_t *xt[FL_QT];
-    for (int64_t j = 0; j < FL_QT; j++) xt[j] = a->xq + (size_t)(t + (j < nt ? j : 0)) * a->xb;
+                    int64_t ld, const uint8_t *ex) {
+    const uint8_t *xt[FL_QT], *eg[FL_QT], *eu[FL_QT];
+    for (int64_t j = 0; j < FL_QT; j++) {
+        xt[j] = a->xq + (size_t)(t + (j < nt ? j : 0)) * a->xb;
+        eg[j] = ex ? ex + j * a->xb : NULL;
+        eu[j] = ex ? ex + (FL_QT + j) * a->xb : NULL;
+    }
     float go[FL_QT][FL_QT] = {{0}}, uo[FL_QT][FL_QT];
-    fli_qdot_tile(a->dtype, g->up, xt, (int32_t)nt, a->d, uo);
-    if (a->glu) fli_qdot_tile(a->dtype, g->gate, xt, (int32_t)nt, a->d, go);
+    fli_qdot_tile(a->dtype, g->up, ex ? eu : NULL, xt, (int32_t)nt, a->d, uo);
+    if (a->glu) fli_qdot_tile(a->dtype, g->gate, ex ? eg : NULL, xt, (int32_t)nt, a->d, go);
     for (int k = 0; k < FL_QT; k++)
         for (int64_t j = 0; j < nt; j++)
             h[k * ld + t + j] = k < g->nr ? neuron_h(a, g->id[k], go[k][j], uo[k][j]) : 0.0f;
@@ -119,7 +124,7 @@ static void range_q1(const ffn_args *a, const uint8_t *bundles, int64_t stride, 
     group g;
     for (int64_t j = j0; j < j1; j += FL_QT) {
         group_at(a, bundles, stride, j, j1, &g);
-        group_h(a, &g, 0, 1, h, 1);
+        group_h(a, &g, 0, 1, h, 1, NULL);
         for (int k = 0; k < g.nr; k++) {
             if (h[k] == 0.0f) continue;
             down[nq] = g.up[k] + a->rb;
@@ -133,22 +138,29 @@ static void range_q1(const ffn_args *a, const uint8_t *bundles, int64_t stride, 
     for (int k = 0; k < nq; k++) fli_axpy(a->dtype, down[k], hq[k], acc, a->d);
 }
 
-/* T > 1, quantized: h (DOWN_K, T) of DOWN_K neurons from int8 tiles, their down columns
- * dequantized once into scratch (DOWN_K, d), then one small f32 GEMM into acc */
+/* T > 1, quantized: h (DOWN_K, T) of DOWN_K neurons from int8 tiles (gate and up rows expanded
+ * once when T > FL_QT), their down columns dequantized once into scratch (DOWN_K, d), then one
+ * small f32 GEMM into acc */
 static void range_qt(const ffn_args *a, const uint8_t *bundles, int64_t stride, int64_t j0,
                      int64_t j1, float *acc, float *scratch) {
     const int64_t T = a->T, d = a->d;
     float *h = scratch, *down = scratch + DOWN_K * T;  // (DOWN_K, T), (DOWN_K, d)
+    uint8_t *ex = T > FL_QT ? (uint8_t *)(down + DOWN_K * d) : NULL;  // (2, FL_QT, xb)
     group g;
     for (int64_t j = j0; j < j1;) {
         int64_t K = 0;
         for (; K < DOWN_K && j < j1; K += FL_QT, j += g.nr) {
             group_at(a, bundles, stride, j, j1, &g);
+            for (int k = 0; ex && k < FL_QT; k++) {
+                if (a->glu) fli_wx_expand(a->dtype, g.gate[k], d, ex + k * a->xb);
+                fli_wx_expand(a->dtype, g.up[k], d, ex + (FL_QT + k) * a->xb);
+            }
             for (int64_t t = 0; t < T; t += FL_QT)
-                group_h(a, &g, t, T - t < FL_QT ? T - t : FL_QT, h + K * T, T);
+                group_h(a, &g, t, T - t < FL_QT ? T - t : FL_QT, h + K * T, T, ex);
             for (int k = 0; k < g.nr; k++)
                 fli_dequant(a->dtype, g.up[k] + a->rb, down + (K + k) * d, d);
-            for (int k = g.nr; k < FL_QT; k++) memset(down + (K + k) * d, 0, (size_t)d * sizeof(float));
+            for (int k = g.nr; k < FL_QT; k++)
+                memset(down + (K + k) * d, 0, (size_t)d * sizeof(float));
         }
         fli_down_f32(h, T, down, K, d, acc, T);
     }
@@ -162,8 +174,9 @@ static int32_t bundle_range(const ffn_args *a, const uint8_t *bundles, int64_t s
         range_q1(a, bundles, stride, i0, i1, acc);
         return FL_OK;
     }
-    float *scratch = NULL;  // f32: (3, d) when T > 1; int8: (DOWN_K, T + d)
-    const size_t n_scratch = a->xq ? DOWN_K * (size_t)(a->T + a->d) : 3 * (size_t)a->d;
+    float *scratch = NULL;  // f32: (3, d) when T > 1; int8: (DOWN_K, T + d) + expanded rows
+    const size_t n_scratch = a->xq ? DOWN_K * (size_t)(a->T + a->d) + 2 * FL_QT * a->xb / 4 + 1
+                                   : 3 * (size_t)a->d;
     if (a->T > 1 && !(scratch = malloc(n_scratch * sizeof(float)))) return FL_ENOMEM;
     if (a->xq) {
         range_qt(a, bundles, stride, i0, i1, acc, scratch);

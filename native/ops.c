@@ -77,13 +77,18 @@ static int32_t matmul_tiles(const uint8_t *w, int32_t dtype, size_t rb, int64_t 
     return failed ? FL_ENOMEM : FL_OK;
 }
 
-/* rows r0 .. r0+FL_QT-1 (fewer at the end) of y (T, rows) from quantized tokens xq (T, xb) */
+/* rows r0 .. r0+FL_QT-1 (fewer at the end) of y (T, rows) from quantized tokens xq (T, xb);
+ * wx (FL_QT, xb) scratch for the rows expanded once when T > FL_QT, else NULL */
 static void qtile_rows(const uint8_t *w, int32_t dtype, size_t rb, int64_t r0, int64_t rows,
                        int64_t cols, const float *bias, const uint8_t *xq, size_t xb, int64_t T,
-                       float *y) {
+                       float *y, uint8_t *wx) {
     const int64_t nr = rows - r0 < FL_QT ? rows - r0 : FL_QT;
-    const uint8_t *wr[FL_QT];
-    for (int64_t k = 0; k < FL_QT; k++) wr[k] = w + (size_t)(r0 + (k < nr ? k : 0)) * rb;
+    const uint8_t *wr[FL_QT], *ex[FL_QT];
+    for (int64_t k = 0; k < FL_QT; k++) {
+        wr[k] = w + (size_t)(r0 + (k < nr ? k : 0)) * rb;
+        ex[k] = wx ? wx + k * xb : NULL;
+        if (wx) fli_wx_expand(dtype, wr[k], cols, wx + k * xb);
+    }
     if ((size_t)(r0 + FL_QT) * rb + PREFETCH_BYTES <= (size_t)rows * rb)
         fli_prefetch(wr[0] + PREFETCH_BYTES, FL_QT * rb);
     float out[FL_QT][FL_QT];
@@ -91,7 +96,7 @@ static void qtile_rows(const uint8_t *w, int32_t dtype, size_t rb, int64_t r0, i
         const int64_t nt = T - t < FL_QT ? T - t : FL_QT;
         const uint8_t *xt[FL_QT];
         for (int64_t j = 0; j < FL_QT; j++) xt[j] = xq + (size_t)(t + (j < nt ? j : 0)) * xb;
-        fli_qdot_tile(dtype, wr, xt, (int32_t)nt, cols, out);
+        fli_qdot_tile(dtype, wr, wx ? ex : NULL, xt, (int32_t)nt, cols, out);
         for (int64_t j = 0; j < nt; j++)
             for (int64_t k = 0; k < nr; k++)
                 y[(t + j) * rows + r0 + k] = out[k][j] + (bias ? bias[r0 + k] : 0.0f);
@@ -108,8 +113,14 @@ static int32_t matmul_q(const uint8_t *w, int32_t dtype, size_t rb, int64_t rows
     if (!xq) return FL_ENOMEM;
     if (T == 1) fli_xq_quantize(dtype, x, cols, xq);
     const int64_t n_tiles = (rows + FL_QT - 1) / FL_QT;
+    int failed = 0;
 #pragma omp parallel num_threads(n_threads)
     {
+        uint8_t *wx = T > FL_QT ? malloc(FL_QT * xb) : NULL;  // (FL_QT, xb)
+        if (T > FL_QT && !wx) {
+#pragma omp atomic write
+            failed = 1;
+        }
         if (T > 1) {
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++)
@@ -117,10 +128,12 @@ static int32_t matmul_q(const uint8_t *w, int32_t dtype, size_t rb, int64_t rows
         }
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < n_tiles; i++)
-            qtile_rows(w, dtype, rb, i * FL_QT, rows, cols, bias, xq, xb, T, y);
+            if (wx || T <= FL_QT)
+                qtile_rows(w, dtype, rb, i * FL_QT, rows, cols, bias, xq, xb, T, y, wx);
+        free(wx);
     }
     free(xq);
-    return FL_OK;
+    return failed ? FL_ENOMEM : FL_OK;
 }
 
 int32_t fl_matmul(const void *w, int32_t dtype, int64_t rows, int64_t cols, const float *bias,

@@ -1,13 +1,13 @@
-/* qdot.c — int8 activation kernels: activations quantized per block of 32 (as ggml's q8_0, with an
- * f32 scale), multiplied by q4_0 / q8_0 weight blocks in integer arithmetic.
+/* qdot.c — int8 activation kernels: activations quantized per block of 32 (as ggml's q8_0, with
+ * an f32 scale), multiplied by q4_0 / q8_0 weight blocks in integer arithmetic.
  *
  * Per block b of a token: q[32] = nearest-even(x * (1/d)), d = amax / 127 (f32, so x = d * q up
  * to d/2 per value). The exact integer dot of a weight block with q is scaled by d_w * d.
  * AVX-512 VNNI (two blocks per zmm), AVX2 with or without AVX-VNNI (one block per ymm), or plain
  * C, chosen at compile time. VNNI multiplies unsigned by signed bytes, so the weight side is made
  * unsigned and the offset is paid back through a per-block correction precomputed with the
- * activations (fli_xq.corr): q4_0 uses the raw nibble (value + 8) and subtracts 8 * sum(q);
- * q8_0 under VNNI uses w + 128 (w ^ 0x80) and subtracts 128 * sum(q).
+ * activations (the correction lanes of fli_xq_bytes): q4_0 uses the raw nibble (value + 8) and
+ * subtracts 8 * sum(q); q8_0 under VNNI uses w + 128 (w ^ 0x80) and subtracts 128 * sum(q).
  */
 #include <math.h>
 
@@ -42,6 +42,8 @@ static inline vs w_scale(const uint8_t *b, size_t bb) {  // [d_0 x8 | d_1 x8]
     return _mm512_cvtph_ps(h);
 }
 static inline vi vi_load(const void *p) { return _mm512_loadu_si512(p); }
+static inline void vi_store(void *p, vi v) { _mm512_storeu_si512(p, v); }
+static inline void vs_store(float *p, vs v) { _mm512_storeu_ps(p, v); }
 static inline vs vs_load(const float *p) { return _mm512_loadu_ps(p); }
 static inline vs vs_zero(void) { return _mm512_setzero_ps(); }
 static inline vi dp(int32_t dtype, vi acc, vi w, vi x) {
@@ -78,6 +80,8 @@ static inline vs w_scale(const uint8_t *b, size_t bb) {
     return _mm256_set1_ps(fl_load_fp16(b));
 }
 static inline vi vi_load(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline void vi_store(void *p, vi v) { _mm256_storeu_si256((__m256i *)p, v); }
+static inline void vs_store(float *p, vs v) { _mm256_storeu_ps(p, v); }
 static inline vs vs_load(const float *p) { return _mm256_loadu_ps(p); }
 static inline vs vs_zero(void) { return _mm256_setzero_ps(); }
 static inline vi dp(int32_t dtype, vi acc, vi w, vi x) {
@@ -112,7 +116,8 @@ static inline float vs_sum(vs a) {
 /* exact sum over one block of (weight value) * q, in plain C (tails and the portable build).
  * Not auto-vectorized: GCC 12 at -O2/-O3 with AVX512-VNNI turns the q8_0 loop (signed x signed
  * bytes) into vpdpbusd, which reads one side as unsigned, and gets wrong sums. */
-__attribute__((noinline, optimize("no-tree-vectorize"))) static int32_t block_idot(int32_t dtype, const uint8_t *blk, const int8_t *q) {
+__attribute__((noinline, optimize("no-tree-vectorize"))) static int32_t
+block_idot(int32_t dtype, const uint8_t *blk, const int8_t *q) {
     int32_t s = 0;
     if (dtype == FL_Q8_0) {
         for (int j = 0; j < FL_QK; j++) s += (int32_t)(int8_t)blk[2 + j] * q[j];
@@ -158,7 +163,8 @@ typedef struct {
 
 static inline xq_view view(const uint8_t *buf, int64_t n) {
     const float *scale = (const float *)(buf + n);
-    return (xq_view){(const int8_t *)buf, scale, (const int32_t *)(scale + (n / FL_QK) * FL_XQ_LANES)};
+    const int32_t *corr = (const int32_t *)(scale + (n / FL_QK) * FL_XQ_LANES);
+    return (xq_view){(const int8_t *)buf, scale, corr};
 }
 
 /* out[r][t] = w_r . x_t for R rows (pointers) and C tokens, blocks [b0, nb) in plain C */
@@ -174,8 +180,10 @@ static inline __attribute__((always_inline)) void tail_rc(int32_t dtype, const u
                              (float)block_idot(dtype, w[r] + b * bb, x[t].q + b * FL_QK);
 }
 
-/* out[r][t] = w_r . x_t, R rows by C tokens (each 1 or FL_QT), nb blocks */
+/* out[r][t] = w_r . x_t, R rows by C tokens (each 1 or FL_QT), nb blocks; ex (R) the rows
+ * expanded by fli_wx_expand when EX, else unused */
 static inline __attribute__((always_inline)) void tile_rc(int32_t dtype, const uint8_t *const *w,
+                                                          const uint8_t *const *ex, int EX,
                                                           int R, const xq_view *x, int C,
                                                           int64_t nb, float out[FL_QT][FL_QT]) {
     int64_t b = 0;
@@ -188,8 +196,14 @@ static inline __attribute__((always_inline)) void tile_rc(int32_t dtype, const u
         vi wv[FL_QT];
         vs ws[FL_QT];
         for (int r = 0; r < R; r++) {
-            wv[r] = dtype == FL_Q8_0 ? w_q8(w[r] + b * bb) : w_q4(w[r] + b * bb);
-            ws[r] = w_scale(w[r] + b * bb, bb);
+            if (EX) {
+                const xq_view e = view(ex[r], nb * FL_QK);
+                wv[r] = vi_load(e.q + b * FL_QK);
+                ws[r] = vs_load(e.scale + b * FL_XQ_LANES);
+            } else {
+                wv[r] = dtype == FL_Q8_0 ? w_q8(w[r] + b * bb) : w_q4(w[r] + b * bb);
+                ws[r] = w_scale(w[r] + b * bb, bb);
+            }
         }
         for (int t = 0; t < C; t++) {
             const vi xv = vi_load(x[t].q + b * FL_QK);
@@ -202,29 +216,49 @@ static inline __attribute__((always_inline)) void tile_rc(int32_t dtype, const u
     for (int r = 0; r < R; r++)
         for (int t = 0; t < C; t++) out[r][t] = vs_sum(acc[r][t]);
 #else
+    (void)ex, (void)EX;
     for (int r = 0; r < R; r++)
         for (int t = 0; t < C; t++) out[r][t] = 0.0f;
 #endif
     tail_rc(dtype, w, R, x, C, b, nb, out);
 }
 
-void fli_qdot_tile(int32_t dtype, const uint8_t *const w[FL_QT], const uint8_t *const x[FL_QT],
-                   int32_t n_tok, int64_t n, float out[FL_QT][FL_QT]) {
+void fli_wx_expand(int32_t dtype, const uint8_t *w, int64_t n, uint8_t *buf) {
+#if G > 0
+    const size_t bb = dtype == FL_Q8_0 ? FL_Q8_0_BYTES : FL_Q4_0_BYTES;
+    const int64_t nb = n / FL_QK;
+    float *scale = (float *)(buf + n);  // (nb, FL_XQ_LANES)
+    for (int64_t b = 0; b + G <= nb; b += G) {
+        vi_store(buf + b * FL_QK, dtype == FL_Q8_0 ? w_q8(w + b * bb) : w_q4(w + b * bb));
+        vs_store(scale + b * FL_XQ_LANES, w_scale(w + b * bb, bb));
+    }
+#else
+    (void)dtype, (void)w, (void)n, (void)buf;
+#endif
+}
+
+void fli_qdot_tile(int32_t dtype, const uint8_t *const w[FL_QT], const uint8_t *const ex[FL_QT],
+                   const uint8_t *const x[FL_QT], int32_t n_tok, int64_t n,
+                   float out[FL_QT][FL_QT]) {
     xq_view xv[FL_QT];
     for (int t = 0; t < FL_QT; t++) xv[t] = view(x[t], n);
+    const int64_t nb = n / FL_QK;
     if (n_tok == 1) {
-        if (dtype == FL_Q8_0) tile_rc(FL_Q8_0, w, FL_QT, xv, 1, n / FL_QK, out);
-        else tile_rc(FL_Q4_0, w, FL_QT, xv, 1, n / FL_QK, out);
-        return;
+        if (dtype == FL_Q8_0) tile_rc(FL_Q8_0, w, ex, 0, FL_QT, xv, 1, nb, out);
+        else tile_rc(FL_Q4_0, w, ex, 0, FL_QT, xv, 1, nb, out);
+    } else if (ex) {
+        if (dtype == FL_Q8_0) tile_rc(FL_Q8_0, w, ex, 1, FL_QT, xv, FL_QT, nb, out);
+        else tile_rc(FL_Q4_0, w, ex, 1, FL_QT, xv, FL_QT, nb, out);
+    } else {
+        if (dtype == FL_Q8_0) tile_rc(FL_Q8_0, w, ex, 0, FL_QT, xv, FL_QT, nb, out);
+        else tile_rc(FL_Q4_0, w, ex, 0, FL_QT, xv, FL_QT, nb, out);
     }
-    if (dtype == FL_Q8_0) tile_rc(FL_Q8_0, w, FL_QT, xv, FL_QT, n / FL_QK, out);
-    else tile_rc(FL_Q4_0, w, FL_QT, xv, FL_QT, n / FL_QK, out);
 }
 
 float fli_qdot(int32_t dtype, const uint8_t *w, const uint8_t *x, int64_t n) {
     float out[FL_QT][FL_QT];
     const xq_view xv = view(x, n);
-    if (dtype == FL_Q8_0) tile_rc(FL_Q8_0, &w, 1, &xv, 1, n / FL_QK, out);
-    else tile_rc(FL_Q4_0, &w, 1, &xv, 1, n / FL_QK, out);
+    if (dtype == FL_Q8_0) tile_rc(FL_Q8_0, &w, NULL, 0, 1, &xv, 1, n / FL_QK, out);
+    else tile_rc(FL_Q4_0, &w, NULL, 0, 1, &xv, 1, n / FL_QK, out);
     return out[0][0];
 }

@@ -120,10 +120,17 @@ void fli_xq_quantize(int32_t dtype, const float *x, int64_t n, uint8_t *buf);
 /* w . x for one weight row (dtype q4_0 or q8_0) and one quantized token */
 float fli_qdot(int32_t dtype, const uint8_t *w, const uint8_t *x, int64_t n);
 
+/* buf (fli_xq_bytes(n)) = a q4_0 / q8_0 weight row unpacked to the unsigned bytes and scale
+ * vectors fli_qdot_tile multiplies (its correction lanes unused): worth it when a row meets more
+ * than FL_QT tokens */
+void fli_wx_expand(int32_t dtype, const uint8_t *w, int64_t n, uint8_t *buf);
+
 /* out[r][t] = w[r] . x[t] for FL_QT rows and n_tok (1..FL_QT) quantized tokens; every x[t]
- * must point at a quantized token (pad with any of them: results past n_tok are unused) */
-void fli_qdot_tile(int32_t dtype, const uint8_t *const w[FL_QT], const uint8_t *const x[FL_QT],
-                   int32_t n_tok, int64_t n, float out[FL_QT][FL_QT]);
+ * must point at a quantized token (pad with any of them: results past n_tok are unused).
+ * ex: NULL, or the same rows expanded by fli_wx_expand (used when n_tok > 1). */
+void fli_qdot_tile(int32_t dtype, const uint8_t *const w[FL_QT], const uint8_t *const ex[FL_QT],
+                   const uint8_t *const x[FL_QT], int32_t n_tok, int64_t n,
+                   float out[FL_QT][FL_QT]);
 
 #pragma GCC visibility pop
 

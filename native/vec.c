@@ -262,30 +262,39 @@ void fli_axpy4(int32_t dtype, const uint8_t *const rows[FL_QT], const float a[FL
     }
 }
 
-/* 4 tokens x 2 vectors of columns per register block, k streamed: each loaded down vector
- * feeds 4 FMAs and each y vector is loaded and stored once per call */
+/* y (nt, d) columns j .. j+2*VW-1 += h^T @ down for nt <= DOWN_T tokens: each loaded down vector
+ * feeds nt FMAs and each y vector is loaded and stored once */
+#define DOWN_T 8
+static inline __attribute__((always_inline)) void down_block(const float *h, int64_t ldh,
+                                                             const float *down, int64_t K,
+                                                             int64_t d, float *y, int64_t j,
+                                                             int64_t nt) {
+    vf acc[DOWN_T][2];
+    for (int64_t u = 0; u < nt; u++) {
+        acc[u][0] = vload(y + u * d + j);
+        acc[u][1] = vload(y + u * d + j + VW);
+    }
+    for (int64_t k = 0; k < K; k++) {
+        const vf d0 = vload(down + k * d + j), d1 = vload(down + k * d + j + VW);
+        for (int64_t u = 0; u < nt; u++) {
+            const vf hb = vset1(h[k * ldh + u]);
+            acc[u][0] = vfma(hb, d0, acc[u][0]);
+            acc[u][1] = vfma(hb, d1, acc[u][1]);
+        }
+    }
+    for (int64_t u = 0; u < nt; u++) {
+        vstore(y + u * d + j, acc[u][0]);
+        vstore(y + u * d + j + VW, acc[u][1]);
+    }
+}
+
 void fli_down_f32(const float *h, int64_t ldh, const float *down, int64_t K, int64_t d, float *y,
                   int64_t T) {
-    for (int64_t j = 0; j + 2 * VW <= d; j += 2 * VW) {
-        for (int64_t t = 0; t < T; t += 4) {
-            const int64_t nt = T - t < 4 ? T - t : 4;
-            vf acc[4][2];
-            for (int64_t u = 0; u < nt; u++) {
-                acc[u][0] = vload(y + (t + u) * d + j);
-                acc[u][1] = vload(y + (t + u) * d + j + VW);
-            }
-            for (int64_t k = 0; k < K; k++) {
-                const vf d0 = vload(down + k * d + j), d1 = vload(down + k * d + j + VW);
-                for (int64_t u = 0; u < nt; u++) {
-                    const vf hb = vset1(h[k * ldh + t + u]);
-                    acc[u][0] = vfma(hb, d0, acc[u][0]);
-                    acc[u][1] = vfma(hb, d1, acc[u][1]);
-                }
-            }
-            for (int64_t u = 0; u < nt; u++) {
-                vstore(y + (t + u) * d + j, acc[u][0]);
-                vstore(y + (t + u) * d + j + VW, acc[u][1]);
-            }
+    for (int64_t t = 0; t < T; t += DOWN_T) {
+        const int64_t nt = T - t < DOWN_T ? T - t : DOWN_T;
+        for (int64_t j = 0; j + 2 * VW <= d; j += 2 * VW) {
+            if (nt == DOWN_T) down_block(h + t, ldh, down, K, d, y + t * d, j, DOWN_T);
+            else down_block(h + t, ldh, down, K, d, y + t * d, j, nt);
         }
     }
 }

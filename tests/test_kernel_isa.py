@@ -1,0 +1,42 @@
+"""native/qdot.c built for each instruction set it has a path for (AVX-512 VNNI, AVX2 + AVX-VNNI,
+AVX2 alone, plain C) and run through tests/native/qdot_isa.c, which checks every tile variant
+against a double reference on the same quantized activations (see there). The extension itself
+is built for this CPU only, so without this the other paths would go untested here. A build the
+CPU cannot run is skipped."""
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCES = ["tests/native/qdot_isa.c", "native/qdot.c", "native/quant.c", "native/vec.c"]
+ISAS = {
+    "avx512vnni": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx2", "-mfma",
+                   "-mf16c"],
+    "avxvnni": ["-mavx2", "-mfma", "-mf16c", "-mavxvnni"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "plain": ["-march=x86-64"],
+}
+CPU_FLAGS = {"avx512vnni": "avx512_vnni", "avxvnni": "avx_vnni", "avx2": "avx2", "plain": ""}
+
+
+def _cpu_has(flag: str) -> bool:
+    if not flag:
+        return True
+    info = Path("/proc/cpuinfo")
+    return info.exists() and f" {flag}" in info.read_text()
+
+
+@pytest.mark.parametrize("isa", list(ISAS))
+def test_qdot_tiles_on_every_instruction_set(isa, tmp_path):
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    if not _cpu_has(CPU_FLAGS[isa]):
+        pytest.skip(f"this CPU cannot run {isa} code")
+    exe = tmp_path / f"qdot_{isa}"
+    subprocess.run([cc, "-O2", "-std=c11", "-Wall", "-Wextra", "-Werror", "-Inative", *ISAS[isa],
+                    *SOURCES, "-lm", "-o", str(exe)], cwd=ROOT, check=True)
+    run = subprocess.run([str(exe)], capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout
