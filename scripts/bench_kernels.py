@@ -4,8 +4,11 @@
         [--ffn 4864x896]
 
 Decode (T = 1) is memory-bandwidth bound, so the figure of merit is weight bytes per second
-(GMAC/s = multiply-adds per second, the figure for T > 1). numpy's row is the same work on the
-f32 weight (its bytes count as f32; numpy uses its BLAS's own thread count).
+(GMAC/s = multiply-adds per second, the figure for T > 1, e.g. --T 64 for prefill). numpy's row
+is the same work on the f32 weight (its bytes count as f32; numpy uses its BLAS's own thread
+count). q4_0 / q8_0 run twice: "int8" (activations quantized to int8, the default) and "f32 x"
+(exact=True). The first line is this machine's DRAM read bandwidth as one numpy thread sees it
+(a sum over 1 GiB), the ceiling for the T = 1 GB/s column.
 """
 from __future__ import annotations
 
@@ -42,9 +45,11 @@ def bench_shape(rows: int, cols: int, t: int, threads: list[int]) -> None:
     _row("numpy f32", "-", sec * 1e3, w.nbytes / sec / 1e9, macs / sec / 1e9)
     for dtype in ("f32", "f16", "q8_0", "q4_0"):
         q = QTensor(quantize_rows(w, dtype), dtype, rows, cols)
-        for n in threads:
-            sec = _best_seconds(lambda: kernel.matmul(q, x, n_threads=n))
-            _row(dtype, n, sec * 1e3, q.nbytes / sec / 1e9, macs / sec / 1e9)
+        for exact in (False, True) if dtype.startswith("q") else (True,):
+            name = dtype + ("" if not dtype.startswith("q") else " f32 x" if exact else " int8")
+            for n in threads:
+                sec = _best_seconds(lambda: kernel.matmul(q, x, n_threads=n, exact=exact))
+                _row(name, n, sec * 1e3, q.nbytes / sec / 1e9, macs / sec / 1e9)
 
 
 def _row(*cells) -> None:
@@ -71,11 +76,20 @@ def bench_ffn(n_ff: int, d: int, t: int, threads: list[int]) -> None:
     for dtype in ("f32", "f16", "q8_0", "q4_0"):
         bundles = np.ascontiguousarray(np.concatenate(
             [quantize_rows(m, dtype) for m in (gate, up, down)], axis=1))  # (n_ff, stride)
-        for n in threads:
-            y = np.zeros((t, d), np.float32)  # (T, d)
-            sec = _best_seconds(lambda: kernel.ffn_bundles(bundles, dtype, d, True, "silu", x, y,
-                                                           n_threads=n))
-            _row(dtype, n, sec * 1e3, bundles.nbytes / sec / 1e9, macs / sec / 1e9)
+        for exact in (False, True) if dtype.startswith("q") else (True,):
+            name = dtype + ("" if not dtype.startswith("q") else " f32 x" if exact else " int8")
+            for n in threads:
+                y = np.zeros((t, d), np.float32)  # (T, d)
+                sec = _best_seconds(lambda: kernel.ffn_bundles(bundles, dtype, d, True, "silu", x,
+                                                               y, n_threads=n, exact=exact))
+                _row(name, n, sec * 1e3, bundles.nbytes / sec / 1e9, macs / sec / 1e9)
+
+
+def dram_read_gbs() -> float:
+    """GB/s of one numpy thread summing a 1 GiB float64 array (DRAM read, not cache)."""
+    a = np.ones(1 << 27)  # (2**27,) 1 GiB
+    sec = _best_seconds(lambda: float(a.sum()), budget=1.0, max_runs=5)
+    return a.nbytes / sec / 1e9
 
 
 def main() -> None:
@@ -86,6 +100,7 @@ def main() -> None:
     ap.add_argument("--ffn", default="4864x896", help="n_ff x d of a bundled FFN ('' to skip)")
     args = ap.parse_args()
     threads = [int(n) for n in args.threads.split(",")]
+    print(f"DRAM read, one numpy thread: {dram_read_gbs():.1f} GB/s")
     for shape in args.shapes.split(","):
         rows, cols = (int(v) for v in shape.split("x"))
         bench_shape(rows, cols, args.T, threads)
