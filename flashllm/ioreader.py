@@ -1,7 +1,8 @@
 """The direct-I/O reader: the only module that calls the I/O half of the cffi module.
 
-A `Reader` owns one open file (O_DIRECT where the filesystem allows it) and a pool of reader
-threads in C. `Reader.read` takes a batch of (offset, length) requests and puts request i's
+A `Reader` owns one open file (O_DIRECT where the filesystem allows it) and, in C, either an
+io_uring that keeps `n_threads` reads in flight from the calling thread (the default where the
+kernel offers it) or a pool of `n_threads` reader threads. `Reader.read` takes a batch of (offset, length) requests and puts request i's
 bytes at `dst[dst_offsets[i]:]`; neighbouring requests are merged into page-aligned reads, and
 holes of at most `max_gap` bytes are read through when one larger read is cheaper (the cost
 model in costmodel.py picks `max_gap`). `Reader.read_bundles` is the neuron cache's verb: fixed
@@ -88,17 +89,20 @@ class Reader:
     """Batched parallel reads of one file; use as a context manager or call close()."""
 
     def __init__(self, path: Path, n_threads: int = 8, direct: bool = True,
-                 stage_bytes: int = DEFAULT_STAGE) -> None:
+                 stage_bytes: int = DEFAULT_STAGE, ring: bool = True) -> None:
+        """n_threads: reads in flight (io_uring) or pool threads; ring=False forces the pool."""
         self.path = Path(path)
         out = ffi.new("fl_reader **")
-        status = lib.fl_reader_open(str(self.path).encode(), n_threads, int(direct), stage_bytes, out)
+        flags = (lib.FL_READ_DIRECT if direct else 0) | (lib.FL_READ_RING if ring else 0)
+        status = lib.fl_reader_open(str(self.path).encode(), n_threads, flags, stage_bytes, out)
         if status == lib.FL_EIO:
             raise KernelError(f"cannot open {self.path} for reading")
         _check(status, f"opening a reader on {self.path} with {n_threads} threads")
         self._h = ffi.gc(out[0], lib.fl_reader_close)
-        info_direct, info_size, info_threads = ffi.new("int32_t *"), ffi.new("int64_t *"), ffi.new("int32_t *")
-        _check(lib.fl_reader_info(self._h, info_direct, info_size, info_threads), "reader info")
-        self.direct = bool(info_direct[0])
+        info_flags, info_size, info_threads = ffi.new("int32_t *"), ffi.new("int64_t *"), ffi.new("int32_t *")
+        _check(lib.fl_reader_info(self._h, info_flags, info_size, info_threads), "reader info")
+        self.direct = bool(info_flags[0] & lib.FL_READ_DIRECT)
+        self.ring = bool(info_flags[0] & lib.FL_READ_RING)  # io_uring in use (else the pool)
         self.file_size = int(info_size[0])
         self.n_threads = int(info_threads[0])
         if direct and not self.direct:

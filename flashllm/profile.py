@@ -1,7 +1,8 @@
 """Device read-throughput profile: measure direct-I/O reads, save and load them per device.
 
-`measure` reads a file through the C reader (ioreader.Reader) with direct I/O: sequential 1 MiB
-reads, then random reads aligned to the chunk size over a grid of chunk sizes × thread counts.
+`measure` reads a file through the C reader (ioreader.Reader, its default engine) with direct
+I/O: sequential 1 MiB reads, then random reads aligned to the chunk size over a grid of chunk
+sizes × thread counts (reads in flight), three passes over the grid, median per cell.
 `scratch_file` makes (and always removes) the file to measure on the device holding a folder.
 Profiles are stored as JSON in `<cache>/profiles/`, keyed by the device (st_dev and its name);
 the cache folder comes from the caller. The cost model that uses them is in costmodel.py.
@@ -28,6 +29,7 @@ SEQ_CHUNK = 1 * MiB
 SEQ_THREADS = (1, 4)
 DST_BYTES = 32 * MiB          # destination buffer reused by every batch of a cell
 BATCH_BYTES = 256 * MiB       # upper bound of one batch's requested bytes
+REPEATS = 3                   # passes over the grid; a cell is its median pass
 
 
 class ProfileError(FlashError):
@@ -67,6 +69,7 @@ class Profile:
     file_bytes: int
     created: str
     cells: List[Cell] = field(default_factory=list)
+    engine: str = "pool"  # the reader's engine: "io_uring" (threads = reads in flight) or "pool"
 
     def get(self, kind: str, chunk: int, threads: int) -> Optional[Cell]:
         return next((c for c in self.cells
@@ -82,7 +85,7 @@ class Profile:
         device = Device(_typed(dev["major"], int), _typed(dev["minor"], int), _typed(dev["name"], str))
         cells = [_cell(c) for c in _typed(d["cells"], list)]
         return cls(device, _typed(d["direct"], bool), _typed(d["file_bytes"], int),
-                   _typed(d["created"], str), cells)
+                   _typed(d["created"], str), cells, _typed(d.get("engine", "pool"), str))
 
 
 def _typed(value, kind: type):
@@ -213,20 +216,34 @@ def measure_cell(reader: Reader, kind: str, chunk: int, seconds: float,
 
 def measure(path: Path, seconds: float, chunks: Sequence[int] = CHUNKS,
             threads: Sequence[int] = THREADS, on_cell: Callable[[Cell], None] = lambda c: None,
-            seed: int = 0) -> Profile:
-    """Profile reads of the existing file path (read-only); `seconds` is the total budget."""
+            seed: int = 0, repeats: int = REPEATS) -> Profile:
+    """Profile reads of the existing file path (read-only); `seconds` is the total budget.
+
+    The grid is measured `repeats` times over (whole passes, so a burst of load elsewhere hits
+    one sample of a cell, not all); each cell is its median sample. on_cell sees every sample."""
     grid = [("seq", SEQ_CHUNK, t) for t in SEQ_THREADS] + \
            [("random", c, t) for t in threads for c in chunks]
-    per_cell = seconds / len(grid)
+    per_cell = seconds / len(grid) / repeats
     rng = np.random.default_rng(seed)
     dst = aligned_empty(DST_BYTES)  # (DST_BYTES,) reused; its contents are never looked at
-    cells, direct, size = [], True, 0
-    for n_threads in sorted({t for _, _, t in grid}):
-        with Reader(path, n_threads=n_threads, stage_bytes=max(max(chunks), SEQ_CHUNK)) as reader:
-            direct, size = direct and reader.direct, reader.file_size
-            for kind, chunk, t in grid:
-                if t == n_threads:
-                    cells.append(measure_cell(reader, kind, chunk, per_cell, rng, dst))
-                    on_cell(cells[-1])
+    samples: dict = {key: [] for key in grid}
+    direct, size, engine = True, 0, "pool"
+    for _ in range(repeats):
+        for n_threads in sorted({t for _, _, t in grid}):
+            with Reader(path, n_threads=n_threads, stage_bytes=max(max(chunks), SEQ_CHUNK)) as reader:
+                direct, size = direct and reader.direct, reader.file_size
+                engine = "io_uring" if reader.ring else "pool"
+                for kind, chunk, t in grid:
+                    if t == n_threads:
+                        samples[(kind, chunk, t)].append(
+                            measure_cell(reader, kind, chunk, per_cell, rng, dst))
+                        on_cell(samples[(kind, chunk, t)][-1])
+    cells = [median_cell(samples[key]) for key in sorted(grid, key=lambda k: (k[2], k[0] != "seq", k[1]))]
     created = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    return Profile(device_of(path), direct, size, created, cells)
+    return Profile(device_of(path), direct, size, created, cells, engine)
+
+
+def median_cell(samples: List[Cell]) -> Cell:
+    """The sample with the median throughput (the lower middle one of an even count)."""
+    ranked = sorted(samples, key=lambda c: c.gib_s)
+    return ranked[(len(ranked) - 1) // 2]

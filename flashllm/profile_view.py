@@ -10,7 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .costmodel import CostModel
-from .profile import (CHUNKS, SEQ_THREADS, THREADS, Cell, KiB, MiB, Profile, measure,
+from .profile import (CHUNKS, REPEATS, SEQ_THREADS, THREADS, Cell, KiB, MiB, Profile, measure,
                       scratch_file)
 
 BAR_WIDTH = 32
@@ -25,7 +25,8 @@ def profile_table(profile: Profile) -> Table:
     threads = sorted({c.threads for c in profile.cells if c.kind == "random"})
     chunks = sorted({c.chunk for c in profile.cells if c.kind == "random"})
     mode = "direct I/O" if profile.direct else "page cache (O_DIRECT refused)"
-    table = Table(title=f"random reads on {profile.device.name}, {mode}: GiB/s (kIOPS)")
+    flight = "reads in flight (io_uring)" if profile.engine == "io_uring" else "threads (pool)"
+    table = Table(title=f"random reads on {profile.device.name}, {mode}, thr = {flight}: GiB/s (kIOPS)")
     table.add_column("chunk", justify="right")
     for t in threads:
         table.add_column(f"{t} thr", justify="right")
@@ -80,7 +81,7 @@ def run_profile(console: Console, target: Path, size: int, seconds: float) -> Pr
     columns = (TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
                TimeRemainingColumn())
     with Progress(*columns, console=console, transient=True) as progress:
-        n_cells = len(SEQ_THREADS) + len(CHUNKS) * len(THREADS)
+        n_cells = (len(SEQ_THREADS) + len(CHUNKS) * len(THREADS)) * REPEATS
         measuring = progress.add_task("measuring", total=n_cells, visible=False)
 
         def on_cell(cell: Cell) -> None:

@@ -112,10 +112,10 @@ int32_t fl_ffn_bundles(const uint8_t *bundles, int64_t n, int64_t stride, int32_
                        float threshold, const float *x, int64_t T, float *y, int32_t exact,
                        int32_t n_threads);
 
-/* ---- direct-I/O reader (io.c; batch planning in io_plan.c) ---- */
+/* ---- direct-I/O reader (io.c; io_uring engine io_ring.c; batch planning io_plan.c) ---- */
 
-/* A reader owns one open file (O_DIRECT when possible) and a pool of n_threads reader threads
- * (the calling thread is one of them). One batch at a time per reader. */
+/* A reader owns one open file (O_DIRECT when possible) and either a pool of n_threads reader
+ * threads (the calling thread is one of them) or an io_uring. One batch at a time per reader. */
 typedef struct fl_reader fl_reader;
 
 /* Counters since open or the last fl_reader_reset_stats. */
@@ -130,14 +130,20 @@ typedef struct {
     double seconds;           /* wall time inside fl_reader_read */
 } fl_reader_stats_t;
 
-/* Open path for reading with n_threads (1..256) threads and a staging buffer of stage_bytes
- * (a multiple of 4096, also the largest single read) per thread. want_direct: try O_DIRECT and
- * fall back to buffered reads where the filesystem refuses it (see fl_reader_info). */
-int32_t fl_reader_open(const char *path, int32_t n_threads, int32_t want_direct,
+/* fl_reader_open flags (fl_reader_info reports those in effect) */
+enum {
+    FL_READ_DIRECT = 1,  /* O_DIRECT; falls back to buffered reads where the filesystem refuses it */
+    FL_READ_RING = 2     /* io_uring: one thread keeps n_threads reads in flight; falls back to
+                            the thread pool where the kernel refuses io_uring */
+};
+
+/* Open path for reading with n_threads (1..256) threads (or reads in flight, FL_READ_RING) and a
+ * staging buffer of stage_bytes (a multiple of 4096, also the largest single read) per thread. */
+int32_t fl_reader_open(const char *path, int32_t n_threads, int32_t flags,
                        int64_t stage_bytes, fl_reader **out);
 
-/* direct = 1 when O_DIRECT is in use; file_size in bytes (at open). */
-int32_t fl_reader_info(const fl_reader *r, int32_t *direct, int64_t *file_size,
+/* flags: FL_READ_* in effect; file_size in bytes (at open). */
+int32_t fl_reader_info(const fl_reader *r, int32_t *flags, int64_t *file_size,
                        int32_t *n_threads);
 
 /* Read n requests: file bytes [offsets[i], offsets[i] + lengths[i]) land at dst + dst_offsets[i].

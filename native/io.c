@@ -25,15 +25,6 @@
 #define FL_IO_MAX_THREADS 256
 
 typedef struct {
-    const int64_t *offsets, *lengths, *dst_offsets, *order;
-    uint8_t *dst;
-    const io_run *runs;
-    int64_t n_runs;
-    atomic_int_fast64_t next;
-    atomic_int status;
-} io_job;
-
-typedef struct {
     struct fl_reader *r;
     int32_t index;
     sem_t go;                 /* posted once per batch this worker joins (or to quit) */
@@ -41,12 +32,14 @@ typedef struct {
 
 struct fl_reader {
     int fd;
-    int32_t direct;
-    int32_t n_threads;
+    int32_t flags;            /* FL_READ_DIRECT / FL_READ_RING in effect */
+    int32_t n_threads;        /* pool threads, or reads in flight with the ring */
+    io_ring *ring;            /* the io_uring engine, NULL for the thread pool */
     int64_t file_size;
     int64_t stage_bytes;
-    uint8_t **stage;          /* (n_threads) aligned buffers of stage_bytes */
-    pthread_t *threads;       /* (n_threads - 1); the caller is the last reader */
+    uint8_t *arena;           /* (n_threads * stage_bytes) aligned staging memory */
+    uint8_t **stage;          /* (n_threads) pool thread i's staging: arena + i * stage_bytes */
+    pthread_t *threads;       /* (n_threads - 1) pool only; the caller is the last reader */
     io_worker *workers;       /* (n_threads - 1) */
     int32_t n_started;
     sem_t done;               /* posted by a worker when it has finished its batch */
@@ -79,8 +72,7 @@ static int32_t read_full(const struct fl_reader *r, uint8_t *buf, int64_t off, i
     return FL_OK;
 }
 
-/* Copy the part of each request of the run that lies in [run->a, run->b) out of buf. */
-static void scatter(const io_job *job, const io_run *run, const uint8_t *buf) {
+void io_scatter(const io_job *job, const io_run *run, const uint8_t *buf) {
     for (int64_t k = run->first; k <= run->last; k++) {
         int64_t i = job->order[k];
         int64_t lo = job->offsets[i] > run->a ? job->offsets[i] : run->a;
@@ -92,8 +84,7 @@ static void scatter(const io_job *job, const io_run *run, const uint8_t *buf) {
     }
 }
 
-/* A run that is one page-aligned piece of one request can land in place: its address. */
-static uint8_t *direct_target(const io_job *job, const io_run *run) {
+uint8_t *io_direct_target(const io_job *job, const io_run *run) {
     if (run->first != run->last) return NULL;
     int64_t i = job->order[run->first];
     int64_t off = job->offsets[i];
@@ -107,14 +98,14 @@ static void work(struct fl_reader *r, io_job *job, uint8_t *stage) {
         int64_t k = atomic_fetch_add(&job->next, 1);
         if (k >= job->n_runs || atomic_load(&job->status) != FL_OK) return;
         const io_run *run = &job->runs[k];
-        uint8_t *target = direct_target(job, run);
+        uint8_t *target = io_direct_target(job, run);
         int32_t st = read_full(r, target ? target : stage, run->a, run->b - run->a);
         if (st != FL_OK) {
             int expected = FL_OK;
             atomic_compare_exchange_strong(&job->status, &expected, st);
             return;
         }
-        if (!target) scatter(job, run, stage);
+        if (!target) io_scatter(job, run, stage);
     }
 }
 
@@ -160,20 +151,19 @@ static int32_t alloc_reader(struct fl_reader *r) {
     r->workers = calloc((size_t)r->n_threads, sizeof *r->workers);
     if (!r->stage || !r->threads || !r->workers || sem_init(&r->done, 0, 0) != 0) return FL_ENOMEM;
     r->has_done = 1;
-    for (int32_t i = 0; i < r->n_threads; i++) {
-        if (posix_memalign((void **)&r->stage[i], FL_IO_ALIGN, (size_t)r->stage_bytes) != 0) {
-            r->stage[i] = NULL;
-            return FL_ENOMEM;
-        }
+    if (posix_memalign((void **)&r->arena, FL_IO_ALIGN, (size_t)(r->n_threads * r->stage_bytes)) != 0) {
+        r->arena = NULL;
+        return FL_ENOMEM;
     }
+    for (int32_t i = 0; i < r->n_threads; i++) r->stage[i] = r->arena + i * r->stage_bytes;
     return FL_OK;
 }
 
 /* Stops the workers that started, frees everything; safe on a partly built reader. */
 static void free_reader(struct fl_reader *r) {
     stop_workers(r);
-    if (r->stage)
-        for (int32_t i = 0; i < r->n_threads; i++) free(r->stage[i]);
+    io_ring_close(r->ring);
+    free(r->arena);
     if (r->has_done) sem_destroy(&r->done);
     free(r->stage);
     free(r->threads);
@@ -182,20 +172,32 @@ static void free_reader(struct fl_reader *r) {
     free(r);
 }
 
-static int open_file(const char *path, int32_t want_direct, int32_t *direct) {
-    *direct = 0;
+static int open_file(const char *path, int32_t want_direct, int32_t *flags) {
     if (want_direct) {
         int fd = open(path, O_RDONLY | O_DIRECT | O_CLOEXEC);
-        if (fd >= 0) { *direct = 1; return fd; }
+        if (fd >= 0) { *flags |= FL_READ_DIRECT; return fd; }
         if (errno != EINVAL) return -1;  /* EINVAL: this filesystem refuses O_DIRECT */
     }
     return open(path, O_RDONLY | O_CLOEXEC);
 }
 
-int32_t fl_reader_open(const char *path, int32_t n_threads, int32_t want_direct,
+/* The io_uring engine when asked for and the kernel has it, else the thread pool. */
+static int32_t start_engine(struct fl_reader *r, int32_t want_ring) {
+    int32_t status = alloc_reader(r);
+    if (status != FL_OK) return status;
+    if (want_ring) {
+        status = io_ring_open(r->fd, r->n_threads, &r->ring);
+        if (status == FL_OK) r->flags |= FL_READ_RING;
+        if (status != FL_EUNSUPPORTED) return status;
+    }
+    return start_workers(r);
+}
+
+int32_t fl_reader_open(const char *path, int32_t n_threads, int32_t flags,
                        int64_t stage_bytes, fl_reader **out) {
     if (!path || !out || n_threads < 1 || n_threads > FL_IO_MAX_THREADS ||
-        stage_bytes < FL_IO_ALIGN || stage_bytes % FL_IO_ALIGN != 0)
+        stage_bytes < FL_IO_ALIGN || stage_bytes % FL_IO_ALIGN != 0 ||
+        (flags & ~(FL_READ_DIRECT | FL_READ_RING)) != 0)
         return FL_EINVAL;
     *out = NULL;
     struct fl_reader *r = calloc(1, sizeof *r);
@@ -203,20 +205,19 @@ int32_t fl_reader_open(const char *path, int32_t n_threads, int32_t want_direct,
     r->n_threads = n_threads;
     r->stage_bytes = stage_bytes;
     atomic_init(&r->quit, 0);
-    r->fd = open_file(path, want_direct, &r->direct);
+    r->fd = open_file(path, flags & FL_READ_DIRECT, &r->flags);
     struct stat st;
     if (r->fd < 0 || fstat(r->fd, &st) != 0) { free_reader(r); return FL_EIO; }
     r->file_size = (int64_t)st.st_size;
-    int32_t status = alloc_reader(r);
-    if (status == FL_OK) status = start_workers(r);
+    int32_t status = start_engine(r, flags & FL_READ_RING);
     if (status != FL_OK) { free_reader(r); return status; }
     *out = r;
     return FL_OK;
 }
 
-int32_t fl_reader_info(const fl_reader *r, int32_t *direct, int64_t *file_size, int32_t *n_threads) {
-    if (!r || !direct || !file_size || !n_threads) return FL_EINVAL;
-    *direct = r->direct;
+int32_t fl_reader_info(const fl_reader *r, int32_t *flags, int64_t *file_size, int32_t *n_threads) {
+    if (!r || !flags || !file_size || !n_threads) return FL_EINVAL;
+    *flags = r->flags;
     *file_size = r->file_size;
     *n_threads = r->n_threads;
     return FL_OK;
@@ -242,6 +243,8 @@ int32_t fl_reader_close(fl_reader *r) {
 /* ---- reading a batch --------------------------------------------------------------------- */
 
 static int32_t run_job(struct fl_reader *r, io_job *job) {
+    if (r->ring) return io_ring_read(r->ring, job, r->arena, r->n_threads * r->stage_bytes,
+                                     r->file_size);
     int64_t helpers = job->n_runs < r->n_threads ? job->n_runs - 1 : r->n_threads - 1;
     r->job = job;
     for (int64_t i = 0; i < helpers; i++) sem_post(&r->workers[i].go);

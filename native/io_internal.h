@@ -3,6 +3,7 @@
 #ifndef FLASHLLM_IO_INTERNAL_H
 #define FLASHLLM_IO_INTERNAL_H
 
+#include <stdatomic.h>
 #include <stdint.h>
 
 #define FL_IO_ALIGN 4096
@@ -25,6 +26,36 @@ typedef struct {
     int64_t gap_bytes;       /* holes between requests read through */
     int64_t merged;          /* requests that joined an earlier request's run */
 } io_plan;
+
+/* One batch being read: the requests, where they go, the planned runs. Threads take runs by
+ * next (atomically); the first error wins status. */
+typedef struct {
+    const int64_t *offsets, *lengths, *dst_offsets, *order;
+    uint8_t *dst;
+    const io_run *runs;       /* (n_runs) */
+    int64_t n_runs;
+    atomic_int_fast64_t next;
+    atomic_int status;
+} io_job;
+
+/* Copy the part of each request of run that lies in [run->a, run->b) out of buf (the run). */
+void io_scatter(const io_job *job, const io_run *run, const uint8_t *buf);
+
+/* Where run can land in place (one page-aligned piece of one request with a page-aligned
+ * destination), else NULL (it goes through staging). */
+uint8_t *io_direct_target(const io_job *job, const io_run *run);
+
+/* The io_uring engine (io_ring.c): depth reads in flight from one thread. */
+typedef struct io_ring io_ring;
+
+/* FL_EUNSUPPORTED when the kernel refuses io_uring (old kernel, seccomp, sysctl). */
+int32_t io_ring_open(int file_fd, int32_t depth, io_ring **out);
+void io_ring_close(io_ring *ring);
+
+/* Read every run of job, staging through arena (arena_bytes, page aligned, at least depth times
+ * the largest run). */
+int32_t io_ring_read(io_ring *ring, io_job *job, uint8_t *arena, int64_t arena_bytes,
+                     int64_t file_size);
 
 /* FL_ERANGE unless every request lies in [0, limit). */
 int32_t io_check_requests(const int64_t *offsets, const int64_t *lengths, int64_t n,

@@ -1,10 +1,17 @@
 """Neuron-bundle reads through the C reader next to the device profile (make bench-io).
 
 For each fraction (2%, 10%, 50%) every layer gets a random sorted subset of its neurons, read
-with Reader.read_bundles into a preallocated (n, stride) matrix, with the threads and merge gap
-the cost model picks. Reported: device GiB/s (bytes read / time in the reader), useful GiB/s
-(bundle bytes / time), the average read size, and the profile's random-read GiB/s at that size
-and thread count (log-interpolated between its chunk sizes) with the ratio.
+with Reader.read_bundles into a preallocated (n, stride) matrix the way `flashllm run` reads a
+layer's missing bundles: the cost model's thread count, merge gap and per-batch read size
+(costmodel.batch_reads). Reported: device GiB/s (bytes read / time in the reader, one batch =
+one layer), useful GiB/s (bundle bytes / time), the average read size, and two references at
+that read size and the same thread count:
+  - "in-run": the profile's own random-read cells (profile.measure_cell: long batches of
+    chunk-aligned random reads) at the power-of-two chunk sizes around the expected read size,
+    measured on the same file with the same reader after every `--group` layers, so bundle
+    batches and reference see the same machine load; log-interpolated at the round's average
+    read size. One ratio per round (`--rounds` passes over all layers).
+  - "saved": the device's saved profile (`flashllm profile`), log-interpolated the same way.
 
     python scripts/bench_io.py MODEL_DIR               # a converted model's ffn.bin
     python scripts/bench_io.py --synthetic /work/scratch --stride 1536 --n-ff 8960 --layers 16
@@ -12,6 +19,7 @@ and thread count (log-interpolated between its chunk sizes) with the ratio.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from contextlib import ExitStack
 from pathlib import Path
@@ -21,9 +29,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from flashllm.cli import cache_dir  # noqa: E402  (the CLI's cache folder, env included)
-from flashllm.costmodel import CostModel, bundle_requests  # noqa: E402
-from flashllm.ioreader import Reader  # noqa: E402
-from flashllm.profile import GiB, Profile, device_of, load_profile, scratch_file  # noqa: E402
+from flashllm.costmodel import CostModel, batch_reads, bundle_requests  # noqa: E402
+from flashllm.ioreader import Reader, aligned_empty, plan_reads  # noqa: E402
+from flashllm.profile import (CHUNKS, DST_BYTES, GiB, Profile, device_of, load_profile,  # noqa: E402
+                              measure_cell, scratch_file)
 
 FRACTIONS = (0.02, 0.10, 0.50)
 ALIGN_LAYER = 4096
@@ -36,52 +45,93 @@ def synthetic_layout(n_layers: int, n_ff: int, stride: int) -> Tuple[List[int], 
     return offsets, ALIGN_LAYER + n_layers * layer_bytes
 
 
-def profile_gib_s(profile: Optional[Profile], read_size: float, threads: int) -> Optional[float]:
-    """The profile's random-read GiB/s at read_size bytes and `threads`, log-interpolated."""
-    if profile is None:
-        return None
-    cells = sorted((c.chunk, c.gib_s) for c in profile.cells
-                   if c.kind == "random" and c.threads == threads)
-    if not cells:
-        return None
-    chunks, gib = np.array(cells, dtype=np.float64).T  # (k,) (k,)
+def interpolate(points: List[Tuple[int, float]], read_size: float) -> float:
+    """GiB/s at read_size from (chunk, GiB/s) points, linear in log2(chunk)."""
+    chunks, gib = np.array(sorted(points), dtype=np.float64).T  # (k,) (k,)
     return float(np.interp(np.log2(read_size), np.log2(chunks), gib))
 
 
-def bench_fraction(path: Path, offsets: List[int], n_ff: int, stride: int, fraction: float,
-                   model: CostModel, rounds: int, rng: np.random.Generator, readers: dict,
-                   stack: ExitStack) -> dict:
-    n = max(1, int(round(fraction * n_ff)))
-    first = bundle_requests(offsets[0], stride, np.sort(rng.choice(n_ff, n, replace=False)))
-    plan = model.plan(*first)
-    if plan.threads not in readers:
-        readers[plan.threads] = stack.enter_context(Reader(path, n_threads=plan.threads))
-    reader = readers[plan.threads]
+def saved_gib_s(profile: Optional[Profile], read_size: float, threads: int) -> Optional[float]:
+    """The saved profile's random-read GiB/s at read_size bytes and `threads`."""
+    cells = [(c.chunk, c.gib_s) for c in profile.cells
+             if c.kind == "random" and c.threads == threads] if profile else []
+    return interpolate(cells, read_size) if cells else None
+
+
+def bracket(read_size: float) -> Tuple[int, int]:
+    """The profile's chunk sizes just below and above read_size."""
+    lo = max([c for c in CHUNKS if c <= read_size] or [CHUNKS[0]])
+    return lo, min([c for c in CHUNKS if c >= read_size] or [CHUNKS[-1]])
+
+
+def layer_batch(reader: Reader, base: int, n_ff: int, stride: int, n: int, model: CostModel,
+                rng: np.random.Generator, out: np.ndarray) -> None:
+    """One layer's batch: n random bundles, the merge gap and read size `run` would use."""
+    ids = np.sort(rng.choice(n_ff, n, replace=False))  # (n,)
+    gap, run = batch_reads(model, *bundle_requests(base, stride, ids), reader.n_threads)
+    reader.read_bundles(base, stride, ids, out, np.arange(n), max_gap=gap, max_run=run)
+
+
+def bench_row(reader: Reader, offsets: List[int], n_ff: int, stride: int, n: int,
+              model: CostModel, args: argparse.Namespace, rng: np.random.Generator) -> dict:
+    """Rounds of: every layer's bundle batch, in groups of layers, each group followed by the
+    profile's cells at the chunk sizes around the expected read size. Per round: the bundle
+    counters and the reference GiB/s at the round's average read size."""
     out = np.empty((n, stride), dtype=np.uint8)  # (n, stride) the layer's slots
-    slots = np.arange(n)  # (n,)
-    reader.reset_stats()
-    for _ in range(rounds):
-        for base in offsets:
-            ids = np.sort(rng.choice(n_ff, n, replace=False))  # (n,)
-            reader.read_bundles(base, stride, ids, out, slots, max_gap=plan.max_gap,
-                                max_run=plan.max_run)
-    s = reader.stats()
-    return dict(fraction=fraction, threads=plan.threads, max_gap=plan.max_gap, stats=s,
-                predicted=plan.seconds * len(offsets) * rounds)
+    dst = aligned_empty(DST_BYTES)  # (DST_BYTES,) the reference cells' destination
+    offs, lens = bundle_requests(offsets[0], stride, rng.choice(n_ff, n, replace=False))  # (n,) (n,)
+    reads, nbytes, _ = plan_reads(offs, lens, *batch_reads(model, offs, lens, reader.n_threads))
+    chunks = sorted(set(bracket(nbytes / reads)))
+    row: dict = dict(passes=[], refs=[])
+    for _ in range(args.rounds):
+        tot = dict(reads=0, bytes_read=0, bytes_requested=0, seconds=0.0, batches=0)
+        ref = {c: [0, 0.0] for c in chunks}  # chunk -> [bytes, seconds]
+        for g in range(0, len(offsets), args.group):
+            reader.reset_stats()
+            for base in offsets[g:g + args.group]:
+                layer_batch(reader, base, n_ff, stride, n, model, rng, out)
+            st = reader.stats()
+            for k in tot:
+                tot[k] += getattr(st, k)
+            for c in chunks:
+                cell = measure_cell(reader, "random", c, args.ref_seconds, rng, dst)
+                ref[c][0] += cell.reads * c
+                ref[c][1] += cell.seconds
+        avg = tot["bytes_read"] / tot["reads"]
+        row["passes"].append(dict(tot, avg_read=avg, gib_s=tot["bytes_read"] / tot["seconds"] / GiB))
+        row["refs"].append(interpolate([(c, b / sec / GiB) for c, (b, sec) in ref.items()], avg))
+    return row
+
+
+def bench(path: Path, offsets: List[int], n_ff: int, stride: int, model: CostModel,
+          args: argparse.Namespace) -> List[dict]:
+    rng, rows = np.random.default_rng(args.seed), []
+    for fraction in FRACTIONS:
+        n = max(1, int(round(fraction * n_ff)))
+        sample = bundle_requests(offsets[0], stride, rng.choice(n_ff, n, replace=False))
+        threads = args.threads or model.plan(*sample).threads
+        with Reader(path, n_threads=threads, ring=not args.pool) as reader:
+            row = bench_row(reader, offsets, n_ff, stride, n, model, args, rng)
+            engine = "io_uring" if reader.ring else "pool"
+        rows.append(dict(row, fraction=fraction, threads=threads, engine=engine))
+    return rows
 
 
 def report(rows: List[dict], profile: Optional[Profile]) -> None:
-    print("| neurons/layer | threads | merge gap | avg read | reads | device GiB/s | useful GiB/s "
-          "| profile GiB/s at that read size | ratio | model's predicted time / measured |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| neurons/layer | engine | threads | reads/layer | avg read | device GiB/s | useful GiB/s "
+          "| in-run profile GiB/s | ratio per round | saved profile GiB/s | ratio to saved |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|")
     for r in rows:
-        s = r["stats"]
-        ref = profile_gib_s(profile, s.avg_read, r["threads"])
-        useful = s.bytes_requested / s.seconds / GiB
-        ratio = f"{s.gib_per_s / ref:.2f}" if ref else "–"
-        print(f"| {r['fraction']:.0%} | {r['threads']} | {r['max_gap'] // 1024} KiB | "
-              f"{s.avg_read / 1024:.1f} KiB | {s.reads} | {s.gib_per_s:.3f} | {useful:.3f} | "
-              f"{ref if ref is None else round(ref, 3)} | {ratio} | {r['predicted'] / s.seconds:.2f} |")
+        dev = [p["gib_s"] for p in r["passes"]]
+        ratios = " / ".join(f"{d / ref:.2f}" for d, ref in zip(dev, r["refs"]))
+        avg = float(np.mean([p["avg_read"] for p in r["passes"]]))
+        reads = float(np.mean([p["reads"] / p["batches"] for p in r["passes"]]))
+        useful = float(np.median([p["bytes_requested"] / p["seconds"] / GiB for p in r["passes"]]))
+        saved = saved_gib_s(profile, avg, r["threads"])
+        to_saved = f"{np.median(dev) / saved:.2f}" if saved else "–"
+        print(f"| {r['fraction']:.0%} | {r['engine']} | {r['threads']} | {reads:.1f} | {avg / 1024:.1f} KiB | "
+              f"{np.median(dev):.3f} | {useful:.3f} | {np.median(r['refs']):.3f} | {ratios} | "
+              f"{'–' if saved is None else f'{saved:.3f}'} | {to_saved} |")
 
 
 def main() -> None:
@@ -91,7 +141,12 @@ def main() -> None:
     ap.add_argument("--stride", type=int, default=1536)
     ap.add_argument("--n-ff", type=int, default=8960)
     ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=3, help="Passes over all layers per fraction.")
+    ap.add_argument("--rounds", type=int, default=3, help="Alternating passes + references.")
+    ap.add_argument("--ref-seconds", type=float, default=0.05,
+                    help="Per reference cell, after each group of layers.")
+    ap.add_argument("--group", type=int, default=7, help="Layers between reference cells.")
+    ap.add_argument("--threads", type=int, help="Force a thread count (default: the cost model's).")
+    ap.add_argument("--pool", action="store_true", help="The thread pool instead of io_uring.")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     with ExitStack() as stack:
@@ -106,14 +161,13 @@ def main() -> None:
             ap.error("give MODEL or --synthetic FOLDER")
         model = CostModel.for_path(cache_dir(), path)
         profile = load_profile(cache_dir(), device_of(path))
-        print(f"{path}: {len(offsets)} layers × {n_ff} bundles of {stride} B; cost model: {model.source}",
-              file=sys.stderr)
+        print(f"{path}: {len(offsets)} layers × {n_ff} bundles of {stride} B; cost model: {model.source}; "
+              f"load average {' / '.join(f'{x:.2f}' for x in os.getloadavg())}", file=sys.stderr)
         if model.hint:
             print(model.hint, file=sys.stderr)
-        rng, readers = np.random.default_rng(args.seed), {}
-        rows = [bench_fraction(path, offsets, n_ff, stride, f, model, args.rounds, rng, readers, stack)
-                for f in FRACTIONS]
+        rows = bench(path, offsets, n_ff, stride, model, args)
     report(rows, profile)
+    print(f"load average at the end: {' / '.join(f'{x:.2f}' for x in os.getloadavg())}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -43,10 +43,23 @@ def test_plan_merges_holes_below_the_gap_and_picks_the_fast_pool():
     assert plan.max_run == -(-(offsets[-1] + stride - offsets[0]) // 64) // ALIGN * ALIGN
     assert plan.reads == -(-pages * ALIGN // plan.max_run)  # joined runs, one or more per thread
     assert plan.bytes_requested == 2000 * stride
-    by_hand = plan.reads * 5e-6 + plan.bytes_read / (2.0 * GiB)
+    avg = plan.bytes_read / plan.reads  # the device's GiB/s there, log-interpolated by hand:
+    chunks, gib = zip(*[(c, g) for c, _, g in synthetic_points(5e-6, 2.0 * GiB, 16)])
+    by_hand = plan.bytes_read / (np.interp(np.log2(avg), np.log2(chunks), gib) * GiB)
     assert plan.seconds == pytest.approx(by_hand)
     one = model.plan(offsets, lengths, threads=[1])
     assert one.threads == 1 and one.seconds > plan.seconds
+
+
+def test_a_dip_at_more_threads_is_lifted_and_the_deepest_near_tie_wins():
+    noisy = synthetic_points(20e-6, 2.5 * GiB, 4) + [(c, 8, g * 0.8) for c, _, g in
+                                                      synthetic_points(20e-6, 2.5 * GiB, 8)]
+    model = CostModel.from_points(noisy, "test")
+    assert model.gib_s(8, 64 * KiB) == pytest.approx(model.gib_s(4, 64 * KiB))  # not 0.8×
+    ids = np.arange(0, 40000, 2)  # (20000,) 61 MB: 1 MiB reads for either pool
+    assert model.plan(*bundle_requests(4096, 1536, ids)).threads == 8
+    small = model.plan(*bundle_requests(4096, 1536, np.arange(0, 4000, 2)))  # 6 MB
+    assert small.threads == 4  # 8 would cut it into reads of half the size: > 10% slower
 
 
 def test_best_threads_is_the_fewest_within_five_percent():

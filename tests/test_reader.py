@@ -36,11 +36,13 @@ def random_batch(rng, n, stride=None):
     return rng.integers(0, FILE_BYTES - lengths + 1), lengths
 
 
+@pytest.mark.parametrize("ring", [True, False], ids=["io_uring", "pool"])
 @pytest.mark.parametrize("threads", [1, 4, 16])
 @pytest.mark.parametrize("stride", [None, 1536, 2624, 4096])
-def test_random_batches_match_python_reads(data_file, threads, stride):
+def test_random_batches_match_python_reads(data_file, threads, stride, ring):
     rng = np.random.default_rng(threads * 1000 + (stride or 0))
-    with Reader(data_file, n_threads=threads) as reader:
+    with Reader(data_file, n_threads=threads, ring=ring) as reader:
+        assert ring or not reader.ring
         for trial in range(6):
             offsets, lengths = random_batch(rng, int(rng.integers(1, 300)), stride)  # (n,) (n,)
             offsets[-1] = FILE_BYTES - lengths[-1]  # the unaligned tail
@@ -51,6 +53,17 @@ def test_random_batches_match_python_reads(data_file, threads, stride):
                         max_run=int(rng.choice([0, 8192, 131072])))
             for o, n, d in zip(offsets, lengths, dst_offsets):
                 assert dst[d:d + n].tobytes() == python_read(data_file, o, n)
+
+
+def test_io_uring_is_used_where_the_kernel_has_it(data_file):
+    with Reader(data_file, n_threads=4) as reader:
+        if not reader.ring:
+            pytest.skip("this kernel refuses io_uring: the reader uses its thread pool")
+        dst = aligned_empty(3 * ALIGN)  # (3 pages,)
+        reader.read(np.array([FILE_BYTES - 2 * ALIGN - 5]), np.array([2 * ALIGN + 5]), dst,
+                    np.array([0]))  # the last read is short: it stops at the end of the file
+        assert dst[:2 * ALIGN + 5].tobytes() == python_read(data_file, FILE_BYTES - 2 * ALIGN - 5,
+                                                            2 * ALIGN + 5)
 
 
 def test_bundles_land_in_their_slots(data_file):

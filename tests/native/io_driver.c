@@ -92,20 +92,21 @@ int main(int argc, char **argv) {
     uint8_t *data = malloc(FILE_BYTES);
     if (!data || write_file(path, data)) return fail("write scratch file", 0);
     int bad = 0;
-    int32_t threads[] = {1, 3, 16};
-    for (int t = 0; t < 3 && !bad; t++) {
+    int32_t threads[] = {1, 3, 16, 1, 3, 16}, flags[] = {FL_READ_DIRECT, FL_READ_DIRECT | FL_READ_RING};
+    for (int t = 0; t < 6 && !bad; t++) {
         fl_reader *r = NULL;
-        if (fl_reader_open(path, threads[t], 1, 256 * 1024, &r) != FL_OK) { bad = fail("open", t); break; }
+        if (fl_reader_open(path, threads[t], flags[t / 3], 256 * 1024, &r) != FL_OK) { bad = fail("open", t); break; }
         for (int trial = 0; trial < 60 && !bad; trial++) bad = one_batch(r, data, trial);
         if (!bad) bad = error_paths(r);
         fl_reader_stats_t s;
-        int32_t direct = 0, nt = 0;
+        int32_t fl = 0, nt = 0;
         int64_t size = 0;
         fl_reader_stats(r, &s);
-        fl_reader_info(r, &direct, &size, &nt);
-        printf("direct %d threads %d: %lld batches, %lld requests, %lld reads, %lld MiB read\n", direct, nt,
-               (long long)s.batches, (long long)s.requests, (long long)s.reads,
+        fl_reader_info(r, &fl, &size, &nt);
+        printf("direct %d ring %d threads %d: %lld batches, %lld requests, %lld reads, %lld MiB read\n",
+               fl & FL_READ_DIRECT, (fl & FL_READ_RING) != 0, nt, (long long)s.batches, (long long)s.requests, (long long)s.reads,
                (long long)(s.bytes_read >> 20));
+        (void)size;
         fl_reader_close(r);
     }
     unlink(path);
