@@ -2,17 +2,18 @@
  *
  * Activations: SiLU x*sigmoid(x); GELU is the exact erf form 0.5*x*(1+erf(x/sqrt(2))) (Hugging
  * Face "gelu"; models using the tanh approximation "gelu_new"/"gelu_pytorch_tanh" differ by
- * < 1e-3); ReLU. Threads split the bundles; each thread accumulates into its own (T, d) partial
- * and the partials are then summed into y, split over y's elements.
+ * < 1e-3); ReLU. Threads take chunks of the bundles as they come free; each chunk accumulates
+ * into its own (T, d) partial and the partials are then summed into y in chunk order, split over
+ * y's elements.
  */
 #include <math.h>
-#include <omp.h>
 #include <stdlib.h>
 
 #include "flashllm.h"
 #include "simd.h"
 
 #define MIN_BUNDLES_PER_THREAD 32
+#define CHUNKS_PER_THREAD 4 /* work units per thread: dynamic balance under load */
 #define PREFETCH_BUNDLES 2 /* bundles ahead of the one being computed */
 #define PREFETCH_GROUPS 1  /* int8 paths: groups of FL_QT bundles ahead */
 #define DOWN_K 16          /* neurons per f32 down GEMM when T > 1 (a multiple of FL_QT) */
@@ -166,22 +167,21 @@ static void range_qt(const ffn_args *a, const uint8_t *bundles, int64_t stride, 
     }
 }
 
-/* acc (T, d) += the FFN over bundles j0 .. j1-1 (rows[j] when rows are given); FL_ENOMEM if
- * the scratch cannot be had */
-static int32_t bundle_range(const ffn_args *a, const uint8_t *bundles, int64_t stride,
-                            int64_t i0, int64_t i1, float *acc) {
-    if (a->xq && a->T == 1) {
-        range_q1(a, bundles, stride, i0, i1, acc);
-        return FL_OK;
-    }
-    float *scratch = NULL;  // f32: (3, d) when T > 1; int8: (DOWN_K, T + d) + expanded rows
-    const size_t n_scratch = a->xq ? DOWN_K * (size_t)(a->T + a->d) + 2 * FL_QT * a->xb / 4 + 1
-                                   : 3 * (size_t)a->d;
-    if (a->T > 1 && !(scratch = malloc(n_scratch * sizeof(float)))) return FL_ENOMEM;
+/* floats of per-thread scratch: f32 path (3, d) when T > 1; int8 path (DOWN_K, T + d) and the
+ * expanded gate and up rows of a group (2, FL_QT, xb bytes) when T > 1; none when T == 1 */
+static size_t scratch_floats(const ffn_args *a) {
+    if (a->T == 1) return 0;
+    if (!a->xq) return 3 * (size_t)a->d;
+    return DOWN_K * (size_t)(a->T + a->d) + 2 * FL_QT * a->xb / sizeof(float) + 1;
+}
+
+/* acc (T, d) += the FFN over bundles j0 .. j1-1 (rows[j] when rows are given) */
+static void bundle_range(const ffn_args *a, const uint8_t *bundles, int64_t stride, int64_t i0,
+                         int64_t i1, float *acc, float *scratch) {
     if (a->xq) {
-        range_qt(a, bundles, stride, i0, i1, acc, scratch);
-        free(scratch);
-        return FL_OK;
+        if (a->T == 1) range_q1(a, bundles, stride, i0, i1, acc);
+        else range_qt(a, bundles, stride, i0, i1, acc, scratch);
+        return;
     }
     for (int64_t j = i0; j < i1; j++) {
         if (j + PREFETCH_BUNDLES < i1) {
@@ -192,32 +192,47 @@ static int32_t bundle_range(const ffn_args *a, const uint8_t *bundles, int64_t s
         if (scratch) bundle_tokens(a, bundles + i * stride, i, acc, scratch);
         else bundle_fused(a, bundles + i * stride, i, acc);
     }
+}
+
+/* one thread over every bundle, straight into y */
+static int32_t ffn_serial(const ffn_args *a, const uint8_t *bundles, int64_t n, int64_t stride,
+                          float *y) {
+    const size_t ns = scratch_floats(a);
+    float *scratch = ns ? malloc(ns * sizeof(float)) : NULL;
+    if (ns && !scratch) return FL_ENOMEM;
+    bundle_range(a, bundles, stride, 0, n, y, scratch);
     free(scratch);
     return FL_OK;
 }
 
-/* bundles split over n_threads, per-thread partials (n_threads, T, d) summed into y */
+/* the bundles cut into n_chunks ranges handed to the threads as they come free (a thread slowed
+ * by another process does less), one partial (T, d) per chunk summed into y in chunk order, so
+ * the result does not depend on which thread took which chunk */
 static int32_t ffn_parallel(const ffn_args *a, const uint8_t *bundles, int64_t n, int64_t stride,
-                            float *y, int32_t n_threads) {
+                            float *y, int32_t n_threads, int64_t n_chunks) {
     const int64_t len = a->T * a->d;
-    float *partial = calloc((size_t)n_threads * (size_t)len, sizeof(float));  // (nt, T, d)
+    const size_t ns = scratch_floats(a);
+    float *partial = calloc((size_t)n_chunks * (size_t)len, sizeof(float));  // (n_chunks, T, d)
     if (!partial) return FL_ENOMEM;
     int32_t status = FL_OK;
 #pragma omp parallel num_threads(n_threads)
     {
-        const int64_t th = omp_get_thread_num(), nth = omp_get_num_threads();
-        const int32_t st = bundle_range(a, bundles, stride, n * th / nth, n * (th + 1) / nth,
-                                        partial + (size_t)th * (size_t)len);
-        if (st != FL_OK) {
+        float *scratch = ns ? malloc(ns * sizeof(float)) : NULL;
+        if (ns && !scratch) {
 #pragma omp atomic write
-            status = st;
+            status = FL_ENOMEM;
         }
-#pragma omp barrier
-        if (status == FL_OK) {  // every thread sees one value after the barrier
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t c = 0; c < n_chunks; c++)
+            if (!ns || scratch)
+                bundle_range(a, bundles, stride, n * c / n_chunks, n * (c + 1) / n_chunks,
+                             partial + (size_t)c * (size_t)len, scratch);
+        free(scratch);
+        if (status == FL_OK) {  // written before the barrier that ends the loop above
 #pragma omp for schedule(static)
             for (int64_t k = 0; k < len; k++) {
                 float s = 0.0f;
-                for (int32_t p = 0; p < n_threads; p++) s += partial[(size_t)p * (size_t)len + k];
+                for (int64_t c = 0; c < n_chunks; c++) s += partial[(size_t)c * (size_t)len + k];
                 y[k] += s;
             }
         }
@@ -264,8 +279,10 @@ int32_t fl_ffn_bundles(const uint8_t *bundles, int64_t n, int64_t stride, int32_
     if (rows) n = n_rows;
     const int64_t useful = n / MIN_BUNDLES_PER_THREAD;
     const int32_t nt = useful < n_threads ? (int32_t)(useful > 1 ? useful : 1) : n_threads;
-    status = nt == 1 ? bundle_range(&a, bundles, stride, 0, n, y)
-                     : ffn_parallel(&a, bundles, n, stride, y, nt);
+    const int64_t chunks = (int64_t)nt * CHUNKS_PER_THREAD < useful ? nt * CHUNKS_PER_THREAD
+                                                                    : useful;
+    status = nt == 1 ? ffn_serial(&a, bundles, n, stride, y)
+                     : ffn_parallel(&a, bundles, n, stride, y, nt, chunks);
     free(xq);
     return status;
 }

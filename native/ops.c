@@ -14,6 +14,7 @@
 
 #define TILE 4              /* weight rows dequantized together when T > 1 (fli_dot4x4_f32) */
 #define PREFETCH_BYTES 2048 /* how far ahead of the row being read a matvec prefetches */
+#define QT_CHUNK 16         /* int8 tiles per work unit when T <= FL_QT */
 
 /* y (rows) = w (rows, cols) . x (cols) [+ bias], fused dequantize + dot, one pass over w.
  * Quantized rows are short and compute-heavy and the hardware prefetcher falls behind, so each
@@ -126,7 +127,7 @@ static int32_t matmul_q(const uint8_t *w, int32_t dtype, size_t rb, int64_t rows
             for (int64_t t = 0; t < T; t++)
                 fli_xq_quantize(dtype, x + t * cols, cols, xq + (size_t)t * xb);
         }
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, T > FL_QT ? 1 : QT_CHUNK)  // balanced when a core is shared
         for (int64_t i = 0; i < n_tiles; i++)
             if (wx || T <= FL_QT)
                 qtile_rows(w, dtype, rb, i * FL_QT, rows, cols, bias, xq, xb, T, y, wx);
