@@ -103,7 +103,7 @@ void fli_axpy4(int32_t dtype, const uint8_t *const rows[FL_QT], const float a[FL
                int64_t n);
 
 /* y (T, d) += h^T @ down: y[t][j] += sum over k < K of h[k * ldh + t] * down[k * d + j];
- * down (K, d) f32, d a multiple of 32 */
+ * down (K, d) f32, d a multiple of the vector width (32 is) */
 void fli_down_f32(const float *h, int64_t ldh, const float *down, int64_t K, int64_t d, float *y,
                   int64_t T);
 

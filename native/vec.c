@@ -262,40 +262,43 @@ void fli_axpy4(int32_t dtype, const uint8_t *const rows[FL_QT], const float a[FL
     }
 }
 
-/* y (nt, d) columns j .. j+2*VW-1 += h^T @ down for nt <= DOWN_T tokens: each loaded down vector
- * feeds nt FMAs and each y vector is loaded and stored once */
-#define DOWN_T 8
+/* y (nt, d) columns j .. j+NC*VW-1 += h^T @ down for nt <= DOWN_T tokens: each loaded down
+ * vector feeds nt FMAs and each y vector is loaded and stored once */
+#define DOWN_T 6
 static inline __attribute__((always_inline)) void down_block(const float *h, int64_t ldh,
                                                              const float *down, int64_t K,
                                                              int64_t d, float *y, int64_t j,
-                                                             int64_t nt) {
-    vf acc[DOWN_T][2];
-    for (int64_t u = 0; u < nt; u++) {
-        acc[u][0] = vload(y + u * d + j);
-        acc[u][1] = vload(y + u * d + j + VW);
-    }
+                                                             int64_t nt, int NC) {
+    vf acc[DOWN_T][4];
+    for (int64_t u = 0; u < nt; u++)
+        for (int c = 0; c < NC; c++) acc[u][c] = vload(y + u * d + j + c * VW);
     for (int64_t k = 0; k < K; k++) {
-        const vf d0 = vload(down + k * d + j), d1 = vload(down + k * d + j + VW);
+        vf dv[4];
+        for (int c = 0; c < NC; c++) dv[c] = vload(down + k * d + j + c * VW);
         for (int64_t u = 0; u < nt; u++) {
             const vf hb = vset1(h[k * ldh + u]);
-            acc[u][0] = vfma(hb, d0, acc[u][0]);
-            acc[u][1] = vfma(hb, d1, acc[u][1]);
+            for (int c = 0; c < NC; c++) acc[u][c] = vfma(hb, dv[c], acc[u][c]);
         }
     }
-    for (int64_t u = 0; u < nt; u++) {
-        vstore(y + u * d + j, acc[u][0]);
-        vstore(y + u * d + j + VW, acc[u][1]);
-    }
+    for (int64_t u = 0; u < nt; u++)
+        for (int c = 0; c < NC; c++) vstore(y + u * d + j + c * VW, acc[u][c]);
+}
+
+/* columns in blocks of 4 vectors, then of 1; full token groups with constant bounds */
+static inline __attribute__((always_inline)) void down_tokens(const float *h, int64_t ldh,
+                                                              const float *down, int64_t K,
+                                                              int64_t d, float *y, int64_t nt) {
+    int64_t j = 0;
+    for (; j + 4 * VW <= d; j += 4 * VW) down_block(h, ldh, down, K, d, y, j, nt, 4);
+    for (; j + VW <= d; j += VW) down_block(h, ldh, down, K, d, y, j, nt, 1);
 }
 
 void fli_down_f32(const float *h, int64_t ldh, const float *down, int64_t K, int64_t d, float *y,
                   int64_t T) {
     for (int64_t t = 0; t < T; t += DOWN_T) {
         const int64_t nt = T - t < DOWN_T ? T - t : DOWN_T;
-        for (int64_t j = 0; j + 2 * VW <= d; j += 2 * VW) {
-            if (nt == DOWN_T) down_block(h + t, ldh, down, K, d, y + t * d, j, DOWN_T);
-            else down_block(h + t, ldh, down, K, d, y + t * d, j, nt);
-        }
+        if (nt == DOWN_T) down_tokens(h + t, ldh, down, K, d, y + t * d, DOWN_T);
+        else down_tokens(h + t, ldh, down, K, d, y + t * d, nt);
     }
 }
 
