@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_flashllm import (ROOT, Flashllm, converted_dir, ensure_converted,  # noqa: E402
-                            make_prompt, parse_run)
+from bench_flashllm import (ROOT, Flashllm, converted_dir, ensure_calibrated,  # noqa: E402
+                            ensure_converted, make_prompt, parse_run)
 from bench_report import dense_section, flash_section, header, merge  # noqa: E402
 from bench_stats import parse_stats_table, stat_cells  # noqa: E402
 from cgroup_run import CgroupUnavailable, run_capped, unavailable_reason  # noqa: E402
@@ -226,11 +226,13 @@ def flash_rows(args, fl: Flashllm, opts: Dict[str, bool]) -> tuple:
         dtype = MODELS[name][1]
         out = converted_dir(args.cache, name, dtype)
         conv = ensure_converted(fl, gguf, out, dtype, log)
-        size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+        out, cal = ensure_calibrated(fl, out, log)        # every flashllm row runs the calibrated copy
+        size = sum(p.stat().st_size for p in out.iterdir() if p.is_file() and p.name != "predictor.bin")
         prompt = args.work / f"prompt-{name}-{dtype}.txt"
         n = make_prompt(out, 64, "code", prompt)
-        notes.append(f"- {name}: `{conv}` ({size / MiB:.0f} MiB on flash); prompt {n} tokens; "
-                     f"llama.cpp reads {gguf.name} ({gguf.stat().st_size / MiB:.0f} MiB).")
+        notes.append(f"- {name}: `{conv}`, then `{cal}` ({size / MiB:.0f} MiB on flash without the "
+                     f"predictor); prompt {n} tokens; llama.cpp reads {gguf.name} "
+                     f"({gguf.stat().st_size / MiB:.0f} MiB).")
         floor = probe_floor(fl, out, prompt, n_gen) if opts["--dram-budget"] else None
         ffn = (out / "ffn.bin").stat().st_size
         notes.append(f"- {name}: flashllm's least --dram-budget (its refusal of 1 MiB): "

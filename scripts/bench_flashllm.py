@@ -86,6 +86,22 @@ def ensure_converted(fl: Flashllm, gguf: Path, out: Path, dtype: str, log) -> st
     return fl.show(argv)
 
 
+def ensure_calibrated(fl: Flashllm, src: Path, log) -> tuple[Path, str]:
+    """(src + "-cal", the command): a copy of the converted model run through `flashllm
+    calibrate` with its defaults (thresholds, hot-first order, predictor), done once."""
+    out = src.with_name(src.name + "-cal")
+    argv = fl.argv + ["calibrate", str(out)]
+    if not (out / ".calibrated").is_file():
+        log(f"calibrating {out}")
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.copytree(src, out)
+        res = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT)
+        if res.returncode != 0:
+            raise RuntimeError(f"calibrate failed: {res.stderr.strip()[-400:]}")
+        (out / ".calibrated").write_text(res.stderr[-4000:], encoding="utf-8")
+    return out, f"cp -r {src} {out} && " + fl.show(argv)
+
+
 def prompt_text(kind: str) -> str:
     """Real text present on every machine: stdlib source (code) or pydoc topics (prose)."""
     if kind == "code":
