@@ -102,12 +102,7 @@ static inline vs acc_block(vi p, vs scale, vs acc) {
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc);
 }
 static inline vs vs_mul(vs a, vs b) { return _mm256_mul_ps(a, b); }
-static inline float vs_sum(vs a) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+static inline float vs_sum(vs a) { return fli_hsum256(a); }
 #else
 #define G 0 /* no vector path: every block goes through block_idot */
 #define Q8_BIAS 0

@@ -64,6 +64,17 @@ static inline uint16_t fl_fp32_to_fp16(float f) {
 #endif
 }
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+/* the sum of the 8 lanes of a */
+static inline float fli_hsum256(__m256 a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
 static inline float fl_load_fp16(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, sizeof h);

@@ -47,12 +47,7 @@ static inline vf vload_h(const uint8_t *p) {
 static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
-static inline float vsum(vf a) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+static inline float vsum(vf a) { return fli_hsum256(a); }
 static inline vf cvt8(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)); }
 static inline void load_q8(const uint8_t *qs, vf v[4]) {
     const __m128i a = _mm_loadu_si128((const __m128i *)qs);

@@ -1,8 +1,9 @@
 """The C compute kernel (through kernel.py) against float64 numpy references.
 
 Quantized weights are dequantized by gguf-py for the reference, so every dtype must match the
-f64 result to float32 accumulation error. These tests run matmul and ffn_bundles with exact=True
-(f32 activations); the default int8-activation path of q4_0 / q8_0 is in test_kernel_int8.py.
+f64 result to float32 accumulation error. matmul and ffn_bundles run with exact=True (f32
+activations) here, except test_ffn_bundles_matches_numpy, which also runs the default int8 path
+against x quantized in numpy (_quantize_x); the rest of the int8 path is in test_kernel_int8.py.
 """
 import math
 
@@ -29,6 +30,16 @@ def _qtensor(rows: int, cols: int, dtype: str, seed: int) -> tuple[QTensor, np.n
     data = quantize(w, GGUF_TYPES[dtype]).view(np.uint8).reshape(rows, -1)  # (rows, row_bytes)
     ref = dequantize(data, GGUF_TYPES[dtype]).reshape(rows, cols).astype(np.float64)
     return QTensor(np.ascontiguousarray(data), dtype, rows, cols), ref
+
+
+def _quantize_x(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x (T, n) f32 -> (the f64 values the kernel sees (T, n), block scales d (T, n / 32))."""
+    xb = x.astype(np.float32).reshape(x.shape[0], -1, 32)  # (T, nb, 32)
+    d = (np.abs(xb).max(-1) / np.float32(127)).astype(np.float32)  # (T, nb)
+    inv = np.zeros_like(d)  # (T, nb)
+    np.divide(np.float32(1), d, out=inv, where=d != 0)
+    q = np.rint(xb * inv[..., None])  # (T, nb, 32) f32 products, ties to even
+    return (q * d[..., None]).reshape(x.shape).astype(np.float64), d
 
 
 def _close(got: np.ndarray, ref: np.ndarray, rel: float = 2e-5) -> None:
@@ -145,8 +156,10 @@ def _bundles(n: int, d: int, dtype: str, glu: bool, pad: int, seed: int):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("glu,act", [(True, "silu"), (True, "gelu"), (False, "relu"),
                                      (False, "gelu"), (True, "relu")])
-@pytest.mark.parametrize("T", [1, 3])
-def test_ffn_bundles_matches_numpy(dtype, glu, act, T):
+@pytest.mark.parametrize("T", [1, 3, 6])
+@pytest.mark.parametrize("exact", [True, False])
+def test_ffn_bundles_matches_numpy(dtype, glu, act, T, exact):
+    """exact=False: q4_0 / q8_0 gate and up meet x quantized to int8 (reference: _quantize_x)."""
     d, n, n_ff = 64, 150, 400
     data, parts = _bundles(n, d, dtype, glu, pad=6, seed=11)
     rng = _rng(12)
@@ -154,14 +167,14 @@ def test_ffn_bundles_matches_numpy(dtype, glu, act, T):
     ids = rng.choice(n_ff, n, replace=False).astype(np.int32)  # (n,)
     up_bias = rng.standard_normal(n_ff).astype(np.float32)  # (n_ff,)
     y0 = rng.standard_normal((T, d)).astype(np.float32)  # (T, d) the residual
-    xd = x.astype(np.float64)
+    xd = x.astype(np.float64) if exact or not dtype.startswith("q") else _quantize_x(x)[0]
     up = xd @ parts[-2].T + up_bias[ids]  # (T, n)
     h = _act(act, xd @ parts[0].T) * up if glu else _act(act, up)  # (T, n)
     ref = y0 + h @ parts[-1]  # (T, d)
     for threads in (1, 2):
         y = y0.copy()
         kernel.ffn_bundles(data, dtype, d, glu, act, x, y, ids=ids, up_bias=up_bias,
-                           n_threads=threads, exact=True)
+                           n_threads=threads, exact=exact)
         _close(y, ref, rel=5e-5)
 
 
@@ -179,6 +192,17 @@ def test_ffn_bundles_without_ids_or_bias_and_empty():
     np.testing.assert_array_equal(y, 1.0)
 
 
+def _thresholded(h: np.ndarray, rows: np.ndarray, down: np.ndarray) -> tuple[float, np.ndarray]:
+    """A threshold in the widest gap of the middle third of |h| over rows (no near ties) and the
+    FFN output (T, d) of h (T, n) restricted to rows and to |h| >= it, through down (n, d)."""
+    v = np.sort(np.abs(h[:, rows]).ravel())  # (T * m,)
+    k = len(v) // 3 + int(np.argmax(np.diff(v[len(v) // 3: 2 * len(v) // 3])))
+    thr = float(v[k] + v[k + 1]) / 2
+    keep = np.zeros_like(h)  # (T, n)
+    keep[:, rows] = np.abs(h[:, rows]) >= thr
+    return thr, (h * keep) @ down
+
+
 @pytest.mark.parametrize("dtype", ["f32", "q4_0"])
 @pytest.mark.parametrize("T", [1, 4])
 def test_ffn_bundles_rows_and_threshold(dtype, T):
@@ -192,12 +216,7 @@ def test_ffn_bundles_rows_and_threshold(dtype, T):
     rows = np.sort(rng.choice(n, 37, replace=False)).astype(np.int32)[::-1].copy()  # (37,)
     xd = x.astype(np.float64)
     h = _act("silu", xd @ parts[0].T) * (xd @ parts[1].T + up_bias[ids])  # (T, n)
-    v = np.sort(np.abs(h[:, rows]).ravel())  # (T * 37,)
-    k = len(v) // 3 + int(np.argmax(np.diff(v[len(v) // 3: 2 * len(v) // 3])))
-    thr = float(v[k] + v[k + 1]) / 2  # in the widest gap of the middle third: no near ties
-    keep = np.zeros_like(h)  # (T, n)
-    keep[:, rows] = np.abs(h[:, rows]) >= thr
-    ref = (h * keep) @ parts[2]  # (T, d)
+    thr, ref = _thresholded(h, rows, parts[2])
     for threads in (1, 2):
         y = np.zeros((T, d), np.float32)
         kernel.ffn_bundles(data, dtype, d, True, "silu", x, y, ids=ids, up_bias=up_bias,

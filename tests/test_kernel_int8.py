@@ -5,25 +5,16 @@ in f32, q = nearest-even(x * (1 / d))) and multiplies the gguf-py dequantized we
 on the same quantized inputs the kernel must agree to f32 accumulation error (2e-5 of the scale;
 the integer block sums are exact). A second test bounds the distance to the exact f32 product by
 the rounding itself: each x value moves by at most d / 2, so |int8 - exact| <= sum over blocks of
-d / 2 * sum |w| — the tolerance the int8 path costs, and nothing more.
+d / 2 * sum |w| — the tolerance the int8 path costs, and nothing more. (The plain FFN case, int8
+and exact, is test_kernel.py's test_ffn_bundles_matches_numpy.)
 """
 import numpy as np
 import pytest
 
 from flashllm import kernel
-from test_kernel import _act, _bundles, _close, _qtensor, _rng
+from test_kernel import _act, _bundles, _close, _qtensor, _quantize_x, _rng, _thresholded
 
 QDTYPES = ["q4_0", "q8_0"]
-
-
-def _quantize_x(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """x (T, n) f32 -> (the f64 values the kernel sees (T, n), block scales d (T, n / 32))."""
-    xb = x.astype(np.float32).reshape(x.shape[0], -1, 32)  # (T, nb, 32)
-    d = (np.abs(xb).max(-1) / np.float32(127)).astype(np.float32)  # (T, nb)
-    inv = np.zeros_like(d)  # (T, nb)
-    np.divide(np.float32(1), d, out=inv, where=d != 0)
-    q = np.rint(xb * inv[..., None])  # (T, nb, 32) f32 products, ties to even
-    return (q * d[..., None]).reshape(x.shape).astype(np.float64), d
 
 
 @pytest.mark.parametrize("dtype", QDTYPES)
@@ -54,28 +45,6 @@ def test_matmul_int8_error_is_bounded_by_activation_rounding(dtype):
 
 
 @pytest.mark.parametrize("dtype", QDTYPES)
-@pytest.mark.parametrize("glu,act", [(True, "silu"), (False, "gelu")])
-@pytest.mark.parametrize("T", [1, 3, 6])
-def test_ffn_bundles_int8_matches_numpy(dtype, glu, act, T):
-    d, n, n_ff = 64, 150, 400
-    data, parts = _bundles(n, d, dtype, glu, pad=6, seed=11)
-    rng = _rng(12)
-    x = (rng.standard_normal((T, d)) / np.sqrt(d)).astype(np.float32)  # (T, d)
-    ids = rng.choice(n_ff, n, replace=False).astype(np.int32)  # (n,)
-    up_bias = rng.standard_normal(n_ff).astype(np.float32)  # (n_ff,)
-    y0 = rng.standard_normal((T, d)).astype(np.float32)  # (T, d) the residual
-    xq, _ = _quantize_x(x)  # (T, d)
-    up = xq @ parts[-2].T + up_bias[ids]  # (T, n)
-    h = _act(act, xq @ parts[0].T) * up if glu else _act(act, up)  # (T, n)
-    ref = y0 + h @ parts[-1]  # (T, d)
-    for threads in (1, 2):
-        y = y0.copy()
-        kernel.ffn_bundles(data, dtype, d, glu, act, x, y, ids=ids, up_bias=up_bias,
-                           n_threads=threads)
-        _close(y, ref, rel=5e-5)
-
-
-@pytest.mark.parametrize("dtype", QDTYPES)
 @pytest.mark.parametrize("T", [1, 5])
 def test_ffn_bundles_int8_rows_and_threshold(dtype, T):
     d, n = 96, 130
@@ -85,12 +54,7 @@ def test_ffn_bundles_int8_rows_and_threshold(dtype, T):
     rows = rng.choice(n, 41, replace=False).astype(np.int32)  # (41,) any order
     xq, _ = _quantize_x(x)
     h = _act("silu", xq @ parts[0].T) * (xq @ parts[1].T)  # (T, n)
-    v = np.sort(np.abs(h[:, rows]).ravel())  # (T * 41,)
-    k = len(v) // 3 + int(np.argmax(np.diff(v[len(v) // 3: 2 * len(v) // 3])))
-    thr = float(v[k] + v[k + 1]) / 2  # in the widest gap of the middle third: no near ties
-    keep = np.zeros_like(h)  # (T, n)
-    keep[:, rows] = np.abs(h[:, rows]) >= thr
-    ref = (h * keep) @ parts[2]  # (T, d)
+    thr, ref = _thresholded(h, rows, parts[2])  # ref (T, d)
     for threads in (1, 2):
         y = np.zeros((T, d), np.float32)
         kernel.ffn_bundles(data, dtype, d, True, "silu", x, y, rows=rows, threshold=thr,
