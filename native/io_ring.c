@@ -5,7 +5,8 @@
  * destination (io_direct_target). The staging arena is cut into slots of the batch's largest
  * run — up to SLOTS_PER_DEPTH times as many slots as reads in flight — so a completed run can
  * wait for its copy (io_scatter) while a new read already uses another slot: the loop tops the
- * queue up and submits before each copy, and waits in the kernel only when nothing is left to
+ * queue up and submits before every COPY_BETWEEN_SUBMITS bytes of copying (one syscall per
+ * large run, one per several small ones), and waits in the kernel only when nothing is left to
  * copy. Short reads and -EINTR/-EAGAIN are resubmitted for the remaining bytes; an error stops
  * new reads, but every read in flight is reaped before returning, so no read lands in caller
  * memory after fl_reader_read returns.
@@ -22,6 +23,7 @@
 #include <unistd.h>
 
 #define SLOTS_PER_DEPTH 4
+#define COPY_BETWEEN_SUBMITS (128 << 10)  /* run bytes copied out before topping the queue up */
 
 typedef struct {
     int64_t run;          /* index into job->runs */
@@ -207,10 +209,11 @@ int32_t io_ring_read(io_ring *q, io_job *job, uint8_t *arena, int64_t arena_byte
             }
         }
         reap(q, job, &b, file_size);
-        if (b.n_ready > 0) {
+        for (int64_t copied = 0; b.n_ready > 0 && copied < COPY_BETWEEN_SUBMITS;) {
             int32_t s = q->ready[--b.n_ready];
-            if (atomic_load(&job->status) == FL_OK)
-                io_scatter(job, &job->runs[q->slots[s].run], q->slots[s].buf);
+            const io_run *run = &job->runs[q->slots[s].run];
+            if (atomic_load(&job->status) == FL_OK) io_scatter(job, run, q->slots[s].buf);
+            copied += run->b - run->a;
             q->free_slots[b.n_free++] = s;
         }
     }
