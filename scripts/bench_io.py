@@ -5,7 +5,7 @@ with Reader.read_bundles into a preallocated (n, stride) matrix the way `flashll
 layer's missing bundles: the cost model's thread count, merge gap and per-batch read size
 (costmodel.batch_reads). Reported: device GiB/s (bytes read / time in the reader, one batch =
 one layer), useful GiB/s (bundle bytes / time), the average read size, and two references at
-that read size and the same thread count:
+that read size and the same thread count (ratio = the median of the rounds' ratios):
   - "in-run": the profile's own random-read cells (profile.measure_cell: long batches of
     chunk-aligned random reads) at the power-of-two chunk sizes around the expected read size,
     measured on the same file with the same reader after every `--group` layers, so bundle
@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from flashllm.cli import cache_dir  # noqa: E402  (the CLI's cache folder, env included)
 from flashllm.costmodel import CostModel, batch_reads, bundle_requests  # noqa: E402
 from flashllm.ioreader import Reader, aligned_empty, plan_reads  # noqa: E402
+from flashllm.runtime import READER_STAGE  # noqa: E402  (the staging size `run` opens readers with)
 from flashllm.profile import (CHUNKS, DST_BYTES, GiB, Profile, device_of, load_profile,  # noqa: E402
                               measure_cell, scratch_file)
 
@@ -74,9 +75,10 @@ def layer_batch(reader: Reader, base: int, n_ff: int, stride: int, n: int, model
 
 def bench_row(reader: Reader, offsets: List[int], n_ff: int, stride: int, n: int,
               model: CostModel, args: argparse.Namespace, rng: np.random.Generator) -> dict:
-    """Rounds of: every layer's bundle batch, in groups of layers, each group followed by the
-    profile's cells at the chunk sizes around the expected read size. Per round: the bundle
-    counters and the reference GiB/s at the round's average read size."""
+    """Rounds of: passes over every layer's bundle batch (until the round has read bundles for
+    --min-seconds), in groups of layers, each group followed by the profile's cells at the chunk
+    sizes around the expected read size. Per round: the bundle counters and the reference GiB/s
+    at the round's average read size."""
     out = np.empty((n, stride), dtype=np.uint8)  # (n, stride) the layer's slots
     dst = aligned_empty(DST_BYTES)  # (DST_BYTES,) the reference cells' destination
     offs, lens = bundle_requests(offsets[0], stride, rng.choice(n_ff, n, replace=False))  # (n,) (n,)
@@ -86,17 +88,18 @@ def bench_row(reader: Reader, offsets: List[int], n_ff: int, stride: int, n: int
     for _ in range(args.rounds):
         tot = dict(reads=0, bytes_read=0, bytes_requested=0, seconds=0.0, batches=0)
         ref = {c: [0, 0.0] for c in chunks}  # chunk -> [bytes, seconds]
-        for g in range(0, len(offsets), args.group):
-            reader.reset_stats()
-            for base in offsets[g:g + args.group]:
-                layer_batch(reader, base, n_ff, stride, n, model, rng, out)
-            st = reader.stats()
-            for k in tot:
-                tot[k] += getattr(st, k)
-            for c in chunks:
-                cell = measure_cell(reader, "random", c, args.ref_seconds, rng, dst)
-                ref[c][0] += cell.reads * c
-                ref[c][1] += cell.seconds
+        while tot["seconds"] < args.min_seconds:  # passes over all layers
+            for g in range(0, len(offsets), args.group):
+                reader.reset_stats()
+                for base in offsets[g:g + args.group]:
+                    layer_batch(reader, base, n_ff, stride, n, model, rng, out)
+                st = reader.stats()
+                for k in tot:
+                    tot[k] += getattr(st, k)
+                for c in chunks:
+                    cell = measure_cell(reader, "random", c, args.ref_seconds, rng, dst)
+                    ref[c][0] += cell.reads * c
+                    ref[c][1] += cell.seconds
         avg = tot["bytes_read"] / tot["reads"]
         row["passes"].append(dict(tot, avg_read=avg, gib_s=tot["bytes_read"] / tot["seconds"] / GiB))
         row["refs"].append(interpolate([(c, b / sec / GiB) for c, (b, sec) in ref.items()], avg))
@@ -110,7 +113,7 @@ def bench(path: Path, offsets: List[int], n_ff: int, stride: int, model: CostMod
         n = max(1, int(round(fraction * n_ff)))
         sample = bundle_requests(offsets[0], stride, rng.choice(n_ff, n, replace=False))
         threads = args.threads or model.plan(*sample).threads
-        with Reader(path, n_threads=threads, ring=not args.pool) as reader:
+        with Reader(path, n_threads=threads, ring=not args.pool, stage_bytes=READER_STAGE) as reader:
             row = bench_row(reader, offsets, n_ff, stride, n, model, args, rng)
             engine = "io_uring" if reader.ring else "pool"
         rows.append(dict(row, fraction=fraction, threads=threads, engine=engine))
@@ -119,8 +122,8 @@ def bench(path: Path, offsets: List[int], n_ff: int, stride: int, model: CostMod
 
 def report(rows: List[dict], profile: Optional[Profile]) -> None:
     print("| neurons/layer | engine | threads | reads/layer | avg read | device GiB/s | useful GiB/s "
-          "| in-run profile GiB/s | ratio per round | saved profile GiB/s | ratio to saved |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|")
+          "| in-run profile GiB/s | ratio | ratio per round | saved profile GiB/s | ratio to saved |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
     for r in rows:
         dev = [p["gib_s"] for p in r["passes"]]
         ratios = " / ".join(f"{d / ref:.2f}" for d, ref in zip(dev, r["refs"]))
@@ -130,7 +133,8 @@ def report(rows: List[dict], profile: Optional[Profile]) -> None:
         saved = saved_gib_s(profile, avg, r["threads"])
         to_saved = f"{np.median(dev) / saved:.2f}" if saved else "–"
         print(f"| {r['fraction']:.0%} | {r['engine']} | {r['threads']} | {reads:.1f} | {avg / 1024:.1f} KiB | "
-              f"{np.median(dev):.3f} | {useful:.3f} | {np.median(r['refs']):.3f} | {ratios} | "
+              f"{np.median(dev):.3f} | {useful:.3f} | {np.median(r['refs']):.3f} | "
+              f"{np.median(np.array(dev) / np.array(r['refs'])):.2f} | {ratios} | "
               f"{'–' if saved is None else f'{saved:.3f}'} | {to_saved} |")
 
 
@@ -145,6 +149,8 @@ def main() -> None:
     ap.add_argument("--ref-seconds", type=float, default=0.05,
                     help="Per reference cell, after each group of layers.")
     ap.add_argument("--group", type=int, default=7, help="Layers between reference cells.")
+    ap.add_argument("--min-seconds", type=float, default=0.25,
+                    help="Bundle-reading time per round (small fractions take several passes).")
     ap.add_argument("--threads", type=int, help="Force a thread count (default: the cost model's).")
     ap.add_argument("--pool", action="store_true", help="The thread pool instead of io_uring.")
     ap.add_argument("--seed", type=int, default=0)
