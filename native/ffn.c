@@ -94,7 +94,7 @@ static void group_at(const ffn_args *a, const uint8_t *bundles, int64_t stride, 
         g->up[k] = g->gate[k] + (a->glu ? a->rb : 0);
     }
     const int64_t ahead = j + FL_QT * PREFETCH_GROUPS;
-    for (int64_t k = ahead; a->rows && k < ahead + FL_QT && k < j1; k++)
+    for (int64_t k = ahead; k < ahead + FL_QT && k < j1; k++)
         fli_prefetch(bundles + (a->rows ? a->rows[k] : k) * stride, (size_t)stride);
 }
 
