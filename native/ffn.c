@@ -14,6 +14,7 @@
 
 #define MIN_BUNDLES_PER_THREAD 32
 #define CHUNKS_PER_THREAD 4 /* work units per thread: dynamic balance under load */
+#define PARTIAL_FLOATS (1 << 18) /* above this T * d, one chunk (and partial) per thread */
 #define PREFETCH_BUNDLES 2 /* bundles ahead of the one being computed */
 #define PREFETCH_GROUPS 1  /* int8 paths: groups of FL_QT bundles ahead */
 #define DOWN_K 16          /* neurons per f32 down GEMM when T > 1 (a multiple of FL_QT) */
@@ -279,8 +280,8 @@ int32_t fl_ffn_bundles(const uint8_t *bundles, int64_t n, int64_t stride, int32_
     if (rows) n = n_rows;
     const int64_t useful = n / MIN_BUNDLES_PER_THREAD;
     const int32_t nt = useful < n_threads ? (int32_t)(useful > 1 ? useful : 1) : n_threads;
-    const int64_t chunks = (int64_t)nt * CHUNKS_PER_THREAD < useful ? nt * CHUNKS_PER_THREAD
-                                                                    : useful;
+    const int64_t per_thread = T * d <= PARTIAL_FLOATS ? CHUNKS_PER_THREAD : 1;  // partials' DRAM
+    const int64_t chunks = nt * per_thread < useful ? nt * per_thread : useful;
     status = nt == 1 ? ffn_serial(&a, bundles, n, stride, y)
                      : ffn_parallel(&a, bundles, n, stride, y, nt, chunks);
     free(xq);
