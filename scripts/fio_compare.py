@@ -1,8 +1,10 @@
 """flashllm's profile against fio on the same file: random direct reads, chunk sizes × threads.
 
-Each cell is measured by fio (psync, numjobs = threads, iodepth 1, direct=1, randread aligned to
-the block size) and by flashllm's profile cell (profile.measure_cell through the C reader),
-alternating, `--rounds` times; the table shows medians and the ratio. Needs fio on PATH.
+Each cell is measured by fio (direct=1, randread aligned to the block size) and by flashllm's
+profile cell (profile.measure_cell through the C reader), alternating, `--rounds` times; the table
+shows medians and the ratio. The same mechanism on both sides: when the reader runs on io_uring
+(the default where the kernel has it), fio uses ioengine=io_uring with iodepth = threads in one
+job; with the thread pool (`--pool`), psync with numjobs = threads. Needs fio on PATH.
 
     python scripts/fio_compare.py /work/scratch --size 1GiB --seconds 3 --rounds 3
 """
@@ -25,10 +27,12 @@ CHUNKS = (4 * KiB, 32 * KiB, 256 * KiB)
 THREADS = (1, 16)
 
 
-def fio_cell(path: Path, chunk: int, threads: int, seconds: float) -> float:
-    """GiB/s that fio reports for random direct reads of chunk bytes with threads jobs."""
+def fio_cell(path: Path, chunk: int, threads: int, seconds: float, ring: bool) -> float:
+    """GiB/s that fio reports for random direct reads of chunk bytes, threads in flight."""
+    engine = (["--ioengine=io_uring", f"--iodepth={threads}", "--numjobs=1"] if ring else
+              ["--ioengine=psync", f"--numjobs={threads}"])
     cmd = ["fio", "--name=cmp", f"--filename={path}", "--rw=randread", f"--bs={chunk}",
-           "--direct=1", "--ioengine=psync", f"--numjobs={threads}", "--thread", "--time_based",
+           "--direct=1", *engine, "--thread", "--time_based",
            f"--runtime={seconds}", "--group_reporting", "--output-format=json"]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out)["jobs"][0]["read"]["bw_bytes"] / GiB
@@ -40,6 +44,7 @@ def main() -> None:
     ap.add_argument("--size", default="1GiB")
     ap.add_argument("--seconds", type=float, default=3.0, help="Per cell and tool, per round.")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--pool", action="store_true", help="The reader's thread pool (fio: psync).")
     args = ap.parse_args()
     if shutil.which("fio") is None:
         sys.exit("fio is not installed (apt-get install -y fio)")
@@ -48,11 +53,11 @@ def main() -> None:
     rows = []
     with scratch_file(args.folder, parse_size(args.size)) as path:
         for threads in THREADS:
-            with Reader(path, n_threads=threads, stage_bytes=max(CHUNKS)) as reader:
+            with Reader(path, n_threads=threads, stage_bytes=max(CHUNKS), ring=not args.pool) as reader:
                 for chunk in CHUNKS:
                     ours, theirs = [], []
                     for _ in range(args.rounds):
-                        theirs.append(fio_cell(path, chunk, threads, args.seconds))
+                        theirs.append(fio_cell(path, chunk, threads, args.seconds, reader.ring))
                         ours.append(measure_cell(reader, "random", chunk, args.seconds, rng, dst).gib_s)
                     rows.append((chunk, threads, float(np.median(ours)), float(np.median(theirs))))
                     print(f"{chunk // KiB} KiB × {threads}: flashllm {ours} fio {theirs}", file=sys.stderr)
