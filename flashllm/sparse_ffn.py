@@ -28,7 +28,7 @@ import numpy as np
 from . import kernel
 from .budget import BudgetPlan
 from .cache import NeuronCache
-from .costmodel import CostModel, run_size
+from .costmodel import CostModel, batch_reads
 from .ffn import bundle_ids, up_biases
 from .flash_stats import FlashStats, TokenStats, reader_delta
 from .ioreader import aligned_empty
@@ -86,7 +86,7 @@ class SparseFlashFfn:
         self.staging = aligned_empty(rows * f.stride).reshape(-1, f.stride)  # (rows, stride)
         self._ahead = None            # (layer, first chunk, half, read job) issued ahead
         cost = cost or CostModel.defaults()
-        self.fit = cost.fits[cost.nearest(reader.n_threads)]
+        self.cost = cost
         static = getattr(predictor, "n_static", None)   # a static set: every cache row pinned
         pins = budget_plan.n_pinned if static is None else min(budget_plan.capacity, static)
         self.caches = [] if naive else [
@@ -142,7 +142,7 @@ class SparseFlashFfn:
             self._whole_layer(layer, h, x)
 
     def stats(self) -> dict:
-        return self.rec.to_dict(lambda size: self.fit.gib_s(max(size, 1.0)))
+        return self.rec.to_dict(lambda size: self.cost.gib_s(self.reader.n_threads, max(size, 1.0)))
 
     def close(self) -> None:
         if self.ring is not None:
@@ -280,9 +280,9 @@ class SparseFlashFfn:
         f, base = self.f, self.f.layer_offsets[layer]
         offsets = base + slots.astype(np.int64) * f.stride               # (k,)
         lengths = np.full(len(slots), f.stride, dtype=np.int64)          # (k,)
+        gap, run = batch_reads(self.cost, offsets, lengths, self.reader.n_threads)
         self._counted(t, self.reader.read_bundles, base, f.stride, slots, out, rows,
-                      max_gap=self.fit.merge_gap,
-                      max_run=run_size(offsets, lengths, self.reader.n_threads))
+                      max_gap=gap, max_run=run)
 
     def _counted(self, t: Optional[TokenStats], read, *args, **kwargs) -> None:
         """read(*args, **kwargs), its reader counters added to t."""
