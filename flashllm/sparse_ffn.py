@@ -19,6 +19,7 @@ absent). Predictors: anything with predict(layer, h) -> sorted int32 slots and n
 """
 from __future__ import annotations
 
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
@@ -31,7 +32,7 @@ from .cache import NeuronCache
 from .costmodel import CostModel, batch_reads
 from .ffn import bundle_ids, up_biases
 from .flash_stats import FlashStats, TokenStats, reader_delta
-from .ioreader import aligned_empty
+from .ioreader import ALIGN, aligned_empty
 from .read_ring import ReadRing
 
 clock = time.perf_counter
@@ -115,8 +116,8 @@ class SparseFlashFfn:
         first = 0 if self.naive else min(self.caches[0].n_pinned, k)
         n_buf = 4 if len(self.staging) >= 8 else 2
         step = len(self.staging) // n_buf
-        schedule = [(layer, c, min(step, k - c)) for layer in range(n_layers)
-                    for c in range(first, k, step)]                       # (layer, first, n)
+        schedule = [(layer, a, b - a) for layer in range(n_layers)
+                    for a, b in self._chunks(layer, first, k, step)]     # (layer, first, n)
         self._layer_pos = np.searchsorted([lay for lay, _, _ in schedule],
                                           np.arange(n_layers + 1))       # (n_layers + 1,)
         if not schedule:
@@ -212,6 +213,19 @@ class SparseFlashFfn:
         t.hits += len(rows_hit)
         if self.check:
             self._check_recall(layer, h, slots, t)
+
+    def _chunks(self, layer: int, first: int, k: int, step: int) -> list[tuple[int, int]]:
+        """Slot ranges [a, b) covering first .. k-1, at most step long, cut where a bundle starts
+        on a page boundary when the stride allows: a read that starts on a page lands in the
+        ring buffer directly (no copy through the reader's staging)."""
+        page = ALIGN // math.gcd(self.f.stride, ALIGN)                   # slots per aligned start
+        aligned = [s for s in range(first, min(k, first + page))
+                   if (self.f.layer_offsets[layer] + s * self.f.stride) % ALIGN == 0]
+        if not aligned or step < page:
+            return [(a, min(a + step, k)) for a in range(first, k, step)]
+        cuts = [first] + list(range(aligned[0], k, step // page * page))
+        cuts = sorted(set(cuts)) + [k]
+        return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
 
     def _decode_static(self, layer: int, h: np.ndarray, x: np.ndarray) -> None:
         """One token when the slots are static: the pinned cache rows, then the layer's chunks

@@ -230,3 +230,17 @@ def test_static_ring_survives_prefills_between_decodes(tmp_path):
         pos += len(toks)
     ffn.close()
     assert not ffn.ring.running
+
+
+def test_ring_chunks_start_on_pages_so_reads_land_in_place(tmp_path):
+    cfg, _, _ = write_model(tmp_path / "m", True, "f32")
+    flash, ffn = flash_ffn(tmp_path / "m", AllSlots(cfg.n_ff), "64MiB", staging_rows=160,
+                           capacity=30, n_pinned=30)
+    f = flash.ffn
+    for layer in range(cfg.n_layers):
+        chunks = ffn._chunks(layer, 5, cfg.n_ff, 40)
+        assert chunks[0][0] == 5 and chunks[-1][1] == cfg.n_ff
+        assert all(b == c for (_, b), (c, _) in zip(chunks, chunks[1:]))     # contiguous
+        assert all(0 < b - a <= 40 for a, b in chunks)
+        assert all((f.layer_offsets[layer] + a * f.stride) % 4096 == 0 for a, _ in chunks[1:])
+    ffn.close()
