@@ -22,7 +22,7 @@ FFN_FILE = "ffn.bin"
 TOKENIZER_FILE = "tokenizer.json"
 ORDER_FILE = "order.bin"
 
-QUANTIZED = ("q8_0", "q4_0")
+QUANTIZED = ("q8_0", "q4_0", "q4_1")
 QBLOCK = 32                      # values per quantization block
 
 DENSE_MAGIC = b"FLDENSE\0"

@@ -92,7 +92,8 @@ def _threads(n_threads: int) -> int:
 
 
 def quantize_row(x, dtype: str, out: np.ndarray | None = None) -> np.ndarray:
-    """x (n) float32 -> (row_bytes(dtype, n)) uint8, ggml reference rounding."""
+    """x (n) float32 -> (row_bytes(dtype, n)) uint8, ggml reference rounding (q4_1: the step
+    search of fl_quantize_row)."""
     k = _native()
     src = _as_f32(x, "x", 1)  # (n,)
     nb = row_bytes(dtype, src.size)
@@ -132,8 +133,8 @@ def get_rows(w: QTensor, ids) -> np.ndarray:
 def matmul(w: QTensor, x, bias=None, n_threads: int = 1, exact: bool = False) -> np.ndarray:
     """y (T, rows) = x (T, cols) @ w^T [+ bias (rows)]; a 1-D x gives a 1-D y.
 
-    q4_0 / q8_0 weights meet x quantized to int8 per block of 32 (as llama.cpp does; each value
-    moves by at most its block's amax / 254) unless exact, which keeps x in f32."""
+    q4_0 / q4_1 / q8_0 weights meet x quantized to int8 per block of 32 (as llama.cpp does; each
+    value moves by at most its block's amax / 254) unless exact, which keeps x in f32."""
     k = _native()
     xa = _as_f32(x, "x", np.ndim(x))
     x2 = xa.reshape(1, -1) if xa.ndim == 1 else xa  # (T, cols)
@@ -224,8 +225,8 @@ def ffn_bundles(bundles: np.ndarray, dtype: str, d: int, glu: bool, act: str, x,
     """y (T, d) += the FFN over bundles (n, stride) [gate | up | down] (see flashllm.h).
 
     rows (m,) picks the bundle rows to use (default: all); a term whose |activation| is below
-    threshold is dropped (magnitude sparsity). q4_0 / q8_0 bundles take gate and up dot products
-    on int8-quantized x as matmul does, unless exact.
+    threshold is dropped (magnitude sparsity). q4_0 / q4_1 / q8_0 bundles take gate and up dot
+    products on int8-quantized x as matmul does, unless exact.
 
     act: "silu", "relu" or "gelu" (the exact erf GELU, Hugging Face "gelu"; not the tanh
     approximation "gelu_new" / "gelu_pytorch_tanh").

@@ -41,7 +41,7 @@ class Model:
         self.config = cfg
         self.n_threads = n_threads
         self.n_ctx = n_ctx
-        self.exact = exact      # q4_0 / q8_0 matmuls in f32 instead of on int8 activations
+        self.exact = exact      # q4_0 / q4_1 / q8_0 matmuls in f32 instead of on int8 activations
         self.ffn = DenseFfn(flash, n_threads, exact=exact) if ffn is None else ffn
         self.w = DenseWeights(flash, n_threads) if weights is None else weights
         shape = (cfg.n_layers, n_ctx, cfg.n_kv_heads, cfg.head_dim)

@@ -8,9 +8,9 @@ import numpy as np
 from .errors import KernelError
 
 # values are part of the on-disk format (native/flashllm.h, FL_F32 ..)
-DTYPE_CODES = {"f32": 0, "f16": 1, "q8_0": 2, "q4_0": 3}
-BLOCK_SIZE = {"f32": 1, "f16": 1, "q8_0": 32, "q4_0": 32}
-BLOCK_BYTES = {"f32": 4, "f16": 2, "q8_0": 34, "q4_0": 18}
+DTYPE_CODES = {"f32": 0, "f16": 1, "q8_0": 2, "q4_0": 3, "q4_1": 4}
+BLOCK_SIZE = {"f32": 1, "f16": 1, "q8_0": 32, "q4_0": 32, "q4_1": 32}
+BLOCK_BYTES = {"f32": 4, "f16": 2, "q8_0": 34, "q4_0": 18, "q4_1": 20}
 
 
 def dtype_code(dtype: str) -> int:

@@ -253,7 +253,7 @@ static int indices_ok(const int32_t *idx, int64_t n, int64_t bound) {
 static uint8_t *quantize_x(int32_t dtype, int32_t exact, const float *x, int64_t T, int64_t d,
                            int32_t *status) {
     *status = FL_OK;
-    if (exact || (dtype != FL_Q4_0 && dtype != FL_Q8_0)) return NULL;
+    if (exact || (dtype != FL_Q4_0 && dtype != FL_Q4_1 && dtype != FL_Q8_0)) return NULL;
     const size_t xb = (size_t)fli_xq_bytes(d);
     uint8_t *xq = malloc((size_t)T * xb);
     if (!xq) *status = FL_ENOMEM;

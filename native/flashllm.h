@@ -8,6 +8,8 @@
  *      q8_0: { f16 scale; int8 q[32]; }         34 bytes / 32 values, x = d * q
  *      q4_0: { f16 scale; uint8 nibbles[16]; }   18 bytes / 32 values, x = d * (nibble - 8),
  *            value j (0..15) in the low nibble of byte j, value j+16 in the high nibble.
+ *      q4_1: { f16 d; f16 m; uint8 nibbles[16]; } 20 bytes / 32 values, x = d * nibble + m,
+ *            nibbles placed as in q4_0.
  *  - Threading is explicit: functions that take n_threads use at most that many threads.
  *  - The section between CDEF-BEGIN and CDEF-END is fed verbatim to cffi: no preprocessor there.
  */
@@ -30,7 +32,7 @@ enum {
 };
 
 /* storage dtypes (values are part of the on-disk format, see docs/FORMAT.md) */
-enum { FL_F32 = 0, FL_F16 = 1, FL_Q8_0 = 2, FL_Q4_0 = 3 };
+enum { FL_F32 = 0, FL_F16 = 1, FL_Q8_0 = 2, FL_Q4_0 = 3, FL_Q4_1 = 4 };
 
 /* FFN activations */
 enum { FL_ACT_SILU = 0, FL_ACT_GELU = 1, FL_ACT_RELU = 2 };
@@ -51,7 +53,11 @@ size_t fl_row_bytes(int32_t dtype, int64_t n);
 /* dst (n) f32 = dequantized src row (fl_row_bytes(dtype, n) bytes). */
 int32_t fl_dequantize_row(int32_t dtype, const void *src, float *dst, int64_t n);
 
-/* dst (fl_row_bytes(dtype, n) bytes) = src (n) f32 quantized, ggml reference rounding. */
+/* dst (fl_row_bytes(dtype, n) bytes) = src (n) f32 quantized, ggml reference rounding for q8_0
+ * and q4_0. q4_1 blocks take m = min and d = (max - min) / k for the k in 1..15 whose grid
+ * (d, m rounded to f16, q = nearest in 0..15) has the least squared error: k = 15 is ggml's
+ * choice; a block that already lies on a 16-level grid of k + 1 used levels (a dequantized
+ * Q4_K sub-block) is then reproduced up to the f16 rounding of d and m. */
 int32_t fl_quantize_row(int32_t dtype, const float *src, void *dst, int64_t n);
 
 /* out (n_ids, cols) f32 = rows ids[] of w (rows, cols) in dtype, dequantized (embedding lookup).
@@ -62,9 +68,10 @@ int32_t fl_get_rows(const void *w, int32_t dtype, int64_t rows, int64_t cols,
 /* ---- dense ops (ops.c) ------------------------------------------------------------------- */
 
 /* y (T, rows) = x (T, cols) @ w (rows, cols)^T  [+ bias (rows) when bias != NULL]
- * For q4_0 / q8_0 weights each token of x is first quantized to int8 per block of 32
+ * For q4_0 / q4_1 / q8_0 weights each token of x is first quantized to int8 per block of 32
  * (d = amax / 127 in f32, q = nearest-even(x / d): every value moves by at most d / 2) and the
- * block products are exact integer sums scaled by d_w * d, as llama.cpp does; exact != 0 keeps
+ * block products are exact integer sums scaled by d_w * d (q4_1 adds m_w * d * sum(q), the
+ * block sum llama.cpp's q8_1 keeps), as llama.cpp does; exact != 0 keeps
  * x in f32 instead (the dequantized weights times f32 x). f32 / f16 weights are always f32. */
 int32_t fl_matmul(const void *w, int32_t dtype, int64_t rows, int64_t cols, const float *bias,
                   const float *x, int64_t T, float *y, int32_t exact, int32_t n_threads);
@@ -104,7 +111,7 @@ int32_t fl_attention(const float *q, const float *k_cache, const float *v_cache,
  * (ids == NULL means bundle i is neuron i); up_bias (n_ff) or NULL; rows (n_rows) the bundle
  * rows to use, each in [0, n) (rows == NULL uses all n rows in order, n_rows is then ignored);
  * x (T, d); y (T, d) is accumulated into (the caller zeroes it or passes the residual).
- * q4_0 / q8_0 bundles: gate_i . x and up_i . x use int8-quantized x as fl_matmul does unless
+ * q4_0 / q4_1 / q8_0 bundles: gate_i . x and up_i . x use int8-quantized x as fl_matmul does unless
  * exact != 0; the down columns are always applied in f32. */
 int32_t fl_ffn_bundles(const uint8_t *bundles, int64_t n, int64_t stride, int32_t dtype,
                        int64_t d, int32_t glu, int32_t act, const int32_t *ids,

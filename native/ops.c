@@ -1,7 +1,7 @@
 /* ops.c — dense ops: matmul over a weight in any storage dtype, norms, RoPE, causal attention.
  *
  * matmul: f32 / f16 weights (and quantized ones when `exact`) run in f32 on dequantized values;
- * q4_0 / q8_0 weights otherwise meet int8-quantized activations (qdot.c), as in llama.cpp.
+ * q4_0 / q4_1 / q8_0 weights otherwise meet int8-quantized activations (qdot.c), as in llama.cpp.
  *
  * Threads: OpenMP over output rows (matmul) or over (token, head) pairs (attention); each
  * thread allocates its own scratch and frees it before the parallel region ends.
@@ -141,7 +141,7 @@ int32_t fl_matmul(const void *w, int32_t dtype, int64_t rows, int64_t cols, cons
                   const float *x, int64_t T, float *y, int32_t exact, int32_t n_threads) {
     const size_t rb = fl_row_bytes(dtype, cols);
     if (!w || !x || !y || rb == 0 || rows <= 0 || T <= 0 || n_threads < 1) return FL_EINVAL;
-    if (!exact && (dtype == FL_Q4_0 || dtype == FL_Q8_0))
+    if (!exact && (dtype == FL_Q4_0 || dtype == FL_Q4_1 || dtype == FL_Q8_0))
         return matmul_q((const uint8_t *)w, dtype, rb, rows, cols, bias, x, T, y, n_threads);
     if (T == 1) {
         matvec((const uint8_t *)w, dtype, rb, rows, cols, bias, x, y, n_threads);

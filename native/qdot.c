@@ -8,6 +8,8 @@
  * unsigned and the offset is paid back through a per-block correction precomputed with the
  * activations (the correction lanes of fli_xq_bytes): q4_0 uses the raw nibble (value + 8) and
  * subtracts 8 * sum(q); q8_0 under VNNI uses w + 128 (w ^ 0x80) and subtracts 128 * sum(q).
+ * q4_1 (w = d_w * nibble + m_w) multiplies the raw nibbles and adds m_w * d * sum(q), the block
+ * sum kept in the msum lanes (as llama.cpp's q8_1 keeps s = d * sum(q)).
  */
 #include <math.h>
 
@@ -20,9 +22,11 @@
 #define Q8_BIAS 128
 typedef __m512i vi;
 typedef __m512 vs;
-static inline vi w_q4(const uint8_t *b) {  // blocks b, b + 18 -> 64 unsigned nibbles
-    const __m256i a = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(b + 2)));
-    const __m256i c = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(b + 20)));
+/* blocks b, b + bb (nibbles at offset off) -> 64 unsigned nibbles */
+static inline vi w_q4(const uint8_t *b, size_t bb, size_t off) {
+    const __m256i a = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(b + off)));
+    const __m256i c =
+        _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(b + bb + off)));
     const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(a), c, 1);
     const __m512i sh = _mm512_srlv_epi64(z, _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0));
     return _mm512_and_si512(sh, _mm512_set1_epi8(0x0F));
@@ -54,6 +58,7 @@ static inline vs acc_block(vi p, vs scale, vs acc) {
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), scale, acc);
 }
 static inline vs vs_mul(vs a, vs b) { return _mm512_mul_ps(a, b); }
+static inline vs vs_fma(vs a, vs b, vs c) { return _mm512_fmadd_ps(a, b, c); }
 static inline float vs_sum(vs a) { return _mm512_reduce_add_ps(a); }
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #include <immintrin.h>
@@ -66,8 +71,9 @@ static inline float vs_sum(vs a) { return _mm512_reduce_add_ps(a); }
 #endif
 typedef __m256i vi;
 typedef __m256 vs;
-static inline vi w_q4(const uint8_t *b) {
-    const __m128i raw = _mm_loadu_si128((const __m128i *)(b + 2));
+static inline vi w_q4(const uint8_t *b, size_t bb, size_t off) {
+    (void)bb;
+    const __m128i raw = _mm_loadu_si128((const __m128i *)(b + off));
     const __m128i m = _mm_set1_epi8(0x0F);
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m), _mm_and_si128(raw, m));
 }
@@ -102,10 +108,20 @@ static inline vs acc_block(vi p, vs scale, vs acc) {
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc);
 }
 static inline vs vs_mul(vs a, vs b) { return _mm256_mul_ps(a, b); }
+static inline vs vs_fma(vs a, vs b, vs c) { return _mm256_fmadd_ps(a, b, c); }
 static inline float vs_sum(vs a) { return fli_hsum256(a); }
 #else
 #define G 0 /* no vector path: every block goes through block_idot */
 #define Q8_BIAS 0
+#endif
+
+#if G > 0
+/* the unsigned weight bytes dp multiplies, of G blocks from b */
+static inline vi w_load(int32_t dtype, const uint8_t *b) {
+    if (dtype == FL_Q8_0) return w_q8(b);
+    if (dtype == FL_Q4_1) return w_q4(b, FL_Q4_1_BYTES, 4);
+    return w_q4(b, FL_Q4_0_BYTES, 2);
+}
 #endif
 
 /* exact sum over one block of (weight value) * q, in plain C (tails and the portable build).
@@ -116,6 +132,9 @@ block_idot(int32_t dtype, const uint8_t *blk, const int8_t *q) {
     int32_t s = 0;
     if (dtype == FL_Q8_0) {
         for (int j = 0; j < FL_QK; j++) s += (int32_t)(int8_t)blk[2 + j] * q[j];
+    } else if (dtype == FL_Q4_1) {
+        for (int j = 0; j < FL_QK / 2; j++)
+            s += (blk[4 + j] & 0x0F) * q[j] + (blk[4 + j] >> 4) * q[j + FL_QK / 2];
     } else {
         for (int j = 0; j < FL_QK / 2; j++)
             s += ((blk[2 + j] & 0x0F) - 8) * q[j] + ((blk[2 + j] >> 4) - 8) * q[j + FL_QK / 2];
@@ -123,14 +142,15 @@ block_idot(int32_t dtype, const uint8_t *blk, const int8_t *q) {
     return s;
 }
 
-int64_t fli_xq_bytes(int64_t n) { return n + (n / FL_QK) * FL_XQ_LANES * 8; }
+int64_t fli_xq_bytes(int64_t n) { return n + (n / FL_QK) * FL_XQ_LANES * 12; }
 
 void fli_xq_quantize(int32_t dtype, const float *x, int64_t n, uint8_t *buf) {
     const int64_t nb = n / FL_QK;
     int8_t *q = (int8_t *)buf;                                // (n)
     float *scale = (float *)(buf + n);                        // (nb, 8)
     int32_t *corr = (int32_t *)(scale + nb * FL_XQ_LANES);     // (nb, 8)
-    const int32_t bias = dtype == FL_Q4_0 ? 8 : Q8_BIAS;
+    float *msum = (float *)(corr + nb * FL_XQ_LANES);           // (nb, 8)
+    const int32_t bias = dtype == FL_Q4_0 ? 8 : dtype == FL_Q4_1 ? 0 : Q8_BIAS;
     for (int64_t b = 0; b < nb; b++) {
         const float *xb = x + b * FL_QK;
         float amax = 0.0f;
@@ -145,6 +165,7 @@ void fli_xq_quantize(int32_t dtype, const float *x, int64_t n, uint8_t *buf) {
         for (int l = 0; l < FL_XQ_LANES; l++) {
             scale[b * FL_XQ_LANES + l] = d;
             corr[b * FL_XQ_LANES + l] = l == 0 ? -bias * sum : 0;
+            msum[b * FL_XQ_LANES + l] = l == 0 ? d * (float)sum : 0.0f;
         }
     }
 }
@@ -154,12 +175,14 @@ typedef struct {
     const int8_t *q;
     const float *scale;
     const int32_t *corr;
+    const float *msum;
 } xq_view;
 
 static inline xq_view view(const uint8_t *buf, int64_t n) {
     const float *scale = (const float *)(buf + n);
     const int32_t *corr = (const int32_t *)(scale + (n / FL_QK) * FL_XQ_LANES);
-    return (xq_view){(const int8_t *)buf, scale, corr};
+    const float *msum = (const float *)(corr + (n / FL_QK) * FL_XQ_LANES);
+    return (xq_view){(const int8_t *)buf, scale, corr, msum};
 }
 
 /* out[r][t] = w_r . x_t for R rows (pointers) and C tokens, blocks [b0, nb) in plain C */
@@ -167,12 +190,16 @@ static inline __attribute__((always_inline)) void tail_rc(int32_t dtype, const u
                                                           int R, const xq_view *x, int C,
                                                           int64_t b0, int64_t nb,
                                                           float out[FL_QT][FL_QT]) {
-    const size_t bb = dtype == FL_Q8_0 ? FL_Q8_0_BYTES : FL_Q4_0_BYTES;
+    const size_t bb = fli_block_bytes(dtype);
     for (int r = 0; r < R; r++)
         for (int t = 0; t < C; t++)
-            for (int64_t b = b0; b < nb; b++)
-                out[r][t] += fl_load_fp16(w[r] + b * bb) * x[t].scale[b * FL_XQ_LANES] *
-                             (float)block_idot(dtype, w[r] + b * bb, x[t].q + b * FL_QK);
+            for (int64_t b = b0; b < nb; b++) {
+                const uint8_t *blk = w[r] + b * bb;
+                out[r][t] += fl_load_fp16(blk) * x[t].scale[b * FL_XQ_LANES] *
+                             (float)block_idot(dtype, blk, x[t].q + b * FL_QK);
+                if (dtype == FL_Q4_1)
+                    out[r][t] += fl_load_fp16(blk + 2) * x[t].msum[b * FL_XQ_LANES];
+            }
 }
 
 /* out[r][t] = w_r . x_t, R rows by C tokens (each 1 or FL_QT), nb blocks; ex (R) the rows
@@ -183,29 +210,34 @@ static inline __attribute__((always_inline)) void tile_rc(int32_t dtype, const u
                                                           int64_t nb, float out[FL_QT][FL_QT]) {
     int64_t b = 0;
 #if G > 0
-    const size_t bb = dtype == FL_Q8_0 ? FL_Q8_0_BYTES : FL_Q4_0_BYTES;
+    const size_t bb = fli_block_bytes(dtype);
     vs acc[FL_QT][FL_QT];
     for (int r = 0; r < R; r++)
         for (int t = 0; t < C; t++) acc[r][t] = vs_zero();
     for (; b + G <= nb; b += G) {
         vi wv[FL_QT];
-        vs ws[FL_QT];
+        vs ws[FL_QT], wm[FL_QT];  // wm: q4_1's m_w lanes
         for (int r = 0; r < R; r++) {
             if (EX) {
                 const xq_view e = view(ex[r], nb * FL_QK);
                 wv[r] = vi_load(e.q + b * FL_QK);
                 ws[r] = vs_load(e.scale + b * FL_XQ_LANES);
+                if (dtype == FL_Q4_1) wm[r] = vs_load(e.msum + b * FL_XQ_LANES);
             } else {
-                wv[r] = dtype == FL_Q8_0 ? w_q8(w[r] + b * bb) : w_q4(w[r] + b * bb);
+                wv[r] = w_load(dtype, w[r] + b * bb);
                 ws[r] = w_scale(w[r] + b * bb, bb);
+                if (dtype == FL_Q4_1) wm[r] = w_scale(w[r] + b * bb + 2, bb);
             }
         }
         for (int t = 0; t < C; t++) {
             const vi xv = vi_load(x[t].q + b * FL_QK);
             const vi cv = vi_load(x[t].corr + b * FL_XQ_LANES);
             const vs xs = vs_load(x[t].scale + b * FL_XQ_LANES);
-            for (int r = 0; r < R; r++)
+            const vs xm = dtype == FL_Q4_1 ? vs_load(x[t].msum + b * FL_XQ_LANES) : vs_zero();
+            for (int r = 0; r < R; r++) {
                 acc[r][t] = acc_block(dp(dtype, cv, wv[r], xv), vs_mul(ws[r], xs), acc[r][t]);
+                if (dtype == FL_Q4_1) acc[r][t] = vs_fma(wm[r], xm, acc[r][t]);
+            }
         }
     }
     for (int r = 0; r < R; r++)
@@ -220,12 +252,14 @@ static inline __attribute__((always_inline)) void tile_rc(int32_t dtype, const u
 
 void fli_wx_expand(int32_t dtype, const uint8_t *w, int64_t n, uint8_t *buf) {
 #if G > 0
-    const size_t bb = dtype == FL_Q8_0 ? FL_Q8_0_BYTES : FL_Q4_0_BYTES;
+    const size_t bb = fli_block_bytes(dtype);
     const int64_t nb = n / FL_QK;
-    float *scale = (float *)(buf + n);  // (nb, FL_XQ_LANES)
+    float *scale = (float *)(buf + n);                    // (nb, FL_XQ_LANES)
+    float *m = scale + 2 * nb * FL_XQ_LANES;              // (nb, FL_XQ_LANES): the msum lanes
     for (int64_t b = 0; b + G <= nb; b += G) {
-        vi_store(buf + b * FL_QK, dtype == FL_Q8_0 ? w_q8(w + b * bb) : w_q4(w + b * bb));
+        vi_store(buf + b * FL_QK, w_load(dtype, w + b * bb));
         vs_store(scale + b * FL_XQ_LANES, w_scale(w + b * bb, bb));
+        if (dtype == FL_Q4_1) vs_store(m + b * FL_XQ_LANES, w_scale(w + b * bb + 2, bb));
     }
 #else
     (void)dtype, (void)w, (void)n, (void)buf;
@@ -240,12 +274,15 @@ void fli_qdot_tile(int32_t dtype, const uint8_t *const w[FL_QT], const uint8_t *
     const int64_t nb = n / FL_QK;
     if (n_tok == 1) {
         if (dtype == FL_Q8_0) tile_rc(FL_Q8_0, w, ex, 0, FL_QT, xv, 1, nb, out);
+        else if (dtype == FL_Q4_1) tile_rc(FL_Q4_1, w, ex, 0, FL_QT, xv, 1, nb, out);
         else tile_rc(FL_Q4_0, w, ex, 0, FL_QT, xv, 1, nb, out);
     } else if (ex) {
         if (dtype == FL_Q8_0) tile_rc(FL_Q8_0, w, ex, 1, FL_QT, xv, FL_QT, nb, out);
+        else if (dtype == FL_Q4_1) tile_rc(FL_Q4_1, w, ex, 1, FL_QT, xv, FL_QT, nb, out);
         else tile_rc(FL_Q4_0, w, ex, 1, FL_QT, xv, FL_QT, nb, out);
     } else {
         if (dtype == FL_Q8_0) tile_rc(FL_Q8_0, w, ex, 0, FL_QT, xv, FL_QT, nb, out);
+        else if (dtype == FL_Q4_1) tile_rc(FL_Q4_1, w, ex, 0, FL_QT, xv, FL_QT, nb, out);
         else tile_rc(FL_Q4_0, w, ex, 0, FL_QT, xv, FL_QT, nb, out);
     }
 }
@@ -254,6 +291,7 @@ float fli_qdot(int32_t dtype, const uint8_t *w, const uint8_t *x, int64_t n) {
     float out[FL_QT][FL_QT];
     const xq_view xv = view(x, n);
     if (dtype == FL_Q8_0) tile_rc(FL_Q8_0, &w, NULL, 0, 1, &xv, 1, n / FL_QK, out);
+    else if (dtype == FL_Q4_1) tile_rc(FL_Q4_1, &w, NULL, 0, 1, &xv, 1, n / FL_QK, out);
     else tile_rc(FL_Q4_0, &w, NULL, 0, 1, &xv, 1, n / FL_QK, out);
     return out[0][0];
 }

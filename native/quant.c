@@ -1,7 +1,7 @@
 /* quant.c — row sizes, ggml-compatible quantize / dequantize of rows, embedding lookup.
  *
  * Rounding follows ggml's reference quantizers (quantize_row_q8_0_ref, quantize_row_q4_0_ref)
- * bit for bit. This file relies on the build not contracting x * id + 8.5f into an FMA
+ * bit for bit; q4_1 searches the step of its grid (see fl_quantize_row in flashllm.h). This file relies on the build not contracting x * id + 8.5f into an FMA
  * (-std=c11 implies -ffp-contract=off in GCC), or q4_0 could round differently on ties.
  */
 #include <math.h>
@@ -16,6 +16,7 @@ size_t fl_row_bytes(int32_t dtype, int64_t n) {
     case FL_F16: return (size_t)n * 2;
     case FL_Q8_0: return n % FL_QK ? 0 : (size_t)(n / FL_QK) * FL_Q8_0_BYTES;
     case FL_Q4_0: return n % FL_QK ? 0 : (size_t)(n / FL_QK) * FL_Q4_0_BYTES;
+    case FL_Q4_1: return n % FL_QK ? 0 : (size_t)(n / FL_QK) * FL_Q4_1_BYTES;
     default: return 0;
     }
 }
@@ -67,6 +68,48 @@ static void quantize_block_q4_0(const float *x, uint8_t *blk) {
     }
 }
 
+/* nibbles q (32) of x on the grid d * q + m (d, m as stored: f16), nearest level in 0..15;
+ * returns the squared error */
+static float grid_q4_1(const float *x, float d, float m, uint8_t q[FL_QK]) {
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    float err = 0.0f;
+    for (int j = 0; j < FL_QK; j++) {
+        const float v = nearbyintf((x[j] - m) * id);
+        q[j] = (uint8_t)(v < 0.0f ? 0.0f : v > 15.0f ? 15.0f : v);
+        const float e = x[j] - (d * q[j] + m);
+        err += e * e;
+    }
+    return err;
+}
+
+/* one q4_1 block: m = min, d = (max - min) / k for the k in 15 .. 1 with the least squared
+ * error (the first on ties); stops early once every value sits within f16 rounding of its level */
+static void quantize_block_q4_1(const float *x, uint8_t *blk) {
+    float lo = x[0], hi = x[0];
+    for (int j = 1; j < FL_QK; j++) {
+        lo = fminf(lo, x[j]);
+        hi = fmaxf(hi, x[j]);
+    }
+    const float m = fl_fp16_to_fp32(fl_fp32_to_fp16(lo));
+    uint8_t q[FL_QK], best_q[FL_QK];
+    float best_err = INFINITY, best_d = 0.0f;
+    for (int k = 15; k >= 1; k--) {
+        const float d = fl_fp16_to_fp32(fl_fp32_to_fp16((hi - lo) / (float)k));
+        const float err = grid_q4_1(x, d, m, q);
+        if (err < best_err) {
+            best_err = err;
+            best_d = d;
+            memcpy(best_q, q, sizeof q);
+        }
+        const float tol = (fabsf(hi) + fabsf(lo)) * 0x1.0p-10f;  // f16 rounding of d * 15, m
+        if (best_err <= FL_QK * tol * tol) break;
+    }
+    store_fp16(blk, best_d);
+    store_fp16(blk + 2, m);
+    for (int j = 0; j < FL_QK / 2; j++)
+        blk[4 + j] = (uint8_t)(best_q[j] | (best_q[j + FL_QK / 2] << 4));
+}
+
 int32_t fl_quantize_row(int32_t dtype, const float *src, void *dst, int64_t n) {
     if (!row_args_ok(dtype, src, dst, n)) return FL_EINVAL;
     uint8_t *out = (uint8_t *)dst;
@@ -84,6 +127,10 @@ int32_t fl_quantize_row(int32_t dtype, const float *src, void *dst, int64_t n) {
     case FL_Q4_0:
         for (int64_t b = 0; b < n / FL_QK; b++)
             quantize_block_q4_0(src + b * FL_QK, out + b * FL_Q4_0_BYTES);
+        break;
+    case FL_Q4_1:
+        for (int64_t b = 0; b < n / FL_QK; b++)
+            quantize_block_q4_1(src + b * FL_QK, out + b * FL_Q4_1_BYTES);
         break;
     }
     return FL_OK;

@@ -10,6 +10,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "flashllm.h"
+
 #if defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -17,6 +19,7 @@
 #define FL_QK 32          /* values per quantized block */
 #define FL_Q8_0_BYTES 34  /* f16 scale + 32 int8 */
 #define FL_Q4_0_BYTES 18  /* f16 scale + 16 bytes of nibbles */
+#define FL_Q4_1_BYTES 20  /* f16 scale + f16 min + 16 bytes of nibbles */
 #define FL_QT 4           /* weight rows x tokens of one int8 tile (fli_qdot_tile) */
 #define FL_XQ_LANES 8     /* f32 / int32 lanes per block in a quantized token's side arrays */
 
@@ -81,6 +84,11 @@ static inline float fl_load_fp16(const uint8_t *p) {
     return fl_fp16_to_fp32(h);
 }
 
+/* bytes of one block of a quantized dtype (q4_0 for anything that is not q8_0 / q4_1) */
+static inline size_t fli_block_bytes(int32_t dtype) {
+    return dtype == FL_Q8_0 ? FL_Q8_0_BYTES : dtype == FL_Q4_1 ? FL_Q4_1_BYTES : FL_Q4_0_BYTES;
+}
+
 /* ask the cache for the n bytes at p (into every level: NTA hints evicted data we reuse) */
 static inline void fli_prefetch(const uint8_t *p, size_t n) {
     for (size_t off = 0; off < n; off += 64) __builtin_prefetch(p + off, 0, 3);
@@ -118,21 +126,23 @@ void fli_axpy4(int32_t dtype, const uint8_t *const rows[FL_QT], const float a[FL
 void fli_down_f32(const float *h, int64_t ldh, const float *down, int64_t K, int64_t d, float *y,
                   int64_t T);
 
-/* ---- qdot.c: int8 activations against q4_0 / q8_0 weights (n a multiple of 32) ---------- */
+/* ---- qdot.c: int8 activations against q4_0 / q4_1 / q8_0 weights (n a multiple of 32) ---------- */
 
 /* Bytes of one token's quantized activations: int8 q (n), then per block FL_XQ_LANES f32 copies
- * of its scale and FL_XQ_LANES int32 (a correction in lane 0, zeros), the vector layout of qdot.c.
+ * of its scale, FL_XQ_LANES int32 (a correction in lane 0, zeros) and FL_XQ_LANES f32 (d * sum(q)
+ * in lane 0, zeros: q4_1's msum), the vector layout of qdot.c.
  * The correction depends on the weight dtype, so quantize for the dtype the buffer will meet. */
 int64_t fli_xq_bytes(int64_t n);
 
 /* buf (fli_xq_bytes(n)) = x (n) quantized per block of 32: d = amax / 127, q = nearest-even(x/d) */
 void fli_xq_quantize(int32_t dtype, const float *x, int64_t n, uint8_t *buf);
 
-/* w . x for one weight row (dtype q4_0 or q8_0) and one quantized token */
+/* w . x for one weight row (dtype q4_0, q4_1 or q8_0) and one quantized token */
 float fli_qdot(int32_t dtype, const uint8_t *w, const uint8_t *x, int64_t n);
 
-/* buf (fli_xq_bytes(n)) = a q4_0 / q8_0 weight row unpacked to the unsigned bytes and scale
- * vectors fli_qdot_tile multiplies (its correction lanes unused): worth it when a row meets more
+/* buf (fli_xq_bytes(n)) = a q4_0 / q4_1 / q8_0 weight row unpacked to the unsigned bytes and
+ * scale vectors fli_qdot_tile multiplies (its correction lanes unused; q4_1's m_w in the msum
+ * lanes): worth it when a row meets more
  * than FL_QT tokens */
 void fli_wx_expand(int32_t dtype, const uint8_t *w, int64_t n, uint8_t *buf);
 

@@ -33,6 +33,12 @@ static inline void load_q4(const uint8_t *qs, vf v[2]) {
     v[0] = _mm512_permutexvar_ps(raw, table);
     v[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(raw, 4), table);
 }
+static inline void load_q4u(const uint8_t *qs, vf v[2]) {  // unsigned nibbles 0..15
+    const __m512i raw = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
+    const __m512i m = _mm512_set1_epi32(0x0F);
+    v[0] = _mm512_cvtepi32_ps(_mm512_and_si512(raw, m));
+    v[1] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(raw, 4), m));
+}
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 typedef __m256 vf;
@@ -67,6 +73,15 @@ static inline void load_q4(const uint8_t *qs, vf v[4]) {
     v[2] = cvt8(hi);
     v[3] = cvt8(_mm_srli_si128(hi, 8));
 }
+static inline void load_q4u(const uint8_t *qs, vf v[4]) {  // unsigned nibbles 0..15
+    const __m128i raw = _mm_loadu_si128((const __m128i *)qs);
+    const __m128i m = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(raw, m), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m);
+    v[0] = cvt8(lo);
+    v[1] = cvt8(_mm_srli_si128(lo, 8));
+    v[2] = cvt8(hi);
+    v[3] = cvt8(_mm_srli_si128(hi, 8));
+}
 #else
 typedef float vf;
 #define VW 1
@@ -92,20 +107,29 @@ static inline void load_q4(const uint8_t *qs, vf v[32]) {
         v[j + 16] = (float)((qs[j] >> 4) - 8);
     }
 }
+static inline void load_q4u(const uint8_t *qs, vf v[32]) {
+    for (int j = 0; j < 16; j++) {
+        v[j] = (float)(qs[j] & 0x0F);
+        v[j + 16] = (float)(qs[j] >> 4);
+    }
+}
 #endif
 
 #define NV (FL_QK / VW) /* vectors per quantized block */
 
-/* unscaled values of one block of a quantized dtype and its scale */
+/* unscaled values of one block of a quantized dtype and its scale; *m its offset (q4_1: the
+ * block is d * v + m; 0 for the others) */
 static inline __attribute__((always_inline)) float load_block(int32_t dtype, const uint8_t *blk,
-                                                              vf v[NV]) {
+                                                              vf v[NV], float *m) {
+    *m = dtype == FL_Q4_1 ? fl_load_fp16(blk + 2) : 0.0f;
     if (dtype == FL_Q8_0) load_q8(blk + 2, v);
+    else if (dtype == FL_Q4_1) load_q4u(blk + 4, v);
     else load_q4(blk + 2, v);
     return fl_load_fp16(blk);
 }
 
 static inline __attribute__((always_inline)) size_t block_bytes(int32_t dtype) {
-    return dtype == FL_Q8_0 ? FL_Q8_0_BYTES : FL_Q4_0_BYTES;
+    return fli_block_bytes(dtype);
 }
 
 /* value i of a f32 (dtype 0) or f16 (dtype 1) row */
@@ -136,15 +160,21 @@ static inline __attribute__((always_inline)) float dot_plain(int32_t dtype, cons
 
 static inline __attribute__((always_inline)) float dot_blocks(int32_t dtype, const uint8_t *row,
                                                               const float *x, int64_t n) {
-    vf acc = vzero(), v[NV];
+    vf acc = vzero(), macc = vzero(), v[NV];  // macc: q4_1's m * sum(x) terms
     const size_t bb = block_bytes(dtype);
     for (int64_t b = 0; b < n / FL_QK; b++, row += bb, x += FL_QK) {
-        const float d = load_block(dtype, row, v);
+        float m;
+        const float d = load_block(dtype, row, v, &m);
         vf t = vmul(v[0], vload(x));
         for (int k = 1; k < NV; k++) t = vfma(v[k], vload(x + k * VW), t);
         acc = vfma(vset1(d), t, acc);
+        if (dtype == FL_Q4_1) {
+            vf sx = vload(x);
+            for (int k = 1; k < NV; k++) sx = vadd(sx, vload(x + k * VW));
+            macc = vfma(vset1(m), sx, macc);
+        }
     }
-    return vsum(acc);
+    return vsum(vadd(acc, macc));
 }
 
 float fli_dot(int32_t dtype, const uint8_t *row, const float *x, int64_t n) {
@@ -152,6 +182,7 @@ float fli_dot(int32_t dtype, const uint8_t *row, const float *x, int64_t n) {
     case FL_F32: return dot_plain(FL_F32, row, x, n);
     case FL_F16: return dot_plain(FL_F16, row, x, n);
     case FL_Q8_0: return dot_blocks(FL_Q8_0, row, x, n);
+    case FL_Q4_1: return dot_blocks(FL_Q4_1, row, x, n);
     default: return dot_blocks(FL_Q4_0, row, x, n);
     }
 }
@@ -169,8 +200,12 @@ static inline __attribute__((always_inline)) void axpy_blocks(int32_t dtype, con
     vf v[NV];
     const size_t bb = block_bytes(dtype);
     for (int64_t b = 0; b < n / FL_QK; b++, row += bb, y += FL_QK) {
-        const vf ad = vset1(a * load_block(dtype, row, v));
-        for (int k = 0; k < NV; k++) vstore(y + k * VW, vfma(ad, v[k], vload(y + k * VW)));
+        float m;
+        const vf ad = vset1(a * load_block(dtype, row, v, &m)), am = vset1(a * m);
+        for (int k = 0; k < NV; k++) {
+            const vf yk = dtype == FL_Q4_1 ? vadd(vload(y + k * VW), am) : vload(y + k * VW);
+            vstore(y + k * VW, vfma(ad, v[k], yk));
+        }
     }
 }
 
@@ -179,6 +214,7 @@ void fli_axpy(int32_t dtype, const uint8_t *row, float a, float *y, int64_t n) {
     case FL_F32: axpy_plain(FL_F32, row, a, y, n); break;
     case FL_F16: axpy_plain(FL_F16, row, a, y, n); break;
     case FL_Q8_0: axpy_blocks(FL_Q8_0, row, a, y, n); break;
+    case FL_Q4_1: axpy_blocks(FL_Q4_1, row, a, y, n); break;
     default: axpy_blocks(FL_Q4_0, row, a, y, n); break;
     }
 }
@@ -189,8 +225,10 @@ static inline __attribute__((always_inline)) void dequant_blocks(int32_t dtype,
     vf v[NV];
     const size_t bb = block_bytes(dtype);
     for (int64_t b = 0; b < n / FL_QK; b++, row += bb, dst += FL_QK) {
-        const vf d = vset1(load_block(dtype, row, v));
-        for (int k = 0; k < NV; k++) vstore(dst + k * VW, vmul(d, v[k]));
+        float m;
+        const vf d = vset1(load_block(dtype, row, v, &m)), vm = vset1(m);
+        for (int k = 0; k < NV; k++)
+            vstore(dst + k * VW, dtype == FL_Q4_1 ? vfma(d, v[k], vm) : vmul(d, v[k]));
     }
 }
 
@@ -204,6 +242,7 @@ void fli_dequant(int32_t dtype, const uint8_t *row, float *dst, int64_t n) {
         break;
     }
     case FL_Q8_0: dequant_blocks(FL_Q8_0, row, dst, n); break;
+    case FL_Q4_1: dequant_blocks(FL_Q4_1, row, dst, n); break;
     default: dequant_blocks(FL_Q4_0, row, dst, n); break;
     }
 }
@@ -239,10 +278,14 @@ static inline __attribute__((always_inline)) void axpy4_blocks(int32_t dtype,
     for (int64_t b = 0; b < n / FL_QK; b++, y += FL_QK) {
         vf acc[NV];
         for (int k = 0; k < NV; k++) acc[k] = vload(y + k * VW);
+        float am = 0.0f;  // q4_1: sum over r of a[r] * m_r, added once per value
         for (int r = 0; r < FL_QT; r++) {
-            const vf ad = vset1(a[r] * load_block(dtype, rows[r] + b * bb, v));
+            float m;
+            const vf ad = vset1(a[r] * load_block(dtype, rows[r] + b * bb, v, &m));
+            am += a[r] * m;
             for (int k = 0; k < NV; k++) acc[k] = vfma(ad, v[k], acc[k]);
         }
+        for (int k = 0; dtype == FL_Q4_1 && k < NV; k++) acc[k] = vadd(acc[k], vset1(am));
         for (int k = 0; k < NV; k++) vstore(y + k * VW, acc[k]);
     }
 }
@@ -253,6 +296,7 @@ void fli_axpy4(int32_t dtype, const uint8_t *const rows[FL_QT], const float a[FL
     case FL_F32: axpy4_plain(FL_F32, rows, a, y, n); break;
     case FL_F16: axpy4_plain(FL_F16, rows, a, y, n); break;
     case FL_Q8_0: axpy4_blocks(FL_Q8_0, rows, a, y, n); break;
+    case FL_Q4_1: axpy4_blocks(FL_Q4_1, rows, a, y, n); break;
     default: axpy4_blocks(FL_Q4_0, rows, a, y, n); break;
     }
 }
