@@ -83,7 +83,8 @@ static float grid_q4_1(const float *x, float d, float m, uint8_t q[FL_QK]) {
 }
 
 /* one q4_1 block: m = min, d = (max - min) / k for the k in 15 .. 1 with the least squared
- * error (the first on ties); stops early once every value sits within f16 rounding of its level */
+ * error (the first on ties); stops early at a k whose rms error is within the f16 rounding of m
+ * and of 15 steps (the block is on that grid) */
 static void quantize_block_q4_1(const float *x, uint8_t *blk) {
     float lo = x[0], hi = x[0];
     for (int j = 1; j < FL_QK; j++) {
@@ -101,8 +102,8 @@ static void quantize_block_q4_1(const float *x, uint8_t *blk) {
             best_d = d;
             memcpy(best_q, q, sizeof q);
         }
-        const float tol = (fabsf(hi) + fabsf(lo)) * 0x1.0p-10f;  // f16 rounding of d * 15, m
-        if (best_err <= FL_QK * tol * tol) break;
+        const float tol = (fabsf(m) + 15.0f * d) * 0x1.0p-11f;  // f16 rounding of m, d * 15
+        if (err <= FL_QK * tol * tol) break;
     }
     store_fp16(blk, best_d);
     store_fp16(blk + 2, m);

@@ -16,8 +16,9 @@ from flashllm import kernel
 from flashllm.errors import KernelError
 from flashllm.tensor import QTensor
 
-DTYPES = ["f32", "f16", "q8_0", "q4_0"]
-GGUF_TYPES = {"f32": GQ.F32, "f16": GQ.F16, "q8_0": GQ.Q8_0, "q4_0": GQ.Q4_0}
+DTYPES = ["f32", "f16", "q8_0", "q4_0", "q4_1"]
+GGUF_TYPES = {"f32": GQ.F32, "f16": GQ.F16, "q8_0": GQ.Q8_0, "q4_0": GQ.Q4_0,
+              "q4_1": GQ.Q4_1}
 
 
 def _rng(seed: int) -> np.random.Generator:
@@ -159,7 +160,7 @@ def _bundles(n: int, d: int, dtype: str, glu: bool, pad: int, seed: int):
 @pytest.mark.parametrize("T", [1, 3, 6])
 @pytest.mark.parametrize("exact", [True, False])
 def test_ffn_bundles_matches_numpy(dtype, glu, act, T, exact):
-    """exact=False: q4_0 / q8_0 gate and up meet x quantized to int8 (reference: _quantize_x)."""
+    """exact=False: q4_0 / q4_1 / q8_0 gate and up meet x quantized to int8 (reference: _quantize_x)."""
     d, n, n_ff = 64, 150, 400
     data, parts = _bundles(n, d, dtype, glu, pad=6, seed=11)
     rng = _rng(12)
@@ -203,7 +204,7 @@ def _thresholded(h: np.ndarray, rows: np.ndarray, down: np.ndarray) -> tuple[flo
     return thr, (h * keep) @ down
 
 
-@pytest.mark.parametrize("dtype", ["f32", "q4_0"])
+@pytest.mark.parametrize("dtype", ["f32", "q4_0", "q4_1"])
 @pytest.mark.parametrize("T", [1, 4])
 def test_ffn_bundles_rows_and_threshold(dtype, T):
     """rows gathers a subset of bundle rows; a term with |h| below threshold is dropped."""

@@ -1,4 +1,4 @@
-"""The int8-activation path of the C kernel (q4_0 / q8_0 weights, exact=False, the default).
+"""The int8-activation path of the C kernel (q4_0 / q4_1 / q8_0 weights, exact=False, the default).
 
 The reference quantizes x in numpy by the rule flashllm.h states (per block of 32: d = amax / 127
 in f32, q = nearest-even(x * (1 / d))) and multiplies the gguf-py dequantized weights in f64, so
@@ -14,7 +14,7 @@ import pytest
 from flashllm import kernel
 from test_kernel import _act, _bundles, _close, _qtensor, _quantize_x, _rng, _thresholded
 
-QDTYPES = ["q4_0", "q8_0"]
+QDTYPES = ["q4_0", "q4_1", "q8_0"]
 
 
 @pytest.mark.parametrize("dtype", QDTYPES)

@@ -11,8 +11,14 @@ Relative error is max|ours - ref| / max|ref| over all logits of the prompt.
   carried through the network: f16 rounds to 2^-11 relative (measured 3e-4..7e-4 on logits) →
   3e-3; q8_0 has ~0.5% rms weight error (amax/127 steps over N(0,1) blocks; measured 7e-3..1.7e-2)
   → 5e-2. Both still catch a wrong rounding axis or scale (those are off by whole percents).
+- q4_1: the checkpoint is first put on q4_1 grids (gguf-py's reference Q4_1 round trip along the
+  storage axis) and written out; converting it at q4_1 must give those grids back (the step
+  search reproduces a 16-level grid), so exact=True matches transformers on that checkpoint like
+  f32 does (1e-4). The int8 path adds the activations' rounding: 5e-2 as for q8_0.
 """
 from __future__ import annotations
+
+import shutil
 
 import numpy as np
 import pytest
@@ -45,6 +51,13 @@ def round_q8_0(w: np.ndarray) -> np.ndarray:
     return (d.astype(np.float16).astype(np.float32) * q).reshape(w.shape)
 
 
+def round_q4_1(w: np.ndarray) -> np.ndarray:
+    """gguf-py's reference Q4_1 round trip of rows w (rows, cols): d = (max - min) / 15, m = min."""
+    from gguf import GGMLQuantizationType as GQ
+    from gguf.quants import dequantize, quantize
+    return dequantize(quantize(w.astype(np.float32), GQ.Q4_1), GQ.Q4_1).reshape(w.shape)
+
+
 def round_weight(w: np.ndarray, dtype: str, by_columns: bool) -> np.ndarray:
     if by_columns:
         return round_weight(w.T, dtype, False).T
@@ -52,6 +65,8 @@ def round_weight(w: np.ndarray, dtype: str, by_columns: bool) -> np.ndarray:
         return w
     if dtype == "q8_0" and w.shape[1] % 32 == 0:
         return round_q8_0(w)
+    if dtype == "q4_1" and w.shape[1] % 32 == 0:
+        return round_q4_1(w)
     return w.astype(np.float16).astype(np.float32)   # f16, and quantized rows that do not block
 
 
@@ -138,6 +153,22 @@ def test_quantized_logits(flash_model, name, dtype):
     err = rel_err(fast.forward(PROMPT, 0), hf_logits(hf, PROMPT))
     print(f"{name} {dtype}, exact=False: logits vs transformers {err:.2e}")
     assert err < TOL_VS_ORIGINAL[dtype]
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_q4_1_grids_come_back(hf_tiny, tmp_path, name):
+    folder, hf = hf_tiny(name)
+    on_grid = rounded_reference(hf, "q4_1")
+    src = tmp_path / "src"
+    shutil.copytree(folder, src)
+    on_grid.save_pretrained(str(src), safe_serialization=True)
+    out = convert(src, tmp_path / "m", "q4_1")
+    ref = hf_logits(on_grid, PROMPT)                                         # (32, vocab)
+    for exact, tol in ((True, 1e-4), (False, 5e-2)):
+        net = Model(open_flash(out), n_threads=2, n_ctx=128, exact=exact)
+        err = rel_err(net.forward(PROMPT, 0), ref)
+        print(f"{name} q4_1, exact={exact}: logits vs transformers on q4_1 grids {err:.2e}")
+        assert err < tol
 
 
 def test_running_past_the_context_is_a_clear_error(flash_model):

@@ -1,7 +1,8 @@
 /* qdot_isa.c — the int8 tiles of native/qdot.c, built for one instruction set (test_kernel_isa.py
  * compiles it for AVX-512 VNNI, AVX2 + AVX-VNNI, AVX2 and plain x86-64), against a double
- * reference on the same quantized activations: raw and expanded weights, 1 and 4 tokens, block
- * counts even and odd. Prints "ok" and exits 0, or lists the bad outputs and exits 1. */
+ * reference on the same quantized activations (q8_0, q4_0, q4_1 weights): raw and expanded
+ * weights, 1 and 4 tokens, block counts even and odd. Prints "ok" and exits 0, or lists the bad
+ * outputs and exits 1. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -66,7 +67,7 @@ static int check(int32_t dt, int n) {
 int main(void) {
     srand(1);
     int bad = 0;
-    for (int32_t dt = FL_Q8_0; dt <= FL_Q4_0; dt++)
+    for (int32_t dt = FL_Q8_0; dt <= FL_Q4_1; dt++)
         for (int n = 32; n <= NMAX; n += 96) bad += check(dt, n);
     printf(bad ? "FAIL\n" : "ok\n");
     return bad != 0;
