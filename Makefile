@@ -34,7 +34,11 @@ test-all: setup
 clean:
 	rm -rf build *.egg-info flashllm/_native*.so flashllm/_native.c .pytest_cache
 
-.PHONY: bench-io test-asan
+.PHONY: bench-io bench-kernels test-asan
+
+## bench-kernels: each kernel's time and GB/s (int8 vs f32 activations) next to a DRAM read, and numpy/BLAS on the same work
+bench-kernels: setup
+	$(BIN)/python scripts/bench_kernels.py
 
 ## bench-io: bundle reads through the C reader next to the device profile (MODEL=dir, else a synthetic ffn.bin in BENCH_DIR)
 BENCH_DIR ?= .

@@ -7,7 +7,9 @@ Resident at run time (all counted against --dram-budget):
     tokenizer       after release(): the JSON text, the id -> bytes table and the heap the
                     `tokenizers` object leaves (measured 23 MiB for Qwen's 5.4 MB JSON, 10 MiB
                     for SmolLM2's 1.6 MB), counted as 5x the JSON + 4 MiB. While it loads, before
-                    the model, it peaks at 26-28x the JSON (checked separately: TOKENIZER_LOAD)
+                    the model, it peaks at 26-28x the JSON (checked separately: TOKENIZER_LOAD);
+                    a chat keeps it loaded (+135 MiB for Qwen's), counted as TOKENIZER_LOAD x
+                    the JSON + 4 MiB
     KV cache        2 · n_layers · n_ctx · n_kv_heads · head_dim · 4 bytes
     work            logits and activations of one forward pass, the reader's staging buffers,
                     the sparse FFN's staging buffer for prefill / streamed neurons
@@ -135,13 +137,15 @@ def model_bytes(manifest: dict) -> int:
 
 
 def resident_bytes(manifest: dict, n_ctx: int, process: int, predictor: int,
-                   reader_stage: int, stride_rows: int) -> dict:
-    """Everything but the dense matrices and the neuron caches, by what it is."""
+                   reader_stage: int, stride_rows: int, keep_tokenizer: bool = False) -> dict:
+    """Everything but the dense matrices and the neuron caches, by what it is. keep_tokenizer:
+    the tokenizers object stays loaded (chat encodes every turn), not released after encoding."""
     c = manifest["config"]
     kv = 2 * c["n_layers"] * n_ctx * c["n_kv_heads"] * c["head_dim"] * 4
     work = WORK_FIXED + 4 * 4 * c["vocab_size"] + reader_stage + stride_rows
     tok = int(manifest["tokenizer"].get("nbytes") or 0)
-    return {"KV cache": kv, "tokenizer": TOKENIZER_KEPT * tok + (4 * MiB if tok else 0),
+    per_byte = TOKENIZER_LOAD if keep_tokenizer else TOKENIZER_KEPT
+    return {"KV cache": kv, "tokenizer": per_byte * tok + (4 * MiB if tok else 0),
             "process": process, "buffers": work, "predictor": predictor}
 
 
@@ -175,14 +179,15 @@ def stream_reserve(manifest: dict, n_ctx: int, streamed=None) -> int:
 
 
 def plan_budget(manifest: dict, budget_text: str, n_ctx: int, process: int, predictor: int = 0,
-                reader_stage: int = 0, naive: bool = False, pin_fraction: float = 0.5) -> BudgetPlan:
+                reader_stage: int = 0, naive: bool = False, pin_fraction: float = 0.5,
+                keep_tokenizer: bool = False) -> BudgetPlan:
     """Keep dense weights, then size the neuron caches; BudgetError (one line) when it cannot work."""
     f = manifest["ffn"]
     n_layers, n_ff, stride = int(f["n_layers"]), int(f["n_ff"]), int(f["stride"])
     budget = parse_budget(budget_text, model_bytes(manifest))
     staging_rows = min(n_ff, max(1, STAGING_BYTES // stride))
     resident = resident_bytes(manifest, n_ctx, process, predictor, reader_stage,
-                              staging_rows * stride)
+                              staging_rows * stride, keep_tokenizer)
     always, groups, embed = dense_groups(manifest)
     dense_all = always + sum(b for _, b in groups) + embed[1]
     fixed = sum(resident.values()) + always + (0 if naive else 4 * n_ff * n_layers)

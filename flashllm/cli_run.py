@@ -66,7 +66,8 @@ def run(
         fail("give a prompt (-p/-f) or -i/--chat, not both")
     text = None if interactive else _read_prompt(prompt, file)
     path = _resolve(model)
-    fopts = FlashOptions(dram_budget, window, naive, dense, check_recall, predictor)
+    fopts = FlashOptions(dram_budget, window, naive, dense, check_recall, predictor,
+                         keep_tokenizer=interactive)
     plan = plan_run(path, fopts, ctx_size, process_rss())     # refuses before loading anything
     flash = open_flash(path)
     verify_on_first_load(flash)

@@ -155,10 +155,11 @@ class DenseWeights:
         wq, wk, wv, wo = self._layer_views(i, k)
         return Layer(**{**L.__dict__, "wq": wq, "wk": wk, "wv": wv, "wo": wo})
 
-    def output(self, x: np.ndarray) -> np.ndarray:
-        """(T, vocab) f32 logits of the normalized final hidden states x (T, embed_dim)."""
+    def output(self, x: np.ndarray, exact: bool = False) -> np.ndarray:
+        """(T, vocab) f32 logits of the normalized final hidden states x (T, embed_dim); exact:
+        q4_0 / q8_0 rows multiply f32 activations instead of int8 ones."""
         if self.head is not None:
-            return kernel.matmul(self.head, x, n_threads=self.n_threads)  # (T, vocab)
+            return kernel.matmul(self.head, x, None, self.n_threads, exact)  # (T, vocab)
         t = self.flash.dense_entry(self.head_name)
         rows, cols = t["shape"]
         rb = t["nbytes"] // rows
@@ -174,7 +175,7 @@ class DenseWeights:
                 job = self._pool.submit(self._read_rows, t, nxt, min(nxt + step, rows), (j + 1) % 2)
             w = QTensor(self._head_bufs[j % 2][:(r1 - r0) * rb].reshape(r1 - r0, rb), t["dtype"],
                         r1 - r0, cols)
-            logits[:, r0:r1] = kernel.matmul(w, x, n_threads=self.n_threads)  # (T, r1 - r0)
+            logits[:, r0:r1] = kernel.matmul(w, x, None, self.n_threads, exact)  # (T, r1 - r0)
         return logits
 
     def stats(self) -> dict:

@@ -79,11 +79,8 @@ class Model:
         return self._output(x)                                           # (T, vocab)
 
     def _output(self, x: np.ndarray) -> np.ndarray:
-        """(T, vocab) logits; exact runs a resident head here in f32 (DenseWeights.output does not
-        take exact: a streamed head stays on int8 activations)."""
-        if self.exact and getattr(self.w, "head", None) is not None:
-            return kernel.matmul(self.w.head, x, None, self.n_threads, True)  # (T, vocab)
-        return self.w.output(x)                                          # (T, vocab)
+        """(T, vocab) logits, resident or streamed head."""
+        return self.w.output(x, self.exact)                              # (T, vocab)
 
     def _embed(self, tokens: np.ndarray, pos: np.ndarray) -> np.ndarray:
         cfg = self.config

@@ -31,6 +31,7 @@ class FlashOptions:
     dense: bool = False                   # every bundle in DRAM (today's default)
     check: bool = False                   # also compute the exact mask: predictor recall
     predictor: str = "auto"               # auto: only when it is expected to pay; on; off
+    keep_tokenizer: bool = False          # chat: the tokenizers object stays loaded
 
     @property
     def flash(self) -> bool:
@@ -58,9 +59,9 @@ def plan_run(path: Path, opts: FlashOptions, n_ctx: int, process: int) -> Option
     if opts.dram_budget is None:   # --naive alone: no limit, the whole model's worth
         text = f"{model_bytes(man) + (1 << 30)}"
     plan = plan_budget(man, text, n_ctx, process, reader_stage=READER_THREADS * READER_STAGE,
-                       naive=opts.naive)
+                       naive=opts.naive, keep_tokenizer=opts.keep_tokenizer)
     if not opts.naive and opts.predictor != "off" and man.get("predictor"):
-        plan = _with_predictor(man, text, n_ctx, process, plan, opts.predictor == "on")
+        plan = _with_predictor(man, text, n_ctx, process, plan, opts)
     elif opts.predictor == "on" and not opts.naive:
         raise BudgetError(f"--predictor on: {path} has no predictor (run `flashllm calibrate`)")
     if not plan.predictor and not opts.naive:    # the same slots every token: all rows pinned
@@ -74,13 +75,14 @@ def plan_run(path: Path, opts: FlashOptions, n_ctx: int, process: int) -> Option
 
 
 def _with_predictor(man: dict, text: str, n_ctx: int, process: int, plain: BudgetPlan,
-                    force: bool) -> BudgetPlan:
-    """The plan with the manifest's predictor resident when forced, or when it is expected to
-    make a token faster than `plain` (the same budget without it); else plain."""
-    sec = man["predictor"]
+                    opts: FlashOptions) -> BudgetPlan:
+    """The plan with the manifest's predictor resident when forced (--predictor on), or when it
+    is expected to make a token faster than `plain` (the same budget without it); else plain."""
+    sec, force = man["predictor"], opts.predictor == "on"
     try:
         plan = plan_budget(man, text, n_ctx, process, predictor=int(sec.get("nbytes") or 0),
-                           reader_stage=READER_THREADS * READER_STAGE)
+                           reader_stage=READER_THREADS * READER_STAGE,
+                           keep_tokenizer=opts.keep_tokenizer)
     except BudgetError:
         if force:
             raise

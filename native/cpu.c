@@ -37,6 +37,21 @@
 #else
 #define HAS_F16C 0
 #endif
+#if defined(__AVX512VL__)
+#define HAS_AVX512VL 1
+#else
+#define HAS_AVX512VL 0
+#endif
+#if defined(__AVX512VNNI__)
+#define HAS_AVX512VNNI 1
+#else
+#define HAS_AVX512VNNI 0
+#endif
+#if defined(__AVXVNNI__)
+#define HAS_AVXVNNI 1
+#else
+#define HAS_AVXVNNI 0
+#endif
 
 __attribute__((target("arch=x86-64"))) int32_t fl_cpu_check(char *missing, size_t n) {
     if (!missing || n == 0) return FL_EINVAL;
@@ -47,6 +62,9 @@ __attribute__((target("arch=x86-64"))) int32_t fl_cpu_check(char *missing, size_
     NEED(HAS_F16C, "f16c")
     NEED(HAS_AVX512F, "avx512f")
     NEED(HAS_AVX512BW, "avx512bw")
+    NEED(HAS_AVX512VL, "avx512vl")
+    NEED(HAS_AVX512VNNI, "avx512vnni")
+    NEED(HAS_AVXVNNI, "avxvnni")
     return FL_OK;
 }
 #else

@@ -155,3 +155,16 @@ def test_auto_takes_a_cheap_predictor_and_on_off_are_obeyed(tmp_path):
         plan_run(big, FlashOptions("560MiB", predictor="on"), 512, 40 * MiB)
     with pytest.raises(BudgetError, match="expected one of auto, on, off"):
         plan_run(big, FlashOptions("560MiB", predictor="maybe"), 512, 40 * MiB)
+
+
+def test_a_chat_counts_the_tokenizer_it_keeps(tmp_path):
+    """-i keeps the tokenizers object (it encodes every turn): 28x its JSON, not 5x."""
+    from flashllm.runtime import FlashOptions, plan_run
+    man = json.loads(Q15.read_text())
+    (tmp_path / "manifest.json").write_text(json.dumps(man))
+    tok = man["tokenizer"]["nbytes"]
+    once = plan_run(tmp_path, FlashOptions("560MiB"), 512, 40 * MiB)
+    chat = plan_run(tmp_path, FlashOptions("560MiB", keep_tokenizer=True), 512, 40 * MiB)
+    assert once.resident["tokenizer"] == budget.TOKENIZER_KEPT * tok + 4 * MiB
+    assert chat.resident["tokenizer"] == budget.TOKENIZER_LOAD * tok + 4 * MiB
+    assert chat.total <= chat.budget and chat.cache_bytes < once.cache_bytes
