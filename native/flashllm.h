@@ -57,7 +57,9 @@ int32_t fl_dequantize_row(int32_t dtype, const void *src, float *dst, int64_t n)
  * and q4_0. q4_1 blocks take m = min and d = (max - min) / k for the k in 1..15 whose grid
  * (d, m rounded to f16, q = nearest in 0..15) has the least squared error: k = 15 is ggml's
  * choice; a block that already lies on a 16-level grid of k + 1 used levels (a dequantized
- * Q4_K sub-block) is then reproduced up to the f16 rounding of d and m. */
+ * Q4_K sub-block) is then reproduced up to the f16 rounding of d and m. A block on no grid
+ * then gets up to 4 least-squares refits of (d, m) to its levels, each kept if it lowers the
+ * squared error. */
 int32_t fl_quantize_row(int32_t dtype, const float *src, void *dst, int64_t n);
 
 /* out (n_ids, cols) f32 = rows ids[] of w (rows, cols) in dtype, dequantized (embedding lookup).

@@ -9,6 +9,8 @@
 #include "flashllm.h"
 #include "simd.h"
 
+#define REFITS 4 /* least-squares refits of a q4_1 block that is on no grid */
+
 size_t fl_row_bytes(int32_t dtype, int64_t n) {
     if (n < 0) return 0;
     switch (dtype) {
@@ -82,6 +84,24 @@ static float grid_q4_1(const float *x, float d, float m, uint8_t q[FL_QK]) {
     return err;
 }
 
+/* the least-squares (d, m) of x on the levels q, both rounded to f16; 0 when q is constant */
+static int refit_q4_1(const float *x, const uint8_t q[FL_QK], float *d, float *m) {
+    float sq = 0.0f, sqq = 0.0f, sx = 0.0f, sqx = 0.0f;
+    for (int j = 0; j < FL_QK; j++) {
+        sq += q[j];
+        sqq += (float)(q[j] * q[j]);
+        sx += x[j];
+        sqx += q[j] * x[j];
+    }
+    const float det = FL_QK * sqq - sq * sq;
+    if (det <= 0.0f) return 0;
+    const float dd = (FL_QK * sqx - sq * sx) / det;
+    if (!(dd > 0.0f)) return 0;
+    *d = fl_fp16_to_fp32(fl_fp32_to_fp16(dd));
+    *m = fl_fp16_to_fp32(fl_fp32_to_fp16((sx - dd * sq) / FL_QK));
+    return 1;
+}
+
 /* one q4_1 block: m = min, d = (max - min) / k for the k in 15 .. 1 with the least squared
  * error (the first on ties); stops early at a k whose rms error is within the f16 rounding of m
  * and of 15 steps (the block is on that grid) */
@@ -93,8 +113,9 @@ static void quantize_block_q4_1(const float *x, uint8_t *blk) {
     }
     const float m = fl_fp16_to_fp32(fl_fp32_to_fp16(lo));
     uint8_t q[FL_QK], best_q[FL_QK];
-    float best_err = INFINITY, best_d = 0.0f;
-    for (int k = 15; k >= 1; k--) {
+    float best_err = INFINITY, best_d = 0.0f, best_m = m;
+    int on_grid = 0;
+    for (int k = 15; k >= 1 && !on_grid; k--) {
         const float d = fl_fp16_to_fp32(fl_fp32_to_fp16((hi - lo) / (float)k));
         const float err = grid_q4_1(x, d, m, q);
         if (err < best_err) {
@@ -103,10 +124,17 @@ static void quantize_block_q4_1(const float *x, uint8_t *blk) {
             memcpy(best_q, q, sizeof q);
         }
         const float tol = (fabsf(m) + 15.0f * d) * 0x1.0p-11f;  // f16 rounding of m, d * 15
-        if (err <= FL_QK * tol * tol) break;
+        on_grid = err <= FL_QK * tol * tol;
+    }
+    float d2, m2;
+    for (int it = 0; it < REFITS && !on_grid && refit_q4_1(x, best_q, &d2, &m2); it++) {
+        const float err = grid_q4_1(x, d2, m2, q);
+        if (!(err < best_err)) break;
+        best_err = err, best_d = d2, best_m = m2;
+        memcpy(best_q, q, sizeof q);
     }
     store_fp16(blk, best_d);
-    store_fp16(blk + 2, m);
+    store_fp16(blk + 2, best_m);
     for (int j = 0; j < FL_QK / 2; j++)
         blk[4 + j] = (uint8_t)(best_q[j] | (best_q[j + FL_QK / 2] << 4));
 }

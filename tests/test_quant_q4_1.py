@@ -4,7 +4,8 @@ The layout is ggml's GGML_TYPE_Q4_1, so gguf-py's dequantizer must read our byte
 The quantizer is not ggml's (that one always takes d = (max - min) / 15): it tries every step
 (max - min) / k, k = 15 .. 1, so each block's squared error is at most the reference's, and a
 block that lies on a 16-level grid (a dequantized Q4_K sub-block, whose used levels may span
-fewer than 16 steps) comes back up to the f16 rounding of d and m.
+fewer than 16 steps) comes back up to the f16 rounding of d and m; a block on no grid gets
+least-squares refits of (d, m).
 """
 from pathlib import Path
 
@@ -53,6 +54,15 @@ def test_error_is_never_above_the_reference_quantizer():
     e_ours, e_ref = _block_err(ours, x), _block_err(ref, x)  # (512,) each
     assert (e_ours <= e_ref * (1 + 1e-5) + 1e-12).all()
     assert (e_ours < e_ref * 0.99).sum() > 10  # the search does change some blocks
+
+
+def test_least_squares_refit_lowers_the_error_of_blocks_on_no_grid():
+    """Gaussian blocks: the step search alone leaves 0.94 of the reference's squared error
+    (measured), the refits of (d, m) bring it to 0.83."""
+    x = np.random.default_rng(5).standard_normal((256, 256)).astype(np.float32)  # (256, 256)
+    ours = dequantize_rows(quantize_rows(x, "q4_1"), "q4_1", 256)  # (256, 256)
+    ref = _gguf_dequant(quantize(x, GQ.Q4_1).view(np.uint8).reshape(256, -1), 256)
+    assert _block_err(ours, x).sum() < 0.88 * _block_err(ref, x).sum()
 
 
 @pytest.mark.parametrize("k", [15, 11, 6, 1])
