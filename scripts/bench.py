@@ -3,7 +3,7 @@
 
 Run:  python scripts/bench.py [--quick] [--sections dense,flash] [--out BENCHMARKS.md]
 
-Dense decode (issue 2): SmolLM2-135M converted at f16 / q8_0 / q4_0, `flashllm run` decode and
+Dense decode (issue 2): SmolLM2-135M converted at f16 / q8_0 / q4_0 / q4_1, `flashllm run` decode and
 prefill tok/s (median of 3), next to llama.cpp on the same GGUF with both OMP wait policies.
 Flash inference (issues 4/5): Qwen2.5-Coder-1.5B and SmolLM2-135M under cgroup-v1 memory caps, cold
 cache, flashllm sparse / --naive / dense and llama.cpp; the rows whose `flashllm run` option does
@@ -32,8 +32,10 @@ from bench_stats import parse_stats_table, stat_cells  # noqa: E402
 from cgroup_run import CgroupUnavailable, run_capped, unavailable_reason  # noqa: E402
 
 MiB = 1 << 20
-# name -> (local GGUF file name, flash dtype); the GGUF is looked up in --models-dir, else pulled
-MODELS = {"qwen2.5-coder-1.5b": ("qwen15.gguf", "q4_0"), "smollm2-135m": ("smollm2-135m.gguf", "q4_0")}
+# name -> (local GGUF file name, flash dtype); the GGUF is looked up in --models-dir, else pulled.
+# q4_1 re-quantizes the GGUFs' Q4_K sub-blocks (1.5B) and Q4_1 blocks (SmolLM2) exactly: the 1.5B's
+# perplexity is x1.02 of llama.cpp's on Q4_K_M at q4_1, x1.07 at q4_0 (BENCHMARKS.md "## Quality")
+MODELS = {"qwen2.5-coder-1.5b": ("qwen15.gguf", "q4_1"), "smollm2-135m": ("smollm2-135m.gguf", "q4_1")}
 QWEN_CAPS = [None, 560 * MiB, 280 * MiB]          # issue 4/5: unlimited / 560 MiB / 280 MiB
 
 
@@ -156,7 +158,8 @@ def dense_rows(args, fl: Flashllm, opts: Dict[str, bool]) -> tuple:
     gguf = gguf_for(fl, "smollm2-135m", args.models_dir)
     rows, notes = [], []
     n_gen = 32 if args.quick else 128
-    runs = [("f16", "passive"), ("q8_0", "passive"), ("q4_0", "passive"), ("q8_0", "default")]
+    runs = [("f16", "passive"), ("q8_0", "passive"), ("q4_0", "passive"), ("q4_1", "passive"),
+            ("q8_0", "default")]
     for dtype, policy in (runs[1:2] if args.quick else runs):
         out = converted_dir(args.cache, "smollm2-135m", dtype)
         conv = ensure_converted(fl, gguf, out, dtype, log)
