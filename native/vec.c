@@ -33,11 +33,11 @@ static inline void load_q4(const uint8_t *qs, vf v[2]) {
     v[0] = _mm512_permutexvar_ps(raw, table);
     v[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(raw, 4), table);
 }
-static inline void load_q4u(const uint8_t *qs, vf v[2]) {  // unsigned nibbles 0..15
+static inline void load_q4u(const uint8_t *qs, vf v[2]) {  // unsigned nibbles 0..15, as above
+    const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i raw = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
-    const __m512i m = _mm512_set1_epi32(0x0F);
-    v[0] = _mm512_cvtepi32_ps(_mm512_and_si512(raw, m));
-    v[1] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(raw, 4), m));
+    v[0] = _mm512_permutexvar_ps(raw, table);
+    v[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(raw, 4), table);
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
