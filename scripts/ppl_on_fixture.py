@@ -1,0 +1,56 @@
+"""flashllm's perplexity on the exact token ids of a llama.cpp perplexity fixture.
+
+Run:  python scripts/ppl_on_fixture.py MODEL FIXTURE [--sparsity S]
+FIXTURE: made by scripts/make_llamacpp_ppl_fixture.py (llama.cpp's tokens, chunking and PPL). Scores
+the same ids with flashllm.perplexity (llama.cpp's definition, the fixture's BOS replacement), dense or
+with the layer thresholds `flashllm perplexity --sparsity S` uses, and prints one JSON line with both
+perplexities and their ratio: a comparison on identical tokens, which `flashllm perplexity FILE` (its
+own tokenizer over its own text) cannot promise.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from flashllm.bundle import open_flash  # noqa: E402
+from flashllm.calibrate import text_tokens, thresholds_for  # noqa: E402
+from flashllm.corpus import builtin_text  # noqa: E402
+from flashllm.ffn import DenseFfn  # noqa: E402
+from flashllm.model import Model  # noqa: E402
+from flashllm.perplexity import perplexity  # noqa: E402
+from flashllm.tokenizer import Tokenizer  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", type=Path)
+    ap.add_argument("fixture", type=Path)
+    ap.add_argument("--sparsity", type=float, default=None)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    fx = json.loads(args.fixture.read_text())
+    tokens = np.array(fx["token_ids"], dtype=np.int32)                   # (n_chunks * n_ctx,)
+    if hashlib.sha256(tokens.astype("<i4").tobytes()).hexdigest() != fx["token_sha256"]:
+        raise SystemExit(f"{args.fixture}: token ids do not match their sha256")
+    flash = open_flash(args.model)
+    ffn = None
+    if args.sparsity is not None:
+        tok = Tokenizer.from_flash(flash)
+        cal = lambda: text_tokens(tok, builtin_text("calibration", "code", 16384).text, 2048)  # noqa: E731
+        ffn = DenseFfn(flash, args.threads, threshold=thresholds_for(
+            flash, args.sparsity, cal, 512, args.threads, lambda m: print(m, file=sys.stderr)))
+    net = Model(flash, n_threads=args.threads, n_ctx=fx["n_ctx"], ffn=ffn)
+    got = perplexity(net, tokens, n_ctx=fx["n_ctx"], bos_id=fx["bos_replaced"],
+                     on_chunk=lambda i, n, p: print(f"[{i}/{n}] {p:.4f}", file=sys.stderr, flush=True))
+    print(json.dumps({"model": str(args.model), "sparsity": args.sparsity, **got.to_dict(),
+                      "llama_cpp_ppl": fx["ppl"], "ratio": got.ppl / fx["ppl"]}))
+
+
+if __name__ == "__main__":
+    main()
