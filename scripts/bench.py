@@ -237,7 +237,7 @@ def flash_rows(args, fl: Flashllm, opts: Dict[str, bool]) -> tuple:
                      f"predictor); prompt {n} tokens; llama.cpp reads {gguf.name} "
                      f"({gguf.stat().st_size / MiB:.0f} MiB).")
         floor = probe_floor(fl, out, prompt, n_gen) if opts["--dram-budget"] else None
-        ffn = (out / "ffn.bin").stat().st_size
+        ffn = int(json.loads((out / "manifest.json").read_text())["ffn"]["nbytes"])  # ffn-hot.bin once calibrated
         notes.append(f"- {name}: flashllm's least --dram-budget (its refusal of 1 MiB): "
                      f"{floor // MiB if floor else '–'} MiB; FFN {ffn / MiB:.0f} MiB.")
         for cap, label in flash_caps(name, floor, ffn):
