@@ -98,6 +98,7 @@ class SparseFlashFfn:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="flashllm-read")
         for layer, cache in enumerate(self.caches):
             self._read_seq(layer, cache.pin(), cache.matrix, None)
+        self._slots = np.arange(f.n_ff, dtype=np.int32)    # (n_ff,) sliced per chunk: no arange per token
         self.ring = self._make_ring(cfg.n_layers)
         self._ring_base = 0           # schedule position of the current decode token's layer 0
         self._decoded = 0             # decode tokens started
@@ -234,7 +235,7 @@ class SparseFlashFfn:
         pinned = 0 if cache is None else cache.n_pinned
         t0 = clock()
         if pinned:
-            self._compute(layer, cache.matrix, np.arange(pinned, dtype=np.int32), h, x, cache)
+            self._compute(layer, cache.matrix, self._slots[:pinned], h, x, cache)
         t.compute_s += clock() - t0
         t.active += self._static_slots()
         t.hits += pinned
@@ -244,19 +245,19 @@ class SparseFlashFfn:
                 rows, counters = self.ring.take(self._ring_base + int(pos))   # (n, stride)
                 t1 = clock()
                 _, first, n = self.ring.schedule[pos]
-                self._compute_block(layer, rows, np.arange(first, first + n, dtype=np.int32), h, x)
+                self._compute_block(layer, rows, self._slots[first:first + n], h, x)
                 self.ring.release()
                 t.add_reads(counters)
                 t.io_s += t1 - t0
                 t.compute_s += clock() - t1
                 t.streamed += n
         if self.check:
-            self._check_recall(layer, h, np.arange(self._static_slots(), dtype=np.int32), t)
+            self._check_recall(layer, h, self._slots[:self._static_slots()], t)
 
     def _read_static(self, layer: int, first: int, n: int, out: np.ndarray) -> dict:
         """The ring's read: slots first .. first+n-1 → out (n, stride); the reader's counters."""
         before = self.reader.stats()
-        self._read_seq(layer, np.arange(first, first + n, dtype=np.int32), out, None)
+        self._read_seq(layer, self._slots[first:first + n], out, None)
         return reader_delta(before, self.reader.stats())
 
     def _compute(self, layer: int, matrix: np.ndarray, rows: np.ndarray, h: np.ndarray,
