@@ -58,7 +58,7 @@ def run(
     from .budget import process_rss
     from .integrity import verify_on_first_load
     from .model import Model
-    from .runtime import FlashOptions, make_ffn, make_weights, plan_run
+    from .runtime import FlashOptions, make_ffn, make_weights, plan_run, stream_head
     from .sampler import Sampler, SamplerParams
     from .tokenizer import Tokenizer
 
@@ -77,6 +77,7 @@ def run(
         tok.release()            # decoding needs only the token -> bytes table
     ffn = make_ffn(flash, fopts, plan, threads, cache_dir(), log=lambda m: err.print(m, markup=False))
     weights = make_weights(flash, plan, threads)
+    stream_head(flash, ffn, weights)
     net = Model(flash, n_threads=threads, n_ctx=ctx_size, ffn=ffn, weights=weights)
     sampler = Sampler(SamplerParams(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p,
                                     repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
@@ -85,7 +86,7 @@ def run(
         _chat(flash, net, tok, sampler, system, chat_template, n_predict, as_json)
     else:
         stats = _complete(net, tok, sampler, ids, n_predict)
-        flash_json = (ffn.stats() if ffn is not None else {"ffn": "dense"}) if flash_stats else None
+        flash_json = _flash_json(ffn, weights) if flash_stats else None
         if as_json:
             err.print(_stats_json(stats, flash_json), markup=False, soft_wrap=True, highlight=False)
         elif not no_timings:
@@ -94,6 +95,16 @@ def run(
         from .flash_stats import stats_table
         err.print(stats_table(net.ffn.stats()) if ffn is not None else "ffn: dense (no flash I/O)",
                   markup=False, soft_wrap=True, highlight=False)
+        if weights is not None:
+            d = weights.stats()
+            err.print(f"dense weights: {len(d['dense_streamed'])} matrices streamed, "
+                      f"{d['dense_bytes_read'] / 2**20:.1f} MiB read", markup=False, highlight=False)
+
+
+def _flash_json(ffn, weights) -> dict:
+    """The --stats --json "flash" section: the FFN's counters and the streamed dense weights'."""
+    d = ffn.stats() if ffn is not None else {"ffn": "dense"}
+    return {**d, "dense": weights.stats()} if weights is not None else d
 
 
 def _prompt_ids(tok, text: str, n_predict: int, ctx_size: int) -> list[int]:

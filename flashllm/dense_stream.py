@@ -118,6 +118,7 @@ class DenseWeights:
             if self.streamed else None
         self._pending = None          # (layer, buffer index, future) of the prefetched layer
         self.bytes_read, self.read_seconds = 0, 0.0
+        self.head_source = None       # () -> head chunks someone else reads (head_extents), or None
 
     # ---- what the forward pass asks ---------------------------------------------------------
 
@@ -160,6 +161,9 @@ class DenseWeights:
         q4_0 / q8_0 rows multiply f32 activations instead of int8 ones."""
         if self.head is not None:
             return kernel.matmul(self.head, x, None, self.n_threads, exact)  # (T, vocab)
+        chunks = self.head_source() if self.head_source is not None else None
+        if chunks is not None:
+            return self._output_of(chunks, x, exact)
         t = self.flash.dense_entry(self.head_name)
         rows, cols = t["shape"]
         rb = t["nbytes"] // rows
@@ -176,6 +180,35 @@ class DenseWeights:
             w = QTensor(self._head_bufs[j % 2][:(r1 - r0) * rb].reshape(r1 - r0, rb), t["dtype"],
                         r1 - r0, cols)
             logits[:, r0:r1] = kernel.matmul(w, x, None, self.n_threads, exact)  # (T, r1 - r0)
+        return logits
+
+    def head_extents(self, max_bytes: int) -> list[tuple[int, int]]:
+        """The streamed head as (file offset, nbytes) pieces of whole ROW_GROUPs of rows, each
+        at most max_bytes (at least one group): what head_source's chunks must hold, in order."""
+        t = self.flash.dense_entry(self.head_name)
+        rows = t["shape"][0]
+        rb = t["nbytes"] // rows
+        step = max(ROW_GROUP, max_bytes // rb // ROW_GROUP * ROW_GROUP)
+        return [(t["offset"] + r0 * rb, (min(r0 + step, rows) - r0) * rb)
+                for r0 in range(0, rows, step)]
+
+    def _output_of(self, chunks, x: np.ndarray, exact: bool) -> np.ndarray:
+        """(T, vocab) logits from head chunks read elsewhere: (extent index, bytes (nbytes,),
+        read counters) over head_extents in order."""
+        t = self.flash.dense_entry(self.head_name)
+        rows, cols = t["shape"]
+        rb = t["nbytes"] // rows
+        logits = np.empty((len(x), rows), dtype=np.float32)               # (T, vocab)
+        r0 = 0
+        for _, buf, counters in chunks:
+            n = len(buf) // rb
+            w = QTensor(buf.reshape(n, rb), t["dtype"], n, cols)
+            logits[:, r0:r0 + n] = kernel.matmul(w, x, None, self.n_threads, exact)  # (T, n)
+            self.bytes_read += counters["bytes_requested"]
+            self.read_seconds += counters["read_s"]
+            r0 += n
+        if r0 != rows:
+            raise RuntimeError(f"the streamed head came in {r0} of its {rows} rows")
         return logits
 
     def stats(self) -> dict:

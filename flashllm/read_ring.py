@@ -19,6 +19,7 @@ in the thread is raised by the take() that would have returned its chunk.
 """
 from __future__ import annotations
 
+import math
 import threading
 from collections import deque
 from typing import Callable, Optional
@@ -27,6 +28,24 @@ import numpy as np
 
 # read(layer, first_slot, n_slots, out (n, stride)) -> counters of that read (any object)
 ReadFn = Callable[[int, int, int, np.ndarray], object]
+PAGE = 4096
+
+
+def page_rows(stride: int) -> int:
+    """The fewest rows of stride bytes that make whole pages."""
+    return PAGE // math.gcd(stride, PAGE)
+
+
+def page_chunks(base: int, stride: int, first: int, k: int, step: int) -> list[tuple[int, int]]:
+    """Row ranges [a, b) covering first .. k-1 of rows stride bytes long from file offset base,
+    at most step long, cut where a row starts on a page when the stride allows: a read that starts
+    on a page lands in its (page-aligned) buffer directly, with no copy through staging."""
+    page = page_rows(stride)
+    aligned = [s for s in range(first, min(k, first + page)) if (base + s * stride) % PAGE == 0]
+    if not aligned or step < page:
+        return [(a, min(a + step, k)) for a in range(first, k, step)]
+    cuts = sorted({first, *range(aligned[0], k, step // page * page)}) + [k]
+    return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
 
 
 class ReadRing:
@@ -68,6 +87,12 @@ class ReadRing:
         self._free.release()
         self._thread.join()
         self._thread, self._expect = None, -1
+
+    @property
+    def expected(self) -> int:
+        """The schedule position the next take() continues from without a restart; -1 when
+        stopped."""
+        return self._expect
 
     @property
     def running(self) -> bool:

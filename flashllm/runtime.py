@@ -116,8 +116,22 @@ def make_weights(flash, plan: Optional[BudgetPlan], n_threads: int):
         return None
     from .dense_stream import DenseWeights
     from .ioreader import Reader
-    reader = Reader(flash.dense_file, n_threads=2, stage_bytes=READER_STAGE)
+    reader = Reader(flash.dense_file, n_threads=READER_THREADS, stage_bytes=READER_STAGE)
     return DenseWeights(flash, n_threads, plan.streamed, reader)
+
+
+def stream_head(flash, ffn, weights) -> None:
+    """When the FFN reads the same bundles every token (its read-ahead ring) and the output head
+    streams, the ring reads the head too, after the last layer: one queue keeps the device busy
+    (else the head is read by the dense weights' own reader while the ring waits)."""
+    if ffn is None or weights is None or weights.head is not None or ffn.ring is None:
+        return
+    from .ioreader import Reader
+    reader = Reader(flash.dense_file, n_threads=ffn.reader.n_threads, stage_bytes=READER_STAGE)
+    if ffn.stream_head(reader, weights.head_extents(ffn.ring.buffers[0].nbytes)):
+        weights.head_source = ffn.head_chunks
+    else:
+        reader.close()
 
 
 def make_ffn(flash, opts: FlashOptions, plan: Optional[BudgetPlan], n_threads: int,

@@ -7,10 +7,12 @@ Decode (T = 1), per layer:
     rows = cache.insert(misses)                  rows for the misses (evicting stale rows)
     read misses → rows   (a worker thread)   ‖   y += FFN over the hits (C kernel, no GIL)
     y += FFN over the new rows; misses the cache could not take stream through the staging buffer
-Static decode: when every token needs the same slots 0 .. k-1 (AllSlots, StaticHot: no trained
+Static decode: when every token needs the same slots 0 .. k-1 (AllSlots: no trained
 predictor; or --naive, the paper's baseline, every bundle every token), every cache row is pinned
 and the rest is read by a ReadRing (read_ring.py) that runs ahead of the forward pass, across
-layers and tokens, through the staging memory cut into four buffers.
+layers and tokens, through the staging memory cut into four page-aligned buffers; a streamed
+output head joins the same schedule after the last layer (stream_head), so one queue feeds the
+device.
 Prefill (T > 1) reads the layer whole and sequentially through the staging buffer's two halves
 (pinned rows come from the cache) and computes densely; it stops the ring first. Every path
 applies the layer's calibrated magnitude threshold (manifest `sparsity.thresholds`, 0 when
@@ -19,7 +21,6 @@ absent). Predictors: anything with predict(layer, h) -> sorted int32 slots and n
 """
 from __future__ import annotations
 
-import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
@@ -32,10 +33,11 @@ from .cache import NeuronCache
 from .costmodel import CostModel, batch_reads
 from .ffn import bundle_ids, up_biases
 from .flash_stats import FlashStats, TokenStats, reader_delta
-from .ioreader import ALIGN, aligned_empty
-from .read_ring import ReadRing
+from .ioreader import aligned_empty
+from .read_ring import ReadRing, page_chunks, page_rows
 
 clock = time.perf_counter
+HEAD = -1                      # ring schedule "layer" of an output-head extent (stream_head)
 
 
 class AllSlots:
@@ -46,19 +48,6 @@ class AllSlots:
     def __init__(self, n_ff: int):
         self.slots = np.arange(n_ff, dtype=np.int32)            # (n_ff,)
         self.n_static = n_ff          # predicts slots 0 .. n_static-1 whatever the input
-
-    def predict(self, layer: int, h: np.ndarray) -> np.ndarray:
-        return self.slots
-
-
-class StaticHot:
-    """The first k slots of every layer: with hot-first order, the k most often active neurons."""
-
-    nbytes = 0
-
-    def __init__(self, n_ff: int, fraction: float):
-        self.slots = np.arange(max(1, int(round(n_ff * fraction))), dtype=np.int32)  # (k,)
-        self.n_static = len(self.slots)
 
     def predict(self, layer: int, h: np.ndarray) -> np.ndarray:
         return self.slots
@@ -99,6 +88,7 @@ class SparseFlashFfn:
         for layer, cache in enumerate(self.caches):
             self._read_seq(layer, cache.pin(), cache.matrix, None)
         self._slots = np.arange(f.n_ff, dtype=np.int32)    # (n_ff,) sliced per chunk: no arange per token
+        self._head, self._head_reader = [], None   # output head extents the ring reads (stream_head)
         self.ring = self._make_ring(cfg.n_layers)
         self._ring_base = 0           # schedule position of the current decode token's layer 0
         self._decoded = 0             # decode tokens started
@@ -117,14 +107,47 @@ class SparseFlashFfn:
         first = 0 if self.naive else min(self.caches[0].n_pinned, k)
         n_buf = 4 if len(self.staging) >= 8 else 2
         step = len(self.staging) // n_buf
-        schedule = [(layer, a, b - a) for layer in range(n_layers)
-                    for a, b in self._chunks(layer, first, k, step)]     # (layer, first, n)
-        self._layer_pos = np.searchsorted([lay for lay, _, _ in schedule],
+        page = page_rows(self.f.stride)
+        step = step // page * page if step >= page else step   # buffers start on a page
+        schedule = [(layer, a, b - a) for layer in range(n_layers) for a, b in
+                    page_chunks(self.f.layer_offsets[layer], self.f.stride, first, k, step)]
+        schedule += [(HEAD, j, -(-nbytes // self.f.stride)) for j, (_, nbytes) in
+                     enumerate(self._head)]                               # after the last layer
+        self._layer_pos = np.searchsorted([lay for lay, _, _ in schedule if lay != HEAD],
                                           np.arange(n_layers + 1))       # (n_layers + 1,)
         if not schedule:
             return None
         buffers = self.staging[:n_buf * step].reshape(n_buf, step, self.f.stride)  # (n_buf, step, stride)
         return ReadRing(buffers, schedule, self._read_static)
+
+    def stream_head(self, reader, extents: list) -> bool:
+        """Read the streamed output head through the ring too: extents [(file offset, nbytes)]
+        of reader's file, each at most one ring buffer, after the last layer's chunks of every
+        token; a decode token takes them with head_chunks(). False (nothing changes) when the
+        reads are not static or an extent does not fit a buffer."""
+        if self.ring is None or max(n for _, n in extents) > self.ring.buffers[0].nbytes:
+            return False
+        self.ring.stop()
+        self._head, self._head_reader = list(extents), reader
+        self.ring = self._make_ring(len(self.ids))
+        return True
+
+    def head_chunks(self):
+        """Iterator of (extent index, bytes (nbytes,), read counters) over the head extents of
+        the decode token whose layers just ran, each valid until the next is taken; None when
+        the ring is not at them (prefill, no head in the ring)."""
+        if not self._head or self.ring is None or \
+                self.ring.expected != self._ring_base + int(self._layer_pos[-1]):
+            return None
+        return self._take_head(self._ring_base + int(self._layer_pos[-1]))
+
+    def _take_head(self, pos: int):
+        for j, (_, nbytes) in enumerate(self._head):
+            rows, counters = self.ring.take(pos + j)                     # (n, stride)
+            try:
+                yield j, rows.reshape(-1)[:nbytes], counters
+            finally:
+                self.ring.release()
 
     # ---- the strategy seam -------------------------------------------------------------------
 
@@ -149,6 +172,8 @@ class SparseFlashFfn:
     def close(self) -> None:
         if self.ring is not None:
             self.ring.stop()
+        if self._head_reader is not None:
+            self._head_reader.close()
         self._pool.shutdown(wait=True)
 
     # ---- prefill and naive: whole layers ----------------------------------------------------
@@ -215,19 +240,6 @@ class SparseFlashFfn:
         if self.check:
             self._check_recall(layer, h, slots, t)
 
-    def _chunks(self, layer: int, first: int, k: int, step: int) -> list[tuple[int, int]]:
-        """Slot ranges [a, b) covering first .. k-1, at most step long, cut where a bundle starts
-        on a page boundary when the stride allows: a read that starts on a page lands in the
-        ring buffer directly (no copy through the reader's staging)."""
-        page = ALIGN // math.gcd(self.f.stride, ALIGN)                   # slots per aligned start
-        aligned = [s for s in range(first, min(k, first + page))
-                   if (self.f.layer_offsets[layer] + s * self.f.stride) % ALIGN == 0]
-        if not aligned or step < page:
-            return [(a, min(a + step, k)) for a in range(first, k, step)]
-        cuts = [first] + list(range(aligned[0], k, step // page * page))
-        cuts = sorted(set(cuts)) + [k]
-        return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
-
     def _decode_static(self, layer: int, h: np.ndarray, x: np.ndarray) -> None:
         """One token when the slots are static: the pinned cache rows, then the layer's chunks
         from the read-ahead ring (already read, or in flight) as they come."""
@@ -255,7 +267,13 @@ class SparseFlashFfn:
             self._check_recall(layer, h, self._slots[:self._static_slots()], t)
 
     def _read_static(self, layer: int, first: int, n: int, out: np.ndarray) -> dict:
-        """The ring's read: slots first .. first+n-1 → out (n, stride); the reader's counters."""
+        """The ring's read: slots first .. first+n-1 → out (n, stride), or head extent `first`
+        (layer HEAD) → out's first bytes; the counters of the reader that read it."""
+        if layer == HEAD:
+            (offset, nbytes), reader = self._head[first], self._head_reader
+            before = reader.stats()
+            reader.read(np.array([offset]), np.array([nbytes]), out.reshape(-1), np.array([0]))
+            return reader_delta(before, reader.stats())
         before = self.reader.stats()
         self._read_seq(layer, self._slots[first:first + n], out, None)
         return reader_delta(before, self.reader.stats())

@@ -46,6 +46,7 @@ class CapResult:
     peak_bytes: int              # memory.max_usage_in_bytes
     failcnt: int                 # memory.failcnt: times the limit was reached
     oom_kills: int               # memory.oom_control oom_kill (0 where the kernel lacks it)
+    major_faults: int            # memory.stat pgmajfault: pages read back in (the cap made it thrash)
     cold: bool                   # page cache dropped before the run
 
     @property
@@ -91,6 +92,18 @@ def _oom_kills(group: Path) -> int:
         for line in (group / "memory.oom_control").read_text().splitlines():
             key, _, value = line.partition(" ")
             if key == "oom_kill":
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def _stat(group: Path, key: str) -> int:
+    """A counter of the group's memory.stat (0 when absent)."""
+    try:
+        for line in (group / "memory.stat").read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
                 return int(value)
     except (OSError, ValueError):
         pass
@@ -151,7 +164,7 @@ def run_capped(cmd: Sequence[str], limit: Optional[int] = None, cold: bool = Fal
         return CapResult(cmd=list(cmd), returncode=code, stdout=out, stderr=err, wall_s=wall,
                          limit_bytes=limit, peak_bytes=_read_int(group / "memory.max_usage_in_bytes"),
                          failcnt=_read_int(group / "memory.failcnt"), oom_kills=_oom_kills(group),
-                         cold=cold)
+                         major_faults=_stat(group, "pgmajfault"), cold=cold)
     finally:
         _remove_group(group)
 
@@ -179,7 +192,8 @@ def main() -> None:
         sys.stderr.write(res.stderr)
         cap = f"{res.limit_bytes / 2**20:.0f} MiB" if res.limit_bytes else "none"
         print(f"cgroup_run: exit {res.returncode}, cap {cap}, peak {res.peak_bytes / 2**20:.1f} MiB, "
-              f"failcnt {res.failcnt}, oom kills {res.oom_kills}, {res.wall_s:.1f} s", file=sys.stderr)
+              f"failcnt {res.failcnt}, major faults {res.major_faults}, oom kills {res.oom_kills}, "
+              f"{res.wall_s:.1f} s", file=sys.stderr)
     sys.exit(res.returncode if res.returncode >= 0 else 128 - res.returncode)
 
 

@@ -11,6 +11,7 @@ from flashllm.budget import plan_budget, read_manifest
 from flashllm.bundle import open_flash, update_manifest
 from flashllm.ioreader import Reader
 from flashllm.model import Model
+from flashllm.read_ring import page_chunks
 from flashllm.sparse_ffn import AllSlots, SparseFlashFfn
 from tiny_sources import ref_dequant, ref_rows, tiny_arrays, tiny_config, write_arrays
 
@@ -238,7 +239,7 @@ def test_ring_chunks_start_on_pages_so_reads_land_in_place(tmp_path):
                            capacity=30, n_pinned=30)
     f = flash.ffn
     for layer in range(cfg.n_layers):
-        chunks = ffn._chunks(layer, 5, cfg.n_ff, 40)
+        chunks = page_chunks(f.layer_offsets[layer], f.stride, 5, cfg.n_ff, 40)
         assert chunks[0][0] == 5 and chunks[-1][1] == cfg.n_ff
         assert all(b == c for (_, b), (c, _) in zip(chunks, chunks[1:]))     # contiguous
         assert all(0 < b - a <= 40 for a, b in chunks)
