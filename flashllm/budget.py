@@ -14,8 +14,8 @@ Resident at run time (all counted against --dram-budget):
     work            logits and activations of one forward pass, the reader's staging buffers,
                     the sparse FFN's staging buffer for prefill / streamed neurons
     predictor       its nbytes
-    dense weights   vectors (norms, biases) always; then, while the budget lasts, the output
-                    head, each layer's attention matrices, and (only once the neuron caches hold
+    dense weights   vectors (norms, biases) always; then, while the budget lasts, each layer's
+                    attention matrices, the output head, and (only once the caches hold
                     the whole FFN) the embeddings. What does not fit streams from dense.bin
                     (dense_stream.py) through two layer buffers and two head chunks.
     neuron caches   per layer (capacity, stride) rows + maps; the rest of the budget
@@ -151,13 +151,15 @@ def resident_bytes(manifest: dict, n_ctx: int, process: int, predictor: int,
 
 def dense_groups(manifest: dict) -> tuple[int, list[tuple[list[str], int]], tuple[list[str], int]]:
     """(bytes always resident, [(names, bytes)] kept while the budget lasts in this order, the
-    embeddings (names, bytes) kept last): vectors and small matrices; the output head (the
-    largest piece first, so the small per-layer attention pieces fill what it leaves: fewest bytes
-    streamed per token), then each layer's attention; token_embd (the head too when tied)."""
+    embeddings (names, bytes) kept last): vectors and small matrices; each layer's attention,
+    then the output head; token_embd (the head too when tied). What does not fit is read every
+    token either way (the bytes are equal, what DRAM is left goes to the neuron caches), but a
+    streamed head joins the FFN's read-ahead ring (runtime.stream_head) while streamed attention
+    is read on its own, layer by layer."""
     tensors = {t["name"]: int(t["nbytes"]) for t in manifest["dense"]["tensors"]}
     head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
-    groups = [([head], tensors[head])] + [(attn_names(i), sum(tensors[n] for n in attn_names(i)))
-                                          for i in range(manifest["config"]["n_layers"])]
+    groups = [(attn_names(i), sum(tensors[n] for n in attn_names(i)))
+              for i in range(manifest["config"]["n_layers"])] + [([head], tensors[head])]
     embed = (["token_embd.weight"], tensors["token_embd.weight"]) if head == "output.weight" \
         else ([], 0)
     grouped = {n for names, _ in groups for n in names} | set(embed[0])
@@ -245,5 +247,5 @@ def _check_tokenizer_load(manifest: dict, budget: int, text: str, process: int) 
 def _refuse(budget: int, text: str, parts: dict, need: int) -> None:
     listed = ", ".join(f"{k} {mib(v)}" for k, v in parts.items() if v)
     raise BudgetError(f"--dram-budget {text} ({mib(budget, up=False)}) is below the {mib(need)} "
-                      f"that must stay resident ({listed}); give at least {mib(need)}, or lower "
-                      f"--ctx-size")
+                      f"that must stay resident ({listed}); give at least {mib(need)}, or a shorter "
+                      f"context (--ctx-size, or the prompt + --n-predict)")

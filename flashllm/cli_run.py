@@ -20,7 +20,8 @@ def run(
     prompt: Optional[str] = typer.Option(None, "-p", "--prompt", help="Prompt text; '-' reads stdin."),
     file: Optional[Path] = typer.Option(None, "-f", "--file", help="Read the prompt from a file."),
     n_predict: int = typer.Option(128, "-n", "--n-predict", help="Tokens to generate."),
-    ctx_size: int = typer.Option(2048, "-c", "--ctx-size", help="Context length (KV cache size)."),
+    ctx_size: int = typer.Option(2048, "-c", "--ctx-size", help="Context length (KV cache size; a "
+                                 "one-shot prompt needs only its tokens + -n)."),
     threads: int = typer.Option(DEFAULT_THREADS, "-t", "--threads", help="Compute threads."),
     temp: float = typer.Option(0.8, "--temp", help="Temperature; 0 is greedy."),
     top_k: int = typer.Option(40, "--top-k", help="Keep the k most likely tokens; 0 disables."),
@@ -68,17 +69,22 @@ def run(
     path = _resolve(model)
     fopts = FlashOptions(dram_budget, window, naive, dense, check_recall, predictor,
                          keep_tokenizer=interactive)
-    plan = plan_run(path, fopts, ctx_size, process_rss())     # refuses before loading anything
+    process = process_rss()
+    n_ctx = ctx_size if interactive else min(ctx_size, len(text.encode()) + n_predict + 2)
+    plan = plan_run(path, fopts, n_ctx, process)     # refuses before loading anything
     flash = open_flash(path)
     verify_on_first_load(flash)
     tok = Tokenizer.from_flash(flash)
     ids = None if interactive else _prompt_ids(tok, text, n_predict, ctx_size)
+    if not interactive:          # one-shot: the KV cache holds the prompt and the tokens to make
+        n_ctx = len(ids) + n_predict
+        plan = plan and plan_run(path, fopts, n_ctx, process)
     if plan is not None and not interactive:
         tok.release()            # decoding needs only the token -> bytes table
     ffn = make_ffn(flash, fopts, plan, threads, cache_dir(), log=lambda m: err.print(m, markup=False))
     weights = make_weights(flash, plan, threads)
     stream_head(flash, ffn, weights)
-    net = Model(flash, n_threads=threads, n_ctx=ctx_size, ffn=ffn, weights=weights)
+    net = Model(flash, n_threads=threads, n_ctx=n_ctx, ffn=ffn, weights=weights)
     sampler = Sampler(SamplerParams(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p,
                                     repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
                                     seed=seed))
