@@ -153,9 +153,8 @@ def dense_groups(manifest: dict) -> tuple[int, list[tuple[list[str], int]], tupl
     """(bytes always resident, [(names, bytes)] kept while the budget lasts in this order, the
     embeddings (names, bytes) kept last): vectors and small matrices; each layer's attention,
     then the output head; token_embd (the head too when tied). What does not fit is read every
-    token either way (the bytes are equal, what DRAM is left goes to the neuron caches), but a
-    streamed head joins the FFN's read-ahead ring (runtime.stream_head) while streamed attention
-    is read on its own, layer by layer."""
+    token either way (the bytes are equal, what DRAM is left goes to the neuron caches; both
+    join the FFN's read-ahead schedule when its reads are static: runtime.stream_dense)."""
     tensors = {t["name"]: int(t["nbytes"]) for t in manifest["dense"]["tensors"]}
     head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
     groups = [(attn_names(i), sum(tensors[n] for n in attn_names(i)))

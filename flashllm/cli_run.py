@@ -59,7 +59,7 @@ def run(
     from .budget import process_rss
     from .integrity import verify_on_first_load
     from .model import Model
-    from .runtime import FlashOptions, make_ffn, make_weights, plan_run, stream_head
+    from .runtime import FlashOptions, make_ffn, make_weights, plan_run, stream_dense
     from .sampler import Sampler, SamplerParams
     from .tokenizer import Tokenizer
 
@@ -83,7 +83,7 @@ def run(
         tok.release()            # decoding needs only the token -> bytes table
     ffn = make_ffn(flash, fopts, plan, threads, cache_dir(), log=lambda m: err.print(m, markup=False))
     weights = make_weights(flash, plan, threads)
-    stream_head(flash, ffn, weights)
+    stream_dense(flash, ffn, weights)
     net = Model(flash, n_threads=threads, n_ctx=n_ctx, ffn=ffn, weights=weights)
     sampler = Sampler(SamplerParams(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p,
                                     repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,

@@ -10,7 +10,9 @@
                                     multiplied chunk by chunk
 
 Vectors (norms, biases) are always resident. Which matrices stream is the budget plan's decision
-(budget.py: `BudgetPlan.streamed`); reads go through the direct-I/O Reader (ioreader.py).
+(budget.py: `BudgetPlan.streamed`); reads go through the direct-I/O Reader (ioreader.py), or,
+when the FFN's reads are static, come from its read-ahead schedule (`layer_source`,
+`head_source`, set by runtime.stream_dense: pass_reads.py).
 """
 from __future__ import annotations
 
@@ -119,6 +121,8 @@ class DenseWeights:
         self._pending = None          # (layer, buffer index, future) of the prefetched layer
         self.bytes_read, self.read_seconds = 0, 0.0
         self.head_source = None       # () -> head chunks someone else reads (head_extents), or None
+        self.layer_source = None      # i -> (bytes, counters) of layer i's attention read
+                                      # elsewhere (attention_extents), or None
 
     # ---- what the forward pass asks ---------------------------------------------------------
 
@@ -142,6 +146,12 @@ class DenseWeights:
         L = self.layers[i]
         if self._layer_resident(i):
             return L
+        got = self.layer_source(i) if self.layer_source is not None else None
+        if got is not None:
+            buf, counters = got
+            self.bytes_read += counters["bytes_requested"]
+            self.read_seconds += counters["read_s"]
+            return self._with_matrices(L, self._views(i, buf))
         pending, self._pending = self._pending, None
         if pending is not None and pending[0] == i:
             k = pending[1]
@@ -153,8 +163,23 @@ class DenseWeights:
             self._read_layer(i, k)
         nxt = self._next_streamed(i)
         self._pending = (nxt, 1 - k, self._pool.submit(self._read_layer, nxt, 1 - k))
-        wq, wk, wv, wo = self._layer_views(i, k)
+        return self._with_matrices(L, self._views(i, self._layer_bufs[k]))
+
+    @staticmethod
+    def _with_matrices(L: Layer, matrices: list) -> Layer:
+        wq, wk, wv, wo = matrices
         return Layer(**{**L.__dict__, "wq": wq, "wk": wk, "wv": wv, "wo": wo})
+
+    def streamed_layers(self) -> list[int]:
+        """The layers whose attention matrices stream."""
+        return self._stream_layers()
+
+    def attention_extents(self, i: int) -> tuple[list[int], list[int], list[int]]:
+        """(file offsets, lengths, destination offsets) of layer i's attention matrices in one
+        buffer: what layer_source(i)'s bytes must hold."""
+        entries = [self.flash.dense_entry(n) for n in attn_names(i)]
+        dst, _ = self._layer_span(i)
+        return [e["offset"] for e in entries], [e["nbytes"] for e in entries], dst
 
     def output(self, x: np.ndarray, exact: bool = False) -> np.ndarray:
         """(T, vocab) f32 logits of the normalized final hidden states x (T, embed_dim); exact:
@@ -249,14 +274,12 @@ class DenseWeights:
         self.bytes_read += int(np.sum(lengths))
 
     def _read_layer(self, i: int, k: int) -> None:
-        entries = [self.flash.dense_entry(n) for n in attn_names(i)]
-        dst, _ = self._layer_span(i)
-        self._read([e["offset"] for e in entries], [e["nbytes"] for e in entries],
-                   self._layer_bufs[k], dst)
+        self._read(*self.attention_extents(i)[:2], self._layer_bufs[k],
+                   self.attention_extents(i)[2])
 
-    def _layer_views(self, i: int, k: int) -> list[QTensor]:
+    def _views(self, i: int, buf: np.ndarray) -> list[QTensor]:
+        """Layer i's attention matrices over buf (bytes laid out by attention_extents)."""
         dst, _ = self._layer_span(i)
-        buf = self._layer_bufs[k]
         return [as_tensor(buf[o:o + e["nbytes"]], e) for o, e in
                 zip(dst, (self.flash.dense_entry(n) for n in attn_names(i)))]
 

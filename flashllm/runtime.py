@@ -120,15 +120,21 @@ def make_weights(flash, plan: Optional[BudgetPlan], n_threads: int):
     return DenseWeights(flash, n_threads, plan.streamed, reader)
 
 
-def stream_head(flash, ffn, weights) -> None:
-    """When the FFN reads the same bundles every token (its read-ahead ring) and the output head
-    streams, the ring reads the head too, after the last layer: one queue keeps the device busy
-    (else the head is read by the dense weights' own reader while the ring waits)."""
-    if ffn is None or weights is None or weights.head is not None or ffn.ring is None:
+def stream_dense(flash, ffn, weights) -> None:
+    """When the FFN reads the same bundles every pass (its read-ahead schedule), the streamed
+    attention and output head join that schedule: one queue keeps the device busy (else the
+    dense weights' own reader reads them while the FFN's ring waits)."""
+    if ffn is None or weights is None or getattr(ffn, "reads", None) is None:
         return
     from .ioreader import Reader
+    layers = weights.streamed_layers()
+    if weights.head is not None and not layers:
+        return
     reader = Reader(flash.dense_file, n_threads=ffn.reader.n_threads, stage_bytes=READER_STAGE)
-    if ffn.stream_head(reader, weights.head_extents(ffn.ring.buffers[0].nbytes)):
+    attention = {i: (reader, *weights.attention_extents(i)) for i in layers}
+    extents = [] if weights.head is not None else weights.head_extents(ffn.reads.buffer_bytes)
+    if ffn.stream_dense(attention, (reader, extents)):
+        weights.layer_source = ffn.attention_bytes
         weights.head_source = ffn.head_chunks
     else:
         reader.close()

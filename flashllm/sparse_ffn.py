@@ -7,15 +7,15 @@ Decode (T = 1), per layer:
     rows = cache.insert(misses)                  rows for the misses (evicting stale rows)
     read misses → rows   (a worker thread)   ‖   y += FFN over the hits (C kernel, no GIL)
     y += FFN over the new rows; misses the cache could not take stream through the staging buffer
-Static decode: when every token needs the same slots 0 .. k-1 (AllSlots: no trained
+Static passes: when every token needs the same slots 0 .. k-1 (AllSlots: no trained
 predictor; or --naive, the paper's baseline, every bundle every token), every cache row is pinned
-and the rest is read by a ReadRing (read_ring.py) that runs ahead of the forward pass, across
-layers and tokens, through the staging memory cut into four page-aligned buffers; a streamed
-output head joins the same schedule after the last layer (stream_head), so one queue feeds the
-device.
-Prefill (T > 1) reads the layer whole and sequentially through the staging buffer's two halves
-(pinned rows come from the cache) and computes densely; it stops the ring first. Every path
-applies the layer's calibrated magnitude threshold (manifest `sparsity.thresholds`, 0 when
+and the rest is read by one read-ahead schedule (pass_reads.py) that runs ahead of the forward
+pass, across layers and passes (decode and prefill alike), through the staging memory cut into
+four page-aligned buffers; streamed attention and a streamed output head join the same schedule
+(stream_dense), so one queue feeds the device.
+With a predictor, a prefill (T > 1) reads each layer whole and sequentially through the staging
+buffer's two halves (pinned rows come from the cache) and computes densely. Every path applies
+the layer's calibrated magnitude threshold (manifest `sparsity.thresholds`, 0 when
 absent). Predictors: anything with predict(layer, h) -> sorted int32 slots and nbytes; with an
 `n_static` attribute k it promises slots 0 .. k-1 for every input.
 """
@@ -34,10 +34,10 @@ from .costmodel import CostModel, batch_reads
 from .ffn import bundle_ids, up_biases
 from .flash_stats import FlashStats, TokenStats, reader_delta
 from .ioreader import aligned_empty
-from .read_ring import ReadRing, page_chunks, page_rows
+from .pass_reads import PassReads
+from .read_ring import page_chunks, page_rows
 
 clock = time.perf_counter
-HEAD = -1                      # ring schedule "layer" of an output-head extent (stream_head)
 
 
 class AllSlots:
@@ -88,19 +88,16 @@ class SparseFlashFfn:
         for layer, cache in enumerate(self.caches):
             self._read_seq(layer, cache.pin(), cache.matrix, None)
         self._slots = np.arange(f.n_ff, dtype=np.int32)    # (n_ff,) sliced per chunk: no arange per token
-        self._head, self._head_reader = [], None   # output head extents the ring reads (stream_head)
-        self.ring = self._make_ring(cfg.n_layers)
-        self._ring_base = 0           # schedule position of the current decode token's layer 0
-        self._decoded = 0             # decode tokens started
+        self.reads = self._make_reads(cfg.n_layers)
 
     def _static_slots(self) -> Optional[int]:
         """k when every token needs slots 0 .. k-1 (naive, or a predictor independent of the
         input), else None."""
         return self.f.n_ff if self.naive else getattr(self.predictor, "n_static", None)
 
-    def _make_ring(self, n_layers: int) -> Optional[ReadRing]:
-        """A read-ahead ring over the slots a static token reads (those past the pinned cache
-        rows) in staging-sized chunks; None when the set is not static or all cached."""
+    def _make_reads(self, n_layers: int) -> Optional[PassReads]:
+        """The read-ahead schedule of a static pass: the slots past the pinned cache rows in
+        chunks of one ring buffer; None when the set is not static or all cached."""
         k = self._static_slots()
         if k is None:
             return None
@@ -109,58 +106,61 @@ class SparseFlashFfn:
         step = len(self.staging) // n_buf
         page = page_rows(self.f.stride)
         step = step // page * page if step >= page else step   # buffers start on a page
-        schedule = [(layer, a, b - a) for layer in range(n_layers) for a, b in
-                    page_chunks(self.f.layer_offsets[layer], self.f.stride, first, k, step)]
-        schedule += [(HEAD, j, -(-nbytes // self.f.stride)) for j, (_, nbytes) in
-                     enumerate(self._head)]                               # after the last layer
-        self._layer_pos = np.searchsorted([lay for lay, _, _ in schedule if lay != HEAD],
-                                          np.arange(n_layers + 1))       # (n_layers + 1,)
-        if not schedule:
-            return None
+        chunks = [[(a, b - a) for a, b in page_chunks(self.f.layer_offsets[layer], self.f.stride,
+                                                       first, k, step)]
+                  for layer in range(n_layers)]                        # [layer][j] = (first, n)
         buffers = self.staging[:n_buf * step].reshape(n_buf, step, self.f.stride)  # (n_buf, step, stride)
-        return ReadRing(buffers, schedule, self._read_static)
+        reads = PassReads(buffers, chunks, self._read_static)
+        return reads if reads.ring is not None else None
 
-    def stream_head(self, reader, extents: list) -> bool:
-        """Read the streamed output head through the ring too: extents [(file offset, nbytes)]
-        of reader's file, each at most one ring buffer, after the last layer's chunks of every
-        token; a decode token takes them with head_chunks(). False (nothing changes) when the
-        reads are not static or an extent does not fit a buffer."""
-        if self.ring is None or max(n for _, n in extents) > self.ring.buffers[0].nbytes:
+    @property
+    def ring(self):
+        """The read-ahead ring of a static pass (None without one)."""
+        return None if self.reads is None else self.reads.ring
+
+    def stream_dense(self, attention: dict, head: tuple) -> bool:
+        """Streamed dense weights join the static pass's schedule (pass_reads.py): attention
+        {layer: (reader, offsets, lengths, dst offsets)}, head (reader, [(offset, nbytes)]).
+        False (nothing changes) without a schedule or when a piece does not fit a buffer."""
+        if self.reads is None:
             return False
-        self.ring.stop()
-        self._head, self._head_reader = list(extents), reader
-        self.ring = self._make_ring(len(self.ids))
+        sizes = [int(d[-1] + n[-1]) for _, _, n, d in attention.values()] + \
+            [int(n) for _, n in head[1]]
+        if not sizes or max(sizes) > self.reads.buffer_bytes:
+            return False
+        self.reads.add_dense(attention, head)
         return True
 
-    def head_chunks(self):
-        """Iterator of (extent index, bytes (nbytes,), read counters) over the head extents of
-        the decode token whose layers just ran, each valid until the next is taken; None when
-        the ring is not at them (prefill, no head in the ring)."""
-        if not self._head or self.ring is None or \
-                self.ring.expected != self._ring_base + int(self._layer_pos[-1]):
+    def attention_bytes(self, layer: int):
+        """(bytes of layer's streamed attention, read counters), valid until the next read is
+        taken; None when the schedule does not carry it."""
+        if self.reads is None or not self.reads.has_attention(layer):
             return None
-        return self._take_head(self._ring_base + int(self._layer_pos[-1]))
+        rows, counters = self.reads.take(("attn", layer), hold=False)   # (n, stride)
+        return rows.reshape(-1), counters
 
-    def _take_head(self, pos: int):
-        for j, (_, nbytes) in enumerate(self._head):
-            rows, counters = self.ring.take(pos + j)                     # (n, stride)
+    def head_chunks(self):
+        """Iterator of (extent index, bytes (nbytes,), read counters) over the output head's
+        extents, each valid until the next; None when the schedule does not carry the head."""
+        if self.reads is None or not self.reads.head_extents:
+            return None
+        return self._take_head()
+
+    def _take_head(self):
+        for j, (_, nbytes) in enumerate(self.reads.head_extents):
+            rows, counters = self.reads.take(("head", j))                # (n, stride)
             try:
                 yield j, rows.reshape(-1)[:nbytes], counters
             finally:
-                self.ring.release()
+                self.reads.release()
 
     # ---- the strategy seam -------------------------------------------------------------------
 
     def __call__(self, layer: int, h: np.ndarray, x: np.ndarray) -> None:
         if layer == 0:
             self._token = self.rec.start("decode" if len(h) == 1 else "prefill", len(h))
-            if len(h) == 1 and self.ring is not None:
-                self._ring_base = self._decoded * len(self.ring.schedule)
-                self._decoded += 1
-        if len(h) > 1 and self.ring is not None:
-            self.ring.stop()          # the prefill reads through the same staging memory
-        if len(h) == 1 and self._static_slots() is not None:
-            self._decode_static(layer, h, x)
+        if self._static_slots() is not None:
+            self._static_pass(layer, h, x)
         elif len(h) == 1:
             self._decode(layer, h, x)
         else:
@@ -170,10 +170,8 @@ class SparseFlashFfn:
         return self.rec.to_dict(lambda size: self.cost.gib_s(self.reader.n_threads, max(size, 1.0)))
 
     def close(self) -> None:
-        if self.ring is not None:
-            self.ring.stop()
-        if self._head_reader is not None:
-            self._head_reader.close()
+        if self.reads is not None:
+            self.reads.close()
         self._pool.shutdown(wait=True)
 
     # ---- prefill and naive: whole layers ----------------------------------------------------
@@ -240,9 +238,9 @@ class SparseFlashFfn:
         if self.check:
             self._check_recall(layer, h, slots, t)
 
-    def _decode_static(self, layer: int, h: np.ndarray, x: np.ndarray) -> None:
-        """One token when the slots are static: the pinned cache rows, then the layer's chunks
-        from the read-ahead ring (already read, or in flight) as they come."""
+    def _static_pass(self, layer: int, h: np.ndarray, x: np.ndarray) -> None:
+        """A pass (any T) when the slots are static: the pinned cache rows, then the layer's
+        chunks from the read-ahead ring (already read, or in flight) as they come."""
         t, cache = self._token, None if self.naive else self.caches[layer]
         pinned = 0 if cache is None else cache.n_pinned
         t0 = clock()
@@ -251,29 +249,22 @@ class SparseFlashFfn:
         t.compute_s += clock() - t0
         t.active += self._static_slots()
         t.hits += pinned
-        if self.ring is not None:
-            for pos in range(self._layer_pos[layer], self._layer_pos[layer + 1]):
-                t0 = clock()
-                rows, counters = self.ring.take(self._ring_base + int(pos))   # (n, stride)
-                t1 = clock()
-                _, first, n = self.ring.schedule[pos]
-                self._compute_block(layer, rows, self._slots[first:first + n], h, x)
-                self.ring.release()
-                t.add_reads(counters)
-                t.io_s += t1 - t0
-                t.compute_s += clock() - t1
-                t.streamed += n
-        if self.check:
+        for key in ([] if self.reads is None else self.reads.ffn_keys(layer)):
+            t0 = clock()
+            rows, counters = self.reads.take(key)                        # (n, stride)
+            t1 = clock()
+            first, n = self.reads.chunk(key)
+            self._compute_block(layer, rows, self._slots[first:first + n], h, x)
+            self.reads.release()
+            t.add_reads(counters)
+            t.io_s += t1 - t0
+            t.compute_s += clock() - t1
+            t.streamed += n
+        if self.check and len(h) == 1:
             self._check_recall(layer, h, self._slots[:self._static_slots()], t)
 
     def _read_static(self, layer: int, first: int, n: int, out: np.ndarray) -> dict:
-        """The ring's read: slots first .. first+n-1 → out (n, stride), or head extent `first`
-        (layer HEAD) → out's first bytes; the counters of the reader that read it."""
-        if layer == HEAD:
-            (offset, nbytes), reader = self._head[first], self._head_reader
-            before = reader.stats()
-            reader.read(np.array([offset]), np.array([nbytes]), out.reshape(-1), np.array([0]))
-            return reader_delta(before, reader.stats())
+        """The ring's FFN read: slots first .. first+n-1 → out (n, stride); its counters."""
         before = self.reader.stats()
         self._read_seq(layer, self._slots[first:first + n], out, None)
         return reader_delta(before, self.reader.stats())
