@@ -35,6 +35,9 @@ from .profile import MiB, ProfileError, parse_size
 TOKENIZER_KEPT = 5             # resident bytes after release() per byte of tokenizer.json (+4 MiB)
 TOKENIZER_LOAD = 28            # peak bytes while the tokenizers object loads, per JSON byte
 STAGING_BYTES = 16 * MiB       # the sparse FFN's staging buffer: prefill halves, the decode read-ahead ring
+RING_BUFFERS = 4               # the read-ahead ring's buffers: each holds up to a whole layer's bundles
+                               # (a small model then takes one chunk per layer, not four: every
+                               # chunk is a kernel call that wakes the threads)
 ROW_MAP_BYTES = 4 + 8          # per cache row: slot_of (int32) + last_use (int64)
 WORK_FIXED = 8 * MiB           # activations, attention scratch, Python objects of a forward pass
 
@@ -186,7 +189,7 @@ def plan_budget(manifest: dict, budget_text: str, n_ctx: int, process: int, pred
     f = manifest["ffn"]
     n_layers, n_ff, stride = int(f["n_layers"]), int(f["n_ff"]), int(f["stride"])
     budget = parse_budget(budget_text, model_bytes(manifest))
-    staging_rows = min(n_ff, max(1, STAGING_BYTES // stride))
+    staging_rows = min(RING_BUFFERS * n_ff, max(1, STAGING_BYTES // stride))
     resident = resident_bytes(manifest, n_ctx, process, predictor, reader_stage,
                               staging_rows * stride, keep_tokenizer)
     always, groups, embed = dense_groups(manifest)
@@ -196,13 +199,14 @@ def plan_budget(manifest: dict, budget_text: str, n_ctx: int, process: int, pred
     full_cache = 0 if naive else n_ff * row
     _check_tokenizer_load(manifest, budget, budget_text, process)
     kept, streamed, left = dense_all, [], budget - fixed - (dense_all - always)
-    if left < full_cache:         # streaming what does not fit, or the embeddings, may buy more
+    if left < full_cache:         # streaming what does not fit, or the embeddings, may read less
         stream = _stream_plan(manifest, n_ctx, budget - fixed, groups, embed)
         if stream is None and left < 0:
             reserve = stream_reserve(manifest, n_ctx)
             _refuse(budget, budget_text, {**resident, "dense vectors": always,
                                           "stream buffers": reserve}, fixed + reserve)
-        if stream is not None and stream[2] > left:
+        if stream is not None and (left < 0 or _read_per_token(full_cache, stream, groups)
+                                   < full_cache - left):
             kept, streamed, left = always + stream[0], stream[1], stream[2]
     capacity = 0 if naive else min(n_ff, left // row)
     per_token = sum(b for names, b in groups if names[0] in streamed)
@@ -216,6 +220,15 @@ def plan_budget(manifest: dict, budget_text: str, n_ctx: int, process: int, pred
                                            "active",)
     return BudgetPlan(budget, resident, n_layers, n_ff, stride, int(capacity), int(pins),
                       staging_rows, notes, tuple(streamed), per_token)
+
+
+def _read_per_token(full_cache: int, stream: tuple, groups: list) -> int:
+    """Bytes a token reads under a stream plan when every cache byte saves one read byte (static
+    reads; less with a predictor): the FFN the caches miss plus the streamed matrices. Streaming
+    a matrix to grow the caches never pays by this count (its stream buffers come off the caches
+    too) — only what does not fit, and the embeddings (one row per token), should stream."""
+    per_token = sum(b for names, b in groups if names[0] in stream[1])
+    return max(0, full_cache - stream[2]) + per_token
 
 
 def _stream_plan(manifest: dict, n_ctx: int, avail: int, groups: list, embed: tuple):

@@ -28,7 +28,7 @@ from typing import Optional
 import numpy as np
 
 from . import kernel
-from .budget import BudgetPlan
+from .budget import RING_BUFFERS, BudgetPlan
 from .cache import NeuronCache
 from .costmodel import CostModel, batch_reads
 from .ffn import bundle_ids, up_biases
@@ -38,6 +38,7 @@ from .pass_reads import PassReads
 from .read_ring import page_chunks, page_rows
 
 clock = time.perf_counter
+SERIAL_BYTES = 256 << 10       # an FFN call over fewer bundle bytes (x tokens) runs on one thread
 
 
 class AllSlots:
@@ -102,7 +103,7 @@ class SparseFlashFfn:
         if k is None:
             return None
         first = 0 if self.naive else min(self.caches[0].n_pinned, k)
-        n_buf = 4 if len(self.staging) >= 8 else 2
+        n_buf = RING_BUFFERS if len(self.staging) >= 2 * RING_BUFFERS else 2
         step = len(self.staging) // n_buf
         page = page_rows(self.f.stride)
         step = step // page * page if step >= page else step   # buffers start on a page
@@ -283,8 +284,13 @@ class SparseFlashFfn:
             order = self.ids[layer]
             ids = order[slots] if order is not None else slots   # (n,) neuron id of each row
         kernel.ffn_bundles(matrix, self.f.dtype, self.d, self.glu, self.act, h, x, ids=ids,
-                           up_bias=ub, n_threads=self.n_threads, rows=rows,
+                           up_bias=ub, n_threads=self._threads(len(rows), len(h)), rows=rows,
                            threshold=self.threshold[layer])
+
+    def _threads(self, n_rows: int, T: int) -> int:
+        """Threads for an FFN call over n_rows bundles of T tokens: one below SERIAL_BYTES of
+        bundles per token (waking a sleeping thread costs more than the work)."""
+        return 1 if n_rows * self.f.stride * T < SERIAL_BYTES else self.n_threads
 
     # ---- reads -------------------------------------------------------------------------------
 
@@ -386,7 +392,8 @@ class SparseFlashFfn:
         if ub is not None:
             ids = order[slots] if order is not None else slots   # (k,) neuron ids
         kernel.ffn_bundles(rows, self.f.dtype, self.d, self.glu, self.act, h, x, ids=ids,
-                           up_bias=ub, n_threads=self.n_threads, threshold=self.threshold[layer])
+                           up_bias=ub, n_threads=self._threads(len(rows), len(h)),
+                           threshold=self.threshold[layer])
 
     # ---- predictor recall (check mode) -------------------------------------------------------
 

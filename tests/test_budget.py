@@ -46,7 +46,8 @@ def test_dense_weights_then_caches_then_embeddings(tiny):  # noqa: F811
     kv = 2 * c["n_layers"] * 64 * c["n_kv_heads"] * c["head_dim"] * 4
     row = f["n_layers"] * (f["stride"] + 12)
     others = (kv + 5 * man["tokenizer"]["nbytes"] + 4 * MiB + 3 * MiB + 8 * MiB
-              + 16 * c["vocab_size"] + f["n_ff"] * f["stride"] + 4 * f["n_ff"] * f["n_layers"])
+              + 16 * c["vocab_size"] + budget.RING_BUFFERS * f["n_ff"] * f["stride"]
+              + 4 * f["n_ff"] * f["n_layers"])
     everything = others + sum(nb.values()) + f["n_ff"] * row
     plan = plan_budget(man, str(everything), 64, 3 * MiB)
     assert (plan.streamed, plan.capacity) == ((), f["n_ff"])
@@ -73,6 +74,17 @@ def test_qwen15_under_the_issue_caps(cap, streams, kept):
     assert plan.total <= plan.budget and plan.capacity > 0
     nb = dense_bytes(man)
     assert plan.streamed_bytes == sum(nb[n] for n in plan.streamed if n != "token_embd.weight")
+
+
+def test_a_head_that_fits_is_not_streamed_to_grow_the_caches():
+    """Tied 1.5B: with DRAM for every dense matrix and a few MiB over, streaming the head (125
+    MiB a token) would grow the caches by less than it reads (its buffers come off them too)."""
+    man = json.loads(Q15.read_text())
+    man["dense"]["tensors"] = [t for t in man["dense"]["tensors"] if t["name"] != "output.weight"]
+    full = plan_budget(man, "1TiB", 512, 40 * MiB, reader_stage=4 * MiB)
+    plan = plan_budget(man, str(full.total - full.cache_bytes + 8 * MiB), 512, 40 * MiB,
+                       reader_stage=4 * MiB)
+    assert plan.streamed == () and 0 < plan.capacity < 200
 
 
 def run(model, *args, rss=100 * MiB, monkeypatch=None):
