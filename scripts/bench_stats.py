@@ -88,5 +88,8 @@ def stat_cells(parsed: dict) -> Dict[str, str]:
     rp = "–" if val["recall"] is None else f"{cell('recall')} / {cell('precision')}"
     split = "–" if val["io_ms"] is None else \
         f"{cell('io_ms')} / {cell('mm_ms')} / {cell('compute_ms')} / {cell('pred_ms')}"
-    return {"mb_tok": cell("mb_tok"), "reads_tok": cell("reads_tok"), "avg_read_kib": cell("avg_read_kib"),
+    dense = find(flat, ("dense_bytes_read",))         # over the prefill and every decode pass
+    passes = (find(flat, ("n_decode",)) or 0) + 1
+    mb_tok = cell("mb_tok") + (f" + {dense / passes * 1e-6:.0f}" if dense else "")
+    return {"mb_tok": mb_tok, "reads_tok": cell("reads_tok"), "avg_read_kib": cell("avg_read_kib"),
             "gibs": gibs, "hit": cell("hit"), "recall": rp, "split": split}
