@@ -69,7 +69,7 @@ def dense_section(info: Dict[str, str], rows: List[dict], load: tuple, notes: Li
 
 
 FLASH_COLS = ("| model | cap | contender | decode tok/s | prefill tok/s | decode × llama.cpp | "
-              "cgroup peak MiB | failcnt | FFN (+ dense) MB/tok | reads/tok | avg read KiB | eff. GiB/s (profile) | "
+              "cgroup peak MiB | failcnt | FFN (+ dense) MB/tok | reads/tok | avg read KiB | GiB/s reading (profile) / whole decode | "
               "hit rate | recall / precision | ms/tok I/O / mm / compute / predictor | cmd |")
 
 

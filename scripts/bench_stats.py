@@ -85,11 +85,14 @@ def stat_cells(parsed: dict) -> Dict[str, str]:
         return "–" if v is None else f"{v * COLUMNS[c][1]:.{COLUMNS[c][2]}f}"
 
     gibs = cell("gib_run") + (f" ({cell('gib_profile')})" if val["gib_profile"] is not None else "")
+    dense = find(flat, ("dense_bytes_read",))         # over the prefill and every decode pass
+    passes = (find(flat, ("n_decode",)) or 0) + 1
+    tps, per_tok = find(flat, ("decode_tps",)), val["mb_tok"]
+    if tps and per_tok:            # the whole decode: every byte a token reads x tokens/s
+        gibs += f" / {(per_tok + (dense or 0) / passes) * tps / 2**30:.2f}"
     rp = "–" if val["recall"] is None else f"{cell('recall')} / {cell('precision')}"
     split = "–" if val["io_ms"] is None else \
         f"{cell('io_ms')} / {cell('mm_ms')} / {cell('compute_ms')} / {cell('pred_ms')}"
-    dense = find(flat, ("dense_bytes_read",))         # over the prefill and every decode pass
-    passes = (find(flat, ("n_decode",)) or 0) + 1
     mb_tok = cell("mb_tok") + (f" + {dense / passes * 1e-6:.0f}" if dense else "")
     return {"mb_tok": mb_tok, "reads_tok": cell("reads_tok"), "avg_read_kib": cell("avg_read_kib"),
             "gibs": gibs, "hit": cell("hit"), "recall": rp, "split": split}
