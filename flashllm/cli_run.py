@@ -88,23 +88,34 @@ def run(
     sampler = Sampler(SamplerParams(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p,
                                     repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
                                     seed=seed))
-    if interactive:
-        _chat(flash, net, tok, sampler, system, chat_template, n_predict, as_json)
-    else:
-        stats = _complete(net, tok, sampler, ids, n_predict)
-        flash_json = _flash_json(ffn, weights) if flash_stats else None
-        if as_json:
-            err.print(_stats_json(stats, flash_json), markup=False, soft_wrap=True, highlight=False)
-        elif not no_timings:
-            err.print(stats.summary(), markup=False, soft_wrap=True)
-    if flash_stats and not as_json:
-        from .flash_stats import stats_table
-        err.print(stats_table(net.ffn.stats()) if ffn is not None else "ffn: dense (no flash I/O)",
-                  markup=False, soft_wrap=True, highlight=False)
-        if weights is not None:
-            d = weights.stats()
-            err.print(f"dense weights: {len(d['dense_streamed'])} matrices streamed, "
-                      f"{d['dense_bytes_read'] / 2**20:.1f} MiB read", markup=False, highlight=False)
+    try:
+        if interactive:
+            _chat(flash, net, tok, sampler, system, chat_template, n_predict, as_json)
+        else:
+            stats = _complete(net, tok, sampler, ids, n_predict)
+            flash_json = _flash_json(ffn, weights) if flash_stats else None
+            if as_json:
+                err.print(_stats_json(stats, flash_json), markup=False, soft_wrap=True,
+                          highlight=False)
+            elif not no_timings:
+                err.print(stats.summary(), markup=False, soft_wrap=True)
+        if flash_stats and not as_json:
+            _print_flash_stats(ffn, weights)
+    finally:                      # stop the read-ahead before the buffers go away
+        for part in (ffn, weights):
+            if part is not None:
+                part.close()
+
+
+def _print_flash_stats(ffn, weights) -> None:
+    """The --stats table (stderr): the FFN's per-token reads, the streamed dense weights."""
+    from .flash_stats import stats_table
+    err.print(stats_table(ffn.stats()) if ffn is not None else "ffn: dense (no flash I/O)",
+              markup=False, soft_wrap=True, highlight=False)
+    if weights is not None:
+        d = weights.stats()
+        err.print(f"dense weights: {len(d['dense_streamed'])} matrices streamed, "
+                  f"{d['dense_bytes_read'] / 2**20:.1f} MiB read", markup=False, highlight=False)
 
 
 def _flash_json(ffn, weights) -> dict:

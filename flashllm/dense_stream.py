@@ -288,5 +288,8 @@ class DenseWeights:
         self._read([t["offset"] + r0 * rb], [(r1 - r0) * rb], self._head_bufs[k], [0])
 
     def close(self) -> None:
+        """Wait for the read in flight, then close the reader (it is this object's)."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+        if self.reader is not None:
+            self.reader.close()

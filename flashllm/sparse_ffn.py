@@ -171,9 +171,11 @@ class SparseFlashFfn:
         return self.rec.to_dict(lambda size: self.cost.gib_s(self.reader.n_threads, max(size, 1.0)))
 
     def close(self) -> None:
+        """Stop reading ahead, close the readers (the FFN's and the ring's dense one)."""
         if self.reads is not None:
             self.reads.close()
         self._pool.shutdown(wait=True)
+        self.reader.close()
 
     # ---- prefill and naive: whole layers ----------------------------------------------------
 
