@@ -8,7 +8,8 @@ Resident at run time (all counted against --dram-budget):
                     `tokenizers` object leaves (measured 23 MiB for Qwen's 5.4 MB JSON, 10 MiB
                     for SmolLM2's 1.6 MB), counted as 5x the JSON + 4 MiB. While it loads, before
                     the model, it peaks at 26-28x the JSON (checked separately: TOKENIZER_LOAD);
-                    a chat keeps it loaded (+135 MiB for Qwen's), counted as TOKENIZER_LOAD x
+                    a chat keeps it loaded: 11-12x the JSON once the load's heap is trimmed
+                    (57 MiB for Qwen's, 18 MiB for SmolLM2's), counted as TOKENIZER_LOADED x
                     the JSON + 4 MiB
     KV cache        2 · n_layers · n_ctx · n_kv_heads · head_dim · 4 bytes
     work            logits and activations of one forward pass, the reader's staging buffers,
@@ -34,6 +35,7 @@ from .profile import MiB, ProfileError, parse_size
 
 TOKENIZER_KEPT = 5             # resident bytes after release() per byte of tokenizer.json (+4 MiB)
 TOKENIZER_LOAD = 28            # peak bytes while the tokenizers object loads, per JSON byte
+TOKENIZER_LOADED = 14          # resident bytes of a loaded (heap-trimmed) tokenizer per JSON byte
 STAGING_BYTES = 16 * MiB       # the sparse FFN's staging buffer: prefill halves, the decode read-ahead ring
 RING_BUFFERS = 4               # the read-ahead ring's buffers: each holds up to a whole layer's bundles
                                # (a small model then takes one chunk per layer, not four: every
@@ -147,7 +149,7 @@ def resident_bytes(manifest: dict, n_ctx: int, process: int, predictor: int,
     kv = 2 * c["n_layers"] * n_ctx * c["n_kv_heads"] * c["head_dim"] * 4
     work = WORK_FIXED + 4 * 4 * c["vocab_size"] + reader_stage + stride_rows
     tok = int(manifest["tokenizer"].get("nbytes") or 0)
-    per_byte = TOKENIZER_LOAD if keep_tokenizer else TOKENIZER_KEPT
+    per_byte = TOKENIZER_LOADED if keep_tokenizer else TOKENIZER_KEPT
     return {"KV cache": kv, "tokenizer": per_byte * tok + (4 * MiB if tok else 0),
             "process": process, "buffers": work, "predictor": predictor}
 

@@ -174,7 +174,7 @@ def test_auto_takes_a_cheap_predictor_and_on_off_are_obeyed(tmp_path):
 
 
 def test_a_chat_counts_the_tokenizer_it_keeps(tmp_path):
-    """-i keeps the tokenizers object (it encodes every turn): 28x its JSON, not 5x."""
+    """-i keeps the tokenizers object (it encodes every turn): 14x its JSON, not 5x."""
     from flashllm.runtime import FlashOptions, plan_run
     man = json.loads(Q15.read_text())
     (tmp_path / "manifest.json").write_text(json.dumps(man))
@@ -182,5 +182,22 @@ def test_a_chat_counts_the_tokenizer_it_keeps(tmp_path):
     once = plan_run(tmp_path, FlashOptions("560MiB"), 512, 40 * MiB)
     chat = plan_run(tmp_path, FlashOptions("560MiB", keep_tokenizer=True), 512, 40 * MiB)
     assert once.resident["tokenizer"] == budget.TOKENIZER_KEPT * tok + 4 * MiB
-    assert chat.resident["tokenizer"] == budget.TOKENIZER_LOAD * tok + 4 * MiB
+    assert chat.resident["tokenizer"] == budget.TOKENIZER_LOADED * tok + 4 * MiB
     assert chat.total <= chat.budget and chat.cache_bytes < once.cache_bytes
+
+
+@pytest.mark.realmodel
+def test_a_loaded_tokenizer_stays_within_what_a_chat_budgets():
+    """SmolLM2's tokenizers object, loaded and used, holds no more than TOKENIZER_LOADED x its
+    JSON (+ 4 MiB): the process's resident growth, measured."""
+    from conftest import _converted
+    from flashllm.tokenizer import _trim_heap
+    flash = open_flash(_converted("smollm2-135m", "q8_0", log=lambda m: None))
+    rss = lambda: int(Path("/proc/self/statm").read_text().split()[1]) * 4096
+    _trim_heap()
+    before = rss()
+    tok = Tokenizer.from_flash(flash)
+    for _ in range(20):
+        tok.encode("def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n" * 20)
+    grown = rss() - before
+    assert grown <= budget.TOKENIZER_LOADED * len(flash.tokenizer_json.encode()) + 4 * MiB
