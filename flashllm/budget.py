@@ -11,7 +11,7 @@ Resident at run time (all counted against --dram-budget):
                     a chat keeps it loaded: 11-12x the JSON once the load's heap is trimmed
                     (57 MiB for Qwen's, 18 MiB for SmolLM2's), counted as TOKENIZER_LOADED x
                     the JSON + 4 MiB
-    KV cache        2 · n_layers · n_ctx · n_kv_heads · head_dim · 4 bytes
+    KV cache        2 · n_layers · n_ctx · n_kv_heads · head_dim · 2 bytes (f16, as llama.cpp)
     work            logits and activations of one forward pass, the reader's staging buffers,
                     the sparse FFN's staging buffer for prefill / streamed neurons
     predictor       its nbytes
@@ -146,7 +146,7 @@ def resident_bytes(manifest: dict, n_ctx: int, process: int, predictor: int,
     """Everything but the dense matrices and the neuron caches, by what it is. keep_tokenizer:
     the tokenizers object stays loaded (chat encodes every turn), not released after encoding."""
     c = manifest["config"]
-    kv = 2 * c["n_layers"] * n_ctx * c["n_kv_heads"] * c["head_dim"] * 4
+    kv = 2 * c["n_layers"] * n_ctx * c["n_kv_heads"] * c["head_dim"] * 2
     work = WORK_FIXED + 4 * 4 * c["vocab_size"] + reader_stage + stride_rows
     tok = int(manifest["tokenizer"].get("nbytes") or 0)
     per_byte = TOKENIZER_LOADED if keep_tokenizer else TOKENIZER_KEPT

@@ -46,7 +46,7 @@ def perplexity(
     if sparsity is not None:
         cal = lambda: text_tokens(tok, _quality_text(None, "calibration", corpus, 16384).text, 2048)
         ffn = DenseFfn(flash, threads, threshold=thresholds_for(flash, sparsity, cal, ctx, threads, log))
-    net = Model(flash, n_threads=threads, n_ctx=ctx, ffn=ffn)
+    net = Model(flash, n_threads=threads, n_ctx=ctx, ffn=ffn, kv_dtype="f16")   # as `run`
     bos = bos_to_add(tok, flash.config.bos_token_id)
     result = measure(net, text_tokens(tok, text.text), ctx, chunks, bos,
                      on_chunk=lambda i, n, p: err.print(f"[{i}/{n}] {p:.4f}", markup=False))

@@ -84,7 +84,7 @@ def run(
     ffn = make_ffn(flash, fopts, plan, threads, cache_dir(), log=lambda m: err.print(m, markup=False))
     weights = make_weights(flash, plan, threads)
     stream_dense(flash, ffn, weights)
-    net = Model(flash, n_threads=threads, n_ctx=n_ctx, ffn=ffn, weights=weights)
+    net = Model(flash, n_threads=threads, n_ctx=n_ctx, ffn=ffn, weights=weights, kv_dtype="f16")
     sampler = Sampler(SamplerParams(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p,
                                     repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
                                     seed=seed))

@@ -200,23 +200,35 @@ def attention(q, k_cache: np.ndarray, v_cache: np.ndarray, pos0: int, scale: flo
               n_threads: int = 1) -> np.ndarray:
     """Causal GQA attention: q (T, n_heads, head_dim) at positions pos0.. -> (T, n_heads*head_dim).
 
-    k_cache, v_cache (n_ctx, n_kv_heads, head_dim) must already hold positions 0 .. pos0+T-1.
+    k_cache, v_cache (n_ctx, n_kv_heads, head_dim), both float32 or both float16 (C-contiguous,
+    never copied), must already hold positions 0 .. pos0+T-1.
     """
     k = _native()
     qa = _as_f32(q, "q", 3)  # (T, n_heads, head_dim)
     t, n_heads, head_dim = qa.shape
-    kc = _big_f32(k_cache, "k_cache", np.shape(k_cache))  # (n_ctx, n_kv_heads, head_dim)
-    vc = _big_f32(v_cache, "v_cache", kc.shape)  # (n_ctx, n_kv_heads, head_dim)
+    kc, vc = _kv(k_cache, "k_cache"), _kv(v_cache, "v_cache")  # (n_ctx, n_kv_heads, head_dim)
     if kc.ndim != 3 or kc.shape[2] != head_dim or n_heads % kc.shape[1]:
         raise KernelError(f"kv cache must be (n_ctx, n_kv_heads, {head_dim}) with n_kv_heads "
                           f"dividing {n_heads}, got {kc.shape}")
+    if vc.shape != kc.shape or vc.dtype != kc.dtype:
+        raise KernelError(f"v_cache {vc.dtype} {vc.shape} must match k_cache {kc.dtype} {kc.shape}")
     if pos0 < 0 or pos0 + t > kc.shape[0]:
         raise KernelError(f"positions {pos0}..{pos0 + t - 1} exceed the kv cache "
                           f"of {kc.shape[0]}")
     out = np.empty((t, n_heads * head_dim), np.float32)  # (T, n_heads * head_dim)
-    _check(k.fl_attention(_fptr(qa), _fptr(kc), _fptr(vc), _fptr(out), t, pos0, n_heads,
-                          kc.shape[1], head_dim, scale, _threads(n_threads)), "attention")
+    code = k.FL_F32 if kc.dtype == np.float32 else k.FL_F16
+    _check(k.fl_attention(_fptr(qa), ffi.from_buffer(kc), ffi.from_buffer(vc), code, _fptr(out),
+                          t, pos0, n_heads, kc.shape[1], head_dim, scale, _threads(n_threads)),
+           "attention")
     return out
+
+
+def _kv(a, name: str) -> np.ndarray:
+    """A KV cache: a C-contiguous float32 or float16 numpy array (never copied)."""
+    if not isinstance(a, np.ndarray) or a.dtype not in (np.float32, np.float16) or \
+            not a.flags.c_contiguous:
+        raise KernelError(f"{name} must be a C-contiguous float32 or float16 numpy array")
+    return a
 
 
 def ffn_bundles(bundles: np.ndarray, dtype: str, d: int, glu: bool, act: str, x, y: np.ndarray,

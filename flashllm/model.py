@@ -30,11 +30,14 @@ class ContextError(FlashError):
     """A forward pass that would run past the KV cache (n_ctx) or got no tokens."""
 
 
+KV_DTYPES = {"f32": np.float32, "f16": np.float16}   # the KV cache's element type
+
+
 class Model:
     """A flash model made runnable: dense weights, an FFN strategy, a preallocated KV cache."""
 
     def __init__(self, flash, n_threads: int = 1, n_ctx: int = 2048, ffn=None, weights=None,
-                 exact: bool = False):
+                 exact: bool = False, kv_dtype: str = "f32"):
         cfg = flash.config
         if n_ctx <= 0:
             raise ContextError(f"n_ctx={n_ctx} must be positive")
@@ -45,8 +48,11 @@ class Model:
         self.ffn = DenseFfn(flash, n_threads, exact=exact) if ffn is None else ffn
         self.w = DenseWeights(flash, n_threads) if weights is None else weights
         shape = (cfg.n_layers, n_ctx, cfg.n_kv_heads, cfg.head_dim)
-        self.k_cache = np.zeros(shape, dtype=np.float32)                 # (n_layers, n_ctx, n_kv, hd)
-        self.v_cache = np.zeros(shape, dtype=np.float32)                 # (n_layers, n_ctx, n_kv, hd)
+        if kv_dtype not in KV_DTYPES:
+            raise ContextError(f"kv_dtype {kv_dtype!r}: expected one of {', '.join(KV_DTYPES)}")
+        kv = KV_DTYPES[kv_dtype]      # `run` keeps f16 keys/values, as llama.cpp does
+        self.k_cache = np.zeros(shape, dtype=kv)                         # (n_layers, n_ctx, n_kv, hd)
+        self.v_cache = np.zeros(shape, dtype=kv)                         # (n_layers, n_ctx, n_kv, hd)
 
     def reset(self) -> None:
         """Forget the context: clear the KV cache."""

@@ -202,13 +202,14 @@ int32_t fl_rope(float *x, int64_t T, int64_t n_heads, int64_t head_dim, int64_t 
     return FL_OK;
 }
 
-/* out_h (head_dim) = softmax(scale * q_h . K[0..n_keys)) @ V[0..n_keys) for one query head */
-static void attend_one(const float *qh, const float *k, const float *v, float *outh,
-                       int64_t n_keys, int64_t kv_stride, int64_t head_dim, float scale,
-                       float *scores) {
+/* out_h (head_dim) = softmax(scale * q_h . K[0..n_keys)) @ V[0..n_keys) for one query head;
+ * K and V rows of kv_dtype, row_bytes apart */
+static void attend_one(const float *qh, const uint8_t *k, const uint8_t *v, int32_t kv_dtype,
+                       float *outh, int64_t n_keys, int64_t row_bytes, int64_t head_dim,
+                       float scale, float *scores) {
     float mx = -INFINITY;
     for (int64_t s = 0; s < n_keys; s++) {
-        scores[s] = scale * fli_dot_f32(qh, k + s * kv_stride, head_dim);
+        scores[s] = scale * fli_dot(kv_dtype, k + s * row_bytes, qh, head_dim);
         if (scores[s] > mx) mx = scores[s];
     }
     float sum = 0.0f;
@@ -217,18 +218,22 @@ static void attend_one(const float *qh, const float *k, const float *v, float *o
         sum += scores[s];
     }
     memset(outh, 0, (size_t)head_dim * sizeof(float));
-    for (int64_t s = 0; s < n_keys; s++) fli_axpy_f32(scores[s], v + s * kv_stride, outh, head_dim);
+    for (int64_t s = 0; s < n_keys; s++)
+        fli_axpy(kv_dtype, v + s * row_bytes, scores[s], outh, head_dim);
     const float inv = 1.0f / sum;
     for (int64_t i = 0; i < head_dim; i++) outh[i] *= inv;
 }
 
-int32_t fl_attention(const float *q, const float *k_cache, const float *v_cache, float *out,
-                     int64_t T, int64_t pos0, int64_t n_heads, int64_t n_kv_heads,
+int32_t fl_attention(const float *q, const void *k_cache, const void *v_cache, int32_t kv_dtype,
+                     float *out, int64_t T, int64_t pos0, int64_t n_heads, int64_t n_kv_heads,
                      int64_t head_dim, float scale, int32_t n_threads) {
     if (!q || !k_cache || !v_cache || !out || T <= 0 || pos0 < 0 || n_heads <= 0 ||
-        n_kv_heads <= 0 || n_heads % n_kv_heads || head_dim <= 0 || n_threads < 1)
+        n_kv_heads <= 0 || n_heads % n_kv_heads || head_dim <= 0 || n_threads < 1 ||
+        (kv_dtype != FL_F32 && kv_dtype != FL_F16))
         return FL_EINVAL;
-    const int64_t group = n_heads / n_kv_heads, kv_stride = n_kv_heads * head_dim;
+    const int64_t group = n_heads / n_kv_heads, esize = kv_dtype == FL_F32 ? 4 : 2;
+    const int64_t row_bytes = n_kv_heads * head_dim * esize;
+    const uint8_t *kc = k_cache, *vc = v_cache;
     int failed = 0;
 #pragma omp parallel num_threads(n_threads)
     {
@@ -240,9 +245,9 @@ int32_t fl_attention(const float *q, const float *k_cache, const float *v_cache,
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < T * n_heads; i++) {
             if (!scores) continue;
-            const int64_t t = i / n_heads, h = i % n_heads, off = (h / group) * head_dim;
-            attend_one(q + i * head_dim, k_cache + off, v_cache + off, out + i * head_dim,
-                       pos0 + t + 1, kv_stride, head_dim, scale, scores);
+            const int64_t t = i / n_heads, h = i % n_heads, off = (h / group) * head_dim * esize;
+            attend_one(q + i * head_dim, kc + off, vc + off, kv_dtype, out + i * head_dim,
+                       pos0 + t + 1, row_bytes, head_dim, scale, scores);
         }
         free(scores);
     }

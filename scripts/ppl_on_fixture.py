@@ -45,7 +45,7 @@ def main() -> None:
         cal = lambda: text_tokens(tok, builtin_text("calibration", "code", 16384).text, 2048)  # noqa: E731
         ffn = DenseFfn(flash, args.threads, threshold=thresholds_for(
             flash, args.sparsity, cal, 512, args.threads, lambda m: print(m, file=sys.stderr)))
-    net = Model(flash, n_threads=args.threads, n_ctx=fx["n_ctx"], ffn=ffn)
+    net = Model(flash, n_threads=args.threads, n_ctx=fx["n_ctx"], ffn=ffn, kv_dtype="f16")  # as `run`
     got = perplexity(net, tokens, n_ctx=fx["n_ctx"], bos_id=fx["bos_replaced"],
                      on_chunk=lambda i, n, p: print(f"[{i}/{n}] {p:.4f}", file=sys.stderr, flush=True))
     print(json.dumps({"model": str(args.model), "sparsity": args.sparsity, **got.to_dict(),

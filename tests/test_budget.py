@@ -43,7 +43,7 @@ def test_dense_weights_then_caches_then_embeddings(tiny):  # noqa: F811
     man = read_manifest(tiny[0].path)
     f, c = man["ffn"], man["config"]
     nb = dense_bytes(man)
-    kv = 2 * c["n_layers"] * 64 * c["n_kv_heads"] * c["head_dim"] * 4
+    kv = 2 * c["n_layers"] * 64 * c["n_kv_heads"] * c["head_dim"] * 2
     row = f["n_layers"] * (f["stride"] + 12)
     others = (kv + 5 * man["tokenizer"]["nbytes"] + 4 * MiB + 3 * MiB + 8 * MiB
               + 16 * c["vocab_size"] + budget.RING_BUFFERS * f["n_ff"] * f["stride"]

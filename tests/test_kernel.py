@@ -129,14 +129,25 @@ def _attention_ref(q, k, v, pos0, scale):
 @pytest.mark.parametrize("T,pos0,n_heads,n_kv", [(1, 0, 4, 4), (1, 9, 6, 2), (5, 3, 6, 3),
                                                    (7, 0, 2, 1)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_attention_causal_gqa(T, pos0, n_heads, n_kv, threads):
+@pytest.mark.parametrize("kv_dtype", [np.float32, np.float16])
+def test_attention_causal_gqa(T, pos0, n_heads, n_kv, threads, kv_dtype):
     hd, n_ctx = 24, 20
     rng = _rng(T + pos0)
     q = rng.standard_normal((T, n_heads, hd)).astype(np.float32)  # (T, H, hd)
-    k = (rng.standard_normal((n_ctx, n_kv, hd)) * 4).astype(np.float32)  # (n_ctx, kv, hd)
-    v = rng.standard_normal((n_ctx, n_kv, hd)).astype(np.float32)  # (n_ctx, kv, hd)
+    k = (rng.standard_normal((n_ctx, n_kv, hd)) * 4).astype(kv_dtype)  # (n_ctx, kv, hd)
+    v = rng.standard_normal((n_ctx, n_kv, hd)).astype(kv_dtype)  # (n_ctx, kv, hd)
     got = kernel.attention(q, k, v, pos0, 1 / math.sqrt(hd), n_threads=threads)
-    _close(got, _attention_ref(q, k, v, pos0, 1 / math.sqrt(hd)))
+    _close(got, _attention_ref(q, k.astype(np.float32), v.astype(np.float32), pos0,
+                               1 / math.sqrt(hd)))
+
+
+def test_attention_refuses_mixed_or_other_kv_dtypes():
+    q = np.zeros((1, 2, 8), np.float32)                                  # (T, H, hd)
+    k = np.zeros((4, 1, 8), np.float16)                                  # (n_ctx, kv, hd)
+    with pytest.raises(KernelError, match="must match"):
+        kernel.attention(q, k, k.astype(np.float32), 0, 1.0)
+    with pytest.raises(KernelError, match="float32 or float16"):
+        kernel.attention(q, k.astype(np.float64), k.astype(np.float64), 0, 1.0)
 
 
 def _act(name: str, z: np.ndarray) -> np.ndarray:

@@ -128,6 +128,21 @@ def test_prefill_then_decode_matches_one_pass(flash_model, name):
 
 
 @pytest.mark.parametrize("name", ARCHS)
+def test_f16_kv_cache_prefill_then_decode_against_transformers(hf_tiny, tmp_path, name):
+    """`run`'s f16 keys/values (as llama.cpp keeps them): 16 tokens prefilled, 16 decoded, against
+    transformers in f32; f16 rounding of K and V (2^-11 relative) is all that separates them."""
+    folder, hf = hf_tiny(name)
+    net = Model(open_flash(convert(folder, tmp_path / "m", "f32")), n_threads=2, n_ctx=128,
+                kv_dtype="f16")
+    assert net.k_cache.dtype == net.v_cache.dtype == np.float16
+    ref = hf_logits(hf, PROMPT)                                              # (32, vocab)
+    rows = [net.forward(PROMPT[:16], 0)] + [net.forward(PROMPT[p:p + 1], p) for p in range(16, 32)]
+    err = rel_err(np.concatenate(rows), ref)
+    print(f"{name}, f16 KV: logits vs transformers {err:.2e}")
+    assert err < 1e-3
+
+
+@pytest.mark.parametrize("name", ARCHS)
 def test_greedy_32_tokens_match_transformers(flash_model, name):
     import torch
     net, hf = flash_model(name, "f32")
