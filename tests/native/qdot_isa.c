@@ -1,8 +1,9 @@
-/* qdot_isa.c — the int8 tiles of native/qdot.c, built for one instruction set (test_kernel_isa.py
- * compiles it for AVX-512 VNNI, AVX2 + AVX-VNNI, AVX2 and plain x86-64), against a double
- * reference on the same quantized activations (q8_0, q4_0, q4_1 weights): raw and expanded
- * weights, 1 and 4 tokens, block counts even and odd. Prints "ok" and exits 0, or lists the bad
- * outputs and exits 1. */
+/* qdot_isa.c — the int8 tiles of native/qdot.c and the panel GEMM of native/qgemm.c, built for
+ * one instruction set (test_kernel_isa.py compiles it for AVX-512 VNNI, AVX2 + AVX-VNNI, AVX2 and
+ * plain x86-64), against a double reference on the same quantized activations (q8_0, q4_0, q4_1
+ * weights): raw and expanded weights, 1 and 4 tokens, block counts even and odd; panels of 16
+ * rows (4 distinct, repeated) against 1 .. 13 tokens (register blocks of 8, 4 and 1). Prints "ok"
+ * and exits 0, or lists the bad outputs and exits 1. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -27,9 +28,37 @@ static double worst(int32_t dt, int n, const uint8_t *const w[4], const uint8_t 
     return fmax(m, fabs(fli_qdot(dt, w[r], x[t], n) - ref));
 }
 
+/* the panel GEMM: rows r % 4 of w against tokens t % 4 of x, T = 1 .. 13; its worst error
+ * against ref (4, 4) relative to mag (4, 4) above the tolerance, counted */
+static int check_panel(int32_t dt, int n, const uint8_t *const w[4], const uint8_t *x,
+                       size_t xb, double ref[4][4], double mag[4][4]) {
+    const uint8_t *rows[FL_PR];
+    for (int r = 0; r < FL_PR; r++) rows[r] = w[r % 4];
+    uint8_t *pan = malloc(fli_panel_bytes(n));
+    uint8_t *xs = malloc(13 * xb);  // (13, xb): the 4 tokens repeated
+    float out[FL_PR * 13];          // (FL_PR, T)
+    for (int t = 0; t < 13; t++) memcpy(xs + t * xb, x + (t % 4) * xb, xb);
+    fli_panel_pack(dt, rows, n, pan);
+    int bad = 0;
+    for (int T = 1; T <= 13; T += 1) {
+        fli_panel_gemm(dt, pan, xs, xb, T, n, out, T);
+        for (int r = 0; r < FL_PR; r++)
+            for (int t = 0; t < T; t++)
+                if (fabs(out[r * T + t] - ref[r % 4][t % 4]) > 1e-5 * mag[r % 4][t % 4] + 1e-6) {
+                    printf("panel dtype %d n %d T %d row %d token %d: %g vs %g\n", dt, n, T, r, t,
+                           out[r * T + t], ref[r % 4][t % 4]);
+                    bad++;
+                }
+    }
+    free(xs);
+    free(pan);
+    return bad;
+}
+
 static int check(int32_t dt, int n) {
     const size_t rb = fl_row_bytes(dt, n), xb = (size_t)fli_xq_bytes(n);
-    uint8_t *buf = malloc(4 * rb + 8 * xb);
+    uint8_t *buf = malloc(4 * rb + 8 * xb);  // w (4, rb), e (4, xb), x (4, xb) contiguous
+    double refs[4][4], mags[4][4];
     uint8_t *w[4], *e[4], *x[4];
     float f[NMAX], wd[4][NMAX], xd[4][NMAX];
     for (int r = 0; r < 4; r++) {
@@ -54,12 +83,14 @@ static int check(int32_t dt, int n) {
             const double err = worst(dt, n, (const uint8_t *const *)w,
                                      (const uint8_t *const *)e, (const uint8_t *const *)x, r, t,
                                      ref);
+            refs[r][t] = ref, mags[r][t] = mag;
             if (err > 1e-5 * mag + 1e-6) {
                 printf("dtype %d n %d row %d token %d: error %g of %g\n", dt, n, r, t, err, mag);
                 bad++;
             }
         }
     }
+    bad += check_panel(dt, n, (const uint8_t *const *)w, x[0], xb, refs, mags);
     free(buf);
     return bad;
 }
