@@ -161,41 +161,60 @@ static void range_qt(const ffn_args *a, const uint8_t *bundles, int64_t stride, 
     }
 }
 
-/* T > FL_QT, quantized: the gate and up rows of DOWN_K (= FL_PR) neurons packed into two int8
- * GEMM panels (qgemm.c) that meet all T tokens, h (DOWN_K, T), their down columns dequantized
- * once, then one small f32 GEMM into acc. scratch: h, gate / up outputs (2, DOWN_K, T), down
- * (DOWN_K, d), then the two panels */
-static void range_qp(const ffn_args *a, const uint8_t *bundles, int64_t stride, int64_t j0,
-                     int64_t j1, float *acc, float *scratch) {
+/* the gate and up rows of bundles j .. j+nr-1 (nr <= FL_PR) packed into two int8 GEMM panels
+ * (qgemm.c) that meet all T tokens: h (FL_PR, T), their down columns
+ * dequantized into down (FL_PR, d); gu (2, FL_PR, T) and pan (2, panel bytes) scratch */
+static void panel_h(const ffn_args *a, const uint8_t *bundles, int64_t stride, int64_t j,
+                    int nr, float *h, float *down, float *gu, uint8_t *pan) {
     const int64_t T = a->T, d = a->d;
-    float *h = scratch, *go = h + DOWN_K * T, *uo = go + DOWN_K * T;  // (DOWN_K, T) each
-    float *down = uo + DOWN_K * T;                                     // (DOWN_K, d)
-    uint8_t *pan = (uint8_t *)(down + DOWN_K * d);                     // (2, panel bytes)
     const size_t pb = fli_panel_bytes(d);
     const uint8_t *gate[FL_PR], *up[FL_PR];
     int64_t id[FL_PR];
-    for (int64_t j = j0; j < j1; j += FL_PR) {
-        const int nr = j1 - j < FL_PR ? (int)(j1 - j) : FL_PR;
-        for (int k = 0; k < FL_PR; k++) {
-            id[k] = a->rows ? a->rows[j + (k < nr ? k : 0)] : j + (k < nr ? k : 0);
-            gate[k] = bundles + id[k] * stride;
-            up[k] = gate[k] + (a->glu ? a->rb : 0);
-        }
-        fli_panel_pack(a->dtype, up, d, pan);
-        fli_panel_gemm(a->dtype, pan, a->xq, a->xb, T, d, uo, T);
-        if (a->glu) {
-            fli_panel_pack(a->dtype, gate, d, pan + pb);
-            fli_panel_gemm(a->dtype, pan + pb, a->xq, a->xb, T, d, go, T);
-        }
-        for (int k = 0; k < FL_PR; k++) {
+    for (int k = 0; k < FL_PR; k++) {
+        id[k] = a->rows ? a->rows[j + (k < nr ? k : 0)] : j + (k < nr ? k : 0);
+        gate[k] = bundles + id[k] * stride;
+        up[k] = gate[k] + (a->glu ? a->rb : 0);
+    }
+    float *go = gu, *uo = gu + FL_PR * T;  // (FL_PR, T) each
+    fli_panel_pack(a->dtype, up, d, pan);
+    fli_panel_gemm(a->dtype, pan, a->xq, a->xb, T, d, uo, T);
+    if (a->glu) {
+        fli_panel_pack(a->dtype, gate, d, pan + pb);
+        fli_panel_gemm(a->dtype, pan + pb, a->xq, a->xb, T, d, go, T);
+    }
+    if (a->glu && a->act == FL_ACT_SILU && !a->up_bias) {  // vectorized (act.c)
+        fli_silu_mul(go, uo, h, FL_PR * T);
+        for (int64_t i = 0; i < FL_PR * T; i++)
+            if (i >= nr * T || !(fabsf(h[i]) >= a->threshold)) h[i] = 0.0f;
+    } else {
+        for (int k = 0; k < FL_PR; k++)
             for (int64_t t = 0; t < T; t++)
                 h[k * T + t] = k < nr ? neuron_h(a, id[k], a->glu ? go[k * T + t] : 0.0f,
                                                  uo[k * T + t])
                                       : 0.0f;
-            if (k < nr) fli_dequant(a->dtype, up[k] + a->rb, down + k * d, d);
-            else memset(down + k * d, 0, (size_t)d * sizeof(float));
+    }
+    for (int k = 0; k < FL_PR; k++) {
+        if (k < nr) fli_dequant(a->dtype, up[k] + a->rb, down + k * d, d);
+        else memset(down + k * d, 0, (size_t)d * sizeof(float));
+    }
+}
+
+/* T > FL_QT, quantized: h (DOWN_K, T) and the dequantized down columns (DOWN_K, d) of DOWN_K
+ * neurons from DOWN_K / FL_PR panels (panel_h), then one f32 GEMM into acc. scratch: h, down,
+ * gate / up outputs (2, FL_PR, T), then the two panels */
+static void range_qp(const ffn_args *a, const uint8_t *bundles, int64_t stride, int64_t j0,
+                     int64_t j1, float *acc, float *scratch) {
+    const int64_t T = a->T, d = a->d;
+    float *h = scratch, *down = h + DOWN_K * T, *gu = down + DOWN_K * d;
+    uint8_t *pan = (uint8_t *)(gu + 2 * FL_PR * T);
+    for (int64_t j = j0; j < j1;) {
+        int64_t K = 0;
+        for (; K < DOWN_K && j < j1; K += FL_PR) {
+            const int nr = j1 - j < FL_PR ? (int)(j1 - j) : FL_PR;
+            panel_h(a, bundles, stride, j, nr, h + K * T, down + K * d, gu, pan);
+            j += nr;
         }
-        fli_down_f32(h, T, down, DOWN_K, d, acc, T);
+        fli_down_f32(h, T, down, K, d, acc, T);
     }
 }
 
@@ -205,7 +224,8 @@ static size_t scratch_floats(const ffn_args *a) {
     if (a->T == 1) return 0;
     if (!a->xq) return 3 * (size_t)a->d;
     if (a->T <= FL_QT) return DOWN_K * (size_t)(a->T + a->d);
-    return DOWN_K * (size_t)(3 * a->T + a->d) + 2 * fli_panel_bytes(a->d) / sizeof(float) + 1;
+    return DOWN_K * (size_t)(a->T + a->d) + 2 * FL_PR * (size_t)a->T +
+           2 * fli_panel_bytes(a->d) / sizeof(float) + 1;
 }
 
 /* acc (T, d) += the FFN over bundles j0 .. j1-1 (rows[j] when rows are given) */

@@ -168,6 +168,11 @@ void fli_panel_pack(int32_t dtype, const uint8_t *const w[FL_PR], int64_t n, uin
 void fli_panel_gemm(int32_t dtype, const uint8_t *panel, const uint8_t *x, size_t xb, int64_t T,
                     int64_t n, float *out, int64_t ld);
 
+/* ---- act.c ------------------------------------------------------------------------------- */
+
+/* h (n) = silu(g) * u = g / (1 + exp(-g)) * u, g u h (n) f32 */
+void fli_silu_mul(const float *g, const float *u, float *h, int64_t n);
+
 #pragma GCC visibility pop
 
 #endif /* FLASHLLM_SIMD_H */
