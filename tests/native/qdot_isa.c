@@ -3,7 +3,8 @@
  * plain x86-64), against a double reference on the same quantized activations (q8_0, q4_0, q4_1
  * weights): raw and expanded weights, 1 and 4 tokens, block counts even and odd; panels of 16
  * rows (4 distinct, repeated) against 1 .. 13 tokens (register blocks of 8, 4 and 1); and the
- * vectorized silu(g) * u of native/act.c against double exp over g in [-120, 120]. Prints "ok"
+ * vectorized silu(g) * u of native/act.c against double exp over g in [-120, 120]; the activation
+ * quantization against the documented rule in plain C, byte for byte. Prints "ok"
  * and exits 0, or lists the bad outputs and exits 1. */
 #include <math.h>
 #include <stdio.h>
@@ -116,9 +117,37 @@ static int check_silu(void) {
     return bad;
 }
 
+/* fli_xq_quantize against d = amax / 127, q = nearbyintf(x * (1 / d)), bytes and scales equal */
+static int check_quantize(void) {
+    enum { N = 32 * 7 };
+    float x[N];
+    for (int i = 0; i < N; i++) x[i] = i < 32 ? 0.0f : uniform(i < 64 ? 1e-3f : 10.0f);
+    x[70] = 127.0f, x[71] = -3.5f, x[72] = 2.5f;  // d = 1 in that block: ties round to even
+    uint8_t *buf = malloc(fli_xq_bytes(N));
+    fli_xq_quantize(FL_Q4_0, x, N, buf);
+    const float *scale = (const float *)(buf + N);
+    const int32_t *corr = (const int32_t *)(scale + (N / 32) * FL_XQ_LANES);
+    int bad = 0;
+    for (int b = 0; b < N / 32; b++) {
+        float amax = 0.0f;
+        for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[b * 32 + j]));
+        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        int32_t sum = 0;
+        for (int j = 0; j < 32; j++) {
+            const int8_t q = (int8_t)nearbyintf(x[b * 32 + j] * id);
+            sum += q;
+            bad += q != ((int8_t *)buf)[b * 32 + j];
+        }
+        bad += scale[b * FL_XQ_LANES] != d || corr[b * FL_XQ_LANES] != -8 * sum;
+    }
+    if (bad) printf("quantize: %d values differ\n", bad);
+    free(buf);
+    return bad;
+}
+
 int main(void) {
     srand(1);
-    int bad = check_silu();
+    int bad = check_silu() + check_quantize();
     for (int32_t dt = FL_Q8_0; dt <= FL_Q4_1; dt++)
         for (int n = 32; n <= NMAX; n += 96) bad += check(dt, n);
     printf(bad ? "FAIL\n" : "ok\n");
