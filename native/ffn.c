@@ -17,7 +17,7 @@
 #define PARTIAL_FLOATS (1 << 18) /* above this T * d, one chunk (and partial) per thread */
 #define PREFETCH_BUNDLES 2 /* bundles ahead of the one being computed */
 #define PREFETCH_GROUPS 1  /* int8 paths: groups of FL_QT bundles ahead */
-#define DOWN_K 16          /* neurons per f32 down GEMM when T > 1 (a multiple of FL_QT) */
+#define DOWN_K FL_PR       /* neurons per f32 down GEMM when T > 1 (a multiple of FL_QT) */
 
 /* the bundle layout and arguments shared by every bundle of one call */
 typedef struct {
@@ -140,25 +140,18 @@ static void range_q1(const ffn_args *a, const uint8_t *bundles, int64_t stride, 
     for (int k = 0; k < nq; k++) fli_axpy(a->dtype, down[k], hq[k], acc, a->d);
 }
 
-/* T > 1, quantized: h (DOWN_K, T) of DOWN_K neurons from int8 tiles (gate and up rows expanded
- * once when T > FL_QT), their down columns dequantized once into scratch (DOWN_K, d), then one
- * small f32 GEMM into acc */
+/* 1 < T <= FL_QT, quantized: h (DOWN_K, T) of DOWN_K neurons from int8 tiles, their down
+ * columns dequantized once into scratch (DOWN_K, d), then one small f32 GEMM into acc */
 static void range_qt(const ffn_args *a, const uint8_t *bundles, int64_t stride, int64_t j0,
                      int64_t j1, float *acc, float *scratch) {
     const int64_t T = a->T, d = a->d;
     float *h = scratch, *down = scratch + DOWN_K * T;  // (DOWN_K, T), (DOWN_K, d)
-    uint8_t *ex = T > FL_QT ? (uint8_t *)(down + DOWN_K * d) : NULL;  // (2, FL_QT, xb)
     group g;
     for (int64_t j = j0; j < j1;) {
         int64_t K = 0;
         for (; K < DOWN_K && j < j1; K += FL_QT, j += g.nr) {
             group_at(a, bundles, stride, j, j1, &g);
-            for (int k = 0; ex && k < FL_QT; k++) {
-                if (a->glu) fli_wx_expand(a->dtype, g.gate[k], d, ex + k * a->xb);
-                fli_wx_expand(a->dtype, g.up[k], d, ex + (FL_QT + k) * a->xb);
-            }
-            for (int64_t t = 0; t < T; t += FL_QT)
-                group_h(a, &g, t, T - t < FL_QT ? T - t : FL_QT, h + K * T, T, ex);
+            group_h(a, &g, 0, T, h + K * T, T, NULL);
             for (int k = 0; k < g.nr; k++)
                 fli_dequant(a->dtype, g.up[k] + a->rb, down + (K + k) * d, d);
             for (int k = g.nr; k < FL_QT; k++)
@@ -168,12 +161,71 @@ static void range_qt(const ffn_args *a, const uint8_t *bundles, int64_t stride, 
     }
 }
 
-/* floats of per-thread scratch: f32 path (3, d) when T > 1; int8 path (DOWN_K, T + d) and the
- * expanded gate and up rows of a group (2, FL_QT, xb bytes) when T > 1; none when T == 1 */
+/* the gate and up rows of bundles j .. j+nr-1 (nr <= FL_PR) packed into two int8 GEMM panels
+ * (qgemm.c) that meet all T tokens: h (FL_PR, T), their down columns
+ * dequantized into down (FL_PR, d); gu (2, FL_PR, T) and pan (2, panel bytes) scratch */
+static void panel_h(const ffn_args *a, const uint8_t *bundles, int64_t stride, int64_t j,
+                    int nr, float *h, float *down, float *gu, uint8_t *pan) {
+    const int64_t T = a->T, d = a->d;
+    const size_t pb = fli_panel_bytes(d);
+    const uint8_t *gate[FL_PR], *up[FL_PR];
+    int64_t id[FL_PR];
+    for (int k = 0; k < FL_PR; k++) {
+        id[k] = a->rows ? a->rows[j + (k < nr ? k : 0)] : j + (k < nr ? k : 0);
+        gate[k] = bundles + id[k] * stride;
+        up[k] = gate[k] + (a->glu ? a->rb : 0);
+    }
+    float *go = gu, *uo = gu + FL_PR * T;  // (FL_PR, T) each
+    fli_panel_pack(a->dtype, up, d, pan);
+    fli_panel_gemm(a->dtype, pan, a->xq, a->xb, T, d, uo, T);
+    if (a->glu) {
+        fli_panel_pack(a->dtype, gate, d, pan + pb);
+        fli_panel_gemm(a->dtype, pan + pb, a->xq, a->xb, T, d, go, T);
+    }
+    if (a->glu && a->act == FL_ACT_SILU && !a->up_bias) {  // vectorized (act.c)
+        fli_silu_mul(go, uo, h, FL_PR * T);
+        for (int64_t i = 0; i < FL_PR * T; i++)
+            if (i >= nr * T || !(fabsf(h[i]) >= a->threshold)) h[i] = 0.0f;
+    } else {
+        for (int k = 0; k < FL_PR; k++)
+            for (int64_t t = 0; t < T; t++)
+                h[k * T + t] = k < nr ? neuron_h(a, id[k], a->glu ? go[k * T + t] : 0.0f,
+                                                 uo[k * T + t])
+                                      : 0.0f;
+    }
+    for (int k = 0; k < FL_PR; k++) {
+        if (k < nr) fli_dequant(a->dtype, up[k] + a->rb, down + k * d, d);
+        else memset(down + k * d, 0, (size_t)d * sizeof(float));
+    }
+}
+
+/* T > FL_QT, quantized: h (DOWN_K, T) and the dequantized down columns (DOWN_K, d) of DOWN_K
+ * neurons from DOWN_K / FL_PR panels (panel_h), then one f32 GEMM into acc. scratch: h, down,
+ * gate / up outputs (2, FL_PR, T), then the two panels */
+static void range_qp(const ffn_args *a, const uint8_t *bundles, int64_t stride, int64_t j0,
+                     int64_t j1, float *acc, float *scratch) {
+    const int64_t T = a->T, d = a->d;
+    float *h = scratch, *down = h + DOWN_K * T, *gu = down + DOWN_K * d;
+    uint8_t *pan = (uint8_t *)(gu + 2 * FL_PR * T);
+    for (int64_t j = j0; j < j1;) {
+        int64_t K = 0;
+        for (; K < DOWN_K && j < j1; K += FL_PR) {
+            const int nr = j1 - j < FL_PR ? (int)(j1 - j) : FL_PR;
+            panel_h(a, bundles, stride, j, nr, h + K * T, down + K * d, gu, pan);
+            j += nr;
+        }
+        fli_down_f32(h, T, down, K, d, acc, T);
+    }
+}
+
+/* floats of per-thread scratch: f32 path (3, d) when T > 1; int8 path (DOWN_K, T + d) when
+ * T <= FL_QT, else also the gate and up outputs (2, DOWN_K, T) and two panels; none when T == 1 */
 static size_t scratch_floats(const ffn_args *a) {
     if (a->T == 1) return 0;
     if (!a->xq) return 3 * (size_t)a->d;
-    return DOWN_K * (size_t)(a->T + a->d) + 2 * FL_QT * a->xb / sizeof(float) + 1;
+    if (a->T <= FL_QT) return DOWN_K * (size_t)(a->T + a->d);
+    return DOWN_K * (size_t)(a->T + a->d) + 2 * FL_PR * (size_t)a->T +
+           2 * fli_panel_bytes(a->d) / sizeof(float) + 1;
 }
 
 /* acc (T, d) += the FFN over bundles j0 .. j1-1 (rows[j] when rows are given) */
@@ -181,7 +233,8 @@ static void bundle_range(const ffn_args *a, const uint8_t *bundles, int64_t stri
                          int64_t i1, float *acc, float *scratch) {
     if (a->xq) {
         if (a->T == 1) range_q1(a, bundles, stride, i0, i1, acc);
-        else range_qt(a, bundles, stride, i0, i1, acc, scratch);
+        else if (a->T <= FL_QT) range_qt(a, bundles, stride, i0, i1, acc, scratch);
+        else range_qp(a, bundles, stride, i0, i1, acc, scratch);
         return;
     }
     for (int64_t j = i0; j < i1; j++) {

@@ -78,47 +78,58 @@ static int32_t matmul_tiles(const uint8_t *w, int32_t dtype, size_t rb, int64_t 
     return failed ? FL_ENOMEM : FL_OK;
 }
 
-/* rows r0 .. r0+FL_QT-1 (fewer at the end) of y (T, rows) from quantized tokens xq (T, xb);
- * wx (FL_QT, xb) scratch for the rows expanded once when T > FL_QT, else NULL */
+/* rows r0 .. r0+FL_QT-1 (fewer at the end) of y (T, rows) from quantized tokens xq (T, xb),
+ * T <= FL_QT: one int8 tile */
 static void qtile_rows(const uint8_t *w, int32_t dtype, size_t rb, int64_t r0, int64_t rows,
                        int64_t cols, const float *bias, const uint8_t *xq, size_t xb, int64_t T,
-                       float *y, uint8_t *wx) {
+                       float *y) {
     const int64_t nr = rows - r0 < FL_QT ? rows - r0 : FL_QT;
-    const uint8_t *wr[FL_QT], *ex[FL_QT];
+    const uint8_t *wr[FL_QT], *xt[FL_QT];
     for (int64_t k = 0; k < FL_QT; k++) {
         wr[k] = w + (size_t)(r0 + (k < nr ? k : 0)) * rb;
-        ex[k] = wx ? wx + k * xb : NULL;
-        if (wx) fli_wx_expand(dtype, wr[k], cols, wx + k * xb);
+        xt[k] = xq + (size_t)(k < T ? k : 0) * xb;
     }
     if ((size_t)(r0 + FL_QT) * rb + PREFETCH_BYTES <= (size_t)rows * rb)
         fli_prefetch(wr[0] + PREFETCH_BYTES, FL_QT * rb);
     float out[FL_QT][FL_QT];
-    for (int64_t t = 0; t < T; t += FL_QT) {
-        const int64_t nt = T - t < FL_QT ? T - t : FL_QT;
-        const uint8_t *xt[FL_QT];
-        for (int64_t j = 0; j < FL_QT; j++) xt[j] = xq + (size_t)(t + (j < nt ? j : 0)) * xb;
-        fli_qdot_tile(dtype, wr, wx ? ex : NULL, xt, (int32_t)nt, cols, out);
-        for (int64_t j = 0; j < nt; j++)
-            for (int64_t k = 0; k < nr; k++)
-                y[(t + j) * rows + r0 + k] = out[k][j] + (bias ? bias[r0 + k] : 0.0f);
-    }
+    fli_qdot_tile(dtype, wr, NULL, xt, (int32_t)T, cols, out);
+    for (int64_t j = 0; j < T; j++)
+        for (int64_t k = 0; k < nr; k++)
+            y[j * rows + r0 + k] = out[k][j] + (bias ? bias[r0 + k] : 0.0f);
+}
+
+/* rows r0 .. r0+FL_PR-1 (fewer at the end) of y (T, rows), T > FL_QT: the rows packed into one
+ * int8 GEMM panel (qgemm.c) that meets every token; pan (panel bytes), out (FL_PR, T) scratch */
+static void panel_rows(const uint8_t *w, int32_t dtype, size_t rb, int64_t r0, int64_t rows,
+                       int64_t cols, const float *bias, const uint8_t *xq, size_t xb, int64_t T,
+                       float *y, uint8_t *pan, float *out) {
+    const int64_t nr = rows - r0 < FL_PR ? rows - r0 : FL_PR;
+    const uint8_t *wr[FL_PR];
+    for (int64_t k = 0; k < FL_PR; k++) wr[k] = w + (size_t)(r0 + (k < nr ? k : 0)) * rb;
+    fli_panel_pack(dtype, wr, cols, pan);
+    fli_panel_gemm(dtype, pan, xq, xb, T, cols, out, T);
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t k = 0; k < nr; k++)
+            y[t * rows + r0 + k] = out[k * T + t] + (bias ? bias[r0 + k] : 0.0f);
 }
 
 /* quantized weights: the tokens are quantized to int8 once (threads split them when T > 1), then
- * FL_QT-row tiles of w meet FL_QT tokens at a time in integer dot products (qdot.c) */
+ * FL_QT-row tiles (T <= FL_QT) or FL_PR-row panels (T > FL_QT) of w meet them in integer dot
+ * products (qdot.c, qgemm.c) */
 static int32_t matmul_q(const uint8_t *w, int32_t dtype, size_t rb, int64_t rows, int64_t cols,
                         const float *bias, const float *x, int64_t T, float *y,
                         int32_t n_threads) {
-    const size_t xb = (size_t)fli_xq_bytes(cols);
+    const size_t xb = (size_t)fli_xq_bytes(cols), pb = fli_panel_bytes(cols);
     uint8_t *xq = malloc((size_t)T * xb);  // (T, xb)
     if (!xq) return FL_ENOMEM;
     if (T == 1) fli_xq_quantize(dtype, x, cols, xq);
-    const int64_t n_tiles = (rows + FL_QT - 1) / FL_QT;
+    const int64_t step = T > FL_QT ? FL_PR : FL_QT;
+    const int64_t n_tiles = (rows + step - 1) / step;
     int failed = 0;
 #pragma omp parallel num_threads(n_threads)
     {
-        uint8_t *wx = T > FL_QT ? malloc(FL_QT * xb) : NULL;  // (FL_QT, xb)
-        if (T > FL_QT && !wx) {
+        uint8_t *pan = T > FL_QT ? malloc(pb + FL_PR * (size_t)T * sizeof(float)) : NULL;
+        if (T > FL_QT && !pan) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -128,10 +139,14 @@ static int32_t matmul_q(const uint8_t *w, int32_t dtype, size_t rb, int64_t rows
                 fli_xq_quantize(dtype, x + t * cols, cols, xq + (size_t)t * xb);
         }
 #pragma omp for schedule(dynamic, T > FL_QT ? 1 : QT_CHUNK)  // balanced when a core is shared
-        for (int64_t i = 0; i < n_tiles; i++)
-            if (wx || T <= FL_QT)
-                qtile_rows(w, dtype, rb, i * FL_QT, rows, cols, bias, xq, xb, T, y, wx);
-        free(wx);
+        for (int64_t i = 0; i < n_tiles; i++) {
+            if (T <= FL_QT)
+                qtile_rows(w, dtype, rb, i * step, rows, cols, bias, xq, xb, T, y);
+            else if (pan)
+                panel_rows(w, dtype, rb, i * step, rows, cols, bias, xq, xb, T, y, pan,
+                           (float *)(pan + pb));
+        }
+        free(pan);
     }
     free(xq);
     return failed ? FL_ENOMEM : FL_OK;

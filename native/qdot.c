@@ -144,6 +144,59 @@ block_idot(int32_t dtype, const uint8_t *blk, const int8_t *q) {
 
 int64_t fli_xq_bytes(int64_t n) { return n + (n / FL_QK) * FL_XQ_LANES * 12; }
 
+/* q (32) = nearest-even(xb * (1 / d)), d = amax / 127 (its return value); *sum = sum of q.
+ * Vector paths: the same f32 operations (cvtps rounds to nearest even as nearbyintf does under
+ * the default rounding mode), so every path gives the same bytes. */
+static inline float quantize_block(const float *xb, int8_t *q, int32_t *sum) {
+#if G == 2
+    const __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+#elif G == 1
+    __m256 v[4], m = _mm256_setzero_ps();
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int k = 0; k < 4; k++) {
+        v[k] = _mm256_loadu_ps(xb + 8 * k);
+        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[k]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+#else
+    float amax = 0.0f;
+    for (int j = 0; j < FL_QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
+#endif
+    const float d = amax / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+#if G == 2
+    const __m512i a = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(id)));
+    const __m512i b = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(id)));
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtsepi32_epi8(a));
+    _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtsepi32_epi8(b));
+    *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(a, b));
+#elif G == 1
+    __m256i acc = _mm256_setzero_si256(), w[4];
+    for (int k = 0; k < 4; k++) {
+        w[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], _mm256_set1_ps(id)));
+        acc = _mm256_add_epi32(acc, w[k]);
+    }
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(w[0], w[1]),
+                                         _mm256_packs_epi32(w[2], w[3]));
+    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(
+                                          p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    *sum = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1)));
+#else
+    int32_t s = 0;
+    for (int j = 0; j < FL_QK; j++) {
+        q[j] = (int8_t)nearbyintf(xb[j] * id);
+        s += q[j];
+    }
+    *sum = s;
+#endif
+    return d;
+}
+
 void fli_xq_quantize(int32_t dtype, const float *x, int64_t n, uint8_t *buf) {
     const int64_t nb = n / FL_QK;
     int8_t *q = (int8_t *)buf;                                // (n)
@@ -152,16 +205,8 @@ void fli_xq_quantize(int32_t dtype, const float *x, int64_t n, uint8_t *buf) {
     float *msum = (float *)(corr + nb * FL_XQ_LANES);           // (nb, 8)
     const int32_t bias = dtype == FL_Q4_0 ? 8 : dtype == FL_Q4_1 ? 0 : Q8_BIAS;
     for (int64_t b = 0; b < nb; b++) {
-        const float *xb = x + b * FL_QK;
-        float amax = 0.0f;
-        for (int j = 0; j < FL_QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
-        const float d = amax / 127.0f;
-        const float id = d != 0.0f ? 1.0f / d : 0.0f;
-        int32_t sum = 0;
-        for (int j = 0; j < FL_QK; j++) {
-            q[b * FL_QK + j] = (int8_t)nearbyintf(xb[j] * id);
-            sum += q[b * FL_QK + j];
-        }
+        int32_t sum;
+        const float d = quantize_block(x + b * FL_QK, q + b * FL_QK, &sum);
         for (int l = 0; l < FL_XQ_LANES; l++) {
             scale[b * FL_XQ_LANES + l] = d;
             corr[b * FL_XQ_LANES + l] = l == 0 ? -bias * sum : 0;

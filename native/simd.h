@@ -22,6 +22,7 @@
 #define FL_Q4_1_BYTES 20  /* f16 scale + f16 min + 16 bytes of nibbles */
 #define FL_QT 4           /* weight rows x tokens of one int8 tile (fli_qdot_tile) */
 #define FL_XQ_LANES 8     /* f32 / int32 lanes per block in a quantized token's side arrays */
+#define FL_PR 16          /* weight rows of one int8 GEMM panel (qgemm.c) */
 
 static inline float fl_bits_to_f32(uint32_t w) {
     float f;
@@ -152,6 +153,25 @@ void fli_wx_expand(int32_t dtype, const uint8_t *w, int64_t n, uint8_t *buf);
 void fli_qdot_tile(int32_t dtype, const uint8_t *const w[FL_QT], const uint8_t *const ex[FL_QT],
                    const uint8_t *const x[FL_QT], int32_t n_tok, int64_t n,
                    float out[FL_QT][FL_QT]);
+
+/* ---- qgemm.c: the int8 GEMM of prefill over panels of FL_PR weight rows ------------------ */
+
+/* bytes of one panel of FL_PR rows of n values (q4_0 / q4_1 / q8_0) */
+size_t fli_panel_bytes(int64_t n);
+
+/* buf (fli_panel_bytes(n)) = FL_PR rows w (pointers; repeat one to pad) repacked for
+ * fli_panel_gemm */
+void fli_panel_pack(int32_t dtype, const uint8_t *const w[FL_PR], int64_t n, uint8_t *buf);
+
+/* out[r * ld + t] = w_r . x_t for the FL_PR rows of a panel and T tokens x (T, xb) quantized
+ * by fli_xq_quantize for dtype */
+void fli_panel_gemm(int32_t dtype, const uint8_t *panel, const uint8_t *x, size_t xb, int64_t T,
+                    int64_t n, float *out, int64_t ld);
+
+/* ---- act.c ------------------------------------------------------------------------------- */
+
+/* h (n) = silu(g) * u = g / (1 + exp(-g)) * u, g u h (n) f32 */
+void fli_silu_mul(const float *g, const float *u, float *h, int64_t n);
 
 #pragma GCC visibility pop
 

@@ -6,8 +6,8 @@
 Decode (T = 1) is memory-bandwidth bound, so the figure of merit is weight bytes per second
 (GMAC/s = multiply-adds per second, the figure for T > 1, e.g. --T 64 for prefill). numpy's row
 is the same work on the f32 weight (its bytes count as f32; numpy uses its BLAS's own thread
-count). q4_0 / q8_0 run twice: "int8" (activations quantized to int8, the default) and "f32 x"
-(exact=True). The first line is this machine's DRAM read bandwidth as one numpy thread sees it
+count). q4_0 / q4_1 / q8_0 run twice: "int8" (activations quantized to int8, the default) and
+"f32 x" (exact=True). The first line is this machine's DRAM read bandwidth as one numpy thread sees it
 (a sum over 1 GiB), the ceiling for the T = 1 GB/s column.
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ def bench_shape(rows: int, cols: int, t: int, threads: list[int]) -> None:
     macs = rows * cols * t
     sec = _best_seconds(lambda: x @ w.T)
     _row("numpy f32", "-", sec * 1e3, w.nbytes / sec / 1e9, macs / sec / 1e9)
-    for dtype in ("f32", "f16", "q8_0", "q4_0"):
+    for dtype in ("f32", "f16", "q8_0", "q4_0", "q4_1"):
         q = QTensor(quantize_rows(w, dtype), dtype, rows, cols)
         for exact in (False, True) if dtype.startswith("q") else (True,):
             name = dtype + ("" if not dtype.startswith("q") else " f32 x" if exact else " int8")
@@ -73,7 +73,7 @@ def bench_ffn(n_ff: int, d: int, t: int, threads: list[int]) -> None:
 
     sec = _best_seconds(numpy_ffn)
     _row("numpy f32", "-", sec * 1e3, 3 * gate.nbytes / sec / 1e9, macs / sec / 1e9)
-    for dtype in ("f32", "f16", "q8_0", "q4_0"):
+    for dtype in ("f32", "f16", "q8_0", "q4_0", "q4_1"):
         bundles = np.ascontiguousarray(np.concatenate(
             [quantize_rows(m, dtype) for m in (gate, up, down)], axis=1))  # (n_ff, stride)
         for exact in (False, True) if dtype.startswith("q") else (True,):

@@ -1,4 +1,4 @@
-"""native/qdot.c built for each instruction set it has a path for (AVX-512 VNNI, AVX2 + AVX-VNNI,
+"""native/qdot.c, qgemm.c and act.c built for each instruction set it has a path for (AVX-512 VNNI, AVX2 + AVX-VNNI,
 AVX2 alone, plain C) and run through tests/native/qdot_isa.c, which checks every tile variant
 against a double reference on the same quantized activations (see there). The extension itself
 is built for this CPU only, so without this the other paths would go untested here. A build the
@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = ["tests/native/qdot_isa.c", "native/qdot.c", "native/quant.c", "native/vec.c"]
+SOURCES = ["tests/native/qdot_isa.c", "native/qdot.c", "native/qgemm.c", "native/act.c",
+           "native/quant.c", "native/vec.c"]
 ISAS = {
     "avx512vnni": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx2", "-mfma",
                    "-mf16c"],

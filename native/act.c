@@ -1,0 +1,87 @@
+/* act.c — the SwiGLU product h = silu(g) * u over a row of values, vectorized (the FFN's
+ * prefill computes it for every neuron and token; a libm expf per value cost ~10% of a 64-token
+ * FFN layer).
+ *
+ * exp is Cephes' expf: x = n ln2 + r (ln2 in two parts, |r| <= ln2 / 2), a degree-6 polynomial
+ * in r, times 2^n; about 1 ulp from libm's expf. The argument is clamped to [-87.3, 88.3], where
+ * silu(g) = g / (1 + exp(-g)) has already reached -0 / g in f32. AVX-512, AVX2 + FMA or plain C
+ * (libm expf) at compile time.
+ */
+#include <math.h>
+
+#include "flashllm.h"
+#include "simd.h"
+
+#define EXP_HI 88.3f
+#define EXP_LO -87.3f
+#define LOG2E 1.44269504088896341f
+#define LN2_HI 0.693359375f
+#define LN2_LO -2.12194440e-4f
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+typedef __m512 vf;
+#define VW 16
+static inline vf vset1(float a) { return _mm512_set1_ps(a); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf vround(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT); }
+static inline vf vclamp(vf a) {
+    return _mm512_min_ps(_mm512_max_ps(a, vset1(EXP_LO)), vset1(EXP_HI));
+}
+static inline vf vpow2i(vf p, vf n) { return _mm512_scalef_ps(p, n); }  // p * 2^n
+#define VLOAD _mm512_loadu_ps
+#define VSTORE _mm512_storeu_ps
+#define VADD _mm512_add_ps
+#define VMUL _mm512_mul_ps
+#define VDIV _mm512_div_ps
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+typedef __m256 vf;
+#define VW 8
+static inline vf vset1(float a) { return _mm256_set1_ps(a); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf vround(vf a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT); }
+static inline vf vclamp(vf a) {
+    return _mm256_min_ps(_mm256_max_ps(a, vset1(EXP_LO)), vset1(EXP_HI));
+}
+static inline vf vpow2i(vf p, vf n) {  // p * 2^n, n in [-126, 127]
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                         _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#define VLOAD _mm256_loadu_ps
+#define VSTORE _mm256_storeu_ps
+#define VADD _mm256_add_ps
+#define VMUL _mm256_mul_ps
+#define VDIV _mm256_div_ps
+#endif
+
+#ifdef VW
+/* exp(x) per lane, x clamped to [EXP_LO, EXP_HI] */
+static inline vf vexp(vf x) {
+    x = vclamp(x);
+    const vf n = vround(VMUL(x, vset1(LOG2E)));
+    vf r = vfma(n, vset1(-LN2_HI), x);
+    r = vfma(n, vset1(-LN2_LO), r);
+    vf p = vset1(1.9875691500e-4f);
+    p = vfma(p, r, vset1(1.3981999507e-3f));
+    p = vfma(p, r, vset1(8.3334519073e-3f));
+    p = vfma(p, r, vset1(4.1665795894e-2f));
+    p = vfma(p, r, vset1(1.6666665459e-1f));
+    p = vfma(p, r, vset1(5.0000001201e-1f));
+    p = vfma(p, VMUL(r, r), VADD(r, vset1(1.0f)));
+    return vpow2i(p, n);
+}
+#endif
+
+void fli_silu_mul(const float *g, const float *u, float *h, int64_t n) {
+    int64_t i = 0;
+#ifdef VW
+    for (; i + VW <= n; i += VW) {
+        const vf gv = VLOAD(g + i);
+        const vf e = vexp(VMUL(gv, vset1(-1.0f)));
+        VSTORE(h + i, VMUL(VDIV(gv, VADD(vset1(1.0f), e)), VLOAD(u + i)));
+    }
+#endif
+    for (; i < n; i++) h[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
