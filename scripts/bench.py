@@ -263,6 +263,20 @@ def flash_rows(args, fl: Flashllm, opts: Dict[str, bool]) -> tuple:
     return rows, notes
 
 
+def reprofile(fl: Flashllm, work: Path) -> Optional[str]:
+    """Re-take the device profile the flash rows are set against (this device's read rate drifts by
+    tens of percent over hours); the note that says so, or None when profiling failed."""
+    argv = fl.argv + ["profile", str(work), "--size", "2GiB", "--seconds", "30"]
+    log("flash: re-taking the device profile")
+    res = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=900)
+    if res.returncode != 0:
+        log(f"profile failed: {res.stderr.strip()[-200:]}")
+        return None
+    when = datetime.datetime.now().strftime("%H:%M")
+    return (f"- device profile re-taken at {when}, before these rows (`{fl.show(argv)}`): the "
+            f"\"(profile)\" figures.")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="SmolLM2 only, 32 tokens, one run each")
@@ -292,7 +306,9 @@ def main() -> None:
         raw["dense"] = rows
     if "flash" in wanted:
         start = loadavg()
+        profiled = reprofile(fl, args.work) if not args.quick else None
         rows, notes = flash_rows(args, fl, opts)
+        notes += [profiled] if profiled else []
         reason = unavailable_reason()
         notes += [f"- cgroup: {reason}: capped rows skipped."] if reason else []
         sections["## Flash inference"] = flash_section(info, rows, (start, loadavg()), notes)
