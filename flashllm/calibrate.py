@@ -329,3 +329,17 @@ def thresholds_for(flash, sparsity: float, calibration_tokens: Callable[[], Sequ
     log(f"calibrating thresholds for sparsity {sparsity} on {len(tokens)} tokens ({criterion})")
     inputs = collect_ffn_inputs(flash, tokens, n_ctx=n_ctx, n_threads=n_threads)
     return layer_statistics(flash, inputs, sparsity, criterion, n_threads)[0]
+
+
+def manifest_thresholds(manifest: dict, n_layers: int) -> list[float]:
+    """Per-layer magnitude thresholds of the manifest's sparsity section; zeros when absent."""
+    t = manifest.get("sparsity", {}).get("thresholds")
+    return [float(v) for v in t] if t and len(t) == n_layers else [0.0] * n_layers
+
+
+def exact_active(flash, layer: int, h: np.ndarray, threshold: float) -> np.ndarray:
+    """(a,) the neurons (slots) of layer active for h (1, d_model) at threshold, from the layer's
+    weights under the manifest's criterion (slow: dequantizes the layer)."""
+    crit = flash.manifest.get("sparsity", {}).get("criterion") or default_criterion(flash.config)
+    scores = ffn_activations(flash, layer, h, crit)                      # (1, n_ff)
+    return np.flatnonzero(active_mask(scores, threshold, crit)[0])      # (a,)

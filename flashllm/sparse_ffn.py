@@ -29,6 +29,7 @@ import numpy as np
 
 from . import kernel
 from .budget import RING_BUFFERS, BudgetPlan
+from .calibrate import exact_active, manifest_thresholds
 from .cache import NeuronCache
 from .costmodel import CostModel, batch_reads
 from .ffn import bundle_ids, up_biases
@@ -54,12 +55,6 @@ class AllSlots:
         return self.slots
 
 
-def thresholds(manifest: dict, n_layers: int) -> list[float]:
-    """Per-layer magnitude thresholds of the manifest's sparsity section; zeros when absent."""
-    t = manifest.get("sparsity", {}).get("thresholds")
-    return [float(v) for v in t] if t and len(t) == n_layers else [0.0] * n_layers
-
-
 class SparseFlashFfn:
     """An FFN strategy (flashllm/ffn.py) that streams bundles from ffn.bin through `reader`."""
 
@@ -72,7 +67,7 @@ class SparseFlashFfn:
         self.naive, self.check, self.plan, self.overlap = naive, check, budget_plan, overlap
         self.ids = [bundle_ids(flash, i) for i in range(cfg.n_layers)]   # (n_ff,) int32 or None
         self.up_b = up_biases(flash)                                     # (n_ff,) f32 or None
-        self.threshold = thresholds(flash.manifest, cfg.n_layers)
+        self.threshold = manifest_thresholds(flash.manifest, cfg.n_layers)
         rows = 2 * max(1, budget_plan.staging_rows // 2)                 # two halves
         self.staging = aligned_empty(rows * f.stride).reshape(-1, f.stride)  # (rows, stride)
         self._ahead = None            # (layer, first chunk, half, read job) issued ahead
@@ -400,12 +395,8 @@ class SparseFlashFfn:
     # ---- predictor recall (check mode) -------------------------------------------------------
 
     def _check_recall(self, layer: int, h: np.ndarray, slots: np.ndarray, t: TokenStats) -> None:
-        """Exact active set of this token from the layer's weights (slow: dequantizes the layer);
-        counts it and how much of it the predictor found."""
-        from .calibrate import active_mask, default_criterion, ffn_activations
-        crit = self.flash.manifest.get("sparsity", {}).get("criterion") or \
-            default_criterion(self.flash.config)
-        scores = ffn_activations(self.flash, layer, h, crit)     # (1, n_ff)
-        true = np.flatnonzero(active_mask(scores, self.threshold[layer], crit)[0])  # (a,)
+        """Counts this token's exact active set (slow: dequantizes the layer) and how much of it
+        the predictor found."""
+        true = exact_active(self.flash, layer, h, self.threshold[layer])   # (a,) slots
         t.true_active += len(true)
         t.true_hits += int(np.isin(true, slots, assume_unique=True).sum())
