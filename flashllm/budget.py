@@ -211,7 +211,7 @@ def plan_budget(manifest: dict, budget_text: str, n_ctx: int, process: int, pred
                                    < full_cache - left):
             kept, streamed, left = always + stream[0], stream[1], stream[2]
     capacity = 0 if naive else min(n_ff, left // row)
-    per_token = sum(b for names, b in groups if names[0] in streamed)
+    per_token = _streamed_bytes(groups, streamed)
     resident = {"dense weights": kept, **resident}
     if streamed:
         resident["stream buffers"] = stream_reserve(manifest, n_ctx, set(streamed))
@@ -229,8 +229,12 @@ def _read_per_token(full_cache: int, stream: tuple, groups: list) -> int:
     reads; less with a predictor): the FFN the caches miss plus the streamed matrices. Streaming
     a matrix to grow the caches never pays by this count (its stream buffers come off the caches
     too) — only what does not fit, and the embeddings (one row per token), should stream."""
-    per_token = sum(b for names, b in groups if names[0] in stream[1])
-    return max(0, full_cache - stream[2]) + per_token
+    return max(0, full_cache - stream[2]) + _streamed_bytes(groups, stream[1])
+
+
+def _streamed_bytes(groups: list, streamed) -> int:
+    """Bytes of the dense groups read per token when the names streamed stream."""
+    return sum(b for names, b in groups if names[0] in streamed)
 
 
 def _stream_plan(manifest: dict, n_ctx: int, avail: int, groups: list, embed: tuple):

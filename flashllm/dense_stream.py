@@ -112,10 +112,8 @@ class DenseWeights:
                        for i in range(cfg.n_layers)]
         self._layer_bufs = self._buffers(max((self._layer_span(i)[1] for i in self._stream_layers()),
                                              default=0))
-        rb = flash.dense_entry(self.head_name)["nbytes"] // flash.dense_entry(self.head_name)["shape"][0]
-        chunk = min(max(ROW_GROUP * rb, chunk_bytes // (ROW_GROUP * rb) * ROW_GROUP * rb),
-                    flash.dense_entry(self.head_name)["nbytes"])
-        self._head_bufs = self._buffers(chunk if self.head is None else 0)
+        chunk = 0 if self.head is not None else max(n for _, n in self.head_extents(chunk_bytes))
+        self._head_bufs = self._buffers(chunk)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="flashllm-dense") \
             if self.streamed else None
         self._pending = None          # (layer, buffer index, future) of the prefetched layer
@@ -189,23 +187,7 @@ class DenseWeights:
         chunks = self.head_source() if self.head_source is not None else None
         if chunks is not None:
             return self._output_of(chunks, x, exact)
-        t = self.flash.dense_entry(self.head_name)
-        rows, cols = t["shape"]
-        rb = t["nbytes"] // rows
-        step = max(ROW_GROUP, self.chunk_bytes // rb // ROW_GROUP * ROW_GROUP)
-        starts = list(range(0, rows, step))
-        logits = np.empty((len(x), rows), dtype=np.float32)               # (T, vocab)
-        job = self._pool.submit(self._read_rows, t, 0, min(step, rows), 0)
-        for j, r0 in enumerate(starts):
-            r1 = min(r0 + step, rows)
-            job.result()
-            if j + 1 < len(starts):
-                nxt = starts[j + 1]
-                job = self._pool.submit(self._read_rows, t, nxt, min(nxt + step, rows), (j + 1) % 2)
-            w = QTensor(self._head_bufs[j % 2][:(r1 - r0) * rb].reshape(r1 - r0, rb), t["dtype"],
-                        r1 - r0, cols)
-            logits[:, r0:r1] = kernel.matmul(w, x, None, self.n_threads, exact)  # (T, r1 - r0)
-        return logits
+        return self._output_of(self._own_head_chunks(), x, exact)
 
     def head_extents(self, max_bytes: int) -> list[tuple[int, int]]:
         """The streamed head as (file offset, nbytes) pieces of whole ROW_GROUPs of rows, each
@@ -217,9 +199,21 @@ class DenseWeights:
         return [(t["offset"] + r0 * rb, (min(r0 + step, rows) - r0) * rb)
                 for r0 in range(0, rows, step)]
 
+    def _own_head_chunks(self):
+        """The head's extents (head_extents(chunk_bytes)) read by this object's reader into its
+        two head buffers, extent j + 1 while extent j computes; counters None (counted by _read)."""
+        extents = self.head_extents(self.chunk_bytes)
+        job = self._pool.submit(self._read, [extents[0][0]], [extents[0][1]], self._head_bufs[0], [0])
+        for j, (_, nbytes) in enumerate(extents):
+            job.result()
+            if j + 1 < len(extents):
+                off, nb = extents[j + 1]
+                job = self._pool.submit(self._read, [off], [nb], self._head_bufs[(j + 1) % 2], [0])
+            yield j, self._head_bufs[j % 2][:nbytes], None
+
     def _output_of(self, chunks, x: np.ndarray, exact: bool) -> np.ndarray:
-        """(T, vocab) logits from head chunks read elsewhere: (extent index, bytes (nbytes,),
-        read counters) over head_extents in order."""
+        """(T, vocab) logits from head chunks: (extent index, bytes (nbytes,), read counters or
+        None when already counted) over head_extents in order."""
         t = self.flash.dense_entry(self.head_name)
         rows, cols = t["shape"]
         rb = t["nbytes"] // rows
@@ -229,8 +223,9 @@ class DenseWeights:
             n = len(buf) // rb
             w = QTensor(buf.reshape(n, rb), t["dtype"], n, cols)
             logits[:, r0:r0 + n] = kernel.matmul(w, x, None, self.n_threads, exact)  # (T, n)
-            self.bytes_read += counters["bytes_requested"]
-            self.read_seconds += counters["read_s"]
+            if counters is not None:
+                self.bytes_read += counters["bytes_requested"]
+                self.read_seconds += counters["read_s"]
             r0 += n
         if r0 != rows:
             raise RuntimeError(f"the streamed head came in {r0} of its {rows} rows")
@@ -274,18 +269,14 @@ class DenseWeights:
         self.bytes_read += int(np.sum(lengths))
 
     def _read_layer(self, i: int, k: int) -> None:
-        self._read(*self.attention_extents(i)[:2], self._layer_bufs[k],
-                   self.attention_extents(i)[2])
+        offsets, lengths, dst = self.attention_extents(i)
+        self._read(offsets, lengths, self._layer_bufs[k], dst)
 
     def _views(self, i: int, buf: np.ndarray) -> list[QTensor]:
         """Layer i's attention matrices over buf (bytes laid out by attention_extents)."""
         dst, _ = self._layer_span(i)
         return [as_tensor(buf[o:o + e["nbytes"]], e) for o, e in
                 zip(dst, (self.flash.dense_entry(n) for n in attn_names(i)))]
-
-    def _read_rows(self, t: dict, r0: int, r1: int, k: int) -> None:
-        rb = t["nbytes"] // t["shape"][0]
-        self._read([t["offset"] + r0 * rb], [(r1 - r0) * rb], self._head_bufs[k], [0])
 
     def close(self) -> None:
         """Wait for the read in flight, then close the reader (it is this object's)."""

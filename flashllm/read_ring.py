@@ -89,12 +89,6 @@ class ReadRing:
         self._thread, self._expect = None, -1
 
     @property
-    def expected(self) -> int:
-        """The schedule position the next take() continues from without a restart; -1 when
-        stopped."""
-        return self._expect
-
-    @property
     def running(self) -> bool:
         return self._thread is not None
 

@@ -175,13 +175,13 @@ class SparseFlashFfn:
     # ---- prefill and naive: whole layers ----------------------------------------------------
 
     def _whole_layer(self, layer: int, h: np.ndarray, x: np.ndarray) -> None:
-        """Prefill (T > 1) or a naive token: pinned rows from the cache, every other slot
-        streamed in order; a prefill also seeds the cache with what its last tokens predict."""
-        cache = None if self.naive else self.caches[layer]
-        pinned = 0 if cache is None else cache.n_pinned
-        last = layer + 1 == len(self.ids)
-        ahead = None if last else layer + 1      # decode reads through the ring
-        fill = None if cache is None else self._seed(layer, cache, h)
+        """A prefill (T > 1) with a predictor: pinned rows from the cache, every other slot
+        streamed in order; it also seeds the cache with what its last tokens predict (static
+        passes, --naive included, read through the ring instead)."""
+        cache = self.caches[layer]
+        pinned = cache.n_pinned
+        ahead = None if layer + 1 == len(self.ids) else layer + 1
+        fill = self._seed(layer, cache, h)
         if pinned:
             t0 = clock()
             self._compute(layer, cache.matrix, np.arange(pinned, dtype=np.int32), h, x, cache)
@@ -322,8 +322,8 @@ class SparseFlashFfn:
                  ahead: Optional[int] = None, fill=None) -> None:
         """x += FFN over slots (m,) read through the staging buffer's two halves: chunk c+1 is
         read while chunk c computes. ahead: a layer whose first chunk (same slots) to read while
-        the last chunk computes (the next layer of a prefill or a naive token). fill: (matrix,
-        slots, rows) to copy into the cache as they pass (consecutive chunks only)."""
+        the last chunk computes (the next layer of a prefill). fill: (matrix, slots, rows) to
+        copy into the cache as they pass (consecutive chunks only)."""
         t, step = self._token, len(self.staging) // 2
         chunks = [slots[c:c + step] for c in range(0, len(slots), step)]   # each (k,)
         job, half = self._take_ahead(layer, chunks[0])
