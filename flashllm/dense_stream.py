@@ -117,7 +117,7 @@ class DenseWeights:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="flashllm-dense") \
             if self.streamed else None
         self._pending = None          # (layer, buffer index, future) of the prefetched layer
-        self.bytes_read, self.read_seconds = 0, 0.0
+        self.bytes_read, self.read_seconds, self.ring_idle = 0, 0.0, 0.0
         self.head_source = None       # () -> head chunks someone else reads (head_extents), or None
         self.layer_source = None      # i -> (bytes, counters) of layer i's attention read
                                       # elsewhere (attention_extents), or None
@@ -147,8 +147,7 @@ class DenseWeights:
         got = self.layer_source(i) if self.layer_source is not None else None
         if got is not None:
             buf, counters = got
-            self.bytes_read += counters["bytes_requested"]
-            self.read_seconds += counters["read_s"]
+            self._count(counters)
             return self._with_matrices(L, self._views(i, buf))
         pending, self._pending = self._pending, None
         if pending is not None and pending[0] == i:
@@ -224,8 +223,7 @@ class DenseWeights:
             w = QTensor(buf.reshape(n, rb), t["dtype"], n, cols)
             logits[:, r0:r0 + n] = kernel.matmul(w, x, None, self.n_threads, exact)  # (T, n)
             if counters is not None:
-                self.bytes_read += counters["bytes_requested"]
-                self.read_seconds += counters["read_s"]
+                self._count(counters)
             r0 += n
         if r0 != rows:
             raise RuntimeError(f"the streamed head came in {r0} of its {rows} rows")
@@ -233,7 +231,13 @@ class DenseWeights:
 
     def stats(self) -> dict:
         return {"dense_streamed": sorted(self.streamed), "dense_bytes_read": self.bytes_read,
-                "dense_read_s": self.read_seconds}
+                "dense_read_s": self.read_seconds, "dense_ring_idle_s": self.ring_idle}
+
+    def _count(self, counters: dict) -> None:
+        """Counters of a read the FFN's read-ahead ring made for these weights."""
+        self.bytes_read += counters["bytes_requested"]
+        self.read_seconds += counters["read_s"]
+        self.ring_idle += counters.get("ring_idle_s", 0.0)
 
     # ---- reads ------------------------------------------------------------------------------
 

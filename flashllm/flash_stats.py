@@ -12,8 +12,8 @@ from typing import Callable, Optional
 
 from .profile import GiB, KiB, MiB
 
-FIELDS = ("bytes_read", "bytes_requested", "gap_bytes", "reads", "read_s", "io_s", "mm_s",
-          "compute_s", "predict_s", "active", "hits", "streamed", "true_active", "true_hits")
+FIELDS = ("bytes_read", "bytes_requested", "gap_bytes", "reads", "read_s", "ring_idle_s", "io_s",
+          "mm_s", "compute_s", "predict_s", "active", "hits", "streamed", "true_active", "true_hits")
 
 
 def reader_delta(before, after) -> dict:
@@ -22,6 +22,12 @@ def reader_delta(before, after) -> dict:
             "bytes_requested": after.bytes_requested - before.bytes_requested,
             "gap_bytes": after.gap_bytes - before.gap_bytes, "reads": after.reads - before.reads,
             "read_s": after.seconds - before.seconds}
+
+
+def read_counters(delta) -> dict:
+    """TokenStats counters of one read's ReadStats delta (the read-ahead ring's take)."""
+    return {"bytes_read": delta.bytes_read, "bytes_requested": delta.bytes_requested,
+            "gap_bytes": delta.gap_bytes, "reads": delta.reads, "read_s": delta.seconds}
 
 
 @dataclass
@@ -35,6 +41,7 @@ class TokenStats:
     gap_bytes: int = 0                 # holes read through to merge reads
     reads: int = 0                     # pread calls after merging
     read_s: float = 0.0                # wall time inside the reader
+    ring_idle_s: float = 0.0           # the read-ahead ring waited for a free buffer (device idle)
     io_s: float = 0.0                  # time the forward pass waited for reads
     mm_s: float = 0.0                  # cache bookkeeping
     compute_s: float = 0.0             # FFN kernels

@@ -6,7 +6,8 @@ kernel offers it) or a pool of `n_threads` reader threads. `Reader.read` takes a
 bytes at `dst[dst_offsets[i]:]`; neighbouring requests are merged into page-aligned reads, and
 holes of at most `max_gap` bytes are read through when one larger read is cheaper (the cost
 model in costmodel.py picks `max_gap`). `Reader.read_bundles` is the neuron cache's verb: fixed
-stride bundles of one layer into rows of a preallocated matrix.
+stride bundles of one layer into rows of a preallocated matrix. `ReadAhead` is the C read-ahead
+ring over readers: one C thread reads a fixed schedule of batches into a ring of buffers.
 """
 from __future__ import annotations
 
@@ -152,8 +153,7 @@ class Reader:
     def stats(self) -> ReadStats:
         s = ffi.new("fl_reader_stats_t *")
         _check(lib.fl_reader_stats(self._h, s), "reader stats")
-        return ReadStats(s.batches, s.requests, s.reads, s.bytes_requested, s.bytes_read,
-                         s.gap_bytes, s.merged_requests, s.seconds)
+        return _stats(s)
 
     def reset_stats(self) -> None:
         _check(lib.fl_reader_reset_stats(self._h), "reader stats reset")
@@ -169,3 +169,67 @@ class Reader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _stats(s) -> ReadStats:
+    return ReadStats(s.batches, s.requests, s.reads, s.bytes_requested, s.bytes_read, s.gap_bytes,
+                     s.merged_requests, s.seconds)
+
+
+class ReadAhead:
+    """fl_readahead: one C thread reads entry pos % n of a fixed schedule into buffer
+    (pos - start) % n_buf, over and over; take(pos) waits for it. Entry e is one read of requests
+    first[e] .. first[e+1]-1 through readers[reader_of[e]] (dst: byte offsets in the buffer).
+    The readers must stay open and unused by anyone else while the ring runs (stop() first)."""
+
+    def __init__(self, readers: list, reader_of: np.ndarray, first: np.ndarray,
+                 offsets: np.ndarray, lengths: np.ndarray, dst: np.ndarray, max_gap: np.ndarray,
+                 max_run: np.ndarray, buffers: np.ndarray) -> None:
+        n, m = len(reader_of), int(first[-1])
+        self._readers, self._buffers = list(readers), buffers            # kept alive: C uses them
+        self._arrays = [np.ascontiguousarray(reader_of, np.int32), _int64(first, "first", n + 1),
+                        _int64(offsets, "offsets", m), _int64(lengths, "lengths", m),
+                        _int64(dst, "dst", m), _int64(max_gap, "max_gap", n),
+                        _int64(max_run, "max_run", n)]   # (n,) (n+1,) (m,) (m,) (m,) (n,) (n,)
+        if buffers.ndim != 2 or buffers.dtype != np.uint8 or not buffers.flags.c_contiguous:
+            raise KernelError("read-ahead buffers must be a C-contiguous (n_buf, bytes) uint8 array")
+        out = ffi.new("fl_readahead **")
+        handles = ffi.new("fl_reader *[]", [r._h for r in self._readers])
+        types = ("int32_t[]",) + ("int64_t[]",) * 6
+        args = [ffi.from_buffer(t, a) for t, a in zip(types, self._arrays)]
+        status = lib.fl_readahead_open(handles, len(self._readers), *args[:2], *args[2:5],
+                                       *args[5:], n, ffi.from_buffer("uint8_t[]", buffers,
+                                                                    require_writable=True),
+                                       buffers.shape[1], buffers.shape[0], out)
+        _check(status, "opening the read-ahead ring")
+        self._h = ffi.gc(out[0], lib.fl_readahead_close)
+        self._k, self._delta = ffi.new("int32_t *"), ffi.new("fl_reader_stats_t *")
+        self._idle = ffi.new("double *")
+
+    def take(self, pos: int) -> tuple[int, ReadStats, float]:
+        """(buffer index, the reader's counters for its read, seconds the thread waited for a
+        free buffer before it) of schedule position pos."""
+        status = lib.fl_readahead_take(self._h, pos, self._k, self._delta, self._idle)
+        if status != lib.FL_OK:
+            what = f"read-ahead of schedule position {pos} ({self._readers[0].path.name} ...)"
+            _check(status, what)
+        return int(self._k[0]), _stats(self._delta), float(self._idle[0])
+
+    def release(self) -> None:
+        _check(lib.fl_readahead_release(self._h), "read-ahead release")
+
+    def stop(self) -> None:
+        if self._h is not None:
+            _check(lib.fl_readahead_stop(self._h), "read-ahead stop")
+
+    @property
+    def running(self) -> bool:
+        flag = ffi.new("int32_t *")
+        return self._h is not None and lib.fl_readahead_running(self._h, flag) == lib.FL_OK \
+            and bool(flag[0])
+
+    def close(self) -> None:
+        """Stop the thread and free the ring (idempotent)."""
+        if self._h is not None:
+            ffi.release(self._h)
+            self._h = None

@@ -3,10 +3,10 @@
 When the FFN bundles a pass needs do not depend on its input (no predictor, or --naive), neither
 do any of its reads, so one schedule covers the pass: for each layer its streamed attention
 matrices (one entry), then its FFN chunks; after the last layer the streamed output head, in
-extents. One thread reads it over and over (read_ring.py) — across layers and across passes —
+extents. One C thread reads it over and over (read_ring.py) — across layers and across passes —
 so the device sees one queue and never waits for compute.
 
-    reads = PassReads(buffers, ffn_chunks, read_ffn)     ffn_chunks[layer] = [(first slot, n)]
+    reads = PassReads(buffers, ffn_chunks, ffn_request)  ffn_chunks[layer] = [(first slot, n)]
     reads.add_dense(attention, head)                      streamed dense weights join
     rows, counters = reads.take(("ffn", layer, j))        rows (n, stride) of chunk j
     ... compute ...; reads.release()
@@ -22,18 +22,17 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from .flash_stats import reader_delta
-from .read_ring import ReadRing
+from .read_ring import Entry, ReadRing
 
-# read_ffn(layer, first slot, n slots, out (n, stride)) -> counters
-FfnRead = Callable[[int, int, int, np.ndarray], dict]
+# ffn_request(layer, first slot, n slots) -> (reader, offsets (m,), lengths (m,), dst offsets (m,))
+FfnRequest = Callable[[int, int, int], tuple]
 
 
 class PassReads:
     """The schedule of a static pass over a ring of buffers (n_buf, rows, stride) uint8."""
 
-    def __init__(self, buffers: np.ndarray, ffn_chunks: list, read_ffn: FfnRead):
-        self.buffers, self._ffn, self._read_ffn = buffers, ffn_chunks, read_ffn
+    def __init__(self, buffers: np.ndarray, ffn_chunks: list, ffn_request: FfnRequest):
+        self.buffers, self._ffn, self._ffn_request = buffers, ffn_chunks, ffn_request
         self._attn: dict = {}         # layer -> (reader, offsets (4,), lengths (4,), dst (4,))
         self._head: tuple = (None, [])   # (reader, [(offset, nbytes)])
         self._cursor = 0              # absolute schedule position of the next take
@@ -48,7 +47,9 @@ class PassReads:
         """Streamed dense weights join the schedule: attention {layer: (reader, offsets,
         lengths, dst offsets)} (one entry before the layer's FFN chunks) and head (reader,
         [(offset, nbytes)]) after the last layer; each piece must fit one buffer."""
-        self.stop()
+        if self.ring is not None:
+            self.ring.close()
+        self._held = False
         self._attn, self._head = dict(attention), (head[0], list(head[1]))
         self.ring = self._build()
 
@@ -89,7 +90,9 @@ class PassReads:
         self._held = False
 
     def close(self) -> None:
-        self.stop()
+        if self.ring is not None:
+            self.ring.close()
+        self._held = False
         readers = {id(r): r for r, *_ in self._attn.values()}
         if self._head[0] is not None:
             readers[id(self._head[0])] = self._head[0]
@@ -99,27 +102,17 @@ class PassReads:
     def _build(self) -> Optional[ReadRing]:
         stride = self.buffers.shape[2]
         rows = lambda nbytes: -(-int(nbytes) // stride)
-        schedule = []
+        entries = []
         for layer, chunks in enumerate(self._ffn):
             if layer in self._attn:
-                _, _, lengths, dst = self._attn[layer]
-                schedule.append((("attn", layer), 0, rows(dst[-1] + lengths[-1])))
-            schedule += [(("ffn", layer, j), first, n) for j, (first, n) in enumerate(chunks)]
-        schedule += [(("head", j), j, rows(nbytes)) for j, (_, nbytes) in enumerate(self._head[1])]
-        self._pos = {key: p for p, (key, _, _) in enumerate(schedule)}
-        return ReadRing(self.buffers, schedule, self._read) if schedule else None
-
-    def _read(self, key, first: int, n: int, out: np.ndarray) -> dict:
-        """The ring thread's read of one entry into out (n, stride)."""
-        if key[0] == "ffn":
-            return self._read_ffn(key[1], first, n, out)
-        if key[0] == "attn":
-            reader, offsets, lengths, dst = self._attn[key[1]]
-        else:
-            reader = self._head[0]
-            offset, nbytes = self._head[1][first]
-            offsets, lengths, dst = np.array([offset]), np.array([nbytes]), np.array([0])
-        before = reader.stats()
-        reader.read(np.asarray(offsets, np.int64), np.asarray(lengths, np.int64), out.reshape(-1),
-                    np.asarray(dst, np.int64))
-        return reader_delta(before, reader.stats())
+                reader, offsets, lengths, dst = self._attn[layer]
+                entries.append(Entry(("attn", layer), rows(dst[-1] + lengths[-1]), reader,
+                                     offsets, lengths, dst))
+            entries += [Entry(("ffn", layer, j), n, *self._ffn_request(layer, first, n))
+                        for j, (first, n) in enumerate(chunks)]
+        reader = self._head[0]
+        entries += [Entry(("head", j), rows(nbytes), reader, np.array([offset]),
+                          np.array([nbytes]), np.array([0]))
+                    for j, (offset, nbytes) in enumerate(self._head[1])]
+        self._pos = {e.key: p for p, e in enumerate(entries)}
+        return ReadRing(self.buffers, entries) if entries else None

@@ -1,33 +1,34 @@
-"""A read-ahead ring: one thread reads a fixed schedule of bundle chunks, over and over, into a
-ring of aligned buffers; the forward pass takes them in the same order.
+"""A read-ahead ring: one C thread (native/readahead.c) reads a fixed schedule of batches, over
+and over, into a ring of aligned buffers; the forward pass takes them in the same order.
 
 When the bundles a token needs do not depend on the token (no predictor: every neuron outside
 the pinned cache rows is read each token; or --naive), the reads of the whole token are known in
 advance. The ring then keeps the device busy without waiting for compute: while layer l's FFN
 computes over one buffer, the next buffers (the rest of layer l, layer l+1, ... and across the
-token boundary, the next token's first layers) are already being read.
+token boundary, the next token's first layers) are already being read. The reading thread is
+C: no interpreter lock or Python frame sits between two reads.
 
-    ring = ReadRing(buffers, schedule, read)       buffers (n_buf, rows, stride) uint8
-    rows, counters = ring.take(pos)                blocks until schedule[pos % len] is read
+    ring = ReadRing(buffers, entries)              buffers (n_buf, rows, stride) uint8
+    rows, counters = ring.take(pos)                blocks until entries[pos % len] is read
     ... compute over rows ...
     ring.release()                                 the buffer may be read into again
-    ring.stop()                                    before anyone else uses the reader
+    ring.stop()                                    before anyone else uses the readers
+    ring.close()                                   frees the C ring
 
 `take(pos)` restarts the ring at pos when the caller is not where the ring expected (a prefill in
 between, an interrupted forward pass), so a consumer can never get the wrong chunk. A read error
-in the thread is raised by the take() that would have returned its chunk.
+is raised by the take() of its position.
 """
 from __future__ import annotations
 
 import math
-import threading
-from collections import deque
-from typing import Callable, Optional
+from dataclasses import dataclass
 
 import numpy as np
 
-# read(layer, first_slot, n_slots, out (n, stride)) -> counters of that read (any object)
-ReadFn = Callable[[int, int, int, np.ndarray], object]
+from .flash_stats import read_counters
+from .ioreader import ReadAhead, Reader
+
 PAGE = 4096
 
 
@@ -48,73 +49,61 @@ def page_chunks(base: int, stride: int, first: int, k: int, step: int) -> list[t
     return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
 
 
-class ReadRing:
-    """Read-ahead of schedule[i] = (layer, first slot, n slots) into buffers[i % n_buf]."""
+@dataclass(frozen=True)
+class Entry:
+    """One schedule entry: requests through one reader into one ring buffer."""
 
-    def __init__(self, buffers: np.ndarray, schedule: list, read: ReadFn):
+    key: object                 # what the consumer calls it
+    rows: int                   # buffer rows it fills: take() returns rows 0 .. rows-1
+    reader: Reader
+    offsets: np.ndarray         # (m,) file offsets
+    lengths: np.ndarray         # (m,) bytes
+    dst: np.ndarray             # (m,) byte offsets inside the buffer
+    max_gap: int = 0            # Reader.read's merge and run limits
+    max_run: int = 0
+
+
+class ReadRing:
+    """Read-ahead of entries[i % len] into buffers[(i - start) % n_buf]."""
+
+    def __init__(self, buffers: np.ndarray, entries: list):
         if buffers.ndim != 3 or len(buffers) < 2:
             raise ValueError("a read ring needs at least two (rows, stride) buffers")
-        if not schedule or max(n for _, _, n in schedule) > buffers.shape[1]:
+        if not entries or max(e.rows for e in entries) > buffers.shape[1] or \
+                max(int(np.max(np.asarray(e.dst) + e.lengths, initial=0)) for e in entries) > \
+                buffers[0].nbytes:
             raise ValueError("every scheduled chunk must fit one ring buffer")
-        self.buffers, self.schedule, self.read = buffers, list(schedule), read  # (n_buf, rows, stride)
-        self._thread: Optional[threading.Thread] = None
-        self._expect = -1             # schedule position the next take() should ask for
-        self._k = 0                   # ring index of the next take()
+        self.buffers, self.schedule = buffers, list(entries)      # (n_buf, rows, stride)
+        readers = list({id(e.reader): e.reader for e in entries}.values())
+        index = {id(r): i for i, r in enumerate(readers)}
+        sizes = [len(e.offsets) for e in entries]
+        cat = lambda name: np.concatenate([np.asarray(getattr(e, name), np.int64).reshape(-1)
+                                           for e in entries])     # (m,)
+        self._c = ReadAhead(readers, np.array([index[id(e.reader)] for e in entries]),
+                            np.concatenate([[0], np.cumsum(sizes)]), cat("offsets"),
+                            cat("lengths"), cat("dst"), np.array([e.max_gap for e in entries]),
+                            np.array([e.max_run for e in entries]),
+                            buffers.reshape(len(buffers), -1))
 
-    def take(self, pos: int) -> tuple[np.ndarray, object]:
-        """(rows (n, stride) holding schedule[pos % len], the read's counters); waits for it."""
-        if self._thread is None or pos != self._expect:
-            self.stop()
-            self._start(pos)
-        self._full.acquire()
-        got, counters, error = self._done.popleft()
-        if error is not None:
-            self.stop()
-            raise error
-        assert got == pos, "read ring out of order"
-        k, self._k, self._expect = self._k, (self._k + 1) % len(self.buffers), pos + 1
-        return self.buffers[k, :self.schedule[pos % len(self.schedule)][2]], counters
+    def take(self, pos: int) -> tuple[np.ndarray, dict]:
+        """(rows (n, stride) holding entries[pos % len], the read's counters and ring_idle_s:
+        how long the reader had waited for a free buffer before it); waits for it."""
+        k, delta, idle = self._c.take(pos)
+        rows = self.buffers[k, :self.schedule[pos % len(self.schedule)].rows]   # (n, stride)
+        return rows, {**read_counters(delta), "ring_idle_s": idle}
 
     def release(self) -> None:
         """The buffer of the last take() may be read into again."""
-        self._free.release()
+        self._c.release()
 
     def stop(self) -> None:
         """Stop reading ahead (waits for the read in flight); what was read is dropped."""
-        if self._thread is None:
-            return
-        self._halt.set()
-        self._free.release()
-        self._thread.join()
-        self._thread, self._expect = None, -1
+        self._c.stop()
+
+    def close(self) -> None:
+        """Stop and free the C ring; the ring cannot be used after."""
+        self._c.close()
 
     @property
     def running(self) -> bool:
-        return self._thread is not None
-
-    def _start(self, pos: int) -> None:
-        self._free = threading.Semaphore(len(self.buffers))
-        self._full = threading.Semaphore(0)
-        self._done: deque = deque()
-        self._halt = threading.Event()
-        self._k, self._expect = 0, pos
-        self._thread = threading.Thread(target=self._run, args=(pos,), daemon=True,
-                                        name="flashllm-ring")
-        self._thread.start()
-
-    def _run(self, pos: int) -> None:
-        k, n = 0, len(self.schedule)
-        while True:
-            self._free.acquire()
-            if self._halt.is_set():
-                return
-            layer, first, count = self.schedule[pos % n]
-            try:
-                counters, error = self.read(layer, first, count, self.buffers[k, :count]), None
-            except Exception as e:          # noqa: BLE001 - handed to the consumer's take()
-                counters, error = None, e
-            self._done.append((pos, counters, error))
-            self._full.release()
-            if error is not None:
-                return
-            pos, k = pos + 1, (k + 1) % len(self.buffers)
+        return self._c.running

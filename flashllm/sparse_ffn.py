@@ -106,7 +106,7 @@ class SparseFlashFfn:
                                                        first, k, step)]
                   for layer in range(n_layers)]                        # [layer][j] = (first, n)
         buffers = self.staging[:n_buf * step].reshape(n_buf, step, self.f.stride)  # (n_buf, step, stride)
-        reads = PassReads(buffers, chunks, self._read_static)
+        reads = PassReads(buffers, chunks, self._static_request)
         return reads if reads.ring is not None else None
 
     @property
@@ -261,11 +261,11 @@ class SparseFlashFfn:
         if self.check and len(h) == 1:
             self._check_recall(layer, h, self._slots[:self._static_slots()], t)
 
-    def _read_static(self, layer: int, first: int, n: int, out: np.ndarray) -> dict:
-        """The ring's FFN read: slots first .. first+n-1 → out (n, stride); its counters."""
-        before = self.reader.stats()
-        self._read_seq(layer, self._slots[first:first + n], out, None)
-        return reader_delta(before, self.reader.stats())
+    def _static_request(self, layer: int, first: int, n: int) -> tuple:
+        """The ring's FFN read of slots first .. first+n-1 (one sequential run): (reader,
+        offsets (1,), lengths (1,), dst offsets (1,))."""
+        start = self.f.layer_offsets[layer] + first * self.f.stride
+        return self.reader, np.array([start]), np.array([n * self.f.stride]), np.array([0])
 
     def _compute(self, layer: int, matrix: np.ndarray, rows: np.ndarray, h: np.ndarray,
                  x: np.ndarray, cache: Optional[NeuronCache] = None) -> None:

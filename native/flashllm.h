@@ -177,6 +177,40 @@ int32_t fl_reader_close(fl_reader *r);
 int32_t fl_io_plan(const int64_t *offsets, const int64_t *lengths, int64_t n, int64_t max_gap,
                    int64_t max_run, int64_t *n_reads, int64_t *bytes_read, int64_t *gap_bytes);
 
+/* ---- read-ahead ring (readahead.c) ---- */
+
+/* One thread reads a fixed schedule of n_entries batches over and over into n_buf buffers of
+ * buf_bytes each (buffers: n_buf * buf_bytes, not owned); the consumer takes them in order.
+ * Entry e: fl_reader_read(readers[reader_of[e]], the requests [first[e], first[e + 1]) of
+ * offsets / lengths / dst_offsets (byte offsets inside the buffer), max_gap[e], max_run[e]).
+ * The arrays are copied; the readers must stay open, and no one else may use them while the
+ * ring runs (fl_readahead_stop first). FL_EINVAL for a request that leaves its buffer. */
+typedef struct fl_readahead fl_readahead;
+
+int32_t fl_readahead_open(fl_reader **readers, int32_t n_readers, const int32_t *reader_of,
+                          const int64_t *first, const int64_t *offsets, const int64_t *lengths,
+                          const int64_t *dst_offsets, const int64_t *max_gap,
+                          const int64_t *max_run, int64_t n_entries, uint8_t *buffers,
+                          int64_t buf_bytes, int32_t n_buf, fl_readahead **out);
+
+/* Wait for schedule position pos (entry pos % n_entries) and give its buffer index, the
+ * reader's counters for its read and the seconds the thread had waited for a free buffer before
+ * it (the device idles then: the consumer is behind). A pos other than the one after the last
+ * take (or a stopped ring) restarts the thread at pos. A read error is returned by the take of
+ * its position and stops the ring. */
+int32_t fl_readahead_take(fl_readahead *ra, int64_t pos, int32_t *buffer,
+                          fl_reader_stats_t *delta, double *idle);
+
+/* The buffer of the oldest take not yet released may be read into again. */
+int32_t fl_readahead_release(fl_readahead *ra);
+
+/* Stop reading ahead (waits for the read in flight); what was read is dropped. */
+int32_t fl_readahead_stop(fl_readahead *ra);
+int32_t fl_readahead_running(const fl_readahead *ra, int32_t *running);
+
+/* Stops the thread and frees ra; ra == NULL is fine. */
+int32_t fl_readahead_close(fl_readahead *ra);
+
 /* CDEF-END */
 
 #endif /* FLASHLLM_H */

@@ -1,6 +1,7 @@
-"""The read-ahead ring against plain Python reads of the same file: chunks come back in order
-and hold the right bytes across many laps of the schedule, a consumer that jumps restarts the
-ring at the right place, and a read error reaches the consumer as the error."""
+"""The read-ahead ring (C thread, native/readahead.c) against the file's bytes: chunks come back
+in order and hold the right bytes across many laps of the schedule (from two readers), a consumer
+that jumps restarts the ring at the right place, a read error reaches the consumer as the error,
+and the counters of each take are its own read's."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,7 +9,7 @@ import pytest
 
 from flashllm.errors import KernelError
 from flashllm.ioreader import Reader, aligned_empty
-from flashllm.read_ring import ReadRing
+from flashllm.read_ring import Entry, ReadRing
 
 STRIDE = 4096 + 512          # a bundle that is not a page multiple
 
@@ -21,41 +22,49 @@ def ffn_file(tmp_path):
     return path, data.reshape(3, 40, STRIDE)                      # (layers, slots, stride)
 
 
-def make_ring(path, schedule, n_buf=3, rows=8, reads=None):
-    reader = Reader(path, n_threads=2)
-    buffers = aligned_empty(n_buf * rows * STRIDE).reshape(n_buf, rows, STRIDE)  # (n_buf, rows, stride)
+def entry(reader, layer, first, n):
+    off = (layer * 40 + first) * STRIDE
+    return Entry((layer, first), n, reader, np.array([off]), np.array([n * STRIDE]), np.array([0]))
 
-    def read(layer, first, n, out):
-        off = (layer * 40 + first) * STRIDE
-        reader.read(np.array([off]), np.array([n * STRIDE]), out.reshape(-1), np.array([0]))
-        if reads is not None:
-            reads.append((layer, first, n))
-        return n
-    return ReadRing(buffers, schedule, read), reader
+
+def make_ring(path, schedule, n_buf=3, rows=8):
+    readers = [Reader(path, n_threads=2), Reader(path, n_threads=2)]
+    buffers = aligned_empty(n_buf * rows * STRIDE).reshape(n_buf, rows, STRIDE)  # (n_buf, rows, stride)
+    entries = [entry(readers[i % 2], *s) for i, s in enumerate(schedule)]     # alternate readers
+    return ReadRing(buffers, entries), readers
+
+
+def close(ring, readers):
+    ring.close()
+    for r in readers:
+        r.close()
 
 
 def test_chunks_arrive_in_order_with_the_file_bytes(ffn_file):
     path, data = ffn_file
     schedule = [(layer, c, min(8, 40 - c)) for layer in range(3) for c in range(12, 40, 8)]
-    ring, reader = make_ring(path, schedule)
+    ring, readers = make_ring(path, schedule)
     try:
         for pos in range(5 * len(schedule) + 3):                   # five laps and a bit
             layer, first, n = schedule[pos % len(schedule)]
             rows, counters = ring.take(pos)                        # (n, stride)
-            assert counters == n and rows.shape == (n, STRIDE)
+            assert rows.shape == (n, STRIDE) and counters["bytes_requested"] == n * STRIDE
+            assert counters["reads"] >= 1 and counters["read_s"] > 0
             np.testing.assert_array_equal(rows, data[layer, first:first + n])
             ring.release()
-    finally:
+        assert ring.running
         ring.stop()
-        reader.close()
-    assert not ring.running
+        assert not ring.running
+        assert sum(r.stats().bytes_requested for r in readers) >= \
+            sum(n for *_, n in schedule) * STRIDE * 5              # read ahead: maybe more
+    finally:
+        close(ring, readers)
 
 
 def test_a_jump_restarts_the_ring_where_asked(ffn_file):
     path, data = ffn_file
     schedule = [(layer, 0, 8) for layer in range(3)]
-    reads = []
-    ring, reader = make_ring(path, schedule, reads=reads)
+    ring, readers = make_ring(path, schedule)
     try:
         ring.take(0)
         ring.release()
@@ -65,15 +74,32 @@ def test_a_jump_restarts_the_ring_where_asked(ffn_file):
         rows, _ = ring.take(8)
         np.testing.assert_array_equal(rows, data[2, :8])
         ring.release()
+        rows, _ = ring.take(3)                                     # back: a restart too
+        np.testing.assert_array_equal(rows, data[0, :8])
     finally:
-        ring.stop()
-        reader.close()
-    assert reads[0] == (0, 0, 8) and (1, 0, 8) in reads[1:]
+        close(ring, readers)
+
+
+def test_a_consumer_that_holds_every_buffer_stalls_only_the_reader(ffn_file):
+    path, data = ffn_file
+    schedule = [(layer, 0, 8) for layer in range(3)]
+    ring, readers = make_ring(path, schedule, n_buf=2)
+    try:
+        a, _ = ring.take(0)
+        b, _ = ring.take(1)                                        # both buffers held
+        np.testing.assert_array_equal(a, data[0, :8])
+        np.testing.assert_array_equal(b, data[1, :8])
+        ring.release()
+        ring.release()
+        rows, _ = ring.take(2)
+        np.testing.assert_array_equal(rows, data[2, :8])
+    finally:
+        close(ring, readers)
 
 
 def test_a_read_error_is_raised_by_take(ffn_file):
     path, _ = ffn_file
-    ring, reader = make_ring(path, [(0, 0, 8), (5, 0, 8)])        # layer 5 is past the end
+    ring, readers = make_ring(path, [(0, 0, 8), (5, 0, 8)])       # layer 5 is past the end
     try:
         ring.take(0)
         ring.release()
@@ -81,8 +107,7 @@ def test_a_read_error_is_raised_by_take(ffn_file):
             ring.take(1)
         assert not ring.running
     finally:
-        ring.stop()
-        reader.close()
+        close(ring, readers)
 
 
 def test_bad_rings_are_refused(ffn_file):
@@ -91,3 +116,9 @@ def test_bad_rings_are_refused(ffn_file):
         make_ring(path, [(0, 0, 9)], rows=8)
     with pytest.raises(ValueError, match="at least two"):
         make_ring(path, [(0, 0, 8)], n_buf=1)
+    reader = Reader(path, n_threads=1)
+    buffers = aligned_empty(2 * 8 * STRIDE).reshape(2, 8, STRIDE)  # (2, 8, stride)
+    bad = Entry("x", 1, reader, np.array([0]), np.array([STRIDE]), np.array([8 * STRIDE - 1]))
+    with pytest.raises(ValueError, match="fit one ring buffer"):
+        ReadRing(buffers, [bad])                                   # a request past its buffer
+    reader.close()

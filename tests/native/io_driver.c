@@ -1,8 +1,10 @@
-/* io_driver.c — exercises native/io.c + io_plan.c under AddressSanitizer (make test-asan).
+/* io_driver.c — exercises native/io.c + io_plan.c + readahead.c under AddressSanitizer (make
+ * test-asan).
  *
  * Writes a file of random bytes (unaligned size), then reads seeded random batches through
  * fl_reader_read with several thread counts, gaps and run sizes and compares every request
- * with the same bytes taken from the in-memory copy. Also checks the error paths.
+ * with the same bytes taken from the in-memory copy. Also checks the error paths, and runs a
+ * read-ahead ring over two readers (laps, a jump, a read error, close while running).
  * Usage: io_driver DIR   (DIR on a real disk so O_DIRECT is exercised). Exit 0 when all pass.
  */
 #include "flashllm.h"
@@ -85,6 +87,66 @@ static int error_paths(fl_reader *r) {
     return 0;
 }
 
+#define RA_ENTRIES 5
+#define RA_BUF (64 * 1024)
+
+/* A ring of 3 buffers over a 5-entry schedule alternating two readers; entry e reads two
+ * pieces of the file. Every take must hold the file's bytes. */
+static int readahead(fl_reader *a, fl_reader *b, const uint8_t *data) {
+    fl_reader *readers[2] = {a, b};
+    int32_t reader_of[RA_ENTRIES];
+    int64_t first[RA_ENTRIES + 1], off[2 * RA_ENTRIES], len[2 * RA_ENTRIES], dst[2 * RA_ENTRIES];
+    int64_t gap[RA_ENTRIES] = {0}, run[RA_ENTRIES] = {0};
+    for (int e = 0; e < RA_ENTRIES; e++) {
+        reader_of[e] = e % 2;
+        first[e] = 2 * e;
+        for (int j = 0; j < 2; j++) {
+            off[2 * e + j] = (int64_t)(rng() % (FILE_BYTES - RA_BUF / 2));
+            len[2 * e + j] = 1 + (int64_t)(rng() % (RA_BUF / 2 - 1));
+            dst[2 * e + j] = j * (RA_BUF / 2);
+        }
+    }
+    first[RA_ENTRIES] = 2 * RA_ENTRIES;
+    uint8_t *buffers = aligned_alloc(4096, 3 * RA_BUF);
+    fl_readahead *ra = NULL;
+    if (!buffers || fl_readahead_open(readers, 2, reader_of, first, off, len, dst, gap, run,
+                                      RA_ENTRIES, buffers, RA_BUF, 3, &ra) != FL_OK)
+        return fail("readahead open", 0);
+    int bad = 0;
+    int64_t order[] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 3, 4, 17, 18};   /* laps and jumps */
+    for (int i = 0; i < 16 && !bad; i++) {
+        int32_t k = -1;
+        fl_reader_stats_t d;
+        double idle = -1;
+        if (fl_readahead_take(ra, order[i], &k, &d, &idle) != FL_OK || k < 0 || k >= 3 || idle < 0)
+            { bad = fail("readahead take", order[i]); break; }
+        int64_t e = order[i] % RA_ENTRIES;
+        for (int j = 0; j < 2 && !bad; j++)
+            if (memcmp(buffers + k * RA_BUF + dst[2 * e + j], data + off[2 * e + j],
+                       (size_t)len[2 * e + j]) != 0)
+                bad = fail("readahead bytes", order[i]);
+        if (d.bytes_requested != len[2 * e] + len[2 * e + 1]) bad = fail("readahead counters", e);
+        fl_readahead_release(ra);
+    }
+    fl_readahead_close(ra);                            /* a running ring: stops, then frees */
+    off[3] = FILE_BYTES;                               /* entry 1 now reads past the end */
+    if (!bad && fl_readahead_open(readers, 2, reader_of, first, off, len, dst, gap, run,
+                                  RA_ENTRIES, buffers, RA_BUF, 3, &ra) == FL_OK) {
+        int32_t k;
+        fl_reader_stats_t d;
+        double idle;
+        if (fl_readahead_take(ra, 0, &k, &d, &idle) != FL_OK) bad = fail("readahead entry 0", 0);
+        fl_readahead_release(ra);
+        if (!bad && fl_readahead_take(ra, 1, &k, &d, &idle) != FL_ERANGE) bad = fail("readahead error", 1);
+        fl_readahead_close(ra);
+    }
+    dst[0] = RA_BUF - 1;                               /* a request that leaves its buffer */
+    if (!bad && fl_readahead_open(readers, 2, reader_of, first, off, len, dst, gap, run, RA_ENTRIES,
+                                  buffers, RA_BUF, 3, &ra) != FL_EINVAL) bad = fail("readahead check", 0);
+    free(buffers);
+    return bad;
+}
+
 int main(int argc, char **argv) {
     if (argc != 2) return fail("usage: io_driver DIR", argc);
     char path[4096];
@@ -109,6 +171,14 @@ int main(int argc, char **argv) {
         (void)size;
         fl_reader_close(r);
     }
+    fl_reader *ra_a = NULL, *ra_b = NULL;
+    if (!bad && (fl_reader_open(path, 4, FL_READ_DIRECT | FL_READ_RING, 256 * 1024, &ra_a) != FL_OK ||
+                 fl_reader_open(path, 2, FL_READ_DIRECT, 256 * 1024, &ra_b) != FL_OK))
+        bad = fail("open readahead readers", 0);
+    for (int lap = 0; lap < 20 && !bad; lap++) bad = readahead(ra_a, ra_b, data);
+    if (!bad) puts("readahead: 20 schedules over two readers");
+    fl_reader_close(ra_a);
+    fl_reader_close(ra_b);
     unlink(path);
     free(data);
     puts(bad ? "io_driver: FAILED" : "io_driver: all passed");
