@@ -4,13 +4,18 @@ loaded when the budget cannot work.
 
 Resident at run time (all counted against --dram-budget):
     process         the Python process before the model (interpreter, numpy, cffi): measured
-    tokenizer       after release(): the JSON text, the id -> bytes table and the heap the
-                    `tokenizers` object leaves (measured 23 MiB for Qwen's 5.4 MB JSON, 10 MiB
-                    for SmolLM2's 1.6 MB), counted as 5x the JSON + 4 MiB. While it loads, before
-                    the model, it peaks at 26-28x the JSON (checked separately: TOKENIZER_LOAD);
-                    a chat keeps it loaded: 11-12x the JSON once the load's heap is trimmed
-                    (57 MiB for Qwen's, 18 MiB for SmolLM2's), counted as TOKENIZER_LOADED x
-                    the JSON + 4 MiB
+    tokenizer       a one-shot run, after release(keep_source=False): the id -> bytes table and
+                    the heap the `tokenizers` object leaves (no JSON text, no word cache).
+                    Measured (RssAnon over the process before the model is opened, heap
+                    trimmed; in `flashllm run` and scripts/tokenizer_rss.py): 3.6-5.5 MiB for
+                    Qwen2.5-Coder's 5.4 MB JSON, 1.2-2.2 MiB for SmolLM2's 1.6 MB (the byte
+                    tables are 2.2 and 0.7 MiB; the leftover heap varies by ~1 MiB with what the
+                    process did before), growing ~40 bytes per prompt token (Qwen's 5.4 MiB after
+                    a 23k-token prompt, SmolLM2's 2.5 MiB after 33k). Counted as 1x the JSON +
+                    2 MiB (7.1 and 3.5 MiB). While it loads, before the model, it peaks at 28x
+                    the JSON (30x for SmolLM2's), checked separately (TOKENIZER_LOAD). A chat
+                    keeps it loaded: 12.5x the JSON once the load's heap is trimmed (64 MiB for
+                    Qwen's, 19 MiB for SmolLM2's), counted as TOKENIZER_LOADED x the JSON + 4 MiB
     KV cache        2 · n_layers · n_ctx · n_kv_heads · head_dim · 2 bytes (f16, as llama.cpp)
     work            logits and activations of one forward pass, the reader's staging buffers,
                     the sparse FFN's staging buffer for prefill / streamed neurons
@@ -33,9 +38,11 @@ from .errors import FlashError
 from .dense_stream import CHUNK_BYTES, aligned_offsets, attn_names
 from .profile import MiB, ProfileError, parse_size
 
-TOKENIZER_KEPT = 5             # resident bytes after release() per byte of tokenizer.json (+4 MiB)
+TOKENIZER_KEPT = 1             # resident bytes of a one-shot run's released tokenizer per byte
+TOKENIZER_KEPT_FIXED = 2 * MiB  # of tokenizer.json, + these
 TOKENIZER_LOAD = 28            # peak bytes while the tokenizers object loads, per JSON byte
-TOKENIZER_LOADED = 14          # resident bytes of a loaded (heap-trimmed) tokenizer per JSON byte
+TOKENIZER_LOADED = 14          # resident bytes of a loaded (heap-trimmed) tokenizer per JSON byte,
+TOKENIZER_LOADED_FIXED = 4 * MiB  # + these
 STAGING_BYTES = 16 * MiB       # the sparse FFN's staging buffer: prefill halves, the decode read-ahead ring
 RING_BUFFERS = 4               # the read-ahead ring's buffers: each holds up to a whole layer's bundles
                                # (a small model then takes one chunk per layer, not four: every
@@ -144,13 +151,15 @@ def model_bytes(manifest: dict) -> int:
 def resident_bytes(manifest: dict, n_ctx: int, process: int, predictor: int,
                    reader_stage: int, stride_rows: int, keep_tokenizer: bool = False) -> dict:
     """Everything but the dense matrices and the neuron caches, by what it is. keep_tokenizer:
-    the tokenizers object stays loaded (chat encodes every turn), not released after encoding."""
+    the tokenizers object stays loaded (chat encodes every turn), not released for good after
+    the prompt is encoded."""
     c = manifest["config"]
     kv = 2 * c["n_layers"] * n_ctx * c["n_kv_heads"] * c["head_dim"] * 2
     work = WORK_FIXED + 4 * 4 * c["vocab_size"] + reader_stage + stride_rows
     tok = int(manifest["tokenizer"].get("nbytes") or 0)
-    per_byte = TOKENIZER_LOADED if keep_tokenizer else TOKENIZER_KEPT
-    return {"KV cache": kv, "tokenizer": per_byte * tok + (4 * MiB if tok else 0),
+    per_byte, fixed = (TOKENIZER_LOADED, TOKENIZER_LOADED_FIXED) if keep_tokenizer \
+        else (TOKENIZER_KEPT, TOKENIZER_KEPT_FIXED)
+    return {"KV cache": kv, "tokenizer": per_byte * tok + (fixed if tok else 0),
             "process": process, "buffers": work, "predictor": predictor}
 
 

@@ -2,8 +2,9 @@
 
 Nothing is loaded at open: `tensor(name)` reads one dense tensor from dense.bin into DRAM when it is
 asked for (the caller keeps it resident or not; `dense_entry` gives the offsets for streaming it),
-and FFN layers are read from ffn.bin on demand (the runtime's direct-I/O reader uses FlashModel.ffn
-for offsets and strides).
+FFN layers are read from ffn.bin on demand (the runtime's direct-I/O reader uses FlashModel.ffn
+for offsets and strides), and `tokenizer_json` reads tokenizer.json each time it is asked for (a
+one-shot run drops the text once the prompt is encoded; the model must not keep a copy).
 """
 from __future__ import annotations
 
@@ -63,7 +64,13 @@ class FlashModel:
         self.dense_file = path / DENSE_FILE
         _check_dense_header(self.dense_file, self.manifest, self._tensors)
         self.ffn: FfnLayout = _check_ffn(path, self.manifest, self.config)
-        self.tokenizer_json, self.chat_template = _read_tokenizer(path, self.manifest)
+        self._tokenizer, self.chat_template = _tokenizer_entry(path, self.manifest)
+
+    @property
+    def tokenizer_json(self) -> str | None:
+        """The Hugging Face tokenizer JSON, read now from tokenizer.json; None when the model has
+        no tokenizer. Not kept: the caller holds the text as long as it needs it."""
+        return None if self._tokenizer is None else _read_text(*self._tokenizer)
 
     def has(self, name: str) -> bool:
         return name in self._tensors
@@ -348,16 +355,26 @@ def _read_order(path: Path, entry, cfg: ModelConfig) -> np.ndarray | None:
     return order.astype(np.int32)
 
 
-def _read_tokenizer(path: Path, m: dict) -> tuple[str | None, str | None]:
+def _tokenizer_entry(path: Path, m: dict) -> tuple[tuple[Path, int] | None, str | None]:
+    """((tokenizer.json, its size) or None when the model has none, the chat template)."""
     t, where = m["tokenizer"], f"{path / MANIFEST_FILE} tokenizer"
     template = t.get("chat_template")
     if template is not None and not isinstance(template, str):
         raise FormatError(f"{where}: chat_template is not a string")
     if t.get("file") is None:
         return None, template
-    file = _side_file(path, t, where)
-    _file_size(file, _nat(t, "nbytes", where))
+    file, nbytes = _side_file(path, t, where), _nat(t, "nbytes", where)
+    _file_size(file, nbytes)
+    return (file, nbytes), template
+
+
+def _read_text(file: Path, nbytes: int) -> str:
+    """A side file's UTF-8 text, which must still be nbytes long."""
     try:
-        return file.read_text(encoding="utf-8"), template
+        data = file.read_bytes()
+        if len(data) != nbytes:
+            raise FormatError(f"{file}: {len(data)} bytes, the manifest says {nbytes} (changed "
+                              f"since the model was opened)")
+        return data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise FormatError(f"{file}: unreadable ({e})") from None

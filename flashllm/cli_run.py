@@ -4,6 +4,7 @@ Generated tokens go alone to stdout; timings, stats and errors to stderr.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -74,13 +75,15 @@ def run(
     plan = plan_run(path, fopts, n_ctx, process)     # refuses before loading anything
     flash = open_flash(path)
     verify_on_first_load(flash)
-    tok = Tokenizer.from_flash(flash)
+    tok = Tokenizer.from_flash(flash, word_cache=interactive)   # one-shot: encodes once
     ids = None if interactive else _prompt_ids(tok, text, n_predict, ctx_size)
     if not interactive:          # one-shot: the KV cache holds the prompt and the tokens to make
         n_ctx = len(ids) + n_predict
+        if not tok.releasable:   # decoding keeps the tokenizers object: count it loaded
+            fopts = dataclasses.replace(fopts, keep_tokenizer=True)
         plan = plan and plan_run(path, fopts, n_ctx, process)
     if plan is not None and not interactive:
-        tok.release()            # decoding needs only the token -> bytes table
+        tok.release(keep_source=False)   # never encodes again; decoding needs only the table
     ffn = make_ffn(flash, fopts, plan, threads, cache_dir(), log=lambda m: err.print(m, markup=False))
     weights = make_weights(flash, plan, threads)
     stream_dense(flash, ffn, weights)

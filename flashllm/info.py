@@ -39,7 +39,7 @@ def flash_summary(flash, verify: bool = False) -> dict:
         "ffn": {"dtype": ffn.dtype, "parts": list(m["ffn"]["parts"]), "bundle_bytes": ffn.stride,
                 "bundles": cfg.n_layers * cfg.n_ff, "nbytes": m["ffn"]["nbytes"],
                 "hot_first_order": ffn.neuron_order is not None},
-        "tokenizer": flash.tokenizer_json is not None, "chat_template": flash.chat_template is not None,
+        "tokenizer": m["tokenizer"].get("file") is not None, "chat_template": flash.chat_template is not None,
         "calibrated": bool(m["sparsity"]) or bool(m["predictor"]),
         "sparsity": m["sparsity"], "predictor": m["predictor"],
         "disk_bytes": folder_bytes(flash.path), "verified_s": verified,

@@ -17,7 +17,7 @@ import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from .errors import FormatError, SourceError
+from .errors import FlashError, FormatError, SourceError
 
 # llama.cpp's regexes (llm_tokenizer_bpe), applied in order, each splitting the previous pieces.
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
@@ -211,52 +211,79 @@ def _trim_heap() -> None:
         pass
 
 
+class ReleasedError(FlashError):
+    """An encode after release(keep_source=False), which dropped what encoding needs."""
+
+
 class Tokenizer:
     """Encoding through a `tokenizers` object, decoding through a token -> bytes table.
 
     The `tokenizers` object of a 151k vocabulary holds ~53 MiB once its load's heap is trimmed
-    (and peaks ~135 MiB while it loads); `release()` drops it once the prompt is encoded, and the next encode loads it again
-    from the JSON. Decoding never needs it for byte-level vocabularies."""
+    (and peaks ~135 MiB while it loads); `release()` drops it once the prompt is encoded, and the
+    next encode loads it again from the JSON text (~10 MiB as a str for a 5 MB JSON), which
+    `release(keep_source=False)` drops too when nothing will be encoded again (a one-shot run).
+    Decoding never needs either for byte-level vocabularies. word_cache=False turns off the BPE
+    model's cache of encoded words: what it held stays resident after release (measured 0.5-2.5
+    KiB per prompt token), and a text encoded once gains nothing from it."""
 
-    def __init__(self, text: str, eos_ids: Sequence[int] = ()):
-        self._json = text
+    def __init__(self, text: str, eos_ids: Sequence[int] = (), word_cache: bool = True):
+        self._json: str | None = text
         self._hf: HFTokenizer | None = None
+        self._word_cache = word_cache
         self.eos_ids: tuple[int, ...] = tuple(int(i) for i in eos_ids)
         self.table = ByteTable.from_hf(self.hf)
         self._vocab_size = self.hf.get_vocab_size(with_added_tokens=True)
 
     @classmethod
-    def from_json(cls, text: str, eos_ids: Sequence[int] = ()) -> "Tokenizer":
-        return cls(text, eos_ids)
+    def from_json(cls, text: str, eos_ids: Sequence[int] = (), word_cache: bool = True) -> "Tokenizer":
+        return cls(text, eos_ids, word_cache)
 
     @classmethod
-    def from_flash(cls, flash) -> "Tokenizer":
+    def from_flash(cls, flash, word_cache: bool = True) -> "Tokenizer":
         """From a converted model (anything with .tokenizer_json and .config.eos_token_ids)."""
-        if flash.tokenizer_json is None:
+        text = flash.tokenizer_json
+        if text is None:
             raise FormatError("model has no tokenizer")
-        return cls.from_json(flash.tokenizer_json, flash.config.eos_token_ids)
+        return cls.from_json(text, flash.config.eos_token_ids, word_cache)
 
     @property
     def hf(self) -> HFTokenizer:
         """The `tokenizers` object, loaded from the JSON when it is not resident."""
         if self._hf is None:
+            if self._json is None:
+                raise ReleasedError("the tokenizer was released after the prompt was encoded "
+                                    "(a one-shot run keeps only its decoding table): it cannot "
+                                    "encode again")
             try:
                 self._hf = HFTokenizer.from_str(self._json)
             except Exception as e:     # tokenizers raises plain Exception for a bad JSON
                 raise FormatError(f"tokenizer JSON cannot be loaded ({e})") from None
+            if not self._word_cache and hasattr(self._hf.model, "_resize_cache"):
+                self._hf.model._resize_cache(0)     # the models that keep a word cache
             _trim_heap()               # the load's temporaries: loaded ~2.5x less than its peak
         return self._hf
+
+    @property
+    def releasable(self) -> bool:
+        """True when decoding needs no `tokenizers` object (a byte-level vocabulary with its
+        table): release() then drops it."""
+        return self.table is not None
 
     @property
     def resident(self) -> bool:
         """True while the `tokenizers` object is loaded."""
         return self._hf is not None
 
-    def release(self) -> None:
-        """Drop the `tokenizers` object when decoding does not need it (a byte table exists)."""
-        if self.table is not None and self._hf is not None:
-            self._hf = None
-            _trim_heap()
+    def release(self, keep_source: bool = True) -> None:
+        """Drop the `tokenizers` object when decoding does not need it (a byte table exists).
+        keep_source=False also drops the JSON text it loads from: a later encode then raises
+        ReleasedError instead of loading the object again."""
+        if not self.releasable:
+            return
+        self._hf = None
+        if not keep_source:
+            self._json = None
+        _trim_heap()
 
     @property
     def vocab_size(self) -> int:

@@ -1,40 +1,61 @@
-"""RSS of the tokenizer on the run path: loaded, after encoding a prompt, after release().
+"""What the tokenizer holds on the run path, as budget.py counts it: anonymous resident memory
+(/proc/self/status RssAnon, heap trimmed) over the process before the model was opened.
 
-Run:  python scripts/tokenizer_rss.py MODEL_FOLDER
-Prints MiB of resident memory (Linux /proc) at each step and the peak (VmHWM).
+Run:  python scripts/tokenizer_rss.py MODEL_FOLDER [PROMPT_FILE] [--chat]
+
+One-shot (the default) does what `flashllm run -p` does under --dram-budget: load without the
+word cache, encode the prompt, release(keep_source=False). --chat keeps the tokenizer loaded and
+encodes the prompt 20 times, as turns of a chat would. Prints MiB and the ratio to the JSON's
+bytes, and the peak (VmHWM) over the process while the tokenizer loads.
 """
 from __future__ import annotations
 
+import ctypes
+import gc
 import sys
-import time
 from pathlib import Path
 
-
-def rss_mib() -> float:
-    return int(Path("/proc/self/statm").read_text().split()[1]) * 4096 / 2**20
-
-
-def peak_mib() -> float:
-    line = next(x for x in open("/proc/self/status") if x.startswith("VmHWM"))
-    return int(line.split()[1]) / 1024
+PROMPT = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n" * 20
+MiB = 2 ** 20
 
 
-def main() -> None:
+def status(key: str) -> int:
+    """Bytes of a kB field of /proc/self/status."""
+    line = next(x for x in open("/proc/self/status") if x.startswith(key + ":"))
+    return int(line.split()[1]) * 1024
+
+
+def anon() -> int:
+    """RssAnon once the garbage and the heap's free pages are gone."""
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return status("RssAnon")
+
+
+def main(args: list[str]) -> None:
     from flashllm.bundle import open_flash
     from flashllm.tokenizer import Tokenizer
-    flash = open_flash(Path(sys.argv[1]))
-    base = rss_mib()
-    t0 = time.perf_counter()
-    tok = Tokenizer.from_flash(flash)
-    print(f"process + JSON text {base:.1f} MiB; tokenizer loaded {rss_mib():.1f} MiB "
-          f"({time.perf_counter() - t0:.2f} s, byte table {tok.table.nbytes / 2**20:.1f} MiB)")
-    ids = tok.encode("def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n" * 20)
-    print(f"encoded {len(ids)} tokens: {rss_mib():.1f} MiB, peak {peak_mib():.1f} MiB")
-    tok.release()
-    text = tok.decode(ids)
-    print(f"released: {rss_mib():.1f} MiB (+{rss_mib() - base:.1f} over the process); decode "
-          f"without it: {text[:11]!r}")
+    chat = "--chat" in args
+    args = [a for a in args if a != "--chat"]
+    folder = Path(args[0])
+    prompt = Path(args[1]).read_text(encoding="utf-8") if len(args) > 1 else PROMPT
+    json_bytes = (folder / "tokenizer.json").stat().st_size
+    base, rss = anon(), status("VmRSS")
+    flash = open_flash(folder)
+    opened = anon()
+    tok = Tokenizer.from_flash(flash, word_cache=chat)
+    peak = status("VmHWM") - rss
+    for _ in range(20 if chat else 1):
+        n = len(tok.encode(prompt))
+    if not chat:
+        tok.release(keep_source=False)
+    held = anon() - opened
+    what = "loaded (chat)" if chat else "released (one-shot)"
+    print(f"{folder.name}: tokenizer.json {json_bytes / MiB:.2f} MiB, byte table "
+          f"{tok.table.nbytes / MiB:.2f} MiB, prompt {n} tokens; {what}: {held / MiB:.2f} MiB "
+          f"= {held / json_bytes:.2f}x the JSON (open_flash alone {(opened - base) / MiB:.2f} "
+          f"MiB); peak while loading {peak / MiB:.1f} MiB = {peak / json_bytes:.1f}x")
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -217,6 +217,21 @@ def test_damaged_folder_is_refused_with_a_clear_message(model_dir, case):
         open_flash(model_dir)
 
 
+def test_the_tokenizer_json_is_read_when_asked_for_and_checked_then(model_dir):
+    """The model keeps no copy of the text (a one-shot run drops its own once the prompt is
+    encoded): each read checks the file again."""
+    flash = open_flash(model_dir)
+    assert flash.tokenizer_json == TOKENIZER_JSON
+    assert TOKENIZER_JSON not in [v for v in vars(flash).values() if isinstance(v, str)]
+    _patch(model_dir / "tokenizer.json", 0, b"\xff")
+    with pytest.raises(FormatError, match=r"tokenizer.json: unreadable \('utf-8' codec"):
+        flash.tokenizer_json
+    (model_dir / "tokenizer.json").write_text(TOKENIZER_JSON + " ")
+    with pytest.raises(FormatError, match=r"tokenizer.json: \d+ bytes, the manifest says \d+ "
+                                          r"\(changed since the model was opened\)"):
+        flash.tokenizer_json
+
+
 @pytest.mark.parametrize("file, where, message", [
     ("dense.bin", lambda m: m["dense"]["tensors"][3]["offset"] + 5, "checksum mismatch in tensor"),
     ("ffn.bin", lambda m: m["ffn"]["layers"][1]["offset"] + 77, "checksum mismatch in FFN layer 1"),

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from flashllm.errors import FormatError, SourceError
-from flashllm.tokenizer import Tokenizer, gguf_tokenizer_json
+from flashllm.tokenizer import ReleasedError, Tokenizer, gguf_tokenizer_json
 
 MODELS = Path("/work/models")
 
@@ -86,6 +86,38 @@ def test_detokenizer_holds_partial_characters(byte_tok):
     assert det.push(HE) == "he"
     assert det.push(0xE6) == "" and det.flush() == "\ufffd"   # a dangling lead byte is not lost
     assert det.flush() == ""
+
+
+def test_released_for_good_it_decodes_and_refuses_to_encode():
+    """A one-shot run: no word cache, encode once, release(keep_source=False)."""
+    tok = Tokenizer.from_json(gguf_tokenizer_json(byte_fields()), word_cache=False)
+    assert tok.releasable and tok.encode("he w<tool>é") == [HE, SPACE_W, TOOL, 0xC3, 0xA9]
+    tok.release(keep_source=False)
+    assert not tok.resident and tok.vocab_size == 261
+    assert tok.decode([BOS, HE, SPACE_W, TOOL, 0xC3, 0xA9]) == "he w<tool>é"
+    assert _stream(tok, [HE, 0xC3, 0xA9]) == ["he", "", "é", ""]
+    with pytest.raises(ReleasedError) as e:
+        tok.encode("he")
+    assert str(e.value) == ("the tokenizer was released after the prompt was encoded (a one-shot "
+                            "run keeps only its decoding table): it cannot encode again")
+
+
+def test_released_with_its_source_it_loads_again_to_encode():
+    tok = Tokenizer.from_json(gguf_tokenizer_json(byte_fields()))
+    tok.release()
+    assert not tok.resident and tok.encode("he w") == [HE, SPACE_W] and tok.resident
+
+
+def test_a_tokenizer_without_a_byte_table_is_never_released():
+    """A decoder that is not byte-level decodes through the `tokenizers` object: it stays."""
+    from tokenizers import Tokenizer as HF
+    from tokenizers import models, pre_tokenizers
+    hf = HF(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = Tokenizer.from_json(hf.to_str(), word_cache=False)
+    tok.release(keep_source=False)
+    assert not tok.releasable and tok.resident
+    assert tok.encode("a b c") == [0, 1, 2] and tok.decode([0, 1]) == "a b"
 
 
 def _stream(tok: Tokenizer, ids: list[int]) -> list[str]:
