@@ -116,9 +116,8 @@ def test_models_with_a_broken_registry_is_one_line(tmp_path):
 def test_ctrl_c_during_convert_jobs_leaves_nothing(tmp_path, whom):
     import signal
     import time
-    srcs = [Path("/work/models/qwen05.gguf"), Path("/work/models/smollm2-135m.gguf")]
-    if not all(s.exists() for s in srcs):
-        pytest.skip("the real GGUF files are not present")
+    from conftest import gguf_path
+    srcs = [gguf_path("qwen2.5-coder-0.5b"), gguf_path("smollm2-135m")]
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-m", "flashllm.cli", "convert", *map(str, srcs), "-o", str(out),
                              "--jobs", "2"], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},

@@ -22,18 +22,17 @@ from flashllm.tokenizer import Tokenizer
 from tiny_sources import ArraySource, tiny_arrays, tiny_config
 
 ROOT = Path(__file__).resolve().parent.parent
-GGUFS = {"smollm2": Path("/work/models/smollm2-135m.gguf"), "qwen": Path("/work/models/qwen05.gguf")}
+GGUFS = {"smollm2": "smollm2-135m", "qwen": "qwen2.5-coder-0.5b"}   # models.toml names
 WORDS = ["[UNK]", "<|im_start|>", "<|im_end|>", "system", "user", "assistant", "hello", "there",
          "how", "are", "you", "fine", "thanks", "a", "b", "c"]
 CONVERSATION = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi!"},
                 {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "2+2?"}]
 
 
-def _gguf_template(path: Path) -> str:
+def _gguf_template(name: str) -> str:
+    from conftest import gguf_path
     from gguf import GGUFReader
-    if not path.exists():
-        pytest.skip(f"{path} is not present")
-    return GGUFReader(path).fields["tokenizer.chat_template"].contents()
+    return GGUFReader(gguf_path(name)).fields["tokenizer.chat_template"].contents()
 
 
 @pytest.mark.parametrize("which", [pytest.param("smollm2", marks=pytest.mark.realmodel),

@@ -19,7 +19,6 @@ from flashllm.errors import FormatError, SourceError
 from tiny_sources import ArraySource, ref_rows, tiny_arrays, tiny_config, write_hf_llama
 
 ROOT = Path(__file__).resolve().parent.parent
-SMOLLM = Path("/work/models/smollm2-135m.gguf")
 
 
 @pytest.fixture
@@ -166,13 +165,13 @@ def test_cli_subprocess_exit_code_and_stderr(tmp_path, bad_sources):
 
 @pytest.mark.realmodel
 def test_real_smollm2_q8_0_matches_gguf_py(tmp_path):
-    if not SMOLLM.exists():
-        pytest.skip(f"{SMOLLM} is not present")
-    flash = open_flash(convert(SMOLLM, tmp_path / "smol", "q8_0"), verify=True)
+    from conftest import gguf_path
+    smollm = gguf_path("smollm2-135m")
+    flash = open_flash(convert(smollm, tmp_path / "smol", "q8_0"), verify=True)
     cfg = flash.config
     assert (cfg.n_layers, cfg.d_model, cfg.n_ff, cfg.tied_embeddings) == (30, 576, 1536, True)
     assert flash.tokenizer_json and not flash.has("output.weight")
-    reader = gguf.GGUFReader(str(SMOLLM))
+    reader = gguf.GGUFReader(str(smollm))
     tensors = {t.name: t for t in reader.tensors}
 
     def ref(name):                                                          # (rows, cols) f32

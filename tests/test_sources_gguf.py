@@ -15,7 +15,6 @@ from gguf import GGMLQuantizationType as Q
 from flashllm.errors import SourceError
 from flashllm.sources import open_source
 
-MODELS = Path("/work/models")
 D, HEADS, KV, HD, FF, LAYERS, VOCAB = 64, 4, 2, 16, 96, 2, 40
 
 
@@ -138,9 +137,8 @@ def test_rope_scaling_refused(tmp_path):
 
 @pytest.fixture(scope="module")
 def smollm():
-    path = MODELS / "smollm2-135m.gguf"
-    if not path.exists():
-        pytest.skip(f"{path} is not present")
+    from conftest import gguf_path
+    path = gguf_path("smollm2-135m")
     with open_source(path) as src:
         yield src, gguf.GGUFReader(path)
 
@@ -178,9 +176,8 @@ def test_smollm_unpermute_matches_transformers_gguf_loader(smollm):
 
 @pytest.mark.realmodel
 def test_qwen05_mixed_quant_types_equal_gguf_py():
-    path = MODELS / "qwen05.gguf"
-    if not path.exists():
-        pytest.skip(f"{path} is not present")
+    from conftest import gguf_path
+    path = gguf_path("qwen2.5-coder-0.5b")
     reader = gguf.GGUFReader(path)
     qk = ("blk.2.attn_q.weight", "blk.2.attn_k.bias")      # qwen2 GGUFs are not permuted
     picks = {t.name: t for t in reader.tensors if t.name in qk}

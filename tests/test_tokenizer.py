@@ -2,7 +2,6 @@
 UTF-8-safe streaming detokenization against the original text and a full decode."""
 from __future__ import annotations
 
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -11,7 +10,6 @@ from hypothesis import given, settings, strategies as st
 from flashllm.errors import FormatError, SourceError
 from flashllm.tokenizer import ReleasedError, Tokenizer, gguf_tokenizer_json
 
-MODELS = Path("/work/models")
 
 
 def gpt2_bytes_to_unicode() -> dict[int, str]:
@@ -152,9 +150,8 @@ TRANSFORMERS_DIFFERS = {("smollm2-135m", "world  123 and\t\t42")}
 @pytest.fixture(scope="module", params=["smollm2-135m", "qwen05"])
 def real(request):
     from flashllm.sources import open_source
-    path = MODELS / f"{request.param}.gguf"
-    if not path.exists():
-        pytest.skip(f"{path} is not present")
+    from conftest import gguf_path
+    path = gguf_path({"qwen05": "qwen2.5-coder-0.5b"}.get(request.param, request.param))
     with open_source(path) as src:
         return request.param, path, Tokenizer.from_json(src.tokenizer_json, src.config.eos_token_ids)
 
