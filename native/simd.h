@@ -20,6 +20,8 @@
 #define FL_Q8_0_BYTES 34  /* f16 scale + 32 int8 */
 #define FL_Q4_0_BYTES 18  /* f16 scale + 16 bytes of nibbles */
 #define FL_Q4_1_BYTES 20  /* f16 scale + f16 min + 16 bytes of nibbles */
+#define FL_QK_K 256       /* values per Q4_K superblock: 8 sub-blocks of FL_QK */
+#define FL_Q4_K_BYTES 144 /* f16 d, f16 dmin, 12 bytes of 6-bit scales / mins, 128 of nibbles */
 #define FL_QT 4           /* weight rows x tokens of one int8 tile (fli_qdot_tile) */
 #define FL_XQ_LANES 8     /* f32 / int32 lanes per block in a quantized token's side arrays */
 #define FL_PR 16          /* weight rows of one int8 GEMM panel (qgemm.c) */
@@ -90,6 +92,25 @@ static inline size_t fli_block_bytes(int32_t dtype) {
     return dtype == FL_Q8_0 ? FL_Q8_0_BYTES : dtype == FL_Q4_1 ? FL_Q4_1_BYTES : FL_Q4_0_BYTES;
 }
 
+/* Q4_K superblock sb: sc (8) = d * sc_j and mn (8) = -(dmin * m_j) of its 32-value sub-blocks,
+ * so value i of sub-block j is sc[j] * nibble + mn[j] (ggml's get_scale_min_k4 unpacking) */
+static inline void fli_q4k_scales(const uint8_t *sb, float sc[8], float mn[8]) {
+    const float d = fl_load_fp16(sb), dmin = fl_load_fp16(sb + 2);
+    const uint8_t *q = sb + 4;  // (12) packed 6-bit scales and mins
+    for (int j = 0; j < 8; j++) {
+        const int s = j < 4 ? q[j] & 63 : (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        const int m = j < 4 ? q[j + 4] & 63 : (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+        sc[j] = d * (float)s;
+        mn[j] = -(dmin * (float)m);
+    }
+}
+
+/* the 32 nibble bytes of sub-block j of Q4_K superblock sb: its values are their low nibbles
+ * (j even) or high nibbles (j odd) */
+static inline const uint8_t *fli_q4k_qs(const uint8_t *sb, int64_t j) {
+    return sb + 16 + 32 * (j / 2);
+}
+
 /* ask the cache for the n bytes at p (into every level: NTA hints evicted data we reuse) */
 static inline void fli_prefetch(const uint8_t *p, size_t n) {
     for (size_t off = 0; off < n; off += 64) __builtin_prefetch(p + off, 0, 3);
@@ -107,6 +128,12 @@ float fli_dot(int32_t dtype, const uint8_t *row, const float *x, int64_t n);
 
 /* y (n) += a * row */
 void fli_axpy(int32_t dtype, const uint8_t *row, float a, float *y, int64_t n);
+
+/* q4k.c: Q4_K rows (n a multiple of FL_QK_K), plain C: dst (n) = dequantized row; row . x;
+ * y (n) += a * row */
+void fli_q4k_dequant(const uint8_t *row, float *dst, int64_t n);
+float fli_q4k_dot(const uint8_t *row, const float *x, int64_t n);
+void fli_q4k_axpy(const uint8_t *row, float a, float *y, int64_t n);
 
 /* f32 dot of two contiguous vectors (n) */
 float fli_dot_f32(const float *a, const float *b, int64_t n);
@@ -127,7 +154,7 @@ void fli_axpy4(int32_t dtype, const uint8_t *const rows[FL_QT], const float a[FL
 void fli_down_f32(const float *h, int64_t ldh, const float *down, int64_t K, int64_t d, float *y,
                   int64_t T);
 
-/* ---- qdot.c: int8 activations against q4_0 / q4_1 / q8_0 weights (n a multiple of 32) ---------- */
+/* ---- qdot.c: int8 activations against q4_0 / q4_1 / q8_0 / q4_k weights (n a multiple of 32) ---------- */
 
 /* Bytes of one token's quantized activations: int8 q (n), then per block FL_XQ_LANES f32 copies
  * of its scale, FL_XQ_LANES int32 (a correction in lane 0, zeros) and FL_XQ_LANES f32 (d * sum(q)
