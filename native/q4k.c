@@ -39,3 +39,20 @@ void fli_q4k_axpy(const uint8_t *row, float a, float *y, int64_t n) {
         fli_axpy_f32(a, w, y + b * FL_QK_K, FL_QK_K);
     }
 }
+
+void fli_q4k_expand(const uint8_t *w, int64_t n, uint8_t *buf) {
+    const int64_t nb = n / FL_QK;
+    float *scale = (float *)(buf + n);        // (nb, FL_XQ_LANES)
+    float *m = scale + 2 * nb * FL_XQ_LANES;  // (nb, FL_XQ_LANES): the msum lanes
+    float sc[8], mn[8];
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *sb = w + (b / 8) * FL_Q4_K_BYTES, *qs = fli_q4k_qs(sb, b % 8);  // (32)
+        if (b % 8 == 0) fli_q4k_scales(sb, sc, mn);
+        const int shift = 4 * (int)(b & 1);
+        for (int i = 0; i < FL_QK; i++) buf[b * FL_QK + i] = (qs[i] >> shift) & 0x0F;
+        for (int l = 0; l < FL_XQ_LANES; l++) {
+            scale[b * FL_XQ_LANES + l] = sc[b % 8];
+            m[b * FL_XQ_LANES + l] = mn[b % 8];
+        }
+    }
+}

@@ -341,28 +341,10 @@ static inline __attribute__((always_inline)) void tile_rc(int32_t dtype, const u
     tail_rc(dtype, w, R, x, C, b, nb, out);
 }
 
-/* fli_wx_expand of a q4_k row: per 32-value sub-block its nibbles, d * sc_j and -dmin * m_j */
-static void q4k_expand(const uint8_t *w, int64_t n, uint8_t *buf) {
-    const int64_t nb = n / FL_QK;
-    float *scale = (float *)(buf + n);        // (nb, FL_XQ_LANES)
-    float *m = scale + 2 * nb * FL_XQ_LANES;  // (nb, FL_XQ_LANES): the msum lanes
-    float sc[8], mn[8];
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *sb = w + (b / 8) * FL_Q4_K_BYTES, *qs = fli_q4k_qs(sb, b % 8);
-        if (b % 8 == 0) fli_q4k_scales(sb, sc, mn);
-        const int shift = 4 * (int)(b & 1);
-        for (int i = 0; i < FL_QK; i++) buf[b * FL_QK + i] = (qs[i] >> shift) & 0x0F;
-        for (int l = 0; l < FL_XQ_LANES; l++) {
-            scale[b * FL_XQ_LANES + l] = sc[b % 8];
-            m[b * FL_XQ_LANES + l] = mn[b % 8];
-        }
-    }
-}
-
 void fli_wx_expand(int32_t dtype, const uint8_t *w, int64_t n, uint8_t *buf) {
 #if G > 0
     if (dtype == FL_Q4_K) {
-        q4k_expand(w, n, buf);
+        fli_q4k_expand(w, n, buf);
         return;
     }
     const size_t bb = fli_block_bytes(dtype);
@@ -375,7 +357,6 @@ void fli_wx_expand(int32_t dtype, const uint8_t *w, int64_t n, uint8_t *buf) {
         if (dtype == FL_Q4_1) vs_store(m + b * FL_XQ_LANES, w_scale(w + b * bb + 2, bb));
     }
 #else
-    (void)q4k_expand;
     (void)dtype, (void)w, (void)n, (void)buf;
 #endif
 }

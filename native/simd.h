@@ -134,6 +134,8 @@ void fli_axpy(int32_t dtype, const uint8_t *row, float a, float *y, int64_t n);
 void fli_q4k_dequant(const uint8_t *row, float *dst, int64_t n);
 float fli_q4k_dot(const uint8_t *row, const float *x, int64_t n);
 void fli_q4k_axpy(const uint8_t *row, float a, float *y, int64_t n);
+/* fli_wx_expand of a Q4_K row: per 32-value sub-block its nibbles, d * sc_j, -dmin * m_j */
+void fli_q4k_expand(const uint8_t *w, int64_t n, uint8_t *buf);
 
 /* f32 dot of two contiguous vectors (n) */
 float fli_dot_f32(const float *a, const float *b, int64_t n);
