@@ -46,9 +46,10 @@ static inline vi w_q4k(const uint8_t *qs, int64_t j) {
     const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(a), _mm256_srli_epi16(a, 4), 1);
     return _mm512_and_si512(z, _mm512_set1_epi8(0x0F));
 }
-static inline vs vs_blocks(const float *s) {  // [s[0] x8 | s[1] x8]
-    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(s[0])),
-                                               _mm256_castps_pd(_mm256_set1_ps(s[1])), 1));
+static inline vs vs_blocks(__m256 s8, int64_t j) {  // [s8[j] x8 | s8[j + 1] x8]
+    const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32((int)j),
+                                         _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0));
+    return _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(s8));
 }
 static inline vs w_scale(const uint8_t *b, size_t bb) {  // [d_0 x8 | d_1 x8]
     uint16_t h0, h1;
@@ -98,7 +99,9 @@ static inline vi w_q4k(const uint8_t *qs, int64_t j) {  // Q4_K sub-block j: 32 
     const __m256i a = _mm256_loadu_si256((const __m256i *)qs);
     return _mm256_and_si256(j & 1 ? _mm256_srli_epi16(a, 4) : a, _mm256_set1_epi8(0x0F));
 }
-static inline vs vs_blocks(const float *s) { return _mm256_set1_ps(s[0]); }
+static inline vs vs_blocks(__m256 s8, int64_t j) {  // s8[j] x8
+    return _mm256_permutevar8x32_ps(s8, _mm256_set1_epi32((int)j));
+}
 static inline vs w_scale(const uint8_t *b, size_t bb) {
     (void)bb;
     return _mm256_set1_ps(fl_load_fp16(b));
@@ -296,7 +299,8 @@ static inline __attribute__((always_inline)) void tile_rc(int32_t dtype, const u
 #if G > 0
     const size_t bb = fli_block_bytes(dtype);
     vs acc[FL_QT][FL_QT];
-    float ks[FL_QT][8] = {{0}}, km[FL_QT][8] = {{0}};  // q4_k: each row's superblock sc, mn
+    __m256 ks[FL_QT], km[FL_QT];  // q4_k: each row's superblock d * sc_j, -dmin * m_j
+    for (int r = 0; r < FL_QT; r++) ks[r] = km[r] = _mm256_setzero_ps();
     for (int r = 0; r < R; r++)
         for (int t = 0; t < C; t++) acc[r][t] = vs_zero();
     for (; b + G <= nb; b += G) {
@@ -310,10 +314,10 @@ static inline __attribute__((always_inline)) void tile_rc(int32_t dtype, const u
                 if (HAS_M(dtype)) wm[r] = vs_load(e.msum + b * FL_XQ_LANES);
             } else if (dtype == FL_Q4_K) {  // sub-blocks b .. b+G-1 of superblock b / 8
                 const uint8_t *sb = w[r] + (b / 8) * FL_Q4_K_BYTES;
-                if (b % 8 == 0) fli_q4k_scales(sb, ks[r], km[r]);
+                if (b % 8 == 0) fli_q4k_scales8(sb, &ks[r], &km[r]);
                 wv[r] = w_q4k(fli_q4k_qs(sb, b % 8), b % 8);
-                ws[r] = vs_blocks(ks[r] + b % 8);
-                wm[r] = vs_blocks(km[r] + b % 8);
+                ws[r] = vs_blocks(ks[r], b % 8);
+                wm[r] = vs_blocks(km[r], b % 8);
             } else {
                 wv[r] = w_load(dtype, w[r] + b * bb);
                 ws[r] = w_scale(w[r] + b * bb, bb);

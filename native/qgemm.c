@@ -87,8 +87,9 @@ static void pack_block(int32_t dtype, const uint8_t *const w[FL_PR], size_t bb, 
 }
 
 /* the same for q4_k sub-block b: its 32 nibble bytes give values 0..15 (bytes 0..15) and
- * 16..31 (bytes 16..31), low nibbles for even b, high for odd; d_w, m_w per row in f32 */
-static void pack_block_q4k(const uint8_t *const w[FL_PR], int64_t b, uint8_t *rec) {
+ * 16..31 (bytes 16..31), low nibbles for even b, high for odd; d_w, m_w (FL_PR rows) in f32 */
+static void pack_block_q4k(const uint8_t *const w[FL_PR], int64_t b, const float *dw,
+                           const float *mw, uint8_t *rec) {
     __m512i v[4], h[4], q[8];
     const __m512i lo = _mm512_set1_epi8(0x0F);
     const __m128i shift = _mm_cvtsi32_si128(4 * (int)(b & 1));
@@ -100,21 +101,29 @@ static void pack_block_q4k(const uint8_t *const w[FL_PR], int64_t b, uint8_t *re
     transpose16x4(v, q);
     transpose16x4(h, q + 4);
     for (int k = 0; k < 8; k++) _mm512_storeu_si512(rec + 64 * k, q[k]);
-    float dm[2][FL_PR], sc[8], mn[8];  // (d_w | m_w, row)
-    for (int r = 0; r < FL_PR; r++) {
-        fli_q4k_scales(w[r] + (size_t)(b / 8) * FL_Q4_K_BYTES, sc, mn);
-        dm[0][r] = sc[b % 8];
-        dm[1][r] = mn[b % 8];
+    memcpy(rec + 512, dw, FL_PR * sizeof(float));
+    memcpy(rec + 576, mw, FL_PR * sizeof(float));
+}
+
+/* every q4_k block of a panel: each row's scales unpacked once per superblock */
+static void pack_q4k(const uint8_t *const w[FL_PR], int64_t n, uint8_t *buf) {
+    float sc[FL_PR][8], mn[FL_PR][8], dw[8][FL_PR], mw[8][FL_PR];  // (row, j), (j, row)
+    for (int64_t s = 0; s < n / FL_QK_K; s++) {
+        for (int r = 0; r < FL_PR; r++) fli_q4k_scales(w[r] + s * FL_Q4_K_BYTES, sc[r], mn[r]);
+        for (int j = 0; j < 8; j++)
+            for (int r = 0; r < FL_PR; r++) dw[j][r] = sc[r][j], mw[j][r] = mn[r][j];
+        for (int j = 0; j < 8; j++)
+            pack_block_q4k(w, 8 * s + j, dw[j], mw[j], buf + (size_t)(8 * s + j) * REC);
     }
-    memcpy(rec + 512, dm, sizeof dm);
 }
 
 void fli_panel_pack(int32_t dtype, const uint8_t *const w[FL_PR], int64_t n, uint8_t *buf) {
     const size_t bb = fli_block_bytes(dtype);
-    for (int64_t b = 0; b < n / FL_QK; b++) {
-        if (dtype == FL_Q4_K) pack_block_q4k(w, b, buf + (size_t)b * REC);
-        else pack_block(dtype, w, bb, b, buf + (size_t)b * REC);
+    if (dtype == FL_Q4_K) {
+        pack_q4k(w, n, buf);
+        return;
     }
+    for (int64_t b = 0; b < n / FL_QK; b++) pack_block(dtype, w, bb, b, buf + (size_t)b * REC);
 }
 
 /* out[r * ld + t] = row r . token t for tokens t0 .. t0+nt-1 (nt <= NT, a constant once inlined) */
