@@ -92,25 +92,27 @@ static inline size_t fli_block_bytes(int32_t dtype) {
     return dtype == FL_Q8_0 ? FL_Q8_0_BYTES : dtype == FL_Q4_1 ? FL_Q4_1_BYTES : FL_Q4_0_BYTES;
 }
 
-/* Q4_K superblock sb: q (16) = its 6-bit scales sc_0..7 then mins m_0..7, unpacked from
- * scales[12] four at a time with 32-bit masks as ggml's AVX2 q4_K dot does (the values of
+/* Q4_K superblock sb: the bytes of u (4) = its 6-bit scales sc_0..7 then mins m_0..7, unpacked
+ * from scales[12] four at a time with 32-bit masks as ggml's AVX2 q4_K dot does (the values of
  * get_scale_min_k4) */
-static inline void fli_q4k_unpack(const uint8_t *sb, uint8_t q[16]) {
-    uint32_t u[4];
-    memcpy(u, sb + 4, 12);
-    const uint32_t m_lo = u[1] & 0x3f3f3f3fu;
-    u[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
-    u[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
-    u[2] = m_lo;
-    u[0] &= 0x3f3f3f3fu;
-    memcpy(q, u, 16);
+static inline void fli_q4k_unpack(const uint8_t *sb, uint32_t u[4]) {
+    uint32_t a, b, c;  // scales bytes 0..3, 4..7, 8..11
+    memcpy(&a, sb + 4, 4);
+    memcpy(&b, sb + 8, 4);
+    memcpy(&c, sb + 12, 4);
+    u[0] = a & 0x3f3f3f3fu;
+    u[1] = (c & 0x0f0f0f0fu) | (((a >> 6) & 0x03030303u) << 4);
+    u[2] = b & 0x3f3f3f3fu;
+    u[3] = ((c >> 4) & 0x0f0f0f0fu) | (((b >> 6) & 0x03030303u) << 4);
 }
 
 /* sc (8) = d * sc_j and mn (8) = -(dmin * m_j) of superblock sb's 32-value sub-blocks, so
  * value i of sub-block j is sc[j] * nibble + mn[j] */
 static inline void fli_q4k_scales(const uint8_t *sb, float sc[8], float mn[8]) {
+    uint32_t u[4];
     uint8_t q[16];  // sc_0..7, m_0..7
-    fli_q4k_unpack(sb, q);
+    fli_q4k_unpack(sb, u);
+    memcpy(q, u, sizeof q);
     const float d = fl_load_fp16(sb), dmin = fl_load_fp16(sb + 2);
     for (int j = 0; j < 8; j++) {
         sc[j] = d * (float)q[j];
@@ -121,9 +123,9 @@ static inline void fli_q4k_scales(const uint8_t *sb, float sc[8], float mn[8]) {
 #if defined(__AVX2__) && defined(__F16C__)
 /* Q4_K superblock sb: *sc (8) = d * sc_j, *mn (8) = -dmin * m_j (fli_q4k_scales in vectors) */
 static inline void fli_q4k_scales8(const uint8_t *sb, __m256 *sc, __m256 *mn) {
-    uint8_t q[16];  // sc_0..7, m_0..7
-    fli_q4k_unpack(sb, q);
-    const __m128i v = _mm_loadu_si128((const __m128i *)q);
+    uint32_t u[4];
+    fli_q4k_unpack(sb, u);
+    const __m128i v = _mm_setr_epi32((int)u[0], (int)u[1], (int)u[2], (int)u[3]);  // sc, m bytes
     *sc = _mm256_mul_ps(_mm256_set1_ps(fl_load_fp16(sb)),
                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)));
     *mn = _mm256_mul_ps(_mm256_set1_ps(-fl_load_fp16(sb + 2)),
