@@ -16,7 +16,7 @@ import numpy as np
 
 from .bundle_format import (DENSE_FILE, DENSE_HEADER, DENSE_MAGIC, DTYPE_CODES, FFN_ALIGN, FFN_FILE,
                             FFN_HEADER, FFN_MAGIC, FORMAT_VERSION, MAGIC, MANIFEST_FILE, STRIDE_ALIGN,
-                            crc32_file, ffn_parts, fits, ffn_weight, required_tensors, tensor_nbytes)
+                            crc32_file, ffn_part_bytes, ffn_parts, fits, ffn_weight, required_tensors, tensor_nbytes)
 from .bundle_write import FlashWriter, WriterState, update_manifest
 from .config import ModelConfig
 from .errors import FormatError
@@ -32,7 +32,8 @@ class FfnLayout:
     glu: bool
     d_model: int
     n_ff: int
-    part_bytes: int                   # row_bytes(dtype, d_model): one gate/up/down part
+    part_bytes: int                   # row_bytes(dtype, d_model): one gate/up/down part (gate/up
+                                      # only for q4_k, whose down part is a q4_1 row)
     stride: int                       # bytes per bundle slot (parts + padding)
     layer_offsets: list[int]          # byte offset of each layer's region in ffn.bin (4096-aligned)
     layer_nbytes: int                 # n_ff * stride: bytes of bundles per layer
@@ -304,7 +305,7 @@ def _check_ffn(path: Path, m: dict, cfg: ModelConfig) -> FfnLayout:
             raise FormatError(f"{where}: {key}={f.get(key)!r}, the config needs {value!r}")
     file = _side_file(path, f, where)      # ffn.bin, or the file a hot-first rewrite made
     stride, layer_bytes, size = (_nat(f, k, where) for k in ("stride", "layer_bytes", "nbytes"))
-    n_ff, used = cfg.n_ff, len(want["parts"]) * want["part_bytes"]
+    n_ff, used = cfg.n_ff, sum(ffn_part_bytes(dtype, cfg.d_model, cfg.glu))
     if stride < used or stride % STRIDE_ALIGN or layer_bytes < n_ff * stride or layer_bytes % FFN_ALIGN:
         raise FormatError(f"{where}: stride {stride} / layer_bytes {layer_bytes} do not fit "
                           f"{n_ff} bundles of {used} bytes")

@@ -12,7 +12,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .errors import FormatError
-from .tensor import DTYPE_CODES, row_bytes
+from .tensor import BLOCK_SIZE, DTYPE_CODES, companion, row_bytes
 
 MAGIC = "flashllm"
 FORMAT_VERSION = 1
@@ -22,7 +22,7 @@ FFN_FILE = "ffn.bin"
 TOKENIZER_FILE = "tokenizer.json"
 ORDER_FILE = "order.bin"
 
-QUANTIZED = ("q8_0", "q4_0", "q4_1")
+QUANTIZED = ("q8_0", "q4_0", "q4_1", "q4_k")
 QBLOCK = 32                      # values per quantization block
 
 DENSE_MAGIC = b"FLDENSE\0"
@@ -53,18 +53,20 @@ def ffn_weight(name: str) -> tuple[int, str] | None:
 
 
 def tensor_dtype(dtype: str, shape: tuple[int, ...]) -> str:
-    """The dtype a dense tensor is stored in: 1-D in f32; 2-D in `dtype`, or f16 when `dtype`
-    is quantized and the row length is not a multiple of the block size."""
+    """The dtype a dense tensor is stored in: 1-D in f32; 2-D in `dtype` (q4_1 for q4_k), or f16
+    when that is quantized and the row length is not a multiple of the block size."""
     if len(shape) == 1:
         return "f32"
+    dtype = companion(dtype)
     if dtype in QUANTIZED and shape[1] % QBLOCK:
         return "f16"
     return dtype
 
 
 def fits(dtype: str, cols: int) -> bool:
-    """Whether rows of `cols` values can be stored in dtype (quantized dtypes need whole blocks)."""
-    return dtype in DTYPE_CODES and cols > 0 and not (dtype in QUANTIZED and cols % QBLOCK)
+    """Whether rows of `cols` values can be stored in dtype (quantized dtypes need whole blocks:
+    32 values, 256 for q4_k)."""
+    return dtype in DTYPE_CODES and cols > 0 and not cols % BLOCK_SIZE[dtype]
 
 
 def tensor_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
@@ -78,9 +80,19 @@ def ffn_parts(glu: bool) -> tuple[str, ...]:
     return ("gate", "up", "down") if glu else ("up", "down")
 
 
+def ffn_part_dtypes(dtype: str, glu: bool) -> tuple[str, ...]:
+    """The dtype of each bundle part: all `dtype`, but a q4_k bundle's down column is q4_1."""
+    return tuple(dtype if part != "down" else companion(dtype) for part in ffn_parts(glu))
+
+
+def ffn_part_bytes(dtype: str, d_model: int, glu: bool) -> tuple[int, ...]:
+    """Bytes of each bundle part, in ffn_parts order."""
+    return tuple(row_bytes(dt, d_model) for dt in ffn_part_dtypes(dtype, glu))
+
+
 def ffn_stride(dtype: str, d_model: int, glu: bool) -> int:
     """Bytes of one bundle slot: the parts back to back, rounded up to STRIDE_ALIGN."""
-    return align_up(len(ffn_parts(glu)) * row_bytes(dtype, d_model), STRIDE_ALIGN)
+    return align_up(sum(ffn_part_bytes(dtype, d_model, glu)), STRIDE_ALIGN)
 
 
 def crc32_file(f, offset: int, nbytes: int) -> int:

@@ -19,12 +19,12 @@ from . import __version__
 from .bundle_format import (DENSE_ALIGN, DENSE_FILE, DENSE_HEADER, DENSE_MAGIC, DTYPE_CODES,
                             FFN_ALIGN, FFN_FILE, FFN_HEADER, FFN_MAGIC, FORMAT_VERSION, MAGIC,
                             MANIFEST_FILE, ORDER_FILE, TOKENIZER_FILE, align_up, crc32_array,
-                            ffn_parts, ffn_stride, ffn_weight, fits, required_tensors,
-                            tensor_dtype)
+                            ffn_part_bytes, ffn_part_dtypes, ffn_parts, ffn_stride, ffn_weight,
+                            fits, required_tensors, tensor_dtype)
 from .config import ModelConfig
 from .errors import FormatError
 from .quant import quantize_rows
-from .tensor import row_bytes
+from .tensor import BLOCK_SIZE, QTensor, row_bytes
 
 
 class WriterState(enum.Enum):
@@ -43,8 +43,8 @@ class FlashWriter:
         if dtype not in DTYPE_CODES:
             raise FormatError(f"unknown storage dtype {dtype!r} (one of {', '.join(DTYPE_CODES)})")
         if not fits(dtype, config.d_model):
-            raise FormatError(f"d_model={config.d_model} is not a multiple of 32: the FFN cannot be "
-                              f"stored as {dtype} (use f16 or f32)")
+            raise FormatError(f"d_model={config.d_model} is not a multiple of {BLOCK_SIZE[dtype]}: "
+                              f"the FFN cannot be stored as {dtype} (use f16 or f32)")
         self.out, self.cfg, self.dtype, self.force = Path(out), config.validate(), dtype, force
         self.source = source or {}
         self._check_target()
@@ -118,7 +118,8 @@ class FlashWriter:
     def add_ffn_layer(self, layer: int, gate: np.ndarray | None, up: np.ndarray, down: np.ndarray,
                       order: np.ndarray | None = None) -> None:
         """Write layer `layer`'s bundles: gate, up (n_ff, d_model), down (d_model, n_ff) f32; gate is
-        None for non-GLU models. order (n_ff) int, a permutation: bundle slot j holds neuron order[j]
+        None for non-GLU models. A q4_k model takes gate and up as QTensors already in q4_k (their
+        bytes are copied), down in f32 (stored as q4_1). order (n_ff) int, a permutation: bundle slot j holds neuron order[j]
         (None: slot j holds neuron j)."""
         self._require(WriterState.DENSE, WriterState.FFN, what=f"add_ffn_layer({layer})")
         if layer != len(self.layers):
@@ -140,18 +141,19 @@ class FlashWriter:
             raise FormatError(f"layer {layer}: gate {'missing' if self.cfg.glu else 'given'} "
                               f"for a {'GLU' if self.cfg.glu else 'non-GLU'} model")
         for part, w, shape in (("gate", gate, (n_ff, d)), ("up", up, (n_ff, d)), ("down", down, (d, n_ff))):
-            if w is not None and w.shape != shape:
-                raise FormatError(f"blk.{layer}.ffn_{part}.weight has shape {w.shape}, expected {shape}")
+            got = (w.rows, w.cols) if isinstance(w, QTensor) else None if w is None else w.shape
+            if w is not None and got != shape:
+                raise FormatError(f"blk.{layer}.ffn_{part}.weight has shape {got}, expected {shape}")
         if order is not None:
             order = np.asarray(order)                                  # (n_ff,)
             if order.shape != (n_ff,) or not np.array_equal(np.sort(order), np.arange(n_ff)):
                 raise FormatError(f"layer {layer}: neuron order is not a permutation of 0..{n_ff - 1}")
         rows = [gate, up, down.T] if self.cfg.glu else [up, down.T]    # each (n_ff, d)
-        pb = row_bytes(self.dtype, d)
         bundles = np.zeros((n_ff, self.stride), dtype=np.uint8)        # (n_ff, stride)
-        for k, w in enumerate(rows):
-            w = w if order is None else w[order]
-            bundles[:, k * pb:(k + 1) * pb] = quantize_rows(np.ascontiguousarray(w, np.float32), self.dtype)
+        glu, at = self.cfg.glu, 0
+        for w, dt, pb in zip(rows, ffn_part_dtypes(self.dtype, glu), ffn_part_bytes(self.dtype, d, glu)):
+            bundles[:, at:at + pb] = _part_rows(layer, w, dt, order)  # (n_ff, pb)
+            at += pb
         return bundles
 
     def _open_ffn(self) -> None:
@@ -269,6 +271,19 @@ class FlashWriter:
             action(f)
         except OSError as e:
             raise FormatError(f"cannot write {f.name}: {_why(e)}") from None
+
+
+def _part_rows(layer: int, w, dtype: str, order) -> np.ndarray:
+    """One bundle part of every slot, (n_ff, row_bytes) uint8: a QTensor's rows as stored (its
+    dtype must be the part's), anything else quantized to dtype."""
+    if isinstance(w, QTensor):
+        if w.dtype != dtype:
+            raise FormatError(f"layer {layer}: a {w.dtype} FFN part cannot be stored as {dtype}")
+        return w.data if order is None else w.data[order]
+    if dtype == "q4_k":
+        raise FormatError(f"layer {layer}: q4_k FFN rows are copied from Q4_K source blocks, "
+                          "not quantized from floats")
+    return quantize_rows(np.ascontiguousarray(w if order is None else w[order], np.float32), dtype)
 
 
 def update_manifest(path: Path, **sections: dict) -> None:

@@ -23,6 +23,7 @@ from .bundle_format import ffn_parts, ffn_weight, required_tensors
 from .bundle_write import FlashWriter
 from .errors import FlashError, SourceError
 from .sources import open_source
+from .tensor import QTensor
 
 ProgressFn = Callable[[int, int], None]
 
@@ -45,6 +46,8 @@ def convert_source(source, out: Path, dtype: str, *, force: bool = False,
     """Write an opened Source (sources.Source protocol) as a flash model folder at out."""
     cfg = source.config
     dense, ffn = _plan(source)
+    if dtype == "q4_k":
+        _check_q4_k(source, ffn)
     nbytes = {n: 4 * math.prod(source.tensor_shape(n)) for n in source.tensor_names()}
     total, done = sum(nbytes.values()), 0
     tick = progress or (lambda done, total: None)
@@ -56,11 +59,33 @@ def convert_source(source, out: Path, dtype: str, *, force: bool = False,
             tick(done, total)
         for layer in range(cfg.n_layers):
             names = ffn[layer]
-            weights = {part: source.load(name) for part, name in names.items()}   # (n_ff, d) / (d, n_ff)
+            weights = {part: _ffn_part(source, name, part, dtype)
+                       for part, name in names.items()}   # (n_ff, d) / (d, n_ff), or QTensor
             w.add_ffn_layer(layer, weights.get("gate"), weights["up"], weights["down"])
             done += sum(nbytes[n] for n in names.values())
             tick(done, total)
         return w.finish()
+
+
+def _ffn_part(source, name: str, part: str, dtype: str):
+    """One FFN weight for the writer: f32, or for q4_k gate / up the source's Q4_K rows as is."""
+    if dtype == "q4_k" and part != "down":
+        rows, cols = source.tensor_shape(name)
+        return QTensor(source.load_blocks(name), "q4_k", rows, cols)
+    return source.load(name)
+
+
+def _check_q4_k(source, ffn: list[dict[str, str]]) -> None:
+    """SourceError unless every FFN gate / up weight is stored as Q4_K rows (q4_k copies them)."""
+    d = source.config.d_model
+    if d % 256:
+        raise SourceError(f"--dtype q4_k needs d_model a multiple of 256, this model has {d}")
+    for parts in ffn:
+        for part in ("gate", "up"):
+            name = parts.get(part)
+            if name and source.stored_type(name) != "Q4_K":
+                raise SourceError(f"--dtype q4_k copies Q4_K gate / up blocks, but {name} is "
+                                  f"{source.stored_type(name)} (use --dtype q4_1)")
 
 
 def _plan(source) -> tuple[list[str], list[dict[str, str]]]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import KernelError
-from .tensor import QTensor, dtype_code, row_bytes
+from .tensor import QTensor, companion, dtype_code, row_bytes
 
 try:
     from ._native import ffi, lib
@@ -237,8 +237,9 @@ def ffn_bundles(bundles: np.ndarray, dtype: str, d: int, glu: bool, act: str, x,
     """y (T, d) += the FFN over bundles (n, stride) [gate | up | down] (see flashllm.h).
 
     rows (m,) picks the bundle rows to use (default: all); a term whose |activation| is below
-    threshold is dropped (magnitude sparsity). q4_0 / q4_1 / q8_0 bundles take gate and up dot
-    products on int8-quantized x as matmul does, unless exact.
+    threshold is dropped (magnitude sparsity). q4_0 / q4_1 / q8_0 / q4_k bundles take gate and up
+    dot products on int8-quantized x as matmul does, unless exact. A q4_k bundle's down column
+    is a q4_1 row.
 
     act: "silu", "relu" or "gelu" (the exact erf GELU, Hugging Face "gelu"; not the tanh
     approximation "gelu_new" / "gelu_pytorch_tanh").
@@ -250,10 +251,10 @@ def ffn_bundles(bundles: np.ndarray, dtype: str, d: int, glu: bool, act: str, x,
             or not bundles.flags.c_contiguous:
         raise KernelError("bundles must be a C-contiguous (n, stride) uint8 array")
     n, stride = bundles.shape
-    parts = 3 if glu else 2
-    if stride < parts * row_bytes(dtype, d):
-        raise KernelError(f"bundle stride {stride} is below {parts} {dtype} rows of {d} "
-                          f"({parts * row_bytes(dtype, d)} bytes)")
+    used = (2 if glu else 1) * row_bytes(dtype, d) + row_bytes(companion(dtype), d)
+    if stride < used:
+        raise KernelError(f"bundle stride {stride} is below the {dtype} bundle of {d} values "
+                          f"({used} bytes)")
     xa = _as_f32(x, "x", 2)  # (T, d)
     if xa.shape[1] != d:
         raise KernelError(f"x must be (T, {d}), got {xa.shape}")

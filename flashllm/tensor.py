@@ -8,9 +8,17 @@ import numpy as np
 from .errors import KernelError
 
 # values are part of the on-disk format (native/flashllm.h, FL_F32 ..)
-DTYPE_CODES = {"f32": 0, "f16": 1, "q8_0": 2, "q4_0": 3, "q4_1": 4}
-BLOCK_SIZE = {"f32": 1, "f16": 1, "q8_0": 32, "q4_0": 32, "q4_1": 32}
-BLOCK_BYTES = {"f32": 4, "f16": 2, "q8_0": 34, "q4_0": 18, "q4_1": 20}
+DTYPE_CODES = {"f32": 0, "f16": 1, "q8_0": 2, "q4_0": 3, "q4_1": 4, "q4_k": 5}
+BLOCK_SIZE = {"f32": 1, "f16": 1, "q8_0": 32, "q4_0": 32, "q4_1": 32, "q4_k": 256}
+BLOCK_BYTES = {"f32": 4, "f16": 2, "q8_0": 34, "q4_0": 18, "q4_1": 20, "q4_k": 144}
+# a q4_k model keeps only gate / up rows in q4_k (ggml Q4_K blocks copied from the source): its
+# FFN down columns and its dense tensors are stored as q4_1
+COMPANION = {"q4_k": "q4_1"}
+
+
+def companion(dtype: str) -> str:
+    """The dtype of a model's FFN down columns and dense tensors (= dtype but for q4_k)."""
+    return COMPANION.get(dtype, dtype)
 
 
 def dtype_code(dtype: str) -> int:
@@ -24,7 +32,7 @@ def dtype_code(dtype: str) -> int:
 
 
 def row_bytes(dtype: str, n: int) -> int:
-    """Bytes of one row of n values in dtype (quantized dtypes need n % 32 == 0)."""
+    """Bytes of one row of n values in dtype (quantized dtypes need n % 32 == 0, q4_k % 256)."""
     dtype_code(dtype)
     block = BLOCK_SIZE[dtype]
     if n <= 0 or n % block:

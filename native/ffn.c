@@ -22,8 +22,9 @@
 /* the bundle layout and arguments shared by every bundle of one call */
 typedef struct {
     int64_t d, T;
-    size_t rb;
+    size_t rb;  // bytes of the gate and up rows (the down column follows the up row)
     int32_t dtype, glu, act;
+    int32_t ddt;  // dtype of the down column: dtype, q4_1 for q4_k bundles
     const int32_t *ids;
     const int32_t *rows;  // (m) bundle rows to use, NULL = every row in order
     const float *up_bias;
@@ -48,7 +49,7 @@ static void bundle_fused(const ffn_args *a, const uint8_t *bundle, int64_t i, fl
     const float u = fli_dot(a->dtype, up, a->x, a->d) + bias;
     const float h = a->glu ? activate(a->act, fli_dot(a->dtype, bundle, a->x, a->d)) * u
                            : activate(a->act, u);
-    if (h != 0.0f && fabsf(h) >= a->threshold) fli_axpy(a->dtype, up + a->rb, h, acc, a->d);
+    if (h != 0.0f && fabsf(h) >= a->threshold) fli_axpy(a->ddt, up + a->rb, h, acc, a->d);
 }
 
 /* the same for T > 1 tokens: the bundle is dequantized once into scratch (3, d) */
@@ -59,7 +60,7 @@ static void bundle_tokens(const ffn_args *a, const uint8_t *bundle, int64_t i, f
     if (a->glu) fli_dequant(a->dtype, bundle, gate, d);
     const uint8_t *up_q = bundle + (a->glu ? a->rb : 0);
     fli_dequant(a->dtype, up_q, up, d);
-    fli_dequant(a->dtype, up_q + a->rb, down, d);
+    fli_dequant(a->ddt, up_q + a->rb, down, d);
     const float bias = a->up_bias ? a->up_bias[a->ids ? a->ids[i] : i] : 0.0f;
     for (int64_t t = 0; t < a->T; t++) {
         const float *xt = a->x + t * d;  // (d)
@@ -132,12 +133,12 @@ static void range_q1(const ffn_args *a, const uint8_t *bundles, int64_t stride, 
             down[nq] = g.up[k] + a->rb;
             hq[nq++] = h[k];
             if (nq == FL_QT) {
-                fli_axpy4(a->dtype, down, hq, acc, a->d);
+                fli_axpy4(a->ddt, down, hq, acc, a->d);
                 nq = 0;
             }
         }
     }
-    for (int k = 0; k < nq; k++) fli_axpy(a->dtype, down[k], hq[k], acc, a->d);
+    for (int k = 0; k < nq; k++) fli_axpy(a->ddt, down[k], hq[k], acc, a->d);
 }
 
 /* 1 < T <= FL_QT, quantized: h (DOWN_K, T) of DOWN_K neurons from int8 tiles, their down
@@ -153,7 +154,7 @@ static void range_qt(const ffn_args *a, const uint8_t *bundles, int64_t stride, 
             group_at(a, bundles, stride, j, j1, &g);
             group_h(a, &g, 0, T, h + K * T, T, NULL);
             for (int k = 0; k < g.nr; k++)
-                fli_dequant(a->dtype, g.up[k] + a->rb, down + (K + k) * d, d);
+                fli_dequant(a->ddt, g.up[k] + a->rb, down + (K + k) * d, d);
             for (int k = g.nr; k < FL_QT; k++)
                 memset(down + (K + k) * d, 0, (size_t)d * sizeof(float));
         }
@@ -194,7 +195,7 @@ static void panel_h(const ffn_args *a, const uint8_t *bundles, int64_t stride, i
                                       : 0.0f;
     }
     for (int k = 0; k < FL_PR; k++) {
-        if (k < nr) fli_dequant(a->dtype, up[k] + a->rb, down + k * d, d);
+        if (k < nr) fli_dequant(a->ddt, up[k] + a->rb, down + k * d, d);
         else memset(down + k * d, 0, (size_t)d * sizeof(float));
     }
 }
@@ -306,7 +307,8 @@ static int indices_ok(const int32_t *idx, int64_t n, int64_t bound) {
 static uint8_t *quantize_x(int32_t dtype, int32_t exact, const float *x, int64_t T, int64_t d,
                            int32_t *status) {
     *status = FL_OK;
-    if (exact || (dtype != FL_Q4_0 && dtype != FL_Q4_1 && dtype != FL_Q8_0)) return NULL;
+    if (exact || (dtype != FL_Q4_0 && dtype != FL_Q4_1 && dtype != FL_Q8_0 && dtype != FL_Q4_K))
+        return NULL;
     const size_t xb = (size_t)fli_xq_bytes(d);
     uint8_t *xq = malloc((size_t)T * xb);
     if (!xq) *status = FL_ENOMEM;
@@ -319,8 +321,9 @@ int32_t fl_ffn_bundles(const uint8_t *bundles, int64_t n, int64_t stride, int32_
                        const float *up_bias, const int32_t *rows, int64_t n_rows,
                        float threshold, const float *x, int64_t T, float *y, int32_t exact,
                        int32_t n_threads) {
-    const size_t rb = fl_row_bytes(dtype, d);
-    if (rb == 0 || d <= 0 || n < 0 || stride < (int64_t)rb * (glu ? 3 : 2) || !x || !y ||
+    const int32_t ddt = dtype == FL_Q4_K ? FL_Q4_1 : dtype;
+    const size_t rb = fl_row_bytes(dtype, d), rd = fl_row_bytes(ddt, d);
+    if (rb == 0 || d <= 0 || n < 0 || stride < (int64_t)(rb * (glu ? 2 : 1) + rd) || !x || !y ||
         T <= 0 || n_threads < 1 || act < FL_ACT_SILU || act > FL_ACT_RELU ||
         !indices_ok(ids, n, INT32_MAX) || !indices_ok(rows, n_rows, n) || n_rows < 0 ||
         !(threshold >= 0.0f) || (n > 0 && !bundles))
@@ -328,8 +331,8 @@ int32_t fl_ffn_bundles(const uint8_t *bundles, int64_t n, int64_t stride, int32_
     int32_t status;
     uint8_t *xq = quantize_x(dtype, exact, x, T, d, &status);
     if (status != FL_OK) return status;
-    const ffn_args a = {d,    T, rb,        dtype, glu != 0, act, ids, rows, up_bias,
-                        x, threshold, xq, (size_t)fli_xq_bytes(d)};
+    const ffn_args a = {d,   T,       rb,   dtype, glu != 0, act,       ddt,
+                        ids, rows, up_bias, x,   threshold, xq, (size_t)fli_xq_bytes(d)};
     if (rows) n = n_rows;
     const int64_t useful = n / MIN_BUNDLES_PER_THREAD;
     const int32_t nt = useful < n_threads ? (int32_t)(useful > 1 ? useful : 1) : n_threads;

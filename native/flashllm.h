@@ -10,6 +10,12 @@
  *            value j (0..15) in the low nibble of byte j, value j+16 in the high nibble.
  *      q4_1: { f16 d; f16 m; uint8 nibbles[16]; } 20 bytes / 32 values, x = d * nibble + m,
  *            nibbles placed as in q4_0.
+ *      q4_k: ggml's block_q4_K, 144 bytes / 256 values: { f16 d; f16 dmin; uint8 scales[12];
+ *            uint8 qs[128]; }: 8 sub-blocks of 32 with 6-bit scale sc_j and min m_j packed in
+ *            scales as ggml's get_scale_min_k4; value i of sub-block j = d * sc_j * nibble -
+ *            dmin * m_j, its nibble the low (j even) or high (j odd) half of qs[32 * (j / 2) + i].
+ *            Rows need n a multiple of 256. fl_quantize_row does not make it (FL_EUNSUPPORTED):
+ *            q4_k rows are copied from Q4_K sources.
  *  - Threading is explicit: functions that take n_threads use at most that many threads.
  *  - The section between CDEF-BEGIN and CDEF-END is fed verbatim to cffi: no preprocessor there.
  */
@@ -32,7 +38,7 @@ enum {
 };
 
 /* storage dtypes (values are part of the on-disk format, see docs/FORMAT.md) */
-enum { FL_F32 = 0, FL_F16 = 1, FL_Q8_0 = 2, FL_Q4_0 = 3, FL_Q4_1 = 4 };
+enum { FL_F32 = 0, FL_F16 = 1, FL_Q8_0 = 2, FL_Q4_0 = 3, FL_Q4_1 = 4, FL_Q4_K = 5 };
 
 /* FFN activations */
 enum { FL_ACT_SILU = 0, FL_ACT_GELU = 1, FL_ACT_RELU = 2 };
@@ -47,7 +53,7 @@ int32_t fl_cpu_check(char *missing, size_t n);
 /* ---- quantization (quant.c) ---------------------------------------------------------------- */
 
 /* Bytes of one row of n values in dtype; 0 when dtype is unknown or n is not a multiple of the
- * block size (32) for a quantized dtype. */
+ * block size (32; 256 for q4_k) for a quantized dtype. */
 size_t fl_row_bytes(int32_t dtype, int64_t n);
 
 /* dst (n) f32 = dequantized src row (fl_row_bytes(dtype, n) bytes). */
@@ -70,10 +76,11 @@ int32_t fl_get_rows(const void *w, int32_t dtype, int64_t rows, int64_t cols,
 /* ---- dense ops (ops.c) ------------------------------------------------------------------- */
 
 /* y (T, rows) = x (T, cols) @ w (rows, cols)^T  [+ bias (rows) when bias != NULL]
- * For q4_0 / q4_1 / q8_0 weights each token of x is first quantized to int8 per block of 32
+ * For q4_0 / q4_1 / q8_0 / q4_k weights each token of x is first quantized to int8 per block of 32
  * (d = amax / 127 in f32, q = nearest-even(x / d): every value moves by at most d / 2) and the
  * block products are exact integer sums scaled by d_w * d (q4_1 adds m_w * d * sum(q), the
- * block sum llama.cpp's q8_1 keeps), as llama.cpp does; exact != 0 keeps
+ * block sum llama.cpp's q8_1 keeps; q4_k is q4_1 per 32-value sub-block with d_w = d * sc_j,
+ * m_w = -dmin * m_j in f32), as llama.cpp does; exact != 0 keeps
  * x in f32 instead (the dequantized weights times f32 x). f32 / f16 weights are always f32. */
 int32_t fl_matmul(const void *w, int32_t dtype, int64_t rows, int64_t cols, const float *bias,
                   const float *x, int64_t T, float *y, int32_t exact, int32_t n_threads);
@@ -103,7 +110,9 @@ int32_t fl_attention(const float *q, const void *k_cache, const void *v_cache, i
 /* ---- bundled FFN (ffn.c) ----------------------------------------------------------------- */
 
 /* One FFN neuron is one bundle of `stride` bytes: [gate row | up row | down column], each part
- * fl_row_bytes(dtype, d) bytes (no gate part when glu == 0), padding up to stride.
+ * fl_row_bytes(dtype, d) bytes (no gate part when glu == 0), padding up to stride. dtype q4_k
+ * (FL_Q4_K) bundles hold gate and up as q4_k rows and the down column as a q4_1 row:
+ * [q4_k gate | q4_k up | q4_1 down].
  *
  * y (T, d) += sum over the used bundles i of  a_i(x) * down_i, where for each token t
  *   glu:     a_i = act(gate_i . x_t) * (up_i . x_t + up_bias[id_i])
@@ -113,7 +122,7 @@ int32_t fl_attention(const float *q, const void *k_cache, const void *v_cache, i
  * (ids == NULL means bundle i is neuron i); up_bias (n_ff) or NULL; rows (n_rows) the bundle
  * rows to use, each in [0, n) (rows == NULL uses all n rows in order, n_rows is then ignored);
  * x (T, d); y (T, d) is accumulated into (the caller zeroes it or passes the residual).
- * q4_0 / q4_1 / q8_0 bundles: gate_i . x and up_i . x use int8-quantized x as fl_matmul does unless
+ * q4_0 / q4_1 / q8_0 / q4_k bundles: gate_i . x and up_i . x use int8-quantized x as fl_matmul does unless
  * exact != 0; the down columns are always applied in f32. */
 int32_t fl_ffn_bundles(const uint8_t *bundles, int64_t n, int64_t stride, int32_t dtype,
                        int64_t d, int32_t glu, int32_t act, const int32_t *ids,

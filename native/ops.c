@@ -156,7 +156,7 @@ int32_t fl_matmul(const void *w, int32_t dtype, int64_t rows, int64_t cols, cons
                   const float *x, int64_t T, float *y, int32_t exact, int32_t n_threads) {
     const size_t rb = fl_row_bytes(dtype, cols);
     if (!w || !x || !y || rb == 0 || rows <= 0 || T <= 0 || n_threads < 1) return FL_EINVAL;
-    if (!exact && (dtype == FL_Q4_0 || dtype == FL_Q4_1 || dtype == FL_Q8_0))
+    if (!exact && (dtype == FL_Q4_0 || dtype == FL_Q4_1 || dtype == FL_Q8_0 || dtype == FL_Q4_K))
         return matmul_q((const uint8_t *)w, dtype, rb, rows, cols, bias, x, T, y, n_threads);
     if (T == 1) {
         matvec((const uint8_t *)w, dtype, rb, rows, cols, bias, x, y, n_threads);

@@ -9,7 +9,9 @@
  * activations (the correction lanes of fli_xq_bytes): q4_0 uses the raw nibble (value + 8) and
  * subtracts 8 * sum(q); q8_0 under VNNI uses w + 128 (w ^ 0x80) and subtracts 128 * sum(q).
  * q4_1 (w = d_w * nibble + m_w) multiplies the raw nibbles and adds m_w * d * sum(q), the block
- * sum kept in the msum lanes (as llama.cpp's q8_1 keeps s = d * sum(q)).
+ * sum kept in the msum lanes (as llama.cpp's q8_1 keeps s = d * sum(q)). q4_k is q4_1 per 32-value
+ * sub-block (d_w = d * sc_j, m_w = -dmin * m_j, unpacked once per superblock and row, in f32); a
+ * pair of its sub-blocks is one 32-byte load, low nibbles then high.
  */
 #include <math.h>
 
@@ -36,6 +38,18 @@ static inline vi w_q8(const uint8_t *b) {  // blocks b, b + 34 -> 64 values + 12
     const __m256i c = _mm256_loadu_si256((const __m256i *)(b + 2 + FL_Q8_0_BYTES));
     return _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(a), c, 1),
                             _mm512_set1_epi8((char)0x80));
+}
+/* Q4_K sub-blocks j, j + 1 (j even) from their 32 nibble bytes qs -> 64 unsigned nibbles */
+static inline vi w_q4k(const uint8_t *qs, int64_t j) {
+    (void)j;
+    const __m256i a = _mm256_loadu_si256((const __m256i *)qs);
+    const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(a), _mm256_srli_epi16(a, 4), 1);
+    return _mm512_and_si512(z, _mm512_set1_epi8(0x0F));
+}
+static inline vs vs_blocks(__m256 s8, int64_t j) {  // [s8[j] x8 | s8[j + 1] x8]
+    const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32((int)j),
+                                         _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0));
+    return _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(s8));
 }
 static inline vs w_scale(const uint8_t *b, size_t bb) {  // [d_0 x8 | d_1 x8]
     uint16_t h0, h1;
@@ -81,6 +95,13 @@ static inline vi w_q8(const uint8_t *b) {
     const __m256i w = _mm256_loadu_si256((const __m256i *)(b + 2));
     return Q8_BIAS ? _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80)) : w;
 }
+static inline vi w_q4k(const uint8_t *qs, int64_t j) {  // Q4_K sub-block j: 32 nibbles
+    const __m256i a = _mm256_loadu_si256((const __m256i *)qs);
+    return _mm256_and_si256(j & 1 ? _mm256_srli_epi16(a, 4) : a, _mm256_set1_epi8(0x0F));
+}
+static inline vs vs_blocks(__m256 s8, int64_t j) {  // s8[j] x8
+    return _mm256_permutevar8x32_ps(s8, _mm256_set1_epi32((int)j));
+}
 static inline vs w_scale(const uint8_t *b, size_t bb) {
     (void)bb;
     return _mm256_set1_ps(fl_load_fp16(b));
@@ -115,6 +136,9 @@ static inline float vs_sum(vs a) { return fli_hsum256(a); }
 #define Q8_BIAS 0
 #endif
 
+/* weights with an offset per block (x = d_w * nibble + m_w): q4_1, and q4_k per sub-block */
+#define HAS_M(dt) ((dt) == FL_Q4_1 || (dt) == FL_Q4_K)
+
 #if G > 0
 /* the unsigned weight bytes dp multiplies, of G blocks from b */
 static inline vi w_load(int32_t dtype, const uint8_t *b) {
@@ -139,6 +163,15 @@ block_idot(int32_t dtype, const uint8_t *blk, const int8_t *q) {
         for (int j = 0; j < FL_QK / 2; j++)
             s += ((blk[2 + j] & 0x0F) - 8) * q[j] + ((blk[2 + j] >> 4) - 8) * q[j + FL_QK / 2];
     }
+    return s;
+}
+
+/* exact sum over Q4_K sub-block j (its nibble bytes qs) of nibble * q, plain C as above */
+__attribute__((noinline, optimize("no-tree-vectorize"))) static int32_t
+q4k_idot(const uint8_t *qs, int64_t j, const int8_t *q) {
+    int32_t s = 0;
+    const int shift = 4 * (int)(j & 1);
+    for (int i = 0; i < FL_QK; i++) s += ((qs[i] >> shift) & 0x0F) * q[i];
     return s;
 }
 
@@ -203,7 +236,7 @@ void fli_xq_quantize(int32_t dtype, const float *x, int64_t n, uint8_t *buf) {
     float *scale = (float *)(buf + n);                        // (nb, 8)
     int32_t *corr = (int32_t *)(scale + nb * FL_XQ_LANES);     // (nb, 8)
     float *msum = (float *)(corr + nb * FL_XQ_LANES);           // (nb, 8)
-    const int32_t bias = dtype == FL_Q4_0 ? 8 : dtype == FL_Q4_1 ? 0 : Q8_BIAS;
+    const int32_t bias = dtype == FL_Q4_0 ? 8 : HAS_M(dtype) ? 0 : Q8_BIAS;
     for (int64_t b = 0; b < nb; b++) {
         int32_t sum;
         const float d = quantize_block(x + b * FL_QK, q + b * FL_QK, &sum);
@@ -239,6 +272,15 @@ static inline __attribute__((always_inline)) void tail_rc(int32_t dtype, const u
     for (int r = 0; r < R; r++)
         for (int t = 0; t < C; t++)
             for (int64_t b = b0; b < nb; b++) {
+                if (dtype == FL_Q4_K) {
+                    float sc[8], mn[8];
+                    const uint8_t *sb = w[r] + (b / 8) * FL_Q4_K_BYTES;
+                    fli_q4k_scales(sb, sc, mn);
+                    out[r][t] += sc[b % 8] * x[t].scale[b * FL_XQ_LANES] *
+                                 (float)q4k_idot(fli_q4k_qs(sb, b % 8), b % 8, x[t].q + b * FL_QK);
+                    out[r][t] += mn[b % 8] * x[t].msum[b * FL_XQ_LANES];
+                    continue;
+                }
                 const uint8_t *blk = w[r] + b * bb;
                 out[r][t] += fl_load_fp16(blk) * x[t].scale[b * FL_XQ_LANES] *
                              (float)block_idot(dtype, blk, x[t].q + b * FL_QK);
@@ -257,17 +299,25 @@ static inline __attribute__((always_inline)) void tile_rc(int32_t dtype, const u
 #if G > 0
     const size_t bb = fli_block_bytes(dtype);
     vs acc[FL_QT][FL_QT];
+    __m256 ks[FL_QT], km[FL_QT];  // q4_k: each row's superblock d * sc_j, -dmin * m_j
+    for (int r = 0; r < FL_QT; r++) ks[r] = km[r] = _mm256_setzero_ps();
     for (int r = 0; r < R; r++)
         for (int t = 0; t < C; t++) acc[r][t] = vs_zero();
     for (; b + G <= nb; b += G) {
         vi wv[FL_QT];
-        vs ws[FL_QT], wm[FL_QT];  // wm: q4_1's m_w lanes
+        vs ws[FL_QT], wm[FL_QT];  // wm: q4_1's / q4_k's m_w lanes
         for (int r = 0; r < R; r++) {
             if (EX) {
                 const xq_view e = view(ex[r], nb * FL_QK);
                 wv[r] = vi_load(e.q + b * FL_QK);
                 ws[r] = vs_load(e.scale + b * FL_XQ_LANES);
-                if (dtype == FL_Q4_1) wm[r] = vs_load(e.msum + b * FL_XQ_LANES);
+                if (HAS_M(dtype)) wm[r] = vs_load(e.msum + b * FL_XQ_LANES);
+            } else if (dtype == FL_Q4_K) {  // sub-blocks b .. b+G-1 of superblock b / 8
+                const uint8_t *sb = w[r] + (b / 8) * FL_Q4_K_BYTES;
+                if (b % 8 == 0) fli_q4k_scales8(sb, &ks[r], &km[r]);
+                wv[r] = w_q4k(fli_q4k_qs(sb, b % 8), b % 8);
+                ws[r] = vs_blocks(ks[r], b % 8);
+                wm[r] = vs_blocks(km[r], b % 8);
             } else {
                 wv[r] = w_load(dtype, w[r] + b * bb);
                 ws[r] = w_scale(w[r] + b * bb, bb);
@@ -278,10 +328,10 @@ static inline __attribute__((always_inline)) void tile_rc(int32_t dtype, const u
             const vi xv = vi_load(x[t].q + b * FL_QK);
             const vi cv = vi_load(x[t].corr + b * FL_XQ_LANES);
             const vs xs = vs_load(x[t].scale + b * FL_XQ_LANES);
-            const vs xm = dtype == FL_Q4_1 ? vs_load(x[t].msum + b * FL_XQ_LANES) : vs_zero();
+            const vs xm = HAS_M(dtype) ? vs_load(x[t].msum + b * FL_XQ_LANES) : vs_zero();
             for (int r = 0; r < R; r++) {
                 acc[r][t] = acc_block(dp(dtype, cv, wv[r], xv), vs_mul(ws[r], xs), acc[r][t]);
-                if (dtype == FL_Q4_1) acc[r][t] = vs_fma(wm[r], xm, acc[r][t]);
+                if (HAS_M(dtype)) acc[r][t] = vs_fma(wm[r], xm, acc[r][t]);
             }
         }
     }
@@ -297,6 +347,10 @@ static inline __attribute__((always_inline)) void tile_rc(int32_t dtype, const u
 
 void fli_wx_expand(int32_t dtype, const uint8_t *w, int64_t n, uint8_t *buf) {
 #if G > 0
+    if (dtype == FL_Q4_K) {
+        fli_q4k_expand(w, n, buf);
+        return;
+    }
     const size_t bb = fli_block_bytes(dtype);
     const int64_t nb = n / FL_QK;
     float *scale = (float *)(buf + n);                    // (nb, FL_XQ_LANES)
@@ -320,14 +374,17 @@ void fli_qdot_tile(int32_t dtype, const uint8_t *const w[FL_QT], const uint8_t *
     if (n_tok == 1) {
         if (dtype == FL_Q8_0) tile_rc(FL_Q8_0, w, ex, 0, FL_QT, xv, 1, nb, out);
         else if (dtype == FL_Q4_1) tile_rc(FL_Q4_1, w, ex, 0, FL_QT, xv, 1, nb, out);
+        else if (dtype == FL_Q4_K) tile_rc(FL_Q4_K, w, ex, 0, FL_QT, xv, 1, nb, out);
         else tile_rc(FL_Q4_0, w, ex, 0, FL_QT, xv, 1, nb, out);
     } else if (ex) {
         if (dtype == FL_Q8_0) tile_rc(FL_Q8_0, w, ex, 1, FL_QT, xv, FL_QT, nb, out);
         else if (dtype == FL_Q4_1) tile_rc(FL_Q4_1, w, ex, 1, FL_QT, xv, FL_QT, nb, out);
+        else if (dtype == FL_Q4_K) tile_rc(FL_Q4_K, w, ex, 1, FL_QT, xv, FL_QT, nb, out);
         else tile_rc(FL_Q4_0, w, ex, 1, FL_QT, xv, FL_QT, nb, out);
     } else {
         if (dtype == FL_Q8_0) tile_rc(FL_Q8_0, w, ex, 0, FL_QT, xv, FL_QT, nb, out);
         else if (dtype == FL_Q4_1) tile_rc(FL_Q4_1, w, ex, 0, FL_QT, xv, FL_QT, nb, out);
+        else if (dtype == FL_Q4_K) tile_rc(FL_Q4_K, w, ex, 0, FL_QT, xv, FL_QT, nb, out);
         else tile_rc(FL_Q4_0, w, ex, 0, FL_QT, xv, FL_QT, nb, out);
     }
 }
@@ -337,6 +394,7 @@ float fli_qdot(int32_t dtype, const uint8_t *w, const uint8_t *x, int64_t n) {
     const xq_view xv = view(x, n);
     if (dtype == FL_Q8_0) tile_rc(FL_Q8_0, &w, NULL, 0, 1, &xv, 1, n / FL_QK, out);
     else if (dtype == FL_Q4_1) tile_rc(FL_Q4_1, &w, NULL, 0, 1, &xv, 1, n / FL_QK, out);
+    else if (dtype == FL_Q4_K) tile_rc(FL_Q4_K, &w, NULL, 0, 1, &xv, 1, n / FL_QK, out);
     else tile_rc(FL_Q4_0, &w, NULL, 0, 1, &xv, 1, n / FL_QK, out);
     return out[0][0];
 }

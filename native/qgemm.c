@@ -11,6 +11,9 @@
  * block (+ one FMA m_w * d_x * sum(q) for q4_1): ~1.5 vector ops per 64 multiply-adds, against
  * ~5 for the 4x4 tiles of qdot.c, whose lanes hold values of one row.
  *
+ * q4_k packs its sub-blocks into the same records (d_w = d * sc_j, m_w = -dmin * m_j, f32), so
+ * its GEMM is q4_1's.
+ *
  * Other builds: the panel is the 16 raw rows and their fli_wx_expand copies, and the GEMM runs the
  * FL_QT x FL_QT tiles of qdot.c (same results up to f32 summation order).
  */
@@ -83,8 +86,43 @@ static void pack_block(int32_t dtype, const uint8_t *const w[FL_PR], size_t bb, 
     _mm512_storeu_ps(rec + 576, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)dm[1])));
 }
 
+/* the same for q4_k sub-block b: its 32 nibble bytes give values 0..15 (bytes 0..15) and
+ * 16..31 (bytes 16..31), low nibbles for even b, high for odd; d_w, m_w (FL_PR rows) in f32 */
+static void pack_block_q4k(const uint8_t *const w[FL_PR], int64_t b, const float *dw,
+                           const float *mw, uint8_t *rec) {
+    __m512i v[4], h[4], q[8];
+    const __m512i lo = _mm512_set1_epi8(0x0F);
+    const __m128i shift = _mm_cvtsi32_si128(4 * (int)(b & 1));
+    const size_t off = (size_t)(b / 8) * FL_Q4_K_BYTES + 16 + 32 * (size_t)(b % 8 / 2);  // qs
+    for (int g = 0; g < 4; g++) {
+        v[g] = _mm512_and_si512(_mm512_srl_epi16(rows4(w + 4 * g, off), shift), lo);
+        h[g] = _mm512_and_si512(_mm512_srl_epi16(rows4(w + 4 * g, off + 16), shift), lo);
+    }
+    transpose16x4(v, q);
+    transpose16x4(h, q + 4);
+    for (int k = 0; k < 8; k++) _mm512_storeu_si512(rec + 64 * k, q[k]);
+    memcpy(rec + 512, dw, FL_PR * sizeof(float));
+    memcpy(rec + 576, mw, FL_PR * sizeof(float));
+}
+
+/* every q4_k block of a panel: each row's scales unpacked once per superblock */
+static void pack_q4k(const uint8_t *const w[FL_PR], int64_t n, uint8_t *buf) {
+    float sc[FL_PR][8], mn[FL_PR][8], dw[8][FL_PR], mw[8][FL_PR];  // (row, j), (j, row)
+    for (int64_t s = 0; s < n / FL_QK_K; s++) {
+        for (int r = 0; r < FL_PR; r++) fli_q4k_scales(w[r] + s * FL_Q4_K_BYTES, sc[r], mn[r]);
+        for (int j = 0; j < 8; j++)
+            for (int r = 0; r < FL_PR; r++) dw[j][r] = sc[r][j], mw[j][r] = mn[r][j];
+        for (int j = 0; j < 8; j++)
+            pack_block_q4k(w, 8 * s + j, dw[j], mw[j], buf + (size_t)(8 * s + j) * REC);
+    }
+}
+
 void fli_panel_pack(int32_t dtype, const uint8_t *const w[FL_PR], int64_t n, uint8_t *buf) {
     const size_t bb = fli_block_bytes(dtype);
+    if (dtype == FL_Q4_K) {
+        pack_q4k(w, n, buf);
+        return;
+    }
     for (int64_t b = 0; b < n / FL_QK; b++) pack_block(dtype, w, bb, b, buf + (size_t)b * REC);
 }
 
@@ -143,7 +181,7 @@ static inline __attribute__((always_inline)) void gemm_dt(int32_t dtype, const u
 
 void fli_panel_gemm(int32_t dtype, const uint8_t *panel, const uint8_t *x, size_t xb, int64_t T,
                     int64_t n, float *out, int64_t ld) {
-    if (dtype == FL_Q4_1) gemm_dt(FL_Q4_1, panel, x, xb, T, n, out, ld);
+    if (dtype == FL_Q4_1 || dtype == FL_Q4_K) gemm_dt(FL_Q4_1, panel, x, xb, T, n, out, ld);
     else if (dtype == FL_Q8_0) gemm_dt(FL_Q8_0, panel, x, xb, T, n, out, ld);
     else gemm_dt(FL_Q4_0, panel, x, xb, T, n, out, ld);
 }

@@ -19,6 +19,7 @@ size_t fl_row_bytes(int32_t dtype, int64_t n) {
     case FL_Q8_0: return n % FL_QK ? 0 : (size_t)(n / FL_QK) * FL_Q8_0_BYTES;
     case FL_Q4_0: return n % FL_QK ? 0 : (size_t)(n / FL_QK) * FL_Q4_0_BYTES;
     case FL_Q4_1: return n % FL_QK ? 0 : (size_t)(n / FL_QK) * FL_Q4_1_BYTES;
+    case FL_Q4_K: return n % FL_QK_K ? 0 : (size_t)(n / FL_QK_K) * FL_Q4_K_BYTES;
     default: return 0;
     }
 }
@@ -141,6 +142,7 @@ static void quantize_block_q4_1(const float *x, uint8_t *blk) {
 
 int32_t fl_quantize_row(int32_t dtype, const float *src, void *dst, int64_t n) {
     if (!row_args_ok(dtype, src, dst, n)) return FL_EINVAL;
+    if (dtype == FL_Q4_K) return FL_EUNSUPPORTED;  // q4_k rows are copied from Q4_K sources
     uint8_t *out = (uint8_t *)dst;
     switch (dtype) {
     case FL_F32:

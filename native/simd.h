@@ -20,6 +20,8 @@
 #define FL_Q8_0_BYTES 34  /* f16 scale + 32 int8 */
 #define FL_Q4_0_BYTES 18  /* f16 scale + 16 bytes of nibbles */
 #define FL_Q4_1_BYTES 20  /* f16 scale + f16 min + 16 bytes of nibbles */
+#define FL_QK_K 256       /* values per Q4_K superblock: 8 sub-blocks of FL_QK */
+#define FL_Q4_K_BYTES 144 /* f16 d, f16 dmin, 12 bytes of 6-bit scales / mins, 128 of nibbles */
 #define FL_QT 4           /* weight rows x tokens of one int8 tile (fli_qdot_tile) */
 #define FL_XQ_LANES 8     /* f32 / int32 lanes per block in a quantized token's side arrays */
 #define FL_PR 16          /* weight rows of one int8 GEMM panel (qgemm.c) */
@@ -90,6 +92,53 @@ static inline size_t fli_block_bytes(int32_t dtype) {
     return dtype == FL_Q8_0 ? FL_Q8_0_BYTES : dtype == FL_Q4_1 ? FL_Q4_1_BYTES : FL_Q4_0_BYTES;
 }
 
+/* Q4_K superblock sb: the bytes of u (4) = its 6-bit scales sc_0..7 then mins m_0..7, unpacked
+ * from scales[12] four at a time with 32-bit masks as ggml's AVX2 q4_K dot does (the values of
+ * get_scale_min_k4) */
+static inline void fli_q4k_unpack(const uint8_t *sb, uint32_t u[4]) {
+    uint32_t a, b, c;  // scales bytes 0..3, 4..7, 8..11
+    memcpy(&a, sb + 4, 4);
+    memcpy(&b, sb + 8, 4);
+    memcpy(&c, sb + 12, 4);
+    u[0] = a & 0x3f3f3f3fu;
+    u[1] = (c & 0x0f0f0f0fu) | (((a >> 6) & 0x03030303u) << 4);
+    u[2] = b & 0x3f3f3f3fu;
+    u[3] = ((c >> 4) & 0x0f0f0f0fu) | (((b >> 6) & 0x03030303u) << 4);
+}
+
+/* sc (8) = d * sc_j and mn (8) = -(dmin * m_j) of superblock sb's 32-value sub-blocks, so
+ * value i of sub-block j is sc[j] * nibble + mn[j] */
+static inline void fli_q4k_scales(const uint8_t *sb, float sc[8], float mn[8]) {
+    uint32_t u[4];
+    uint8_t q[16];  // sc_0..7, m_0..7
+    fli_q4k_unpack(sb, u);
+    memcpy(q, u, sizeof q);
+    const float d = fl_load_fp16(sb), dmin = fl_load_fp16(sb + 2);
+    for (int j = 0; j < 8; j++) {
+        sc[j] = d * (float)q[j];
+        mn[j] = -(dmin * (float)q[8 + j]);
+    }
+}
+
+#if defined(__AVX2__) && defined(__F16C__)
+/* Q4_K superblock sb: *sc (8) = d * sc_j, *mn (8) = -dmin * m_j (fli_q4k_scales in vectors) */
+static inline void fli_q4k_scales8(const uint8_t *sb, __m256 *sc, __m256 *mn) {
+    uint32_t u[4];
+    fli_q4k_unpack(sb, u);
+    const __m128i v = _mm_setr_epi32((int)u[0], (int)u[1], (int)u[2], (int)u[3]);  // sc, m bytes
+    *sc = _mm256_mul_ps(_mm256_set1_ps(fl_load_fp16(sb)),
+                        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)));
+    *mn = _mm256_mul_ps(_mm256_set1_ps(-fl_load_fp16(sb + 2)),
+                        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))));
+}
+#endif
+
+/* the 32 nibble bytes of sub-block j of Q4_K superblock sb: its values are their low nibbles
+ * (j even) or high nibbles (j odd) */
+static inline const uint8_t *fli_q4k_qs(const uint8_t *sb, int64_t j) {
+    return sb + 16 + 32 * (j / 2);
+}
+
 /* ask the cache for the n bytes at p (into every level: NTA hints evicted data we reuse) */
 static inline void fli_prefetch(const uint8_t *p, size_t n) {
     for (size_t off = 0; off < n; off += 64) __builtin_prefetch(p + off, 0, 3);
@@ -107,6 +156,14 @@ float fli_dot(int32_t dtype, const uint8_t *row, const float *x, int64_t n);
 
 /* y (n) += a * row */
 void fli_axpy(int32_t dtype, const uint8_t *row, float a, float *y, int64_t n);
+
+/* q4k.c: Q4_K rows (n a multiple of FL_QK_K), plain C: dst (n) = dequantized row; row . x;
+ * y (n) += a * row */
+void fli_q4k_dequant(const uint8_t *row, float *dst, int64_t n);
+float fli_q4k_dot(const uint8_t *row, const float *x, int64_t n);
+void fli_q4k_axpy(const uint8_t *row, float a, float *y, int64_t n);
+/* fli_wx_expand of a Q4_K row: per 32-value sub-block its nibbles, d * sc_j, -dmin * m_j */
+void fli_q4k_expand(const uint8_t *w, int64_t n, uint8_t *buf);
 
 /* f32 dot of two contiguous vectors (n) */
 float fli_dot_f32(const float *a, const float *b, int64_t n);
@@ -127,7 +184,7 @@ void fli_axpy4(int32_t dtype, const uint8_t *const rows[FL_QT], const float a[FL
 void fli_down_f32(const float *h, int64_t ldh, const float *down, int64_t K, int64_t d, float *y,
                   int64_t T);
 
-/* ---- qdot.c: int8 activations against q4_0 / q4_1 / q8_0 weights (n a multiple of 32) ---------- */
+/* ---- qdot.c: int8 activations against q4_0 / q4_1 / q8_0 / q4_k weights (n a multiple of 32) ---------- */
 
 /* Bytes of one token's quantized activations: int8 q (n), then per block FL_XQ_LANES f32 copies
  * of its scale, FL_XQ_LANES int32 (a correction in lane 0, zeros) and FL_XQ_LANES f32 (d * sum(q)

@@ -183,6 +183,7 @@ float fli_dot(int32_t dtype, const uint8_t *row, const float *x, int64_t n) {
     case FL_F16: return dot_plain(FL_F16, row, x, n);
     case FL_Q8_0: return dot_blocks(FL_Q8_0, row, x, n);
     case FL_Q4_1: return dot_blocks(FL_Q4_1, row, x, n);
+    case FL_Q4_K: return fli_q4k_dot(row, x, n);
     default: return dot_blocks(FL_Q4_0, row, x, n);
     }
 }
@@ -215,6 +216,7 @@ void fli_axpy(int32_t dtype, const uint8_t *row, float a, float *y, int64_t n) {
     case FL_F16: axpy_plain(FL_F16, row, a, y, n); break;
     case FL_Q8_0: axpy_blocks(FL_Q8_0, row, a, y, n); break;
     case FL_Q4_1: axpy_blocks(FL_Q4_1, row, a, y, n); break;
+    case FL_Q4_K: fli_q4k_axpy(row, a, y, n); break;
     default: axpy_blocks(FL_Q4_0, row, a, y, n); break;
     }
 }
@@ -243,6 +245,7 @@ void fli_dequant(int32_t dtype, const uint8_t *row, float *dst, int64_t n) {
     }
     case FL_Q8_0: dequant_blocks(FL_Q8_0, row, dst, n); break;
     case FL_Q4_1: dequant_blocks(FL_Q4_1, row, dst, n); break;
+    case FL_Q4_K: fli_q4k_dequant(row, dst, n); break;
     default: dequant_blocks(FL_Q4_0, row, dst, n); break;
     }
 }
@@ -297,6 +300,9 @@ void fli_axpy4(int32_t dtype, const uint8_t *const rows[FL_QT], const float a[FL
     case FL_F16: axpy4_plain(FL_F16, rows, a, y, n); break;
     case FL_Q8_0: axpy4_blocks(FL_Q8_0, rows, a, y, n); break;
     case FL_Q4_1: axpy4_blocks(FL_Q4_1, rows, a, y, n); break;
+    case FL_Q4_K:
+        for (int r = 0; r < FL_QT; r++) fli_q4k_axpy(rows[r], a[r], y, n);
+        break;
     default: axpy4_blocks(FL_Q4_0, rows, a, y, n); break;
     }
 }

@@ -6,7 +6,9 @@
 Decode (T = 1) is memory-bandwidth bound, so the figure of merit is weight bytes per second
 (GMAC/s = multiply-adds per second, the figure for T > 1, e.g. --T 64 for prefill). numpy's row
 is the same work on the f32 weight (its bytes count as f32; numpy uses its BLAS's own thread
-count). q4_0 / q4_1 / q8_0 run twice: "int8" (activations quantized to int8, the default) and
+count). q4_k (cols a multiple of 256, e.g. --shapes 8960x1536 --ffn 8960x1536) has no quantizer:
+its rows are random Q4_K blocks of the same size (speed does not depend on the values), its FFN
+bundles [q4_k gate | q4_k up | q4_1 down]. q4_0 / q4_1 / q8_0 / q4_k run twice: "int8" (activations quantized to int8, the default) and
 "f32 x" (exact=True). The first line is this machine's DRAM read bandwidth as one numpy thread sees it
 (a sum over 1 GiB), the ceiling for the T = 1 GB/s column.
 """
@@ -19,7 +21,7 @@ import numpy as np
 
 from flashllm import kernel
 from flashllm.quant import quantize_rows
-from flashllm.tensor import QTensor
+from flashllm.tensor import QTensor, companion
 
 
 def _best_seconds(fn, budget: float = 0.6, max_runs: int = 200) -> float:
@@ -34,6 +36,21 @@ def _best_seconds(fn, budget: float = 0.6, max_runs: int = 200) -> float:
     return best
 
 
+def _rows(w: np.ndarray, dtype: str) -> np.ndarray:
+    """w (rows, cols) f32 in dtype, (rows, row_bytes) uint8; q4_k: random Q4_K blocks."""
+    if dtype != "q4_k":
+        return quantize_rows(w, dtype)
+    rows, nb = w.shape[0], w.shape[1] // 256
+    blk = np.random.default_rng(2).integers(0, 256, (rows, nb, 144), dtype=np.uint8)
+    scale = np.full((rows, nb, 2), 1e-3, np.float16)                     # d, dmin
+    blk[..., :4] = scale.view(np.uint8).reshape(rows, nb, 4)
+    return blk.reshape(rows, nb * 144)
+
+
+def _dtypes(cols: int) -> tuple[str, ...]:
+    return ("f32", "f16", "q8_0", "q4_0", "q4_1") + (("q4_k",) if cols % 256 == 0 else ())
+
+
 def bench_shape(rows: int, cols: int, t: int, threads: list[int]) -> None:
     rng = np.random.default_rng(0)
     w = rng.standard_normal((rows, cols), dtype=np.float32)  # (rows, cols)
@@ -43,8 +60,8 @@ def bench_shape(rows: int, cols: int, t: int, threads: list[int]) -> None:
     macs = rows * cols * t
     sec = _best_seconds(lambda: x @ w.T)
     _row("numpy f32", "-", sec * 1e3, w.nbytes / sec / 1e9, macs / sec / 1e9)
-    for dtype in ("f32", "f16", "q8_0", "q4_0", "q4_1"):
-        q = QTensor(quantize_rows(w, dtype), dtype, rows, cols)
+    for dtype in _dtypes(cols):
+        q = QTensor(_rows(w, dtype), dtype, rows, cols)
         for exact in (False, True) if dtype.startswith("q") else (True,):
             name = dtype + ("" if not dtype.startswith("q") else " f32 x" if exact else " int8")
             for n in threads:
@@ -73,9 +90,10 @@ def bench_ffn(n_ff: int, d: int, t: int, threads: list[int]) -> None:
 
     sec = _best_seconds(numpy_ffn)
     _row("numpy f32", "-", sec * 1e3, 3 * gate.nbytes / sec / 1e9, macs / sec / 1e9)
-    for dtype in ("f32", "f16", "q8_0", "q4_0", "q4_1"):
+    for dtype in _dtypes(d):
         bundles = np.ascontiguousarray(np.concatenate(
-            [quantize_rows(m, dtype) for m in (gate, up, down)], axis=1))  # (n_ff, stride)
+            [_rows(gate, dtype), _rows(up, dtype), quantize_rows(down, companion(dtype))],
+            axis=1))  # (n_ff, stride)
         for exact in (False, True) if dtype.startswith("q") else (True,):
             name = dtype + ("" if not dtype.startswith("q") else " f32 x" if exact else " int8")
             for n in threads:

@@ -32,6 +32,7 @@ from flashllm.model import Model
 from flashllm.perplexity import bos_to_add, perplexity
 from flashllm.quant import dequantize_rows
 from flashllm.registry import resolve_model
+from flashllm.tensor import companion, row_bytes
 from flashllm.tokenizer import Tokenizer
 
 
@@ -42,7 +43,9 @@ class GateMaskFfn:
     def __init__(self, flash, weights: list, thresholds: list):
         self.weights, self.thresholds = weights, thresholds        # FfnWeights per layer
         pb, f = flash.ffn.part_bytes, flash.ffn
-        self.down = [dequantize_rows(flash.read_ffn_layer(l)[:, 2 * pb:3 * pb], f.dtype, f.d_model)
+        dt = companion(f.dtype)                                   # q4_k bundles: down in q4_1
+        db = row_bytes(dt, f.d_model)
+        self.down = [dequantize_rows(flash.read_ffn_layer(l)[:, 2 * pb:2 * pb + db], dt, f.d_model)
                      for l in range(flash.config.n_layers)]      # each (n_ff, d_model)
 
     def __call__(self, layer: int, h: np.ndarray, x: np.ndarray) -> None:

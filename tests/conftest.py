@@ -28,7 +28,8 @@ def hf_tiny(tmp_path_factory):
 # ---- real models (llama.cpp parity) -----------------------------------------------------------
 
 # models.toml name -> file name in the local models folder, used when present instead of a pull
-LOCAL_GGUF = {"smollm2-135m": "smollm2-135m.gguf", "qwen2.5-coder-0.5b": "qwen05.gguf"}
+LOCAL_GGUF = {"smollm2-135m": "smollm2-135m.gguf", "qwen2.5-coder-0.5b": "qwen05.gguf",
+              "qwen2.5-coder-1.5b": "qwen15.gguf"}
 
 
 def local_models_dir() -> Path:

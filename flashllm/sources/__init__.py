@@ -41,6 +41,15 @@ class Source(ABC):
     def load(self, name: str) -> np.ndarray:
         """The tensor as a new float32 array in HF semantics."""
 
+    def stored_type(self, name: str) -> str:
+        """The source's own storage type of a tensor (a ggml type name such as "Q4_K" for GGUF,
+        else e.g. "F32"); only `load_blocks` of a block-quantized type gives its bytes."""
+        return "F32"
+
+    def load_blocks(self, name: str) -> np.ndarray:
+        """A 2-D tensor's stored bytes, unconverted: (rows, bytes per row) uint8."""
+        raise SourceError(f"{self.path}: tensor {name!r} has no stored blocks to copy")
+
     @abstractmethod
     def close(self) -> None:
         """Release file handles and maps; the source is unusable afterwards."""

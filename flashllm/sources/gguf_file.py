@@ -113,6 +113,17 @@ class GGUFSource(Source):
     def tensor_shape(self, name: str) -> tuple[int, ...]:
         return self._shape_of(name)
 
+    def stored_type(self, name: str) -> str:
+        self._shape_of(name)
+        return self._tensors[name].tensor_type.name
+
+    def load_blocks(self, name: str) -> np.ndarray:
+        shape = self._shape_of(name)
+        t = self._tensors[name]
+        if len(shape) != 2 or t.data.ndim != 2 or t.data.shape[0] != shape[0]:
+            raise SourceError(f"{self.path}: tensor {name!r} is not stored as rows of blocks")
+        return np.ascontiguousarray(t.data).view(np.uint8).reshape(shape[0], -1)  # (rows, bytes)
+
     def load(self, name: str) -> np.ndarray:
         shape = self._shape_of(name)
         t = self._tensors[name]
