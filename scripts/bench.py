@@ -33,9 +33,10 @@ from cgroup_run import CgroupUnavailable, run_capped, unavailable_reason  # noqa
 
 MiB = 1 << 20
 # name -> (local GGUF file name, flash dtype); the GGUF is looked up in --models-dir, else pulled.
-# q4_1 re-quantizes the GGUFs' Q4_K sub-blocks (1.5B) and Q4_1 blocks (SmolLM2) exactly: the 1.5B's
-# perplexity is x1.02 of llama.cpp's on Q4_K_M at q4_1, x1.07 at q4_0 (BENCHMARKS.md "## Quality")
-MODELS = {"qwen2.5-coder-1.5b": ("qwen15.gguf", "q4_1"), "smollm2-135m": ("smollm2-135m.gguf", "q4_1")}
+# q4_k copies the 1.5B's Q4_K gate/up blocks (2688-byte bundles, q4_1's 2880: -6.7% read per token, the
+# same perplexity: x1.028 of llama.cpp's at s = 0.5, q4_1 x1.026); q4_1 re-quantizes SmolLM2's Q4_1
+# blocks exactly (its d_model 576 is no multiple of 256, which Q4_K needs). BENCHMARKS.md "## Quality"
+MODELS = {"qwen2.5-coder-1.5b": ("qwen15.gguf", "q4_k"), "smollm2-135m": ("smollm2-135m.gguf", "q4_1")}
 QWEN_CAPS = [None, 560 * MiB, 280 * MiB]          # issue 4/5: unlimited / 560 MiB / 280 MiB
 
 
