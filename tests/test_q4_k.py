@@ -8,7 +8,6 @@ kernel makes: d = amax / 127, q = nearest-even). The converter: a small Q4_K GGU
 and the real Qwen2.5-Coder-1.5B Q4_K_M GGUF (its first two layers, when the file is available).
 """
 import dataclasses
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +26,7 @@ from flashllm.errors import KernelError, SourceError
 from flashllm.quant import dequantize_rows, quantize_rows
 from flashllm.sources import open_source
 from flashllm.tensor import QTensor, row_bytes
-from test_kernel_isa import CPU_FLAGS, ISAS, _cpu_has
+from test_kernel_isa import ISAS, isa_compiler
 
 ROOT = Path(__file__).resolve().parent.parent
 D, FF = 512, 48  # d_model (2 superblocks), neurons
@@ -125,11 +124,7 @@ def test_matmul_against_numpy(T):
 # ---- every instruction set ----------------------------------------------------------------
 
 def _isa_lib(isa: str, tmp: Path):
-    cc = shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        pytest.skip("no C compiler")
-    if not _cpu_has(CPU_FLAGS[isa]):
-        pytest.skip(f"this CPU cannot run {isa} code")
+    cc = isa_compiler(isa)
     so = tmp / f"flashllm_{isa}.so"
     subprocess.run([cc, "-O2", "-std=c11", "-Wall", "-Wextra", "-Werror", "-D_GNU_SOURCE",
                     "-fopenmp", "-shared", "-fPIC", "-Inative", *ISAS[isa],
