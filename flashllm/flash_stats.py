@@ -18,10 +18,8 @@ FIELDS = ("bytes_read", "bytes_requested", "gap_bytes", "reads", "read_s", "ring
 
 def reader_delta(before, after) -> dict:
     """TokenStats counters of the reads between two Reader.stats() snapshots."""
-    return {"bytes_read": after.bytes_read - before.bytes_read,
-            "bytes_requested": after.bytes_requested - before.bytes_requested,
-            "gap_bytes": after.gap_bytes - before.gap_bytes, "reads": after.reads - before.reads,
-            "read_s": after.seconds - before.seconds}
+    b = read_counters(before)
+    return {k: v - b[k] for k, v in read_counters(after).items()}
 
 
 def read_counters(delta) -> dict:

@@ -197,9 +197,8 @@ class ReadAhead:
         handles = ffi.new("fl_reader *[]", [r._h for r in self._readers])
         types = ("int32_t[]",) + ("int64_t[]",) * 6
         args = [ffi.from_buffer(t, a) for t, a in zip(types, self._arrays)]
-        status = lib.fl_readahead_open(handles, len(self._readers), *args[:2], *args[2:5],
-                                       *args[5:], n, ffi.from_buffer("uint8_t[]", buffers,
-                                                                    require_writable=True),
+        status = lib.fl_readahead_open(handles, len(self._readers), *args, n,
+                                       ffi.from_buffer("uint8_t[]", buffers, require_writable=True),
                                        buffers.shape[1], buffers.shape[0], out)
         _check(status, "opening the read-ahead ring")
         self._h = ffi.gc(out[0], lib.fl_readahead_close)

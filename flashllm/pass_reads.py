@@ -47,9 +47,7 @@ class PassReads:
         """Streamed dense weights join the schedule: attention {layer: (reader, offsets,
         lengths, dst offsets)} (one entry before the layer's FFN chunks) and head (reader,
         [(offset, nbytes)]) after the last layer; each piece must fit one buffer."""
-        if self.ring is not None:
-            self.ring.close()
-        self._held = False
+        self._close_ring()
         self._attn, self._head = dict(attention), (head[0], list(head[1]))
         self.ring = self._build()
 
@@ -90,14 +88,17 @@ class PassReads:
         self._held = False
 
     def close(self) -> None:
-        if self.ring is not None:
-            self.ring.close()
-        self._held = False
+        self._close_ring()
         readers = {id(r): r for r, *_ in self._attn.values()}
         if self._head[0] is not None:
             readers[id(self._head[0])] = self._head[0]
         for r in readers.values():
             r.close()
+
+    def _close_ring(self) -> None:
+        if self.ring is not None:
+            self.ring.close()
+        self._held = False
 
     def _build(self) -> Optional[ReadRing]:
         stride = self.buffers.shape[2]
