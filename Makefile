@@ -45,13 +45,20 @@ BENCH_DIR ?= .
 bench-io: setup
 	$(BIN)/python scripts/bench_io.py $(if $(MODEL),$(MODEL),--synthetic $(BENCH_DIR))
 
-## test-asan: the direct-I/O reader and read-ahead ring (native/io.c, io_plan.c, io_ring.c, readahead.c) under AddressSanitizer + UBSan, through a C test driver
+## test-asan: the direct-I/O reader and read-ahead ring (native/io.c, io_plan.c, io_ring.c, readahead.c) under AddressSanitizer + UBSan, and the compute kernel's worker threads (native/pool.c) under ASan + UBSan and ThreadSanitizer, through C test drivers
 test-asan:
 	@mkdir -p build/asan
 	$(CC) -g -O1 -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer \
 	  -std=c11 -Wall -Wextra -Werror -D_GNU_SOURCE -Inative tests/native/io_driver.c native/io.c native/io_plan.c native/io_ring.c native/readahead.c \
 	  -o build/asan/io_driver -lpthread
 	ASAN_OPTIONS=detect_leaks=1 build/asan/io_driver build/asan
+	$(CC) -g -O1 -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer \
+	  -std=c11 -Wall -Wextra -Werror -D_GNU_SOURCE -Inative tests/native/pool_driver.c native/pool.c \
+	  -o build/asan/pool_driver -lpthread
+	ASAN_OPTIONS=detect_leaks=1 build/asan/pool_driver
+	$(CC) -g -O1 -fsanitize=thread -std=c11 -Wall -Wextra -Werror -D_GNU_SOURCE -Inative \
+	  tests/native/pool_driver.c native/pool.c -o build/asan/pool_tsan -lpthread
+	TSAN_OPTIONS=halt_on_error=1 build/asan/pool_tsan
 
 .PHONY: fuzz
 FUZZ_EXAMPLES ?= 1200

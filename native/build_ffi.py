@@ -10,7 +10,7 @@ import cffi
 NATIVE = Path(__file__).resolve().parent
 HEADER = NATIVE / "flashllm.h"
 SOURCES = sorted(str(p.relative_to(NATIVE.parent)) for p in NATIVE.glob("*.c"))
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c11", "-Wall", "-Wextra", "-D_GNU_SOURCE"]
+CFLAGS = ["-O3", "-march=native", "-std=c11", "-Wall", "-Wextra", "-D_GNU_SOURCE"]
 
 
 def cdef_text(header: str) -> str:
@@ -27,7 +27,7 @@ ffibuilder.set_source(
     sources=SOURCES,
     include_dirs=[str(NATIVE.relative_to(NATIVE.parent))],
     extra_compile_args=CFLAGS,
-    extra_link_args=["-fopenmp", "-lpthread"],
+    extra_link_args=["-lpthread"],
 )
 
 if __name__ == "__main__":

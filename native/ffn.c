@@ -7,6 +7,7 @@
  * y's elements.
  */
 #include <math.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 
 #include "flashllm.h"
@@ -18,6 +19,7 @@
 #define PREFETCH_BUNDLES 2 /* bundles ahead of the one being computed */
 #define PREFETCH_GROUPS 1  /* int8 paths: groups of FL_QT bundles ahead */
 #define DOWN_K FL_PR       /* neurons per f32 down GEMM when T > 1 (a multiple of FL_QT) */
+#define SUM_CHUNK 512      /* floats of y per work unit of the partials' sum */
 
 /* the bundle layout and arguments shared by every bundle of one call */
 typedef struct {
@@ -260,40 +262,57 @@ static int32_t ffn_serial(const ffn_args *a, const uint8_t *bundles, int64_t n, 
     return FL_OK;
 }
 
+typedef struct {
+    const ffn_args *a;
+    const uint8_t *bundles;
+    int64_t n, stride, n_chunks, len;  // len = T * d
+    float *partial;                    // (n_chunks, T, d)
+    float *y;                          // (T, d)
+    atomic_llong next, next_sum;       // the next chunk to compute, the next floats to sum
+    atomic_int failed;
+} ffn_job;
+
+/* chunks taken as threads come free, each into its own partial */
+static void chunks_part(void *p) {
+    ffn_job *j = p;
+    const size_t ns = scratch_floats(j->a);
+    float *scratch = ns ? malloc(ns * sizeof(float)) : NULL;
+    if (ns && !scratch) {
+        atomic_store(&j->failed, 1);
+        return;
+    }
+    for (int64_t c, c1; fli_take(&j->next, j->n_chunks, 1, &c, &c1);)
+        bundle_range(j->a, j->bundles, j->stride, j->n * c / j->n_chunks,
+                     j->n * (c + 1) / j->n_chunks, j->partial + (size_t)c * (size_t)j->len,
+                     scratch);
+    free(scratch);
+}
+
+/* y += the partials summed in chunk order, y's elements split over the threads */
+static void sum_part(void *p) {
+    ffn_job *j = p;
+    for (int64_t k0, k1; fli_take(&j->next_sum, j->len, SUM_CHUNK, &k0, &k1);)
+        for (int64_t k = k0; k < k1; k++) {
+            float s = 0.0f;
+            for (int64_t c = 0; c < j->n_chunks; c++)
+                s += j->partial[(size_t)c * (size_t)j->len + k];
+            j->y[k] += s;
+        }
+}
+
 /* the bundles cut into n_chunks ranges handed to the threads as they come free (a thread slowed
  * by another process does less), one partial (T, d) per chunk summed into y in chunk order, so
  * the result does not depend on which thread took which chunk */
 static int32_t ffn_parallel(const ffn_args *a, const uint8_t *bundles, int64_t n, int64_t stride,
                             float *y, int32_t n_threads, int64_t n_chunks) {
     const int64_t len = a->T * a->d;
-    const size_t ns = scratch_floats(a);
     float *partial = calloc((size_t)n_chunks * (size_t)len, sizeof(float));  // (n_chunks, T, d)
     if (!partial) return FL_ENOMEM;
-    int32_t status = FL_OK;
-#pragma omp parallel num_threads(n_threads)
-    {
-        float *scratch = ns ? malloc(ns * sizeof(float)) : NULL;
-        if (ns && !scratch) {
-#pragma omp atomic write
-            status = FL_ENOMEM;
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t c = 0; c < n_chunks; c++)
-            if (!ns || scratch)
-                bundle_range(a, bundles, stride, n * c / n_chunks, n * (c + 1) / n_chunks,
-                             partial + (size_t)c * (size_t)len, scratch);
-        free(scratch);
-        if (status == FL_OK) {  // written before the barrier that ends the loop above
-#pragma omp for schedule(static)
-            for (int64_t k = 0; k < len; k++) {
-                float s = 0.0f;
-                for (int64_t c = 0; c < n_chunks; c++) s += partial[(size_t)c * (size_t)len + k];
-                y[k] += s;
-            }
-        }
-    }
+    ffn_job j = {a, bundles, n, stride, n_chunks, len, partial, y, 0, 0, 0};
+    fli_parallel(n_threads, chunks_part, &j);
+    if (!atomic_load(&j.failed)) fli_parallel(n_threads, sum_part, &j);
     free(partial);
-    return status;
+    return atomic_load(&j.failed) ? FL_ENOMEM : FL_OK;
 }
 
 /* every index in [0, bound) (NULL is fine) */

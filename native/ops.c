@@ -3,10 +3,12 @@
  * matmul: f32 / f16 weights (and quantized ones when `exact`) run in f32 on dequantized values;
  * q4_0 / q4_1 / q8_0 weights otherwise meet int8-quantized activations (qdot.c), as in llama.cpp.
  *
- * Threads: OpenMP over output rows (matmul) or over (token, head) pairs (attention); each
- * thread allocates its own scratch and frees it before the parallel region ends.
+ * Threads (pool.c) take the work in chunks as they come free: output rows (matvec), weight tiles
+ * (matmuls), (token, head) pairs (attention); each thread allocates its own scratch and frees it
+ * before its part ends.
  */
 #include <math.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 
 #include "flashllm.h"
@@ -15,20 +17,39 @@
 #define TILE 4              /* weight rows dequantized together when T > 1 (fli_dot4x4_f32) */
 #define PREFETCH_BYTES 2048 /* how far ahead of the row being read a matvec prefetches */
 #define QT_CHUNK 16         /* int8 tiles per work unit when T <= FL_QT */
+#define MATVEC_CHUNK 16     /* least rows per work unit of an f32 / f16 matvec */
 
 /* y (rows) = w (rows, cols) . x (cols) [+ bias], fused dequantize + dot, one pass over w.
  * Quantized rows are short and compute-heavy and the hardware prefetcher falls behind, so each
  * row asks for the bytes PREFETCH_BYTES ahead (measured on a 151936x896 weight: q4_0 x2.5,
  * q8_0 x1.6, f32/f16 unchanged). */
+typedef struct {
+    const uint8_t *w;
+    int32_t dtype;
+    size_t rb;
+    int64_t rows, cols;
+    const float *bias, *x;  // (rows) or NULL, (cols)
+    float *y;               // (rows)
+    atomic_llong next;      // the next row to take
+} matvec_job;
+
+static void matvec_part(void *p) {
+    matvec_job *j = p;
+    const size_t end = (size_t)j->rows * j->rb;
+    const int64_t chunk = j->rows / 64 > MATVEC_CHUNK ? j->rows / 64 : MATVEC_CHUNK;
+    for (int64_t r0, r1; fli_take(&j->next, j->rows, chunk, &r0, &r1);)
+        for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = j->w + (size_t)r * j->rb;
+        if ((size_t)r * j->rb + PREFETCH_BYTES + j->rb <= end)
+            fli_prefetch(row + PREFETCH_BYTES, j->rb);
+        j->y[r] = fli_dot(j->dtype, row, j->x, j->cols) + (j->bias ? j->bias[r] : 0.0f);
+        }
+}
+
 static void matvec(const uint8_t *w, int32_t dtype, size_t rb, int64_t rows, int64_t cols,
                    const float *bias, const float *x, float *y, int32_t n_threads) {
-    const size_t end = (size_t)rows * rb;
-#pragma omp parallel for num_threads(n_threads) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        const uint8_t *row = w + (size_t)r * rb;
-        if ((size_t)r * rb + PREFETCH_BYTES + rb <= end) fli_prefetch(row + PREFETCH_BYTES, rb);
-        y[r] = fli_dot(dtype, row, x, cols) + (bias ? bias[r] : 0.0f);
-    }
+    matvec_job j = {w, dtype, rb, rows, cols, bias, x, y, 0};
+    fli_parallel(n_threads, matvec_part, &j);
 }
 
 /* rows r0 .. r0+nr-1 (nr <= TILE) of y (T, rows), with those rows of w dequantized in buf:
@@ -51,31 +72,41 @@ static void tile_tokens(const float *buf, int64_t r0, int64_t nr, int64_t rows, 
     }
 }
 
+typedef struct {
+    const uint8_t *w;
+    int32_t dtype;
+    size_t rb;
+    int64_t rows, cols, T;
+    const float *bias, *x;  // (rows) or NULL, (T, cols)
+    float *y;               // (T, rows)
+    atomic_llong next;      // the next tile to take
+    atomic_int failed;
+} tiles_job;
+
+static void tiles_part(void *p) {
+    tiles_job *j = p;
+    float *buf = malloc((size_t)TILE * (size_t)j->cols * sizeof(float));  // (TILE, cols)
+    if (!buf) {
+        atomic_store(&j->failed, 1);
+        return;
+    }
+    for (int64_t i, i1; fli_take(&j->next, (j->rows + TILE - 1) / TILE, 1, &i, &i1);) {
+        const int64_t r0 = i * TILE;
+        const int64_t nr = j->rows - r0 < TILE ? j->rows - r0 : TILE;
+        for (int64_t k = 0; k < nr; k++)
+            fli_dequant(j->dtype, j->w + (size_t)(r0 + k) * j->rb, buf + k * j->cols, j->cols);
+        tile_tokens(buf, r0, nr, j->rows, j->cols, j->bias, j->x, j->T, j->y);
+    }
+    free(buf);
+}
+
 /* y (T, rows) = x (T, cols) @ w^T: each tile of weight rows is dequantized once for all tokens */
 static int32_t matmul_tiles(const uint8_t *w, int32_t dtype, size_t rb, int64_t rows,
                             int64_t cols, const float *bias, const float *x, int64_t T, float *y,
                             int32_t n_threads) {
-    int failed = 0;
-    const int64_t n_tiles = (rows + TILE - 1) / TILE;
-#pragma omp parallel num_threads(n_threads)
-    {
-        float *buf = malloc((size_t)TILE * (size_t)cols * sizeof(float));  // (TILE, cols)
-        if (!buf) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < n_tiles; i++) {
-            if (!buf) continue;
-            const int64_t r0 = i * TILE;
-            const int64_t nr = rows - r0 < TILE ? rows - r0 : TILE;
-            for (int64_t k = 0; k < nr; k++)
-                fli_dequant(dtype, w + (size_t)(r0 + k) * rb, buf + k * cols, cols);
-            tile_tokens(buf, r0, nr, rows, cols, bias, x, T, y);
-        }
-        free(buf);
-    }
-    return failed ? FL_ENOMEM : FL_OK;
+    tiles_job j = {w, dtype, rb, rows, cols, T, bias, x, y, 0, 0};
+    fli_parallel(n_threads, tiles_part, &j);
+    return atomic_load(&j.failed) ? FL_ENOMEM : FL_OK;
 }
 
 /* rows r0 .. r0+FL_QT-1 (fewer at the end) of y (T, rows) from quantized tokens xq (T, xb),
@@ -113,43 +144,61 @@ static void panel_rows(const uint8_t *w, int32_t dtype, size_t rb, int64_t r0, i
             y[t * rows + r0 + k] = out[k * T + t] + (bias ? bias[r0 + k] : 0.0f);
 }
 
+typedef struct {
+    const uint8_t *w;
+    int32_t dtype;
+    size_t rb, xb;
+    int64_t rows, cols, T;
+    const float *bias, *x;  // (rows) or NULL, (T, cols)
+    float *y;               // (T, rows)
+    uint8_t *xq;            // (T, xb)
+    atomic_llong next_token, next;  // the next token to quantize, the next tile to take
+    atomic_int failed;
+} matmul_q_job;
+
+static void quantize_part(void *p) {
+    matmul_q_job *j = p;
+    for (int64_t k, k1; fli_take(&j->next_token, j->T, 1, &k, &k1);)
+        fli_xq_quantize(j->dtype, j->x + k * j->cols, j->cols, j->xq + (size_t)k * j->xb);
+}
+
+/* tiles taken in chunks as threads come free (balanced when a core is shared) */
+static void qtiles_part(void *p) {
+    matmul_q_job *j = p;
+    const int64_t T = j->T, step = T > FL_QT ? FL_PR : FL_QT, chunk = T > FL_QT ? 1 : QT_CHUNK;
+    const int64_t n_tiles = (j->rows + step - 1) / step;
+    uint8_t *pan = T > FL_QT ? malloc(fli_panel_bytes(j->cols) + FL_PR * (size_t)T * sizeof(float))
+                             : NULL;
+    if (T > FL_QT && !pan) {
+        atomic_store(&j->failed, 1);
+        return;
+    }
+    for (int64_t c, c1; fli_take(&j->next, n_tiles, chunk, &c, &c1);)
+        for (int64_t i = c; i < c1; i++) {
+            if (T <= FL_QT)
+                qtile_rows(j->w, j->dtype, j->rb, i * step, j->rows, j->cols, j->bias, j->xq,
+                           j->xb, T, j->y);
+            else
+                panel_rows(j->w, j->dtype, j->rb, i * step, j->rows, j->cols, j->bias, j->xq,
+                           j->xb, T, j->y, pan, (float *)(pan + fli_panel_bytes(j->cols)));
+        }
+    free(pan);
+}
+
 /* quantized weights: the tokens are quantized to int8 once (threads split them when T > 1), then
  * FL_QT-row tiles (T <= FL_QT) or FL_PR-row panels (T > FL_QT) of w meet them in integer dot
  * products (qdot.c, qgemm.c) */
 static int32_t matmul_q(const uint8_t *w, int32_t dtype, size_t rb, int64_t rows, int64_t cols,
                         const float *bias, const float *x, int64_t T, float *y,
                         int32_t n_threads) {
-    const size_t xb = (size_t)fli_xq_bytes(cols), pb = fli_panel_bytes(cols);
-    uint8_t *xq = malloc((size_t)T * xb);  // (T, xb)
-    if (!xq) return FL_ENOMEM;
-    if (T == 1) fli_xq_quantize(dtype, x, cols, xq);
-    const int64_t step = T > FL_QT ? FL_PR : FL_QT;
-    const int64_t n_tiles = (rows + step - 1) / step;
-    int failed = 0;
-#pragma omp parallel num_threads(n_threads)
-    {
-        uint8_t *pan = T > FL_QT ? malloc(pb + FL_PR * (size_t)T * sizeof(float)) : NULL;
-        if (T > FL_QT && !pan) {
-#pragma omp atomic write
-            failed = 1;
-        }
-        if (T > 1) {
-#pragma omp for schedule(static)
-            for (int64_t t = 0; t < T; t++)
-                fli_xq_quantize(dtype, x + t * cols, cols, xq + (size_t)t * xb);
-        }
-#pragma omp for schedule(dynamic, T > FL_QT ? 1 : QT_CHUNK)  // balanced when a core is shared
-        for (int64_t i = 0; i < n_tiles; i++) {
-            if (T <= FL_QT)
-                qtile_rows(w, dtype, rb, i * step, rows, cols, bias, xq, xb, T, y);
-            else if (pan)
-                panel_rows(w, dtype, rb, i * step, rows, cols, bias, xq, xb, T, y, pan,
-                           (float *)(pan + pb));
-        }
-        free(pan);
-    }
-    free(xq);
-    return failed ? FL_ENOMEM : FL_OK;
+    const size_t xb = (size_t)fli_xq_bytes(cols);
+    matmul_q_job j = {w, dtype, rb, xb, rows, cols, T, bias, x, y, malloc((size_t)T * xb), 0, 0, 0};
+    if (!j.xq) return FL_ENOMEM;
+    if (T == 1) quantize_part(&j);
+    else fli_parallel(n_threads, quantize_part, &j);
+    fli_parallel(n_threads, qtiles_part, &j);
+    free(j.xq);
+    return atomic_load(&j.failed) ? FL_ENOMEM : FL_OK;
 }
 
 int32_t fl_matmul(const void *w, int32_t dtype, int64_t rows, int64_t cols, const float *bias,
@@ -239,6 +288,34 @@ static void attend_one(const float *qh, const uint8_t *k, const uint8_t *v, int3
     for (int64_t i = 0; i < head_dim; i++) outh[i] *= inv;
 }
 
+typedef struct {
+    const float *q;  // (T, n_heads, head_dim)
+    const uint8_t *kc, *vc;
+    int32_t kv_dtype;
+    float *out;      // (T, n_heads, head_dim)
+    int64_t T, pos0, n_heads, group, head_dim, row_bytes, esize;
+    float scale;
+    atomic_llong next;  // the next (token, head) pair to take
+    atomic_int failed;
+} attention_job;
+
+static void attention_part(void *p) {
+    attention_job *j = p;
+    float *scores = malloc((size_t)(j->pos0 + j->T) * sizeof(float));  // (pos0 + T)
+    if (!scores) {
+        atomic_store(&j->failed, 1);
+        return;
+    }
+    for (int64_t i, i1; fli_take(&j->next, j->T * j->n_heads, 1, &i, &i1);) {
+        const int64_t tok = i / j->n_heads, h = i % j->n_heads;
+        const int64_t off = (h / j->group) * j->head_dim * j->esize;
+        attend_one(j->q + i * j->head_dim, j->kc + off, j->vc + off, j->kv_dtype,
+                   j->out + i * j->head_dim, j->pos0 + tok + 1, j->row_bytes, j->head_dim,
+                   j->scale, scores);
+    }
+    free(scores);
+}
+
 int32_t fl_attention(const float *q, const void *k_cache, const void *v_cache, int32_t kv_dtype,
                      float *out, int64_t T, int64_t pos0, int64_t n_heads, int64_t n_kv_heads,
                      int64_t head_dim, float scale, int32_t n_threads) {
@@ -246,25 +323,10 @@ int32_t fl_attention(const float *q, const void *k_cache, const void *v_cache, i
         n_kv_heads <= 0 || n_heads % n_kv_heads || head_dim <= 0 || n_threads < 1 ||
         (kv_dtype != FL_F32 && kv_dtype != FL_F16))
         return FL_EINVAL;
-    const int64_t group = n_heads / n_kv_heads, esize = kv_dtype == FL_F32 ? 4 : 2;
-    const int64_t row_bytes = n_kv_heads * head_dim * esize;
-    const uint8_t *kc = k_cache, *vc = v_cache;
-    int failed = 0;
-#pragma omp parallel num_threads(n_threads)
-    {
-        float *scores = malloc((size_t)(pos0 + T) * sizeof(float));  // (pos0 + T)
-        if (!scores) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < T * n_heads; i++) {
-            if (!scores) continue;
-            const int64_t t = i / n_heads, h = i % n_heads, off = (h / group) * head_dim * esize;
-            attend_one(q + i * head_dim, kc + off, vc + off, kv_dtype, out + i * head_dim,
-                       pos0 + t + 1, row_bytes, head_dim, scale, scores);
-        }
-        free(scores);
-    }
-    return failed ? FL_ENOMEM : FL_OK;
+    const int64_t esize = kv_dtype == FL_F32 ? 4 : 2;
+    attention_job j = {q,       k_cache, v_cache, kv_dtype, out, T, pos0, n_heads,
+                       n_heads / n_kv_heads, head_dim, n_kv_heads * head_dim * esize, esize,
+                       scale, 0, 0};
+    fli_parallel(n_threads, attention_part, &j);
+    return atomic_load(&j.failed) ? FL_ENOMEM : FL_OK;
 }

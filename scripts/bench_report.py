@@ -50,11 +50,12 @@ def dense_section(info: Dict[str, str], rows: List[dict], load: tuple, notes: Li
            "SmolLM2-135M, all weights in DRAM, 2 threads, warm page cache. flashllm: `flashllm "
            "run` on a 64-token code prompt (textwrap.py's opening, exactly 64 tokens with BOS), "
            f"greedy, decode = tokens after the first (\"eval time\" line), median of {info['reps']} "
-           "runs (OMP wait default rows: one run of 32 tokens, too slow under load for more). The C "
-           "kernel's OpenMP threads, like llama.cpp's, spin-wait by default: each row says which "
-           "wait policy it used. llama.cpp: scripts/bench_llamacpp.py on the source GGUF (Q4_1), 64 "
+           "runs. flashllm's C kernel keeps its own worker threads (native/pool.c: they spin "
+           "200 µs after a kernel call, then sleep), so no OpenMP setting applies to it. llama.cpp: "
+           "scripts/bench_llamacpp.py on the source GGUF (Q4_1), 64 "
            f"fixed token ids, one batch prefill then tg{info['n_gen']}, one warm-up + median of the "
-           "runs (spin-waiting collapses when other processes share the cores).", "",
+           "runs, with its OpenMP threads passive and spinning (default); the faster of the two is "
+           "the reference of the ratio column.", "",
            "| engine | weights | decode tok/s | prefill tok/s | decode × llama.cpp | "
            "runs (prefill, decode) | cmd |",
            "|---|---|---:|---:|---:|---|---|"]
@@ -81,7 +82,9 @@ def flash_section(info: Dict[str, str], rows: List[dict], load: tuple, notes: Li
            "one run per cell, cold (no warm-up) except llama.cpp uncapped (one warm-up run first: the "
            "in-RAM figure). flashllm: the model converted at the dtype shown, a "
            "64-token code prompt, greedy; llama.cpp: mmap, use_extra_bufts off, the source GGUF, "
-           "OMP wait policy passive for both (flashllm's C kernel uses OpenMP too). \"–\": the "
+           "its OpenMP threads passive under a cap, passive and spinning (default) uncapped, where "
+           "the faster is the ratio's reference (flashllm's kernel threads are its own: "
+           "native/pool.c). \"–\": the "
            "run does not report that figure; \"not available yet\": the `flashllm run` option it "
            "needs does not exist in this build.", "",
            FLASH_COLS, "|---|---|---|" + "---:|" * 10 + "---|---|---|"]
