@@ -80,7 +80,8 @@ int32_t fl_get_rows(const void *w, int32_t dtype, int64_t rows, int64_t cols,
  * (d = amax / 127 in f32, q = nearest-even(x / d): every value moves by at most d / 2) and the
  * block products are exact integer sums scaled by d_w * d (q4_1 adds m_w * d * sum(q), the
  * block sum llama.cpp's q8_1 keeps; q4_k is q4_1 per 32-value sub-block with d_w = d * sc_j,
- * m_w = -dmin * m_j in f32), as llama.cpp does; exact != 0 keeps
+ * m_w = -dmin * m_j, and its x has one d per 256 values, the amax of the superblock, as ggml's
+ * q8_K), as llama.cpp does; exact != 0 keeps
  * x in f32 instead (the dequantized weights times f32 x). f32 / f16 weights are always f32. */
 int32_t fl_matmul(const void *w, int32_t dtype, int64_t rows, int64_t cols, const float *bias,
                   const float *x, int64_t T, float *y, int32_t exact, int32_t n_threads);

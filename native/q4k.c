@@ -1,11 +1,12 @@
-/* q4k.c — f32 paths of ggml Q4_K rows (the exact / f32-x paths of q4_k bundles' gate and up rows).
+/* q4k.c — ggml Q4_K rows: f32 paths (the exact / f32-x paths of q4_k bundles' gate and up rows)
+ * and, under AVX-512 VNNI, the int8 dot of 4 rows and one token (fli_q4k_tile1).
  *
  * A superblock of 256 values is 144 bytes: f16 d, f16 dmin, 12 bytes of packed 6-bit sub-block
  * scales sc_j and mins m_j, then 128 nibble bytes; value i of sub-block j (32 values) is
  * d * sc_j * nibble - dmin * m_j, its nibble in byte i of fli_q4k_qs(sb, j), low for even j,
  * high for odd j. Dequantization rounds as gguf-py's numpy reference does (f32 d * sc, then
  * times the nibble, minus dmin * m). Plain C the compiler vectorizes; the int8 paths (qdot.c,
- * qgemm.c) carry the speed.
+ * qgemm.c, fli_q4k_tile1) carry the speed.
  */
 #include "flashllm.h"
 #include "simd.h"
@@ -56,3 +57,104 @@ void fli_q4k_expand(const uint8_t *w, int64_t n, uint8_t *buf) {
         }
     }
 }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+/* AVX-512 VNNI: a superblock of 4 rows against one token quantized with one d per superblock
+ * (fli_xq_quantize), so the 6-bit scales combine in integers as in ggml's Q4_K x Q8_K dot:
+ * per row the 128 nibble bytes are 4 vectors of 64 nibbles (sub-blocks [0 | 2], [1 | 3], [4 | 6],
+ * [5 | 7]), each maddubs against x, then vpdpwssd with the int16 scales of its two sub-blocks;
+ * one convert and FMA by d * d_x per row and superblock. The mins meet the token's sub-block
+ * sums (int16) for the 4 rows at once: one madd, convert and FMA by -dmin * d_x. */
+
+/* bytes 0..15 of superblock s of the 4 rows, row r in 128-bit lane r */
+static inline __m512i head4(const uint8_t *const w[FL_QT], size_t off) {
+    __m512i z = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(w[0] + off)));
+    z = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)(w[1] + off)), 1);
+    z = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)(w[2] + off)), 2);
+    return _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)(w[3] + off)), 3);
+}
+
+/* per 128-bit lane, dwords [d | dmin, a, b, c] -> the bytes sc_0..7, m_0..7 (fli_q4k_unpack) */
+static inline __m512i unpack4(__m512i v) {
+    const __m512i A = _mm512_shuffle_epi32(v, _MM_SHUFFLE(3, 2, 3, 1));  // a, c, b, c
+    const __m512i B = _mm512_shuffle_epi32(v, _MM_SHUFFLE(2, 2, 1, 1));  // a, a, b, b
+    const __m512i C = _mm512_srlv_epi32(A, _mm512_set4_epi32(4, 0, 0, 0));
+    const __m512i hi = _mm512_or_si512(_mm512_and_si512(C, _mm512_set1_epi8(0x0F)),
+                                       _mm512_and_si512(_mm512_srli_epi32(B, 2),
+                                                        _mm512_set1_epi8(0x30)));
+    return _mm512_mask_blend_epi32(0xAAAA, _mm512_and_si512(A, _mm512_set1_epi8(0x3F)), hi);
+}
+
+/* the int16 lanes [b0 x16 | b1 x16] (pshufb control: byte b of each lane, then a zero byte) */
+static inline __m512i pick16(int b0, int b1) {
+    const __m512i lo = _mm512_set1_epi16((short)(0x8000 | b0));
+    return _mm512_mask_blend_epi64(0xF0, lo, _mm512_set1_epi16((short)(0x8000 | b1)));
+}
+
+/* one row's int32 sum over superblock qs (128 nibble bytes) of sc_j * (nibbles . q) per lane;
+ * u: the row's sc / m bytes in every lane, x[4]: the token's q in the same sub-block order */
+static inline __m512i row_sum(const uint8_t *qs, __m512i u, const __m512i x[4]) {
+    const __m512i lo = _mm512_set1_epi8(0x0F);
+    const __m512i z0 = _mm512_loadu_si512(qs), z1 = _mm512_loadu_si512(qs + 64);
+    const __m512i v[4] = {_mm512_and_si512(z0, lo), _mm512_and_si512(_mm512_srli_epi16(z0, 4), lo),
+                          _mm512_and_si512(z1, lo), _mm512_and_si512(_mm512_srli_epi16(z1, 4), lo)};
+    const int sb[4][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}};
+    __m512i p = _mm512_setzero_si512();
+    for (int k = 0; k < 4; k++)
+        p = _mm512_dpwssd_epi32(p, _mm512_maddubs_epi16(v[k], x[k]),
+                                _mm512_shuffle_epi8(u, pick16(sb[k][0], sb[k][1])));
+    return p;
+}
+
+/* xv (4) = the q of one superblock (256) as sub-blocks [0 | 2], [1 | 3], [4 | 6], [5 | 7] */
+static inline void token_sb(const int8_t *qx, __m512i xv[4]) {
+    for (int k = 0; k < 4; k++) {
+        const int8_t *p = qx + 128 * (k / 2) + 32 * (k % 2);  // (32), then (32) at p + 64
+        xv[k] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p)),
+                                   _mm256_loadu_si256((const __m256i *)(p + 64)), 1);
+    }
+}
+
+void fli_q4k_tile1(const uint8_t *const w[FL_QT], const uint8_t *x, int64_t n, float out[FL_QT]) {
+    const int64_t nb = n / FL_QK;
+    const int8_t *q = (const int8_t *)x;                                       // (n)
+    const float *scale = (const float *)(x + n);                               // (nb, 8)
+    const int16_t *bsum = (const int16_t *)(scale + 3 * nb * FL_XQ_LANES);     // (nb)
+    const __m512i idx_d = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0x00180018, 0x00180018,
+                                           0x00100010, 0x00100010, 0x00080008, 0x00080008, 0, 0);
+    const __m512i idx_m = _mm512_add_epi16(idx_d, _mm512_set1_epi16(1));
+    const __m512i m_of = _mm512_set4_epi32((int)0x800F800E, (int)0x800D800C, (int)0x800B800A,
+                                           (int)0x80098008);  // bytes 8 .. 15 to int16 lanes
+    __m512 acc[FL_QT], macc = _mm512_setzero_ps();  // macc: lanes 4r .. 4r+3 of row r's min terms
+    for (int r = 0; r < FL_QT; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < n / FL_QK_K; s++) {
+        __m512i xv[4];  // the token's sub-blocks [0 | 2], [1 | 3], [4 | 6], [5 | 7]
+        token_sb(q + s * FL_QK_K, xv);
+        const float dx = scale[s * 8 * FL_XQ_LANES];
+        const __m512i head = head4(w, (size_t)s * FL_Q4_K_BYTES);
+        const __m512i u = unpack4(head);
+        float dd[16];  // lanes 4r .. 4r+3: d of row r * dx
+        _mm512_storeu_ps(dd, _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(
+                                               _mm512_permutexvar_epi16(idx_d, head))),
+                                           _mm512_set1_ps(dx)));
+        const __m512 dm = _mm512_mul_ps(
+            _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(idx_m, head))),
+            _mm512_set1_ps(-dx));
+        const __m512i bs = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(bsum + 8 * s)));
+        const __m512i mins = _mm512_shuffle_epi8(u, m_of);  // (FL_QT, 8) int16 m_j
+        macc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(mins, bs)), dm, macc);
+        for (int r = 0; r < FL_QT; r++) {
+            const __m512i ur = _mm512_permutexvar_epi64(  // row r's lane in every lane
+                _mm512_add_epi64(_mm512_set1_epi64(2 * r), _mm512_set4_epi64(1, 0, 1, 0)), u);
+            const __m512i p = row_sum(w[r] + s * FL_Q4_K_BYTES + 16, ur, xv);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(dd[4 * r]), acc[r]);
+        }
+    }
+    float m[16];  // (FL_QT, 4)
+    _mm512_storeu_ps(m, macc);
+    for (int r = 0; r < FL_QT; r++)
+        out[r] = _mm512_reduce_add_ps(acc[r]) + ((m[4 * r] + m[4 * r + 1]) +
+                                                 (m[4 * r + 2] + m[4 * r + 3]));
+}
+#endif

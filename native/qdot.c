@@ -1,8 +1,7 @@
-/* qdot.c — int8 activation kernels: activations quantized per block of 32 (as ggml's q8_0, with
- * an f32 scale), multiplied by q4_0 / q8_0 weight blocks in integer arithmetic.
- *
- * Per block b of a token: q[32] = nearest-even(x * (1/d)), d = amax / 127 (f32, so x = d * q up
- * to d/2 per value). The exact integer dot of a weight block with q is scaled by d_w * d.
+/* qdot.c — int8 activation kernels: activations quantized per block of 32 (xq.c: as ggml's
+ * q8_0, with an f32 scale d; for q4_k one d per superblock), multiplied by q4_0 / q8_0 / q4_1 /
+ * q4_k weight blocks in integer arithmetic: the exact integer dot of a weight block with q is
+ * scaled by d_w * d.
  * AVX-512 VNNI (two blocks per zmm), AVX2 with or without AVX-VNNI (one block per ymm), or plain
  * C, chosen at compile time. VNNI multiplies unsigned by signed bytes, so the weight side is made
  * unsigned and the offset is paid back through a per-block correction precomputed with the
@@ -11,17 +10,15 @@
  * q4_1 (w = d_w * nibble + m_w) multiplies the raw nibbles and adds m_w * d * sum(q), the block
  * sum kept in the msum lanes (as llama.cpp's q8_1 keeps s = d * sum(q)). q4_k is q4_1 per 32-value
  * sub-block (d_w = d * sc_j, m_w = -dmin * m_j, unpacked once per superblock and row, in f32); a
- * pair of its sub-blocks is one 32-byte load, low nibbles then high.
+ * pair of its sub-blocks is one 32-byte load, low nibbles then high. Under AVX-512 VNNI one
+ * token's q4_k tiles go to fli_q4k_tile1 (q4k.c), which keeps the scales in integers.
  */
-#include <math.h>
-
 #include "flashllm.h"
 #include "simd.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define G 2 /* blocks per integer vector */
-#define Q8_BIAS 128
 typedef __m512i vi;
 typedef __m512 vs;
 /* blocks b, b + bb (nibbles at offset off) -> 64 unsigned nibbles */
@@ -79,9 +76,6 @@ static inline float vs_sum(vs a) { return _mm512_reduce_add_ps(a); }
 #define G 1
 #if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
 #define HAVE_VNNI256 1
-#define Q8_BIAS 128
-#else
-#define Q8_BIAS 0
 #endif
 typedef __m256i vi;
 typedef __m256 vs;
@@ -93,7 +87,7 @@ static inline vi w_q4(const uint8_t *b, size_t bb, size_t off) {
 }
 static inline vi w_q8(const uint8_t *b) {
     const __m256i w = _mm256_loadu_si256((const __m256i *)(b + 2));
-    return Q8_BIAS ? _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80)) : w;
+    return FLI_Q8_BIAS ? _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80)) : w;
 }
 static inline vi w_q4k(const uint8_t *qs, int64_t j) {  // Q4_K sub-block j: 32 nibbles
     const __m256i a = _mm256_loadu_si256((const __m256i *)qs);
@@ -133,7 +127,6 @@ static inline vs vs_fma(vs a, vs b, vs c) { return _mm256_fmadd_ps(a, b, c); }
 static inline float vs_sum(vs a) { return fli_hsum256(a); }
 #else
 #define G 0 /* no vector path: every block goes through block_idot */
-#define Q8_BIAS 0
 #endif
 
 /* weights with an offset per block (x = d_w * nibble + m_w): q4_1, and q4_k per sub-block */
@@ -173,79 +166,6 @@ q4k_idot(const uint8_t *qs, int64_t j, const int8_t *q) {
     const int shift = 4 * (int)(j & 1);
     for (int i = 0; i < FL_QK; i++) s += ((qs[i] >> shift) & 0x0F) * q[i];
     return s;
-}
-
-int64_t fli_xq_bytes(int64_t n) { return n + (n / FL_QK) * FL_XQ_LANES * 12; }
-
-/* q (32) = nearest-even(xb * (1 / d)), d = amax / 127 (its return value); *sum = sum of q.
- * Vector paths: the same f32 operations (cvtps rounds to nearest even as nearbyintf does under
- * the default rounding mode), so every path gives the same bytes. */
-static inline float quantize_block(const float *xb, int8_t *q, int32_t *sum) {
-#if G == 2
-    const __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-#elif G == 1
-    __m256 v[4], m = _mm256_setzero_ps();
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    for (int k = 0; k < 4; k++) {
-        v[k] = _mm256_loadu_ps(xb + 8 * k);
-        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[k]));
-    }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-#else
-    float amax = 0.0f;
-    for (int j = 0; j < FL_QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
-#endif
-    const float d = amax / 127.0f;
-    const float id = d != 0.0f ? 1.0f / d : 0.0f;
-#if G == 2
-    const __m512i a = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(id)));
-    const __m512i b = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(id)));
-    _mm_storeu_si128((__m128i *)q, _mm512_cvtsepi32_epi8(a));
-    _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtsepi32_epi8(b));
-    *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(a, b));
-#elif G == 1
-    __m256i acc = _mm256_setzero_si256(), w[4];
-    for (int k = 0; k < 4; k++) {
-        w[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], _mm256_set1_ps(id)));
-        acc = _mm256_add_epi32(acc, w[k]);
-    }
-    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(w[0], w[1]),
-                                         _mm256_packs_epi32(w[2], w[3]));
-    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(
-                                          p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-    *sum = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1)));
-#else
-    int32_t s = 0;
-    for (int j = 0; j < FL_QK; j++) {
-        q[j] = (int8_t)nearbyintf(xb[j] * id);
-        s += q[j];
-    }
-    *sum = s;
-#endif
-    return d;
-}
-
-void fli_xq_quantize(int32_t dtype, const float *x, int64_t n, uint8_t *buf) {
-    const int64_t nb = n / FL_QK;
-    int8_t *q = (int8_t *)buf;                                // (n)
-    float *scale = (float *)(buf + n);                        // (nb, 8)
-    int32_t *corr = (int32_t *)(scale + nb * FL_XQ_LANES);     // (nb, 8)
-    float *msum = (float *)(corr + nb * FL_XQ_LANES);           // (nb, 8)
-    const int32_t bias = dtype == FL_Q4_0 ? 8 : HAS_M(dtype) ? 0 : Q8_BIAS;
-    for (int64_t b = 0; b < nb; b++) {
-        int32_t sum;
-        const float d = quantize_block(x + b * FL_QK, q + b * FL_QK, &sum);
-        for (int l = 0; l < FL_XQ_LANES; l++) {
-            scale[b * FL_XQ_LANES + l] = d;
-            corr[b * FL_XQ_LANES + l] = l == 0 ? -bias * sum : 0;
-            msum[b * FL_XQ_LANES + l] = l == 0 ? d * (float)sum : 0.0f;
-        }
-    }
 }
 
 /* the parts of one quantized token inside its fli_xq_bytes buffer */
@@ -371,6 +291,14 @@ void fli_qdot_tile(int32_t dtype, const uint8_t *const w[FL_QT], const uint8_t *
     xq_view xv[FL_QT];
     for (int t = 0; t < FL_QT; t++) xv[t] = view(x[t], n);
     const int64_t nb = n / FL_QK;
+#ifdef FLI_Q4K_TILE1
+    if (n_tok == 1 && dtype == FL_Q4_K && n % FL_QK_K == 0) {
+        float o[FL_QT];
+        fli_q4k_tile1(w, x[0], n, o);
+        for (int r = 0; r < FL_QT; r++) out[r][0] = o[r];
+        return;
+    }
+#endif
     if (n_tok == 1) {
         if (dtype == FL_Q8_0) tile_rc(FL_Q8_0, w, ex, 0, FL_QT, xv, 1, nb, out);
         else if (dtype == FL_Q4_1) tile_rc(FL_Q4_1, w, ex, 0, FL_QT, xv, 1, nb, out);

@@ -88,6 +88,16 @@ static inline float fl_load_fp16(const uint8_t *p) {
     return fl_fp16_to_fp32(h);
 }
 
+/* the offset qdot.c adds to q8_0 weights (w + 128 where its dot is VNNI's unsigned x signed
+ * bytes, else none), paid back through fli_xq_quantize's correction lanes */
+#if (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)) ||              \
+    (defined(__AVX2__) && defined(__F16C__) && defined(__FMA__) &&                             \
+     (defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))))
+#define FLI_Q8_BIAS 128
+#else
+#define FLI_Q8_BIAS 0
+#endif
+
 /* bytes of one block of a quantized dtype (q4_0 for anything that is not q8_0 / q4_1) */
 static inline size_t fli_block_bytes(int32_t dtype) {
     return dtype == FL_Q8_0 ? FL_Q8_0_BYTES : dtype == FL_Q4_1 ? FL_Q4_1_BYTES : FL_Q4_0_BYTES;
@@ -166,6 +176,13 @@ void fli_q4k_axpy(const uint8_t *row, float a, float *y, int64_t n);
 /* fli_wx_expand of a Q4_K row: per 32-value sub-block its nibbles, d * sc_j, -dmin * m_j */
 void fli_q4k_expand(const uint8_t *w, int64_t n, uint8_t *buf);
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define FLI_Q4K_TILE1 1
+/* out[r] = w[r] . x for FL_QT Q4_K rows and one token x quantized by fli_xq_quantize for q4_k
+ * (n a multiple of FL_QK_K): fli_qdot_tile's n_tok == 1 in integer superblock sums */
+void fli_q4k_tile1(const uint8_t *const w[FL_QT], const uint8_t *x, int64_t n, float out[FL_QT]);
+#endif
+
 /* f32 dot of two contiguous vectors (n) */
 float fli_dot_f32(const float *a, const float *b, int64_t n);
 
@@ -187,13 +204,15 @@ void fli_down_f32(const float *h, int64_t ldh, const float *down, int64_t K, int
 
 /* ---- qdot.c: int8 activations against q4_0 / q4_1 / q8_0 / q4_k weights (n a multiple of 32) ---------- */
 
-/* Bytes of one token's quantized activations: int8 q (n), then per block FL_XQ_LANES f32 copies
- * of its scale, FL_XQ_LANES int32 (a correction in lane 0, zeros) and FL_XQ_LANES f32 (d * sum(q)
- * in lane 0, zeros: q4_1's msum), the vector layout of qdot.c.
+/* Bytes of one token's quantized activations (xq.c): int8 q (n), then per block FL_XQ_LANES f32
+ * copies of its scale, FL_XQ_LANES int32 (a correction in lane 0, zeros) and FL_XQ_LANES f32
+ * (d * sum(q) in lane 0, zeros: q4_1's msum), then int16 sum(q) per block (q4_k only; 16 bytes
+ * per 8 blocks), the vector layout of qdot.c.
  * The correction depends on the weight dtype, so quantize for the dtype the buffer will meet. */
 int64_t fli_xq_bytes(int64_t n);
 
-/* buf (fli_xq_bytes(n)) = x (n) quantized per block of 32: d = amax / 127, q = nearest-even(x/d) */
+/* buf (fli_xq_bytes(n)) = x (n) quantized per block of 32: d = amax / 127, q = nearest-even(x/d);
+ * for q4_k d is the superblock's (256 values; a shorter tail per block of 32) */
 void fli_xq_quantize(int32_t dtype, const float *x, int64_t n, uint8_t *buf);
 
 /* w . x for one weight row (dtype q4_0, q4_1 or q8_0) and one quantized token */

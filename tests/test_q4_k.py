@@ -4,8 +4,9 @@ The independent reference for Q4_K is gguf-py's `dequantize(..., Q4_K)` and nump
 are checked on every instruction set test_kernel_isa.py covers: native/*.c are built into a shared
 object per ISA and called through cffi's ABI mode (the extension itself is built for this CPU
 only), against numpy on the dequantized weights (the int8 paths on the same int8-quantized x the
-kernel makes: d = amax / 127, q = nearest-even). The converter: a small Q4_K GGUF written here,
-and the real Qwen2.5-Coder-1.5B Q4_K_M GGUF (its first two layers, when the file is available).
+kernel makes: d = amax / 127 per 256-value superblock, q = nearest-even). The converter: a small
+Q4_K GGUF written here, and the real Qwen2.5-Coder-1.5B Q4_K_M GGUF (its first two layers, when
+the file is available).
 """
 import dataclasses
 import subprocess
@@ -48,8 +49,9 @@ def ref_q4k(data: np.ndarray, cols: int) -> np.ndarray:
 
 
 def int8_x(x: np.ndarray) -> np.ndarray:
-    """x (T, n) as the kernel's int8 activations see it, f64: d * nearest-even(x / d) per 32."""
-    xb = x.reshape(x.shape[0], -1, 32)                                     # (T, n/32, 32)
+    """x (T, n) as the kernel's int8 activations for q4_k see it, f64: d * nearest-even(x / d)
+    with one d = amax / 127 per 256-value superblock (as ggml's q8_K)."""
+    xb = x.reshape(x.shape[0], -1, 256)                                    # (T, n/256, 256)
     d = (np.abs(xb).max(-1, keepdims=True) / np.float32(127)).astype(np.float32)
     inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, 1), 0).astype(np.float32)
     return (np.rint(xb * inv) * d).reshape(x.shape).astype(np.float64)

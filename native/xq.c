@@ -1,0 +1,120 @@
+/* xq.c — a token's int8 activations for qdot.c / qgemm.c / q4k.c (the fli_xq_bytes layout).
+ *
+ * Per block b of 32 values: q[32] = nearest-even(x * (1/d)), d = amax / 127 (f32, so x = d * q up
+ * to d/2 per value), as ggml's q8_0; for q4_k weights one d per 256-value superblock (the amax of
+ * all its blocks, as ggml's q8_K), so the 6-bit sub-block scales combine in integer arithmetic
+ * (fli_q4k_tile1), and the blocks' sums of q are kept as int16 too (ggml's bsums). Every block
+ * also carries FL_XQ_LANES copies of d, the correction -bias * sum(q) of weights stored with an
+ * offset (q4_0 nibbles + 8; q8_0 + 128 where the dot is VNNI's unsigned x signed, FLI_Q8_BIAS)
+ * and d * sum(q) (the m_w term of q4_1 and q4_k, as llama.cpp's q8_1 keeps s = d * sum(q)).
+ * AVX-512, AVX2 or plain C: the same f32 operations, so every build gives the same bytes.
+ */
+#include <math.h>
+
+#include "flashllm.h"
+#include "simd.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define XQ_W 16 /* f32 lanes of a vector */
+#elif defined(__AVX2__)
+#include <immintrin.h>
+#define XQ_W 8
+#else
+#define XQ_W 0
+#endif
+
+int64_t fli_xq_bytes(int64_t n) {
+    const int64_t nb = n / FL_QK;
+    return n + nb * FL_XQ_LANES * 12 + (nb + 7) / 8 * 16;
+}
+
+/* q (32) = nearest-even(xb * (1 / d)), d = max(amax, amax0) / 127 (its return value); *sum = sum
+ * of q. amax0: 0, or the amax of the Q4_K superblock xb is part of.
+ * Vector paths: the same f32 operations (cvtps rounds to nearest even as nearbyintf does under
+ * the default rounding mode), so every path gives the same bytes. */
+static inline float quantize_block(const float *xb, float amax0, int8_t *q, int32_t *sum) {
+#if XQ_W == 16
+    const __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+#elif XQ_W == 8
+    __m256 v[4], m = _mm256_setzero_ps();
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int k = 0; k < 4; k++) {
+        v[k] = _mm256_loadu_ps(xb + 8 * k);
+        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[k]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+#else
+    float amax = 0.0f;
+    for (int j = 0; j < FL_QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
+#endif
+    const float d = (amax > amax0 ? amax : amax0) / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+#if XQ_W == 16
+    const __m512i a = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(id)));
+    const __m512i b = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(id)));
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtsepi32_epi8(a));
+    _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtsepi32_epi8(b));
+    *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(a, b));
+#elif XQ_W == 8
+    __m256i acc = _mm256_setzero_si256(), w[4];
+    for (int k = 0; k < 4; k++) {
+        w[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], _mm256_set1_ps(id)));
+        acc = _mm256_add_epi32(acc, w[k]);
+    }
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(w[0], w[1]),
+                                         _mm256_packs_epi32(w[2], w[3]));
+    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(
+                                          p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    *sum = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1)));
+#else
+    int32_t s = 0;
+    for (int j = 0; j < FL_QK; j++) {
+        q[j] = (int8_t)nearbyintf(xb[j] * id);
+        s += q[j];
+    }
+    *sum = s;
+#endif
+    return d;
+}
+
+/* the largest |x| of a superblock x (FL_QK_K): exact in any order, so every build agrees */
+static float amax_of(const float *x) {
+#if XQ_W == 16
+    __m512 m = _mm512_setzero_ps();
+    for (int j = 0; j < FL_QK_K; j += 16)
+        m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + j)));
+    return _mm512_reduce_max_ps(m);
+#else
+    float m = 0.0f;
+    for (int j = 0; j < FL_QK_K; j++) m = fabsf(x[j]) > m ? fabsf(x[j]) : m;
+    return m;
+#endif
+}
+
+void fli_xq_quantize(int32_t dtype, const float *x, int64_t n, uint8_t *buf) {
+    const int64_t nb = n / FL_QK;
+    int8_t *q = (int8_t *)buf;                                // (n)
+    float *scale = (float *)(buf + n);                        // (nb, 8)
+    int32_t *corr = (int32_t *)(scale + nb * FL_XQ_LANES);     // (nb, 8)
+    float *msum = (float *)(corr + nb * FL_XQ_LANES);           // (nb, 8)
+    int16_t *bsum = (int16_t *)(msum + nb * FL_XQ_LANES);       // (nb) q4_k only, else unset
+    const int32_t bias = dtype == FL_Q4_0 ? 8 : dtype == FL_Q8_0 ? FLI_Q8_BIAS : 0;
+    float amax0 = 0.0f;  // q4_k: one d per superblock (as ggml's q8_K), so its scales combine
+    for (int64_t b = 0; b < nb; b++) {
+        if (b % 8 == 0) amax0 = dtype == FL_Q4_K && b + 8 <= nb ? amax_of(x + b * FL_QK) : 0.0f;
+        int32_t sum;
+        const float d = quantize_block(x + b * FL_QK, amax0, q + b * FL_QK, &sum);
+        if (dtype == FL_Q4_K) bsum[b] = (int16_t)sum;
+        for (int l = 0; l < FL_XQ_LANES; l++) {
+            scale[b * FL_XQ_LANES + l] = d;
+            corr[b * FL_XQ_LANES + l] = l == 0 ? -bias * sum : 0;
+            msum[b * FL_XQ_LANES + l] = l == 0 ? d * (float)sum : 0.0f;
+        }
+    }
+}
