@@ -51,7 +51,7 @@ def dense_section(info: Dict[str, str], rows: List[dict], load: tuple, notes: Li
            "run` on a 64-token code prompt (textwrap.py's opening, exactly 64 tokens with BOS), "
            f"greedy, decode = tokens after the first (\"eval time\" line), median of {info['reps']} "
            "runs. flashllm's C kernel keeps its own worker threads (native/pool.c: they spin "
-           "200 µs after a kernel call, then sleep), so no OpenMP setting applies to it. llama.cpp: "
+           "100 µs after a kernel call, then sleep), so no OpenMP setting applies to it. llama.cpp: "
            "scripts/bench_llamacpp.py on the source GGUF (Q4_1), 64 "
            f"fixed token ids, one batch prefill then tg{info['n_gen']}, one warm-up + median of the "
            "runs, with its OpenMP threads passive and spinning (default); the faster of the two is "
