@@ -19,10 +19,6 @@
 #define QT_CHUNK 16         /* int8 tiles per work unit when T <= FL_QT */
 #define MATVEC_CHUNK 16     /* least rows per work unit of an f32 / f16 matvec */
 
-/* y (rows) = w (rows, cols) . x (cols) [+ bias], fused dequantize + dot, one pass over w.
- * Quantized rows are short and compute-heavy and the hardware prefetcher falls behind, so each
- * row asks for the bytes PREFETCH_BYTES ahead (measured on a 151936x896 weight: q4_0 x2.5,
- * q8_0 x1.6, f32/f16 unchanged). */
 typedef struct {
     const uint8_t *w;
     int32_t dtype;
@@ -39,13 +35,17 @@ static void matvec_part(void *p) {
     const int64_t chunk = j->rows / 64 > MATVEC_CHUNK ? j->rows / 64 : MATVEC_CHUNK;
     for (int64_t r0, r1; fli_take(&j->next, j->rows, chunk, &r0, &r1);)
         for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *row = j->w + (size_t)r * j->rb;
-        if ((size_t)r * j->rb + PREFETCH_BYTES + j->rb <= end)
-            fli_prefetch(row + PREFETCH_BYTES, j->rb);
-        j->y[r] = fli_dot(j->dtype, row, j->x, j->cols) + (j->bias ? j->bias[r] : 0.0f);
+            const uint8_t *row = j->w + (size_t)r * j->rb;
+            if ((size_t)r * j->rb + PREFETCH_BYTES + j->rb <= end)
+                fli_prefetch(row + PREFETCH_BYTES, j->rb);
+            j->y[r] = fli_dot(j->dtype, row, j->x, j->cols) + (j->bias ? j->bias[r] : 0.0f);
         }
 }
 
+/* y (rows) = w (rows, cols) . x (cols) [+ bias], fused dequantize + dot, one pass over w.
+ * Quantized rows are short and compute-heavy and the hardware prefetcher falls behind, so each
+ * row asks for the bytes PREFETCH_BYTES ahead (measured on a 151936x896 weight: q4_0 x2.5,
+ * q8_0 x1.6, f32/f16 unchanged). */
 static void matvec(const uint8_t *w, int32_t dtype, size_t rb, int64_t rows, int64_t cols,
                    const float *bias, const float *x, float *y, int32_t n_threads) {
     matvec_job j = {w, dtype, rb, rows, cols, bias, x, y, 0};

@@ -2,7 +2,10 @@
 threads, sections asked for from several Python threads at once all finish with the right
 result, and a forked child (which inherits none of the parent's threads) still computes."""
 import multiprocessing
+import shutil
+import subprocess
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -82,9 +85,6 @@ def test_a_forked_child_computes():
 def test_the_team_under_a_sanitizer(tmp_path, sanitizer):
     """tests/native/pool_driver.c (also `make test-asan`): races, leaks and undefined behaviour
     of native/pool.c under back-to-back sections, sleeping workers and concurrent callers."""
-    import shutil
-    import subprocess
-    from pathlib import Path
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler")
