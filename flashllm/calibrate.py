@@ -59,6 +59,9 @@ class RecordingFfn:
         self.inner = inner
         self.on_input = on_input
 
+    def start_pass(self, n_tokens: int, prefill: bool) -> None:
+        self.inner.start_pass(n_tokens, prefill)
+
     def __call__(self, layer: int, h: np.ndarray, x: np.ndarray) -> None:
         self.on_input(layer, h)
         self.inner(layer, h, x)

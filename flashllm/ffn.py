@@ -1,7 +1,9 @@
 """FFN strategies: how a layer's feed-forward network is computed from its bundles.
 
-The model calls `ffn(layer, h, x)`: x (T, d_model) += FFN(h), h (T, d_model) the normalized FFN
-input (the model adds the down bias afterwards). A strategy also reports `stats()` for --stats.
+The model calls `ffn.start_pass(T, prefill)` once per forward pass, then `ffn(layer, h, x)` per
+layer: x (T, d_model) += FFN(h), h (T, d_model) the normalized FFN input (the model adds the down
+bias afterwards). prefill says the pass evaluates a prompt; a decode pass feeds one sampled token
+and any draft guesses (flashllm/speculate.py). A strategy also reports `stats()` for --stats.
 """
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from . import kernel
 
 
 class FfnStrategy(Protocol):
+    def start_pass(self, n_tokens: int, prefill: bool) -> None: ...
+
     def __call__(self, layer: int, h: np.ndarray, x: np.ndarray) -> None: ...
 
     def stats(self) -> dict: ...
@@ -47,6 +51,9 @@ class DenseFfn:
         self.up_b = up_biases(flash)                                     # (n_ff,) or None
         self.threshold = threshold or [0.0] * cfg.n_layers              # per-layer |h| cut-off
         self.exact = exact                                    # f32 instead of int8 activations
+
+    def start_pass(self, n_tokens: int, prefill: bool) -> None:
+        pass
 
     def __call__(self, layer: int, h: np.ndarray, x: np.ndarray) -> None:
         kernel.ffn_bundles(self.bundles[layer], self.dtype, self.d, self.glu, self.act, h, x,

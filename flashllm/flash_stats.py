@@ -32,7 +32,7 @@ def read_counters(delta) -> dict:
 class TokenStats:
     """One forward pass of the flash FFN (all layers). bytes: from the device; *_s: seconds."""
 
-    kind: str = "decode"               # "decode" (T = 1) or "prefill"
+    kind: str = "decode"               # "decode" (one fed token + draft guesses) or "prefill"
     n_tokens: int = 1
     bytes_read: int = 0                # device bytes, page padding and merge gaps included
     bytes_requested: int = 0           # bundle bytes asked for

@@ -61,13 +61,15 @@ class Model:
 
     def forward(self, tokens, pos0: int, last_only: bool = False) -> np.ndarray:
         """logits (T, vocab) f32 for tokens (T,) at positions pos0 .. pos0+T-1; (1, vocab) for
-        the last position only when last_only. Keys/values of those positions enter the cache."""
+        the last position only when last_only (a prompt's prefill: the FFN's stats count the pass
+        as prefill, any other as decode). Keys/values of those positions enter the cache."""
         tokens = np.ascontiguousarray(tokens, dtype=np.int32).reshape(-1)  # (T,)
         T = len(tokens)
         if T == 0 or pos0 < 0 or pos0 + T > self.n_ctx:
             raise ContextError(f"cannot run {T} tokens at position {pos0}: the context holds "
                                f"{self.n_ctx} (raise --ctx-size)")
         pos = np.arange(pos0, pos0 + T, dtype=np.int32)                  # (T,)
+        self.ffn.start_pass(T, prefill=last_only)
         x = self._embed(tokens, pos)                                     # (T, d_model)
         for i in range(self.config.n_layers):
             layer = self.w.layer(i)

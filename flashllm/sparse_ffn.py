@@ -152,9 +152,10 @@ class SparseFlashFfn:
 
     # ---- the strategy seam -------------------------------------------------------------------
 
+    def start_pass(self, n_tokens: int, prefill: bool) -> None:
+        self._token = self.rec.start("prefill" if prefill else "decode", n_tokens)
+
     def __call__(self, layer: int, h: np.ndarray, x: np.ndarray) -> None:
-        if layer == 0:
-            self._token = self.rec.start("decode" if len(h) == 1 else "prefill", len(h))
         if self._static_slots() is not None:
             self._static_pass(layer, h, x)
         elif len(h) == 1:

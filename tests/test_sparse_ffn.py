@@ -90,6 +90,7 @@ def test_decode_equals_numpy_on_the_same_active_set(tmp_path, glu, dtype, thresh
     ffn.caches = [type(c)(cfg.n_ff, 40, c.stride, 2, 0) for c in ffn.caches]
     rng = np.random.default_rng(0)
     for _ in range(12):
+        ffn.start_pass(1, prefill=False)
         for layer in range(cfg.n_layers):
             h = rng.standard_normal((1, cfg.d_model)).astype(np.float32)     # (1, d)
             y = np.zeros_like(h)
@@ -109,6 +110,7 @@ def test_prefill_and_naive_read_whole_layers_in_chunks(tmp_path, naive):
                            staging_rows=10, **({} if naive else {"capacity": 40, "n_pinned": 25}))
     h = np.random.default_rng(1).standard_normal((5, cfg.d_model)).astype(np.float32)  # (5, d)
     for T in (5, 1, 1):
+        ffn.start_pass(T, prefill=T > 1)
         for layer in range(cfg.n_layers):
             y = np.zeros((T, cfg.d_model), np.float32)
             ffn(layer, h[:T], y)
@@ -135,6 +137,7 @@ def test_bytes_read_per_token_are_the_misses(tmp_path):
     h = np.zeros((1, cfg.d_model), np.float32)
     for _ in range(6):
         y = np.zeros_like(h)
+        ffn.start_pass(1, prefill=False)
         ffn(0, h, y)
         misses = sorted(set(pred.last.tolist()) - seen)   # the cache holds every neuron here
         seen |= set(pred.last.tolist())
@@ -202,6 +205,7 @@ def test_check_mode_counts_recall_against_the_exact_mask(tmp_path):
     flash, ffn = flash_ffn(tmp_path / "m", pred, "64MiB")
     ffn.check = True
     h = np.random.default_rng(2).standard_normal((1, cfg.d_model)).astype(np.float32)   # (1, d)
+    ffn.start_pass(1, prefill=False)
     ffn(0, h, np.zeros_like(h))
     g = h @ arrays["blk.0.ffn_gate.weight"].T                            # (1, n_ff) by neuron id
     a = np.abs(g / (1 + np.exp(-g)) * (h @ arrays["blk.0.ffn_up.weight"].T))[0]
