@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
 from .chat_template import ChatError, ChatTemplate
-from .generate import decode_one, prefill
+from .generate import decode_pass, prefill
 
 
 @dataclass
@@ -47,6 +47,7 @@ class ChatSession:
     n_predict: int = -1                  # answer length cap; < 0: until a stop token
     messages: list = field(default_factory=list)
     cached: list = field(default_factory=list)   # token ids with valid KV at positions 0..n-1
+    draft: object = None                 # speculate.NgramDraft, or None: one token per pass
     turns: list = field(default_factory=list)    # TurnStats of every turn
 
     def __post_init__(self) -> None:
@@ -115,26 +116,33 @@ class ChatSession:
         logits = prefill(self.model, ids[keep:], keep)                       # (vocab,)
         stats.prefill_s = time.perf_counter() - t0
         self.cached = list(ids)
+        context = list(ids)                  # + the answer so far; ends with the token to feed
+        new = [] if should_stop() else [self.sampler.sample(logits, context)]
         while not stats.stop:
+            for token in new:
+                if token in stops:
+                    stats.stop = "eos"
+                    break
+                answer.append(token)
+                context.append(token)
+                stats.n_gen += 1
+                on_text(detok.push(token))
+                if 0 <= self.n_predict <= stats.n_gen:
+                    stats.stop = "limit"
+                    break
+            if stats.stop:
+                break
+            pos = len(self.cached)
             if should_stop():
                 stats.stop = "interrupted"
-                break
-            token = self.sampler.sample(logits, self.cached)
-            if token in stops:
-                stats.stop = "eos"
-                break
-            answer.append(token)
-            stats.n_gen += 1
-            on_text(detok.push(token))
-            if 0 <= self.n_predict <= stats.n_gen:
-                stats.stop = "limit"
-            elif len(self.cached) >= n_ctx:
+            elif pos >= n_ctx:
                 stats.stop = "context"
             else:
-                t0 = time.perf_counter()
-                logits = decode_one(self.model, token, len(self.cached))    # (vocab,)
-                stats.decode_s += time.perf_counter() - t0
-                self.cached.append(token)
+                left = self.n_predict - stats.n_gen if self.n_predict >= 0 else n_ctx
+                new, _, seconds = decode_pass(self.model, self.sampler, self.draft, context, pos,
+                                              min(left - 1, n_ctx - pos - 1))
+                stats.decode_s += seconds
+                self.cached += [context[-1]] + new[:-1]     # the fed token, the kept guesses
         on_text(detok.flush())
         return self.tokenizer.decode(answer)
 

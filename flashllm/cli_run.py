@@ -42,6 +42,10 @@ def run(
     predictor: str = typer.Option("auto", "--predictor", help="With --dram-budget: use the model's "
                                   "predictor (from calibrate): auto (when it is expected to make "
                                   "tokens faster within the budget), on, or off."),
+    draft: int = typer.Option(0, "--draft", help="Speculative decoding: check up to N tokens "
+                              "guessed from the context in each pass (prompt lookup; as many as "
+                              "pay, learned while running; 0: off). Tokens are drawn from the "
+                              "same distributions; pays where the answer repeats the context."),
     flash_stats: bool = typer.Option(False, "--stats", help="Per-token flash I/O, cache and latency "
                                      "table on stderr at the end."),
     check_recall: bool = typer.Option(False, "--check-recall", help="With --stats: also compute each "
@@ -66,6 +70,8 @@ def run(
 
     if interactive and (prompt is not None or file is not None):
         fail("give a prompt (-p/-f) or -i/--chat, not both")
+    if draft < 0:
+        fail(f"--draft {draft}: give the most guesses a pass may check (0: off)")
     text = None if interactive else _read_prompt(prompt, file)
     path = _resolve(model)
     fopts = FlashOptions(dram_budget, window, naive, dense, check_recall, predictor,
@@ -93,9 +99,9 @@ def run(
                                     seed=seed))
     try:
         if interactive:
-            _chat(flash, net, tok, sampler, system, chat_template, n_predict, as_json)
+            _chat(flash, net, tok, sampler, system, chat_template, n_predict, as_json, draft)
         else:
-            stats = _complete(net, tok, sampler, ids, n_predict)
+            stats = _complete(net, tok, sampler, ids, n_predict, draft)
             flash_json = _flash_json(ffn, weights) if flash_stats else None
             if as_json:
                 err.print(_stats_json(stats, flash_json), markup=False, soft_wrap=True,
@@ -136,9 +142,10 @@ def _prompt_ids(tok, text: str, n_predict: int, ctx_size: int) -> list[int]:
     return ids
 
 
-def _complete(net, tok, sampler, ids: list[int], n_predict: int):
+def _complete(net, tok, sampler, ids: list[int], n_predict: int, n_draft: int = 0):
     """One-shot generation: tokens to stdout, flushed one by one; the GenStats."""
     from .generate import generate
+    from .speculate import NgramDraft
     detok = tok.detokenizer()
     out = sys.stdout
 
@@ -146,7 +153,9 @@ def _complete(net, tok, sampler, ids: list[int], n_predict: int):
         out.write(detok.push(token))
         out.flush()
 
-    stats = generate(net, sampler, ids, n_predict, stop_ids=tok.eos_ids, on_token=emit)
+    draft = NgramDraft(n_draft) if n_draft else None
+    stats = generate(net, sampler, ids, n_predict, stop_ids=tok.eos_ids, on_token=emit,
+                     draft=draft)
     out.write(detok.flush() + "\n")
     out.flush()
     return stats
@@ -168,11 +177,12 @@ def _read_prompt(prompt: Optional[str], file: Optional[Path]) -> str:
 
 
 def _chat(flash, net, tok, sampler, system: Optional[str], template_file: Optional[Path],
-          n_predict: int, as_json: bool) -> None:
+          n_predict: int, as_json: bool, n_draft: int = 0) -> None:
     """The interactive chat of `run -i`: answers on stdout, everything else on stderr."""
     import json
     from .chat import ChatSession, Interrupt, ReplIO, line_editing, repl
     from .chat_template import load_template
+    from .speculate import NgramDraft
     override = None
     if template_file is not None:
         try:
@@ -183,7 +193,8 @@ def _chat(flash, net, tok, sampler, system: Optional[str], template_file: Option
     bos = tok.hf.id_to_token(cfg.bos_token_id) if cfg.bos_token_id is not None else None
     eos = tok.hf.id_to_token(cfg.eos_token_ids[0]) if cfg.eos_token_ids else None
     template, origin = load_template(flash.chat_template, override, bos or "", eos or "")
-    session = ChatSession(net, tok, sampler, template, system=system, n_predict=n_predict)
+    session = ChatSession(net, tok, sampler, template, system=system, n_predict=n_predict,
+                          draft=NgramDraft(n_draft) if n_draft else None)
     tty = sys.stdin.isatty()
     color = tty and sys.stdout.isatty() and not os.environ.get("NO_COLOR") \
         and os.environ.get("TERM") != "dumb"

@@ -93,6 +93,20 @@ class Sampler:
             return int(ids[0])
         return int(ids[self.rng.choice(len(ids), p=probs)])
 
+    def sample_given(self, logits: np.ndarray, history: Sequence[int], guess: int) -> int:
+        """A token distributed exactly as sample(logits, history) draws it, kept equal to guess
+        as often as possible: guess with the probability p(guess), else a draw from p without
+        guess (speculative sampling with a one-point draft). Greedy: guess iff it is the argmax."""
+        ids, probs = self.distribution(logits, history)  # (n,), (n,)
+        hit = ids == guess                              # (n,) bool
+        p_guess = float(probs[hit].sum())
+        if p_guess >= 1.0 or (p_guess > 0.0 and self.rng.random() < p_guess):
+            return int(guess)
+        rest = np.where(hit, 0.0, probs)                # (n,)
+        if len(ids) == 1:
+            return int(ids[0])
+        return int(ids[self.rng.choice(len(ids), p=rest / rest.sum())])
+
     def distribution(self, logits: np.ndarray, history: Sequence[int] = ()):
         """The candidates left by the chain and their probabilities: (ids (n,), probs (n,)).
         Greedy (temp <= 0) leaves one candidate with probability 1."""

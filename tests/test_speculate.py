@@ -1,0 +1,159 @@
+"""Speculative decoding with prompt-lookup drafts: the lookup, the draft length, the exactness
+of the verification (a sampler statistic and greedy generation against plain decoding on the
+scripted model, the real SmolLM2 and through the CLI and the chat)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from flashllm.chat import ChatSession
+from flashllm.chat_template import ChatTemplate
+from flashllm.cli import app
+from flashllm.generate import generate
+from flashllm.model import Model
+from flashllm.sampler import Sampler, SamplerParams
+from flashllm.speculate import DraftError, DraftLength, NgramDraft, verify
+from test_chat import tiny  # noqa: F401  (the tiny converted model fixture)
+from test_generate import ScriptedModel, greedy
+
+LOOP = [1, 7, 8, 9, 10, 11, 12, 13, 14, 15]      # a context that repeats: every guess holds
+
+
+class LoopModel(ScriptedModel):
+    """Peaked on LOOP[(pos + 1) % len(LOOP)] whatever it is fed."""
+
+    def forward(self, tokens, pos0, last_only=False):
+        tokens = np.asarray(tokens)                                     # (T,)
+        self.calls.append((tokens.tolist(), pos0))
+        logits = np.zeros((len(tokens), 50), dtype=np.float32)          # (T, vocab)
+        for row, p in enumerate(range(pos0, pos0 + len(tokens))):
+            logits[row, LOOP[(p + 1) % len(LOOP)]] = 10.0
+        return logits[-1:] if last_only else logits
+
+
+def eager(n: int) -> NgramDraft:
+    """A draft that always checks n guesses (cheap guesses, high acceptance learned)."""
+    d = NgramDraft(n)
+    d.length.c1, d.length.ce, d.length.kept, d.length.reached = 1.0, 0.0, 9.0, 10.0
+    return d
+
+
+def test_lookup_takes_the_longest_then_latest_match():
+    d = NgramDraft(8)
+    h = [5, 1, 2, 3, 9, 1, 2, 4, 7, 1, 2]
+    d._index(h)
+    assert d.lookup(h, 3) == [4, 7, 1]          # "1 2" last seen before 4 (not before 3)
+    h2 = [5, 1, 2, 3, 9, 1, 2, 4, 7, 5, 1, 2]
+    d._index(h2)                                # not an extension of h: rebuilt
+    assert d.lookup(h2, 8) == [3, 9, 1, 2, 4, 7, 5, 1]     # "5 1 2" beats the later "1 2"
+    assert d.lookup(h2, 0) == []
+    d._index([4, 4, 6])
+    assert d.lookup([4, 4, 6], 2) == []
+
+
+def test_the_index_grows_with_the_history():
+    d, h = NgramDraft(4), [3, 1, 4, 1, 5]
+    d._index(h)
+    h += [9, 2, 6, 5]
+    d._index(h)
+    assert d._seen == h and d.lookup(h, 4) == [9, 2, 6, 5]   # no "6 5" before: the last "5"
+    h += [3, 1]
+    d._index(h)
+    assert d.lookup(h, 4) == [4, 1, 5, 9]
+
+
+def test_draft_length_follows_acceptance_and_cost():
+    cheap = DraftLength(8)
+    for _ in range(20):                       # passes that keep every guess, guesses nearly free
+        cheap.observe(0, 0, 0.30)
+        cheap.observe(8, 8, 0.31)
+    assert cheap.choose() == 8
+    dear = DraftLength(8)
+    for _ in range(20):                       # guesses a quarter of a pass, one in ten kept
+        dear.observe(0, 0, 0.07)
+        dear.observe(4, 0 if _ % 10 else 1, 0.14)
+    picks = [dear.choose() for _ in range(8)]
+    assert picks == [0, 0, 0, 1, 0, 0, 0, 1]  # off, but every 4th pass probes one guess
+    with pytest.raises(DraftError):
+        NgramDraft(-1)
+
+
+def test_sample_given_draws_the_sampler_distribution():
+    """Whatever the guess, the token keeps the distribution sample() draws from."""
+    s = Sampler(SamplerParams(temp=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7))
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05], dtype=np.float32))   # (4,)
+    n = 40000
+    for guess in (0, 2, 3):
+        counts = np.bincount([s.sample_given(logits, [], guess) for _ in range(n)], minlength=4)
+        np.testing.assert_allclose(counts / n, [0.5, 0.3, 0.15, 0.05], atol=0.01)
+    g = Sampler(SamplerParams(temp=0.0))
+    assert g.sample_given(logits, [], 0) == 0 and g.sample_given(logits, [], 2) == 0
+
+
+def test_verify_keeps_guesses_up_to_the_first_miss():
+    rows = np.zeros((4, 50), np.float32)                                # (1 + 3, vocab)
+    rows[[0, 1, 2, 3], [7, 8, 30, 31]] = 10.0
+    assert verify(greedy(), rows, [7, 8, 9], [1]) == [7, 8, 30]
+    assert verify(greedy(), rows[:3], [7, 8], [1]) == [7, 8, 30]        # all kept: one more
+
+
+@pytest.mark.parametrize("n_predict, stops", [(25, ()), (7, ()), (40, (12,))])
+def test_generation_with_drafts_equals_plain_decoding(n_predict, stops):
+    plain, fast = [], []
+    a, b = LoopModel(n_ctx=64), LoopModel(n_ctx=64)
+    sa = generate(a, greedy(), LOOP[:4], n_predict, stop_ids=stops, on_token=plain.append)
+    sb = generate(b, greedy(), LOOP[:4], n_predict, stop_ids=stops, on_token=fast.append,
+                  draft=eager(6))
+    assert fast == plain and sb.n_gen == sa.n_gen and sb.stopped == sa.stopped
+    assert sb.n_decode + sb.n_accepted == sa.n_decode or sb.stopped
+    feeds = [(toks[0], p) for toks, p in b.calls[1:]]  # each pass feeds the right token next
+    assert all(t == LOOP[p % len(LOOP)] for t, p in feeds)
+    assert [p for _, p in feeds] == sorted(set(p for _, p in feeds))
+    if n_predict == 25:
+        assert sb.n_accepted > 10 and sb.n_decode < sa.n_decode / 2
+
+
+def test_the_context_end_bounds_the_guesses():
+    m = LoopModel(n_ctx=20)
+    out = []
+    stats = generate(m, greedy(), LOOP[:4], -1, on_token=out.append, draft=eager(8))
+    assert out == [LOOP[(4 + i) % len(LOOP)] for i in range(17)]
+    assert max(p + len(t) for t, p in m.calls) <= 20 and stats.n_gen == 17
+
+
+def test_real_model_greedy_tokens_are_unchanged(real_model):
+    """SmolLM2-135M (f32): a repetitive prompt, with and without drafts, 24 greedy tokens."""
+    net = real_model("smollm2-135m", "f32")
+    prompt = [504, 3458, 28, 504, 3458, 28, 504, 3458, 28, 504, 3458, 28, 504]
+    plain, fast = [], []
+    net.reset()
+    generate(net, greedy(), prompt, 24, on_token=plain.append)
+    net.reset()
+    stats = generate(net, greedy(), prompt, 24, on_token=fast.append, draft=eager(6))
+    assert fast == plain and stats.n_accepted > 0
+
+
+def test_cli_draft_gives_the_same_greedy_text(tiny):  # noqa: F811
+    model = str(tiny[0].path)
+    args = ["run", model, "-p", "hello there hello there hello", "-n", "12", "--temp", "0"]
+    plain = CliRunner().invoke(app, args + ["--no-timings"])
+    fast = CliRunner().invoke(app, args + ["--draft", "4"])
+    assert plain.exit_code == 0 and fast.exit_code == 0, fast.output
+    assert fast.stdout == plain.stdout
+    bad = CliRunner().invoke(app, args + ["--draft", "-2"])
+    assert bad.exit_code != 0 and "--draft -2" in bad.output
+
+
+def test_chat_answers_are_the_same_with_drafts(tiny):  # noqa: F811
+    flash, tok = tiny
+    answers = []
+    for draft in (None, eager(4)):
+        session = ChatSession(Model(flash, n_threads=1, n_ctx=128), tok,
+                              Sampler(SamplerParams(temp=0.0)), ChatTemplate(flash.chat_template),
+                              n_predict=9, draft=draft)
+        text = []
+        for msg in ("hello there", "hello there hello"):
+            session.ask(msg, text.append)
+        answers.append("".join(text))
+    assert answers[0] == answers[1]
