@@ -164,7 +164,9 @@ class SparseFlashFfn:
             self._whole_layer(layer, h, x)
 
     def stats(self) -> dict:
-        return self.rec.to_dict(lambda size: self.cost.gib_s(self.reader.n_threads, max(size, 1.0)))
+        threads = self.reader.n_threads
+        return {**self.rec.to_dict(lambda size: self.cost.gib_s(threads, max(size, 1.0))),
+                "read_threads": threads}
 
     def close(self) -> None:
         """Stop reading ahead, close the readers (the FFN's and the ring's dense one)."""

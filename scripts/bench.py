@@ -1,7 +1,7 @@
-"""`make bench`: the DESIGN.md §8 protocol, written to BENCHMARKS.md (sections "Dense decode" and
-"Flash inference"; every other section of the file is kept).
+"""`make bench`: the DESIGN.md §8 protocol, written to BENCHMARKS.md (sections "Dense decode",
+"Flash inference" and "Speculative decoding"; every other section of the file is kept).
 
-Run:  python scripts/bench.py [--quick] [--sections dense,flash] [--out BENCHMARKS.md]
+Run:  python scripts/bench.py [--quick] [--sections dense,flash,draft] [--out BENCHMARKS.md]
 
 Dense decode (issue 2): SmolLM2-135M converted at f16 / q8_0 / q4_0 / q4_1, `flashllm run` decode and
 prefill tok/s (median of 3), next to llama.cpp on the same GGUF with both OMP wait policies (the
@@ -9,6 +9,10 @@ faster is the reference).
 Flash inference (issues 4/5): Qwen2.5-Coder-1.5B and SmolLM2-135M under cgroup-v1 memory caps, cold
 cache, flashllm sparse / --naive / dense and llama.cpp; the rows whose `flashllm run` option does
 not exist yet say "not available yet". --quick: SmolLM2 only, 32 tokens, one run each.
+Each capped flashllm row is bracketed by two 4-s read probes (scripts/read_probe.py) so its read rate
+can be set against the device's rate of those minutes.
+Speculative decoding: scripts/bench_draft.py's editing prompt, flashllm --draft 0 / 8 and llama.cpp
+plain / prompt lookup, uncapped, 560 MiB and 280 MiB (not with --quick).
 Raw results (stderr tails, stats JSON) go to build/bench.json.
 """
 from __future__ import annotations
@@ -26,11 +30,13 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_flashllm import (ROOT, Flashllm, converted_dir, ensure_calibrated,  # noqa: E402
+from bench_draft import draft_rows, draft_section  # noqa: E402
+from bench_flashllm import (ROOT, Flashllm, run_cmd, converted_dir, ensure_calibrated,  # noqa: E402
                             ensure_converted, make_prompt, parse_run)
 from bench_report import dense_section, flash_section, header, merge  # noqa: E402
 from bench_stats import parse_stats_table, stat_cells  # noqa: E402
-from cgroup_run import CgroupUnavailable, run_capped, unavailable_reason  # noqa: E402
+from cgroup_run import unavailable_reason  # noqa: E402
+from read_probe import probe  # noqa: E402
 
 MiB = 1 << 20
 # name -> (local GGUF file name, flash dtype); the GGUF is looked up in --models-dir, else pulled.
@@ -72,19 +78,6 @@ def gguf_for(fl: Flashllm, name: str, models_dir: Path) -> Path:
         return local
     res = subprocess.run(fl.argv + ["pull", name], capture_output=True, text=True, cwd=ROOT, check=True)
     return Path(res.stdout.strip().splitlines()[-1])
-
-
-def run_cmd(argv: List[str], cap: Optional[int], cold: bool, timeout: float) -> dict:
-    """argv in a memory cgroup when possible (peak, failcnt), else plainly; the raw outcome."""
-    try:
-        r = run_capped(argv, cap, cold=cold, timeout=timeout, cwd=str(ROOT))
-        return {"rc": r.returncode, "stdout": r.stdout, "stderr": r.stderr, "peak": r.peak_bytes,
-                "failcnt": r.failcnt, "oom": r.oom_kills, "wall": r.wall_s}
-    except CgroupUnavailable as e:
-        if cap is not None:
-            return {"rc": None, "error": f"skipped: {e}"}
-        p = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=timeout)
-        return {"rc": p.returncode, "stdout": p.stdout, "stderr": p.stderr}
 
 
 def failure(raw: dict) -> str:
@@ -206,10 +199,14 @@ def contenders(budget: Optional[str], fits: bool, opts: Dict[str, bool]) -> List
     return rows
 
 
+PROBE_CHUNK, PROBE_S = 256 * 1024, 4.0   # the bracketing read probes of each capped flashllm run
+
+
 def flash_rows(args, fl: Flashllm, opts: Dict[str, bool]) -> tuple:
     rows, notes = [], []
     names = ["smollm2-135m"] if args.quick else ["qwen2.5-coder-1.5b", "smollm2-135m"]
     n_gen = 32 if args.quick else 128
+    threads = 8                  # reads in flight of the first probe; then the last run's
     for name in names:
         gguf = gguf_for(fl, name, args.models_dir)
         dtype = MODELS[name][1]
@@ -237,10 +234,20 @@ def flash_rows(args, fl: Flashllm, opts: Dict[str, bool]) -> tuple:
                                  "error": f"not available yet (no `run {missing}`)"})
                     continue
                 log(f"flash: {contender} {name} cap {label}")
+                ffn_file = out / json.loads((out / "manifest.json").read_text())["ffn"]["file"]
+                before = probe(ffn_file, PROBE_CHUNK, threads, PROBE_S) if cap else None
                 row = flashllm_row(fl, out, prompt, n_gen, extra, 1, cap, True, opts["--json"],
                                    args.timeout)
                 row["cmd"] = capped(row["cmd"], cap)
-                row["stats"] = stat_cells(row.get("parsed") or {})
+                flash = (row.get("parsed") or {}).get("flash") or {}
+                threads = flash.get("read_threads", threads)
+                if before and flash:        # right after, at the run's read size and threads
+                    size = (flash.get("summary") or {}).get("avg_read_bytes") or PROBE_CHUNK
+                    after = probe(ffn_file, int(size), threads, PROBE_S)
+                    row["probe"] = {"before": before, "after": after,
+                                    "gib_s": (before["gib_s"] + after["gib_s"]) / 2}
+                row["stats"] = stat_cells(row.get("parsed") or {},
+                                          (row.get("probe") or {}).get("gib_s"))
                 rows.append({**base, **row, "contender": contender})
     return rows, notes
 
@@ -277,7 +284,7 @@ def reprofile(fl: Flashllm, work: Path) -> Optional[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="SmolLM2 only, 32 tokens, one run each")
-    ap.add_argument("--sections", default="dense,flash")
+    ap.add_argument("--sections", default="dense,flash,draft")
     ap.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
     ap.add_argument("--models-dir", type=Path, default=Path("/work/models"))
     ap.add_argument("--cache", type=Path, default=None, help="flashllm's user cache (default: the CLI's)")
@@ -310,6 +317,11 @@ def main() -> None:
         notes += [f"- cgroup: {reason}: capped rows skipped."] if reason else []
         sections["## Flash inference"] = flash_section(info, rows, (start, loadavg()), notes)
         raw["flash"] = rows
+    if "draft" in wanted and not args.quick:
+        start = loadavg()
+        caps = [None] + (["560MiB", "280MiB"] if not unavailable_reason() else [])
+        raw["draft"] = draft_rows(caps, 128, 8, log)
+        sections["## Speculative decoding"] = draft_section(raw["draft"], (start, loadavg()))
     args.out.write_text(merge(args.out, header(info), sections), encoding="utf-8")
     (ROOT / "build" / "bench.json").write_text(json.dumps(raw, indent=1, default=str))
     log(f"wrote {args.out} and build/bench.json")

@@ -10,10 +10,14 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cgroup_run import CgroupUnavailable, run_capped  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMING = re.compile(r"(prompt eval|eval) time\s*=\s*([0-9.]+) ms /\s*(\d+) (?:tokens|runs)")
@@ -162,3 +166,16 @@ def _with_rates(d: dict) -> dict:
     if "decode_tps" not in d and d.get("decode_s"):
         d["decode_tps"] = d["n_decode"] / d["decode_s"]
     return d
+
+
+def run_cmd(argv: List[str], cap: Optional[int], cold: bool, timeout: float) -> dict:
+    """argv in a memory cgroup when possible (peak, failcnt), else plainly; the raw outcome."""
+    try:
+        r = run_capped(argv, cap, cold=cold, timeout=timeout, cwd=str(ROOT))
+        return {"rc": r.returncode, "stdout": r.stdout, "stderr": r.stderr, "peak": r.peak_bytes,
+                "failcnt": r.failcnt, "oom": r.oom_kills, "wall": r.wall_s}
+    except CgroupUnavailable as e:
+        if cap is not None:
+            return {"rc": None, "error": f"skipped: {e}"}
+        p = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+        return {"rc": p.returncode, "stdout": p.stdout, "stderr": p.stderr}

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 from typing import Dict, List, Optional
 
-MINE = ("## Dense decode", "## Flash inference")
+MINE = ("## Dense decode", "## Flash inference", "## Speculative decoding")
 TITLE = "# flashllm benchmarks"
 
 
@@ -70,7 +70,7 @@ def dense_section(info: Dict[str, str], rows: List[dict], load: tuple, notes: Li
 
 
 FLASH_COLS = ("| model | cap | contender | decode tok/s | prefill tok/s | decode × llama.cpp | "
-              "cgroup peak MiB | failcnt | FFN (+ dense) MB/tok | reads/tok | avg read KiB | GiB/s reading (profile) / whole decode | "
+              "cgroup peak MiB | failcnt | FFN (+ dense) MB/tok | reads/tok | avg read KiB | GiB/s reading (profile) [adjacent probe: run ÷ probe] / whole decode | "
               "hit rate | recall / precision | ms/tok I/O / mm / compute / predictor | cmd |")
 
 
@@ -86,7 +86,12 @@ def flash_section(info: Dict[str, str], rows: List[dict], load: tuple, notes: Li
            "the faster is the ratio's reference (flashllm's kernel threads are its own: "
            "native/pool.c). \"–\": the "
            "run does not report that figure; \"not available yet\": the `flashllm run` option it "
-           "needs does not exist in this build.", "",
+           "needs does not exist in this build. \"GiB/s reading\": the run's FFN reads (bytes / time "
+           "in reads), against the saved device profile's figure at the run's read size and "
+           "threads, and [in brackets] against the mean of two 4-s probes of the same random "
+           "direct reads taken right before and right after the run (scripts/read_probe.py: one "
+           "profile cell measured longer; this VM's disk moves between ~1.2 and ~2.2 GiB/s over "
+           "seconds, so only an adjacent measurement says whether the run left the device idle).", "",
            FLASH_COLS, "|---|---|---|" + "---:|" * 10 + "---|---|---|"]
     refs = {(r["model"], r["cap"]): r.get("decode_tps") for r in rows if r.get("ref")}
     cmds: List[str] = []

@@ -75,8 +75,9 @@ def find(flat: Dict[str, object], fragments: Sequence[str]) -> Optional[float]:
     return None
 
 
-def stat_cells(parsed: dict) -> Dict[str, str]:
-    """Table cells: mb_tok, reads_tok, avg_read_kib, gibs, hit, recall, split (strings)."""
+def stat_cells(parsed: dict, probe: Optional[float] = None) -> Dict[str, str]:
+    """Table cells: mb_tok, reads_tok, avg_read_kib, gibs, hit, recall, split (strings). probe:
+    the device's GiB/s measured right before and after the run (scripts/read_probe.py)."""
     flat = flatten(parsed)
     val = {c: find(flat, frags) for c, (frags, _, _) in COLUMNS.items()}
 
@@ -85,6 +86,8 @@ def stat_cells(parsed: dict) -> Dict[str, str]:
         return "–" if v is None else f"{v * COLUMNS[c][1]:.{COLUMNS[c][2]}f}"
 
     gibs = cell("gib_run") + (f" ({cell('gib_profile')})" if val["gib_profile"] is not None else "")
+    if probe and val["gib_run"]:
+        gibs += f" [{probe:.2f}: {val['gib_run'] / probe:.2f}]"
     dense = find(flat, ("dense_bytes_read",))         # over the prefill and every decode pass
     passes = (find(flat, ("n_decode",)) or 0) + 1
     tps, per_tok = find(flat, ("decode_tps",)), val["mb_tok"]

@@ -1,0 +1,42 @@
+"""The device's random direct-read rate right now: one `flashllm profile` cell, measured longer.
+
+Run:  python scripts/read_probe.py FILE [--chunk 256KiB] [--threads 8] [--seconds 4]
+Reads chunk-sized, chunk-aligned random requests of FILE with `threads` in flight through the C
+reader for `seconds` (profile.measure_cell, the profile's own measurement) and prints
+{"gib_s": ..., "chunk": ..., "threads": ..., "seconds": ...}. bench.py takes it right before and
+right after each capped run, so the run's read rate can be set against the device's rate of those
+minutes: over 2-s windows this VM's disk moves between ~1.2 and ~2.2 GiB/s (session 6).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+from flashllm.ioreader import Reader, aligned_empty
+from flashllm.profile import DST_BYTES, measure_cell, parse_size
+
+
+def probe(path: Path, chunk: int, threads: int, seconds: float) -> dict:
+    """GiB/s of random direct reads of chunk bytes, `threads` in flight, for about seconds."""
+    chunk = max(4096, chunk // 4096 * 4096)
+    with Reader(path, n_threads=threads, stage_bytes=max(chunk, 1 << 20)) as reader:
+        cell = measure_cell(reader, "random", chunk, seconds, np.random.default_rng(),
+                            aligned_empty(DST_BYTES))
+    return {"gib_s": cell.gib_s, "chunk": chunk, "threads": threads, "seconds": cell.seconds}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("file", type=Path)
+    ap.add_argument("--chunk", default="256KiB")
+    ap.add_argument("--threads", type=int, default=8)
+    ap.add_argument("--seconds", type=float, default=4.0)
+    args = ap.parse_args()
+    print(json.dumps(probe(args.file, parse_size(args.chunk), args.threads, args.seconds)))
+
+
+if __name__ == "__main__":
+    main()
