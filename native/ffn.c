@@ -19,6 +19,8 @@
 #define PREFETCH_BUNDLES 2 /* bundles ahead of the one being computed */
 #define PREFETCH_GROUPS 1  /* int8 paths: groups of FL_QT bundles ahead */
 #define DOWN_K FL_PR       /* neurons per f32 down GEMM when T > 1 (a multiple of FL_QT) */
+#define SMALL_T 10         /* up to this many tokens: per-token arithmetic (range_qs); more: GEMM
+                            * panels (range_qp), faster from ~11 tokens on real q4_k layers */
 #define SUM_CHUNK 512      /* floats of y per work unit of the partials' sum */
 
 /* the bundle layout and arguments shared by every bundle of one call */
@@ -143,25 +145,33 @@ static void range_q1(const ffn_args *a, const uint8_t *bundles, int64_t stride, 
     for (int k = 0; k < nq; k++) fli_axpy(a->ddt, down[k], hq[k], acc, a->d);
 }
 
-/* 1 < T <= FL_QT, quantized: h (DOWN_K, T) of DOWN_K neurons from int8 tiles, their down
- * columns dequantized once into scratch (DOWN_K, d), then one small f32 GEMM into acc */
-static void range_qt(const ffn_args *a, const uint8_t *bundles, int64_t stride, int64_t j0,
-                     int64_t j1, float *acc, float *scratch) {
+/* 1 < T <= SMALL_T, quantized (a decode pass with draft guesses): per token exactly range_q1's
+ * arithmetic — the same tiles, each token's own queue of kept neurons and its fused 4-row down
+ * axpys — with each group's rows read from memory once for all T tokens; h: scratch (FL_QT, T) */
+static void range_qs(const ffn_args *a, const uint8_t *bundles, int64_t stride, int64_t j0,
+                     int64_t j1, float *acc, float *h) {
     const int64_t T = a->T, d = a->d;
-    float *h = scratch, *down = scratch + DOWN_K * T;  // (DOWN_K, T), (DOWN_K, d)
+    const uint8_t *down[SMALL_T][FL_QT];
+    float hq[SMALL_T][FL_QT];
+    int nq[SMALL_T] = {0};
     group g;
-    for (int64_t j = j0; j < j1;) {
-        int64_t K = 0;
-        for (; K < DOWN_K && j < j1; K += FL_QT, j += g.nr) {
-            group_at(a, bundles, stride, j, j1, &g);
-            group_h(a, &g, 0, T, h + K * T, T, NULL);
-            for (int k = 0; k < g.nr; k++)
-                fli_dequant(a->ddt, g.up[k] + a->rb, down + (K + k) * d, d);
-            for (int k = g.nr; k < FL_QT; k++)
-                memset(down + (K + k) * d, 0, (size_t)d * sizeof(float));
+    for (int64_t j = j0; j < j1; j += FL_QT) {
+        group_at(a, bundles, stride, j, j1, &g);
+        for (int64_t t = 0; t < T; t++) {
+            group_h(a, &g, t, 1, h, T, NULL);
+            for (int k = 0; k < g.nr; k++) {
+                if (h[k * T + t] == 0.0f) continue;
+                down[t][nq[t]] = g.up[k] + a->rb;
+                hq[t][nq[t]++] = h[k * T + t];
+                if (nq[t] == FL_QT) {
+                    fli_axpy4(a->ddt, down[t], hq[t], acc + t * d, d);
+                    nq[t] = 0;
+                }
+            }
         }
-        fli_down_f32(h, T, down, K, d, acc, T);
     }
+    for (int64_t t = 0; t < T; t++)
+        for (int k = 0; k < nq[t]; k++) fli_axpy(a->ddt, down[t][k], hq[t][k], acc + t * d, d);
 }
 
 /* the gate and up rows of bundles j .. j+nr-1 (nr <= FL_PR) packed into two int8 GEMM panels
@@ -202,7 +212,7 @@ static void panel_h(const ffn_args *a, const uint8_t *bundles, int64_t stride, i
     }
 }
 
-/* T > FL_QT, quantized: h (DOWN_K, T) and the dequantized down columns (DOWN_K, d) of DOWN_K
+/* T > SMALL_T, quantized: h (DOWN_K, T) and the dequantized down columns (DOWN_K, d) of DOWN_K
  * neurons from DOWN_K / FL_PR panels (panel_h), then one f32 GEMM into acc. scratch: h, down,
  * gate / up outputs (2, FL_PR, T), then the two panels */
 static void range_qp(const ffn_args *a, const uint8_t *bundles, int64_t stride, int64_t j0,
@@ -221,12 +231,13 @@ static void range_qp(const ffn_args *a, const uint8_t *bundles, int64_t stride, 
     }
 }
 
-/* floats of per-thread scratch: f32 path (3, d) when T > 1; int8 path (DOWN_K, T + d) when
- * T <= FL_QT, else also the gate and up outputs (2, DOWN_K, T) and two panels; none when T == 1 */
+/* floats of per-thread scratch: f32 path (3, d) when T > 1; int8 path (FL_QT, T) when
+ * T <= SMALL_T, else (DOWN_K, T + d), the gate and up outputs (2, DOWN_K, T) and two panels;
+ * none when T == 1 */
 static size_t scratch_floats(const ffn_args *a) {
     if (a->T == 1) return 0;
     if (!a->xq) return 3 * (size_t)a->d;
-    if (a->T <= FL_QT) return DOWN_K * (size_t)(a->T + a->d);
+    if (a->T <= SMALL_T) return FL_QT * (size_t)a->T;
     return DOWN_K * (size_t)(a->T + a->d) + 2 * FL_PR * (size_t)a->T +
            2 * fli_panel_bytes(a->d) / sizeof(float) + 1;
 }
@@ -236,7 +247,7 @@ static void bundle_range(const ffn_args *a, const uint8_t *bundles, int64_t stri
                          int64_t i1, float *acc, float *scratch) {
     if (a->xq) {
         if (a->T == 1) range_q1(a, bundles, stride, i0, i1, acc);
-        else if (a->T <= FL_QT) range_qt(a, bundles, stride, i0, i1, acc, scratch);
+        else if (a->T <= SMALL_T) range_qs(a, bundles, stride, i0, i1, acc, scratch);
         else range_qp(a, bundles, stride, i0, i1, acc, scratch);
         return;
     }

@@ -45,7 +45,7 @@ def test_matmul_int8_error_is_bounded_by_activation_rounding(dtype):
 
 
 @pytest.mark.parametrize("dtype", QDTYPES)
-@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("T", [1, 2, 5, 9, 13])   # 2..10: per-token tiles; 13: GEMM panels
 def test_ffn_bundles_int8_rows_and_threshold(dtype, T):
     d, n = 96, 130
     data, parts = _bundles(n, d, dtype, True, pad=2, seed=21)
@@ -60,3 +60,25 @@ def test_ffn_bundles_int8_rows_and_threshold(dtype, T):
         kernel.ffn_bundles(data, dtype, d, True, "silu", x, y, rows=rows, threshold=thr,
                            n_threads=threads)
         _close(y, ref, rel=5e-5)
+
+
+@pytest.mark.parametrize("dtype", QDTYPES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_few_tokens_at_once_are_each_computed_as_one(dtype, threads):
+    """A decode pass with draft guesses (T <= 5) gives each token, bit for bit, what a pass over
+    that token alone gives: the guesses are checked against the decode's own numbers."""
+    d, n = 96, 130
+    data, _ = _bundles(n, d, dtype, True, pad=2, seed=23)
+    rng = _rng(24)
+    x = (rng.standard_normal((5, d)) / np.sqrt(d)).astype(np.float32)  # (5, d)
+    rows = rng.choice(n, 77, replace=False).astype(np.int32)  # (77,)
+    for T in (2, 3, 5):
+        one = np.zeros((T, d), np.float32)
+        for t in range(T):
+            kernel.ffn_bundles(data, dtype, d, True, "silu", x[t:t + 1], one[t:t + 1], rows=rows,
+                               threshold=0.01, n_threads=threads)
+        many = np.zeros((T, d), np.float32)
+        kernel.ffn_bundles(data, dtype, d, True, "silu", x[:T], many, rows=rows, threshold=0.01,
+                           n_threads=threads)
+        np.testing.assert_array_equal(many, one)
+

@@ -114,6 +114,21 @@ def test_ffn_bundles_against_numpy(bundle_case, T):
     assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max()
 
 
+def test_a_few_tokens_at_once_are_each_computed_as_one(bundle_case):
+    """T <= 5 tokens (a decode pass with guesses): each token's FFN bit for bit its own pass's."""
+    bundles, _ = bundle_case
+    x = np.random.default_rng(8).standard_normal((4, D)).astype(np.float32)  # (4, D)
+    for threads in (1, 2):
+        one = np.zeros((4, D), np.float32)
+        for t in range(4):
+            kernel.ffn_bundles(bundles, "q4_k", D, True, "silu", x[t:t + 1], one[t:t + 1],
+                               threshold=0.05, n_threads=threads)
+        many = np.zeros((4, D), np.float32)
+        kernel.ffn_bundles(bundles, "q4_k", D, True, "silu", x, many, threshold=0.05,
+                           n_threads=threads)
+        np.testing.assert_array_equal(many, one)
+
+
 @pytest.mark.parametrize("T", [1, 3, 9])
 def test_matmul_against_numpy(T):
     w = q4k_rows(np.random.default_rng(9), 40, D)                          # (40, 288)

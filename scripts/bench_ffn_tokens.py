@@ -1,0 +1,52 @@
+"""The FFN kernel on a real model's layers by tokens per call: what a decode pass with T - 1
+draft guesses costs (the per-token path for T <= 10, GEMM panels beyond).
+
+Run:  python scripts/bench_ffn_tokens.py [MODEL] [--tokens 1,2,3,4,5,6,8,9,12] [--threads 2]
+Every layer of MODEL (a converted folder; default the bench's calibrated Qwen2.5-Coder-1.5B q4_k)
+is read into DRAM and cycled (28 layers of 23 MB: beyond the caches, as in decode), x is random
+(T, d_model) * 0.5, the layers' calibrated thresholds apply; each T prints the best of 4 sweeps
+in ms per layer.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+
+from flashllm import kernel
+from flashllm.bundle import open_flash
+from flashllm.calibrate import manifest_thresholds
+
+DEFAULT = Path.home() / ".cache" / "flashllm" / "converted" / "qwen2.5-coder-1.5b-q4_k-cal"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", type=Path, nargs="?", default=DEFAULT)
+    ap.add_argument("--tokens", default="1,2,3,4,5,6,8,9,12")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    flash = open_flash(args.model)
+    cfg, f = flash.config, flash.ffn
+    layers = [np.ascontiguousarray(flash.read_ffn_layer(i)) for i in range(cfg.n_layers)]
+    thr = manifest_thresholds(flash.manifest, cfg.n_layers)
+    x = np.random.default_rng(0).standard_normal((64, cfg.d_model)).astype(np.float32) * 0.5
+    cells = []
+    for T in (int(t) for t in args.tokens.split(",")):
+        xt = np.ascontiguousarray(x[:T])                    # (T, d_model)
+        y = np.zeros_like(xt)                               # (T, d_model)
+        best = float("inf")
+        for _ in range(4):
+            t0 = time.perf_counter()
+            for i, bundles in enumerate(layers):
+                kernel.ffn_bundles(bundles, f.dtype, cfg.d_model, cfg.glu, cfg.act, xt, y,
+                                   threshold=thr[i], n_threads=args.threads)
+            best = min(best, time.perf_counter() - t0)
+        cells.append(f"T={T}: {1e3 * best / len(layers):.2f}")
+    print(f"{args.model.name}, {args.threads} threads, ms per layer: " + "  ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
