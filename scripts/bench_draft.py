@@ -70,9 +70,12 @@ def fmt(x) -> str:
 
 def table(rows: list) -> str:
     out = ["| cap | engine | draft | decode tok/s | tokens per pass | × same engine plain | "
-           "× llama.cpp plain | tokens |", "|---|---|---|---|---|---|---|---|"]
+           "× llama.cpp plain | × llama.cpp, same draft | tokens |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         base = {x["engine"]: x["decode_tps"] for x in rows if x["cap"] == r["cap"] and not x["draft"]}
+        peer = next((x["decode_tps"] for x in rows if x["cap"] == r["cap"] and
+                     x["draft"] == r["draft"] and x["engine"] == "llama.cpp"), None)
         tps = r["decode_tps"]
 
         def rel(ref):
@@ -80,7 +83,7 @@ def table(rows: list) -> str:
         out.append(f"| {r['cap'] or 'none'} | {r['engine']} | {r['draft']} | "
                    f"{fmt(tps) if not r.get('error') else r['error']} | "
                    f"{fmt(r['per_pass'])} | {rel(base.get(r['engine']))} | "
-                   f"{rel(base.get('llama.cpp'))} | {r['n_gen']} |")
+                   f"{rel(base.get('llama.cpp'))} | {rel(peer)} | {r['n_gen'] or '–'} |")
     return "\n".join(out)
 
 
@@ -111,9 +114,10 @@ def draft_section(rows: list, load: tuple) -> str:
             "cold page cache under the memory cgroup, llama.cpp's OpenMP threads passive, as in "
             "\"Flash inference\". Decode tok/s counts tokens made after the first, whatever the "
             "number of passes. llama-cpp-python's lookup verifies through logits_all, which keeps "
-            "an f32 row of 151936 logits per context token (~600 KB: 0.34 GB for this prompt), so "
-            "under a cap it is OOM-killed; llama.cpp's own C++ `lookup` example has no Python "
-            f"binding here. Load average {load[0]} at the start, {load[1]} at the end.", "",
+            "an f32 row of 151936 logits per context token (~600 KB: 0.34 GB for this prompt and "
+            "answer) in anonymous memory, which a cap must hold besides the weights' page cache; "
+            "where it cannot, the run is OOM-killed (llama.cpp's own C++ `lookup` example has no "
+            f"Python binding here). Load average {load[0]} at the start, {load[1]} at the end.", "",
             table(rows), "", "Commands:", ""]
     text += [f"- {r['engine']} --draft {r['draft']}, cap {r['cap'] or 'none'}: `{r['cmd']}`"
              + ("" if r["cap"] is None else f" (in `scripts/cgroup_run.py --cold --limit {r['cap']}`)")

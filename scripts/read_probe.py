@@ -1,11 +1,12 @@
 """The device's random direct-read rate right now: one `flashllm profile` cell, measured longer.
 
-Run:  python scripts/read_probe.py FILE [--chunk 256KiB] [--threads 8] [--seconds 4]
+Run:  python scripts/read_probe.py FILE [--chunk 256KiB] [--threads 8] [--seconds 4] [--repeat N]
 Reads chunk-sized, chunk-aligned random requests of FILE with `threads` in flight through the C
 reader for `seconds` (profile.measure_cell, the profile's own measurement) and prints
 {"gib_s": ..., "chunk": ..., "threads": ..., "seconds": ...}. bench.py takes it right before and
 right after each capped run, so the run's read rate can be set against the device's rate of those
-minutes: over 2-s windows this VM's disk moves between ~1.2 and ~2.2 GiB/s (session 6).
+minutes: over 2-s windows this VM's disk moves between ~1.2 and ~2.2 GiB/s (session 6; see it with
+--seconds 2 --repeat 20, one JSON line per window).
 """
 from __future__ import annotations
 
@@ -34,8 +35,11 @@ def main() -> None:
     ap.add_argument("--chunk", default="256KiB")
     ap.add_argument("--threads", type=int, default=8)
     ap.add_argument("--seconds", type=float, default=4.0)
+    ap.add_argument("--repeat", type=int, default=1, help="windows measured back to back")
     args = ap.parse_args()
-    print(json.dumps(probe(args.file, parse_size(args.chunk), args.threads, args.seconds)))
+    for _ in range(args.repeat):
+        print(json.dumps(probe(args.file, parse_size(args.chunk), args.threads, args.seconds)),
+              flush=True)
 
 
 if __name__ == "__main__":
