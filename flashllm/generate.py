@@ -1,5 +1,6 @@
-"""Generation as small verbs: prefill the prompt, decode one token, and the loop that joins them
-to the sampler, with llama.cpp-style timings."""
+"""Generation as small verbs: prefill the prompt, a decode pass (the fed token and any draft
+guesses, flashllm/speculate.py), and the loop that joins them to the sampler, with llama.cpp-style
+timings."""
 from __future__ import annotations
 
 import time
@@ -57,11 +58,6 @@ class GenStats:
 def prefill(model, ids: Sequence[int], pos0: int = 0) -> np.ndarray:
     """Run the prompt ids (T,) at positions pos0..; the next-token logits (vocab,)."""
     return model.forward(np.asarray(ids, dtype=np.int32), pos0, last_only=True)[0]   # (vocab,)
-
-
-def decode_one(model, token: int, pos: int) -> np.ndarray:
-    """Run one token at position pos; the next-token logits (vocab,)."""
-    return model.forward(np.array([token], dtype=np.int32), pos)[0]                   # (vocab,)
 
 
 def generate(model, sampler, prompt_ids: Sequence[int], n_predict: int,

@@ -7,7 +7,7 @@ import re
 import numpy as np
 import pytest
 
-from flashllm.generate import GenStats, decode_one, generate, prefill
+from flashllm.generate import GenStats, decode_pass, generate, prefill
 from flashllm.sampler import Sampler, SamplerParams
 
 VOCAB = 50
@@ -38,7 +38,7 @@ def greedy():
 def test_verbs_return_next_token_logits():
     m = ScriptedModel()
     assert int(np.argmax(prefill(m, SCRIPT[:3]))) == SCRIPT[3]
-    assert int(np.argmax(decode_one(m, SCRIPT[3], 3))) == SCRIPT[4]
+    assert decode_pass(m, greedy(), None, SCRIPT[:4], 3, 5)[:2] == ([SCRIPT[4]], 0)
     assert m.calls == [(SCRIPT[:3], 0), ([SCRIPT[3]], 3)]
 
 
