@@ -244,8 +244,9 @@ def flash_rows(args, fl: Flashllm, opts: Dict[str, bool]) -> tuple:
                 if before and flash:        # right after, at the run's read size and threads
                     size = (flash.get("summary") or {}).get("avg_read_bytes") or PROBE_CHUNK
                     after = probe(ffn_file, int(size), threads, PROBE_S)
-                    row["probe"] = {"before": before, "after": after,
-                                    "gib_s": (before["gib_s"] + after["gib_s"]) / 2}
+                    same = [p["gib_s"] for p in (before, after) if p["threads"] == threads]
+                    row["probe"] = {"before": before, "after": after,   # at the run's threads
+                                    "gib_s": sum(same) / len(same)}
                 row["stats"] = stat_cells(row.get("parsed") or {},
                                           (row.get("probe") or {}).get("gib_s"))
                 rows.append({**base, **row, "contender": contender})
