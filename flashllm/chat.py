@@ -26,6 +26,8 @@ class TurnStats:
     n_reused: int = 0          # prompt tokens whose KV entries came from earlier turns
     n_prefill: int = 0         # prompt tokens run this turn
     n_gen: int = 0             # answer tokens emitted
+    n_drafted: int = 0         # draft guesses checked (--draft)
+    n_accepted: int = 0        # of them kept
     prefill_s: float = 0.0
     decode_s: float = 0.0
     n_dropped: int = 0         # messages dropped to make room
@@ -139,9 +141,11 @@ class ChatSession:
                 stats.stop = "context"
             else:
                 left = self.n_predict - stats.n_gen if self.n_predict >= 0 else n_ctx
-                new, _, seconds = decode_pass(self.model, self.sampler, self.draft, context, pos,
-                                              min(left - 1, n_ctx - pos - 1))
+                new, n_guesses, seconds = decode_pass(self.model, self.sampler, self.draft,
+                                                      context, pos, min(left - 1, n_ctx - pos - 1))
                 stats.decode_s += seconds
+                stats.n_drafted += n_guesses
+                stats.n_accepted += len(new) - 1
                 self.cached += [context[-1]] + new[:-1]     # the fed token, the kept guesses
         on_text(detok.flush())
         return self.tokenizer.decode(answer)
@@ -264,7 +268,9 @@ def stats_text(session: ChatSession) -> str:
         t = session.turns[-1].to_dict()
         lines.append(f"last turn: {t['n_reused']} prompt tokens reused, {t['n_prefill']} prefilled "
                      f"({t['prefill_tps']:.1f} t/s), {t['n_gen']} generated ({t['decode_tps']:.1f} t/s), "
-                     f"stop: {t['stop']}")
+                     f"stop: {t['stop']}"
+                     + (f", draft: {t['n_accepted']} of {t['n_drafted']} guesses kept"
+                        if t["n_drafted"] else ""))
         total = sum(t.n_gen for t in session.turns)
         reused = sum(t.n_reused for t in session.turns)
         lines.append(f"total: {total} tokens generated, {reused} prompt tokens reused from the cache")

@@ -153,7 +153,9 @@ def test_chat_answers_are_the_same_with_drafts(tiny):  # noqa: F811
                               Sampler(SamplerParams(temp=0.0)), ChatTemplate(flash.chat_template),
                               n_predict=9, draft=draft)
         text = []
-        for msg in ("hello there", "hello there hello"):
-            session.ask(msg, text.append)
+        turns = [session.ask(msg, text.append) for msg in ("hello there", "hello there hello")]
         answers.append("".join(text))
+        drafted = sum(t.n_drafted for t in turns)
+        assert (drafted > 0) == (draft is not None)     # the template's tokens repeat: guesses
+        assert sum(t.n_accepted for t in turns) <= drafted
     assert answers[0] == answers[1]
