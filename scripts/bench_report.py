@@ -31,8 +31,9 @@ def header(info: Dict[str, str]) -> str:
         "these figures are taken. Absolute figures move by ±20% or more between runs; **compare "
         "ratios within one run** (each section states its run's date and load average).",
         "",
-        "`make bench` (scripts/bench.py) writes the sections \"Dense decode\" and \"Flash "
-        "inference\"; `make bench QUICK=1` is the SmolLM2-only development mode. \"## I/O\" and "
+        "`make bench` (scripts/bench.py) writes the sections \"Dense decode\", \"Flash "
+        "inference\" and \"Speculative decoding\"; `make bench QUICK=1` is the SmolLM2-only "
+        "development mode (no speculative section). \"## I/O\" and "
         "\"## Quality\" come from their own scripts (named in each section). `flashllm` below is "
         "the console script (`make setup`); in a source tree without it, bench.py calls "
         "`python -c 'from flashllm.cli import main; main()'` with the same arguments.",
