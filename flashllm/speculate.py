@@ -32,9 +32,9 @@ class DraftLength:
     With a share `a` of the guesses kept (each one reached only if the ones before it were kept),
     a pass over k guesses makes 1 + a + ... + a^k tokens and costs c1 + k·ce seconds. Both are
     learned from the passes (decayed running sums): a from the guesses each pass reached and kept,
-    c1 and ce from the pass times. Under a DRAM budget ce is ~1% of c1 (a pass is the FFN's reads),
-    so k goes to the maximum; with all weights in DRAM a guess costs ~a quarter of a pass and
-    only a context that repeats pays. When k = 0 wins, every EXPLORE-th pass still checks one
+    c1 and ce from the pass times. Under a DRAM budget a pass is mostly the FFN's reads and a guess
+    adds only its compute (~10% of a pass on the 1.5B at 280-560 MiB), so k runs high; with all
+    weights in DRAM a guess costs ~a third of a pass and only a context that repeats pays. When k = 0 wins, every EXPLORE-th pass still checks one
     guess, so a context that starts repeating is noticed.
     """
 
