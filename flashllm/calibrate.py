@@ -341,8 +341,8 @@ def manifest_thresholds(manifest: dict, n_layers: int) -> list[float]:
 
 
 def exact_active(flash, layer: int, h: np.ndarray, threshold: float) -> np.ndarray:
-    """(a,) the neurons (slots) of layer active for h (1, d_model) at threshold, from the layer's
-    weights under the manifest's criterion (slow: dequantizes the layer)."""
+    """(a,) the neurons (slots) of layer active for any row of h (T, d_model) at threshold, from
+    the layer's weights under the manifest's criterion (slow: dequantizes the layer)."""
     crit = flash.manifest.get("sparsity", {}).get("criterion") or default_criterion(flash.config)
-    scores = ffn_activations(flash, layer, h, crit)                      # (1, n_ff)
-    return np.flatnonzero(active_mask(scores, threshold, crit)[0])      # (a,)
+    scores = ffn_activations(flash, layer, h, crit)                      # (T, n_ff)
+    return np.flatnonzero(active_mask(scores, threshold, crit).any(axis=0))  # (a,)

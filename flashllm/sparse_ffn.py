@@ -158,7 +158,7 @@ class SparseFlashFfn:
     def __call__(self, layer: int, h: np.ndarray, x: np.ndarray) -> None:
         if self._static_slots() is not None:
             self._static_pass(layer, h, x)
-        elif len(h) == 1:
+        elif len(h) == 1 or self._token.kind == "decode":   # a decode pass: + draft guesses
             self._decode(layer, h, x)
         else:
             self._whole_layer(layer, h, x)

@@ -89,10 +89,11 @@ def test_decode_equals_numpy_on_the_same_active_set(tmp_path, glu, dtype, thresh
     flash, ffn = flash_ffn(tmp_path / "m", pred, "64MiB", staging_rows=14)
     ffn.caches = [type(c)(cfg.n_ff, 40, c.stride, 2, 0) for c in ffn.caches]
     rng = np.random.default_rng(0)
-    for _ in range(12):
-        ffn.start_pass(1, prefill=False)
+    for i in range(12):
+        T = 1 if i % 3 else 3          # a decode pass with two draft guesses: the union predicted
+        ffn.start_pass(T, prefill=False)
         for layer in range(cfg.n_layers):
-            h = rng.standard_normal((1, cfg.d_model)).astype(np.float32)     # (1, d)
+            h = rng.standard_normal((T, cfg.d_model)).astype(np.float32)     # (T, d)
             y = np.zeros_like(h)
             ffn(layer, h, y)
             ref = reference_ffn(cfg, arrays, dtype, layer, h, neuron_ids(flash, layer, pred.last),
