@@ -1,7 +1,7 @@
 """The sparse flash FFN: per token, predictor → neuron cache → direct-I/O reads of the misses →
 sparse FFN in C over the resident bundles, under the DRAM budget's plan (budget.py).
 
-Decode (T = 1), per layer:
+Decode (one token, or a token + draft guesses: their union), per layer:
     slots = predictor.predict(layer, h)          sorted int32 slots predicted active
     hits, misses = cache.lookup(slots)           rows already in DRAM / slots to read
     rows = cache.insert(misses)                  rows for the misses (evicting stale rows)
