@@ -304,6 +304,16 @@ void fli_qdot_tile(int32_t dtype, const uint8_t *const w[FL_QT], const uint8_t *
         else if (dtype == FL_Q4_1) tile_rc(FL_Q4_1, w, ex, 0, FL_QT, xv, 1, nb, out);
         else if (dtype == FL_Q4_K) tile_rc(FL_Q4_K, w, ex, 0, FL_QT, xv, 1, nb, out);
         else tile_rc(FL_Q4_0, w, ex, 0, FL_QT, xv, 1, nb, out);
+    } else if (n_tok == 2 && !ex) {  // 2 or 3 tokens (draft guesses): no idle tile columns
+        if (dtype == FL_Q8_0) tile_rc(FL_Q8_0, w, ex, 0, FL_QT, xv, 2, nb, out);
+        else if (dtype == FL_Q4_1) tile_rc(FL_Q4_1, w, ex, 0, FL_QT, xv, 2, nb, out);
+        else if (dtype == FL_Q4_K) tile_rc(FL_Q4_K, w, ex, 0, FL_QT, xv, 2, nb, out);
+        else tile_rc(FL_Q4_0, w, ex, 0, FL_QT, xv, 2, nb, out);
+    } else if (n_tok == 3 && !ex) {
+        if (dtype == FL_Q8_0) tile_rc(FL_Q8_0, w, ex, 0, FL_QT, xv, 3, nb, out);
+        else if (dtype == FL_Q4_1) tile_rc(FL_Q4_1, w, ex, 0, FL_QT, xv, 3, nb, out);
+        else if (dtype == FL_Q4_K) tile_rc(FL_Q4_K, w, ex, 0, FL_QT, xv, 3, nb, out);
+        else tile_rc(FL_Q4_0, w, ex, 0, FL_QT, xv, 3, nb, out);
     } else if (ex) {
         if (dtype == FL_Q8_0) tile_rc(FL_Q8_0, w, ex, 1, FL_QT, xv, FL_QT, nb, out);
         else if (dtype == FL_Q4_1) tile_rc(FL_Q4_1, w, ex, 1, FL_QT, xv, FL_QT, nb, out);

@@ -82,3 +82,13 @@ def test_a_few_tokens_at_once_are_each_computed_as_one(dtype, threads):
                            n_threads=threads)
         np.testing.assert_array_equal(many, one)
 
+
+@pytest.mark.parametrize("dtype", QDTYPES)
+def test_a_few_tokens_through_matmul_are_each_computed_as_one(dtype):
+    """Up to 4 tokens (the int8 tiles) each get, bit for bit, their one-token product."""
+    w, _ = _qtensor(70, 256, dtype, seed=25)                                  # (70, 256)
+    x = _rng(26).standard_normal((4, 256)).astype(np.float32)                 # (4, 256)
+    for T in (2, 3, 4):
+        one = np.stack([kernel.matmul(w, x[t:t + 1], None, 2)[0] for t in range(T)])
+        np.testing.assert_array_equal(kernel.matmul(w, x[:T], None, 2), one)
+
