@@ -50,10 +50,17 @@ def apply_repeat_penalty(logits: np.ndarray, recent: np.ndarray, penalty: float)
 
 
 def top_k(ids: np.ndarray, logits: np.ndarray, k: int):
-    """The k candidates with the largest logits, sorted descending (all, sorted, when k <= 0)."""
-    order = np.argsort(-logits, kind="stable")          # (n,)
-    if 0 < k < len(order):
-        order = order[:k]
+    """The k candidates with the largest logits, sorted descending, ties in index order (all,
+    sorted, when k <= 0). With k set, only the k are sorted: a partition finds the k-th largest
+    value first (a whole-vocabulary sort costs ~10 ms at 152k tokens)."""
+    if not 0 < k < len(logits):
+        order = np.argsort(-logits, kind="stable")      # (n,)
+        return ids[order], logits[order]
+    kth = np.partition(logits, len(logits) - k)[len(logits) - k]     # the k-th largest value
+    above = np.flatnonzero(logits > kth)                             # (< k,)
+    tied = np.flatnonzero(logits == kth)[:k - len(above)]            # the lowest ids first
+    keep = np.concatenate([above, tied])                             # (k,)
+    order = keep[np.argsort(-logits[keep], kind="stable")]           # (k,) as the full sort
     return ids[order], logits[order]
 
 

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from flashllm.sampler import Sampler, SamplerError, SamplerParams
+from flashllm.sampler import Sampler, SamplerError, SamplerParams, top_k
 
 
 def reference_chain(logits, history, temp, k, p, mp, penalty, last_n):
@@ -101,3 +101,17 @@ def test_greedy_is_penalized_argmax():
 def test_bad_params_are_named(bad):
     with pytest.raises(SamplerError, match=next(iter(bad))):
         Sampler(SamplerParams(**bad))
+
+
+def test_top_k_is_the_stable_full_sorts_first_k():
+    """The partition path keeps exactly what a stable descending sort keeps, ties included."""
+    rng = np.random.default_rng(11)
+    for trial in range(200):
+        n = int(rng.integers(1, 300))
+        logits = (rng.integers(-3, 3, n) if trial % 2 else rng.standard_normal(n)).astype(np.float32)
+        k = int(rng.integers(1, n + 2))
+        order = np.argsort(-logits, kind="stable")                  # (n,)
+        order = order[:k] if k < n else order
+        ids, vals = top_k(np.arange(n) + 1000, logits, k)
+        np.testing.assert_array_equal(ids, order + 1000)
+        np.testing.assert_array_equal(vals, logits[order])
