@@ -34,8 +34,9 @@ class DraftLength:
     learned from the passes (decayed running sums): a from the guesses each pass reached and kept,
     c1 and ce from the pass times. Under a DRAM budget a pass is mostly the FFN's reads and a guess
     adds only its compute (~10% of a pass on the 1.5B at 280-560 MiB), so k runs high; with all
-    weights in DRAM a guess costs ~a third of a pass and only a context that repeats pays. When k = 0 wins, every EXPLORE-th pass still checks one
-    guess, so a context that starts repeating is noticed.
+    weights in DRAM a guess costs ~a third of a pass and only a context that repeats pays. When
+    k = 0 wins, every EXPLORE-th pass still checks one guess, so a context that starts repeating
+    is noticed.
     """
 
     DECAY, EXPLORE = 0.9, 4
@@ -65,12 +66,12 @@ class DraftLength:
     def observe(self, n_guesses: int, n_kept: int, seconds: float) -> None:
         """A pass checked n_guesses, kept n_kept of them, and took seconds."""
         d = self.DECAY
-        if n_guesses:
-            self.kept = d * self.kept + n_kept
-            self.reached = d * self.reached + min(n_kept + 1, n_guesses)
         if n_guesses == 0:
             self.c1 = seconds if self.c1 is None else d * self.c1 + (1 - d) * seconds
-        elif self.c1 is not None:
+            return
+        self.kept = d * self.kept + n_kept
+        self.reached = d * self.reached + min(n_kept + 1, n_guesses)
+        if self.c1 is not None:
             extra = max(seconds - self.c1, 0.0) / n_guesses
             self.ce = extra if self.ce is None else d * self.ce + (1 - d) * extra
 

@@ -73,7 +73,8 @@ def table(rows: list) -> str:
            "× llama.cpp plain | × llama.cpp, same draft | tokens |",
            "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        base = {x["engine"]: x["decode_tps"] for x in rows if x["cap"] == r["cap"] and not x["draft"]}
+        base = {x["engine"]: x["decode_tps"] for x in rows
+                if x["cap"] == r["cap"] and not x["draft"]}
         peer = next((x["decode_tps"] for x in rows if x["cap"] == r["cap"] and
                      x["draft"] == r["draft"] and x["engine"] == "llama.cpp"), None)
         tps = r["decode_tps"]
@@ -110,7 +111,8 @@ def draft_section(rows: list, load: tuple) -> str:
             f"{rows[0]['n_gen'] or '–'} tokens, 2 threads), Qwen2.5-Coder-1.5B. flashllm: the "
             "calibrated q4_k model, `--draft 0` and `--draft N` (prompt-lookup guesses, as many "
             "per pass as pay); llama.cpp: the Q4_K_M GGUF, plain and with llama-cpp-python's "
-            "LlamaPromptLookupDecoding(N). Uncapped: warm (llama.cpp one warm-up run first); a cap: "
+            "LlamaPromptLookupDecoding(N). Uncapped: warm (llama.cpp one warm-up run first); "
+            "a cap: "
             "cold page cache under the memory cgroup, llama.cpp's OpenMP threads passive, as in "
             "\"Flash inference\". Decode tok/s counts tokens made after the first, whatever the "
             "number of passes. llama-cpp-python's lookup verifies through logits_all, which keeps "
@@ -120,7 +122,8 @@ def draft_section(rows: list, load: tuple) -> str:
             f"Python binding here). Load average {load[0]} at the start, {load[1]} at the end.", "",
             table(rows), "", "Commands:", ""]
     text += [f"- {r['engine']} --draft {r['draft']}, cap {r['cap'] or 'none'}: `{r['cmd']}`"
-             + ("" if r["cap"] is None else f" (in `scripts/cgroup_run.py --cold --limit {r['cap']}`)")
+             + ("" if r["cap"] is None
+                else f" (in `scripts/cgroup_run.py --cold --limit {r['cap']}`)")
              for r in rows]
     return "\n".join(text) + "\n"
 
