@@ -118,6 +118,19 @@ class Predictor:
         return np.flatnonzero(hit).astype(np.int32)
 
 
+class AllSlots:
+    """Every slot active: with threshold 0 the flash path computes exactly the dense FFN."""
+
+    nbytes = 0
+
+    def __init__(self, n_ff: int):
+        self.slots = np.arange(n_ff, dtype=np.int32)            # (n_ff,)
+        self.n_static = n_ff          # predicts slots 0 .. n_static-1 whatever the input
+
+    def predict(self, layer: int, h: np.ndarray) -> np.ndarray:
+        return self.slots
+
+
 def _check_layer(cfg: ModelConfig, kind: str, i: int, parts: dict) -> None:
     """FormatError unless layer i's parts are exactly the kind's roles with consistent shapes."""
     roles = KINDS[kind]

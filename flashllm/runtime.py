@@ -147,7 +147,8 @@ def make_ffn(flash, opts: FlashOptions, plan: Optional[BudgetPlan], n_threads: i
         return None
     from .costmodel import CostModel, bundle_requests
     from .ioreader import Reader
-    from .sparse_ffn import AllSlots, SparseFlashFfn
+    from .predictor import AllSlots
+    from .sparse_ffn import SparseFlashFfn
     cost = CostModel.for_path(cache_dir, flash.ffn.file)
     if cost.hint:
         log(cost.hint)

@@ -7,7 +7,7 @@ Decode (one token, or a token + draft guesses: their union), per layer:
     rows = cache.insert(misses)                  rows for the misses (evicting stale rows)
     read misses → rows   (a worker thread)   ‖   y += FFN over the hits (C kernel, no GIL)
     y += FFN over the new rows; misses the cache could not take stream through the staging buffer
-Static passes: when every token needs the same slots 0 .. k-1 (AllSlots: no trained
+Static passes: when every token needs the same slots 0 .. k-1 (predictor.AllSlots: no trained
 predictor; or --naive, the paper's baseline, every bundle every token), every cache row is pinned
 and the rest is read by one read-ahead schedule (pass_reads.py) that runs ahead of the forward
 pass, across layers and passes (decode and prefill alike), through the staging memory cut into
@@ -40,19 +40,6 @@ from .read_ring import page_chunks, page_rows
 
 clock = time.perf_counter
 SERIAL_BYTES = 256 << 10       # an FFN call over fewer bundle bytes (x tokens) runs on one thread
-
-
-class AllSlots:
-    """Every slot active: with threshold 0 the flash path computes exactly the dense FFN."""
-
-    nbytes = 0
-
-    def __init__(self, n_ff: int):
-        self.slots = np.arange(n_ff, dtype=np.int32)            # (n_ff,)
-        self.n_static = n_ff          # predicts slots 0 .. n_static-1 whatever the input
-
-    def predict(self, layer: int, h: np.ndarray) -> np.ndarray:
-        return self.slots
 
 
 class SparseFlashFfn:

@@ -11,8 +11,8 @@ from flashllm.bundle import open_flash
 from flashllm.dense_stream import DenseWeights, attn_names
 from flashllm.ioreader import Reader
 from flashllm.model import Model
+from flashllm.predictor import AllSlots
 from flashllm.runtime import stream_dense
-from flashllm.sparse_ffn import AllSlots
 from test_dense_stream import write_model
 from test_sparse_ffn import flash_ffn
 

@@ -11,8 +11,9 @@ from flashllm.budget import plan_budget, read_manifest
 from flashllm.bundle import open_flash, update_manifest
 from flashllm.ioreader import Reader
 from flashllm.model import Model
+from flashllm.predictor import AllSlots
 from flashllm.read_ring import page_chunks
-from flashllm.sparse_ffn import AllSlots, SparseFlashFfn
+from flashllm.sparse_ffn import SparseFlashFfn
 from tiny_sources import ref_dequant, ref_rows, tiny_arrays, tiny_config, write_arrays
 
 MiB = 1 << 20
