@@ -32,7 +32,7 @@ test-all: setup
 	$(BIN)/pytest -q -m ''
 
 clean:
-	rm -rf build *.egg-info flashllm/_native*.so flashllm/_native.c .pytest_cache
+	rm -rf build *.egg-info flashllm/ffi/_native*.so flashllm/ffi/_native.c .pytest_cache
 
 .PHONY: bench-io bench-kernels test-asan
 

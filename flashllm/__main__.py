@@ -1,4 +1,4 @@
 """`python -m flashllm` is the `flashllm` command."""
-from .cli import main
+from flashllm.cli import main
 
 main()

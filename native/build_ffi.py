@@ -1,4 +1,4 @@
-"""cffi build script: compiles native/*.c into the extension module flashllm._native.
+"""cffi build script: compiles native/*.c into the extension module flashllm.ffi._native.
 
 The cdef is the CDEF-BEGIN .. CDEF-END section of native/flashllm.h, so the header is the single
 source of truth for the C API.
@@ -22,7 +22,7 @@ def cdef_text(header: str) -> str:
 ffibuilder = cffi.FFI()
 ffibuilder.cdef(cdef_text(HEADER.read_text()))
 ffibuilder.set_source(
-    "flashllm._native",
+    "flashllm.ffi._native",
     '#include "flashllm.h"',
     sources=SOURCES,
     include_dirs=[str(NATIVE.relative_to(NATIVE.parent))],

@@ -294,7 +294,7 @@ def main() -> None:
     args.reps = 1 if args.quick else 3
     if args.cache is None:
         sys.path.insert(0, str(ROOT))
-        from flashllm.cli import cache_dir
+        from flashllm.cli.app import cache_dir
         args.cache = cache_dir()
     args.work = ROOT / "build" / "bench"
     args.work.mkdir(parents=True, exist_ok=True)

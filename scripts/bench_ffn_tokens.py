@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-from flashllm import kernel
-from flashllm.bundle import open_flash
-from flashllm.calibrate import manifest_thresholds
+from flashllm.ffi import kernel
+from flashllm.format.reader import open_flash
+from flashllm.sparsity.activations import manifest_thresholds
 
 DEFAULT = Path.home() / ".cache" / "flashllm" / "converted" / "qwen2.5-coder-1.5b-q4_k-cal"
 

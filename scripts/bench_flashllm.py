@@ -40,7 +40,7 @@ class Flashllm:
         if shutil.which("flashllm"):
             return cls(["flashllm"])
         return cls([python, "-c", "import sys; sys.argv[0] = 'flashllm'; "
-                                  "from flashllm.cli import main; main()"])
+                                  "from flashllm.cli.app import main; main()"])
 
     def options(self) -> Dict[str, bool]:
         """Which of RUN_OPTIONS `flashllm run --help` lists."""
@@ -119,8 +119,8 @@ def make_prompt(model: Path, n_tokens: int, kind: str, out: Path) -> int:
     tokens) to exactly n_tokens ids, or the nearest count below; returns that count."""
     import sys
     sys.path.insert(0, str(ROOT))
-    from flashllm.bundle import open_flash
-    from flashllm.tokenizer import Tokenizer
+    from flashllm.format.reader import open_flash
+    from flashllm.generation.tokenizer import Tokenizer
     tok = Tokenizer.from_flash(open_flash(model))
     text = prompt_text(kind)
     ids = tok.encode(text, add_special=False)

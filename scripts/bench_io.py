@@ -28,11 +28,11 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from flashllm.cli import cache_dir  # noqa: E402  (the CLI's cache folder, env included)
-from flashllm.costmodel import CostModel, batch_reads, bundle_requests  # noqa: E402
-from flashllm.ioreader import Reader, aligned_empty, plan_reads  # noqa: E402
-from flashllm.runtime import READER_STAGE  # noqa: E402  (the staging size `run` opens readers with)
-from flashllm.profile import (CHUNKS, DST_BYTES, GiB, Profile, device_of, load_profile,  # noqa: E402
+from flashllm.cli.app import cache_dir  # noqa: E402  (the CLI's cache folder, env included)
+from flashllm.storage.costmodel import CostModel, batch_reads, bundle_requests  # noqa: E402
+from flashllm.ffi.reader import Reader, aligned_empty, plan_reads  # noqa: E402
+from flashllm.runtime.assemble import READER_STAGE  # noqa: E402  (the staging size `run` opens readers with)
+from flashllm.storage.profile import (CHUNKS, DST_BYTES, GiB, Profile, device_of, load_profile,  # noqa: E402
                               measure_cell, scratch_file)
 
 FRACTIONS = (0.02, 0.10, 0.50)
@@ -157,7 +157,7 @@ def main() -> None:
     args = ap.parse_args()
     with ExitStack() as stack:
         if args.model is not None:
-            from flashllm.bundle import open_flash
+            from flashllm.format.reader import open_flash
             ffn = open_flash(args.model).ffn
             path, offsets, n_ff, stride = ffn.file, list(ffn.layer_offsets), ffn.n_ff, ffn.stride
         elif args.synthetic is not None:

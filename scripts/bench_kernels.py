@@ -19,9 +19,9 @@ import time
 
 import numpy as np
 
-from flashllm import kernel
-from flashllm.quant import quantize_rows
-from flashllm.tensor import QTensor, companion
+from flashllm.ffi import kernel
+from flashllm.model.quant import quantize_rows
+from flashllm.model.tensor import QTensor, companion
 
 
 def _best_seconds(fn, budget: float = 0.6, max_runs: int = 200) -> float:

@@ -36,7 +36,7 @@ def header(info: Dict[str, str]) -> str:
         "development mode (no speculative section). \"## I/O\" and "
         "\"## Quality\" come from their own scripts (named in each section). `flashllm` below is "
         "the console script (`make setup`); in a source tree without it, bench.py calls "
-        "`python -c 'from flashllm.cli import main; main()'` with the same arguments.",
+        "`python -c 'from flashllm.cli.app import main; main()'` with the same arguments.",
         "",
     ])
 

@@ -3,7 +3,7 @@
 Run:  /work/venv/bin/python scripts/make_llamacpp_ppl_fixture.py [--model /work/models/smollm2-135m.gguf]
       [--out FILE] [--n-ctx 256] [--chunks 4] [--text-chars 40000]   (defaults: the test fixture)
 Needs llama-cpp-python and the real GGUF. Writes tests/fixtures/llamacpp/smollm2-135m.ppl.json.
-Nothing here is computed by flashllm (only the evaluation text comes from flashllm.corpus).
+Nothing here is computed by flashllm (only the evaluation text comes from flashllm.sparsity.corpus).
 
 What it computes: llama.cpp's perplexity (tools/perplexity/perplexity.cpp, `perplexity()`) with
 llama.cpp's own tokenizer and forward pass: tokens = tokenize(text, add_bos per the vocabulary,
@@ -30,7 +30,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 from make_llamacpp_fixtures import no_extra_bufts, sha256  # noqa: E402
-from flashllm.corpus import code_text, stdlib_dir  # noqa: E402
+from flashllm.sparsity.corpus import code_text, stdlib_dir  # noqa: E402
 
 N_CTX = 256
 N_CHUNKS = 4

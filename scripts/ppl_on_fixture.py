@@ -2,7 +2,7 @@
 
 Run:  python scripts/ppl_on_fixture.py MODEL FIXTURE [--sparsity S]
 FIXTURE: made by scripts/make_llamacpp_ppl_fixture.py (llama.cpp's tokens, chunking and PPL). Scores
-the same ids with flashllm.perplexity (llama.cpp's definition, the fixture's BOS replacement), dense or
+the same ids with flashllm.generation.perplexity (llama.cpp's definition, the fixture's BOS replacement), dense or
 with the layer thresholds `flashllm perplexity --sparsity S` uses, and prints one JSON line with both
 perplexities and their ratio: a comparison on identical tokens, which `flashllm perplexity FILE` (its
 own tokenizer over its own text) cannot promise.
@@ -18,13 +18,13 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from flashllm.bundle import open_flash  # noqa: E402
-from flashllm.calibrate import text_tokens, thresholds_for  # noqa: E402
-from flashllm.corpus import builtin_text  # noqa: E402
-from flashllm.ffn import DenseFfn  # noqa: E402
-from flashllm.model import Model  # noqa: E402
-from flashllm.perplexity import perplexity  # noqa: E402
-from flashllm.tokenizer import Tokenizer  # noqa: E402
+from flashllm.format.reader import open_flash  # noqa: E402
+from flashllm.sparsity.calibrate import text_tokens, thresholds_for  # noqa: E402
+from flashllm.sparsity.corpus import builtin_text  # noqa: E402
+from flashllm.runtime.ffn import DenseFfn  # noqa: E402
+from flashllm.runtime.model import Model  # noqa: E402
+from flashllm.generation.perplexity import perplexity  # noqa: E402
+from flashllm.generation.tokenizer import Tokenizer  # noqa: E402
 
 
 def main() -> None:
@@ -44,7 +44,8 @@ def main() -> None:
         tok = Tokenizer.from_flash(flash)
         cal = lambda: text_tokens(tok, builtin_text("calibration", "code", 16384).text, 2048)  # noqa: E731
         ffn = DenseFfn(flash, args.threads, threshold=thresholds_for(
-            flash, args.sparsity, cal, 512, args.threads, lambda m: print(m, file=sys.stderr)))
+            flash, args.sparsity, cal, lambda: Model(flash, n_threads=args.threads, n_ctx=512), 512,
+            args.threads, lambda m: print(m, file=sys.stderr)))
     net = Model(flash, n_threads=args.threads, n_ctx=fx["n_ctx"], ffn=ffn, kv_dtype="f16")  # as `run`
     got = perplexity(net, tokens, n_ctx=fx["n_ctx"], bos_id=fx["bos_replaced"],
                      on_chunk=lambda i, n, p: print(f"[{i}/{n}] {p:.4f}", file=sys.stderr, flush=True))

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashllm.predictor import Predictor
-from flashllm.predictor_train import qtensor, train_predictor
+from flashllm.sparsity.predictor import Predictor
+from flashllm.sparsity.train import qtensor, train_predictor
 
 
 def rank1_magnitude(w: np.ndarray, iters: int = 6) -> tuple[np.ndarray, np.ndarray]:

@@ -20,18 +20,18 @@ from pathlib import Path
 
 import numpy as np
 
-from flashllm import kernel
-from flashllm.bundle import open_flash
-from flashllm.calibrate import (collect_ffn_inputs, default_criterion, ffn_activations,
-                                layer_thresholds)
-from flashllm.cli import cache_dir, registry_path
-from flashllm.corpus import builtin_text
-from flashllm.ffn import DenseFfn
-from flashllm.model import Model
-from flashllm.perplexity import bos_to_add, perplexity
-from flashllm.predictor_train import mask_metrics, train_predictor
-from flashllm.registry import resolve_model
-from flashllm.tokenizer import Tokenizer
+from flashllm.ffi import kernel
+from flashllm.format.reader import open_flash
+from flashllm.sparsity.activations import default_criterion, ffn_activations, layer_thresholds
+from flashllm.sparsity.calibrate import collect_ffn_inputs
+from flashllm.cli.app import cache_dir, registry_path
+from flashllm.sparsity.corpus import builtin_text
+from flashllm.runtime.ffn import DenseFfn
+from flashllm.runtime.model import Model
+from flashllm.generation.perplexity import bos_to_add, perplexity
+from flashllm.sparsity.train import mask_metrics, train_predictor
+from flashllm.convert.registry import resolve_model
+from flashllm.generation.tokenizer import Tokenizer
 from predictor_sketches import SKETCHES, StaticHot, sketch_predictor
 
 # name -> (kind, train_predictor keyword arguments)

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from flashllm.ioreader import Reader, aligned_empty
-from flashllm.profile import DST_BYTES, measure_cell, parse_size
+from flashllm.ffi.reader import Reader, aligned_empty
+from flashllm.storage.profile import DST_BYTES, measure_cell, parse_size
 
 
 def probe(path: Path, chunk: int, threads: int, seconds: float) -> dict:

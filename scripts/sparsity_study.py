@@ -22,18 +22,18 @@ from pathlib import Path
 
 import numpy as np
 
-from flashllm.bundle import open_flash
-from flashllm.calibrate import (activation, collect_ffn_inputs, ffn_activations, ffn_weights,
-                                hot_share, text_tokens, threshold)
-from flashllm.cli import cache_dir, registry_path
-from flashllm.corpus import builtin_text
-from flashllm.ffn import DenseFfn
-from flashllm.model import Model
-from flashllm.perplexity import bos_to_add, perplexity
-from flashllm.quant import dequantize_rows
-from flashllm.registry import resolve_model
-from flashllm.tensor import companion, row_bytes
-from flashllm.tokenizer import Tokenizer
+from flashllm.format.reader import open_flash
+from flashllm.sparsity.activations import activation, ffn_activations, ffn_weights, hot_share, threshold
+from flashllm.sparsity.calibrate import collect_ffn_inputs, text_tokens
+from flashllm.cli.app import cache_dir, registry_path
+from flashllm.sparsity.corpus import builtin_text
+from flashllm.runtime.ffn import DenseFfn
+from flashllm.runtime.model import Model
+from flashllm.generation.perplexity import bos_to_add, perplexity
+from flashllm.model.quant import dequantize_rows
+from flashllm.convert.registry import resolve_model
+from flashllm.model.tensor import companion, row_bytes
+from flashllm.generation.tokenizer import Tokenizer
 
 
 class GateMaskFfn:
@@ -110,7 +110,7 @@ def main() -> None:
     cal_text = builtin_text("calibration", "code", 8 * args.tokens)
     cal = text_tokens(tok, cal_text.text, args.tokens)
     t0 = time.perf_counter()
-    inputs = collect_ffn_inputs(flash, cal, n_ctx=args.ctx, n_threads=args.threads)
+    inputs = collect_ffn_inputs(Model(flash, n_threads=args.threads, n_ctx=args.ctx), cal, n_ctx=args.ctx)
     th, cats, weights, local = layer_study(flash, inputs, sparsities, args.ctx, log)
     log(f"calibration: {time.perf_counter() - t0:.0f} s")
     ev_text = builtin_text("evaluation", "code")

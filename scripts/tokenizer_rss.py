@@ -33,8 +33,8 @@ def anon() -> int:
 
 
 def main(args: list[str]) -> None:
-    from flashllm.bundle import open_flash
-    from flashllm.tokenizer import Tokenizer
+    from flashllm.format.reader import open_flash
+    from flashllm.generation.tokenizer import Tokenizer
     chat = "--chat" in args
     args = [a for a in args if a != "--chat"]
     folder = Path(args[0])

@@ -39,8 +39,8 @@ def local_models_dir() -> Path:
 def gguf_path(name: str, log=lambda m: print(m, file=sys.stderr)) -> Path:
     """The GGUF file of models.toml model `name`: the local copy if present, else pulled (once)
     through the registry into the user cache."""
-    from flashllm.cli import cache_dir, registry_path
-    from flashllm.registry import load_registry, pull
+    from flashllm.cli.app import cache_dir, registry_path
+    from flashllm.convert.registry import load_registry, pull
     local = local_models_dir() / LOCAL_GGUF[name]
     if local.is_file():
         return local
@@ -49,9 +49,9 @@ def gguf_path(name: str, log=lambda m: print(m, file=sys.stderr)) -> Path:
 
 def _converted(name: str, dtype: str, log) -> Path:
     """cache_dir/converted/NAME-DTYPE (where `flashllm run NAME` looks), converted once."""
-    from flashllm.cli import cache_dir
-    from flashllm.convert import convert
-    from flashllm.bundle import open_flash
+    from flashllm.cli.app import cache_dir
+    from flashllm.convert.convert import convert
+    from flashllm.format.reader import open_flash
     from flashllm.errors import FormatError
     out = cache_dir() / "converted" / f"{name}-{dtype}"
     try:
@@ -71,8 +71,8 @@ def real_model():
     """load(name, dtype="f32") -> flashllm Model (n_ctx 256) of a models.toml model, converted
     once into the user cache. Loaded models are kept for the session. One thread: on this shared
     2-core machine a 2-thread kernel slows down ~10x whenever another process holds a core."""
-    from flashllm.bundle import open_flash
-    from flashllm.model import Model
+    from flashllm.format.reader import open_flash
+    from flashllm.runtime.model import Model
     loaded = {}
 
     def load(name: str, dtype: str = "f32"):

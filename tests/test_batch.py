@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from flashllm.bundle import open_flash
-from flashllm.convert import convert_source
+from flashllm.format.reader import open_flash
+from flashllm.convert.convert import convert_source
 from flashllm.errors import FormatError
 from tiny_sources import ArraySource, tiny_arrays, tiny_config, write_hf_llama
 
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def flashllm(*args, env=None, timeout=120):
-    return subprocess.run([sys.executable, "-m", "flashllm.cli", *map(str, args)], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "flashllm", *map(str, args)], capture_output=True,
                           text=True, cwd=ROOT, timeout=timeout,
                           env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200", **(env or {})})
 
@@ -119,7 +119,7 @@ def test_ctrl_c_during_convert_jobs_leaves_nothing(tmp_path, whom):
     from conftest import gguf_path
     srcs = [gguf_path("qwen2.5-coder-0.5b"), gguf_path("smollm2-135m")]
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "flashllm.cli", "convert", *map(str, srcs), "-o", str(out),
+    proc = subprocess.Popen([sys.executable, "-m", "flashllm", "convert", *map(str, srcs), "-o", str(out),
                              "--jobs", "2"], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + 120

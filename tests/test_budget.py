@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from flashllm import budget
-from flashllm.budget import BudgetError, parse_budget, plan_budget, read_manifest
-from flashllm.bundle import open_flash
+from flashllm.runtime import budget
+from flashllm.runtime.budget import BudgetError, parse_budget, plan_budget, read_manifest
+from flashllm.format.reader import open_flash
 from flashllm.cli import app
-from flashllm.tokenizer import Tokenizer
+from flashllm.generation.tokenizer import Tokenizer
 from test_chat import tiny  # noqa: F401  (the tiny converted model fixture)
 
 MiB = 1 << 20
@@ -162,7 +162,7 @@ def q15_with_predictor(tmp_path, nbytes: int, load: float) -> Path:
 def test_auto_skips_a_predictor_that_cannot_pay(tmp_path, cap):
     """gate_up at q4_0 costs 2/3 of the FFN in DRAM: in a tight budget it displaces more cache
     than it saves reads; in a large one it touches more DRAM than the FFN it prunes."""
-    from flashllm.runtime import FlashOptions, plan_run
+    from flashllm.runtime.assemble import FlashOptions, plan_run
     path = q15_with_predictor(tmp_path, 434 * MiB, 0.5)
     plan = plan_run(path, FlashOptions(cap), 512, 40 * MiB)
     assert not plan.predictor and any("not used" in n for n in plan.notes)
@@ -171,7 +171,7 @@ def test_auto_skips_a_predictor_that_cannot_pay(tmp_path, cap):
 
 
 def test_auto_takes_a_cheap_predictor_and_on_off_are_obeyed(tmp_path):
-    from flashllm.runtime import FlashOptions, plan_run
+    from flashllm.runtime.assemble import FlashOptions, plan_run
     path = q15_with_predictor(tmp_path, 20 * MiB, 0.3)
     assert plan_run(path, FlashOptions("560MiB"), 512, 40 * MiB).predictor
     assert not plan_run(path, FlashOptions("560MiB", predictor="off"), 512, 40 * MiB).predictor
@@ -184,7 +184,7 @@ def test_auto_takes_a_cheap_predictor_and_on_off_are_obeyed(tmp_path):
 
 def test_a_chat_counts_the_tokenizer_it_keeps(tmp_path):
     """-i keeps the tokenizers object (it encodes every turn): 14x its JSON, not 1x."""
-    from flashllm.runtime import FlashOptions, plan_run
+    from flashllm.runtime.assemble import FlashOptions, plan_run
     man = json.loads(Q15.read_text())
     (tmp_path / "manifest.json").write_text(json.dumps(man))
     tok = man["tokenizer"]["nbytes"]
@@ -198,7 +198,7 @@ def test_a_chat_counts_the_tokenizer_it_keeps(tmp_path):
 def anon_rss() -> int:
     """Anonymous resident bytes of this process once garbage and free heap pages are gone."""
     import gc
-    from flashllm.tokenizer import _trim_heap
+    from flashllm.generation.tokenizer import _trim_heap
     gc.collect()
     _trim_heap()
     line = next(x for x in Path("/proc/self/status").read_text().splitlines()
@@ -229,7 +229,7 @@ def test_a_one_shot_tokenizer_released_for_good_stays_within_what_the_plan_count
     the process's anonymous resident growth from before the model is opened, measured. It
     decodes without the JSON and refuses to encode again."""
     from conftest import _converted
-    from flashllm.tokenizer import ReleasedError
+    from flashllm.generation.tokenizer import ReleasedError
     path = _converted("smollm2-135m", "q8_0", log=lambda m: None)
     text = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n" * 20
     before = anon_rss()

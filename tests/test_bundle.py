@@ -8,10 +8,10 @@ import struct
 import numpy as np
 import pytest
 
-from flashllm.bundle import FlashWriter, WriterState, open_flash, update_manifest
-from flashllm.bundle_format import ffn_weight
+from flashllm.format.reader import FlashWriter, WriterState, open_flash, update_manifest
+from flashllm.format.layout import ffn_weight
 from flashllm.errors import FormatError
-from flashllm.tensor import QTensor
+from flashllm.model.tensor import QTensor
 from tiny_sources import TOKENIZER_JSON, ref_dequant, ref_rows, tiny_arrays, tiny_config
 
 DTYPES = ("f32", "f16", "q8_0", "q4_0")

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from flashllm.cache import CacheError, NeuronCache
+from flashllm.runtime.neuron_cache import CacheError, NeuronCache
 
 STRIDE = 64
 

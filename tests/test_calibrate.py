@@ -7,10 +7,12 @@ import pytest
 
 from hf_tiny import VOCAB
 
-from flashllm.bundle import open_flash
-from flashllm.calibrate import (CalibrationError, active_mask, collect_ffn_inputs, ffn_activations,
-                                frequencies, layer_thresholds, threshold)
-from flashllm.convert import convert
+from flashllm.format.reader import open_flash
+from flashllm.runtime.model import Model
+from flashllm.sparsity.activations import (CalibrationError, active_mask, ffn_activations, frequencies,
+                                           layer_thresholds, threshold)
+from flashllm.sparsity.calibrate import calibrate_model, collect_ffn_inputs
+from flashllm.convert.convert import convert
 
 TOKENS = np.random.default_rng(7).integers(3, VOCAB, size=48)        # (48,)
 N_CTX = 24
@@ -62,7 +64,7 @@ def test_inputs_and_activations_match_transformers(tiny, name):
     import torch
     hf, path = tiny(name)
     flash = open_flash(path)
-    ours = collect_ffn_inputs(flash, TOKENS, n_ctx=N_CTX)
+    ours = collect_ffn_inputs(Model(flash, n_ctx=N_CTX), TOKENS, n_ctx=N_CTX)
     ref = _reference_inputs(hf, TOKENS, N_CTX)
     crit = "glu_product" if flash.config.glu else "relu"
     for layer, (h_ours, h_ref) in enumerate(zip(ours, ref)):
@@ -79,7 +81,7 @@ def test_callback_sees_every_chunk_of_every_layer(tiny):
     _, path = tiny("llama")
     flash = open_flash(path)
     calls = []
-    assert collect_ffn_inputs(flash, TOKENS, n_ctx=N_CTX,
+    assert collect_ffn_inputs(Model(flash, n_ctx=N_CTX), TOKENS, n_ctx=N_CTX,
                               on_input=lambda l, h: calls.append((l, h.shape))) is None
     d, L = flash.config.d_model, flash.config.n_layers
     assert calls == [(l, (N_CTX, d)) for _ in range(2) for l in range(L)]
@@ -148,7 +150,7 @@ def _reference_freq(hf, thresholds, criterion):
 
 def _logits_match(hf, path, tokens):
     import torch
-    from flashllm.model import Model
+    from flashllm.runtime.model import Model
     ours = Model(open_flash(path, verify=True), n_threads=1, n_ctx=64).forward(tokens, 0)
     with torch.no_grad():
         ref = hf(torch.tensor(tokens)[None]).logits[0].numpy()
@@ -157,12 +159,11 @@ def _logits_match(hf, path, tokens):
 
 @pytest.mark.parametrize("name", ["llama", "opt"])
 def test_calibrate_writes_thresholds_and_a_hot_first_order(tiny, tmp_path, name):
-    from flashllm.calibrate import calibrate_model
-    from flashllm.hotfirst import read_frequency
+    from flashllm.sparsity.reorder import read_frequency
     hf, _ = tiny(name)
     path = _fresh(tiny, name, tmp_path)
     for run in range(2):                                   # the second run reorders a reordered model
-        sec = calibrate_model(open_flash(path), TOKENS, {"source": "test"}, 0.5, n_ctx=N_CTX)
+        sec = calibrate_model(*_flash_and_model(path), TOKENS, {"source": "test"}, 0.5, n_ctx=N_CTX)
         flash = open_flash(path, verify=True)
         assert flash.manifest["sparsity"] == json_roundtrip(sec) and sec["hot_first"]
         assert sorted(p.name for p in path.iterdir()) == sorted(
@@ -184,9 +185,8 @@ def json_roundtrip(x):
 
 @pytest.mark.parametrize("where", ["ffn", "manifest"])
 def test_interrupted_calibration_leaves_the_model_valid(tiny, tmp_path, monkeypatch, where):
-    import flashllm.hotfirst as hotfirst
-    from flashllm.bundle import FlashModel
-    from flashllm.calibrate import calibrate_model
+    import flashllm.sparsity.reorder as hotfirst
+    from flashllm.format.reader import FlashModel
     hf, _ = tiny("llama")
     path = _fresh(tiny, "llama", tmp_path)
     before = (path / "manifest.json").read_bytes()
@@ -205,12 +205,12 @@ def test_interrupted_calibration_leaves_the_model_valid(tiny, tmp_path, monkeypa
             raise KeyboardInterrupt
         monkeypatch.setattr(hotfirst, "update_manifest", switch)
     with pytest.raises(KeyboardInterrupt):
-        calibrate_model(open_flash(path), TOKENS, {}, 0.5, n_ctx=N_CTX)
+        calibrate_model(*_flash_and_model(path), TOKENS, {}, 0.5, n_ctx=N_CTX)
     assert (path / "manifest.json").read_bytes() == before
     assert not [p for p in path.iterdir() if p.name.startswith(".")]       # no temporary files
     monkeypatch.undo()
     _logits_match(hf, path, TOKENS[:40])
-    calibrate_model(open_flash(path), TOKENS, {}, 0.5, n_ctx=N_CTX)       # a rerun succeeds
+    calibrate_model(*_flash_and_model(path), TOKENS, {}, 0.5, n_ctx=N_CTX)       # a rerun succeeds
     _logits_match(hf, path, TOKENS[:40])
 
 
@@ -227,7 +227,7 @@ def test_cli_calibrate_then_sparse_perplexity(tiny, tmp_path):
     sec = open_flash(path, verify=True).manifest["sparsity"]
     assert (sec["target"], sec["criterion"], sec["hot_first"]) == (0.4, "glu_product", True)
     assert sec["calibration"]["text"]["source"] == "file" and sec["calibration"]["n_tokens"] == 48
-    from flashllm.predictor import load_predictor
+    from flashllm.sparsity.predictor import load_predictor
     flash = open_flash(path, verify=True)
     pred = load_predictor(flash)                       # the default for GLU models, trained after
     assert pred is not None and pred.kind == "gate_up"  # the hot-first rewrite, in its slot order
@@ -243,3 +243,8 @@ def test_cli_calibrate_then_sparse_perplexity(tiny, tmp_path):
     assert r.exit_code == 1 and "999 were asked for" in r.output
     r = CliRunner().invoke(app, ["calibrate", str(path), "--text", str(text), "--predictor", "x"])
     assert r.exit_code == 1 and "--predictor must be default, none or one of" in r.output
+
+
+def _flash_and_model(path):
+    flash = open_flash(path)
+    return flash, Model(flash, n_ctx=N_CTX)

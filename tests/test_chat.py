@@ -12,13 +12,13 @@ import pytest
 from tokenizers import AddedToken, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from flashllm.bundle import open_flash
-from flashllm.chat import ChatSession, Interrupt, ReplIO, repl
-from flashllm.chat_template import CHATML, ChatError, ChatTemplate, load_template
-from flashllm.convert import convert_source
-from flashllm.model import Model
-from flashllm.sampler import Sampler, SamplerParams
-from flashllm.tokenizer import Tokenizer
+from flashllm.format.reader import open_flash
+from flashllm.generation.chat import ChatSession, Interrupt, ReplIO, repl
+from flashllm.generation.chat_template import CHATML, ChatError, ChatTemplate, load_template
+from flashllm.convert.convert import convert_source
+from flashllm.runtime.model import Model
+from flashllm.generation.sampler import Sampler, SamplerParams
+from flashllm.generation.tokenizer import Tokenizer
 from tiny_sources import ArraySource, tiny_arrays, tiny_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -163,7 +163,7 @@ def test_terminal_session_with_smollm2(tmp_path):
     model = _converted("smollm2-135m", "f32", log=lambda m: print(m, file=sys.stderr))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "FLASHLLM_CACHE": str(tmp_path / "cache"),
            "TERM": "dumb", "NO_COLOR": "1"}
-    child = pexpect.spawn(sys.executable, ["-m", "flashllm.cli", "run", str(model), "-i", "-c", "512",
+    child = pexpect.spawn(sys.executable, ["-m", "flashllm", "run", str(model), "-i", "-c", "512",
                                            "--temp", "0", "-n", "64", "-t", "2"],
                           env=env, cwd=str(tmp_path), encoding="utf-8", timeout=300)
     child.logfile_read = open(tmp_path / "session.log", "w")

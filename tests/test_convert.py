@@ -12,9 +12,9 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from flashllm.bundle import open_flash
+from flashllm.format.reader import open_flash
 from flashllm.cli import app
-from flashllm.convert import convert, convert_many, convert_source
+from flashllm.convert.convert import convert, convert_many, convert_source
 from flashllm.errors import FormatError, SourceError
 from tiny_sources import ArraySource, ref_rows, tiny_arrays, tiny_config, write_hf_llama
 
@@ -153,7 +153,7 @@ def test_cli_unwritable_output_and_success(tmp_path):
 
 def test_cli_subprocess_exit_code_and_stderr(tmp_path, bad_sources):
     good = write_hf_llama(tmp_path / "good")
-    proc = subprocess.run([sys.executable, "-m", "flashllm.cli", "convert", str(good),
+    proc = subprocess.run([sys.executable, "-m", "flashllm", "convert", str(good),
                            str(bad_sources["unknown arch"]), "-o", str(tmp_path / "out")],
                           capture_output=True, text=True, cwd=ROOT, timeout=120,
                           env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})

@@ -5,7 +5,7 @@ import hashlib
 
 import pytest
 
-from flashllm.corpus import (CODE_FILES, CorpusError, builtin_text, code_text, file_text,
+from flashllm.sparsity.corpus import (CODE_FILES, CorpusError, builtin_text, code_text, file_text,
                              prose_text, stdlib_dir)
 
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flashllm.bundle import open_flash
-from flashllm.dense_stream import DenseWeights, attn_names
-from flashllm.ioreader import Reader
-from flashllm.model import Model
+from flashllm.format.reader import open_flash
+from flashllm.runtime.weights import DenseWeights, attn_names
+from flashllm.ffi.reader import Reader
+from flashllm.runtime.model import Model
 from tiny_sources import tiny_arrays, tiny_config, write_arrays
 
 

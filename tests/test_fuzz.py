@@ -18,14 +18,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flashllm.bundle import open_flash
-from flashllm.convert import convert_source
-from flashllm.costmodel import CostModel
+from flashllm.format.reader import open_flash
+from flashllm.convert.convert import convert_source
+from flashllm.storage.costmodel import CostModel
 from flashllm.errors import FlashError
-from flashllm.profile import Device, load_profile, profile_path
-from flashllm.registry import load_registry
-from flashllm.sources import open_source
-from flashllm.tokenizer import Tokenizer
+from flashllm.storage.profile import Device, load_profile, profile_path
+from flashllm.convert.registry import load_registry
+from flashllm.convert.sources import open_source
+from flashllm.generation.tokenizer import Tokenizer
 from test_sources_gguf import hf_weights, write_gguf
 from tiny_sources import ArraySource, tiny_arrays, tiny_config, write_hf_llama
 

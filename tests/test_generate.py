@@ -7,8 +7,8 @@ import re
 import numpy as np
 import pytest
 
-from flashllm.generate import GenStats, decode_pass, generate, prefill
-from flashllm.sampler import Sampler, SamplerParams
+from flashllm.generation.generate import GenStats, decode_pass, generate, prefill
+from flashllm.generation.sampler import Sampler, SamplerParams
 
 VOCAB = 50
 SCRIPT = [1, 7, 8, 9, 10, 11, 12, 13, 2, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24]

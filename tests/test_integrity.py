@@ -1,9 +1,9 @@
 """Checksums on first load: a corrupt model is refused by `run`, a verified one is not re-read."""
 from typer.testing import CliRunner
 
-from flashllm.bundle import open_flash
+from flashllm.format.reader import open_flash
 from flashllm.cli import app
-from flashllm.integrity import STAMP, verify_on_first_load
+from flashllm.format.integrity import STAMP, verify_on_first_load
 from tiny_sources import write_hf_llama
 
 

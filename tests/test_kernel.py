@@ -12,9 +12,9 @@ import pytest
 from gguf import GGMLQuantizationType as GQ
 from gguf.quants import dequantize, quantize
 
-from flashllm import kernel
+from flashllm.ffi import kernel
 from flashllm.errors import KernelError
-from flashllm.tensor import QTensor
+from flashllm.model.tensor import QTensor
 
 DTYPES = ["f32", "f16", "q8_0", "q4_0", "q4_1"]
 GGUF_TYPES = {"f32": GQ.F32, "f16": GQ.F16, "q8_0": GQ.Q8_0, "q4_0": GQ.Q4_0,

@@ -11,7 +11,7 @@ and exact, is test_kernel.py's test_ffn_bundles_matches_numpy.)
 import numpy as np
 import pytest
 
-from flashllm import kernel
+from flashllm.ffi import kernel
 from test_kernel import _act, _bundles, _close, _qtensor, _quantize_x, _rng, _thresholded
 
 QDTYPES = ["q4_0", "q4_1", "q8_0"]

@@ -25,11 +25,11 @@ import pytest
 
 from hf_tiny import TINY, VOCAB
 
-from flashllm.bundle import open_flash
-from flashllm.convert import convert
-from flashllm.generate import generate
-from flashllm.model import Model
-from flashllm.sampler import Sampler, SamplerParams
+from flashllm.format.reader import open_flash
+from flashllm.convert.convert import convert
+from flashllm.generation.generate import generate
+from flashllm.runtime.model import Model
+from flashllm.generation.sampler import Sampler, SamplerParams
 
 PROMPT = np.random.default_rng(99).integers(3, VOCAB, size=32).astype(np.int64)   # (32,)
 ARCHS = list(TINY)
@@ -187,7 +187,7 @@ def test_q4_1_grids_come_back(hf_tiny, tmp_path, name):
 
 
 def test_running_past_the_context_is_a_clear_error(flash_model):
-    from flashllm.model import ContextError
+    from flashllm.runtime.model import ContextError
     net, _ = flash_model("llama", "f32")
     with pytest.raises(ContextError, match="context holds 128"):
         net.forward(PROMPT, 100)

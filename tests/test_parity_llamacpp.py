@@ -35,8 +35,8 @@ import numpy as np
 import pytest
 
 from conftest import gguf_path
-from flashllm.generate import generate
-from flashllm.sampler import Sampler, SamplerParams
+from flashllm.generation.generate import generate
+from flashllm.generation.sampler import Sampler, SamplerParams
 
 FIXTURES = Path(__file__).parent / "fixtures" / "llamacpp"
 MODELS = ["smollm2-135m", "qwen2.5-coder-0.5b"]

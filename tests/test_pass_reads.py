@@ -7,12 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flashllm.bundle import open_flash
-from flashllm.dense_stream import DenseWeights, attn_names
-from flashllm.ioreader import Reader
-from flashllm.model import Model
-from flashllm.predictor import AllSlots
-from flashllm.runtime import stream_dense
+from flashllm.format.reader import open_flash
+from flashllm.runtime.weights import DenseWeights, attn_names
+from flashllm.ffi.reader import Reader
+from flashllm.runtime.model import Model
+from flashllm.sparsity.predictor import AllSlots
+from flashllm.runtime.assemble import stream_dense
 from test_dense_stream import write_model
 from test_sparse_ffn import flash_ffn
 

@@ -12,10 +12,10 @@ import pytest
 
 from hf_tiny import VOCAB
 
-from flashllm.bundle import open_flash
-from flashllm.convert import convert
-from flashllm.model import Model
-from flashllm.perplexity import PerplexityError, bos_to_add, perplexity
+from flashllm.format.reader import open_flash
+from flashllm.convert.convert import convert
+from flashllm.runtime.model import Model
+from flashllm.generation.perplexity import PerplexityError, bos_to_add, perplexity
 
 FIXTURE = Path(__file__).parent / "fixtures" / "llamacpp" / "smollm2-135m.ppl.json"
 TOKENS = np.random.default_rng(11).integers(3, VOCAB, size=70)     # (70,)
@@ -69,7 +69,7 @@ def test_errors(hf_tiny, tmp_path):
 
 def test_bos_to_add():
     from tokenizers import Tokenizer as HF, models, pre_tokenizers, processors
-    from flashllm.tokenizer import Tokenizer
+    from flashllm.generation.tokenizer import Tokenizer
     hf = HF(models.WordLevel({"<s>": 0, "a": 1, "<unk>": 2}, unk_token="<unk>"))
     hf.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     assert bos_to_add(Tokenizer.from_json(hf.to_str()), 0) is None

@@ -15,7 +15,7 @@ import pytest
 from test_chat import tiny  # noqa: F401  (the tiny converted model fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
-FLASHLLM = f"{shlex.quote(sys.executable)} -m flashllm.cli"
+FLASHLLM = f"{shlex.quote(sys.executable)} -m flashllm"
 
 
 def sh(script: str, timeout: int = 120) -> subprocess.CompletedProcess:
@@ -104,13 +104,13 @@ def test_chat_refuses_a_prompt_too(model):
 def test_a_missing_kernel_build_is_one_actionable_line(model, tmp_path):
     # sys.modules[name] = None makes `import name` fail as if the module were not built, whatever
     # the install mode (an editable install's finder would win over a PYTHONPATH copy)
-    code = ("import sys; sys.modules['flashllm._native'] = None; from flashllm.cli import main; "
+    code = ("import sys; sys.modules['flashllm.ffi._native'] = None; from flashllm.cli import main; "
             f"sys.argv = ['flashllm', 'run', {shlex.split(model)[0]!r}, '-p', 'hi']; main()")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           cwd=tmp_path, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: ")
-    assert "flashllm._native" in lines[0] and "make setup" in lines[0]
+    assert "flashllm.ffi._native" in lines[0] and "make setup" in lines[0]
 
 
 @pytest.mark.realmodel

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flashllm import kernel
-from flashllm.quant import quantize_rows
-from flashllm.tensor import QTensor
+from flashllm.ffi import kernel
+from flashllm.model.quant import quantize_rows
+from flashllm.model.tensor import QTensor
 
 
 def _weight(rows: int, cols: int, seed: int) -> QTensor:

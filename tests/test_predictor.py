@@ -7,12 +7,12 @@ import json
 import numpy as np
 import pytest
 
-from flashllm.bundle import FlashWriter, open_flash
-from flashllm.bundle_format import ffn_weight
+from flashllm.format.reader import FlashWriter, open_flash
+from flashllm.format.layout import ffn_weight
 from flashllm.errors import FormatError
-from flashllm.tensor import QTensor
-from flashllm.predictor import PREDICTOR_FILE, Predictor, load_predictor, save_predictor
-from flashllm.predictor_train import (lowrank_fit, mask_metrics, qtensor, threshold_for,
+from flashllm.model.tensor import QTensor
+from flashllm.sparsity.predictor import PREDICTOR_FILE, Predictor, load_predictor, save_predictor
+from flashllm.sparsity.train import (lowrank_fit, mask_metrics, qtensor, threshold_for,
                                       train_lowrank, train_predictor)
 from tiny_sources import TOKENIZER_JSON, ref_dequant, tiny_arrays, tiny_config
 
@@ -33,7 +33,7 @@ def random_parts(cfg, kind, rank=32, dtype="q8_0", seed=0):
     d, n = cfg.d_model, cfg.n_ff
     mats = {"gate": (n, d), "up": (n, d), "a": (rank, d), "b": (n, rank), "up_a": (rank, d),
             "up_b": (n, rank), "gate_a": (rank, d), "gate_b": (n, rank)}
-    from flashllm.predictor import KINDS
+    from flashllm.sparsity.predictor import KINDS
     out = {}
     for role in KINDS[kind]:
         if role == "bias":
@@ -44,7 +44,7 @@ def random_parts(cfg, kind, rank=32, dtype="q8_0", seed=0):
 
 
 def numpy_score(kind, parts, h):
-    """The score rule of flashllm.predictor written out on gguf-py-decoded weights, f64."""
+    """The score rule of flashllm.sparsity.predictor written out on gguf-py-decoded weights, f64."""
     w = {k: (ref_dequant(v.data, v.dtype, v.cols).astype(np.float64) if isinstance(v, QTensor)
              else v.astype(np.float64)) for k, v in parts.items()}
     if kind == "lowrank":

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from flashllm.costmodel import CostModel, bundle_requests, fit_points
-from flashllm.ioreader import ALIGN
-from flashllm.profile import (Cell, GiB, KiB, MiB, Profile, ProfileError, device_of, load_profile,
+from flashllm.storage.costmodel import CostModel, bundle_requests, fit_points
+from flashllm.ffi.reader import ALIGN
+from flashllm.storage.profile import (Cell, GiB, KiB, MiB, Profile, ProfileError, device_of, load_profile,
                               measure, parse_size, profile_path, save_profile, scratch_file)
 
 CHUNKS = [4 * KiB << i for i in range(9)]

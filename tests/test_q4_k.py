@@ -20,13 +20,13 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
-from flashllm import kernel
-from flashllm.bundle import open_flash
-from flashllm.convert import convert, convert_source
+from flashllm.ffi import kernel
+from flashllm.format.reader import open_flash
+from flashllm.convert.convert import convert, convert_source
 from flashllm.errors import KernelError, SourceError
-from flashllm.quant import dequantize_rows, quantize_rows
-from flashllm.sources import open_source
-from flashllm.tensor import QTensor, row_bytes
+from flashllm.model.quant import dequantize_rows, quantize_rows
+from flashllm.convert.sources import open_source
+from flashllm.model.tensor import QTensor, row_bytes
 from test_kernel_isa import ISAS, isa_compiler
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -322,7 +322,7 @@ def test_real_q4k_model_matches_its_q4_1_conversion(qwen15_two_layers):
     q4_1 bytes. In f32 (exact) the logits differ by 3.2e-4 of their largest; on int8 activations
     by 7.9e-3, the size of either model's own int8 error against its f32 run (8.6e-3 / 9.6e-3):
     a rounding flip of an int8 block is not small next to 1e-3, so the bar is on the f32 runs."""
-    from flashllm.model import Model
+    from flashllm.runtime.model import Model
     _, q4k, q41 = qwen15_two_layers
     tokens = np.array([17, 300, 5, 42, 99, 511, 7, 260], np.int32)          # (8,)
     out = []

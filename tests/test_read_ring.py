@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from flashllm.errors import KernelError
-from flashllm.ioreader import Reader, aligned_empty
-from flashllm.read_ring import Entry, ReadRing
+from flashllm.ffi.reader import Reader, aligned_empty
+from flashllm.storage.readahead import Entry, ReadRing
 
 STRIDE = 4096 + 512          # a bundle that is not a page multiple
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from flashllm.errors import KernelError
-from flashllm.ioreader import ALIGN, DirectIOWarning, Reader, aligned_empty, plan_reads
+from flashllm.ffi.reader import ALIGN, DirectIOWarning, Reader, aligned_empty, plan_reads
 
 FILE_BYTES = 2 * 1024 * 1024 + 777  # not a multiple of the page: the tail bundle is unaligned
 

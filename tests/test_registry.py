@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from flashllm import registry as reg
+from flashllm.convert import registry as reg
 from flashllm.errors import RegistryError
-from flashllm.registry import load_registry, pull, resolve_model
+from flashllm.convert.registry import load_registry, pull, resolve_model
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS_TOML = ROOT / "models.toml"

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from flashllm.sampler import Sampler, SamplerError, SamplerParams, top_k
+from flashllm.generation.sampler import Sampler, SamplerError, SamplerParams, top_k
 
 
 def reference_chain(logits, history, temp, k, p, mp, penalty, last_n):

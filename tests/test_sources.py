@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from flashllm.errors import SourceError
-from flashllm.sources import open_source
+from flashllm.convert.sources import open_source
 from hf_tiny import build_model, require_transformers
 
 ARCHS = ["llama", "llama_tied", "qwen2", "qwen2_tied", "mistral", "opt", "opt_proj"]

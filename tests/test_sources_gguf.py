@@ -13,7 +13,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from flashllm.errors import SourceError
-from flashllm.sources import open_source
+from flashllm.convert.sources import open_source
 
 D, HEADS, KV, HD, FF, LAYERS, VOCAB = 64, 4, 2, 16, 96, 2, 40
 

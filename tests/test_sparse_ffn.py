@@ -7,13 +7,13 @@ import dataclasses
 import numpy as np
 import pytest
 
-from flashllm.budget import plan_budget, read_manifest
-from flashllm.bundle import open_flash, update_manifest
-from flashllm.ioreader import Reader
-from flashllm.model import Model
-from flashllm.predictor import AllSlots
-from flashllm.read_ring import page_chunks
-from flashllm.sparse_ffn import SparseFlashFfn
+from flashllm.runtime.budget import plan_budget, read_manifest
+from flashllm.format.reader import open_flash, update_manifest
+from flashllm.ffi.reader import Reader
+from flashllm.runtime.model import Model
+from flashllm.sparsity.predictor import AllSlots
+from flashllm.storage.readahead import page_chunks
+from flashllm.runtime.sparse_ffn import SparseFlashFfn
 from tiny_sources import ref_dequant, ref_rows, tiny_arrays, tiny_config, write_arrays
 
 MiB = 1 << 20
@@ -171,7 +171,7 @@ def test_all_slots_threshold_zero_gives_the_dense_tokens_tiny(tmp_path):
 
 @pytest.mark.parametrize("name", ["llama", "opt"])
 def test_all_slots_gives_the_dense_tokens_tiny_hf(hf_tiny, tmp_path, name):
-    from flashllm.convert import convert
+    from flashllm.convert.convert import convert
     folder, _ = hf_tiny(name)
     path = convert(folder, tmp_path / "m", "f32")
     flash, ffn = flash_ffn(path, AllSlots(open_flash(path).config.n_ff), "64MiB",

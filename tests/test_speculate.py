@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from flashllm.chat import ChatSession
-from flashllm.chat_template import ChatTemplate
+from flashllm.generation.chat import ChatSession
+from flashllm.generation.chat_template import ChatTemplate
 from flashllm.cli import app
-from flashllm.generate import generate
-from flashllm.model import Model
-from flashllm.sampler import Sampler, SamplerParams
-from flashllm.speculate import DraftError, DraftLength, NgramDraft, verify
+from flashllm.generation.generate import generate
+from flashllm.runtime.model import Model
+from flashllm.generation.sampler import Sampler, SamplerParams
+from flashllm.generation.speculate import DraftError, DraftLength, NgramDraft, verify
 from test_chat import tiny  # noqa: F401  (the tiny converted model fixture)
 from test_generate import ScriptedModel, greedy
 

@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from flashllm.errors import FormatError, SourceError
-from flashllm.tokenizer import ReleasedError, Tokenizer, gguf_tokenizer_json
+from flashllm.convert.gguf_vocab import gguf_tokenizer_json
+from flashllm.generation.tokenizer import ReleasedError, Tokenizer
 
 
 
@@ -149,7 +150,7 @@ TRANSFORMERS_DIFFERS = {("smollm2-135m", "world  123 and\t\t42")}
 
 @pytest.fixture(scope="module", params=["smollm2-135m", "qwen05"])
 def real(request):
-    from flashllm.sources import open_source
+    from flashllm.convert.sources import open_source
     from conftest import gguf_path
     path = gguf_path({"qwen05": "qwen2.5-coder-0.5b"}.get(request.param, request.param))
     with open_source(path) as src:

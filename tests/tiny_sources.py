@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType, quants
 
-from flashllm.bundle_format import required_tensors
-from flashllm.config import ModelConfig
+from flashllm.format.layout import required_tensors
+from flashllm.model.config import ModelConfig
 
 GGML = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0}
 TOKENIZER_JSON = json.dumps({"version": "1.0", "model": {"type": "WordLevel", "vocab": {"a": 0}}})
@@ -77,8 +77,8 @@ def ref_dequant(raw: np.ndarray, dtype: str, cols: int) -> np.ndarray:
 def write_arrays(out: Path, cfg, arrays: dict, dtype: str, orders: dict | None = None) -> None:
     """A flash model folder from canonical arrays through FlashWriter; orders: layer -> (n_ff,)
     neuron order for the layers stored reordered."""
-    from flashllm.bundle import FlashWriter
-    from flashllm.bundle_format import ffn_weight
+    from flashllm.format.reader import FlashWriter
+    from flashllm.format.layout import ffn_weight
     orders = orders or {}
     with FlashWriter(out, cfg, dtype, source={"name": "test"}) as w:
         w.set_tokenizer(TOKENIZER_JSON, None)

@@ -1,0 +1,101 @@
+"""The Typer app and what every command shares: the error wrapper, the user cache, models.toml,
+MODEL names resolved to folders.
+
+The commands register themselves on `app` from run.py, quality.py and manage.py (imported by
+the package's __init__, in the order `--help` lists them). The cli package is the only one that
+reads the environment; everything below it takes settings as arguments. A FlashError becomes one
+line on stderr and exit code 1; usage errors exit with 2. Generated tokens go alone to stdout;
+everything else goes to stderr.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+
+import typer
+from platformdirs import user_cache_dir
+from rich.console import Console
+
+from flashllm.errors import FlashError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Run language models larger than DRAM: FFN neurons stream from flash.")
+err = Console(stderr=True, highlight=False)
+
+DTYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1", "q4_k")
+DEFAULT_THREADS = min(os.cpu_count() or 1, 8)
+
+
+def cache_dir() -> Path:
+    """The user cache folder (models fetched and converted by name)."""
+    return Path(os.environ.get("FLASHLLM_CACHE") or user_cache_dir("flashllm"))
+
+
+def registry_path() -> Path:
+    """models.toml: FLASHLLM_MODELS, else the one shipped at the project root."""
+    env = os.environ.get("FLASHLLM_MODELS")
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "models.toml"
+
+
+def command(fn):
+    """Register a CLI command: a FlashError becomes one line on stderr and exit code 1; a closed
+    stdout (`| head`) ends quietly with exit code 0; Ctrl-C prints one line, exit code 130."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            result = fn(*args, **kwargs)
+            sys.stdout.flush()
+            return result
+        except FlashError as e:
+            err.print(f"error: {e}", markup=False, soft_wrap=True)
+            raise typer.Exit(1) from None
+        except BrokenPipeError:
+            _silence_stdout()
+            raise typer.Exit(0) from None
+        except KeyboardInterrupt:
+            err.print("interrupted", markup=False)
+            raise typer.Exit(130) from None
+        except ImportError as e:
+            if "_native" not in str(e):
+                raise
+            err.print(f"error: the C extension flashllm.ffi._native cannot be loaded ({e}): build it with "
+                      "`make setup`, or `make native` in a source tree", markup=False, soft_wrap=True)
+            raise typer.Exit(1) from None
+    return app.command()(wrapper)
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush cannot fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+def fail(message: str) -> None:
+    err.print(f"error: {message}", markup=False, soft_wrap=True)
+    raise typer.Exit(1)
+
+
+def model_path(model: str) -> Path:
+    """MODEL as given on the command line: a converted folder, or a models.toml name."""
+    from flashllm.convert.registry import resolve_model
+    return resolve_model(model, cache_dir(), registry_path(), log=lambda m: err.print(m, markup=False))
+
+
+def main() -> None:
+    """Console entry point: domain errors become one line and exit code 1."""
+    try:
+        app()
+    except FlashError as e:
+        err.print(f"error: {e}", markup=False, soft_wrap=True)
+        sys.exit(1)
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        sys.exit(0)
+    except KeyboardInterrupt:
+        err.print("interrupted", markup=False)
+        sys.exit(130)
+

@@ -1,0 +1,96 @@
+"""Model management commands: convert, pull, models, inspect, profile."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List
+
+import typer
+from rich.console import Console
+
+from flashllm.cli.app import DTYPES, cache_dir, command, err, fail, registry_path
+
+
+@command
+def convert(
+    src: List[Path] = typer.Argument(..., help="HF checkpoint folder(s) or GGUF file(s)."),
+    out: Path = typer.Option(..., "-o", "--out",
+                             help="Output model folder (one source) or parent folder (several)."),
+    dtype: str = typer.Option("q8_0", "--dtype", help=f"Storage dtype: {', '.join(DTYPES)}."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing output."),
+    jobs: int = typer.Option(1, "-j", "--jobs", min=1, help="Sources converted at once (worker processes)."),
+) -> None:
+    """Repack checkpoints into the row-column-bundled flash layout."""
+    from flashllm.convert.convert import convert_many
+    if dtype not in DTYPES:
+        err.print(f"error: --dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+        raise typer.Exit(2)
+    failures = convert_many(src, out, dtype, force, console=err, jobs=jobs)
+    if failures:
+        raise typer.Exit(1)
+
+
+@command
+def pull(name: str = typer.Argument(..., help="A model name from models.toml.")) -> None:
+    """Fetch a model listed in models.toml into the user cache and verify its checksum."""
+    from flashllm.convert.registry import load_registry, pull as pull_model
+    entry = load_registry(registry_path()).get(name)
+    path = pull_model(entry, cache_dir(), log=lambda m: err.print(m, markup=False))
+    print(path)  # on stdout, so scripts can use $(flashllm pull NAME)
+
+
+@command
+def models(as_json: bool = typer.Option(False, "--json", help="Print the list as JSON.")) -> None:
+    """List models.toml entries and the user cache: sizes, what is fetched and converted."""
+    import json
+    from flashllm.cli.views import catalog, models_table
+    from flashllm.convert.registry import load_registry
+    rows = catalog(load_registry(registry_path()), cache_dir())
+    if as_json:
+        print(json.dumps(rows, indent=1))
+    else:
+        Console(highlight=False).print(models_table(rows))
+
+
+@command
+def inspect(
+    path: Path = typer.Argument(..., help="A converted model folder."),
+    verify: bool = typer.Option(False, "--verify", help="Also check every checksum."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+) -> None:
+    """Summarize a converted model: config, dtypes, sizes, calibration state; --verify checksums."""
+    import json
+    from flashllm.format.reader import open_flash
+    from flashllm.cli.views import flash_summary, summary_table
+    summary = flash_summary(open_flash(path), verify=verify)
+    if as_json:
+        print(json.dumps(summary, indent=1))
+    else:
+        Console(highlight=False).print(summary_table(summary))
+
+
+@command
+def profile(
+    path: Path = typer.Argument(Path("."), help="A folder on the device to measure (a scratch "
+                                "file is written there), or an existing file to read."),
+    size: str = typer.Option("2GiB", "--size", help="Scratch file size."),
+    seconds: float = typer.Option(30.0, "--seconds", help="Total measuring time."),
+    as_json: bool = typer.Option(False, "--json", help="Print the profile as JSON."),
+) -> None:
+    """Measure the device's direct-I/O read throughput and save it for `run` to plan reads."""
+    import json
+    from rich.console import Console as StdoutConsole
+    from flashllm.storage.costmodel import CostModel
+    from flashllm.storage.profile import parse_size, save_profile
+    from flashllm.cli.profile_view import model_table, profile_table, run_profile, sequential_table, throughput_chart
+    if not path.exists():
+        fail(f"{path} does not exist")
+    result = run_profile(err, path, parse_size(size), seconds)
+    saved = save_profile(result, cache_dir())
+    if as_json:
+        print(json.dumps(result.to_dict(), indent=1))
+    else:
+        out = StdoutConsole(highlight=False)
+        for view in (profile_table(result), sequential_table(result), throughput_chart(result),
+                     model_table(CostModel.from_profile(result))):
+            out.print(view)
+    err.print(f"profile saved to {saved}", markup=False)

@@ -1,0 +1,101 @@
+"""`flashllm perplexity` and `flashllm calibrate` (commands registered on cli.app)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from flashllm.cli.app import DEFAULT_THREADS, model_path, command, err, fail
+
+
+def _quality_text(file: Optional[Path], split: str, kind: str, max_chars: Optional[int] = None):
+    """The text for perplexity/calibration: FILE, else the shipped text of `split`."""
+    from flashllm.sparsity.corpus import builtin_text, file_text
+    return file_text(file) if file is not None else builtin_text(split, kind, max_chars)
+
+
+@command
+def perplexity(
+    model: str = typer.Argument(..., help="Converted model folder, or a models.toml name."),
+    file: Optional[Path] = typer.Argument(None, help="Text file (default: the held-out evaluation "
+                                          "text from the Python standard library)."),
+    ctx: int = typer.Option(512, "--ctx", help="Tokens per chunk (the context of each pass)."),
+    chunks: Optional[int] = typer.Option(None, "--chunks", min=1, help="Chunks to score (default: all)."),
+    sparsity: Optional[float] = typer.Option(None, "--sparsity", help="Drop FFN terms below the "
+                                             "thresholds for this sparsity (0..1)."),
+    corpus: str = typer.Option("code", "--corpus", help="Shipped text: code or prose."),
+    threads: int = typer.Option(DEFAULT_THREADS, "-t", "--threads", help="Compute threads."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """Perplexity by llama.cpp's definition (second half of each chunk), dense or sparse."""
+    import json
+    from flashllm.format.reader import open_flash
+    from flashllm.sparsity.calibrate import text_tokens, thresholds_for
+    from flashllm.runtime.ffn import DenseFfn
+    from flashllm.runtime.model import Model
+    from flashllm.generation.perplexity import bos_to_add, perplexity as measure
+    from flashllm.generation.tokenizer import Tokenizer
+    if sparsity is not None and not 0.0 <= sparsity < 1.0:
+        fail(f"--sparsity must be in [0, 1), not {sparsity}")
+    flash = open_flash(model_path(model))
+    tok = Tokenizer.from_flash(flash)
+    text = _quality_text(file, "evaluation", corpus)
+    log = lambda m: err.print(m, markup=False, soft_wrap=True)
+    ffn = None
+    if sparsity is not None:
+        cal = lambda: text_tokens(tok, _quality_text(None, "calibration", corpus, 16384).text, 2048)
+        dense = lambda: Model(flash, n_threads=threads, n_ctx=ctx)
+        ffn = DenseFfn(flash, threads, threshold=thresholds_for(flash, sparsity, cal, dense, ctx, threads, log))
+    net = Model(flash, n_threads=threads, n_ctx=ctx, ffn=ffn, kv_dtype="f16")   # as `run`
+    bos = bos_to_add(tok, flash.config.bos_token_id)
+    result = measure(net, text_tokens(tok, text.text), ctx, chunks, bos,
+                     on_chunk=lambda i, n, p: err.print(f"[{i}/{n}] {p:.4f}", markup=False))
+    if as_json:
+        print(json.dumps({**result.to_dict(), "sparsity": sparsity, "text": text.description}))
+    else:
+        print(result.summary())
+
+
+@command
+def calibrate(
+    model: str = typer.Argument(..., help="Converted model folder, or a models.toml name."),
+    text: Optional[Path] = typer.Option(None, "--text", help="Calibration text file (default: "
+                                        "Python standard-library sources)."),
+    sparsity: float = typer.Option(0.5, "--sparsity", help="Target fraction of inactive FFN neurons."),
+    tokens: int = typer.Option(2048, "--tokens", min=1, help="Calibration tokens."),
+    ctx: int = typer.Option(512, "--ctx", help="Tokens per pass."),
+    corpus: str = typer.Option("code", "--corpus", help="Shipped text: code or prose."),
+    criterion: Optional[str] = typer.Option(None, "--criterion", help="glu_product (GLU default), "
+                                            "gate (CATS), relu, magnitude."),
+    reorder: bool = typer.Option(True, "--reorder/--no-reorder", help="Rewrite the FFN hot-first."),
+    predictor: str = typer.Option("default", "--predictor", help="Predictor to train: default "
+                                  "(gate_up for GLU models, lowrank otherwise), a kind, or none."),
+    threads: int = typer.Option(DEFAULT_THREADS, "-t", "--threads", help="Compute threads."),
+) -> None:
+    """Per-layer sparsity thresholds, neuron frequencies, hot-first FFN rewrite, predictor."""
+    from flashllm.format.reader import open_flash
+    from flashllm.runtime.model import Model
+    from flashllm.sparsity.calibrate import calibrate_model, text_tokens
+    from flashllm.sparsity.predictor import KINDS
+    from flashllm.sparsity.train import DEFAULT_KIND
+    from flashllm.generation.tokenizer import Tokenizer
+    if not 0.0 <= sparsity < 1.0:
+        fail(f"--sparsity must be in [0, 1), not {sparsity}")
+    if predictor not in ("default", "none", *KINDS):
+        fail(f"--predictor must be default, none or one of {', '.join(KINDS)}, not {predictor!r}")
+    flash = open_flash(model_path(model))
+    if predictor == "default":
+        predictor = DEFAULT_KIND["glu" if flash.config.glu else "plain"]
+    source = _quality_text(text, "calibration", corpus, None if text else 8 * tokens)
+    ids = text_tokens(Tokenizer.from_flash(flash), source.text, tokens)
+    log = lambda m: err.print(m, markup=False, soft_wrap=True)
+    net = Model(flash, n_threads=threads, n_ctx=ctx)
+    section = calibrate_model(flash, net, ids, source.description, sparsity, criterion, n_ctx=ctx,
+                              reorder=reorder, n_threads=threads, log=log,
+                              predictor=None if predictor == "none" else predictor)
+    shares = section["frequency"]["hot20_share"]
+    err.print(f"calibrated {flash.path}: {section['criterion']} target {sparsity}, sparsity "
+              f"{sum(section['achieved']) / len(shares):.3f} on {len(ids)} tokens, hottest 20% carry "
+              f"{sum(shares) / len(shares):.2f} of activations, hot-first {section['hot_first']}",
+              markup=False, soft_wrap=True)

@@ -1,0 +1,231 @@
+"""`flashllm run`: one-shot completion, pipelines and chat (commands registered on cli.app).
+
+Generated tokens go alone to stdout; timings, stats and errors to stderr.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from flashllm.cli.app import DEFAULT_THREADS, model_path, cache_dir, command, err, fail
+
+
+@command
+def run(
+    model: str = typer.Argument(..., help="Converted model folder, or a models.toml name."),
+    prompt: Optional[str] = typer.Option(None, "-p", "--prompt", help="Prompt text; '-' reads stdin."),
+    file: Optional[Path] = typer.Option(None, "-f", "--file", help="Read the prompt from a file."),
+    n_predict: int = typer.Option(128, "-n", "--n-predict", help="Tokens to generate."),
+    ctx_size: int = typer.Option(2048, "-c", "--ctx-size", help="Context length (KV cache size; a "
+                                 "one-shot prompt needs only its tokens + -n)."),
+    threads: int = typer.Option(DEFAULT_THREADS, "-t", "--threads", help="Compute threads."),
+    temp: float = typer.Option(0.8, "--temp", help="Temperature; 0 is greedy."),
+    top_k: int = typer.Option(40, "--top-k", help="Keep the k most likely tokens; 0 disables."),
+    top_p: float = typer.Option(0.95, "--top-p", help="Nucleus sampling mass; 1 disables."),
+    min_p: float = typer.Option(0.05, "--min-p", help="Drop tokens below min_p × the top probability."),
+    repeat_penalty: float = typer.Option(1.0, "--repeat-penalty", help="Penalty on recent tokens; 1 disables."),
+    repeat_last_n: int = typer.Option(64, "--repeat-last-n", help="How many recent tokens the penalty sees."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed (default: random)."),
+    no_timings: bool = typer.Option(False, "--no-timings", help="Do not print the timings line."),
+    dram_budget: Optional[str] = typer.Option(
+        None, "--dram-budget", help="Stream the FFN from flash within this DRAM: 1.5GiB, 560MiB, "
+        "or 50% of the converted model (default: everything in DRAM)."),
+    window: Optional[int] = typer.Option(
+        None, "--window", help="Keep the neurons of the last K tokens cached (default 4; 2 for GLU)."),
+    naive: bool = typer.Option(False, "--naive", help="Read every FFN bundle every token (baseline)."),
+    dense: bool = typer.Option(False, "--dense", help="Every FFN bundle in DRAM (the default)."),
+    predictor: str = typer.Option("auto", "--predictor", help="With --dram-budget: use the model's "
+                                  "predictor (from calibrate): auto (when it is expected to make "
+                                  "tokens faster within the budget), on, or off."),
+    draft: int = typer.Option(0, "--draft", help="Speculative decoding: check up to N tokens "
+                              "guessed from the context in each pass (prompt lookup; as many as "
+                              "pay, learned while running; 0: off). Tokens are drawn from the "
+                              "same distributions; pays where the answer repeats the context."),
+    flash_stats: bool = typer.Option(False, "--stats", help="Per-token flash I/O, cache and latency "
+                                     "table on stderr at the end."),
+    check_recall: bool = typer.Option(False, "--check-recall", help="With --stats: also compute each "
+                                      "token's exact mask for the predictor's recall (slow)."),
+    interactive: bool = typer.Option(False, "-i", "--interactive", "--chat",
+                                     help="Chat: multi-turn, with the model's chat template."),
+    system: Optional[str] = typer.Option(None, "-sys", "--system", help="Chat: the system prompt."),
+    chat_template: Optional[Path] = typer.Option(None, "--chat-template",
+                                                 help="Chat: a Jinja template file to use instead "
+                                                 "of the model's."),
+    as_json: bool = typer.Option(False, "--json", help="Timings as one JSON object on stderr "
+                                 "(instead of the text lines)."),
+) -> None:
+    """Generate text from a prompt (tokens stream to stdout as they are made), or chat (-i)."""
+    from flashllm.format.reader import open_flash
+    from flashllm.runtime.budget import process_rss
+    from flashllm.format.integrity import verify_on_first_load
+    from flashllm.runtime.model import Model
+    from flashllm.runtime.assemble import FlashOptions, make_ffn, make_weights, plan_run, stream_dense
+    from flashllm.generation.sampler import Sampler, SamplerParams
+    from flashllm.generation.tokenizer import Tokenizer
+
+    if interactive and (prompt is not None or file is not None):
+        fail("give a prompt (-p/-f) or -i/--chat, not both")
+    if draft < 0:
+        fail(f"--draft {draft}: give the most guesses a pass may check (0: off)")
+    text = None if interactive else _read_prompt(prompt, file)
+    path = model_path(model)
+    fopts = FlashOptions(dram_budget, window, naive, dense, check_recall, predictor,
+                         keep_tokenizer=interactive)
+    process = process_rss()
+    n_ctx = ctx_size if interactive else min(ctx_size, len(text.encode()) + n_predict + 2)
+    plan = plan_run(path, fopts, n_ctx, process)     # refuses before loading anything
+    flash = open_flash(path)
+    verify_on_first_load(flash)
+    tok = Tokenizer.from_flash(flash, word_cache=interactive)   # one-shot: encodes once
+    ids = None if interactive else _prompt_ids(tok, text, n_predict, ctx_size)
+    if not interactive:          # one-shot: the KV cache holds the prompt and the tokens to make
+        n_ctx = len(ids) + n_predict
+        if not tok.releasable:   # decoding keeps the tokenizers object: count it loaded
+            fopts = dataclasses.replace(fopts, keep_tokenizer=True)
+        plan = plan and plan_run(path, fopts, n_ctx, process)
+    if plan is not None and not interactive:
+        tok.release(keep_source=False)   # never encodes again; decoding needs only the table
+    ffn = make_ffn(flash, fopts, plan, threads, cache_dir(), log=lambda m: err.print(m, markup=False))
+    weights = make_weights(flash, plan, threads)
+    stream_dense(flash, ffn, weights)
+    net = Model(flash, n_threads=threads, n_ctx=n_ctx, ffn=ffn, weights=weights, kv_dtype="f16")
+    sampler = Sampler(SamplerParams(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p,
+                                    repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
+                                    seed=seed))
+    try:
+        if interactive:
+            _chat(flash, net, tok, sampler, system, chat_template, n_predict, as_json, draft)
+        else:
+            stats = _complete(net, tok, sampler, ids, n_predict, draft)
+            flash_json = _flash_json(ffn, weights) if flash_stats else None
+            if as_json:
+                err.print(_stats_json(stats, flash_json), markup=False, soft_wrap=True,
+                          highlight=False)
+            elif not no_timings:
+                err.print(stats.summary(), markup=False, soft_wrap=True)
+        if flash_stats and not as_json:
+            _print_flash_stats(ffn, weights)
+    finally:                      # stop the read-ahead before the buffers go away
+        for part in (ffn, weights):
+            if part is not None:
+                part.close()
+
+
+def _print_flash_stats(ffn, weights) -> None:
+    """The --stats table (stderr): the FFN's per-token reads, the streamed dense weights."""
+    from flashllm.runtime.stats import stats_table
+    err.print(stats_table(ffn.stats()) if ffn is not None else "ffn: dense (no flash I/O)",
+              markup=False, soft_wrap=True, highlight=False)
+    if weights is not None:
+        d = weights.stats()
+        err.print(f"dense weights: {len(d['dense_streamed'])} matrices streamed, "
+                  f"{d['dense_bytes_read'] / 2**20:.1f} MiB read", markup=False, highlight=False)
+
+
+def _flash_json(ffn, weights) -> dict:
+    """The --stats --json "flash" section: the FFN's counters and the streamed dense weights'."""
+    d = ffn.stats() if ffn is not None else {"ffn": "dense"}
+    return {**d, "dense": weights.stats()} if weights is not None else d
+
+
+def _prompt_ids(tok, text: str, n_predict: int, ctx_size: int) -> list[int]:
+    ids = tok.encode(text, add_special=True)
+    if not ids:
+        fail("the prompt is empty (no tokens to start from)")
+    if len(ids) + n_predict > ctx_size:
+        fail(f"prompt ({len(ids)} tokens) + --n-predict {n_predict} exceed --ctx-size {ctx_size}")
+    return ids
+
+
+def _complete(net, tok, sampler, ids: list[int], n_predict: int, n_draft: int = 0):
+    """One-shot generation: tokens to stdout, flushed one by one; the GenStats."""
+    from flashllm.generation.generate import generate
+    from flashllm.generation.speculate import NgramDraft
+    detok = tok.detokenizer()
+    out = sys.stdout
+
+    def emit(token: int) -> None:
+        out.write(detok.push(token))
+        out.flush()
+
+    draft = NgramDraft(n_draft) if n_draft else None
+    stats = generate(net, sampler, ids, n_predict, stop_ids=tok.eos_ids, on_token=emit,
+                     draft=draft)
+    out.write(detok.flush() + "\n")
+    out.flush()
+    return stats
+
+
+def _read_prompt(prompt: Optional[str], file: Optional[Path]) -> str:
+    if prompt is not None and file is not None:
+        fail("give the prompt with -p or -f, not both")
+    if file is not None:
+        try:
+            return file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            fail(f"cannot read prompt file {file}: {e}")
+    if prompt == "-" or (prompt is None and not sys.stdin.isatty()):
+        return sys.stdin.read()
+    if prompt is None:
+        fail("no prompt: give -p TEXT, -f FILE, or pipe text to stdin")
+    return prompt
+
+
+def _chat(flash, net, tok, sampler, system: Optional[str], template_file: Optional[Path],
+          n_predict: int, as_json: bool, n_draft: int = 0) -> None:
+    """The interactive chat of `run -i`: answers on stdout, everything else on stderr."""
+    import json
+    from flashllm.generation.chat import ChatSession, Interrupt, ReplIO, line_editing, repl
+    from flashllm.generation.chat_template import load_template
+    from flashllm.generation.speculate import NgramDraft
+    override = None
+    if template_file is not None:
+        try:
+            override = template_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            fail(f"cannot read chat template {template_file}: {e}")
+    cfg = flash.config
+    bos = tok.hf.id_to_token(cfg.bos_token_id) if cfg.bos_token_id is not None else None
+    eos = tok.hf.id_to_token(cfg.eos_token_ids[0]) if cfg.eos_token_ids else None
+    template, origin = load_template(flash.chat_template, override, bos or "", eos or "")
+    session = ChatSession(net, tok, sampler, template, system=system, n_predict=n_predict,
+                          draft=NgramDraft(n_draft) if n_draft else None)
+    tty = sys.stdin.isatty()
+    color = tty and sys.stdout.isatty() and not os.environ.get("NO_COLOR") \
+        and os.environ.get("TERM") != "dumb"
+
+    def write(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    io = ReplIO(read=input if tty else _read_line, write=write,
+                note=lambda m: err.print(m, markup=False, soft_wrap=True), color=color)
+    err.print(f"chat template: {origin}; context {net.n_ctx} tokens", markup=False)
+    with line_editing(cache_dir() / "chat_history" if tty else None):
+        repl(session, io, Interrupt())
+    if as_json:
+        err.print(json.dumps({"turns": [t.to_dict() for t in session.turns]}), markup=False,
+                  soft_wrap=True, highlight=False)
+
+
+def _read_line(prompt: str) -> str:
+    """input() for a non-TTY stdin: no prompt echo (stdout carries answers only)."""
+    line = sys.stdin.readline()
+    if not line:
+        raise EOFError
+    return line
+
+
+def _stats_json(stats, flash: Optional[dict] = None) -> str:
+    """One JSON object of a generation's counts, times and speeds (and the flash FFN's
+    per-token stats under "flash" with --stats)."""
+    import dataclasses
+    import json
+    extra = {} if flash is None else {"flash": flash}
+    return json.dumps({**dataclasses.asdict(stats), "prefill_tps": stats.prefill_tps,
+                       "decode_tps": stats.decode_tps, **extra})

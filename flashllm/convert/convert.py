@@ -1,0 +1,293 @@
+"""Source checkpoint → flash model folder, one tensor / one FFN layer in memory at a time."""
+from __future__ import annotations
+
+import math
+import multiprocessing
+import os
+import signal
+import time
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from pathlib import Path
+from queue import Empty
+from typing import Callable, Sequence
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn,
+                           TimeRemainingColumn)
+from rich.table import Table
+
+from flashllm.format.layout import ffn_parts, ffn_weight, required_tensors
+from flashllm.format.writer import FlashWriter
+from flashllm.errors import FlashError, SourceError
+from flashllm.convert.sources import open_source
+from flashllm.model.tensor import QTensor
+
+ProgressFn = Callable[[int, int], None]
+
+
+def convert(src: Path, out: Path, dtype: str, force: bool = False,
+            progress: ProgressFn | None = None) -> Path:
+    """Convert the checkpoint at src (HF folder or GGUF file) into the flash model folder out.
+    progress(done, total) is called after every tensor, counting the source's f32 bytes."""
+    src = Path(src)
+    source = open_source(src)
+    try:
+        return convert_source(source, Path(out), dtype, force=force, progress=progress,
+                              description={"path": str(src.resolve()), "name": src.name})
+    finally:
+        source.close()
+
+
+def convert_source(source, out: Path, dtype: str, *, force: bool = False,
+                   progress: ProgressFn | None = None, description: dict | None = None) -> Path:
+    """Write an opened Source (sources.Source protocol) as a flash model folder at out."""
+    cfg = source.config
+    dense, ffn = _plan(source)
+    if dtype == "q4_k":
+        _check_q4_k(source, ffn)
+    nbytes = {n: 4 * math.prod(source.tensor_shape(n)) for n in source.tensor_names()}
+    total, done = sum(nbytes.values()), 0
+    tick = progress or (lambda done, total: None)
+    with FlashWriter(out, cfg, dtype, force=force, source=description) as w:
+        w.set_tokenizer(source.tokenizer_json, source.chat_template)
+        for name in dense:
+            w.add_tensor(name, source.load(name))
+            done += nbytes[name]
+            tick(done, total)
+        for layer in range(cfg.n_layers):
+            names = ffn[layer]
+            weights = {part: _ffn_part(source, name, part, dtype)
+                       for part, name in names.items()}   # (n_ff, d) / (d, n_ff), or QTensor
+            w.add_ffn_layer(layer, weights.get("gate"), weights["up"], weights["down"])
+            done += sum(nbytes[n] for n in names.values())
+            tick(done, total)
+        return w.finish()
+
+
+def _ffn_part(source, name: str, part: str, dtype: str):
+    """One FFN weight for the writer: f32, or for q4_k gate / up the source's Q4_K rows as is."""
+    if dtype == "q4_k" and part != "down":
+        rows, cols = source.tensor_shape(name)
+        return QTensor(source.load_blocks(name), "q4_k", rows, cols)
+    return source.load(name)
+
+
+def _check_q4_k(source, ffn: list[dict[str, str]]) -> None:
+    """SourceError unless every FFN gate / up weight is stored as Q4_K rows (q4_k copies them)."""
+    d = source.config.d_model
+    if d % 256:
+        raise SourceError(f"--dtype q4_k needs d_model a multiple of 256, this model has {d}")
+    for parts in ffn:
+        for part in ("gate", "up"):
+            name = parts.get(part)
+            if name and source.stored_type(name) != "Q4_K":
+                raise SourceError(f"--dtype q4_k copies Q4_K gate / up blocks, but {name} is "
+                                  f"{source.stored_type(name)} (use --dtype q4_1)")
+
+
+def _plan(source) -> tuple[list[str], list[dict[str, str]]]:
+    """Dense tensor names in source order, and per layer {part: name} of the FFN weights;
+    SourceError when a tensor the architecture needs is missing or misshapen."""
+    cfg = source.config
+    names = list(source.tensor_names())
+    dense = [n for n in names if not ffn_weight(n)]
+    for name, shape in required_tensors(cfg).items():
+        if name not in dense:
+            raise SourceError(f"the checkpoint has no tensor {name}")
+        if tuple(source.tensor_shape(name)) != shape:
+            raise SourceError(f"tensor {name} has shape {tuple(source.tensor_shape(name))}, "
+                              f"the config needs {shape}")
+    ffn: list[dict[str, str]] = [{} for _ in range(cfg.n_layers)]
+    for n in names:
+        key = ffn_weight(n)
+        if key and key[0] >= cfg.n_layers:
+            raise SourceError(f"tensor {n} is beyond the config's {cfg.n_layers} layers")
+        if key:
+            ffn[key[0]][key[1]] = n
+    for layer, parts in enumerate(ffn):
+        missing = set(ffn_parts(cfg.glu)) - set(parts)
+        if missing or set(parts) - set(ffn_parts(cfg.glu)):
+            raise SourceError(f"layer {layer}: FFN weights {sorted(parts)} do not match a "
+                              f"{'GLU' if cfg.glu else 'non-GLU'} model (needs {list(ffn_parts(cfg.glu))})")
+    return dense, ffn
+
+
+@dataclass
+class JobResult:
+    src: Path
+    dest: Path | None          # None when no destination could be chosen
+    error: str | None = None   # one line; None on success
+    seconds: float = 0.0
+
+
+def convert_many(srcs: Sequence[Path], out: Path, dtype: str, force: bool,
+                 console: Console, jobs: int = 1) -> list[tuple[Path, str]]:
+    """Convert each source; one source → out is the model folder, several → out/<source stem>.
+    jobs > 1 converts that many sources at once in worker processes. A failing source prints
+    one line on console and the others still convert; with several sources a summary table
+    follows. Returns the failures as (source, message)."""
+    pairs = _targets([Path(s) for s in srcs], Path(out))
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+               TimeElapsedColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=console) as bar:
+        tasks = [bar.add_task(src.name, total=None) for src, _ in pairs]
+
+        def report(r: JobResult, task) -> None:
+            if r.error is None:
+                bar.update(task, description=f"{r.src.name} → {r.dest}")
+            else:
+                bar.update(task, visible=False)
+                console.print(f"error: {r.error}", markup=False, soft_wrap=True, highlight=False)
+
+        if jobs > 1 and len(pairs) > 1:
+            results = _run_pool(pairs, dtype, force, jobs, bar, tasks, report)
+        else:
+            results = [_run_here(src, dest, dtype, force, bar, task, report)
+                       for (src, dest), task in zip(pairs, tasks)]
+    if len(pairs) > 1:
+        console.print(summary_table(results))
+    return [(r.src, r.error) for r in results if r.error is not None]
+
+
+def _one(src: Path, dest: Path | str, dtype: str, force: bool, progress: ProgressFn) -> JobResult:
+    """Convert one source, its failure as a one-line message naming the source."""
+    t0 = time.perf_counter()
+    try:
+        if isinstance(dest, str):
+            raise FlashError(dest)
+        convert(src, dest, dtype, force, progress)
+        return JobResult(src, dest, None, time.perf_counter() - t0)
+    except (FlashError, OSError) as e:
+        message = str(e) if str(src) in str(e) else f"{src}: {e}"
+        return JobResult(src, None if isinstance(dest, str) else dest, message, time.perf_counter() - t0)
+
+
+def _run_here(src, dest, dtype, force, bar, task, report) -> JobResult:
+    result = _one(src, dest, dtype, force, lambda done, total: bar.update(task, completed=done, total=total))
+    report(result, task)
+    return result
+
+
+def _job(queue, index: int, src: Path, dest: Path | str, dtype: str, force: bool) -> JobResult:
+    """Runs in a worker process: announces its pid (done = -1), then progress by percent steps.
+    The progress display is not essential: a queue that has gone away is ignored."""
+    shown = [-1]
+
+    def tell(done: int, total: int) -> None:
+        try:
+            queue.put((index, done, total))
+        except (OSError, EOFError):
+            pass
+
+    def progress(done: int, total: int) -> None:
+        pct = 100 * done // max(total, 1)
+        if pct != shown[0]:
+            shown[0] = pct
+            tell(done, total)
+
+    tell(-1, os.getpid())
+    return _one(src, dest, dtype, force, progress)
+
+
+def _run_pool(pairs, dtype, force, jobs, bar, tasks, report) -> list[JobResult]:
+    """Convert the pairs in `jobs` spawned worker processes; a crashed worker fails its source.
+    Ctrl-C interrupts the running conversions (each removes its temporary folder) and re-raises."""
+    ctx = multiprocessing.get_context("spawn")
+    results: list[JobResult | None] = [None] * len(pairs)
+    pids: dict[int, int] = {}                  # job index -> worker pid, while it runs
+    with ctx.Manager() as manager, ProcessPoolExecutor(max_workers=jobs, mp_context=ctx,
+                                                       initializer=_interrupt_once) as pool:
+        queue = manager.Queue()
+        futures = {pool.submit(_job, queue, i, src, dest, dtype, force): i
+                   for i, (src, dest) in enumerate(pairs)}
+        pending = set(futures)
+        try:
+            while pending:
+                done, pending = wait(pending, timeout=0.1, return_when=FIRST_COMPLETED)
+                _drain(queue, bar, tasks, pids)
+                for fut in done:
+                    i = futures[fut]
+                    pids.pop(i, None)
+                    results[i] = _result_of(fut, *pairs[i])
+                    report(results[i], tasks[i])
+        except KeyboardInterrupt:
+            _drain(queue, bar, tasks, pids)
+            _interrupt(pids.values())
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+    return results
+
+
+def _interrupt_once() -> None:
+    """Worker setup: the first SIGINT interrupts the conversion (its writer removes the temporary
+    folder); later ones — a terminal's Ctrl-C reaches the whole process group and the parent
+    forwards one too — are ignored, so the worker can report back instead of dying mid-handler."""
+    def once(signum, frame):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGINT, once)
+
+
+def _interrupt(pids) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGINT)
+        except OSError:
+            pass
+
+
+def _drain(queue, bar, tasks, pids: dict[int, int]) -> None:
+    while True:
+        try:
+            index, done, total = queue.get_nowait()
+        except (Empty, OSError, EOFError, ValueError):
+            return
+        if done < 0:
+            pids[index] = total
+        else:
+            bar.update(tasks[index], completed=done, total=total)
+
+
+def _result_of(fut, src: Path, dest) -> JobResult:
+    try:
+        return fut.result()
+    except BrokenProcessPool:
+        return JobResult(src, None, f"{src}: the worker process converting it died (out of memory?)")
+    except Exception as e:      # a bug in a worker: reported for that source, the others go on
+        return JobResult(src, None, f"{src}: unexpected {type(e).__name__}: {e}")
+
+
+def summary_table(results: list[JobResult]) -> Table:
+    table = Table(title="convert summary", title_justify="left")
+    for col in ("source", "output", "status", "size", "time"):
+        table.add_column(col)
+    for r in results:
+        ok = r.error is None
+        size = sum(p.stat().st_size for p in r.dest.iterdir()) if ok else 0
+        table.add_row(escape(str(r.src)), escape(str(r.dest)) if ok else "-",
+                      "ok" if ok else "[red]FAILED[/red]", f"{size / 2**20:.1f} MiB" if ok else "-",
+                      f"{r.seconds:.1f} s")
+    return table
+
+
+def _targets(srcs: list[Path], out: Path) -> list[tuple[Path, Path | str]]:
+    """(source, destination folder) pairs; a str destination is the reason it cannot be written."""
+    if len(srcs) == 1:
+        return [(srcs[0], out)]
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return [(s, f"cannot create output folder {out}: {e.strerror or e}") for s in srcs]
+    pairs: list[tuple[Path, Path | str]] = []
+    seen: dict[str, Path] = {}
+    for s in srcs:
+        stem = s.resolve().stem if s.is_file() else s.resolve().name
+        if stem in seen:
+            pairs.append((s, f"same output name {stem!r} as {seen[stem]}"))
+            continue
+        seen[stem] = s
+        pairs.append((s, out / stem))
+    return pairs

@@ -1,0 +1,56 @@
+"""The interface every checkpoint reader implements (one tensor at a time, canonical names, HF
+semantics), and the GGUF magic that `open_source` and the GGUF reader share."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+import numpy as np
+
+from flashllm.errors import SourceError
+from flashllm.model.config import ModelConfig
+
+GGUF_MAGIC = b"GGUF"
+
+
+class Source(ABC):
+    """One open checkpoint. Lazy: `load` reads one tensor; nothing else is held in memory."""
+
+    path: Path
+    config: ModelConfig
+    tokenizer_json: str | None     # Hugging Face tokenizers JSON, or None when the checkpoint has none
+    chat_template: str | None      # Jinja chat template, or None
+
+    @abstractmethod
+    def tensor_names(self) -> list[str]:
+        """Canonical names of every tensor, in checkpoint order."""
+
+    @abstractmethod
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        """Shape of a canonical tensor in HF semantics (a linear weight is (out, in))."""
+
+    @abstractmethod
+    def load(self, name: str) -> np.ndarray:
+        """The tensor as a new float32 array in HF semantics."""
+
+    def stored_type(self, name: str) -> str:
+        """The source's own storage type of a tensor (a ggml type name such as "Q4_K" for GGUF,
+        else e.g. "F32"); only `load_blocks` of a block-quantized type gives its bytes."""
+        return "F32"
+
+    def load_blocks(self, name: str) -> np.ndarray:
+        """A 2-D tensor's stored bytes, unconverted: (rows, bytes per row) uint8."""
+        raise SourceError(f"{self.path}: tensor {name!r} has no stored blocks to copy")
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release file handles and maps; the source is unusable afterwards."""
+
+    def __enter__(self) -> "Source":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _unknown(self, name: str) -> SourceError:
+        return SourceError(f"{self.path}: no tensor named {name!r}")

@@ -1,0 +1,149 @@
+"""A GGUF file read through gguf-py: metadata, vocabulary and tensors, dequantized one at a time.
+
+GGUF tensor names are already the canonical names. Shapes are given to numpy reversed (ggml's ne
+order), which is HF's (out, in). llama-arch files store attn_q/attn_k permuted for interleaved RoPE;
+`load` undoes that so every architecture uses rotate-half RoPE.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from gguf import GGUFReader, GGUFValueType
+from gguf.quants import dequantize
+
+from flashllm.model.arch import arch_for_gguf, check_tensor_set, gguf_config
+from flashllm.errors import FlashError, SourceError
+from flashllm.convert.gguf_vocab import gguf_tokenizer_json
+from flashllm.convert.sources.base import GGUF_MAGIC, Source
+
+# llama.cpp treats these as end-of-generation when present (llama_vocab::load, auto-detection).
+EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
+             "<EOT>", "<|eom_id|>")
+DEQUANT_ROWS = 8192          # rows dequantized at a time: gguf-py's temporaries stay small
+_BIG_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+               "tokenizer.ggml.scores")
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Invert llama.cpp's `w.reshape(n_head, 2, hd // 2, *rest).swapaxes(1, 2)` (HF -> GGUF)."""
+    shape = w.shape                                                  # (n_head * hd, ...) or (n_head * hd,)
+    hd = shape[0] // n_head
+    return w.reshape(n_head, hd // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def _read(path: Path) -> GGUFReader:
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise SourceError(f"{path}: not a GGUF file (magic {magic!r})")
+    try:
+        reader = GGUFReader(path, "r")
+    except Exception as e:                # gguf-py raises ValueError, struct.error, IndexError, ...
+        raise SourceError(f"{path}: corrupt or truncated GGUF ({type(e).__name__}: {e})") from None
+    size = path.stat().st_size
+    for t in reader.tensors:
+        if len(t.shape) == 0 or any(int(n) <= 0 for n in t.shape):
+            raise SourceError(f"{path}: tensor {t.name!r} has an empty shape {list(t.shape)}")
+        if t.data_offset + t.n_bytes > size:
+            raise SourceError(f"{path}: truncated GGUF: tensor {t.name!r} ends at byte "
+                              f"{t.data_offset + t.n_bytes}, the file has {size}")
+    return reader
+
+
+def _metadata(reader: GGUFReader) -> dict:
+    """Scalar and small-array metadata as plain Python values."""
+    meta = {}
+    for key, field in reader.fields.items():
+        if key in _BIG_ARRAYS:
+            continue
+        meta[key] = field.contents()
+    return meta
+
+
+def _eos_ids(reader: GGUFReader, meta: dict) -> tuple[int, ...]:
+    ids = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                             "tokenizer.ggml.eom_token_id") if meta.get(k) is not None]
+    field = reader.fields.get("tokenizer.ggml.tokens")
+    if field is not None and field.types[-1:] == [GGUFValueType.STRING]:
+        wanted = {t.encode() for t in EOG_TEXTS}
+        for n, part in enumerate(field.data):
+            if field.parts[part].tobytes() in wanted and n not in ids:
+                ids.append(n)
+    return tuple(int(i) for i in ids)
+
+
+class GGUFSource(Source):
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        reader = _read(self.path)
+        try:
+            self._parse(reader)
+        except FlashError as e:
+            raise SourceError(e if str(self.path) in str(e) else f"{self.path}: {e}") from None
+        except (UnicodeDecodeError, ValueError, TypeError, KeyError, IndexError, AttributeError,
+                ArithmeticError) as e:    # metadata of the wrong type or encoding in a hostile file
+            raise SourceError(f"{self.path}: corrupt GGUF metadata ({type(e).__name__}: {e})") from None
+
+    def _parse(self, reader: GGUFReader) -> None:
+        meta = _metadata(reader)
+        arch = arch_for_gguf(str(meta.get("general.architecture")))
+        self._permuted = arch.gguf_permuted_qk
+        self._tensors = {t.name: t for t in reader.tensors}
+        if len(self._tensors) != len(reader.tensors):
+            raise SourceError("a tensor name appears twice")
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        vocab = len(tokens.data) if tokens is not None else self._shape_of("token_embd.weight")[0]
+        self.config = gguf_config(arch, meta, self._tensors, vocab, _eos_ids(reader, meta))
+        self.tokenizer_json = gguf_tokenizer_json(reader.fields)
+        check_tensor_set(self.config, self._tensors, str(self.path))
+        template = meta.get("tokenizer.chat_template")
+        if template is not None and not isinstance(template, str):
+            raise SourceError("tokenizer.chat_template is not a string")
+        self.chat_template = template
+
+    def _shape_of(self, name: str) -> tuple[int, ...]:
+        if name not in self._tensors:
+            raise self._unknown(name)
+        return tuple(int(n) for n in reversed(self._tensors[name].shape))
+
+    def tensor_names(self) -> list[str]:
+        return list(self._tensors)
+
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        return self._shape_of(name)
+
+    def stored_type(self, name: str) -> str:
+        self._shape_of(name)
+        return self._tensors[name].tensor_type.name
+
+    def load_blocks(self, name: str) -> np.ndarray:
+        shape = self._shape_of(name)
+        t = self._tensors[name]
+        if len(shape) != 2 or t.data.ndim != 2 or t.data.shape[0] != shape[0]:
+            raise SourceError(f"{self.path}: tensor {name!r} is not stored as rows of blocks")
+        return np.ascontiguousarray(t.data).view(np.uint8).reshape(shape[0], -1)  # (rows, bytes)
+
+    def load(self, name: str) -> np.ndarray:
+        shape = self._shape_of(name)
+        t = self._tensors[name]
+        out = np.empty(shape, dtype=np.float32)                        # HF shape, e.g. (n_ff, d_model)
+        rows = out.reshape(t.data.shape[0], -1) if t.data.ndim == 2 else out.reshape(1, -1)
+        data = t.data if t.data.ndim == 2 else t.data.reshape(1, -1)   # (rows, bytes per row) storage
+        try:
+            for r0 in range(0, data.shape[0], DEQUANT_ROWS):           # bounded temporaries
+                part = dequantize(data[r0:r0 + DEQUANT_ROWS], t.tensor_type)
+                rows[r0:r0 + DEQUANT_ROWS] = part.reshape(part.shape[0], -1)
+        except NotImplementedError:
+            raise SourceError(f"{self.path}: tensor {name!r} has type {t.tensor_type.name}, "
+                              "which gguf-py cannot dequantize") from None
+        if self._permuted and name.split(".")[-2] in ("attn_q", "attn_k"):
+            heads = self.config.n_heads if ".attn_q." in name else self.config.n_kv_heads
+            if shape[0] % (2 * heads):
+                raise SourceError(f"{self.path}: tensor {name!r} has {shape[0]} rows, not whole "
+                                  f"RoPE pairs of {heads} heads")
+            out = unpermute_qk(out, heads)
+        return out
+
+    def close(self) -> None:
+        self._tensors = {}

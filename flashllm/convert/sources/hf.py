@@ -1,0 +1,140 @@
+"""A Hugging Face checkpoint folder: config.json + *.safetensors [+ model.safetensors.index.json].
+
+Tensors are read one at a time through `safetensors.safe_open` (memory-mapped, framework numpy);
+bf16 is understood through ml_dtypes, which registers the dtype numpy lacks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, so safetensors can hand it out)
+import numpy as np
+from safetensors import SafetensorError, safe_open
+
+from flashllm.model.arch import Arch, arch_for_hf, check_tensor_set, eos_ids
+from flashllm.model.config import ModelConfig
+from flashllm.errors import FlashError, SourceError
+from flashllm.convert.sources.base import Source
+
+INDEX_NAME = "model.safetensors.index.json"
+FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+
+def read_json(path: Path) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SourceError(f"{path}: cannot read JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise SourceError(f"{path}: expected a JSON object")
+    return data
+
+
+def _shard_files(folder: Path) -> list[Path]:
+    """The safetensors files to read: those the index names, else every *.safetensors."""
+    index = folder / INDEX_NAME
+    if not index.exists():
+        return sorted(folder.glob("*.safetensors"))
+    weight_map = read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise SourceError(f"{index}: no weight_map")
+    files = sorted(set(weight_map.values()))
+    for name in files:
+        if not (folder / name).is_file():
+            raise SourceError(f"{index}: names shard {name!r}, which is missing")
+    return [folder / name for name in files]
+
+
+def read_chat_template(folder: Path) -> str | None:
+    """chat_template.jinja, else tokenizer_config.json's chat_template (a string or named list)."""
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    tok_cfg = folder / "tokenizer_config.json"
+    if not tok_cfg.is_file():
+        return None
+    template = read_json(tok_cfg).get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    return template if isinstance(template, str) else None
+
+
+def _config(folder: Path) -> tuple[Arch, ModelConfig]:
+    cfg_json = read_json(folder / "config.json")
+    arch = arch_for_hf(cfg_json)
+    try:
+        cfg = arch.hf_config(cfg_json)
+    except (TypeError, ValueError, ArithmeticError, KeyError, IndexError, AttributeError) as e:
+        raise SourceError(f"{folder / 'config.json'}: bad value ({type(e).__name__}: {e})") from None
+    except FlashError as e:
+        raise SourceError(f"{folder / 'config.json'}: {e}") from None
+    gen = folder / "generation_config.json"
+    if gen.is_file():
+        extra = eos_ids(read_json(gen).get("eos_token_id"))
+        merged = cfg.eos_token_ids + tuple(i for i in extra if i not in cfg.eos_token_ids)
+        cfg = dataclasses.replace(cfg, eos_token_ids=merged)
+    return arch, cfg
+
+
+class HFSource(Source):
+    def __init__(self, folder: Path):
+        self.path = Path(folder)
+        self.arch, self.config = _config(self.path)
+        self._handles: dict[Path, object] = {}
+        self._where: dict[str, tuple[Path, str]] = {}     # canonical -> (file, HF name)
+        try:
+            self._index_tensors()
+        except BaseException:
+            self.close()
+            raise
+        tok = self.path / "tokenizer.json"
+        self.tokenizer_json = tok.read_text(encoding="utf-8") if tok.is_file() else None
+        self.chat_template = read_chat_template(self.path)
+
+    def _index_tensors(self) -> None:
+        for file in _shard_files(self.path):
+            try:
+                handle = safe_open(str(file), framework="numpy")
+            except (SafetensorError, OSError) as e:
+                raise SourceError(f"{file}: corrupt or truncated safetensors file ({e})") from None
+            self._handles[file] = handle
+            for hf_name in handle.keys():
+                canonical = self.arch.canonical(hf_name)
+                if canonical is None:
+                    continue
+                if canonical in self._where:
+                    raise SourceError(f"{file}: tensor {hf_name!r} appears twice in the checkpoint")
+                self._where[canonical] = (file, hf_name)
+        if self.config.tied_embeddings:
+            self._where.pop("output.weight", None)     # a tied head duplicates token_embd
+        check_tensor_set(self.config, self._where, str(self.path))
+
+    def tensor_names(self) -> list[str]:
+        return list(self._where)
+
+    def _slice(self, name: str):
+        if name not in self._where:
+            raise self._unknown(name)
+        file, hf_name = self._where[name]
+        return file, hf_name, self._handles[file].get_slice(hf_name)
+
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(n) for n in self._slice(name)[2].get_shape())
+
+    def load(self, name: str) -> np.ndarray:
+        file, hf_name, _ = self._slice(name)
+        try:
+            raw = self._handles[file].get_tensor(hf_name)   # storage dtype, any shape
+        except (SafetensorError, TypeError, OSError) as e:
+            raise SourceError(f"{file}: cannot read tensor {hf_name!r} ({e})") from None
+        if raw.dtype.name not in FLOAT_DTYPES:
+            raise SourceError(f"{file}: tensor {hf_name!r} has dtype {raw.dtype.name}, "
+                              f"supported: {', '.join(FLOAT_DTYPES)}")
+        return raw.astype(np.float32, copy=False)                   # get_tensor already copied
+
+    def close(self) -> None:
+        self._handles.clear()

@@ -1,0 +1,279 @@
+"""The only module that calls the compute half of the cffi extension (flashllm.ffi._native).
+
+Thin typed wrappers: they check shapes, dtypes and contiguity (KernelError with a clear message,
+never a crash), pass numpy buffers without copying when they are already contiguous float32,
+and turn C status codes into KernelError. The GIL is released during every C call.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from flashllm.errors import KernelError
+from flashllm.model.tensor import QTensor, companion, dtype_code, row_bytes
+
+try:
+    from flashllm.ffi._native import ffi, lib
+except ImportError as exc:  # the extension was not built
+    ffi = lib = None
+    _IMPORT_ERROR = str(exc)
+else:
+    _IMPORT_ERROR = ""
+    _missing = ffi.new("char[]", 32)
+    if lib.fl_cpu_check(_missing, 32) != 0:  # built for another CPU: SIMD code would SIGILL
+        _IMPORT_ERROR = (f"it was compiled for a CPU with {ffi.string(_missing).decode()}, "
+                         "which this one lacks")
+        lib = None
+
+ACT_CODES = {"silu": 0, "gelu": 1, "relu": 2}
+_STATUS = {
+    1: "invalid argument",
+    2: "out of memory",
+    3: "read error",
+    4: "request outside the file",
+    5: "not supported by this build",
+}
+
+
+def _native():
+    """The cffi lib, or a KernelError telling the user how to build it."""
+    if lib is None:
+        raise KernelError(
+            f"the C kernel flashllm.ffi._native is not built ({_IMPORT_ERROR}): "
+            "run `make setup` (or `make native` to rebuild it in place)"
+        )
+    return lib
+
+
+def _check(status: int, what: str) -> None:
+    if status != 0:
+        raise KernelError(f"{what} failed: {_STATUS.get(status, f'status {status}')}")
+
+
+def _as_f32(a, name: str, ndim: int) -> np.ndarray:
+    """a as a C-contiguous float32 array of ndim dims (copied only when it is not one already)."""
+    arr = np.ascontiguousarray(a, dtype=np.float32)
+    if arr.ndim != ndim:
+        raise KernelError(f"{name} must be {ndim}-D, got shape {arr.shape}")
+    return arr
+
+
+def _big_f32(a, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """a must already be a C-contiguous float32 array of exactly this shape (never copied)."""
+    if not isinstance(a, np.ndarray) or a.dtype != np.float32 or not a.flags.c_contiguous:
+        raise KernelError(f"{name} must be a C-contiguous float32 numpy array")
+    if a.shape != shape:
+        raise KernelError(f"{name} must have shape {shape}, got {a.shape}")
+    return a
+
+
+def _out_f32(a, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """a must already be a writable C-contiguous float32 array of exactly this shape."""
+    if not _big_f32(a, name, shape).flags.writeable:
+        raise KernelError(f"{name} must be writable")
+    return a
+
+
+def _ids(ids, name: str, upper: int) -> np.ndarray:
+    """ids as a contiguous int32 vector with every value in [0, upper)."""
+    arr = np.ascontiguousarray(ids, dtype=np.int32).reshape(-1)  # (n,)
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= upper):
+        raise KernelError(f"{name} must lie in [0, {upper}), got [{arr.min()}, {arr.max()}]")
+    return arr
+
+
+def _fptr(a: np.ndarray):
+    return ffi.from_buffer("float[]", a)
+
+
+def _threads(n_threads: int) -> int:
+    if int(n_threads) < 1:
+        raise KernelError(f"n_threads must be at least 1, got {n_threads}")
+    return int(n_threads)
+
+
+def quantize_row(x, dtype: str, out: np.ndarray | None = None) -> np.ndarray:
+    """x (n) float32 -> (row_bytes(dtype, n)) uint8, ggml reference rounding (q4_1: the step
+    search of fl_quantize_row)."""
+    k = _native()
+    src = _as_f32(x, "x", 1)  # (n,)
+    nb = row_bytes(dtype, src.size)
+    dst = np.empty(nb, np.uint8) if out is None else out  # (nb,)
+    if dst.dtype != np.uint8 or dst.shape != (nb,) or not dst.flags.c_contiguous:
+        raise KernelError(f"out must be a contiguous uint8 array of shape ({nb},)")
+    _check(k.fl_quantize_row(dtype_code(dtype), _fptr(src), ffi.from_buffer(dst), src.size),
+           "quantize_row")
+    return dst
+
+
+def dequantize_row(data, dtype: str, n: int, out: np.ndarray | None = None) -> np.ndarray:
+    """data (row_bytes(dtype, n)) uint8 -> (n) float32."""
+    k = _native()
+    src = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1)  # (nb,)
+    if src.size != row_bytes(dtype, n):
+        raise KernelError(f"a {dtype} row of {n} values has {row_bytes(dtype, n)} bytes, "
+                          f"got {src.size}")
+    dst = np.empty(n, np.float32) if out is None else _out_f32(out, "out", (n,))  # (n,)
+    _check(k.fl_dequantize_row(dtype_code(dtype), ffi.from_buffer(src), _fptr(dst), n),
+           "dequantize_row")
+    return dst
+
+
+def get_rows(w: QTensor, ids) -> np.ndarray:
+    """(n, cols) float32: rows ids of w, dequantized (embedding lookup)."""
+    k = _native()
+    idx = _ids(ids, "ids", w.rows)  # (n,)
+    out = np.empty((idx.size, w.cols), np.float32)  # (n, cols)
+    if idx.size:
+        _check(k.fl_get_rows(ffi.from_buffer(w.data), w.code, w.rows, w.cols,
+                             ffi.from_buffer("int32_t[]", idx), idx.size, _fptr(out)),
+               "get_rows")
+    return out
+
+
+def matmul(w: QTensor, x, bias=None, n_threads: int = 1, exact: bool = False) -> np.ndarray:
+    """y (T, rows) = x (T, cols) @ w^T [+ bias (rows)]; a 1-D x gives a 1-D y.
+
+    q4_0 / q4_1 / q8_0 weights meet x quantized to int8 per block of 32 (as llama.cpp does; each
+    value moves by at most its block's amax / 254) unless exact, which keeps x in f32."""
+    k = _native()
+    xa = _as_f32(x, "x", np.ndim(x))
+    x2 = xa.reshape(1, -1) if xa.ndim == 1 else xa  # (T, cols)
+    if x2.ndim != 2 or x2.shape[1] != w.cols or x2.shape[0] < 1:
+        raise KernelError(f"x must be (T, {w.cols}) for a {w.rows}x{w.cols} weight, "
+                          f"got {xa.shape}")
+    b = None if bias is None else _as_f32(bias, "bias", 1)  # (rows,)
+    if b is not None and b.shape != (w.rows,):
+        raise KernelError(f"bias must have shape ({w.rows},), got {b.shape}")
+    y = np.empty((x2.shape[0], w.rows), np.float32)  # (T, rows)
+    _check(k.fl_matmul(ffi.from_buffer(w.data), w.code, w.rows, w.cols,
+                       ffi.NULL if b is None else _fptr(b), _fptr(x2), x2.shape[0], _fptr(y),
+                       int(exact), _threads(n_threads)), "matmul")
+    return y[0] if xa.ndim == 1 else y
+
+
+def rmsnorm(x, w, eps: float, out: np.ndarray | None = None) -> np.ndarray:
+    """y (T, n) = x / rms(x) * w per row; out may be x itself."""
+    k = _native()
+    xa = _as_f32(x, "x", 2)  # (T, n)
+    wa = _as_f32(w, "w", 1)  # (n,)
+    if wa.shape != (xa.shape[1],):
+        raise KernelError(f"norm weight must have shape ({xa.shape[1]},), got {wa.shape}")
+    y = np.empty_like(xa) if out is None else _out_f32(out, "out", xa.shape)  # (T, n)
+    _check(k.fl_rmsnorm(_fptr(xa), _fptr(wa), _fptr(y), xa.shape[0], xa.shape[1], eps),
+           "rmsnorm")
+    return y
+
+
+def layernorm(x, w, b, eps: float, out: np.ndarray | None = None) -> np.ndarray:
+    """y (T, n) = (x - mean) / sqrt(var + eps) * w + b per row (b may be None)."""
+    k = _native()
+    xa = _as_f32(x, "x", 2)  # (T, n)
+    wa = _as_f32(w, "w", 1)  # (n,)
+    ba = None if b is None else _as_f32(b, "b", 1)  # (n,)
+    for name, v in (("norm weight", wa), ("norm bias", ba)):
+        if v is not None and v.shape != (xa.shape[1],):
+            raise KernelError(f"{name} must have shape ({xa.shape[1]},), got {v.shape}")
+    y = np.empty_like(xa) if out is None else _out_f32(out, "out", xa.shape)  # (T, n)
+    _check(k.fl_layernorm(_fptr(xa), _fptr(wa), ffi.NULL if ba is None else _fptr(ba), _fptr(y),
+                          xa.shape[0], xa.shape[1], eps), "layernorm")
+    return y
+
+
+def rope(x: np.ndarray, pos, theta: float, n_rot: int) -> np.ndarray:
+    """Rotate-half RoPE in place on x (T, n_heads, head_dim) at positions pos (T); returns x."""
+    k = _native()
+    if not isinstance(x, np.ndarray) or x.ndim != 3:
+        raise KernelError("rope: x must be a (T, n_heads, head_dim) float32 array")
+    _out_f32(x, "rope x", x.shape)
+    t, n_heads, head_dim = x.shape
+    p = np.ascontiguousarray(pos, dtype=np.int32).reshape(-1)  # (T,)
+    if p.shape != (t,):
+        raise KernelError(f"rope: pos must have {t} positions, got {p.size}")
+    if n_rot <= 0 or n_rot % 2 or n_rot > head_dim:
+        raise KernelError(f"rope: n_rot must be even and in [2, {head_dim}], got {n_rot}")
+    _check(k.fl_rope(_fptr(x), t, n_heads, head_dim, n_rot, ffi.from_buffer("int32_t[]", p),
+                     theta), "rope")
+    return x
+
+
+def attention(q, k_cache: np.ndarray, v_cache: np.ndarray, pos0: int, scale: float,
+              n_threads: int = 1) -> np.ndarray:
+    """Causal GQA attention: q (T, n_heads, head_dim) at positions pos0.. -> (T, n_heads*head_dim).
+
+    k_cache, v_cache (n_ctx, n_kv_heads, head_dim), both float32 or both float16 (C-contiguous,
+    never copied), must already hold positions 0 .. pos0+T-1.
+    """
+    k = _native()
+    qa = _as_f32(q, "q", 3)  # (T, n_heads, head_dim)
+    t, n_heads, head_dim = qa.shape
+    kc, vc = _kv(k_cache, "k_cache"), _kv(v_cache, "v_cache")  # (n_ctx, n_kv_heads, head_dim)
+    if kc.ndim != 3 or kc.shape[2] != head_dim or n_heads % kc.shape[1]:
+        raise KernelError(f"kv cache must be (n_ctx, n_kv_heads, {head_dim}) with n_kv_heads "
+                          f"dividing {n_heads}, got {kc.shape}")
+    if vc.shape != kc.shape or vc.dtype != kc.dtype:
+        raise KernelError(f"v_cache {vc.dtype} {vc.shape} must match k_cache {kc.dtype} {kc.shape}")
+    if pos0 < 0 or pos0 + t > kc.shape[0]:
+        raise KernelError(f"positions {pos0}..{pos0 + t - 1} exceed the kv cache "
+                          f"of {kc.shape[0]}")
+    out = np.empty((t, n_heads * head_dim), np.float32)  # (T, n_heads * head_dim)
+    code = k.FL_F32 if kc.dtype == np.float32 else k.FL_F16
+    _check(k.fl_attention(_fptr(qa), ffi.from_buffer(kc), ffi.from_buffer(vc), code, _fptr(out),
+                          t, pos0, n_heads, kc.shape[1], head_dim, scale, _threads(n_threads)),
+           "attention")
+    return out
+
+
+def _kv(a, name: str) -> np.ndarray:
+    """A KV cache: a C-contiguous float32 or float16 numpy array (never copied)."""
+    if not isinstance(a, np.ndarray) or a.dtype not in (np.float32, np.float16) or \
+            not a.flags.c_contiguous:
+        raise KernelError(f"{name} must be a C-contiguous float32 or float16 numpy array")
+    return a
+
+
+def ffn_bundles(bundles: np.ndarray, dtype: str, d: int, glu: bool, act: str, x, y: np.ndarray,
+                ids=None, up_bias=None, n_threads: int = 1, rows=None,
+                threshold: float = 0.0, exact: bool = False) -> np.ndarray:
+    """y (T, d) += the FFN over bundles (n, stride) [gate | up | down] (see flashllm.h).
+
+    rows (m,) picks the bundle rows to use (default: all); a term whose |activation| is below
+    threshold is dropped (magnitude sparsity). q4_0 / q4_1 / q8_0 / q4_k bundles take gate and up
+    dot products on int8-quantized x as matmul does, unless exact. A q4_k bundle's down column
+    is a q4_1 row.
+
+    act: "silu", "relu" or "gelu" (the exact erf GELU, Hugging Face "gelu"; not the tanh
+    approximation "gelu_new" / "gelu_pytorch_tanh").
+    """
+    k = _native()
+    if act not in ACT_CODES:
+        raise KernelError(f"unknown activation {act!r}: expected one of {', '.join(ACT_CODES)}")
+    if not isinstance(bundles, np.ndarray) or bundles.dtype != np.uint8 or bundles.ndim != 2 \
+            or not bundles.flags.c_contiguous:
+        raise KernelError("bundles must be a C-contiguous (n, stride) uint8 array")
+    n, stride = bundles.shape
+    used = (2 if glu else 1) * row_bytes(dtype, d) + row_bytes(companion(dtype), d)
+    if stride < used:
+        raise KernelError(f"bundle stride {stride} is below the {dtype} bundle of {d} values "
+                          f"({used} bytes)")
+    xa = _as_f32(x, "x", 2)  # (T, d)
+    if xa.shape[1] != d:
+        raise KernelError(f"x must be (T, {d}), got {xa.shape}")
+    _out_f32(y, "y", xa.shape)
+    ba = None if up_bias is None else _as_f32(up_bias, "up_bias", 1)  # (n_ff,)
+    idx = None if ids is None else _ids(ids, "ids", ba.size if ba is not None else 2**31 - 1)
+    if idx is not None and idx.shape != (n,):
+        raise KernelError(f"ids must have one id per bundle ({n}), got {idx.size}")
+    if ba is not None and idx is None and ba.size < n:
+        raise KernelError(f"up_bias has {ba.size} values for {n} bundles")
+    sel = None if rows is None else _ids(rows, "rows", n)              # (m,) int32
+    if not threshold >= 0.0:
+        raise KernelError(f"threshold must be >= 0, got {threshold}")
+    _check(k.fl_ffn_bundles(ffi.from_buffer(bundles), n, stride, dtype_code(dtype), d, int(glu),
+                            ACT_CODES[act], ffi.NULL if idx is None else ffi.from_buffer(
+                                "int32_t[]", idx),
+                            ffi.NULL if ba is None else _fptr(ba),
+                            ffi.NULL if sel is None else ffi.from_buffer("int32_t[]", sel),
+                            0 if sel is None else sel.size, float(threshold),
+                            _fptr(xa), xa.shape[0], _fptr(y), int(exact), _threads(n_threads)),
+           "ffn_bundles")
+    return y

@@ -1,0 +1,152 @@
+"""The flash layout's constants, byte headers and size rules (docs/FORMAT.md).
+
+Shared by the writer (bundle_write.py) and the reader (bundle.py) so both agree byte for byte.
+"""
+from __future__ import annotations
+
+import re
+import struct
+import zlib
+
+import numpy as np
+
+from flashllm.model.config import ModelConfig
+from flashllm.errors import FormatError
+from flashllm.model.tensor import BLOCK_SIZE, DTYPE_CODES, companion, row_bytes
+
+MAGIC = "flashllm"
+FORMAT_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+DENSE_FILE = "dense.bin"
+FFN_FILE = "ffn.bin"
+TOKENIZER_FILE = "tokenizer.json"
+ORDER_FILE = "order.bin"
+
+QUANTIZED = ("q8_0", "q4_0", "q4_1", "q4_k")
+QBLOCK = 32                      # values per quantization block
+
+DENSE_MAGIC = b"FLDENSE\0"
+DENSE_ALIGN = 64                 # every dense tensor starts on a 64-byte boundary
+# magic, version, header_bytes, n_tensors, file_bytes; zero-padded to DENSE_ALIGN
+DENSE_HEADER = struct.Struct("<8sIIQQ")
+
+FFN_MAGIC = b"FLFFN\0\0\0"
+FFN_ALIGN = 4096                 # the header and every layer region: direct-I/O alignment
+STRIDE_ALIGN = 32                # a bundle's stride is a multiple of this
+# magic, version, header_bytes, dtype code, glu, n_layers, d_model, n_ff, part_bytes, stride,
+# layer_bytes (one layer's region, padded), file_bytes; zero-padded to FFN_ALIGN
+FFN_HEADER = struct.Struct("<8sIIIIQQQQQQQ")
+
+CRC_CHUNK = 16 << 20             # bytes hashed per zlib.crc32 call when streaming a file
+
+_FFN_WEIGHT = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.weight")
+
+
+def align_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def ffn_weight(name: str) -> tuple[int, str] | None:
+    """(layer, "gate"|"up"|"down") for an FFN weight that goes to ffn.bin, else None."""
+    m = _FFN_WEIGHT.fullmatch(name)
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
+def tensor_dtype(dtype: str, shape: tuple[int, ...]) -> str:
+    """The dtype a dense tensor is stored in: 1-D in f32; 2-D in `dtype` (q4_1 for q4_k), or f16
+    when that is quantized and the row length is not a multiple of the block size."""
+    if len(shape) == 1:
+        return "f32"
+    dtype = companion(dtype)
+    if dtype in QUANTIZED and shape[1] % QBLOCK:
+        return "f16"
+    return dtype
+
+
+def fits(dtype: str, cols: int) -> bool:
+    """Whether rows of `cols` values can be stored in dtype (quantized dtypes need whole blocks:
+    32 values, 256 for q4_k)."""
+    return dtype in DTYPE_CODES and cols > 0 and not cols % BLOCK_SIZE[dtype]
+
+
+def tensor_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    """Bytes of a dense tensor: rows × row_bytes(dtype, cols), or 4 × n for a 1-D f32 tensor."""
+    if len(shape) == 1:
+        return 4 * shape[0]
+    return shape[0] * row_bytes(dtype, shape[1])
+
+
+def ffn_parts(glu: bool) -> tuple[str, ...]:
+    return ("gate", "up", "down") if glu else ("up", "down")
+
+
+def ffn_part_dtypes(dtype: str, glu: bool) -> tuple[str, ...]:
+    """The dtype of each bundle part: all `dtype`, but a q4_k bundle's down column is q4_1."""
+    return tuple(dtype if part != "down" else companion(dtype) for part in ffn_parts(glu))
+
+
+def ffn_part_bytes(dtype: str, d_model: int, glu: bool) -> tuple[int, ...]:
+    """Bytes of each bundle part, in ffn_parts order."""
+    return tuple(row_bytes(dt, d_model) for dt in ffn_part_dtypes(dtype, glu))
+
+
+def ffn_stride(dtype: str, d_model: int, glu: bool) -> int:
+    """Bytes of one bundle slot: the parts back to back, rounded up to STRIDE_ALIGN."""
+    return align_up(sum(ffn_part_bytes(dtype, d_model, glu)), STRIDE_ALIGN)
+
+
+def crc32_file(f, offset: int, nbytes: int) -> int:
+    """zlib.crc32 of nbytes of the open binary file f from offset, read in CRC_CHUNK pieces."""
+    crc, done = 0, 0
+    f.seek(offset)
+    while done < nbytes:
+        chunk = f.read(min(CRC_CHUNK, nbytes - done))
+        if not chunk:
+            raise FormatError(f"{f.name}: unexpected end of file at byte {offset + done}")
+        crc = zlib.crc32(chunk, crc)
+        done += len(chunk)
+    return crc
+
+
+def crc32_array(a: np.ndarray) -> int:
+    return zlib.crc32(memoryview(np.ascontiguousarray(a)).cast("B"))
+
+
+def required_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every dense tensor the architecture needs, with its shape (docs/ARCHITECTURE.md names)."""
+    d, e, hd = cfg.d_model, cfg.embed_dim, cfg.head_dim
+    layer_norm = cfg.norm == "layer"
+    req: dict[str, tuple[int, ...]] = {"token_embd.weight": (cfg.vocab_size, e),
+                                       "output_norm.weight": (d,)}
+    if layer_norm:
+        req["output_norm.bias"] = (d,)
+    if not cfg.tied_embeddings:
+        req["output.weight"] = (cfg.vocab_size, e)
+    if cfg.pos == "learned":
+        req["position_embd.weight"] = (cfg.context_length + cfg.pos_offset, d)
+    if e != d:
+        req["proj_in.weight"] = (d, e)
+        req["proj_out.weight"] = (e, d)
+    for i in range(cfg.n_layers):
+        req.update(_layer_tensors(cfg, f"blk.{i}.", layer_norm))
+    return req
+
+
+def _layer_tensors(cfg: ModelConfig, p: str, layer_norm: bool) -> dict[str, tuple[int, ...]]:
+    d, q_rows, kv_rows = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    req: dict[str, tuple[int, ...]] = {
+        p + "attn_norm.weight": (d,), p + "ffn_norm.weight": (d,),
+        p + "attn_q.weight": (q_rows, d), p + "attn_k.weight": (kv_rows, d),
+        p + "attn_v.weight": (kv_rows, d), p + "attn_output.weight": (d, q_rows)}
+    if layer_norm:
+        req[p + "attn_norm.bias"] = (d,)
+        req[p + "ffn_norm.bias"] = (d,)
+    if cfg.attn_qkv_bias:
+        req.update({p + "attn_q.bias": (q_rows,), p + "attn_k.bias": (kv_rows,),
+                    p + "attn_v.bias": (kv_rows,)})
+    if cfg.attn_out_bias:
+        req[p + "attn_output.bias"] = (d,)
+    if cfg.ffn_bias:
+        req[p + "ffn_up.bias"] = (cfg.n_ff,)
+        req[p + "ffn_down.bias"] = (d,)
+    return req

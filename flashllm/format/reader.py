@@ -1,0 +1,381 @@
+"""Reading a flash model folder (docs/FORMAT.md): open_flash validates everything before use.
+
+Nothing is loaded at open: `tensor(name)` reads one dense tensor from dense.bin into DRAM when it is
+asked for (the caller keeps it resident or not; `dense_entry` gives the offsets for streaming it),
+FFN layers are read from ffn.bin on demand (the runtime's direct-I/O reader uses FlashModel.ffn
+for offsets and strides), and `tokenizer_json` reads tokenizer.json each time it is asked for (a
+one-shot run drops the text once the prompt is encoded; the model must not keep a copy).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from flashllm.format.layout import (DENSE_FILE, DENSE_HEADER, DENSE_MAGIC, DTYPE_CODES, FFN_ALIGN, FFN_FILE,
+                            FFN_HEADER, FFN_MAGIC, FORMAT_VERSION, MAGIC, MANIFEST_FILE, STRIDE_ALIGN,
+                            crc32_file, ffn_part_bytes, ffn_parts, fits, ffn_weight, required_tensors, tensor_nbytes)
+from flashllm.format.writer import FlashWriter, WriterState, update_manifest
+from flashllm.model.config import ModelConfig
+from flashllm.errors import FormatError
+from flashllm.model.tensor import QTensor, row_bytes
+
+__all__ = ["FlashModel", "FfnLayout", "FlashWriter", "WriterState", "open_flash", "update_manifest"]
+
+
+@dataclass(frozen=True)
+class FfnLayout:
+    file: Path
+    dtype: str
+    glu: bool
+    d_model: int
+    n_ff: int
+    part_bytes: int                   # row_bytes(dtype, d_model): one gate/up/down part (gate/up
+                                      # only for q4_k, whose down part is a q4_1 row)
+    stride: int                       # bytes per bundle slot (parts + padding)
+    layer_offsets: list[int]          # byte offset of each layer's region in ffn.bin (4096-aligned)
+    layer_nbytes: int                 # n_ff * stride: bytes of bundles per layer
+    layer_crc32: list[int]
+    neuron_order: np.ndarray | None   # (n_layers, n_ff) int32, slot j holds neuron order[l, j]; None: j
+
+
+def open_flash(path: Path, verify: bool = False) -> "FlashModel":
+    """Open and validate a converted model folder; verify=True also checks every checksum."""
+    model = FlashModel(Path(path))
+    if verify:
+        model.verify()
+    return model
+
+
+class FlashModel:
+    """A validated flash model: manifest, config, the dense tensor table, the FFN layout."""
+
+    def __init__(self, path: Path) -> None:
+        if not path.is_dir():
+            raise FormatError(f"{path}: no such model folder")
+        self.path = path
+        self.manifest = _read_manifest(path / MANIFEST_FILE)
+        self.config: ModelConfig = _config(self.manifest)
+        self.dtype: str = _get(self.manifest, "dtype", str, MANIFEST_FILE)
+        if self.dtype not in DTYPE_CODES:
+            raise FormatError(f"{path / MANIFEST_FILE}: unknown storage dtype {self.dtype!r}")
+        self._tensors = _check_tensors(path, self.manifest, self.config)
+        self.dense_file = path / DENSE_FILE
+        _check_dense_header(self.dense_file, self.manifest, self._tensors)
+        self.ffn: FfnLayout = _check_ffn(path, self.manifest, self.config)
+        self._tokenizer, self.chat_template = _tokenizer_entry(path, self.manifest)
+
+    @property
+    def tokenizer_json(self) -> str | None:
+        """The Hugging Face tokenizer JSON, read now from tokenizer.json; None when the model has
+        no tokenizer. Not kept: the caller holds the text as long as it needs it."""
+        return None if self._tokenizer is None else _read_text(*self._tokenizer)
+
+    def has(self, name: str) -> bool:
+        return name in self._tensors
+
+    def tensor_names(self) -> list[str]:
+        return list(self._tensors)
+
+    def dense_entry(self, name: str) -> dict:
+        """The manifest entry of a dense tensor: offset, nbytes, dtype, shape (in dense.bin)."""
+        t = self._tensors.get(name)
+        if t is None:
+            raise FormatError(f"{self.path}: no tensor {name} in {DENSE_FILE}")
+        return t
+
+    def tensor(self, name: str) -> QTensor | np.ndarray:
+        """A 2-D weight as a QTensor, a 1-D tensor as an (n,) f32 array, read now from dense.bin."""
+        t = self.dense_entry(name)
+        raw = _read_span(self.dense_file, t["offset"], t["nbytes"])              # (nbytes,) uint8
+        return as_tensor(raw, t)
+
+    def read_ffn_layer(self, layer: int) -> np.ndarray:
+        """Layer `layer`'s bundles read into DRAM: (n_ff, stride) uint8."""
+        if not 0 <= layer < self.config.n_layers:
+            raise FormatError(f"FFN layer {layer} out of range (model has {self.config.n_layers})")
+        f = self.ffn
+        buf = np.empty((f.n_ff, f.stride), dtype=np.uint8)                       # (n_ff, stride)
+        with open(f.file, "rb") as fh:
+            fh.seek(f.layer_offsets[layer])
+            got = fh.readinto(memoryview(buf).cast("B"))
+        if got != buf.nbytes:
+            raise FormatError(f"{f.file}: layer {layer} truncated ({got} of {buf.nbytes} bytes)")
+        return buf
+
+    def verify(self) -> None:
+        """Check the crc32 of every dense tensor, FFN layer and side file; FormatError on mismatch."""
+        with open(self.dense_file, "rb") as fh:
+            for name, t in self._tensors.items():
+                if crc32_file(fh, t["offset"], t["nbytes"]) != t["crc32"]:
+                    raise FormatError(f"{self.dense_file}: checksum mismatch in tensor {name}")
+        with open(self.ffn.file, "rb") as fh:
+            for layer, (off, want) in enumerate(zip(self.ffn.layer_offsets, self.ffn.layer_crc32)):
+                if crc32_file(fh, off, self.ffn.layer_nbytes) != want:
+                    raise FormatError(f"{self.ffn.file}: checksum mismatch in FFN layer {layer}")
+        for entry in (self.manifest["tokenizer"], self.manifest["ffn"].get("neuron_order")):
+            if entry and entry.get("file"):
+                with open(self.path / entry["file"], "rb") as fh:
+                    if crc32_file(fh, 0, entry["nbytes"]) != entry["crc32"]:
+                        raise FormatError(f"{self.path / entry['file']}: checksum mismatch")
+
+
+# ---- validation helpers ---------------------------------------------------------------------
+
+def _get(d: dict, key: str, typ: type | tuple, where: str):
+    """d[key], which must be of type typ (bool is not an int here); FormatError naming where."""
+    v = d.get(key) if isinstance(d, dict) else None
+    ok = isinstance(v, typ) and not (isinstance(v, bool) and typ in (int, (int, type(None))))
+    if not ok:
+        raise FormatError(f"{where}: field {key!r} missing or not {getattr(typ, '__name__', typ)}")
+    return v
+
+
+def _nat(d: dict, key: str, where: str) -> int:
+    v = _get(d, key, int, where)
+    if v < 0:
+        raise FormatError(f"{where}: field {key!r} is negative ({v})")
+    return v
+
+
+def _read_manifest(path: Path) -> dict:
+    try:
+        m = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FormatError(f"{path}: missing (not a converted flashllm model?)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FormatError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(m, dict) or m.get("magic") != MAGIC:
+        raise FormatError(f"{path}: bad magic (not a flashllm manifest)")
+    if m.get("format_version") != FORMAT_VERSION:
+        raise FormatError(f"{path}: format version {m.get('format_version')!r}, "
+                          f"this flashllm reads version {FORMAT_VERSION}")
+    for key in ("config", "dense", "ffn", "tokenizer", "sparsity", "predictor"):
+        _get(m, key, dict, str(path))
+    return m
+
+
+_FLOAT_FIELDS = ("norm_eps", "rope_theta")
+_BOOL_FIELDS = ("glu", "tied_embeddings", "attn_qkv_bias", "attn_out_bias", "ffn_bias")
+_INT_FIELDS = ("pos_offset", "d_embed")
+
+
+def _config(m: dict) -> ModelConfig:
+    try:
+        cfg = ModelConfig.from_dict(m["config"])
+        _check_config_types(cfg)
+        return cfg
+    except FormatError as e:
+        raise FormatError(f"{MANIFEST_FILE}: {e}") from None
+
+
+def _check_config_types(cfg: ModelConfig) -> None:
+    """The fields ModelConfig.validate leaves alone: numbers, flags and token ids."""
+    for name in _FLOAT_FIELDS:
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+            raise FormatError(f"config field {name}={v!r} must be a positive finite number")
+    for name in _BOOL_FIELDS:
+        if not isinstance(getattr(cfg, name), bool):
+            raise FormatError(f"config field {name}={getattr(cfg, name)!r} must be true or false")
+    for name in _INT_FIELDS:
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise FormatError(f"config field {name}={v!r} must be a non-negative integer")
+    ids = cfg.eos_token_ids + (() if cfg.bos_token_id is None else (cfg.bos_token_id,))
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < cfg.vocab_size:
+            raise FormatError(f"config token id {i!r} (bos/eos) is not in [0, {cfg.vocab_size})")
+
+
+def _check_tensors(path: Path, m: dict, cfg: ModelConfig) -> dict[str, dict]:
+    """The dense tensor table, checked against the format's size rules and the architecture."""
+    where = f"{path / MANIFEST_FILE} dense"
+    dense = m["dense"]
+    if dense.get("compression") is not None:
+        raise FormatError(f"{where}: compression {dense['compression']!r} is not supported")
+    size = _nat(dense, "nbytes", where)
+    tensors: dict[str, dict] = {}
+    for i, t in enumerate(_get(dense, "tensors", list, where)):
+        w = f"{where}.tensors[{i}]"
+        name = _get(t, "name", str, w)
+        shape = tuple(_get(t, "shape", list, w))
+        if len(shape) not in (1, 2) or not all(isinstance(s, int) and s > 0 for s in shape):
+            raise FormatError(f"{w}: tensor {name} has a bad shape {list(shape)}")
+        dt = _get(t, "dtype", str, w)
+        if not fits(dt, shape[-1]) or (len(shape) == 1 and dt != "f32"):
+            raise FormatError(f"{w}: tensor {name} cannot be stored as {dt!r} with shape {list(shape)}")
+        off, nb = _nat(t, "offset", w), _nat(t, "nbytes", w)
+        _nat(t, "crc32", w)
+        if nb != tensor_nbytes(dt, shape):
+            raise FormatError(f"{w}: tensor {name} has {nb} bytes, its shape and dtype need "
+                              f"{tensor_nbytes(dt, shape)}")
+        if off < DENSE_HEADER.size or off + nb > size:
+            raise FormatError(f"{w}: tensor {name} at [{off}, {off + nb}) lies outside {DENSE_FILE} "
+                              f"({size} bytes)")
+        if name in tensors or ffn_weight(name):
+            raise FormatError(f"{w}: tensor {name} is duplicated or belongs in {FFN_FILE}")
+        tensors[name] = {**t, "shape": list(shape)}
+    _check_overlaps(tensors, where)
+    if cfg.n_layers > len(tensors):     # before listing what every layer needs
+        raise FormatError(f"{where}: the config has {cfg.n_layers} layers, {DENSE_FILE} only "
+                          f"{len(tensors)} tensors")
+    _check_required(tensors, cfg, where)
+    return tensors
+
+
+def _check_overlaps(tensors: dict[str, dict], where: str) -> None:
+    spans = sorted((t["offset"], t["offset"] + t["nbytes"], n) for n, t in tensors.items())
+    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+        if start < end:
+            raise FormatError(f"{where}: tensors {a} and {b} overlap")
+
+
+def _check_required(tensors: dict[str, dict], cfg: ModelConfig, where: str) -> None:
+    for name, shape in required_tensors(cfg).items():
+        if name not in tensors:
+            raise FormatError(f"{where}: required tensor {name} is missing")
+        if tuple(tensors[name]["shape"]) != shape:
+            raise FormatError(f"{where}: tensor {name} has shape {tensors[name]['shape']}, the config "
+                              f"needs {list(shape)}")
+
+
+def _file_size(path: Path, want: int) -> None:
+    try:
+        size = path.stat().st_size
+    except OSError:
+        raise FormatError(f"{path}: missing") from None
+    if size != want:
+        raise FormatError(f"{path}: {size} bytes, the manifest says {want} (truncated or corrupt)")
+
+
+def _side_file(path: Path, entry: dict, where: str) -> Path:
+    """entry["file"]: a plain file name inside the model folder."""
+    name = _get(entry, "file", str, where)
+    if Path(name).name != name or name in ("", ".", ".."):
+        raise FormatError(f"{where}: file {name!r} is not a plain file name")
+    return path / name
+
+
+def as_tensor(raw: np.ndarray, t: dict) -> QTensor | np.ndarray:
+    """A dense tensor over its bytes raw (nbytes,) uint8: QTensor (2-D) or (n,) f32 (1-D)."""
+    shape = tuple(t["shape"])
+    if len(shape) == 1:
+        return raw.view(np.float32)                                              # (n,) f32
+    return QTensor(raw.reshape(shape[0], -1), t["dtype"], *shape)                # (rows, row_bytes)
+
+
+def _read_span(file: Path, offset: int, nbytes: int) -> np.ndarray:
+    """nbytes of file at offset, into a fresh (nbytes,) uint8 array."""
+    data = np.fromfile(file, dtype=np.uint8, count=nbytes, offset=offset)       # (nbytes,)
+    if data.size != nbytes:
+        raise FormatError(f"{file}: truncated ({data.size} of {nbytes} bytes at {offset})")
+    return data
+
+
+def _check_dense_header(file: Path, m: dict, tensors: dict[str, dict]) -> None:
+    _file_size(file, m["dense"]["nbytes"])
+    with open(file, "rb") as fh:
+        raw = fh.read(DENSE_HEADER.size)
+    if len(raw) < DENSE_HEADER.size:
+        raise FormatError(f"{file}: truncated header")
+    magic, version, header_bytes, n_tensors, file_bytes = DENSE_HEADER.unpack(raw)
+    if magic != DENSE_MAGIC:
+        raise FormatError(f"{file}: bad magic {magic!r} (not a flashllm dense section)")
+    if version != FORMAT_VERSION:
+        raise FormatError(f"{file}: format version {version}, this flashllm reads {FORMAT_VERSION}")
+    size = m["dense"]["nbytes"]
+    if (n_tensors, file_bytes) != (len(tensors), size) or header_bytes < DENSE_HEADER.size:
+        raise FormatError(f"{file}: header ({n_tensors} tensors, {file_bytes} bytes) does not match "
+                          f"the manifest ({len(tensors)} tensors, {size} bytes)")
+
+
+def _check_ffn(path: Path, m: dict, cfg: ModelConfig) -> FfnLayout:
+    where, f = f"{path / MANIFEST_FILE} ffn", m["ffn"]
+    dtype = _get(f, "dtype", str, where)
+    if not fits(dtype, cfg.d_model):
+        raise FormatError(f"{where}: dtype {dtype!r} cannot store rows of d_model={cfg.d_model}")
+    want = {"glu": cfg.glu, "d_model": cfg.d_model, "n_ff": cfg.n_ff, "n_layers": cfg.n_layers,
+            "part_bytes": row_bytes(dtype, cfg.d_model),
+            "parts": list(ffn_parts(cfg.glu))}
+    for key, value in want.items():
+        if f.get(key) != value:
+            raise FormatError(f"{where}: {key}={f.get(key)!r}, the config needs {value!r}")
+    file = _side_file(path, f, where)      # ffn.bin, or the file a hot-first rewrite made
+    stride, layer_bytes, size = (_nat(f, k, where) for k in ("stride", "layer_bytes", "nbytes"))
+    n_ff, used = cfg.n_ff, sum(ffn_part_bytes(dtype, cfg.d_model, cfg.glu))
+    if stride < used or stride % STRIDE_ALIGN or layer_bytes < n_ff * stride or layer_bytes % FFN_ALIGN:
+        raise FormatError(f"{where}: stride {stride} / layer_bytes {layer_bytes} do not fit "
+                          f"{n_ff} bundles of {used} bytes")
+    layers = _get(f, "layers", list, where)
+    if len(layers) != cfg.n_layers:
+        raise FormatError(f"{where}: {len(layers)} layers listed, the config has {cfg.n_layers}")
+    offsets = [_nat(e, "offset", f"{where}.layers[{i}]") for i, e in enumerate(layers)]
+    crcs = [_nat(e, "crc32", f"{where}.layers[{i}]") for i, e in enumerate(layers)]
+    for i, (e, off) in enumerate(zip(layers, offsets)):
+        if e.get("nbytes") != n_ff * stride or off % FFN_ALIGN or off < FFN_ALIGN \
+                or off + layer_bytes > size or (i and off < offsets[i - 1] + layer_bytes):
+            raise FormatError(f"{where}.layers[{i}]: region at {off} is misaligned, overlapping or "
+                              f"outside {file.name} ({size} bytes)")
+    _check_ffn_header(file, size, (DTYPE_CODES[dtype], int(cfg.glu), cfg.n_layers,
+                      cfg.d_model, n_ff, want["part_bytes"], stride, layer_bytes, size))
+    return FfnLayout(file, dtype, cfg.glu, cfg.d_model, n_ff, want["part_bytes"], stride,
+                     offsets, n_ff * stride, crcs, _read_order(path, f.get("neuron_order"), cfg))
+
+
+def _check_ffn_header(file: Path, size: int, want: tuple) -> None:
+    _file_size(file, size)
+    with open(file, "rb") as fh:
+        raw = fh.read(FFN_HEADER.size)
+    if len(raw) < FFN_HEADER.size:
+        raise FormatError(f"{file}: truncated header")
+    magic, version, header_bytes, *fields = FFN_HEADER.unpack(raw)
+    if magic != FFN_MAGIC:
+        raise FormatError(f"{file}: bad magic {magic!r} (not a flashllm FFN section)")
+    if version != FORMAT_VERSION:
+        raise FormatError(f"{file}: format version {version}, this flashllm reads {FORMAT_VERSION}")
+    if header_bytes != FFN_ALIGN or tuple(fields) != want:
+        raise FormatError(f"{file}: header {tuple(fields)} does not match the manifest {want}")
+
+
+def _read_order(path: Path, entry, cfg: ModelConfig) -> np.ndarray | None:
+    """The hot-first neuron order (n_layers, n_ff) int32, each row a permutation; None if absent."""
+    if entry is None:
+        return None
+    where = f"{path / MANIFEST_FILE} ffn.neuron_order"
+    file = _side_file(path, entry, where)
+    shape, nbytes = [cfg.n_layers, cfg.n_ff], 4 * cfg.n_layers * cfg.n_ff
+    if (entry.get("dtype"), entry.get("shape"), entry.get("nbytes")) != ("int32", shape, nbytes):
+        raise FormatError(f"{where}: expected int32 {shape} ({nbytes} bytes)")
+    _file_size(file, entry["nbytes"])
+    order = np.fromfile(file, dtype="<i4").reshape(shape)                        # (n_layers, n_ff)
+    if not np.array_equal(np.sort(order, axis=1), np.broadcast_to(np.arange(cfg.n_ff), shape)):
+        raise FormatError(f"{file}: a layer's neuron order is not a permutation of 0..{cfg.n_ff - 1}")
+    return order.astype(np.int32)
+
+
+def _tokenizer_entry(path: Path, m: dict) -> tuple[tuple[Path, int] | None, str | None]:
+    """((tokenizer.json, its size) or None when the model has none, the chat template)."""
+    t, where = m["tokenizer"], f"{path / MANIFEST_FILE} tokenizer"
+    template = t.get("chat_template")
+    if template is not None and not isinstance(template, str):
+        raise FormatError(f"{where}: chat_template is not a string")
+    if t.get("file") is None:
+        return None, template
+    file, nbytes = _side_file(path, t, where), _nat(t, "nbytes", where)
+    _file_size(file, nbytes)
+    return (file, nbytes), template
+
+
+def _read_text(file: Path, nbytes: int) -> str:
+    """A side file's UTF-8 text, which must still be nbytes long."""
+    try:
+        data = file.read_bytes()
+        if len(data) != nbytes:
+            raise FormatError(f"{file}: {len(data)} bytes, the manifest says {nbytes} (changed "
+                              f"since the model was opened)")
+        return data.decode("utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise FormatError(f"{file}: unreadable ({e})") from None

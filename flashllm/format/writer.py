@@ -1,0 +1,327 @@
+"""FlashWriter: writes one flash model folder (docs/FORMAT.md), atomically and in bounded memory.
+
+Order is enforced by a state enum: OPEN → DENSE (add_tensor) → FFN (add_ffn_layer, layer 0 first)
+→ FINISHED (finish). Everything goes to a temporary sibling folder `.OUT.tmp-<pid>`, each file is
+fsync'd, and the folder is renamed into place only when complete; any exception (KeyboardInterrupt
+included) inside `with FlashWriter(...)` removes the temporary folder.
+"""
+from __future__ import annotations
+
+import enum
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from flashllm import __version__
+from flashllm.format.layout import (DENSE_ALIGN, DENSE_FILE, DENSE_HEADER, DENSE_MAGIC, DTYPE_CODES,
+                            FFN_ALIGN, FFN_FILE, FFN_HEADER, FFN_MAGIC, FORMAT_VERSION, MAGIC,
+                            MANIFEST_FILE, ORDER_FILE, TOKENIZER_FILE, align_up, crc32_array,
+                            ffn_part_bytes, ffn_part_dtypes, ffn_parts, ffn_stride, ffn_weight,
+                            fits, required_tensors, tensor_dtype)
+from flashllm.model.config import ModelConfig
+from flashllm.errors import FormatError
+from flashllm.model.quant import quantize_rows
+from flashllm.model.tensor import BLOCK_SIZE, QTensor, row_bytes
+
+
+class WriterState(enum.Enum):
+    OPEN = "open"            # folder created, nothing written yet
+    DENSE = "dense"          # dense tensors being written
+    FFN = "ffn"              # FFN layers being written
+    FINISHED = "finished"    # renamed into place
+    ABORTED = "aborted"      # temporary folder removed
+
+
+class FlashWriter:
+    """Write tensors with add_tensor, then every FFN layer in order with add_ffn_layer, then finish()."""
+
+    def __init__(self, out: Path, config: ModelConfig, dtype: str, *, force: bool = False,
+                 source: dict | None = None) -> None:
+        if dtype not in DTYPE_CODES:
+            raise FormatError(f"unknown storage dtype {dtype!r} (one of {', '.join(DTYPE_CODES)})")
+        if not fits(dtype, config.d_model):
+            raise FormatError(f"d_model={config.d_model} is not a multiple of {BLOCK_SIZE[dtype]}: "
+                              f"the FFN cannot be stored as {dtype} (use f16 or f32)")
+        self.out, self.cfg, self.dtype, self.force = Path(out), config.validate(), dtype, force
+        self.source = source or {}
+        self._check_target()
+        self.tmp = self.out.parent / f".{self.out.name}.tmp-{os.getpid()}"
+        self.tensors: list[dict] = []
+        self.layers: list[dict] = []
+        self.orders: list[np.ndarray | None] = []
+        self.tokenizer_json: str | None = None
+        self.chat_template: str | None = None
+        self.stride = ffn_stride(dtype, config.d_model, config.glu)
+        self.layer_bytes = align_up(config.n_ff * self.stride, FFN_ALIGN)
+        self._ffn = None
+        try:
+            if not self.out.parent.exists():
+                self.out.parent.mkdir(parents=True)              # like mkdir -p
+            if self.tmp.exists():
+                shutil.rmtree(self.tmp)
+            self.tmp.mkdir()
+            self._dense = open(self.tmp / DENSE_FILE, "wb")
+            self._dense.write(bytes(DENSE_ALIGN))          # header, patched when the section closes
+        except OSError as e:
+            self.abort()
+            raise FormatError(f"cannot write the flash model to {self.out}: {_why(e)}") from None
+        self.state = WriterState.OPEN
+
+    def __enter__(self) -> "FlashWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+        elif self.state is not WriterState.FINISHED:
+            self.abort()
+            raise FormatError(f"{self.out}: writer closed before finish()")
+
+    # ---- dense section --------------------------------------------------------------------
+
+    def add_tensor(self, name: str, x: np.ndarray) -> None:
+        """Append a dense tensor: x (n,) or (rows, cols) f32, stored per bundle_format.tensor_dtype."""
+        self._require(WriterState.OPEN, WriterState.DENSE, what=f"add_tensor({name!r})")
+        if ffn_weight(name):
+            raise FormatError(f"{name} is an FFN weight: write it with add_ffn_layer")
+        if any(t["name"] == name for t in self.tensors):
+            raise FormatError(f"tensor {name} written twice")
+        if x.ndim not in (1, 2) or 0 in x.shape:
+            raise FormatError(f"tensor {name} has shape {x.shape}: only 1-D and 2-D tensors are stored")
+        dt = tensor_dtype(self.dtype, x.shape)
+        x = np.ascontiguousarray(x, dtype=np.float32)                   # (n,) or (rows, cols)
+        data = x if dt == "f32" else quantize_rows(x, dt)               # f32 as is, else (rows, row_bytes)
+        offset = align_up(self._dense.tell(), DENSE_ALIGN)
+        self._io(self._dense, lambda f: (f.write(bytes(offset - f.tell())), f.write(data)))
+        self.tensors.append({"name": name, "dtype": dt, "shape": list(x.shape), "offset": offset,
+                             "nbytes": data.nbytes, "crc32": crc32_array(data)})
+        self.state = WriterState.DENSE
+
+    def _close_dense(self) -> None:
+        f = self._dense
+        size = align_up(f.tell(), DENSE_ALIGN)
+        header = DENSE_HEADER.pack(DENSE_MAGIC, FORMAT_VERSION, DENSE_ALIGN, len(self.tensors), size)
+
+        def finish(f) -> None:
+            f.write(bytes(size - f.tell()))
+            f.seek(0)
+            f.write(header)
+            _sync_close(f)
+        self._io(f, finish)
+        self.dense_bytes = size
+
+    # ---- FFN section ----------------------------------------------------------------------
+
+    def add_ffn_layer(self, layer: int, gate: np.ndarray | None, up: np.ndarray, down: np.ndarray,
+                      order: np.ndarray | None = None) -> None:
+        """Write layer `layer`'s bundles: gate, up (n_ff, d_model), down (d_model, n_ff) f32; gate is
+        None for non-GLU models. A q4_k model takes gate and up as QTensors already in q4_k (their
+        bytes are copied), down in f32 (stored as q4_1). order (n_ff) int, a permutation: bundle slot j holds neuron order[j]
+        (None: slot j holds neuron j)."""
+        self._require(WriterState.DENSE, WriterState.FFN, what=f"add_ffn_layer({layer})")
+        if layer != len(self.layers):
+            raise FormatError(f"FFN layer {layer} written out of order (expected layer {len(self.layers)})")
+        if self.state is WriterState.DENSE:
+            self._close_dense()
+            self._open_ffn()
+        bundles = self._bundles(layer, gate, up, down, order)         # (n_ff, stride) uint8
+        offset = FFN_ALIGN + layer * self.layer_bytes
+        self._io(self._ffn, lambda f: (f.seek(offset), f.write(bundles),
+                                       f.write(bytes(self.layer_bytes - bundles.nbytes))))
+        self.layers.append({"offset": offset, "nbytes": bundles.nbytes, "crc32": crc32_array(bundles)})
+        self.orders.append(order)
+        self.state = WriterState.FFN
+
+    def _bundles(self, layer: int, gate, up, down, order) -> np.ndarray:
+        n_ff, d = self.cfg.n_ff, self.cfg.d_model
+        if (gate is not None) != self.cfg.glu:
+            raise FormatError(f"layer {layer}: gate {'missing' if self.cfg.glu else 'given'} "
+                              f"for a {'GLU' if self.cfg.glu else 'non-GLU'} model")
+        for part, w, shape in (("gate", gate, (n_ff, d)), ("up", up, (n_ff, d)), ("down", down, (d, n_ff))):
+            got = (w.rows, w.cols) if isinstance(w, QTensor) else None if w is None else w.shape
+            if w is not None and got != shape:
+                raise FormatError(f"blk.{layer}.ffn_{part}.weight has shape {got}, expected {shape}")
+        if order is not None:
+            order = np.asarray(order)                                  # (n_ff,)
+            if order.shape != (n_ff,) or not np.array_equal(np.sort(order), np.arange(n_ff)):
+                raise FormatError(f"layer {layer}: neuron order is not a permutation of 0..{n_ff - 1}")
+        rows = [gate, up, down.T] if self.cfg.glu else [up, down.T]    # each (n_ff, d)
+        bundles = np.zeros((n_ff, self.stride), dtype=np.uint8)        # (n_ff, stride)
+        glu, at = self.cfg.glu, 0
+        for w, dt, pb in zip(rows, ffn_part_dtypes(self.dtype, glu), ffn_part_bytes(self.dtype, d, glu)):
+            bundles[:, at:at + pb] = _part_rows(layer, w, dt, order)  # (n_ff, pb)
+            at += pb
+        return bundles
+
+    def _open_ffn(self) -> None:
+        n_layers = self.cfg.n_layers
+        header = FFN_HEADER.pack(FFN_MAGIC, FORMAT_VERSION, FFN_ALIGN, DTYPE_CODES[self.dtype],
+                                 int(self.cfg.glu), n_layers, self.cfg.d_model, self.cfg.n_ff,
+                                 row_bytes(self.dtype, self.cfg.d_model), self.stride,
+                                 self.layer_bytes, FFN_ALIGN + n_layers * self.layer_bytes)
+        try:
+            self._ffn = open(self.tmp / FFN_FILE, "wb")
+        except OSError as e:
+            raise FormatError(f"cannot write {self.tmp / FFN_FILE}: {_why(e)}") from None
+        self._io(self._ffn, lambda f: f.write(header + bytes(FFN_ALIGN - len(header))))
+
+    # ---- tokenizer, manifest, install -------------------------------------------------------
+
+    def set_tokenizer(self, tokenizer_json: str | None, chat_template: str | None) -> None:
+        self._require(WriterState.OPEN, WriterState.DENSE, WriterState.FFN, what="set_tokenizer")
+        self.tokenizer_json, self.chat_template = tokenizer_json, chat_template
+
+    def finish(self) -> Path:
+        """Write the remaining files and the manifest, then rename the folder into place."""
+        self._require(WriterState.FFN, what="finish")
+        if len(self.layers) != self.cfg.n_layers:
+            raise FormatError(f"finish() after {len(self.layers)} of {self.cfg.n_layers} FFN layers")
+        shapes = {t["name"]: tuple(t["shape"]) for t in self.tensors}
+        for name, shape in required_tensors(self.cfg).items():
+            if shapes.get(name) != shape:
+                raise FormatError(f"finish() without tensor {name} of shape {shape} "
+                                  f"(written: {shapes.get(name)})")
+        self._io(self._ffn, _sync_close)
+        files = {"tokenizer": self._write_tokenizer(), "order": self._write_order()}
+        self._write_file(MANIFEST_FILE, (json.dumps(self._manifest(files), indent=1) + "\n").encode())
+        self._install()
+        self.state = WriterState.FINISHED
+        return self.out
+
+    def _write_tokenizer(self) -> dict:
+        entry = {"file": None, "chat_template": self.chat_template}
+        if self.tokenizer_json is not None:
+            data = self.tokenizer_json.encode("utf-8")
+            entry.update(self._write_file(TOKENIZER_FILE, data))
+        return entry
+
+    def _write_order(self) -> dict | None:
+        if all(o is None for o in self.orders):
+            return None
+        identity = np.arange(self.cfg.n_ff)
+        table = np.stack([identity if o is None else o for o in self.orders])   # (n_layers, n_ff)
+        table = table.astype("<i4")
+        return {**self._write_file(ORDER_FILE, table.tobytes()), "dtype": "int32",
+                "shape": list(table.shape)}
+
+    def _write_file(self, name: str, data: bytes) -> dict:
+        def write(f) -> None:
+            f.write(data)
+            _sync_close(f)
+        try:
+            f = open(self.tmp / name, "wb")
+        except OSError as e:
+            raise FormatError(f"cannot write {self.tmp / name}: {_why(e)}") from None
+        self._io(f, write)
+        return {"file": name, "nbytes": len(data), "crc32": crc32_array(np.frombuffer(data, np.uint8))}
+
+    def _manifest(self, files: dict) -> dict:
+        cfg, pb = self.cfg, row_bytes(self.dtype, self.cfg.d_model)
+        ffn = {"file": FFN_FILE, "nbytes": FFN_ALIGN + cfg.n_layers * self.layer_bytes,
+               "header_bytes": FFN_ALIGN, "alignment": FFN_ALIGN, "dtype": self.dtype, "glu": cfg.glu,
+               "parts": list(ffn_parts(cfg.glu)), "d_model": cfg.d_model, "n_ff": cfg.n_ff,
+               "n_layers": cfg.n_layers, "part_bytes": pb, "stride": self.stride,
+               "layer_bytes": self.layer_bytes, "layers": self.layers, "neuron_order": files["order"]}
+        dense = {"file": DENSE_FILE, "nbytes": self.dense_bytes, "header_bytes": DENSE_ALIGN,
+                 "alignment": DENSE_ALIGN, "compression": None, "tensors": self.tensors}
+        return {"magic": MAGIC, "format_version": FORMAT_VERSION, "created_by": f"flashllm {__version__}",
+                "source": self.source, "config": cfg.to_dict(), "dtype": self.dtype, "dense": dense,
+                "ffn": ffn, "tokenizer": files["tokenizer"], "sparsity": {}, "predictor": {}}
+
+    def _install(self) -> None:
+        try:
+            _fsync_dir(self.tmp)
+            if self.out.exists() or self.out.is_symlink():
+                self._check_target()
+                old = self.out.parent / f".{self.out.name}.old-{os.getpid()}"
+                os.rename(self.out, old)
+                os.rename(self.tmp, self.out)
+                shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
+            else:
+                os.rename(self.tmp, self.out)
+            _fsync_dir(self.out.parent)
+        except OSError as e:
+            raise FormatError(f"cannot move the flash model into {self.out}: {_why(e)}") from None
+
+    # ---- helpers ----------------------------------------------------------------------------
+
+    def abort(self) -> None:
+        """Close the files and remove the temporary folder (safe to call more than once)."""
+        for f in (getattr(self, "_dense", None), self._ffn):
+            if f is not None and not f.closed:
+                f.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.state = WriterState.ABORTED
+
+    def _check_target(self) -> None:
+        if (self.out.exists() or self.out.is_symlink()) and not self.force:
+            raise FormatError(f"{self.out} already exists (use --force to replace it)")
+
+    def _require(self, *states: WriterState, what: str) -> None:
+        if self.state not in states:
+            raise FormatError(f"{what} in writer state {self.state.value} "
+                              f"(allowed in: {', '.join(s.value for s in states)})")
+
+    def _io(self, f, action) -> None:
+        """Run action(f), turning an OSError into a FormatError that names the file."""
+        try:
+            action(f)
+        except OSError as e:
+            raise FormatError(f"cannot write {f.name}: {_why(e)}") from None
+
+
+def _part_rows(layer: int, w, dtype: str, order) -> np.ndarray:
+    """One bundle part of every slot, (n_ff, row_bytes) uint8: a QTensor's rows as stored (its
+    dtype must be the part's), anything else quantized to dtype."""
+    if isinstance(w, QTensor):
+        if w.dtype != dtype:
+            raise FormatError(f"layer {layer}: a {w.dtype} FFN part cannot be stored as {dtype}")
+        return w.data if order is None else w.data[order]
+    if dtype == "q4_k":
+        raise FormatError(f"layer {layer}: q4_k FFN rows are copied from Q4_K source blocks, "
+                          "not quantized from floats")
+    return quantize_rows(np.ascontiguousarray(w if order is None else w[order], np.float32), dtype)
+
+
+def update_manifest(path: Path, **sections: dict) -> None:
+    """Replace the reserved manifest sections (`sparsity`, `predictor`) of the model folder at path,
+    or its `ffn` section (a hot-first rewrite), atomically (temporary file, fsync, rename). Side
+    files they name must already be complete and fsync'd in the folder."""
+    unknown = set(sections) - {"sparsity", "predictor", "ffn"}
+    if unknown:
+        raise FormatError(f"manifest sections {sorted(unknown)} cannot be updated")
+    file = Path(path) / MANIFEST_FILE
+    tmp = file.with_name(f".{MANIFEST_FILE}.tmp-{os.getpid()}")
+    try:
+        manifest = json.loads(file.read_text(encoding="utf-8"))
+        manifest.update(sections)
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(json.dumps(manifest, indent=1) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, file)
+        _fsync_dir(file.parent)
+    except (OSError, ValueError) as e:
+        tmp.unlink(missing_ok=True)
+        raise FormatError(f"cannot update {file}: {e}") from None
+
+
+def _sync_close(f) -> None:
+    f.flush()
+    os.fsync(f.fileno())
+    f.close()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _why(e: OSError) -> str:
+    return e.strerror or str(e)

@@ -1,0 +1,121 @@
+"""Generation as small verbs: prefill the prompt, a decode pass (the fed token and any draft
+guesses, flashllm/speculate.py), and the loop that joins them to the sampler, with llama.cpp-style
+timings."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional, Sequence
+
+import numpy as np
+
+from flashllm.generation.speculate import verify
+
+
+@dataclass
+class GenStats:
+    n_prompt: int = 0      # prompt tokens evaluated by prefill
+    n_gen: int = 0         # tokens generated (emitted; a stop token is not counted)
+    n_decode: int = 0      # decode forward passes (one fed token, plus any draft guesses)
+    n_drafted: int = 0     # draft guesses checked by those passes
+    n_accepted: int = 0    # guesses kept: each is a token made without a pass of its own
+    prefill_s: float = 0.0
+    decode_s: float = 0.0  # decode forward passes
+    sample_s: float = 0.0  # sampler calls
+    stopped: bool = False  # ended on a stop token
+
+    @staticmethod
+    def _line(label: str, seconds: float, n: int, unit: str) -> str:
+        ms = seconds * 1e3
+        per = ms / n if n else 0.0
+        rate = n / seconds if seconds > 0 else 0.0
+        return (f"{label} = {ms:10.2f} ms / {n:5d} {unit} ({per:8.2f} ms per token, "
+                f"{rate:8.2f} tokens per second)")
+
+    def summary(self) -> str:
+        """Two lines as llama.cpp prints them: prompt eval and eval (decode) speeds."""
+        return "\n".join([self._line("   sampling time", self.sample_s, self.n_gen + self.stopped, "runs  "),
+                          self._line("prompt eval time", self.prefill_s, self.n_prompt, "tokens"),
+                          self._line("       eval time", self.decode_s, self.n_decode, "runs  ")]
+                         + ([self.draft_line()] if self.n_drafted else []))
+
+    def draft_line(self) -> str:
+        kept = self.n_accepted / self.n_drafted if self.n_drafted else 0.0
+        per = (self.n_decode + self.n_accepted) / self.n_decode if self.n_decode else 0.0
+        return (f"           draft = {self.n_drafted:5d} guessed, {self.n_accepted:5d} kept "
+                f"({100 * kept:.0f}%), {per:.2f} tokens per eval run")
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.n_prompt / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        """Tokens the decode passes made per second (a pass makes 1 + its kept guesses)."""
+        return (self.n_decode + self.n_accepted) / self.decode_s if self.decode_s > 0 else 0.0
+
+
+def prefill(model, ids: Sequence[int], pos0: int = 0) -> np.ndarray:
+    """Run the prompt ids (T,) at positions pos0..; the next-token logits (vocab,)."""
+    return model.forward(np.asarray(ids, dtype=np.int32), pos0, last_only=True)[0]   # (vocab,)
+
+
+def generate(model, sampler, prompt_ids: Sequence[int], n_predict: int,
+             stop_ids: Iterable[int] = (), on_token: Optional[Callable[[int], None]] = None,
+             pos0: int = 0, draft=None) -> GenStats:
+    """Prefill prompt_ids at pos0, then sample up to n_predict tokens (n_predict < 0: until a
+    stop token or the context is full). Each emitted token goes to on_token; a stop token ends
+    the loop without being emitted. With a draft (speculate.NgramDraft), each pass also checks
+    the draft's guesses and may yield several tokens, distributed as without it."""
+    stops = set(int(t) for t in stop_ids)
+    history = [int(t) for t in prompt_ids]
+    stats = GenStats(n_prompt=len(history))
+    clock = time.perf_counter
+    t0 = clock()
+    logits = prefill(model, history, pos0)                  # (vocab,)
+    stats.prefill_s = clock() - t0
+    pos = pos0 + len(history)                               # where the next fed token goes
+    limit = n_predict if n_predict >= 0 else model.n_ctx - pos + 1
+    if limit <= 0:
+        return stats
+    t0 = clock()
+    new = [sampler.sample(logits, history)]
+    stats.sample_s += clock() - t0
+    while True:
+        for token in new:
+            if token in stops:
+                stats.stopped = True
+                return stats
+            history.append(token)
+            stats.n_gen += 1
+            if on_token is not None:
+                on_token(token)
+            if stats.n_gen == limit:
+                return stats
+        if pos >= model.n_ctx:
+            return stats
+        room = min(limit - stats.n_gen - 1, model.n_ctx - pos - 1)
+        t0 = clock()
+        new, n_guesses, forward_s = decode_pass(model, sampler, draft, history, pos, room)
+        stats.sample_s += clock() - t0 - forward_s
+        stats.decode_s += forward_s
+        stats.n_decode += 1
+        stats.n_drafted += n_guesses
+        stats.n_accepted += len(new) - 1
+        pos += len(new)
+
+
+def decode_pass(model, sampler, draft, history: list, pos: int, room: int):
+    """Feed history's last token at pos with up to room draft guesses (draft None: none).
+
+    Returns (tokens, n_guesses, forward seconds): the tokens the pass yields (the guesses kept,
+    then one more), ready to emit. Keys/values stay valid for the fed token and the kept guesses
+    (positions pos .. pos + len(tokens) - 1); the last token is not fed yet."""
+    guesses = draft.propose(history, room) if draft is not None else []
+    t0 = time.perf_counter()
+    rows = model.forward(np.array(history[-1:] + guesses, dtype=np.int32), pos)  # (1+k, vocab)
+    forward_s = time.perf_counter() - t0
+    new = verify(sampler, rows, guesses, history)
+    if draft is not None:
+        draft.observe(len(guesses), len(new) - 1, forward_s)
+    return new, len(guesses), forward_s

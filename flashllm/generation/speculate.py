@@ -1,0 +1,147 @@
+"""Speculative decoding with drafts looked up in the context (no draft model).
+
+Under a DRAM budget a forward pass over T tokens streams the same FFN bundles as a pass over one,
+so checking k guessed tokens costs little more than making one token. The guesses come from the
+text itself (prompt lookup decoding, as llama.cpp's `lookup` example and transformers'
+`prompt_lookup_num_tokens`): the longest n-gram that ends the context is found at its latest
+earlier occurrence, and the tokens that followed it there are proposed. Code, edits and quotes
+repeat their context often.
+
+Verification keeps the output what plain decoding would produce: each guess is passed through
+Sampler.sample_given, which returns the guess with the probability the sampler gives it and
+otherwise a token drawn from the rest (speculative sampling with a one-point draft, Leviathan et
+al. 2023); greedy keeps a guess only when it is the argmax. The first rejected position yields
+the corrected token, and when every guess is kept the pass's last row yields one token more.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from flashllm.errors import FlashError
+
+
+class DraftError(FlashError):
+    """Draft settings that make no sense."""
+
+
+class DraftLength:
+    """How many guesses a pass should check: the k that makes the most tokens per second.
+
+    With a share `a` of the guesses kept (each one reached only if the ones before it were kept),
+    a pass over k guesses makes 1 + a + ... + a^k tokens and costs c1 + k·ce seconds. Both are
+    learned from the passes (decayed running sums): a from the guesses each pass reached and kept,
+    c1 and ce from the pass times. Under a DRAM budget a pass is mostly the FFN's reads and a guess
+    adds only its compute (~10% of a pass on the 1.5B at 280-560 MiB), so k runs high; with all
+    weights in DRAM a guess costs ~a third of a pass and only a context that repeats pays. When
+    k = 0 wins, every EXPLORE-th pass still checks one guess, so a context that starts repeating
+    is noticed.
+    """
+
+    DECAY, EXPLORE = 0.9, 4
+
+    def __init__(self, n_max: int):
+        self.n_max = n_max
+        self.kept, self.reached = 1.0, 2.0          # decayed guess counts (prior a = 0.5)
+        self.c1: float | None = None                # seconds of a pass without guesses
+        self.ce: float | None = None                # extra seconds per guess
+        self._idle = 0                              # passes since the last guess
+
+    @property
+    def rate(self) -> float:
+        return self.kept / self.reached
+
+    def choose(self) -> int:
+        a = min(self.rate, 0.999)
+        ratio = self.ce / self.c1 if self.c1 and self.ce is not None else 0.25
+        best = max(range(self.n_max + 1),
+                   key=lambda k: (1 - a ** (k + 1)) / (1 - a) / (1 + max(ratio, 1e-3) * k))
+        if best == 0:
+            self._idle += 1
+            return 1 if self._idle % self.EXPLORE == 0 and self.n_max else 0
+        self._idle = 0
+        return best
+
+    def observe(self, n_guesses: int, n_kept: int, seconds: float) -> None:
+        """A pass checked n_guesses, kept n_kept of them, and took seconds."""
+        d = self.DECAY
+        if n_guesses == 0:
+            self.c1 = seconds if self.c1 is None else d * self.c1 + (1 - d) * seconds
+            return
+        self.kept = d * self.kept + n_kept
+        self.reached = d * self.reached + min(n_kept + 1, n_guesses)
+        if self.c1 is not None:
+            extra = max(seconds - self.c1, 0.0) / n_guesses
+            self.ce = extra if self.ce is None else d * self.ce + (1 - d) * extra
+
+
+class NgramDraft:
+    """Guesses the next tokens by looking the context's last n-gram up earlier in the context.
+
+    propose(history, room) -> up to room token ids, as many as DraftLength finds worth checking;
+    observe(guesses, kept, seconds) after each pass. The index of n-grams grows with the history
+    it is shown; a history that is not an extension of the last one rebuilds it.
+    """
+
+    def __init__(self, n_draft: int, max_ngram: int = 3, min_ngram: int = 1):
+        if n_draft < 0:
+            raise DraftError(f"--draft {n_draft} must be 0 (off) or positive")
+        if not 1 <= min_ngram <= max_ngram:
+            raise DraftError(f"n-gram sizes {min_ngram}..{max_ngram}: need 1 <= min <= max")
+        self.n_draft, self.min_n, self.max_n = n_draft, min_ngram, max_ngram
+        self.length = DraftLength(n_draft)
+        self._seen: list[int] = []   # the history indexed so far
+        # _after[n][ngram] = index of the token after the ngram's latest occurrence
+        self._after: list[dict] = [{} for _ in range(max_ngram + 1)]
+
+    def observe(self, n_guesses: int, n_kept: int, seconds: float) -> None:
+        self.length.observe(n_guesses, n_kept, seconds)
+
+    def propose(self, history: Sequence[int], room: int) -> list[int]:
+        """Up to min(room, the chosen length) tokens that followed the longest n-gram ending
+        history (none when nothing matches)."""
+        self._index(history)
+        return self.lookup(history, min(room, self.length.choose()))
+
+    def lookup(self, history: Sequence[int], k: int) -> list[int]:
+        """Up to k tokens after the latest earlier occurrence of history's longest final n-gram
+        (history must have been indexed)."""
+        if k <= 0:
+            return []
+        size = len(history)
+        for n in range(min(self.max_n, size - 1), self.min_n - 1, -1):
+            start = self._after[n].get(tuple(history[size - n:]))
+            if start is not None:
+                return [int(t) for t in history[start:start + k]]
+        return []
+
+    def _index(self, history: Sequence[int]) -> None:
+        """Index every n-gram of history followed by a token (the last one has no successor)."""
+        done = len(self._seen)
+        if done > len(history) or list(history[:done]) != self._seen:
+            self._seen, self._after = [], [{} for _ in range(self.max_n + 1)]
+            done = 0
+        self._seen.extend(int(t) for t in history[done:])
+        seen = self._seen
+        for i in range(max(done, 1), len(seen)):       # the n-grams ending just before token i
+            for n in range(self.min_n, min(self.max_n, i) + 1):
+                self._after[n][tuple(seen[i - n:i])] = i
+
+
+def verify(sampler, rows: np.ndarray, guesses: Sequence[int], history: Sequence[int]) -> list[int]:
+    """The tokens a pass over [fed token] + guesses yields: the guesses kept, then one more.
+
+    rows (1 + k, vocab): logits after the fed token and after each guess; history ends with the
+    fed token. Every returned token is distributed as sampler.sample would draw it there.
+    """
+    context = list(history)
+    out: list[int] = []
+    for j, guess in enumerate(guesses):
+        token = sampler.sample_given(rows[j], context, int(guess))
+        out.append(token)
+        if token != guess:
+            return out
+        context.append(token)
+    out.append(sampler.sample(rows[len(guesses)], context))
+    return out

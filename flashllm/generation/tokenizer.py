@@ -1,0 +1,206 @@
+"""Text <-> token ids through the Hugging Face `tokenizers` runtime.
+
+A model folder's tokenizer.json (an HF checkpoint's own, or one rebuilt from a GGUF vocabulary by
+flashllm.convert.gguf_vocab) is used as is. Decoding of byte-level vocabularies goes through a
+token -> bytes table, so the `tokenizers` object can be released after encoding.
+"""
+from __future__ import annotations
+
+import codecs
+import ctypes
+from typing import Sequence
+
+import numpy as np
+
+from tokenizers import decoders
+from tokenizers import Tokenizer as HFTokenizer
+
+from flashllm.errors import FlashError, FormatError
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's printable character -> byte table, the inverse of the ByteLevel pre-tokenizer's."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+          *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    extra = [b for b in range(256) if b not in bs]
+    return {chr(b): b for b in bs} | {chr(256 + n): b for n, b in enumerate(extra)}
+
+
+class ByteTable:
+    """Token id -> the bytes it decodes to, for byte-level vocabularies: what decoding needs once
+    the `tokenizers` object (tens of MiB) is gone. Special (control) tokens are flagged so they
+    can be skipped, as `tokenizers` does with skip_special_tokens."""
+
+    def __init__(self, pieces: Sequence[bytes], special: Sequence[int]):
+        self.offsets = np.zeros(len(pieces) + 1, dtype=np.int64)       # (vocab + 1,)
+        np.cumsum([len(p) for p in pieces], out=self.offsets[1:])
+        self.blob = b"".join(pieces)
+        self.special = np.zeros(len(pieces), dtype=bool)               # (vocab,)
+        self.special[list(special)] = True
+
+    @classmethod
+    def from_hf(cls, hf: HFTokenizer) -> "ByteTable | None":
+        """The table of a ByteLevel-decoding tokenizer; None for any other decoder."""
+        if not isinstance(hf.decoder, decoders.ByteLevel):
+            return None
+        chars = _byte_decoder()
+        added = hf.get_added_tokens_decoder()                          # id -> AddedToken
+        pieces = []
+        for i in range(hf.get_vocab_size(with_added_tokens=True)):
+            t = hf.id_to_token(i) or ""
+            mapped = [chars.get(c) for c in t]
+            pieces.append(t.encode("utf-8") if None in mapped else bytes(mapped))
+        return cls(pieces, [i for i, t in added.items() if t.special])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.offsets.nbytes + len(self.blob) + self.special.nbytes)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def bytes_of(self, ids: Sequence[int], skip_special: bool = True) -> bytes:
+        """The bytes of a token sequence."""
+        o, out = self.offsets, []
+        for i in ids:
+            i = int(i)
+            if not 0 <= i < len(self):
+                raise FormatError(f"token id {i} is outside the vocabulary of {len(self)}")
+            if not (skip_special and self.special[i]):
+                out.append(self.blob[o[i]:o[i + 1]])
+        return b"".join(out)
+
+
+class Detokenizer:
+    """Streams text token by token without ever emitting half a UTF-8 character.
+
+    With a byte table, token bytes go through an incremental UTF-8 decoder. Otherwise text is
+    decoded over a short window (the previous token plus the pending ones), so decoders that
+    depend on context (leading spaces, byte pieces) give the same text as a full decode."""
+
+    def __init__(self, tokenizer: "Tokenizer"):
+        self._tok = tokenizer
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self._ids: list[int] = []
+        self._prefix = 0        # start of the context window
+        self._read = 0          # ids before this index have been emitted
+
+    def push(self, token_id: int) -> str:
+        """The text that token_id completes ("" while a character is still incomplete)."""
+        if self._tok.table is not None:
+            return self._utf8.decode(self._tok.table.bytes_of([token_id]))
+        self._ids.append(int(token_id))
+        seen = self._tok.decode(self._ids[self._prefix:self._read])
+        text = self._tok.decode(self._ids[self._prefix:])
+        if len(text) <= len(seen) or text.endswith("\ufffd"):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(seen):]
+
+    def flush(self) -> str:
+        """Whatever is still pending, complete or not; the detokenizer is then empty."""
+        if self._tok.table is not None:
+            return self._utf8.decode(b"", final=True)
+        seen = self._tok.decode(self._ids[self._prefix:self._read])
+        text = self._tok.decode(self._ids[self._prefix:])
+        self._ids, self._prefix, self._read = [], 0, 0
+        return text[len(seen):]
+
+
+def _trim_heap() -> None:
+    """Give freed heap pages back to the OS (glibc malloc_trim); a no-op elsewhere."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+class ReleasedError(FlashError):
+    """An encode after release(keep_source=False), which dropped what encoding needs."""
+
+
+class Tokenizer:
+    """Encoding through a `tokenizers` object, decoding through a token -> bytes table.
+
+    The `tokenizers` object of a 151k vocabulary holds ~53 MiB once its load's heap is trimmed
+    (and peaks ~135 MiB while it loads); `release()` drops it once the prompt is encoded, and the
+    next encode loads it again from the JSON text (~10 MiB as a str for a 5 MB JSON), which
+    `release(keep_source=False)` drops too when nothing will be encoded again (a one-shot run).
+    Decoding never needs either for byte-level vocabularies. word_cache=False turns off the BPE
+    model's cache of encoded words: what it held stays resident after release (measured 0.5-2.5
+    KiB per prompt token), and a text encoded once gains nothing from it."""
+
+    def __init__(self, text: str, eos_ids: Sequence[int] = (), word_cache: bool = True):
+        self._json: str | None = text
+        self._hf: HFTokenizer | None = None
+        self._word_cache = word_cache
+        self.eos_ids: tuple[int, ...] = tuple(int(i) for i in eos_ids)
+        self.table = ByteTable.from_hf(self.hf)
+        self._vocab_size = self.hf.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_json(cls, text: str, eos_ids: Sequence[int] = (), word_cache: bool = True) -> "Tokenizer":
+        return cls(text, eos_ids, word_cache)
+
+    @classmethod
+    def from_flash(cls, flash, word_cache: bool = True) -> "Tokenizer":
+        """From a converted model (anything with .tokenizer_json and .config.eos_token_ids)."""
+        text = flash.tokenizer_json
+        if text is None:
+            raise FormatError("model has no tokenizer")
+        return cls.from_json(text, flash.config.eos_token_ids, word_cache)
+
+    @property
+    def hf(self) -> HFTokenizer:
+        """The `tokenizers` object, loaded from the JSON when it is not resident."""
+        if self._hf is None:
+            if self._json is None:
+                raise ReleasedError("the tokenizer was released after the prompt was encoded "
+                                    "(a one-shot run keeps only its decoding table): it cannot "
+                                    "encode again")
+            try:
+                self._hf = HFTokenizer.from_str(self._json)
+            except Exception as e:     # tokenizers raises plain Exception for a bad JSON
+                raise FormatError(f"tokenizer JSON cannot be loaded ({e})") from None
+            if not self._word_cache and hasattr(self._hf.model, "_resize_cache"):
+                self._hf.model._resize_cache(0)     # the models that keep a word cache
+            _trim_heap()               # the load's temporaries: loaded ~2.5x less than its peak
+        return self._hf
+
+    @property
+    def releasable(self) -> bool:
+        """True when decoding needs no `tokenizers` object (a byte-level vocabulary with its
+        table): release() then drops it."""
+        return self.table is not None
+
+    @property
+    def resident(self) -> bool:
+        """True while the `tokenizers` object is loaded."""
+        return self._hf is not None
+
+    def release(self, keep_source: bool = True) -> None:
+        """Drop the `tokenizers` object when decoding does not need it (a byte table exists).
+        keep_source=False also drops the JSON text it loads from: a later encode then raises
+        ReleasedError instead of loading the object again."""
+        if not self.releasable:
+            return
+        self._hf = None
+        if not keep_source:
+            self._json = None
+        _trim_heap()
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    def encode(self, text: str, add_special: bool = True) -> list[int]:
+        """Token ids; special tokens written in the text (e.g. <|im_start|>) become their ids."""
+        return self.hf.encode(text, add_special_tokens=add_special).ids
+
+    def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
+        if self.table is not None:
+            return self.table.bytes_of(ids, skip_special).decode("utf-8", errors="replace")
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special)
+
+    def detokenizer(self) -> Detokenizer:
+        return Detokenizer(self)

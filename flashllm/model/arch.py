@@ -1,0 +1,300 @@
+"""Architectures as data.
+
+Per architecture: a table from Hugging Face tensor-name patterns to canonical names
+(docs/ARCHITECTURE.md), the HF buffers that may be ignored, and the function that builds a
+ModelConfig from config.json. Registered by HF class name (`ARCHITECTURES`) and, for GGUF, by
+`general.architecture` (`GGUF_ARCHITECTURES`). A tensor that no table maps is a SourceError.
+
+Patterns use `{i}` for a layer number, `{wb}` for "weight" or "bias" and `{m}` for an optional
+leading "model." (some OPT checkpoints omit it).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Mapping
+
+from flashllm.model.config import ModelConfig
+from flashllm.errors import SourceError
+
+_PLACEHOLDERS = {"{i}": r"(?P<i>\d+)", "{wb}": r"(?P<wb>weight|bias)", "{m}": r"(?:model\.)?"}
+
+
+def _compile(pattern: str) -> re.Pattern:
+    rx = re.escape(pattern)
+    for key, group in _PLACEHOLDERS.items():
+        rx = rx.replace(re.escape(key), group)
+    return re.compile(rx + r"\Z")
+
+
+@dataclass(frozen=True)
+class Arch:
+    name: str                                   # ModelConfig.arch
+    hf_class: str                               # e.g. "LlamaForCausalLM"
+    gguf_arch: str | None                       # general.architecture, when GGUF files are supported
+    table: tuple[tuple[str, str], ...]          # (HF pattern, canonical template)
+    ignore: tuple[str, ...]                     # HF buffers that carry no weights (rotary inv_freq)
+    hf_config: Callable[[Mapping], ModelConfig]
+    gguf_permuted_qk: bool = False              # llama.cpp permuted attn_q/attn_k for interleaved RoPE
+    _compiled: tuple = field(default=(), compare=False, repr=False)
+
+    def canonical(self, hf_name: str) -> str | None:
+        """The canonical name of an HF tensor; None for an ignored buffer; SourceError if unmapped."""
+        for rx, template in self._compiled:
+            m = rx.match(hf_name)
+            if m:
+                return template.format(**m.groupdict())
+        if any(_compile(p).match(hf_name) for p in self.ignore):
+            return None
+        raise SourceError(f"tensor {hf_name!r} is not mapped by the {self.hf_class} table "
+                          f"(flashllm/arch.py); refusing to skip it silently")
+
+
+ARCHITECTURES: dict[str, Arch] = {}
+GGUF_ARCHITECTURES: dict[str, Arch] = {}
+
+
+def register(hf_class: str, name: str, table: Iterable[tuple[str, str]], ignore: Iterable[str] = (),
+             gguf_arch: str | None = None, gguf_permuted_qk: bool = False):
+    """Decorator: register `fn(config_json) -> ModelConfig` with its tensor table."""
+    def deco(fn: Callable[[Mapping], ModelConfig]) -> Callable[[Mapping], ModelConfig]:
+        tbl = tuple(table)
+        arch = Arch(name, hf_class, gguf_arch, tbl, tuple(ignore), fn, gguf_permuted_qk,
+                    tuple((_compile(p), t) for p, t in tbl))
+        ARCHITECTURES[hf_class] = arch
+        if gguf_arch is not None:
+            GGUF_ARCHITECTURES.setdefault(gguf_arch, arch)
+        return fn
+    return deco
+
+
+def arch_for_hf(config_json: Mapping) -> Arch:
+    classes = config_json.get("architectures") or []
+    for cls in classes:
+        if cls in ARCHITECTURES:
+            return ARCHITECTURES[cls]
+    shown = ", ".join(classes) if classes else f"model_type={config_json.get('model_type')!r}"
+    raise SourceError(f"unsupported architecture {shown} (supported: {', '.join(sorted(ARCHITECTURES))})")
+
+
+def arch_for_gguf(gguf_arch: str) -> Arch:
+    if gguf_arch not in GGUF_ARCHITECTURES:
+        raise SourceError(f"unsupported GGUF architecture {gguf_arch!r} "
+                          f"(supported: {', '.join(sorted(GGUF_ARCHITECTURES))})")
+    return GGUF_ARCHITECTURES[gguf_arch]
+
+
+def expected_tensors(cfg: ModelConfig) -> list[str]:
+    """Every canonical tensor a checkpoint of this config must hold, in a stable order."""
+    layer_norm = cfg.norm == "layer"
+    names = ["token_embd.weight"]
+    if cfg.pos == "learned":
+        names.append("position_embd.weight")
+    if cfg.d_embed and cfg.d_embed != cfg.d_model:
+        names += ["proj_in.weight", "proj_out.weight"]
+    names += ["output_norm.weight"] + (["output_norm.bias"] if layer_norm else [])
+    if not cfg.tied_embeddings:
+        names.append("output.weight")
+    for i in range(cfg.n_layers):
+        parts = [("attn_norm", layer_norm), ("attn_q", cfg.attn_qkv_bias), ("attn_k", cfg.attn_qkv_bias),
+                 ("attn_v", cfg.attn_qkv_bias), ("attn_output", cfg.attn_out_bias),
+                 ("ffn_norm", layer_norm)]
+        if cfg.glu:
+            parts.append(("ffn_gate", False))
+        parts += [("ffn_up", cfg.ffn_bias), ("ffn_down", cfg.ffn_bias)]
+        for part, bias in parts:
+            names.append(f"blk.{i}.{part}.weight")
+            if bias:
+                names.append(f"blk.{i}.{part}.bias")
+    return names
+
+
+def check_tensor_set(cfg: ModelConfig, present: Iterable[str], where: str) -> None:
+    """SourceError naming the first tensor that is missing or that the config does not expect."""
+    have = set(present)
+    if cfg.n_layers > len(have):       # checked first: a hostile layer count must not loop for ages
+        raise SourceError(f"{where}: the config has {cfg.n_layers} layers, the checkpoint only "
+                          f"{len(have)} tensors")
+    expected = expected_tensors(cfg)
+    missing = [n for n in expected if n not in have]
+    if missing:
+        raise SourceError(f"{where}: missing tensor {missing[0]!r}"
+                          + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    extra = sorted(have - set(expected))
+    if extra:
+        raise SourceError(f"{where}: tensor {extra[0]!r} is not expected by the {cfg.arch} config")
+
+
+# ---------------------------------------------------------------- config.json helpers
+
+def _get(cfg: Mapping, key: str, where: str):
+    if cfg.get(key) is None:
+        raise SourceError(f"{where}: config.json has no {key!r}")
+    return cfg[key]
+
+
+def rope_theta(cfg: Mapping, default: float = 10000.0) -> float:
+    """rope_theta; any rope scaling other than the default is refused (transformers 4 and 5 keys)."""
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    for spec in (params, scaling):
+        kind = spec.get("rope_type", spec.get("type", "default"))
+        if kind not in (None, "default"):
+            raise SourceError(f"rope scaling {kind!r} is unsupported (only plain RoPE)")
+    if scaling and not (scaling.get("rope_type") or scaling.get("type")):
+        raise SourceError(f"rope_scaling {dict(scaling)!r} is unsupported (only plain RoPE)")
+    return float(cfg.get("rope_theta") or params.get("rope_theta") or default)
+
+
+def eos_ids(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else (int(value),)
+
+
+def _silu(cfg: Mapping, where: str) -> str:
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise SourceError(f"{where}: hidden_act {act!r} is unsupported (only silu)")
+    return "silu"
+
+
+def _rope_model(cfg: Mapping, name: str, qkv_bias: bool, out_bias: bool) -> ModelConfig:
+    """The shared config of llama-like models (RMSNorm, SwiGLU, RoPE)."""
+    where = name
+    d_model = int(_get(cfg, "hidden_size", where))
+    n_heads = int(_get(cfg, "num_attention_heads", where))
+    if cfg.get("mlp_bias"):
+        raise SourceError(f"{where}: mlp_bias=True is unsupported")
+    if cfg.get("partial_rotary_factor", 1.0) != 1.0:
+        raise SourceError(f"{where}: partial_rotary_factor is unsupported")
+    return ModelConfig(
+        arch=name, vocab_size=int(_get(cfg, "vocab_size", where)), d_model=d_model,
+        n_layers=int(_get(cfg, "num_hidden_layers", where)), n_heads=n_heads,
+        n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
+        head_dim=int(cfg.get("head_dim") or d_model // n_heads),
+        n_ff=int(_get(cfg, "intermediate_size", where)),
+        context_length=int(_get(cfg, "max_position_embeddings", where)),
+        norm="rms", norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), act=_silu(cfg, where), glu=True,
+        pos="rope", rope_theta=rope_theta(cfg), tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attn_qkv_bias=qkv_bias, attn_out_bias=out_bias,
+        bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids(cfg.get("eos_token_id")),
+    ).validate()
+
+
+_LLAMA_TABLE = (
+    ("model.embed_tokens.weight", "token_embd.weight"),
+    ("model.norm.weight", "output_norm.weight"),
+    ("lm_head.weight", "output.weight"),
+    ("model.layers.{i}.input_layernorm.weight", "blk.{i}.attn_norm.weight"),
+    ("model.layers.{i}.self_attn.q_proj.{wb}", "blk.{i}.attn_q.{wb}"),
+    ("model.layers.{i}.self_attn.k_proj.{wb}", "blk.{i}.attn_k.{wb}"),
+    ("model.layers.{i}.self_attn.v_proj.{wb}", "blk.{i}.attn_v.{wb}"),
+    ("model.layers.{i}.self_attn.o_proj.{wb}", "blk.{i}.attn_output.{wb}"),
+    ("model.layers.{i}.post_attention_layernorm.weight", "blk.{i}.ffn_norm.weight"),
+    ("model.layers.{i}.mlp.gate_proj.weight", "blk.{i}.ffn_gate.weight"),
+    ("model.layers.{i}.mlp.up_proj.weight", "blk.{i}.ffn_up.weight"),
+    ("model.layers.{i}.mlp.down_proj.weight", "blk.{i}.ffn_down.weight"),
+)
+_ROTARY_BUFFERS = ("model.rotary_emb.inv_freq", "model.layers.{i}.self_attn.rotary_emb.inv_freq")
+
+
+@register("LlamaForCausalLM", "llama", _LLAMA_TABLE, _ROTARY_BUFFERS, gguf_arch="llama",
+          gguf_permuted_qk=True)
+def llama_config(cfg: Mapping) -> ModelConfig:
+    bias = bool(cfg.get("attention_bias", False))
+    return _rope_model(cfg, "llama", bias, bias)
+
+
+@register("Qwen2ForCausalLM", "qwen2", _LLAMA_TABLE, _ROTARY_BUFFERS, gguf_arch="qwen2")
+def qwen2_config(cfg: Mapping) -> ModelConfig:
+    """Qwen2: biases on q/k/v only. use_sliding_window is off in released models and refused here."""
+    if cfg.get("use_sliding_window"):
+        raise SourceError("Qwen2ForCausalLM: use_sliding_window=True is unsupported")
+    return _rope_model(cfg, "qwen2", True, False)
+
+
+@register("MistralForCausalLM", "mistral", _LLAMA_TABLE, _ROTARY_BUFFERS)
+def mistral_config(cfg: Mapping) -> ModelConfig:
+    """Mistral = llama without biases. sliding_window is not recorded: flashllm attends over the
+    whole context, which equals sliding-window attention while the context is shorter than the
+    window (4096 and more in released models)."""
+    return _rope_model(cfg, "mistral", False, False)
+
+
+_OPT_TABLE = (
+    ("{m}decoder.embed_tokens.weight", "token_embd.weight"),
+    ("{m}decoder.embed_positions.weight", "position_embd.weight"),
+    ("{m}decoder.project_in.weight", "proj_in.weight"),
+    ("{m}decoder.project_out.weight", "proj_out.weight"),
+    ("{m}decoder.final_layer_norm.{wb}", "output_norm.{wb}"),
+    ("lm_head.weight", "output.weight"),
+    ("{m}decoder.layers.{i}.self_attn_layer_norm.{wb}", "blk.{i}.attn_norm.{wb}"),
+    ("{m}decoder.layers.{i}.self_attn.q_proj.{wb}", "blk.{i}.attn_q.{wb}"),
+    ("{m}decoder.layers.{i}.self_attn.k_proj.{wb}", "blk.{i}.attn_k.{wb}"),
+    ("{m}decoder.layers.{i}.self_attn.v_proj.{wb}", "blk.{i}.attn_v.{wb}"),
+    ("{m}decoder.layers.{i}.self_attn.out_proj.{wb}", "blk.{i}.attn_output.{wb}"),
+    ("{m}decoder.layers.{i}.final_layer_norm.{wb}", "blk.{i}.ffn_norm.{wb}"),
+    ("{m}decoder.layers.{i}.fc1.{wb}", "blk.{i}.ffn_up.{wb}"),
+    ("{m}decoder.layers.{i}.fc2.{wb}", "blk.{i}.ffn_down.{wb}"),
+)
+
+
+@register("OPTForCausalLM", "opt", _OPT_TABLE)
+def opt_config(cfg: Mapping) -> ModelConfig:
+    """OPT: pre-LayerNorm, ReLU FFN (fc1 = up, fc2 = down), learned positions offset by 2."""
+    where = "OPTForCausalLM"
+    if not cfg.get("do_layer_norm_before", True):
+        raise SourceError(f"{where}: do_layer_norm_before=False (post-LayerNorm OPT-350m) is unsupported")
+    if cfg.get("_remove_final_layer_norm") or not cfg.get("layer_norm_elementwise_affine", True):
+        raise SourceError(f"{where}: OPT without final/affine layer norms is unsupported")
+    act = cfg.get("activation_function", "relu")
+    if act != "relu":
+        raise SourceError(f"{where}: activation_function {act!r} is unsupported (only relu)")
+    d_model = int(_get(cfg, "hidden_size", where))
+    n_heads = int(_get(cfg, "num_attention_heads", where))
+    d_embed = int(cfg.get("word_embed_proj_dim") or d_model)
+    bias = bool(cfg.get("enable_bias", True))
+    return ModelConfig(
+        arch="opt", vocab_size=int(_get(cfg, "vocab_size", where)), d_model=d_model,
+        n_layers=int(_get(cfg, "num_hidden_layers", where)), n_heads=n_heads, n_kv_heads=n_heads,
+        head_dim=d_model // n_heads, n_ff=int(_get(cfg, "ffn_dim", where)),
+        context_length=int(_get(cfg, "max_position_embeddings", where)),
+        norm="layer", norm_eps=1e-5, act="relu", glu=False, pos="learned", pos_offset=2,
+        d_embed=d_embed if d_embed != d_model else 0,
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        attn_qkv_bias=bias, attn_out_bias=bias, ffn_bias=bias,
+        bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids(cfg.get("eos_token_id")),
+    ).validate()
+
+
+def gguf_config(arch: Arch, meta: Mapping, tensor_names: Iterable[str], vocab_size: int,
+                eos: tuple[int, ...]) -> ModelConfig:
+    """ModelConfig from GGUF metadata (`meta`: key -> value). Tied when output.weight is absent."""
+    a = arch.gguf_arch
+
+    def need(key: str):
+        if meta.get(f"{a}.{key}") is None:
+            raise SourceError(f"GGUF metadata has no {a}.{key!r}")
+        return meta[f"{a}.{key}"]
+
+    names = set(tensor_names)
+    d_model, n_heads = int(need("embedding_length")), int(need("attention.head_count"))
+    head_dim = int(meta.get(f"{a}.attention.key_length") or d_model // n_heads)
+    rot = meta.get(f"{a}.rope.dimension_count")
+    if rot is not None and int(rot) != head_dim:
+        raise SourceError(f"GGUF rope.dimension_count={rot} != head_dim={head_dim}: partial RoPE is unsupported")
+    scaling = meta.get(f"{a}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise SourceError(f"GGUF rope scaling {scaling!r} is unsupported (only plain RoPE)")
+    return ModelConfig(
+        arch=arch.name, vocab_size=vocab_size, d_model=d_model, n_layers=int(need("block_count")),
+        n_heads=n_heads, n_kv_heads=int(meta.get(f"{a}.attention.head_count_kv") or n_heads),
+        head_dim=head_dim, n_ff=int(need("feed_forward_length")),
+        context_length=int(need("context_length")), norm="rms",
+        norm_eps=float(need("attention.layer_norm_rms_epsilon")), act="silu", glu=True, pos="rope",
+        rope_theta=float(meta.get(f"{a}.rope.freq_base") or 10000.0),
+        tied_embeddings="output.weight" not in names,
+        attn_qkv_bias="blk.0.attn_q.bias" in names, attn_out_bias="blk.0.attn_output.bias" in names,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_ids=eos,
+    ).validate()

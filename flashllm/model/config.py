@@ -1,0 +1,77 @@
+"""Model hyperparameters: one frozen dataclass, read from HF config.json or GGUF metadata by the
+sources, stored in the flash manifest, and read back by the runtime."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from flashllm.errors import FormatError
+
+ARCHS = ("llama", "qwen2", "mistral", "opt")
+NORMS = ("rms", "layer")
+ACTS = ("silu", "gelu", "relu")
+POSITIONS = ("rope", "learned")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str                   # registry key, one of ARCHS
+    vocab_size: int
+    d_model: int                # hidden size
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    n_ff: int                   # FFN neurons per layer
+    context_length: int
+    norm: str                   # "rms" | "layer"
+    norm_eps: float
+    act: str                    # "silu" | "gelu" | "relu"
+    glu: bool                   # gated FFN (gate, up, down) vs plain (up, down)
+    pos: str                    # "rope" | "learned"
+    rope_theta: float = 10000.0
+    pos_offset: int = 0         # OPT's learned positions start at index 2
+    d_embed: int = 0            # OPT word_embed_proj_dim; 0 means d_model
+    tied_embeddings: bool = False
+    attn_qkv_bias: bool = False
+    attn_out_bias: bool = False
+    ffn_bias: bool = False      # bias on up and down (OPT fc1/fc2)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def embed_dim(self) -> int:
+        return self.d_embed or self.d_model
+
+    def validate(self) -> "ModelConfig":
+        """Raise FormatError naming the first field that makes no sense."""
+        if self.arch not in ARCHS:
+            raise FormatError(f"unsupported architecture {self.arch!r} (supported: {', '.join(ARCHS)})")
+        for name, allowed in (("norm", NORMS), ("act", ACTS), ("pos", POSITIONS)):
+            if getattr(self, name) not in allowed:
+                raise FormatError(f"config field {name}={getattr(self, name)!r} is not one of {allowed}")
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+                     "n_ff", "context_length"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                raise FormatError(f"config field {name}={getattr(self, name)!r} must be a positive integer")
+        if self.n_heads % self.n_kv_heads:
+            raise FormatError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        return self
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        """Inverse of to_dict, for the manifest; unknown or missing fields are a FormatError."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise FormatError(f"unknown config fields in manifest: {sorted(unknown)}")
+        try:
+            cfg = cls(**{**d, "eos_token_ids": tuple(d.get("eos_token_ids", ()))})
+        except TypeError as e:
+            raise FormatError(f"bad config in manifest: {e}") from None
+        return cfg.validate()

@@ -1,0 +1,171 @@
+"""The FFN strategy of `flashllm run` from its options: dense (default), sparse flash under a
+DRAM budget, or the naive flash baseline. The budget is planned from the manifest alone, so a
+budget that cannot work is refused before anything is loaded.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from flashllm.runtime.budget import BudgetError, BudgetPlan, mib, model_bytes, plan_budget, read_manifest
+from flashllm.storage.profile import KiB
+
+READER_STAGE = 256 * KiB        # per reader thread: the largest single read (64-256 KiB is best)
+READER_THREADS = 16             # staging buffers the budget reserves for the reader pool
+PREDICTOR_MODES = ("auto", "on", "off")
+READ_GIB_S = 2.0                # the auto predictor rule's device and DRAM speeds: only their
+DRAM_GIB_S = 10.0               # ratio matters (this machine: ~2 GiB/s reads, ~10-15 GiB/s DRAM)
+
+
+@dataclass(frozen=True)
+class FlashOptions:
+    """The flash-related options of `run`."""
+
+    dram_budget: Optional[str] = None     # "1.5GiB", "560MiB", "50%"; None: no budget
+    window: Optional[int] = None          # tokens whose neurons stay cached; None: by activation
+    naive: bool = False                   # read every bundle every token (the paper's baseline)
+    dense: bool = False                   # every bundle in DRAM (today's default)
+    check: bool = False                   # also compute the exact mask: predictor recall
+    predictor: str = "auto"               # auto: only when it is expected to pay; on; off
+    keep_tokenizer: bool = False          # chat: the tokenizers object stays loaded
+
+    @property
+    def flash(self) -> bool:
+        """True when the FFN streams from flash."""
+        return not self.dense and (self.dram_budget is not None or self.naive)
+
+
+def default_window(manifest: dict) -> int:
+    """4 for ReLU-like (non-GLU) models, 2 for GLU models (the paper's OPT/Falcon vs Llama 2)."""
+    return 2 if manifest["config"]["glu"] else 4
+
+
+def plan_run(path: Path, opts: FlashOptions, n_ctx: int, process: int) -> Optional[BudgetPlan]:
+    """The budget plan of a run (None for dense without a budget); BudgetError when it cannot work."""
+    if opts.dense and opts.naive:
+        raise BudgetError("give --dense or --naive, not both")
+    if opts.window is not None and opts.window < 1:
+        raise BudgetError(f"--window {opts.window} must be at least 1")
+    if opts.dram_budget is None and not opts.naive:
+        return None
+    if opts.predictor not in PREDICTOR_MODES:
+        raise BudgetError(f"--predictor {opts.predictor!r}: expected one of {', '.join(PREDICTOR_MODES)}")
+    man = read_manifest(path)
+    text = opts.dram_budget or "100%"
+    if opts.dram_budget is None:   # --naive alone: no limit, the whole model's worth
+        text = f"{model_bytes(man) + (1 << 30)}"
+    plan = plan_budget(man, text, n_ctx, process, reader_stage=READER_THREADS * READER_STAGE,
+                       naive=opts.naive, keep_tokenizer=opts.keep_tokenizer)
+    if not opts.naive and opts.predictor != "off" and man.get("predictor"):
+        plan = _with_predictor(man, text, n_ctx, process, plan, opts)
+    elif opts.predictor == "on" and not opts.naive:
+        raise BudgetError(f"--predictor on: {path} has no predictor (run `flashllm calibrate`)")
+    if not plan.predictor and not opts.naive:    # the same slots every token: all rows pinned
+        plan = dataclasses.replace(plan, n_pinned=plan.capacity)
+    if opts.dense and plan.capacity < plan.n_ff:
+        need = plan.total - plan.cache_bytes + plan.n_layers * plan.n_ff * plan.stride
+        raise BudgetError(f"--dense needs {mib(need)} (every FFN bundle in DRAM), --dram-budget "
+                          f"{opts.dram_budget} gives {mib(plan.budget, up=False)}: drop --dense to stream "
+                          f"the FFN from flash")
+    return plan
+
+
+def _with_predictor(man: dict, text: str, n_ctx: int, process: int, plain: BudgetPlan,
+                    opts: FlashOptions) -> BudgetPlan:
+    """The plan with the manifest's predictor resident when forced (--predictor on), or when it
+    is expected to make a token faster than `plain` (the same budget without it); else plain."""
+    sec, force = man["predictor"], opts.predictor == "on"
+    try:
+        plan = plan_budget(man, text, n_ctx, process, predictor=int(sec.get("nbytes") or 0),
+                           reader_stage=READER_THREADS * READER_STAGE,
+                           keep_tokenizer=opts.keep_tokenizer)
+    except BudgetError:
+        if force:
+            raise
+        return dataclasses.replace(plain, notes=plain.notes + (
+            f"predictor {sec.get('kind')} not used: its {mib(int(sec.get('bytes') or 0))} do not "
+            f"fit the budget",))
+    loads = sec.get("load") or [1.0]
+    load = float(np.mean(loads)) if all(isinstance(v, (int, float)) for v in loads) else 1.0
+    if force or token_seconds(plan, load, int(sec.get("bytes") or 0)) < token_seconds(plain, 1.0, 0):
+        return dataclasses.replace(plan, predictor=True, notes=plan.notes + (
+            f"predictor {sec.get('kind')} resident ({mib(int(sec.get('bytes') or 0))}, "
+            f"{load:.0%} of the neurons per token)",))
+    return dataclasses.replace(plain, notes=plain.notes + (
+        f"predictor {sec.get('kind')} not used: it costs {mib(int(sec.get('bytes') or 0))} of DRAM "
+        f"and is not expected to make a token faster within this budget (--predictor on forces it)",))
+
+
+def token_seconds(plan: BudgetPlan, load: float, predictor_bytes: int) -> float:
+    """Estimated seconds per decode token of a plan: FFN bundles read for a `load` share of
+    the neurons outside the caches (plus the dense weights it streams) at READ_GIB_S, and the
+    bytes the FFN and the predictor touch in DRAM at DRAM_GIB_S."""
+    ffn = plan.n_layers * plan.n_ff * plan.stride
+    read = load * (1.0 - plan.cache_fraction) * ffn + plan.streamed_bytes
+    touched = load * ffn + predictor_bytes
+    return read / (READ_GIB_S * 2**30) + touched / (DRAM_GIB_S * 2**30)
+
+
+def make_weights(flash, plan: Optional[BudgetPlan], n_threads: int):
+    """The dense weights for Model(weights=...): None (all resident) unless the plan streams some."""
+    if plan is None or not plan.streamed:
+        return None
+    from flashllm.runtime.weights import DenseWeights
+    from flashllm.ffi.reader import Reader
+    reader = Reader(flash.dense_file, n_threads=READER_THREADS, stage_bytes=READER_STAGE)
+    return DenseWeights(flash, n_threads, plan.streamed, reader)
+
+
+def stream_dense(flash, ffn, weights) -> None:
+    """When the FFN reads the same bundles every pass (its read-ahead schedule), the streamed
+    attention and output head join that schedule: one queue keeps the device busy (else the
+    dense weights' own reader reads them while the FFN's ring waits)."""
+    if ffn is None or weights is None or getattr(ffn, "reads", None) is None:
+        return
+    from flashllm.ffi.reader import Reader
+    layers = weights.streamed_layers()
+    if weights.head is not None and not layers:
+        return
+    reader = Reader(flash.dense_file, n_threads=ffn.reader.n_threads, stage_bytes=READER_STAGE)
+    attention = {i: (reader, *weights.attention_extents(i)) for i in layers}
+    extents = [] if weights.head is not None else weights.head_extents(ffn.reads.buffer_bytes)
+    if ffn.stream_dense(attention, (reader, extents)):
+        weights.layer_source = ffn.attention_bytes
+        weights.head_source = ffn.head_chunks
+    else:
+        reader.close()
+
+
+def make_ffn(flash, opts: FlashOptions, plan: Optional[BudgetPlan], n_threads: int,
+             cache_dir: Path, log=lambda m: None):
+    """The FFN strategy for Model(ffn=...): None (dense) or a SparseFlashFfn."""
+    if not opts.flash:
+        return None
+    from flashllm.storage.costmodel import CostModel, bundle_requests
+    from flashllm.ffi.reader import Reader
+    from flashllm.sparsity.predictor import AllSlots
+    from flashllm.runtime.sparse_ffn import SparseFlashFfn
+    cost = CostModel.for_path(cache_dir, flash.ffn.file)
+    if cost.hint:
+        log(cost.hint)
+    f = flash.ffn
+    sample = np.random.default_rng(0).choice(f.n_ff, size=max(1, f.n_ff // 3), replace=False)
+    offs, lens = bundle_requests(f.layer_offsets[0], f.stride, sample)   # (k,) (k,)
+    threads = cost.plan(offs, lens).threads
+    predictor = _predictor(flash, n_threads, log) if plan.predictor else None
+    reader = Reader(f.file, n_threads=threads, stage_bytes=READER_STAGE)
+    window = opts.window or default_window(flash.manifest)
+    for note in plan.notes:
+        log(note)
+    return SparseFlashFfn(flash, predictor or AllSlots(f.n_ff), plan, reader, n_threads=n_threads,
+                          window=window, naive=opts.naive, cost=cost, check=opts.check)
+
+
+def _predictor(flash, n_threads: int, log):
+    """The manifest's predictor (the plan chose it)."""
+    from flashllm.sparsity.predictor import load_predictor
+    return load_predictor(flash, n_threads)

@@ -1,0 +1,308 @@
+"""The DRAM budget of a flash run: every resident byte accounted, the dense weights kept or
+streamed, the neuron caches sized from what remains, and a one-line refusal before anything is
+loaded when the budget cannot work.
+
+Resident at run time (all counted against --dram-budget):
+    process         the Python process before the model (interpreter, numpy, cffi): measured
+    tokenizer       a one-shot run, after release(keep_source=False): the id -> bytes table and
+                    the heap the `tokenizers` object leaves (no JSON text, no word cache).
+                    Measured (RssAnon over the process before the model is opened, heap
+                    trimmed; in `flashllm run` and scripts/tokenizer_rss.py): 3.6-5.5 MiB for
+                    Qwen2.5-Coder's 5.4 MB JSON, 1.2-2.2 MiB for SmolLM2's 1.6 MB (the byte
+                    tables are 2.2 and 0.7 MiB; the leftover heap varies by ~1 MiB with what the
+                    process did before), growing ~40 bytes per prompt token (Qwen's 5.4 MiB after
+                    a 23k-token prompt, SmolLM2's 2.5 MiB after 33k). Counted as 1x the JSON +
+                    2 MiB (7.1 and 3.5 MiB). While it loads, before the model, it peaks at 28x
+                    the JSON (30x for SmolLM2's), checked separately (TOKENIZER_LOAD). A chat
+                    keeps it loaded: 12.5x the JSON once the load's heap is trimmed (64 MiB for
+                    Qwen's, 19 MiB for SmolLM2's), counted as TOKENIZER_LOADED x the JSON + 4 MiB
+    KV cache        2 · n_layers · n_ctx · n_kv_heads · head_dim · 2 bytes (f16, as llama.cpp)
+    work            logits and activations of one forward pass, the reader's staging buffers,
+                    the sparse FFN's staging buffer for prefill / streamed neurons
+    predictor       its nbytes
+    dense weights   vectors (norms, biases) always; then, while the budget lasts, each layer's
+                    attention matrices, the output head, and (only once the caches hold
+                    the whole FFN) the embeddings. What does not fit streams from dense.bin
+                    (dense_stream.py) through two layer buffers and two head chunks; so does
+                    the output head when the caches can take the DRAM it frees (the same
+                    bytes read a token, and its compute overlaps its reads: _head_overlap).
+    neuron caches   per layer (capacity, stride) rows + maps; the rest of the budget
+A dense byte kept saves one byte read per token; a cache byte saves less (only its hits), and an
+embedding row costs one small read per token: hence that order.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from flashllm.errors import FlashError
+from flashllm.runtime.weights import CHUNK_BYTES, aligned_offsets, attn_names
+from flashllm.storage.profile import MiB, ProfileError, parse_size
+
+TOKENIZER_KEPT = 1             # resident bytes of a one-shot run's released tokenizer per byte
+TOKENIZER_KEPT_FIXED = 2 * MiB  # of tokenizer.json, + these
+TOKENIZER_LOAD = 28            # peak bytes while the tokenizers object loads, per JSON byte
+TOKENIZER_LOADED = 14          # resident bytes of a loaded (heap-trimmed) tokenizer per JSON byte,
+TOKENIZER_LOADED_FIXED = 4 * MiB  # + these
+STAGING_BYTES = 16 * MiB       # the sparse FFN's staging buffer: prefill halves, the decode read-ahead ring
+RING_BUFFERS = 4               # the read-ahead ring's buffers: each holds up to a whole layer's bundles
+                               # (a small model then takes one chunk per layer, not four: every
+                               # chunk is a kernel call that wakes the threads)
+ROW_MAP_BYTES = 4 + 8          # per cache row: slot_of (int32) + last_use (int64)
+WORK_FIXED = 8 * MiB           # activations, attention scratch, Python objects of a forward pass
+
+
+class BudgetError(FlashError):
+    """A --dram-budget that cannot be read or cannot hold what must stay resident."""
+
+
+@dataclass(frozen=True)
+class BudgetPlan:
+    """What stays resident, and the per-layer neuron cache the rest of the budget buys."""
+
+    budget: int                       # bytes
+    resident: dict                    # what -> bytes, everything but the neuron caches
+    n_layers: int
+    n_ff: int
+    stride: int
+    capacity: int                     # cache rows per layer
+    n_pinned: int                     # of them pinned (slots 0 .. n_pinned-1)
+    staging_rows: int                 # rows of the staging buffer
+    notes: tuple = field(default=())
+    streamed: tuple = field(default=())   # dense tensors read from dense.bin per use
+    streamed_bytes: int = 0           # of them read per token (the embedding rows not counted)
+    predictor: bool = False           # the manifest's predictor is resident (runtime's choice)
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.n_layers * (self.capacity * (self.stride + ROW_MAP_BYTES) + 4 * self.n_ff)
+
+    @property
+    def total(self) -> int:
+        return sum(self.resident.values()) + self.cache_bytes
+
+    @property
+    def cache_fraction(self) -> float:
+        """Share of the FFN the caches hold."""
+        return self.capacity / self.n_ff
+
+    def summary(self) -> str:
+        parts = ", ".join(f"{k} {mib(v)}" for k, v in self.resident.items())
+        stream = f"; dense streamed: {_describe(self.streamed)} ({mib(self.streamed_bytes)} " \
+                 f"per token)" if self.streamed else ""
+        return (f"DRAM budget {mib(self.budget)}: {parts}; neuron caches {mib(self.cache_bytes)} "
+                f"({self.capacity} of {self.n_ff} neurons per layer = {self.cache_fraction:.0%}, "
+                f"{self.n_pinned} pinned){stream}")
+
+
+def _describe(names) -> str:
+    """'attention of 20 layers, output head, embeddings' for a set of streamed tensor names."""
+    layers = len({n.split(".")[1] for n in names if n.startswith("blk.")})
+    parts = [f"attention of {layers} layers"] if layers else []
+    parts += [w for n, w in (("output.weight", "output head"), ("token_embd.weight", "embeddings"))
+              if n in names]
+    return ", ".join(parts)
+
+
+def mib(nbytes: int, up: bool = True) -> str:
+    """Whole MiB, rounded up (a need) or down (what a budget gives): '230 MiB'."""
+    n = -(-int(nbytes) // MiB) if up else int(nbytes) // MiB
+    return f"{n} MiB"
+
+
+def parse_budget(text: str, model_bytes: int) -> int:
+    """Bytes of '1.5GiB', '560MiB', '4096' or '50%' (of model_bytes, the converted model)."""
+    t = text.strip()
+    if t.endswith("%"):
+        try:
+            pct = float(t[:-1])
+        except ValueError:
+            pct = -1.0
+        if not 0 < pct <= 100:
+            raise BudgetError(f"--dram-budget {text!r}: a percentage must be in (0, 100]")
+        return int(model_bytes * pct / 100)
+    try:
+        return parse_size(t)
+    except ProfileError:
+        raise BudgetError(f"--dram-budget {text!r} is not a size (e.g. 1.5GiB, 560MiB) or a "
+                          f"percentage of the model (e.g. 50%)") from None
+
+
+def process_rss() -> int:
+    """Resident bytes of this process now (Linux /proc; 0 where unavailable)."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * 4096
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def read_manifest(path: Path) -> dict:
+    """The manifest of a converted model, without loading anything else."""
+    try:
+        return json.loads((Path(path) / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise BudgetError(f"{path}: cannot read manifest.json ({e})") from None
+
+
+def model_bytes(manifest: dict) -> int:
+    """Bytes of the converted model's weights: dense.bin + ffn.bin."""
+    return int(manifest["dense"]["nbytes"]) + int(manifest["ffn"]["nbytes"])
+
+
+def resident_bytes(manifest: dict, n_ctx: int, process: int, predictor: int,
+                   reader_stage: int, stride_rows: int, keep_tokenizer: bool = False) -> dict:
+    """Everything but the dense matrices and the neuron caches, by what it is. keep_tokenizer:
+    the tokenizers object stays loaded (chat encodes every turn), not released for good after
+    the prompt is encoded."""
+    c = manifest["config"]
+    kv = 2 * c["n_layers"] * n_ctx * c["n_kv_heads"] * c["head_dim"] * 2
+    work = WORK_FIXED + 4 * 4 * c["vocab_size"] + reader_stage + stride_rows
+    tok = int(manifest["tokenizer"].get("nbytes") or 0)
+    per_byte, fixed = (TOKENIZER_LOADED, TOKENIZER_LOADED_FIXED) if keep_tokenizer \
+        else (TOKENIZER_KEPT, TOKENIZER_KEPT_FIXED)
+    return {"KV cache": kv, "tokenizer": per_byte * tok + (fixed if tok else 0),
+            "process": process, "buffers": work, "predictor": predictor}
+
+
+def dense_groups(manifest: dict) -> tuple[int, list[tuple[list[str], int]], tuple[list[str], int]]:
+    """(bytes always resident, [(names, bytes)] kept while the budget lasts in this order, the
+    embeddings (names, bytes) kept last): vectors and small matrices; each layer's attention,
+    then the output head; token_embd (the head too when tied). What does not fit is read every
+    token either way (the bytes are equal, what DRAM is left goes to the neuron caches; both
+    join the FFN's read-ahead schedule when its reads are static: runtime.stream_dense)."""
+    tensors = {t["name"]: int(t["nbytes"]) for t in manifest["dense"]["tensors"]}
+    head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    groups = [(attn_names(i), sum(tensors[n] for n in attn_names(i)))
+              for i in range(manifest["config"]["n_layers"])] + [([head], tensors[head])]
+    embed = (["token_embd.weight"], tensors["token_embd.weight"]) if head == "output.weight" \
+        else ([], 0)
+    grouped = {n for names, _ in groups for n in names} | set(embed[0])
+    return sum(v for n, v in tensors.items() if n not in grouped), groups, embed
+
+
+def stream_reserve(manifest: dict, n_ctx: int, streamed=None) -> int:
+    """DRAM of the dense streaming buffers (dense_stream.py) for the streamed tensor names
+    (None: everything streams)."""
+    entries = {t["name"]: t for t in manifest["dense"]["tensors"]}
+    on = lambda name: streamed is None or name in streamed
+    layer = max(aligned_offsets(entries[n]["nbytes"] for n in attn_names(i))[1]
+                if on(attn_names(i)[0]) else 0 for i in range(manifest["config"]["n_layers"]))
+    e = entries["token_embd.weight"]
+    head = entries["output.weight" if "output.weight" in entries else "token_embd.weight"]
+    chunk = min(CHUNK_BYTES, head["nbytes"]) + 64 * (head["nbytes"] // head["shape"][0])
+    return 2 * layer + 2 * chunk * on(head["name"]) + n_ctx * (e["nbytes"] // e["shape"][0]) \
+        * on("token_embd.weight")
+
+
+def plan_budget(manifest: dict, budget_text: str, n_ctx: int, process: int, predictor: int = 0,
+                reader_stage: int = 0, naive: bool = False, pin_fraction: float = 0.5,
+                keep_tokenizer: bool = False) -> BudgetPlan:
+    """Keep dense weights, then size the neuron caches; BudgetError (one line) when it cannot work."""
+    f = manifest["ffn"]
+    n_layers, n_ff, stride = int(f["n_layers"]), int(f["n_ff"]), int(f["stride"])
+    budget = parse_budget(budget_text, model_bytes(manifest))
+    staging_rows = min(RING_BUFFERS * n_ff, max(1, STAGING_BYTES // stride))
+    resident = resident_bytes(manifest, n_ctx, process, predictor, reader_stage,
+                              staging_rows * stride, keep_tokenizer)
+    always, groups, embed = dense_groups(manifest)
+    dense_all = always + sum(b for _, b in groups) + embed[1]
+    fixed = sum(resident.values()) + always + (0 if naive else 4 * n_ff * n_layers)
+    row = n_layers * (stride + ROW_MAP_BYTES)
+    full_cache = 0 if naive else n_ff * row
+    _check_tokenizer_load(manifest, budget, budget_text, process)
+    kept, streamed, left = dense_all, [], budget - fixed - (dense_all - always)
+    if left < full_cache:         # streaming what does not fit, or the embeddings, may read less
+        stream = _stream_plan(manifest, n_ctx, budget - fixed, groups, embed)
+        if stream is None and left < 0:
+            reserve = stream_reserve(manifest, n_ctx)
+            _refuse(budget, budget_text, {**resident, "dense vectors": always,
+                                          "stream buffers": reserve}, fixed + reserve)
+        if stream is not None and (left < 0 or _read_per_token(full_cache, stream, groups)
+                                   < full_cache - left):
+            kept, streamed, left = always + stream[0], stream[1], stream[2]
+        if not naive:
+            cur = (kept - always, streamed, left)
+            kept, streamed, left = _head_overlap(manifest, n_ctx, budget - fixed, groups, embed,
+                                                 full_cache, cur)
+            kept += always
+    capacity = 0 if naive else min(n_ff, left // row)
+    per_token = _streamed_bytes(groups, streamed)
+    resident = {"dense weights": kept, **resident}
+    if streamed:
+        resident["stream buffers"] = stream_reserve(manifest, n_ctx, set(streamed))
+    hot_first = f.get("neuron_order") is not None
+    pins = capacity if capacity == n_ff else int(capacity * pin_fraction) if hot_first else 0
+    notes = () if hot_first or naive else ("no hot-first neuron order (run calibrate): "
+                                           "the caches hold the first neurons, not the most "
+                                           "active",)
+    return BudgetPlan(budget, resident, n_layers, n_ff, stride, int(capacity), int(pins),
+                      staging_rows, notes, tuple(streamed), per_token)
+
+
+def _read_per_token(full_cache: int, stream: tuple, groups: list) -> int:
+    """Bytes a token reads under a stream plan when every cache byte saves one read byte (static
+    reads; less with a predictor): the FFN the caches miss plus the streamed matrices. Streaming
+    a matrix to grow the caches never pays by this count (its stream buffers come off the caches
+    too) — only what does not fit, the embeddings (one row per token) and, for the overlap of its
+    compute with reads, the output head should stream."""
+    return max(0, full_cache - stream[2]) + _streamed_bytes(groups, stream[1])
+
+
+def _streamed_bytes(groups: list, streamed) -> int:
+    """Bytes of the dense groups read per token when the names streamed stream."""
+    return sum(b for names, b in groups if names[0] in streamed)
+
+
+def _head_overlap(manifest: dict, n_ctx: int, avail: int, groups: list, embed: tuple,
+                  full_cache: int, cur: tuple) -> tuple:
+    """cur (dense bytes kept, names streamed, bytes left for the caches), or the plan that
+    streams the output head too when the caches can take the DRAM it frees. The bytes a token
+    reads are then the same but for the head's two stream buffers, and the head's compute — the
+    longest stretch of a token with nothing to read — overlaps the reads of its own extents
+    instead of stalling the read-ahead ring once its buffers are full (1.5B at 560 MiB: the
+    ring idled 20 ms a token with the head resident, 3-6 with it streamed)."""
+    head = groups[-1][0][0]
+    if head in cur[1]:
+        return cur
+    alt = _stream_plan(manifest, n_ctx, avail, groups, embed, stream_head=True)
+    if alt is None:
+        return cur
+    buffers = stream_reserve(manifest, n_ctx, set(alt[1])) - \
+        stream_reserve(manifest, n_ctx, set(alt[1]) - {head})     # the head's two chunks
+    more = _read_per_token(full_cache, alt, groups) - _read_per_token(full_cache, cur, groups)
+    return alt if more <= buffers else cur
+
+
+def _stream_plan(manifest: dict, n_ctx: int, avail: int, groups: list, embed: tuple,
+                 stream_head: bool = False):
+    """(dense bytes kept, names streamed, bytes left for the caches) when the groups are kept in
+    order while they fit (the output head, the last group, streams anyway with stream_head) and
+    the embeddings stream; None when even the buffers do not fit."""
+    reserve = stream_reserve(manifest, n_ctx)
+    if avail < reserve:
+        return None
+    kept, streamed, left = 0, [], avail - reserve
+    for i, (names, nbytes) in enumerate(groups):
+        if nbytes <= left and not (stream_head and i == len(groups) - 1):
+            kept, left = kept + nbytes, left - nbytes
+        else:
+            streamed += names
+    streamed += embed[0]
+    return kept, streamed, left + reserve - stream_reserve(manifest, n_ctx, set(streamed))
+
+
+def _check_tokenizer_load(manifest: dict, budget: int, text: str, process: int) -> None:
+    """The tokenizers object peaks while it loads (before the model): it must fit then."""
+    need = process + (TOKENIZER_LOAD + 1) * int(manifest["tokenizer"].get("nbytes") or 0)
+    if budget < need:
+        raise BudgetError(f"--dram-budget {text} ({mib(budget, up=False)}) cannot load the "
+                          f"tokenizer: the process and the tokenizer peak at {mib(need)} while "
+                          f"the prompt is encoded")
+
+
+def _refuse(budget: int, text: str, parts: dict, need: int) -> None:
+    listed = ", ".join(f"{k} {mib(v)}" for k, v in parts.items() if v)
+    raise BudgetError(f"--dram-budget {text} ({mib(budget, up=False)}) is below the {mib(need)} "
+                      f"that must stay resident ({listed}); give at least {mib(need)}, or a shorter "
+                      f"context (--ctx-size, or the prompt + --n-predict)")

@@ -1,0 +1,122 @@
+"""The forward pass, top to bottom, over a converted flash model.
+
+One code path serves prefill (T tokens at once) and decode (T = 1):
+
+    x = embed(tokens) [+ learned positions] [@ proj_in]
+    for each layer:
+        x += attn_output(attention(rope(q), rope(k) → KV cache, v))     of norm(x)
+        x += ffn_bundles(norm(x)) [+ down bias]
+    logits = output([proj_out](norm(x)))
+
+Per-token math runs in C through kernel.py; numpy only reshapes and adds. The FFN of each layer
+is a strategy object (flashllm/ffn.py): `ffn(layer, h, x)` adds the FFN of h to x. The default,
+DenseFfn, reads every layer's bundles into DRAM; the sparse flash FFN streams them. The other
+weights come from a DenseWeights (flashllm/dense_stream.py): resident, or streamed from dense.bin
+where the DRAM budget cannot hold them.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from flashllm.ffi import kernel
+from flashllm.runtime.weights import DenseWeights, Layer
+from flashllm.errors import FlashError
+from flashllm.runtime.ffn import DenseFfn
+
+
+class ContextError(FlashError):
+    """A forward pass that would run past the KV cache (n_ctx) or got no tokens."""
+
+
+KV_DTYPES = {"f32": np.float32, "f16": np.float16}   # the KV cache's element type
+
+
+class Model:
+    """A flash model made runnable: dense weights, an FFN strategy, a preallocated KV cache."""
+
+    def __init__(self, flash, n_threads: int = 1, n_ctx: int = 2048, ffn=None, weights=None,
+                 exact: bool = False, kv_dtype: str = "f32"):
+        cfg = flash.config
+        if n_ctx <= 0:
+            raise ContextError(f"n_ctx={n_ctx} must be positive")
+        self.config = cfg
+        self.n_threads = n_threads
+        self.n_ctx = n_ctx
+        self.exact = exact      # q4_0 / q4_1 / q8_0 matmuls in f32 instead of on int8 activations
+        self.ffn = DenseFfn(flash, n_threads, exact=exact) if ffn is None else ffn
+        self.w = DenseWeights(flash, n_threads) if weights is None else weights
+        shape = (cfg.n_layers, n_ctx, cfg.n_kv_heads, cfg.head_dim)
+        if kv_dtype not in KV_DTYPES:
+            raise ContextError(f"kv_dtype {kv_dtype!r}: expected one of {', '.join(KV_DTYPES)}")
+        kv = KV_DTYPES[kv_dtype]      # `run` keeps f16 keys/values, as llama.cpp does
+        self.k_cache = np.zeros(shape, dtype=kv)                         # (n_layers, n_ctx, n_kv, hd)
+        self.v_cache = np.zeros(shape, dtype=kv)                         # (n_layers, n_ctx, n_kv, hd)
+
+    def reset(self) -> None:
+        """Forget the context: clear the KV cache."""
+        self.k_cache.fill(0.0)
+        self.v_cache.fill(0.0)
+
+    def forward(self, tokens, pos0: int, last_only: bool = False) -> np.ndarray:
+        """logits (T, vocab) f32 for tokens (T,) at positions pos0 .. pos0+T-1; (1, vocab) for
+        the last position only when last_only (a prompt's prefill: the FFN's stats count the pass
+        as prefill, any other as decode). Keys/values of those positions enter the cache."""
+        tokens = np.ascontiguousarray(tokens, dtype=np.int32).reshape(-1)  # (T,)
+        T = len(tokens)
+        if T == 0 or pos0 < 0 or pos0 + T > self.n_ctx:
+            raise ContextError(f"cannot run {T} tokens at position {pos0}: the context holds "
+                               f"{self.n_ctx} (raise --ctx-size)")
+        pos = np.arange(pos0, pos0 + T, dtype=np.int32)                  # (T,)
+        self.ffn.start_pass(T, prefill=last_only)
+        x = self._embed(tokens, pos)                                     # (T, d_model)
+        for i in range(self.config.n_layers):
+            layer = self.w.layer(i)
+            h = self._norm(x, layer.attn_norm, layer.attn_norm_b)        # (T, d_model)
+            x += self._attention(i, layer, h, pos, pos0)                 # (T, d_model)
+            h = self._norm(x, layer.ffn_norm, layer.ffn_norm_b)          # (T, d_model)
+            self.ffn(i, h, x)                                            # x (T, d_model) += ffn(h)
+            if layer.down_b is not None:
+                x += layer.down_b
+        if last_only:
+            x = np.ascontiguousarray(x[-1:])                             # (1, d_model)
+        x = self._norm(x, self.w.out_norm, self.w.out_norm_b)            # (T, d_model)
+        if self.w.proj_out is not None:
+            x = kernel.matmul(self.w.proj_out, x, None, self.n_threads, self.exact)  # (T, d_embed)
+        return self._output(x)                                           # (T, vocab)
+
+    def _output(self, x: np.ndarray) -> np.ndarray:
+        """(T, vocab) logits, resident or streamed head."""
+        return self.w.output(x, self.exact)                              # (T, vocab)
+
+    def _embed(self, tokens: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        cfg = self.config
+        if tokens.min() < 0 or tokens.max() >= cfg.vocab_size:
+            raise ContextError(f"token id outside the vocabulary [0, {cfg.vocab_size})")
+        x = self.w.embed(tokens)                                         # (T, embed_dim)
+        if self.w.proj_in is not None:
+            x = kernel.matmul(self.w.proj_in, x, None, self.n_threads, self.exact)  # (T, d_model)
+        if cfg.pos == "learned":
+            x += kernel.get_rows(self.w.pos_embd, pos + cfg.pos_offset)  # (T, d_model)
+        return np.ascontiguousarray(x, dtype=np.float32)
+
+    def _norm(self, x: np.ndarray, w: np.ndarray, b: Optional[np.ndarray]) -> np.ndarray:
+        if self.config.norm == "rms":
+            return kernel.rmsnorm(x, w, self.config.norm_eps)            # (T, d_model)
+        return kernel.layernorm(x, w, b, self.config.norm_eps)           # (T, d_model)
+
+    def _attention(self, i: int, L: Layer, h: np.ndarray, pos: np.ndarray, pos0: int):
+        cfg, nt, ex = self.config, self.n_threads, self.exact
+        T, hd = len(h), cfg.head_dim
+        q = kernel.matmul(L.wq, h, L.bq, nt, ex).reshape(T, cfg.n_heads, hd)       # (T, n_heads, hd)
+        k = kernel.matmul(L.wk, h, L.bk, nt, ex).reshape(T, cfg.n_kv_heads, hd)    # (T, n_kv, hd)
+        v = kernel.matmul(L.wv, h, L.bv, nt, ex).reshape(T, cfg.n_kv_heads, hd)    # (T, n_kv, hd)
+        if cfg.pos == "rope":
+            kernel.rope(q, pos, cfg.rope_theta, hd)
+            kernel.rope(k, pos, cfg.rope_theta, hd)
+        self.k_cache[i, pos0:pos0 + T] = k
+        self.v_cache[i, pos0:pos0 + T] = v
+        o = kernel.attention(q, self.k_cache[i], self.v_cache[i], pos0, hd ** -0.5,
+                             n_threads=nt)                                # (T, n_heads * hd)
+        return kernel.matmul(L.wo, o, L.bo, nt, ex)                       # (T, d_model)

@@ -1,0 +1,392 @@
+"""The sparse flash FFN: per token, predictor → neuron cache → direct-I/O reads of the misses →
+sparse FFN in C over the resident bundles, under the DRAM budget's plan (budget.py).
+
+Decode (one token, or a token + draft guesses: their union), per layer:
+    slots = predictor.predict(layer, h)          sorted int32 slots predicted active
+    hits, misses = cache.lookup(slots)           rows already in DRAM / slots to read
+    rows = cache.insert(misses)                  rows for the misses (evicting stale rows)
+    read misses → rows   (a worker thread)   ‖   y += FFN over the hits (C kernel, no GIL)
+    y += FFN over the new rows; misses the cache could not take stream through the staging buffer
+Static passes: when every token needs the same slots 0 .. k-1 (predictor.AllSlots: no trained
+predictor; or --naive, the paper's baseline, every bundle every token), every cache row is pinned
+and the rest is read by one read-ahead schedule (pass_reads.py) that runs ahead of the forward
+pass, across layers and passes (decode and prefill alike), through the staging memory cut into
+four page-aligned buffers; streamed attention and a streamed output head join the same schedule
+(stream_dense), so one queue feeds the device.
+With a predictor, a prefill (T > 1) reads each layer whole and sequentially through the staging
+buffer's two halves (pinned rows come from the cache) and computes densely. Every path applies
+the layer's calibrated magnitude threshold (manifest `sparsity.thresholds`, 0 when
+absent). Predictors: anything with predict(layer, h) -> sorted int32 slots and nbytes; with an
+`n_static` attribute k it promises slots 0 .. k-1 for every input.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
+
+import numpy as np
+
+from flashllm.ffi import kernel
+from flashllm.runtime.budget import RING_BUFFERS, BudgetPlan
+from flashllm.sparsity.activations import exact_active, manifest_thresholds
+from flashllm.runtime.neuron_cache import NeuronCache
+from flashllm.storage.costmodel import CostModel, batch_reads
+from flashllm.runtime.ffn import bundle_ids, up_biases
+from flashllm.runtime.stats import FlashStats, TokenStats, reader_delta
+from flashllm.ffi.reader import aligned_empty
+from flashllm.runtime.schedule import PassReads
+from flashllm.storage.readahead import page_chunks, page_rows
+
+clock = time.perf_counter
+SERIAL_BYTES = 256 << 10       # an FFN call over fewer bundle bytes (x tokens) runs on one thread
+
+
+class SparseFlashFfn:
+    """An FFN strategy (flashllm/ffn.py) that streams bundles from ffn.bin through `reader`."""
+
+    def __init__(self, flash, predictor, budget_plan: BudgetPlan, reader, n_threads: int = 1,
+                 window: int = 4, naive: bool = False, cost: Optional[CostModel] = None,
+                 check: bool = False, overlap: bool = True):
+        cfg, f = flash.config, flash.ffn
+        self.flash, self.f, self.predictor, self.reader = flash, f, predictor, reader
+        self.d, self.glu, self.act, self.n_threads = cfg.d_model, cfg.glu, cfg.act, n_threads
+        self.naive, self.check, self.plan, self.overlap = naive, check, budget_plan, overlap
+        self.ids = [bundle_ids(flash, i) for i in range(cfg.n_layers)]   # (n_ff,) int32 or None
+        self.up_b = up_biases(flash)                                     # (n_ff,) f32 or None
+        self.threshold = manifest_thresholds(flash.manifest, cfg.n_layers)
+        rows = 2 * max(1, budget_plan.staging_rows // 2)                 # two halves
+        self.staging = aligned_empty(rows * f.stride).reshape(-1, f.stride)  # (rows, stride)
+        self._ahead = None            # (layer, first chunk, half, read job) issued ahead
+        cost = cost or CostModel.defaults()
+        self.cost = cost
+        static = getattr(predictor, "n_static", None)   # a static set: every cache row pinned
+        pins = budget_plan.n_pinned if static is None else min(budget_plan.capacity, static)
+        self.caches = [] if naive else [
+            NeuronCache(f.n_ff, budget_plan.capacity, f.stride, window, pins)
+            for _ in range(cfg.n_layers)]
+        self.rec = FlashStats("naive" if naive else "sparse", {"summary": budget_plan.summary()})
+        self._token: Optional[TokenStats] = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="flashllm-read")
+        for layer, cache in enumerate(self.caches):
+            self._read_seq(layer, cache.pin(), cache.matrix, None)
+        self._slots = np.arange(f.n_ff, dtype=np.int32)    # (n_ff,) sliced per chunk: no arange per token
+        self.reads = self._make_reads(cfg.n_layers)
+
+    def _static_slots(self) -> Optional[int]:
+        """k when every token needs slots 0 .. k-1 (naive, or a predictor independent of the
+        input), else None."""
+        return self.f.n_ff if self.naive else getattr(self.predictor, "n_static", None)
+
+    def _make_reads(self, n_layers: int) -> Optional[PassReads]:
+        """The read-ahead schedule of a static pass: the slots past the pinned cache rows in
+        chunks of one ring buffer; None when the set is not static or all cached."""
+        k = self._static_slots()
+        if k is None:
+            return None
+        first = 0 if self.naive else min(self.caches[0].n_pinned, k)
+        n_buf = RING_BUFFERS if len(self.staging) >= 2 * RING_BUFFERS else 2
+        step = len(self.staging) // n_buf
+        page = page_rows(self.f.stride)
+        step = step // page * page if step >= page else step   # buffers start on a page
+        chunks = [[(a, b - a) for a, b in page_chunks(self.f.layer_offsets[layer], self.f.stride,
+                                                       first, k, step)]
+                  for layer in range(n_layers)]                        # [layer][j] = (first, n)
+        buffers = self.staging[:n_buf * step].reshape(n_buf, step, self.f.stride)  # (n_buf, step, stride)
+        reads = PassReads(buffers, chunks, self._static_request)
+        return reads if reads.ring is not None else None
+
+    @property
+    def ring(self):
+        """The read-ahead ring of a static pass (None without one)."""
+        return None if self.reads is None else self.reads.ring
+
+    def stream_dense(self, attention: dict, head: tuple) -> bool:
+        """Streamed dense weights join the static pass's schedule (pass_reads.py): attention
+        {layer: (reader, offsets, lengths, dst offsets)}, head (reader, [(offset, nbytes)]).
+        False (nothing changes) without a schedule or when a piece does not fit a buffer."""
+        if self.reads is None:
+            return False
+        sizes = [int(d[-1] + n[-1]) for _, _, n, d in attention.values()] + \
+            [int(n) for _, n in head[1]]
+        if not sizes or max(sizes) > self.reads.buffer_bytes:
+            return False
+        self.reads.add_dense(attention, head)
+        return True
+
+    def attention_bytes(self, layer: int):
+        """(bytes of layer's streamed attention, read counters), valid until the next read is
+        taken; None when the schedule does not carry it."""
+        if self.reads is None or not self.reads.has_attention(layer):
+            return None
+        rows, counters = self.reads.take(("attn", layer), hold=False)   # (n, stride)
+        return rows.reshape(-1), counters
+
+    def head_chunks(self):
+        """Iterator of (extent index, bytes (nbytes,), read counters) over the output head's
+        extents, each valid until the next; None when the schedule does not carry the head."""
+        if self.reads is None or not self.reads.head_extents:
+            return None
+        return self._take_head()
+
+    def _take_head(self):
+        for j, (_, nbytes) in enumerate(self.reads.head_extents):
+            rows, counters = self.reads.take(("head", j))                # (n, stride)
+            try:
+                yield j, rows.reshape(-1)[:nbytes], counters
+            finally:
+                self.reads.release()
+
+    # ---- the strategy seam -------------------------------------------------------------------
+
+    def start_pass(self, n_tokens: int, prefill: bool) -> None:
+        self._token = self.rec.start("prefill" if prefill else "decode", n_tokens)
+
+    def __call__(self, layer: int, h: np.ndarray, x: np.ndarray) -> None:
+        if self._static_slots() is not None:
+            self._static_pass(layer, h, x)
+        elif len(h) == 1 or self._token.kind == "decode":   # a decode pass: + draft guesses
+            self._decode(layer, h, x)
+        else:
+            self._whole_layer(layer, h, x)
+
+    def stats(self) -> dict:
+        threads = self.reader.n_threads
+        return {**self.rec.to_dict(lambda size: self.cost.gib_s(threads, max(size, 1.0))),
+                "read_threads": threads}
+
+    def close(self) -> None:
+        """Stop reading ahead, close the readers (the FFN's and the ring's dense one)."""
+        if self.reads is not None:
+            self.reads.close()
+        self._pool.shutdown(wait=True)
+        self.reader.close()
+
+    # ---- prefill and naive: whole layers ----------------------------------------------------
+
+    def _whole_layer(self, layer: int, h: np.ndarray, x: np.ndarray) -> None:
+        """A prefill (T > 1) with a predictor: pinned rows from the cache, every other slot
+        streamed in order; it also seeds the cache with what its last tokens predict (static
+        passes, --naive included, read through the ring instead)."""
+        cache = self.caches[layer]
+        pinned = cache.n_pinned
+        ahead = None if layer + 1 == len(self.ids) else layer + 1
+        fill = self._seed(layer, cache, h)
+        if pinned:
+            t0 = clock()
+            self._compute(layer, cache.matrix, np.arange(pinned, dtype=np.int32), h, x, cache)
+            self._token.compute_s += clock() - t0
+        if pinned < self.f.n_ff:
+            self._stream(layer, np.arange(pinned, self.f.n_ff, dtype=np.int32), h, x, ahead, fill)
+
+    def _seed(self, layer: int, cache: NeuronCache, h: np.ndarray):
+        """Rows for the slots the prompt's last `window` tokens predict: (matrix, slots (k,),
+        rows (k,)) for _stream to copy from staging as the slots pass by."""
+        t0 = clock()
+        slots = np.asarray(self.predictor.predict(layer, h[-cache.window:]), np.int32)  # (n,)
+        cache.next_token()
+        _, miss = cache.lookup(slots)                            # (m,)
+        rows = cache.insert(miss)                                # (k,)
+        self._token.mm_s += clock() - t0
+        return cache.matrix, miss[:len(rows)], rows
+
+    # ---- decode ------------------------------------------------------------------------------
+
+    def _decode(self, layer: int, h: np.ndarray, x: np.ndarray) -> None:
+        t, cache = self._token, self.caches[layer]
+        t0 = clock()
+        slots = np.asarray(self.predictor.predict(layer, h), dtype=np.int32)  # (n,) sorted
+        t1 = clock()
+        cache.next_token()
+        rows_hit, miss = cache.lookup(slots)                     # (h,) rows, (m,) slots
+        rows_new = cache.insert(miss)                            # (k,) rows for miss[:k]
+        fit, over = miss[:len(rows_new)], miss[len(rows_new):]   # (k,) cached, (m-k,) streamed
+        t2 = clock()
+        job = self._pool.submit(self._read_rows, layer, fit, cache.matrix, rows_new, t) \
+            if len(fit) else None
+        waited = 0.0              # without overlap: the read finishes before the hits compute
+        if job is not None and not self.overlap:
+            job.result()
+            waited = clock() - t2
+        self._compute(layer, cache.matrix, rows_hit, h, x, cache)
+        t3 = clock()
+        if job is not None:
+            job.result()
+        t4 = clock()
+        self._compute(layer, cache.matrix, rows_new, h, x, cache)
+        t5 = clock()
+        if len(over):
+            self._stream(layer, over, h, x)
+        t.predict_s += t1 - t0
+        t.mm_s += t2 - t1
+        t.io_s += (t4 - t3) + waited
+        t.compute_s += (t3 - t2 - waited) + (t5 - t4)
+        t.active += len(slots)
+        t.hits += len(rows_hit)
+        if self.check:
+            self._check_recall(layer, h, slots, t)
+
+    def _static_pass(self, layer: int, h: np.ndarray, x: np.ndarray) -> None:
+        """A pass (any T) when the slots are static: the pinned cache rows, then the layer's
+        chunks from the read-ahead ring (already read, or in flight) as they come."""
+        t, cache = self._token, None if self.naive else self.caches[layer]
+        pinned = 0 if cache is None else cache.n_pinned
+        t0 = clock()
+        if pinned:
+            self._compute(layer, cache.matrix, self._slots[:pinned], h, x, cache)
+        t.compute_s += clock() - t0
+        t.active += self._static_slots()
+        t.hits += pinned
+        for key in ([] if self.reads is None else self.reads.ffn_keys(layer)):
+            t0 = clock()
+            rows, counters = self.reads.take(key)                        # (n, stride)
+            t1 = clock()
+            first, n = self.reads.chunk(key)
+            self._compute_block(layer, rows, self._slots[first:first + n], h, x)
+            self.reads.release()
+            t.add_reads(counters)
+            t.io_s += t1 - t0
+            t.compute_s += clock() - t1
+            t.streamed += n
+        if self.check and len(h) == 1:
+            self._check_recall(layer, h, self._slots[:self._static_slots()], t)
+
+    def _static_request(self, layer: int, first: int, n: int) -> tuple:
+        """The ring's FFN read of slots first .. first+n-1 (one sequential run): (reader,
+        offsets (1,), lengths (1,), dst offsets (1,))."""
+        start = self.f.layer_offsets[layer] + first * self.f.stride
+        return self.reader, np.array([start]), np.array([n * self.f.stride]), np.array([0])
+
+    def _compute(self, layer: int, matrix: np.ndarray, rows: np.ndarray, h: np.ndarray,
+                 x: np.ndarray, cache: Optional[NeuronCache] = None) -> None:
+        """x (T, d) += FFN over rows (k,) of matrix (n, stride); row i holds slot cache.slot_of[i]
+        (or slot i without a cache)."""
+        if len(rows) == 0:
+            return
+        ub, ids = self.up_b[layer], None
+        if ub is not None:
+            slots = cache.slot_of[:len(matrix)] if cache is not None else \
+                np.arange(len(matrix), dtype=np.int32)           # (n,) slot of each row
+            slots = np.maximum(slots, 0)
+            order = self.ids[layer]
+            ids = order[slots] if order is not None else slots   # (n,) neuron id of each row
+        kernel.ffn_bundles(matrix, self.f.dtype, self.d, self.glu, self.act, h, x, ids=ids,
+                           up_bias=ub, n_threads=self._threads(len(rows), len(h)), rows=rows,
+                           threshold=self.threshold[layer])
+
+    def _threads(self, n_rows: int, T: int) -> int:
+        """Threads for an FFN call over n_rows bundles of T tokens: one below SERIAL_BYTES of
+        bundles per token (waking a sleeping thread costs more than the work)."""
+        return 1 if n_rows * self.f.stride * T < SERIAL_BYTES else self.n_threads
+
+    # ---- reads -------------------------------------------------------------------------------
+
+    def _read_seq(self, layer: int, slots: np.ndarray, out: np.ndarray,
+                  t: Optional[TokenStats]) -> None:
+        """Consecutive slots (k,) → out rows 0 .. k-1 in one sequential run (cut into the
+        reader's largest reads)."""
+        if len(slots):
+            start = self.f.layer_offsets[layer] + int(slots[0]) * self.f.stride
+            nbytes = np.array([len(slots) * self.f.stride])              # (1,)
+            self._counted(t, self.reader.read, np.array([start]), nbytes, out.reshape(-1),
+                          np.array([0]), max_gap=0, max_run=0)
+
+    def _read_rows(self, layer: int, slots: np.ndarray, out: np.ndarray, rows: np.ndarray,
+                   t: Optional[TokenStats]) -> None:
+        """Bundles slots (k,) sorted → rows (k,) of out, merged across gaps the cost model pays."""
+        f, base = self.f, self.f.layer_offsets[layer]
+        offsets = base + slots.astype(np.int64) * f.stride               # (k,)
+        lengths = np.full(len(slots), f.stride, dtype=np.int64)          # (k,)
+        gap, run = batch_reads(self.cost, offsets, lengths, self.reader.n_threads)
+        self._counted(t, self.reader.read_bundles, base, f.stride, slots, out, rows,
+                      max_gap=gap, max_run=run)
+
+    def _counted(self, t: Optional[TokenStats], read, *args, **kwargs) -> None:
+        """read(*args, **kwargs), its reader counters added to t."""
+        before = self.reader.stats()
+        read(*args, **kwargs)
+        if t is not None:
+            t.add_reads(reader_delta(before, self.reader.stats()))
+
+    def _stream(self, layer: int, slots: np.ndarray, h: np.ndarray, x: np.ndarray,
+                 ahead: Optional[int] = None, fill=None) -> None:
+        """x += FFN over slots (m,) read through the staging buffer's two halves: chunk c+1 is
+        read while chunk c computes. ahead: a layer whose first chunk (same slots) to read while
+        the last chunk computes (the next layer of a prefill). fill: (matrix, slots, rows) to
+        copy into the cache as they pass (consecutive chunks only)."""
+        t, step = self._token, len(self.staging) // 2
+        chunks = [slots[c:c + step] for c in range(0, len(slots), step)]   # each (k,)
+        job, half = self._take_ahead(layer, chunks[0])
+        if job is None:
+            job = self._pool.submit(self._read_chunk, layer, chunks[0], half, t)
+        for i, chunk in enumerate(chunks):
+            t0 = clock()
+            job.result()
+            t1 = clock()
+            if i + 1 < len(chunks):
+                job = self._pool.submit(self._read_chunk, layer, chunks[i + 1], 1 - half, t)
+            elif ahead is not None:
+                self._ahead = (ahead, chunks[0], 1 - half,
+                               self._pool.submit(self._read_chunk, ahead, chunks[0], 1 - half, t))
+            self._compute_staged(layer, chunk, half, h, x)
+            if fill is not None:
+                self._fill(fill, chunk, half)
+            t.io_s += t1 - t0
+            t.compute_s += clock() - t1
+            t.streamed += len(chunk)
+            half = 1 - half
+
+    def _fill(self, fill, chunk: np.ndarray, half: int) -> None:
+        """Copy the fill slots that lie in chunk (consecutive slots, in staging half `half`)
+        into their cache rows."""
+        matrix, slots, rows = fill                               # (cap, stride), (k,), (k,)
+        sel = (slots >= chunk[0]) & (slots <= chunk[-1])         # (k,)
+        if sel.any():
+            step = len(self.staging) // 2
+            matrix[rows[sel]] = self.staging[half * step + slots[sel] - chunk[0]]
+
+    def _take_ahead(self, layer: int, first: np.ndarray):
+        """(the pending read of layer's first chunk, its half) if one was issued ahead, else
+        (None, 0); a read issued ahead for something else is waited for and dropped."""
+        pending, self._ahead = self._ahead, None
+        if pending is None:
+            return None, 0
+        p_layer, p_chunk, p_half, job = pending
+        if p_layer == layer and np.array_equal(p_chunk, first):
+            return job, p_half
+        job.result()
+        return None, 0
+
+    def _read_chunk(self, layer: int, chunk: np.ndarray, half: int, t: TokenStats) -> None:
+        """Slots chunk (k,) → staging half `half`: one run when they are consecutive."""
+        step = len(self.staging) // 2
+        out = self.staging[half * step:(half + 1) * step]                 # (step, stride)
+        if int(chunk[-1] - chunk[0]) + 1 == len(chunk):
+            self._read_seq(layer, chunk, out, t)
+        else:
+            self._read_rows(layer, chunk, out, np.arange(len(chunk), dtype=np.int32), t)
+
+    def _compute_staged(self, layer: int, chunk: np.ndarray, half: int, h: np.ndarray,
+                        x: np.ndarray) -> None:
+        """x += FFN over staging half `half`, whose rows 0 .. k-1 hold slots chunk (k,)."""
+        step = len(self.staging) // 2
+        self._compute_block(layer, self.staging[half * step:half * step + len(chunk)], chunk, h, x)
+
+    def _compute_block(self, layer: int, rows: np.ndarray, slots: np.ndarray, h: np.ndarray,
+                       x: np.ndarray) -> None:
+        """x += FFN over bundle rows (k, stride) holding slots (k,)."""
+        ub, ids, order = self.up_b[layer], None, self.ids[layer]
+        if ub is not None:
+            ids = order[slots] if order is not None else slots   # (k,) neuron ids
+        kernel.ffn_bundles(rows, self.f.dtype, self.d, self.glu, self.act, h, x, ids=ids,
+                           up_bias=ub, n_threads=self._threads(len(rows), len(h)),
+                           threshold=self.threshold[layer])
+
+    # ---- predictor recall (check mode) -------------------------------------------------------
+
+    def _check_recall(self, layer: int, h: np.ndarray, slots: np.ndarray, t: TokenStats) -> None:
+        """Counts this token's exact active set (slow: dequantizes the layer) and how much of it
+        the predictor found."""
+        true = exact_active(self.flash, layer, h, self.threshold[layer])   # (a,) slots
+        t.true_active += len(true)
+        t.true_hits += int(np.isin(true, slots, assume_unique=True).sum())

@@ -1,0 +1,290 @@
+"""The model's dense weights (embeddings, attention, output head), resident or streamed.
+
+`DenseWeights` answers the three questions a forward pass asks of them:
+
+    embed(tokens)  (T, embed_dim)   rows of token_embd: get_rows in DRAM, or those rows read from
+                                    dense.bin (one small read per distinct row)
+    layer(i)       Layer            attention matrices in DRAM, or read per layer into one of two
+                                    reused aligned buffers while the previous layer computes
+    output(x)      (T, vocab)       the head in DRAM, or read in row chunks (double-buffered) and
+                                    multiplied chunk by chunk
+
+Vectors (norms, biases) are always resident. Which matrices stream is the budget plan's decision
+(budget.py: `BudgetPlan.streamed`); reads go through the direct-I/O Reader (ioreader.py), or,
+when the FFN's reads are static, come from its read-ahead schedule (`layer_source`,
+`head_source`, set by runtime.stream_dense: pass_reads.py).
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import numpy as np
+
+from flashllm.ffi import kernel
+from flashllm.format.reader import as_tensor
+from flashllm.model.tensor import QTensor
+
+ATTN_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output")
+CHUNK_BYTES = 4 << 20          # rows of the streamed output head read at once (per buffer)
+ALIGN = 4096
+ROW_GROUP = 64                 # head chunks start at multiples of this many rows: the matmul kernel
+                               # sums row tiles (native/ops.c TILE 4) alike only when aligned
+
+
+@dataclass
+class Layer:
+    """One transformer block's attention, norms and biases. Matrices are QTensors, vectors f32."""
+    attn_norm: np.ndarray               # (d_model,)
+    attn_norm_b: Optional[np.ndarray]   # (d_model,) LayerNorm models only
+    wq: QTensor                         # (n_heads * hd, d_model)
+    wk: QTensor                         # (n_kv * hd, d_model)
+    wv: QTensor                         # (n_kv * hd, d_model)
+    wo: QTensor                         # (d_model, n_heads * hd)
+    bq: Optional[np.ndarray]            # (n_heads * hd,)
+    bk: Optional[np.ndarray]            # (n_kv * hd,)
+    bv: Optional[np.ndarray]            # (n_kv * hd,)
+    bo: Optional[np.ndarray]            # (d_model,)
+    ffn_norm: np.ndarray                # (d_model,)
+    ffn_norm_b: Optional[np.ndarray]    # (d_model,)
+    down_b: Optional[np.ndarray]        # (d_model,)
+
+
+def _opt(flash, name: str) -> Optional[np.ndarray]:
+    """The tensor `name` if the model has it, else None."""
+    return flash.tensor(name) if flash.has(name) else None
+
+
+def attn_names(i: int) -> list[str]:
+    """The dense tensor names of layer i's attention matrices."""
+    return [f"blk.{i}.{m}.weight" for m in ATTN_MATRICES]
+
+
+def load_layer(flash, i: int, matrices: Optional[list] = None) -> Layer:
+    """Layer i: vectors read now; matrices (wq, wk, wv, wo) given, or read now too."""
+    p = f"blk.{i}."
+    wq, wk, wv, wo = matrices or [flash.tensor(n) for n in attn_names(i)]
+    return Layer(
+        attn_norm=flash.tensor(p + "attn_norm.weight"), attn_norm_b=_opt(flash, p + "attn_norm.bias"),
+        wq=wq, wk=wk, wv=wv, wo=wo,
+        bq=_opt(flash, p + "attn_q.bias"), bk=_opt(flash, p + "attn_k.bias"),
+        bv=_opt(flash, p + "attn_v.bias"), bo=_opt(flash, p + "attn_output.bias"),
+        ffn_norm=flash.tensor(p + "ffn_norm.weight"), ffn_norm_b=_opt(flash, p + "ffn_norm.bias"),
+        down_b=_opt(flash, p + "ffn_down.bias"),
+    )
+
+
+def aligned_offsets(sizes: Iterable[int]) -> tuple[list[int], int]:
+    """Offsets of consecutive pieces each starting on a 4096-byte boundary, and the total."""
+    offs, end = [], 0
+    for n in sizes:
+        offs.append(end)
+        end += -(-int(n) // ALIGN) * ALIGN
+    return offs, end
+
+
+def stream_buffer_bytes(layer_bytes: int, head: bool, embed_rows: int) -> int:
+    """DRAM of the streaming buffers: two layer buffers, two head chunks, the embedding rows."""
+    return 2 * layer_bytes + (2 * CHUNK_BYTES if head else 0) + embed_rows
+
+
+class DenseWeights:
+    """The dense weights of a forward pass; `streamed` names the matrices read per use."""
+
+    def __init__(self, flash, n_threads: int = 1, streamed: Iterable[str] = (), reader=None,
+                 chunk_bytes: int = CHUNK_BYTES):
+        cfg = flash.config
+        self.flash, self.n_threads, self.chunk_bytes = flash, n_threads, chunk_bytes
+        self.streamed = frozenset(streamed)
+        self.reader = reader
+        self.tied = not flash.has("output.weight")
+        self.head_name = "token_embd.weight" if self.tied else "output.weight"
+        self.pos_embd = _opt(flash, "position_embd.weight")              # QTensor (n_pos, d_model)
+        self.proj_in = _opt(flash, "proj_in.weight")                     # QTensor (d_model, embed_dim)
+        self.proj_out = _opt(flash, "proj_out.weight")                   # QTensor (embed_dim, d_model)
+        self.out_norm = flash.tensor("output_norm.weight")               # (d_model,)
+        self.out_norm_b = _opt(flash, "output_norm.bias")                # (d_model,)
+        self.token_embd = self._resident("token_embd.weight")            # QTensor (vocab, embed_dim)
+        self.head = (self.token_embd if self.tied else self._resident("output.weight"))
+        self.layers = [load_layer(flash, i, None if self._layer_resident(i) else [None] * 4)
+                       for i in range(cfg.n_layers)]
+        self._layer_bufs = self._buffers(max((self._layer_span(i)[1] for i in self._stream_layers()),
+                                             default=0))
+        chunk = 0 if self.head is not None else max(n for _, n in self.head_extents(chunk_bytes))
+        self._head_bufs = self._buffers(chunk)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="flashllm-dense") \
+            if self.streamed else None
+        self._pending = None          # (layer, buffer index, future) of the prefetched layer
+        self.bytes_read, self.read_seconds, self.ring_idle = 0, 0.0, 0.0
+        self.head_source = None       # () -> head chunks someone else reads (head_extents), or None
+        self.layer_source = None      # i -> (bytes, counters) of layer i's attention read
+                                      # elsewhere (attention_extents), or None
+
+    # ---- what the forward pass asks ---------------------------------------------------------
+
+    def embed(self, tokens: np.ndarray) -> np.ndarray:
+        """(T, embed_dim) f32 embedding rows of tokens (T,)."""
+        if self.token_embd is not None:
+            return kernel.get_rows(self.token_embd, tokens)               # (T, embed_dim)
+        t = self.flash.dense_entry("token_embd.weight")
+        rows, cols = t["shape"]
+        rb = t["nbytes"] // rows
+        uniq, inverse = np.unique(tokens, return_inverse=True)           # (U,) (T,)
+        buf = np.empty(len(uniq) * rb, dtype=np.uint8)                   # (U * row_bytes,)
+        self._pool.submit(self._read, t["offset"] + uniq.astype(np.int64) * rb,   # one reader
+                          np.full(len(uniq), rb), buf,                            # thread
+                          np.arange(len(uniq), dtype=np.int64) * rb).result()
+        sub = QTensor(buf.reshape(len(uniq), rb), t["dtype"], len(uniq), cols)
+        return kernel.get_rows(sub, inverse.astype(np.int32))             # (T, embed_dim)
+
+    def layer(self, i: int) -> Layer:
+        """Layer i's weights; streamed matrices are valid until the next call."""
+        L = self.layers[i]
+        if self._layer_resident(i):
+            return L
+        got = self.layer_source(i) if self.layer_source is not None else None
+        if got is not None:
+            buf, counters = got
+            self._count(counters)
+            return self._with_matrices(L, self._views(i, buf))
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[0] == i:
+            k = pending[1]
+            pending[2].result()
+        else:
+            if pending is not None:
+                pending[2].result()
+            k = 0 if pending is None else 1 - pending[1]
+            self._read_layer(i, k)
+        nxt = self._next_streamed(i)
+        self._pending = (nxt, 1 - k, self._pool.submit(self._read_layer, nxt, 1 - k))
+        return self._with_matrices(L, self._views(i, self._layer_bufs[k]))
+
+    @staticmethod
+    def _with_matrices(L: Layer, matrices: list) -> Layer:
+        wq, wk, wv, wo = matrices
+        return Layer(**{**L.__dict__, "wq": wq, "wk": wk, "wv": wv, "wo": wo})
+
+    def streamed_layers(self) -> list[int]:
+        """The layers whose attention matrices stream."""
+        return self._stream_layers()
+
+    def attention_extents(self, i: int) -> tuple[list[int], list[int], list[int]]:
+        """(file offsets, lengths, destination offsets) of layer i's attention matrices in one
+        buffer: what layer_source(i)'s bytes must hold."""
+        entries = [self.flash.dense_entry(n) for n in attn_names(i)]
+        dst, _ = self._layer_span(i)
+        return [e["offset"] for e in entries], [e["nbytes"] for e in entries], dst
+
+    def output(self, x: np.ndarray, exact: bool = False) -> np.ndarray:
+        """(T, vocab) f32 logits of the normalized final hidden states x (T, embed_dim); exact:
+        q4_0 / q8_0 rows multiply f32 activations instead of int8 ones."""
+        if self.head is not None:
+            return kernel.matmul(self.head, x, None, self.n_threads, exact)  # (T, vocab)
+        chunks = self.head_source() if self.head_source is not None else None
+        if chunks is not None:
+            return self._output_of(chunks, x, exact)
+        return self._output_of(self._own_head_chunks(), x, exact)
+
+    def head_extents(self, max_bytes: int) -> list[tuple[int, int]]:
+        """The streamed head as (file offset, nbytes) pieces of whole ROW_GROUPs of rows, each
+        at most max_bytes (at least one group): what head_source's chunks must hold, in order."""
+        t = self.flash.dense_entry(self.head_name)
+        rows = t["shape"][0]
+        rb = t["nbytes"] // rows
+        step = max(ROW_GROUP, max_bytes // rb // ROW_GROUP * ROW_GROUP)
+        return [(t["offset"] + r0 * rb, (min(r0 + step, rows) - r0) * rb)
+                for r0 in range(0, rows, step)]
+
+    def _own_head_chunks(self):
+        """The head's extents (head_extents(chunk_bytes)) read by this object's reader into its
+        two head buffers, extent j + 1 while extent j computes; counters None (counted by _read)."""
+        extents = self.head_extents(self.chunk_bytes)
+        job = self._pool.submit(self._read, [extents[0][0]], [extents[0][1]], self._head_bufs[0], [0])
+        for j, (_, nbytes) in enumerate(extents):
+            job.result()
+            if j + 1 < len(extents):
+                off, nb = extents[j + 1]
+                job = self._pool.submit(self._read, [off], [nb], self._head_bufs[(j + 1) % 2], [0])
+            yield j, self._head_bufs[j % 2][:nbytes], None
+
+    def _output_of(self, chunks, x: np.ndarray, exact: bool) -> np.ndarray:
+        """(T, vocab) logits from head chunks: (extent index, bytes (nbytes,), read counters or
+        None when already counted) over head_extents in order."""
+        t = self.flash.dense_entry(self.head_name)
+        rows, cols = t["shape"]
+        rb = t["nbytes"] // rows
+        logits = np.empty((len(x), rows), dtype=np.float32)               # (T, vocab)
+        r0 = 0
+        for _, buf, counters in chunks:
+            n = len(buf) // rb
+            w = QTensor(buf.reshape(n, rb), t["dtype"], n, cols)
+            logits[:, r0:r0 + n] = kernel.matmul(w, x, None, self.n_threads, exact)  # (T, n)
+            if counters is not None:
+                self._count(counters)
+            r0 += n
+        if r0 != rows:
+            raise RuntimeError(f"the streamed head came in {r0} of its {rows} rows")
+        return logits
+
+    def stats(self) -> dict:
+        return {"dense_streamed": sorted(self.streamed), "dense_bytes_read": self.bytes_read,
+                "dense_read_s": self.read_seconds, "dense_ring_idle_s": self.ring_idle}
+
+    def _count(self, counters: dict) -> None:
+        """Counters of a read the FFN's read-ahead ring made for these weights."""
+        self.bytes_read += counters["bytes_requested"]
+        self.read_seconds += counters["read_s"]
+        self.ring_idle += counters.get("ring_idle_s", 0.0)
+
+    # ---- reads ------------------------------------------------------------------------------
+
+    def _resident(self, name: str):
+        return None if name in self.streamed else self.flash.tensor(name)
+
+    def _layer_resident(self, i: int) -> bool:
+        return not any(n in self.streamed for n in attn_names(i))
+
+    def _stream_layers(self) -> list[int]:
+        return [i for i in range(len(self.layers)) if not self._layer_resident(i)]
+
+    def _next_streamed(self, i: int) -> int:
+        """The streamed layer after i, wrapping to the first (the next token's)."""
+        s = self._stream_layers()
+        later = [j for j in s if j > i]
+        return later[0] if later else s[0]
+
+    def _layer_span(self, i: int) -> tuple[list[int], int]:
+        return aligned_offsets(self.flash.dense_entry(n)["nbytes"] for n in attn_names(i))
+
+    def _buffers(self, nbytes: int) -> list[np.ndarray]:
+        """Two 4096-aligned buffers (double buffering); none when nothing streams there."""
+        from flashllm.ffi.reader import aligned_empty
+        return [aligned_empty(-(-nbytes // ALIGN) * ALIGN) for _ in range(2)] if nbytes else []
+
+    def _read(self, offsets, lengths, dst: np.ndarray, dst_offsets) -> None:
+        """One batch of reads; only ever called on the pool's single thread."""
+        t0 = time.perf_counter()
+        self.reader.read(np.asarray(offsets, np.int64), np.asarray(lengths, np.int64), dst,
+                         np.asarray(dst_offsets, np.int64))
+        self.read_seconds += time.perf_counter() - t0
+        self.bytes_read += int(np.sum(lengths))
+
+    def _read_layer(self, i: int, k: int) -> None:
+        offsets, lengths, dst = self.attention_extents(i)
+        self._read(offsets, lengths, self._layer_bufs[k], dst)
+
+    def _views(self, i: int, buf: np.ndarray) -> list[QTensor]:
+        """Layer i's attention matrices over buf (bytes laid out by attention_extents)."""
+        dst, _ = self._layer_span(i)
+        return [as_tensor(buf[o:o + e["nbytes"]], e) for o, e in
+                zip(dst, (self.flash.dense_entry(n) for n in attn_names(i)))]
+
+    def close(self) -> None:
+        """Wait for the read in flight, then close the reader (it is this object's)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        if self.reader is not None:
+            self.reader.close()

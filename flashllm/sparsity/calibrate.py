@@ -1,0 +1,175 @@
+"""Calibration: run the dense model over calibration tokens, then thresholds, frequencies, the
+hot-first rewrite and a trained predictor, written into the model folder.
+
+The caller hands in the runnable model (flashllm.runtime.model.Model over the folder); its FFN
+strategy is wrapped for the run by a recording strategy that gives each layer's normalized FFN
+input h (T, d_model) to a callback. The activation math is in flashllm.sparsity.activations.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from flashllm.format.reader import open_flash
+from flashllm.format.writer import update_manifest
+from flashllm.sparsity.activations import (CalibrationError, check_criterion, default_criterion,
+                                           ffn_activations, frequencies, hot_share, threshold)
+from flashllm.sparsity.predictor import save_predictor
+from flashllm.sparsity.reorder import rewrite_hot_first, write_frequency
+from flashllm.sparsity.train import DEFAULT_OPTIONS, train_predictor
+
+class RecordingFfn:
+    """An FFN strategy that hands each layer's input h (T, d_model) to on_input(layer, h),
+    then lets the wrapped strategy compute the FFN as usual."""
+
+    def __init__(self, inner, on_input: Callable[[int, np.ndarray], None]):
+        self.inner = inner
+        self.on_input = on_input
+
+    def start_pass(self, n_tokens: int, prefill: bool) -> None:
+        self.inner.start_pass(n_tokens, prefill)
+
+    def __call__(self, layer: int, h: np.ndarray, x: np.ndarray) -> None:
+        self.on_input(layer, h)
+        self.inner(layer, h, x)
+
+    def stats(self) -> dict:
+        return {**self.inner.stats(), "recording": True}
+
+
+def run_chunks(model, tokens: Sequence[int], n_ctx: int) -> None:
+    """Run the model over tokens in chunks of n_ctx, each from an empty context (logits unused)."""
+    ids = np.asarray(tokens, dtype=np.int32)                      # (N,)
+    step = min(n_ctx, model.n_ctx)
+    for start in range(0, len(ids), step):
+        model.reset()
+        model.forward(ids[start:start + step], 0, last_only=True)
+
+
+def collect_ffn_inputs(model, tokens: Sequence[int], n_ctx: int = 512,
+                       on_input: Optional[Callable[[int, np.ndarray], None]] = None):
+    """Run the dense model over tokens (chunks of n_ctx from an empty context) and collect
+    every layer's FFN input h.
+
+    model: a Model (its FFN strategy is wrapped for the run, then restored). With on_input, each chunk's h (T, d_model) of each layer
+    goes to on_input(layer, h) as it is made (memory stays bounded) and None is returned;
+    without it, returns per layer an (N, d_model) f32 array."""
+    cfg, n = model.config, len(tokens)
+    if n == 0:
+        raise CalibrationError("no calibration tokens")
+    store = None
+    if on_input is None:
+        store = [np.empty((n, cfg.d_model), np.float32) for _ in range(cfg.n_layers)]  # (N, d)
+        filled = [0] * cfg.n_layers
+
+        def on_input(layer: int, h: np.ndarray) -> None:
+            k = filled[layer]
+            store[layer][k:k + len(h)] = h
+            filled[layer] = k + len(h)
+
+    inner = model.ffn
+    model.ffn = RecordingFfn(inner, on_input)
+    try:
+        run_chunks(model, tokens, n_ctx)
+    finally:
+        model.ffn = inner
+        model.reset()
+    return store
+
+
+def layer_statistics(flash, inputs, sparsity: float, criterion: str, n_threads: int = 1,
+                     log: Callable[[str], None] = lambda m: None):
+    """Per layer from its FFN inputs (N, d_model): threshold, per-slot frequency, achieved
+    sparsity. Returns (thresholds [L], freq (L, n_ff) f64, achieved [L])."""
+    check_criterion(flash.config, criterion)
+    thresholds, freqs, achieved = [], [], []
+    for layer, h in enumerate(inputs):
+        scores = ffn_activations(flash, layer, h, criterion, n_threads=n_threads)  # (N, n_ff)
+        t = 0.0 if criterion == "relu" else threshold(scores, sparsity)
+        freq = frequencies(scores, t, criterion)                                    # (n_ff,)
+        thresholds.append(t)
+        freqs.append(freq)
+        achieved.append(1.0 - float(freq.mean()))
+        log(f"layer {layer}: threshold {t:.4g}, sparsity {achieved[-1]:.3f}, "
+            f"hottest 20% carry {hot_share(freq):.2f}")
+    return thresholds, np.stack(freqs), achieved
+
+
+def calibrate_model(flash, model, tokens: Sequence[int], text: dict, sparsity: float,
+                    criterion: Optional[str] = None, n_ctx: int = 512, reorder: bool = True,
+                    n_threads: int = 1, log: Callable[[str], None] = lambda m: None,
+                    predictor: Optional[str] = None) -> dict:
+    """Calibrate the model folder of `flash` on tokens, run through `model` (dense, over flash): thresholds for the target sparsity,
+    per-slot frequencies, (reorder) the hot-first FFN rewrite, and (predictor: a kind of
+    flashllm.sparsity.train) a trained predictor. Writes and returns the manifest's sparsity
+    section; the model stays valid if this is interrupted."""
+    criterion = criterion or default_criterion(flash.config)
+    check_criterion(flash.config, criterion)
+    inputs = collect_ffn_inputs(model, tokens, n_ctx=n_ctx)
+    thresholds, freq, achieved = layer_statistics(flash, inputs, sparsity, criterion, n_threads, log)
+    ids = np.asarray(tokens, dtype="<i4")                          # (N,)
+    section = {"criterion": criterion, "target": sparsity, "thresholds": thresholds,
+               "achieved": achieved,
+               "calibration": {"text": text, "n_tokens": len(ids), "n_ctx": n_ctx,
+                               "tokens_sha256": hashlib.sha256(ids.tobytes()).hexdigest()},
+               "hot_first": False,
+               "frequency": {"hot20_share": [hot_share(f) for f in freq],
+                             "never_active": [int((f == 0).sum()) for f in freq]}}
+    if reorder:
+        section = rewrite_hot_first(flash, freq, section)
+    else:
+        old = (flash.manifest.get("sparsity", {}).get("frequency") or {}).get("file")
+        section["frequency"].update(write_frequency(flash.path, freq, old))
+        update_manifest(flash.path, sparsity=section)
+        if old and old != section["frequency"]["file"]:
+            (flash.path / old).unlink(missing_ok=True)
+    if predictor:
+        fit_predictor(flash.path, inputs, thresholds, criterion, predictor, n_threads, log)
+    return section
+
+
+def fit_predictor(path, inputs, thresholds: list, criterion: str, kind: str, n_threads: int,
+                  log: Callable[[str], None]) -> None:
+    """Train a `kind` predictor on the calibration inputs h (per layer (N, d_model)) against the
+    thresholded masks, in the model's current slot order (after any hot-first rewrite), at 95%
+    recall, and store it in the model folder."""
+    flash = open_flash(path)                                       # the reordered slots
+    acts = [ffn_activations(flash, i, h, criterion, n_threads=n_threads)  # (N, n_ff) each
+            for i, h in enumerate(inputs)]
+    pred = train_predictor(flash, inputs, acts, kind, thresholds, recall=0.95,
+                           n_threads=n_threads, **DEFAULT_OPTIONS.get(kind, {}))
+    save_predictor(path, pred, pred.metrics)
+    m = pred.metrics
+    log(f"predictor {kind}: held-out recall {np.mean(m['recall']):.3f}, precision "
+        f"{np.mean(m['precision']):.3f}, load {np.mean(m['load']):.3f}, "
+        f"{pred.nbytes / 2**20:.1f} MiB in DRAM")
+
+
+def text_tokens(tok, text: str, n_tokens: Optional[int] = None) -> list[int]:
+    """text tokenized with the model's special tokens (BOS when it adds one), cut to n_tokens."""
+    ids = tok.encode(text, add_special=True)
+    if n_tokens is not None:
+        if len(ids) < n_tokens:
+            raise CalibrationError(f"the text has {len(ids)} tokens, {n_tokens} were asked for")
+        ids = ids[:n_tokens]
+    return ids
+
+
+def thresholds_for(flash, sparsity: float, calibration_tokens: Callable[[], Sequence[int]],
+                   make_model: Callable[[], object], n_ctx: int = 512, n_threads: int = 1,
+                   log: Callable[[str], None] = lambda m: None) -> list[float]:
+    """Per-layer kernel thresholds for a target sparsity: the model's own when it was calibrated
+    for that target with a criterion the kernel applies, else computed now (nothing written)
+    on calibration_tokens() through make_model() (a dense Model over flash) with the model's
+    default criterion."""
+    sec = flash.manifest.get("sparsity") or {}
+    if sec.get("target") == sparsity and sec.get("criterion") in ("glu_product", "relu", "magnitude"):
+        log(f"using the model's calibrated thresholds (target {sparsity}, {sec['criterion']})")
+        return [float(t) for t in sec["thresholds"]]
+    criterion = default_criterion(flash.config)
+    tokens = calibration_tokens()
+    log(f"calibrating thresholds for sparsity {sparsity} on {len(tokens)} tokens ({criterion})")
+    inputs = collect_ffn_inputs(make_model(), tokens, n_ctx=n_ctx)
+    return layer_statistics(flash, inputs, sparsity, criterion, n_threads)[0]
