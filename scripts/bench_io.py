@@ -32,8 +32,9 @@ from flashllm.cli.app import cache_dir  # noqa: E402  (the CLI's cache folder, e
 from flashllm.storage.costmodel import CostModel, batch_reads, bundle_requests  # noqa: E402
 from flashllm.ffi.reader import Reader, aligned_empty, plan_reads  # noqa: E402
 from flashllm.runtime.assemble import READER_STAGE  # noqa: E402  (the staging size `run` opens readers with)
-from flashllm.storage.profile import (CHUNKS, DST_BYTES, GiB, Profile, device_of, load_profile,  # noqa: E402
-                              measure_cell, scratch_file)
+from flashllm.storage.profile import (CHUNKS, DST_BYTES, Profile, device_of, load_profile,  # noqa: E402
+                                     measure_cell, scratch_file)
+from flashllm.units import GiB  # noqa: E402
 
 FRACTIONS = (0.02, 0.10, 0.50)
 ALIGN_LAYER = 4096

@@ -21,7 +21,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from flashllm.ffi.reader import Reader, aligned_empty  # noqa: E402
-from flashllm.storage.profile import DST_BYTES, GiB, KiB, measure_cell, parse_size, scratch_file  # noqa: E402
+from flashllm.storage.profile import DST_BYTES, measure_cell, scratch_file  # noqa: E402
+from flashllm.units import GiB, KiB, parse_size  # noqa: E402
 
 CHUNKS = (4 * KiB, 32 * KiB, 256 * KiB)
 THREADS = (1, 16)

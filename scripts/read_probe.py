@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from flashllm.ffi.reader import Reader, aligned_empty
-from flashllm.storage.profile import DST_BYTES, measure_cell, parse_size
+from flashllm.storage.profile import DST_BYTES, measure_cell
+from flashllm.units import parse_size
 
 
 def probe(path: Path, chunk: int, threads: int, seconds: float) -> dict:

@@ -12,6 +12,7 @@ from flashllm.runtime.budget import BudgetError, parse_budget, plan_budget, read
 from flashllm.format.reader import open_flash
 from flashllm.cli import app
 from flashllm.generation.tokenizer import Tokenizer
+from flashllm.units import format_size
 from test_chat import tiny  # noqa: F401  (the tiny converted model fixture)
 
 MiB = 1 << 20
@@ -123,8 +124,8 @@ def test_refusals_through_the_cli(tiny, monkeypatch):  # noqa: F811
     short = str(full.total - 1)          # one byte short of every FFN bundle in DRAM
     r = run(model, "--dense", "--dram-budget", short, monkeypatch=monkeypatch)
     assert r.exit_code == 1 and r.output.strip() == (
-        f"error: --dense needs {budget.mib(full.total)} (every FFN bundle in DRAM), --dram-budget "
-        f"{short} gives {budget.mib(full.total - 1, up=False)}: drop --dense to stream the FFN "
+        f"error: --dense needs {format_size(full.total, 'MiB', up=True)} (every FFN bundle in DRAM), --dram-budget "
+        f"{short} gives {format_size(full.total - 1, 'MiB', up=False)}: drop --dense to stream the FFN "
         f"from flash")
 
 

@@ -8,7 +8,8 @@ import struct
 import numpy as np
 import pytest
 
-from flashllm.format.reader import FlashWriter, WriterState, open_flash, update_manifest
+from flashllm.format.reader import open_flash
+from flashllm.format.writer import FlashWriter, WriterState, update_manifest
 from flashllm.format.layout import ffn_weight
 from flashllm.errors import FormatError
 from flashllm.model.tensor import QTensor

@@ -159,7 +159,6 @@ def _logits_match(hf, path, tokens):
 
 @pytest.mark.parametrize("name", ["llama", "opt"])
 def test_calibrate_writes_thresholds_and_a_hot_first_order(tiny, tmp_path, name):
-    from flashllm.sparsity.reorder import read_frequency
     hf, _ = tiny(name)
     path = _fresh(tiny, name, tmp_path)
     for run in range(2):                                   # the second run reorders a reordered model
@@ -169,7 +168,7 @@ def test_calibrate_writes_thresholds_and_a_hot_first_order(tiny, tmp_path, name)
         assert sorted(p.name for p in path.iterdir()) == sorted(
             ["manifest.json", "dense.bin", "tokenizer.json", flash.ffn.file.name,
              flash.manifest["ffn"]["neuron_order"]["file"], sec["frequency"]["file"]])
-        order, freq = flash.ffn.neuron_order, read_frequency(flash)            # (L, n_ff) each
+        order, freq = flash.ffn.neuron_order, _frequency(flash)                # (L, n_ff) each
         assert np.all(np.diff(freq, axis=1) <= 0)                              # hottest first
         ref = _reference_freq(hf, sec["thresholds"], sec["criterion"])        # by neuron id
         np.testing.assert_allclose(freq, np.take_along_axis(ref, order, axis=1), atol=1.5 / len(TOKENS))
@@ -248,3 +247,10 @@ def test_cli_calibrate_then_sparse_perplexity(tiny, tmp_path):
 def _flash_and_model(path):
     flash = open_flash(path)
     return flash, Model(flash, n_ctx=N_CTX)
+
+
+def _frequency(flash) -> np.ndarray:
+    """(n_layers, n_ff) f32: the per-slot frequencies the manifest's sparsity section points to."""
+    entry, cfg = flash.manifest["sparsity"]["frequency"], flash.config
+    assert entry["shape"] == [cfg.n_layers, cfg.n_ff] and entry["dtype"] == "float32"
+    return np.fromfile(flash.path / entry["file"], dtype="<f4").reshape(cfg.n_layers, cfg.n_ff)

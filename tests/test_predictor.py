@@ -7,7 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from flashllm.format.reader import FlashWriter, open_flash
+from flashllm.format.reader import open_flash
+from flashllm.format.writer import FlashWriter
 from flashllm.format.layout import ffn_weight
 from flashllm.errors import FormatError
 from flashllm.model.tensor import QTensor

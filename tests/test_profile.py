@@ -8,8 +8,9 @@ from typer.testing import CliRunner
 
 from flashllm.storage.costmodel import CostModel, bundle_requests, fit_points
 from flashllm.ffi.reader import ALIGN
-from flashllm.storage.profile import (Cell, GiB, KiB, MiB, Profile, ProfileError, device_of, load_profile,
-                              measure, parse_size, profile_path, save_profile, scratch_file)
+from flashllm.storage.profile import (Cell, Profile, ProfileError, device_of, load_profile, measure,
+                                     profile_path, save_profile, scratch_file)
+from flashllm.units import GiB, KiB, MiB, SizeError, parse_size
 
 CHUNKS = [4 * KiB << i for i in range(9)]
 
@@ -100,7 +101,7 @@ def test_profile_is_saved_per_device_and_read_back(tmp_path):
 def test_parse_size():
     assert parse_size("2GiB") == 2 * GiB and parse_size("512MiB") == 512 * MiB
     assert parse_size("1.5G") == 3 * GiB // 2 and parse_size("4096") == 4096
-    with pytest.raises(ProfileError, match="cannot read 'lots' as a size"):
+    with pytest.raises(SizeError, match="cannot read 'lots' as a size"):
         parse_size("lots")
 
 

@@ -5,7 +5,8 @@ from gguf import GGMLQuantizationType as GQ
 from gguf.quants import dequantize, quantize
 
 from flashllm.errors import KernelError
-from flashllm.model.quant import dequantize_rows, quantize_rows, row_bytes
+from flashllm.model.quant import dequantize_rows, quantize_rows
+from flashllm.model.tensor import row_bytes
 from flashllm.model.tensor import QTensor
 
 GGUF_TYPES = {"f32": GQ.F32, "f16": GQ.F16, "q8_0": GQ.Q8_0, "q4_0": GQ.Q4_0}

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from flashllm.runtime.budget import plan_budget, read_manifest
-from flashllm.format.reader import open_flash, update_manifest
+from flashllm.format.reader import open_flash
+from flashllm.format.writer import update_manifest
 from flashllm.ffi.reader import Reader
 from flashllm.runtime.model import Model
 from flashllm.sparsity.predictor import AllSlots

@@ -77,7 +77,7 @@ def ref_dequant(raw: np.ndarray, dtype: str, cols: int) -> np.ndarray:
 def write_arrays(out: Path, cfg, arrays: dict, dtype: str, orders: dict | None = None) -> None:
     """A flash model folder from canonical arrays through FlashWriter; orders: layer -> (n_ff,)
     neuron order for the layers stored reordered."""
-    from flashllm.format.reader import FlashWriter
+    from flashllm.format.writer import FlashWriter
     from flashllm.format.layout import ffn_weight
     orders = orders or {}
     with FlashWriter(out, cfg, dtype, source={"name": "test"}) as w:

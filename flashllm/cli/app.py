@@ -24,7 +24,6 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Run language models larger than DRAM: FFN neurons stream from flash.")
 err = Console(stderr=True, highlight=False)
 
-DTYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1", "q4_k")
 DEFAULT_THREADS = min(os.cpu_count() or 1, 8)
 
 

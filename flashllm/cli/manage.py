@@ -7,7 +7,8 @@ from typing import List
 import typer
 from rich.console import Console
 
-from flashllm.cli.app import DTYPES, cache_dir, command, err, fail, registry_path
+from flashllm.cli.app import cache_dir, command, err, fail, registry_path
+from flashllm.model.tensor import DTYPES
 
 
 @command
@@ -80,8 +81,9 @@ def profile(
     import json
     from rich.console import Console as StdoutConsole
     from flashllm.storage.costmodel import CostModel
-    from flashllm.storage.profile import parse_size, save_profile
-    from flashllm.cli.profile_view import model_table, profile_table, run_profile, sequential_table, throughput_chart
+    from flashllm.storage.profile import save_profile
+    from flashllm.units import parse_size
+    from flashllm.cli.views import model_table, profile_table, run_profile, sequential_table, throughput_chart
     if not path.exists():
         fail(f"{path} does not exist")
     result = run_profile(err, path, parse_size(size), seconds)

@@ -1,15 +1,24 @@
-"""What is on disk: `flashllm inspect` (one converted model) and `flashllm models` (the registry
-and the user cache). Summaries are plain dicts (for --json); the rich tables are views of them."""
+"""Terminal views: `flashllm inspect` (one converted model), `flashllm models` (the registry and the
+user cache) and `flashllm profile` (a device profile and its cost model). Summaries are plain dicts
+(for --json); the rich tables and the throughput chart are views of them."""
 from __future__ import annotations
 
 import time
 from collections import Counter
 from pathlib import Path
+from typing import List
 
+from rich.console import Console
 from rich.markup import escape
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
 
 from flashllm.format.layout import MANIFEST_FILE
+from flashllm.storage.costmodel import CostModel
+from flashllm.storage.profile import (CHUNKS, REPEATS, SEQ_THREADS, THREADS, Cell, Profile, measure, scratch_file)
+from flashllm.units import KiB, format_size
+
 
 
 def folder_bytes(path: Path) -> int:
@@ -46,14 +55,6 @@ def flash_summary(flash, verify: bool = False) -> dict:
     }
 
 
-def human(n: int | float) -> str:
-    """Bytes in binary units: 1.5 GiB, 320 MiB, 4 KiB, 12 B."""
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
-
-
 def summary_table(s: dict) -> Table:
     """Two columns, field and value, for `flashllm inspect`."""
     cfg = s["config"]
@@ -65,11 +66,11 @@ def summary_table(s: dict) -> Table:
                   f"{cfg['n_heads']}/{cfg['n_kv_heads']} heads × {cfg['head_dim']}, vocab {cfg['vocab_size']}, "
                   f"context {cfg['context_length']}"),
         ("ffn", f"{s['ffn']['dtype']} bundles [{' | '.join(s['ffn']['parts'])}] of {s['ffn']['bundle_bytes']} B, "
-                f"{s['ffn']['bundles']} bundles, {human(s['ffn']['nbytes'])}"
+                f"{s['ffn']['bundles']} bundles, {format_size(s['ffn']['nbytes'])}"
                 + (", hot-first order" if s["ffn"]["hot_first_order"] else "")),
-        ("dense", f"{s['dense']['tensors']} tensors, {human(s['dense']['nbytes'])} ("
-                  + ", ".join(f"{d} {human(n)}" for d, n in s["dense"]["bytes_by_dtype"].items()) + ")"),
-        ("on disk", human(s["disk_bytes"])),
+        ("dense", f"{s['dense']['tensors']} tensors, {format_size(s['dense']['nbytes'])} ("
+                  + ", ".join(f"{d} {format_size(n)}" for d, n in s["dense"]["bytes_by_dtype"].items()) + ")"),
+        ("on disk", format_size(s["disk_bytes"])),
         ("tokenizer", ("yes" if s["tokenizer"] else "no") + ", chat template "
                       + ("yes" if s["chat_template"] else "no")),
         ("calibration", "calibrated" if s["calibrated"] else "not calibrated (dense: every neuron is read)"),
@@ -114,9 +115,90 @@ def models_table(rows: list[dict]) -> Table:
         table.add_column(col, no_wrap=True)
     table.add_column("description")
     for r in rows:
-        conv = ", ".join(f"{c['dtype']} {human(c['disk_bytes'])}" + ("" if c["complete"] else " (incomplete)")
+        conv = ", ".join(f"{c['dtype']} {format_size(c['disk_bytes'])}" + ("" if c["complete"] else " (incomplete)")
                          for c in r["converted"]) or "-"
         note = f" (unsupported: {r['unsupported']})" if r["unsupported"] else ""
-        table.add_row(r["name"], r["arch"] or "-", human(r["size"]) if r["size"] else "-",
+        table.add_row(r["name"], r["arch"] or "-", format_size(r["size"]) if r["size"] else "-",
                       "yes" if r["pulled"] else "no", conv, escape(r["description"] + note))
     return table
+
+
+# ---- device profile ----------------------------------------------------------------------
+
+BAR_WIDTH = 32
+
+
+def profile_table(profile: Profile) -> Table:
+    """Random reads: one row per chunk size, GiB/s and IOPS per thread count."""
+    threads = sorted({c.threads for c in profile.cells if c.kind == "random"})
+    chunks = sorted({c.chunk for c in profile.cells if c.kind == "random"})
+    mode = "direct I/O" if profile.direct else "page cache (O_DIRECT refused)"
+    flight = "reads in flight (io_uring)" if profile.engine == "io_uring" else "threads (pool)"
+    table = Table(title=f"random reads on {profile.device.name}, {mode}, thr = {flight}: GiB/s (kIOPS)")
+    table.add_column("chunk", justify="right")
+    for t in threads:
+        table.add_column(f"{t} thr", justify="right")
+    for chunk in chunks:
+        row = [format_size(chunk)]
+        for t in threads:
+            cell = profile.get("random", chunk, t)
+            row.append(f"{cell.gib_s:.2f} ({cell.iops / 1000:.1f})" if cell else "–")
+        table.add_row(*row)
+    return table
+
+
+def sequential_table(profile: Profile) -> Table:
+    table = Table(title="sequential reads, 1 MiB")
+    table.add_column("threads", justify="right")
+    table.add_column("GiB/s", justify="right")
+    for cell in (c for c in profile.cells if c.kind == "seq"):
+        table.add_row(str(cell.threads), f"{cell.gib_s:.2f}")
+    return table
+
+
+def throughput_chart(profile: Profile) -> Text:
+    """One bar per chunk size: the best thread count (█) and 1 thread (▒)."""
+    cells = [c for c in profile.cells if c.kind == "random"]
+    top = max((c.gib_s for c in cells), default=0.0) or 1.0
+    lines: List[str] = ["throughput vs chunk size (█ best threads, ▒ 1 thread)"]
+    for chunk in sorted({c.chunk for c in cells}):
+        row = [c for c in cells if c.chunk == chunk]
+        best = max(row, key=lambda c: c.gib_s)
+        one = next((c for c in row if c.threads == 1), best)
+        n_best, n_one = round(best.gib_s / top * BAR_WIDTH), round(one.gib_s / top * BAR_WIDTH)
+        bar = "▒" * min(n_one, n_best) + "█" * max(0, n_best - n_one)
+        lines.append(f"{format_size(chunk):>8} │{bar:<{BAR_WIDTH}} {best.gib_s:5.2f} GiB/s "
+                     f"@{best.threads}t (1t {one.gib_s:.2f})")
+    return Text("\n".join(lines))
+
+
+def model_table(model: CostModel) -> Table:
+    """The fitted a + c/B per thread count and what it implies."""
+    table = Table(title=f"cost model: time per read = a + chunk / B  ({model.source})")
+    for name in ("threads", "a (µs)", "B (GiB/s)", "merge gap", "32 KiB GiB/s"):
+        table.add_column(name, justify="right")
+    for t, fit in model.fits.items():
+        table.add_row(str(t), f"{fit.overhead * 1e6:.1f}", f"{fit.bandwidth / 2**30:.2f}",
+                      format_size(fit.merge_gap) if fit.merge_gap else "0", f"{fit.gib_s(32 * KiB):.2f}")
+    return table
+
+
+def run_profile(console: Console, target: Path, size: int, seconds: float) -> Profile:
+    """Measure target (an existing file, read-only) or a scratch file of size bytes in the
+    folder target (removed afterwards, also on Ctrl-C), with progress bars on console."""
+    columns = (TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
+               TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        n_cells = (len(SEQ_THREADS) + len(CHUNKS) * len(THREADS)) * REPEATS
+        measuring = progress.add_task("measuring", total=n_cells, visible=False)
+
+        def on_cell(cell: Cell) -> None:
+            progress.update(measuring, advance=1, visible=True,
+                            description=f"{cell.kind} {format_size(cell.chunk)} × {cell.threads} thr")
+
+        if target.is_file():
+            return measure(target, seconds, on_cell=on_cell)
+        writing = progress.add_task(f"writing scratch file in {target}", total=size)
+        with scratch_file(target, size, lambda n: progress.advance(writing, n)) as path:
+            progress.update(writing, visible=False)
+            return measure(path, seconds, on_cell=on_cell)

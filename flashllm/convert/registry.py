@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from flashllm.errors import RegistryError
+from flashllm.model.tensor import DTYPES
 
 Log = Callable[[str], None]
 
-DTYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1", "q4_k")
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 _PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([A-Za-z0-9][A-Za-z0-9.+!_-]*)$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")

@@ -13,6 +13,7 @@ import numpy as np
 from flashllm.model.config import ModelConfig
 from flashllm.errors import FormatError
 from flashllm.model.tensor import BLOCK_SIZE, DTYPE_CODES, companion, row_bytes
+from flashllm.units import PAGE
 
 MAGIC = "flashllm"
 FORMAT_VERSION = 1
@@ -22,7 +23,7 @@ FFN_FILE = "ffn.bin"
 TOKENIZER_FILE = "tokenizer.json"
 ORDER_FILE = "order.bin"
 
-QUANTIZED = ("q8_0", "q4_0", "q4_1", "q4_k")
+QUANTIZED = tuple(d for d in DTYPE_CODES if BLOCK_SIZE[d] > 1)   # block-quantized dtypes
 QBLOCK = 32                      # values per quantization block
 
 DENSE_MAGIC = b"FLDENSE\0"
@@ -31,7 +32,7 @@ DENSE_ALIGN = 64                 # every dense tensor starts on a 64-byte bounda
 DENSE_HEADER = struct.Struct("<8sIIQQ")
 
 FFN_MAGIC = b"FLFFN\0\0\0"
-FFN_ALIGN = 4096                 # the header and every layer region: direct-I/O alignment
+FFN_ALIGN = PAGE                 # the header and every layer region: direct-I/O alignment
 STRIDE_ALIGN = 32                # a bundle's stride is a multiple of this
 # magic, version, header_bytes, dtype code, glu, n_layers, d_model, n_ff, part_bytes, stride,
 # layer_bytes (one layer's region, padded), file_bytes; zero-padded to FFN_ALIGN

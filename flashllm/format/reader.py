@@ -17,12 +17,11 @@ import numpy as np
 from flashllm.format.layout import (DENSE_FILE, DENSE_HEADER, DENSE_MAGIC, DTYPE_CODES, FFN_ALIGN, FFN_FILE,
                             FFN_HEADER, FFN_MAGIC, FORMAT_VERSION, MAGIC, MANIFEST_FILE, STRIDE_ALIGN,
                             crc32_file, ffn_part_bytes, ffn_parts, fits, ffn_weight, required_tensors, tensor_nbytes)
-from flashllm.format.writer import FlashWriter, WriterState, update_manifest
 from flashllm.model.config import ModelConfig
 from flashllm.errors import FormatError
 from flashllm.model.tensor import QTensor, row_bytes
 
-__all__ = ["FlashModel", "FfnLayout", "FlashWriter", "WriterState", "open_flash", "update_manifest"]
+__all__ = ["FlashModel", "FfnLayout", "open_flash"]
 
 
 @dataclass(frozen=True)

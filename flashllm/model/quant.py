@@ -15,7 +15,7 @@ from flashllm.ffi import kernel
 from flashllm.errors import KernelError
 from flashllm.model.tensor import row_bytes
 
-__all__ = ["row_bytes", "quantize_rows", "dequantize_rows"]
+__all__ = ["quantize_rows", "dequantize_rows"]
 
 _CHUNK_VALUES = 1 << 20  # values per C call
 

@@ -9,6 +9,7 @@ from flashllm.errors import KernelError
 
 # values are part of the on-disk format (native/flashllm.h, FL_F32 ..)
 DTYPE_CODES = {"f32": 0, "f16": 1, "q8_0": 2, "q4_0": 3, "q4_1": 4, "q4_k": 5}
+DTYPES = tuple(DTYPE_CODES)      # every storage dtype, in code order
 BLOCK_SIZE = {"f32": 1, "f16": 1, "q8_0": 32, "q4_0": 32, "q4_1": 32, "q4_k": 256}
 BLOCK_BYTES = {"f32": 4, "f16": 2, "q8_0": 34, "q4_0": 18, "q4_1": 20, "q4_k": 144}
 # a q4_k model keeps only gate / up rows in q4_k (ggml Q4_K blocks copied from the source): its

@@ -11,8 +11,8 @@ from typing import Optional
 
 import numpy as np
 
-from flashllm.runtime.budget import BudgetError, BudgetPlan, mib, model_bytes, plan_budget, read_manifest
-from flashllm.storage.profile import KiB
+from flashllm.runtime.budget import BudgetError, BudgetPlan, model_bytes, plan_budget, read_manifest
+from flashllm.units import KiB, format_size
 
 READER_STAGE = 256 * KiB        # per reader thread: the largest single read (64-256 KiB is best)
 READER_THREADS = 16             # staging buffers the budget reserves for the reader pool
@@ -68,8 +68,8 @@ def plan_run(path: Path, opts: FlashOptions, n_ctx: int, process: int) -> Option
         plan = dataclasses.replace(plan, n_pinned=plan.capacity)
     if opts.dense and plan.capacity < plan.n_ff:
         need = plan.total - plan.cache_bytes + plan.n_layers * plan.n_ff * plan.stride
-        raise BudgetError(f"--dense needs {mib(need)} (every FFN bundle in DRAM), --dram-budget "
-                          f"{opts.dram_budget} gives {mib(plan.budget, up=False)}: drop --dense to stream "
+        raise BudgetError(f"--dense needs {format_size(need, 'MiB', up=True)} (every FFN bundle in DRAM), --dram-budget "
+                          f"{opts.dram_budget} gives {format_size(plan.budget, 'MiB', up=False)}: drop --dense to stream "
                           f"the FFN from flash")
     return plan
 
@@ -87,16 +87,16 @@ def _with_predictor(man: dict, text: str, n_ctx: int, process: int, plain: Budge
         if force:
             raise
         return dataclasses.replace(plain, notes=plain.notes + (
-            f"predictor {sec.get('kind')} not used: its {mib(int(sec.get('bytes') or 0))} do not "
+            f"predictor {sec.get('kind')} not used: its {format_size(int(sec.get('bytes') or 0), 'MiB', up=True)} do not "
             f"fit the budget",))
     loads = sec.get("load") or [1.0]
     load = float(np.mean(loads)) if all(isinstance(v, (int, float)) for v in loads) else 1.0
     if force or token_seconds(plan, load, int(sec.get("bytes") or 0)) < token_seconds(plain, 1.0, 0):
         return dataclasses.replace(plan, predictor=True, notes=plan.notes + (
-            f"predictor {sec.get('kind')} resident ({mib(int(sec.get('bytes') or 0))}, "
+            f"predictor {sec.get('kind')} resident ({format_size(int(sec.get('bytes') or 0), 'MiB', up=True)}, "
             f"{load:.0%} of the neurons per token)",))
     return dataclasses.replace(plain, notes=plain.notes + (
-        f"predictor {sec.get('kind')} not used: it costs {mib(int(sec.get('bytes') or 0))} of DRAM "
+        f"predictor {sec.get('kind')} not used: it costs {format_size(int(sec.get('bytes') or 0), 'MiB', up=True)} of DRAM "
         f"and is not expected to make a token faster within this budget (--predictor on forces it)",))
 
 
@@ -147,7 +147,7 @@ def make_ffn(flash, opts: FlashOptions, plan: Optional[BudgetPlan], n_threads: i
         return None
     from flashllm.storage.costmodel import CostModel, bundle_requests
     from flashllm.ffi.reader import Reader
-    from flashllm.sparsity.predictor import AllSlots
+    from flashllm.sparsity.predictor import AllSlots, load_predictor
     from flashllm.runtime.sparse_ffn import SparseFlashFfn
     cost = CostModel.for_path(cache_dir, flash.ffn.file)
     if cost.hint:
@@ -156,16 +156,10 @@ def make_ffn(flash, opts: FlashOptions, plan: Optional[BudgetPlan], n_threads: i
     sample = np.random.default_rng(0).choice(f.n_ff, size=max(1, f.n_ff // 3), replace=False)
     offs, lens = bundle_requests(f.layer_offsets[0], f.stride, sample)   # (k,) (k,)
     threads = cost.plan(offs, lens).threads
-    predictor = _predictor(flash, n_threads, log) if plan.predictor else None
+    predictor = load_predictor(flash, n_threads) if plan.predictor else None
     reader = Reader(f.file, n_threads=threads, stage_bytes=READER_STAGE)
     window = opts.window or default_window(flash.manifest)
     for note in plan.notes:
         log(note)
     return SparseFlashFfn(flash, predictor or AllSlots(f.n_ff), plan, reader, n_threads=n_threads,
                           window=window, naive=opts.naive, cost=cost, check=opts.check)
-
-
-def _predictor(flash, n_threads: int, log):
-    """The manifest's predictor (the plan chose it)."""
-    from flashllm.sparsity.predictor import load_predictor
-    return load_predictor(flash, n_threads)

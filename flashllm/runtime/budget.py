@@ -38,7 +38,7 @@ from pathlib import Path
 
 from flashllm.errors import FlashError
 from flashllm.runtime.weights import CHUNK_BYTES, aligned_offsets, attn_names
-from flashllm.storage.profile import MiB, ProfileError, parse_size
+from flashllm.units import MiB, SizeError, format_size, parse_size
 
 TOKENIZER_KEPT = 1             # resident bytes of a one-shot run's released tokenizer per byte
 TOKENIZER_KEPT_FIXED = 2 * MiB  # of tokenizer.json, + these
@@ -88,10 +88,10 @@ class BudgetPlan:
         return self.capacity / self.n_ff
 
     def summary(self) -> str:
-        parts = ", ".join(f"{k} {mib(v)}" for k, v in self.resident.items())
-        stream = f"; dense streamed: {_describe(self.streamed)} ({mib(self.streamed_bytes)} " \
+        parts = ", ".join(f"{k} {format_size(v, 'MiB', up=True)}" for k, v in self.resident.items())
+        stream = f"; dense streamed: {_describe(self.streamed)} ({format_size(self.streamed_bytes, 'MiB', up=True)} " \
                  f"per token)" if self.streamed else ""
-        return (f"DRAM budget {mib(self.budget)}: {parts}; neuron caches {mib(self.cache_bytes)} "
+        return (f"DRAM budget {format_size(self.budget, 'MiB', up=True)}: {parts}; neuron caches {format_size(self.cache_bytes, 'MiB', up=True)} "
                 f"({self.capacity} of {self.n_ff} neurons per layer = {self.cache_fraction:.0%}, "
                 f"{self.n_pinned} pinned){stream}")
 
@@ -103,12 +103,6 @@ def _describe(names) -> str:
     parts += [w for n, w in (("output.weight", "output head"), ("token_embd.weight", "embeddings"))
               if n in names]
     return ", ".join(parts)
-
-
-def mib(nbytes: int, up: bool = True) -> str:
-    """Whole MiB, rounded up (a need) or down (what a budget gives): '230 MiB'."""
-    n = -(-int(nbytes) // MiB) if up else int(nbytes) // MiB
-    return f"{n} MiB"
 
 
 def parse_budget(text: str, model_bytes: int) -> int:
@@ -124,7 +118,7 @@ def parse_budget(text: str, model_bytes: int) -> int:
         return int(model_bytes * pct / 100)
     try:
         return parse_size(t)
-    except ProfileError:
+    except SizeError:
         raise BudgetError(f"--dram-budget {text!r} is not a size (e.g. 1.5GiB, 560MiB) or a "
                           f"percentage of the model (e.g. 50%)") from None
 
@@ -296,13 +290,13 @@ def _check_tokenizer_load(manifest: dict, budget: int, text: str, process: int) 
     """The tokenizers object peaks while it loads (before the model): it must fit then."""
     need = process + (TOKENIZER_LOAD + 1) * int(manifest["tokenizer"].get("nbytes") or 0)
     if budget < need:
-        raise BudgetError(f"--dram-budget {text} ({mib(budget, up=False)}) cannot load the "
-                          f"tokenizer: the process and the tokenizer peak at {mib(need)} while "
+        raise BudgetError(f"--dram-budget {text} ({format_size(budget, 'MiB', up=False)}) cannot load the "
+                          f"tokenizer: the process and the tokenizer peak at {format_size(need, 'MiB', up=True)} while "
                           f"the prompt is encoded")
 
 
 def _refuse(budget: int, text: str, parts: dict, need: int) -> None:
-    listed = ", ".join(f"{k} {mib(v)}" for k, v in parts.items() if v)
-    raise BudgetError(f"--dram-budget {text} ({mib(budget, up=False)}) is below the {mib(need)} "
-                      f"that must stay resident ({listed}); give at least {mib(need)}, or a shorter "
+    listed = ", ".join(f"{k} {format_size(v, 'MiB', up=True)}" for k, v in parts.items() if v)
+    raise BudgetError(f"--dram-budget {text} ({format_size(budget, 'MiB', up=False)}) is below the {format_size(need, 'MiB', up=True)} "
+                      f"that must stay resident ({listed}); give at least {format_size(need, 'MiB', up=True)}, or a shorter "
                       f"context (--ctx-size, or the prompt + --n-predict)")

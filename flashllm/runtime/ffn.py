@@ -3,23 +3,15 @@
 The model calls `ffn.start_pass(T, prefill)` once per forward pass, then `ffn(layer, h, x)` per
 layer: x (T, d_model) += FFN(h), h (T, d_model) the normalized FFN input (the model adds the down
 bias afterwards). prefill says the pass evaluates a prompt; a decode pass feeds one sampled token
-and any draft guesses (flashllm/speculate.py). A strategy also reports `stats()` for --stats.
+and any draft guesses (flashllm/generation/speculate.py). A strategy also reports `stats()` for --stats.
 """
 from __future__ import annotations
 
-from typing import Optional, Protocol
+from typing import Optional
 
 import numpy as np
 
 from flashllm.ffi import kernel
-
-
-class FfnStrategy(Protocol):
-    def start_pass(self, n_tokens: int, prefill: bool) -> None: ...
-
-    def __call__(self, layer: int, h: np.ndarray, x: np.ndarray) -> None: ...
-
-    def stats(self) -> dict: ...
 
 
 def bundle_ids(flash, layer: int) -> Optional[np.ndarray]:

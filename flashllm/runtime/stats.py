@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional
 
-from flashllm.storage.profile import GiB, KiB, MiB
+from flashllm.units import GiB, KiB, MiB
 
 FIELDS = ("bytes_read", "bytes_requested", "gap_bytes", "reads", "read_s", "ring_idle_s", "io_s",
           "mm_s", "compute_s", "predict_s", "active", "hits", "streamed", "true_active", "true_hits")

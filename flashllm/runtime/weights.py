@@ -26,10 +26,10 @@ import numpy as np
 from flashllm.ffi import kernel
 from flashllm.format.reader import as_tensor
 from flashllm.model.tensor import QTensor
+from flashllm.units import PAGE
 
 ATTN_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output")
 CHUNK_BYTES = 4 << 20          # rows of the streamed output head read at once (per buffer)
-ALIGN = 4096
 ROW_GROUP = 64                 # head chunks start at multiples of this many rows: the matmul kernel
                                # sums row tiles (native/ops.c TILE 4) alike only when aligned
 
@@ -81,13 +81,8 @@ def aligned_offsets(sizes: Iterable[int]) -> tuple[list[int], int]:
     offs, end = [], 0
     for n in sizes:
         offs.append(end)
-        end += -(-int(n) // ALIGN) * ALIGN
+        end += -(-int(n) // PAGE) * PAGE
     return offs, end
-
-
-def stream_buffer_bytes(layer_bytes: int, head: bool, embed_rows: int) -> int:
-    """DRAM of the streaming buffers: two layer buffers, two head chunks, the embedding rows."""
-    return 2 * layer_bytes + (2 * CHUNK_BYTES if head else 0) + embed_rows
 
 
 class DenseWeights:
@@ -262,7 +257,7 @@ class DenseWeights:
     def _buffers(self, nbytes: int) -> list[np.ndarray]:
         """Two 4096-aligned buffers (double buffering); none when nothing streams there."""
         from flashllm.ffi.reader import aligned_empty
-        return [aligned_empty(-(-nbytes // ALIGN) * ALIGN) for _ in range(2)] if nbytes else []
+        return [aligned_empty(-(-nbytes // PAGE) * PAGE) for _ in range(2)] if nbytes else []
 
     def _read(self, offsets, lengths, dst: np.ndarray, dst_offsets) -> None:
         """One batch of reads; only ever called on the pool's single thread."""

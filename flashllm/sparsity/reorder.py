@@ -63,26 +63,6 @@ def write_frequency(path: Path, freq: np.ndarray, current: Optional[str]) -> dic
     return {**_array_entry(name, a, "float32"), "index": "slot"}
 
 
-def read_frequency(flash) -> Optional[np.ndarray]:
-    """Per-slot calibration frequencies (n_layers, n_ff) f32 from the sparsity section, or None."""
-    entry = flash.manifest.get("sparsity", {}).get("frequency")
-    if not entry or not entry.get("file"):
-        return None
-    cfg = flash.config
-    shape = [cfg.n_layers, cfg.n_ff]
-    file = flash.path / Path(entry["file"]).name
-    if entry.get("shape") != shape or entry.get("dtype") != "float32" \
-            or entry.get("nbytes") != 4 * cfg.n_layers * cfg.n_ff:
-        raise FormatError(f"{flash.path}: sparsity.frequency is not float32 {shape}")
-    try:
-        data = np.fromfile(file, dtype="<f4")                                 # (n_layers * n_ff,)
-    except OSError as e:
-        raise FormatError(f"{file}: unreadable ({e.strerror or e})") from None
-    if data.size != cfg.n_layers * cfg.n_ff or crc32_array(data) != entry.get("crc32"):
-        raise FormatError(f"{file}: size or checksum does not match the manifest")
-    return data.reshape(shape).astype(np.float32)
-
-
 def _write_ffn(flash, perm: np.ndarray, name: str) -> list[dict]:
     """The FFN file with layer l's slots in the order perm[l]; returns the new layer entries."""
     f = flash.ffn

@@ -25,7 +25,8 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from flashllm.ffi.reader import ALIGN, plan_reads
-from flashllm.storage.profile import GiB, KiB, Profile, device_of, load_profile
+from flashllm.storage.profile import Profile, device_of, load_profile
+from flashllm.units import GiB, KiB
 
 MIN_RUN, MAX_RUN = 64 * KiB, 1 << 20
 DEPTH_TOLERANCE = 1.10    # plan: the deepest pool predicted within 10% of the fastest

@@ -20,9 +20,9 @@ from typing import Callable, Iterator, List, Optional, Sequence
 import numpy as np
 
 from flashllm.errors import FlashError
-from flashllm.ffi.reader import ALIGN, Reader, aligned_empty
+from flashllm.ffi.reader import Reader, aligned_empty
+from flashllm.units import GiB, KiB, MiB
 
-KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 CHUNKS = tuple(4 * KiB << i for i in range(9))  # 4 KiB … 1 MiB
 THREADS = (1, 2, 4, 8, 16, 32)
 SEQ_CHUNK = 1 * MiB
@@ -106,20 +106,6 @@ def _cell(c: dict) -> Cell:
     if cell.kind not in ("random", "seq") or not all(0 < v < float("inf") for v in numbers) or cell.reads < 0:
         raise ValueError(f"bad measurement {c!r}")
     return cell
-
-
-def parse_size(text: str) -> int:
-    """Bytes of '2GiB', '512MiB', '1.5G', '4096' (binary units, B optional)."""
-    units = {"": 1, "K": KiB, "M": MiB, "G": GiB, "T": GiB << 10}
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    unit = t[-1:] if t[-1:] in units else ""
-    try:
-        value = float(t[:len(t) - len(unit)])
-    except ValueError:
-        raise ProfileError(f"cannot read {text!r} as a size (e.g. 2GiB, 512MiB)") from None
-    if value <= 0:
-        raise ProfileError(f"size {text!r} must be positive")
-    return int(value * units[unit])
 
 
 def device_of(path: Path) -> Device:

@@ -28,8 +28,7 @@ import numpy as np
 
 from flashllm.runtime.stats import read_counters
 from flashllm.ffi.reader import ReadAhead, Reader
-
-PAGE = 4096
+from flashllm.units import PAGE
 
 
 def page_rows(stride: int) -> int:

@@ -61,4 +61,4 @@ def open_source(path: Path) -> Source:
     return _open_folder(path) if path.is_dir() else _open_file(path)
 
 
-__all__ = ["Source", "open_source", "GGUF_MAGIC"]
+__all__ = ["Source", "open_source"]
