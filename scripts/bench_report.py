@@ -104,7 +104,7 @@ def flash_section(info: Dict[str, str], rows: List[dict], load: tuple, notes: Li
         cmd = f"[{len(cmds) + 1}]" if r.get("cmd") else ""
         if r.get("cmd"):
             cmds.append(r["cmd"])
-            plan = _plan(r.get("parsed") or {})
+            plan = plan_label(r.get("parsed") or {})
             plans += [f"- [{len(cmds)}] {plan}"] if plan else []
         s = r.get("stats", {})
         if r.get("error"):
@@ -121,7 +121,7 @@ def flash_section(info: Dict[str, str], rows: List[dict], load: tuple, notes: Li
     return "\n".join(out + plans + [""] + notes + [""])
 
 
-def _plan(parsed: dict) -> Optional[str]:
+def plan_label(parsed: dict) -> Optional[str]:
     """flashllm's DRAM plan line: from the --stats table header, or `run --json`'s flash.plan."""
     plan = parsed.get("plan") or ((parsed.get("flash") or {}).get("plan") or {}).get("summary")
     return plan if isinstance(plan, str) else None

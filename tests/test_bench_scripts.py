@@ -94,7 +94,7 @@ def test_run_json_flash_summary():
             '"io_ms_per_token": 3.0, "mm_ms_per_token": 1.0, "compute_ms_per_token": 7.0, '
             '"predictor_ms_per_token": 0.04}}}')
     d = bench_flashllm.parse_run("note\n" + line + "\n")
-    assert bench_report._plan(d) == "DRAM budget 170 MiB"
+    assert bench_report.plan_label(d) == "DRAM budget 170 MiB"
     cells = bench_stats.stat_cells(d)
     assert (cells["mb_tok"], cells["reads_tok"], cells["hit"]) == ("2.5", "12", "0.500")
     assert cells["recall"] == "–" and cells["split"] == "3.0 / 1.0 / 7.0 / 0.0"

@@ -284,8 +284,9 @@ class FirstLayers:
 
     def load(self, name):
         if name in ("token_embd.weight", "output.weight"):
-            t = self.src._tensors[name]
-            return dequantize(t.data[:self.vocab], t.tensor_type).reshape(self.vocab, -1)
+            blocks = self.src.load_blocks(name)[:self.vocab]          # (vocab, bytes per row)
+            kind = Q[self.src.stored_type(name)]
+            return dequantize(blocks, kind).reshape(self.vocab, -1)
         return self.src.load(name)
 
 

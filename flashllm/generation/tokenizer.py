@@ -107,7 +107,7 @@ class Detokenizer:
         return text[len(seen):]
 
 
-def _trim_heap() -> None:
+def trim_heap() -> None:
     """Give freed heap pages back to the OS (glibc malloc_trim); a no-op elsewhere."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -164,7 +164,7 @@ class Tokenizer:
                 raise FormatError(f"tokenizer JSON cannot be loaded ({e})") from None
             if not self._word_cache and hasattr(self._hf.model, "_resize_cache"):
                 self._hf.model._resize_cache(0)     # the models that keep a word cache
-            _trim_heap()               # the load's temporaries: loaded ~2.5x less than its peak
+            trim_heap()               # the load's temporaries: loaded ~2.5x less than its peak
         return self._hf
 
     @property
@@ -187,7 +187,7 @@ class Tokenizer:
         self._hf = None
         if not keep_source:
             self._json = None
-        _trim_heap()
+        trim_heap()
 
     @property
     def vocab_size(self) -> int:
