@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 from flashllm.ffi import kernel
-from flashllm.model.quant import quantize_rows
+from flashllm.ffi.quant import quantize_rows
 from flashllm.model.tensor import QTensor, companion
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from flashllm.ffi import kernel
-from flashllm.model.quant import quantize_rows
+from flashllm.ffi.quant import quantize_rows
 from flashllm.model.tensor import QTensor
 
 

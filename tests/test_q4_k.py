@@ -24,7 +24,7 @@ from flashllm.ffi import kernel
 from flashllm.format.reader import open_flash
 from flashllm.convert.convert import convert, convert_source
 from flashllm.errors import KernelError, SourceError
-from flashllm.model.quant import dequantize_rows, quantize_rows
+from flashllm.ffi.quant import dequantize_rows, quantize_rows
 from flashllm.convert.sources import open_source
 from flashllm.model.tensor import QTensor, row_bytes
 from test_kernel_isa import ISAS, isa_compiler

@@ -5,7 +5,7 @@ from gguf import GGMLQuantizationType as GQ
 from gguf.quants import dequantize, quantize
 
 from flashllm.errors import KernelError
-from flashllm.model.quant import dequantize_rows, quantize_rows
+from flashllm.ffi.quant import dequantize_rows, quantize_rows
 from flashllm.model.tensor import row_bytes
 from flashllm.model.tensor import QTensor
 

@@ -14,7 +14,7 @@ import pytest
 from gguf import GGMLQuantizationType as GQ
 from gguf.quants import dequantize, quantize
 
-from flashllm.model.quant import dequantize_rows, quantize_rows
+from flashllm.ffi.quant import dequantize_rows, quantize_rows
 from flashllm.model.tensor import row_bytes
 
 QWEN15 = Path("/work/models/qwen15.gguf")

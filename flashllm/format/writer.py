@@ -23,7 +23,7 @@ from flashllm.format.layout import (DENSE_ALIGN, DENSE_FILE, DENSE_HEADER, DENSE
                             fits, required_tensors, tensor_dtype)
 from flashllm.model.config import ModelConfig
 from flashllm.errors import FormatError
-from flashllm.model.quant import quantize_rows
+from flashllm.ffi.quant import quantize_rows
 from flashllm.model.tensor import BLOCK_SIZE, QTensor, row_bytes
 
 

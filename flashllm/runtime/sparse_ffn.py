@@ -33,10 +33,10 @@ from flashllm.sparsity.activations import exact_active, manifest_thresholds
 from flashllm.runtime.neuron_cache import NeuronCache
 from flashllm.storage.costmodel import CostModel, batch_reads
 from flashllm.runtime.ffn import bundle_ids, up_biases
-from flashllm.runtime.stats import FlashStats, TokenStats, reader_delta
+from flashllm.runtime.stats import FlashStats, TokenStats
 from flashllm.ffi.reader import aligned_empty
 from flashllm.runtime.schedule import PassReads
-from flashllm.storage.readahead import page_chunks, page_rows
+from flashllm.storage.readahead import page_chunks, page_rows, reader_delta
 
 clock = time.perf_counter
 SERIAL_BYTES = 256 << 10       # an FFN call over fewer bundle bytes (x tokens) runs on one thread

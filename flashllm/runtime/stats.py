@@ -16,18 +16,6 @@ FIELDS = ("bytes_read", "bytes_requested", "gap_bytes", "reads", "read_s", "ring
           "mm_s", "compute_s", "predict_s", "active", "hits", "streamed", "true_active", "true_hits")
 
 
-def reader_delta(before, after) -> dict:
-    """TokenStats counters of the reads between two Reader.stats() snapshots."""
-    b = read_counters(before)
-    return {k: v - b[k] for k, v in read_counters(after).items()}
-
-
-def read_counters(delta) -> dict:
-    """TokenStats counters of one read's ReadStats delta (the read-ahead ring's take)."""
-    return {"bytes_read": delta.bytes_read, "bytes_requested": delta.bytes_requested,
-            "gap_bytes": delta.gap_bytes, "reads": delta.reads, "read_s": delta.seconds}
-
-
 @dataclass
 class TokenStats:
     """One forward pass of the flash FFN (all layers). bytes: from the device; *_s: seconds."""

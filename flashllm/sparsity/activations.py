@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from flashllm.errors import FlashError
-from flashllm.model.quant import dequantize_rows
+from flashllm.ffi.quant import dequantize_rows
 
 CRITERIA = ("glu_product", "gate", "relu", "magnitude")
 

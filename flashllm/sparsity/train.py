@@ -12,7 +12,7 @@ from typing import Optional
 
 import numpy as np
 
-from flashllm.model import quant
+from flashllm.ffi import quant
 from flashllm.format.layout import tensor_dtype
 from flashllm.errors import FlashError
 from flashllm.sparsity.activations import ffn_weights

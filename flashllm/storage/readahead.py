@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flashllm.runtime.stats import read_counters
 from flashllm.ffi.reader import ReadAhead, Reader
 from flashllm.units import PAGE
 
@@ -46,6 +45,18 @@ def page_chunks(base: int, stride: int, first: int, k: int, step: int) -> list[t
         return [(a, min(a + step, k)) for a in range(first, k, step)]
     cuts = sorted({first, *range(aligned[0], k, step // page * page)}) + [k]
     return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+
+
+def reader_delta(before, after) -> dict:
+    """Counters (TokenStats fields) of the reads between two Reader.stats() snapshots."""
+    b = read_counters(before)
+    return {k: v - b[k] for k, v in read_counters(after).items()}
+
+
+def read_counters(delta) -> dict:
+    """Counters (TokenStats fields) of one read's ReadStats delta (the read-ahead ring's take)."""
+    return {"bytes_read": delta.bytes_read, "bytes_requested": delta.bytes_requested,
+            "gap_bytes": delta.gap_bytes, "reads": delta.reads, "read_s": delta.seconds}
 
 
 @dataclass(frozen=True)

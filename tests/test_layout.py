@@ -1,0 +1,123 @@
+"""The package's shape (docs/ARCHITECTURE.md): imports flow one way between layers, no module
+imports another in a cycle (lazy imports inside functions count), no private name crosses a
+module boundary, and the top level stays small. Read from the source with ast, nothing imported."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "flashllm"
+
+# Lower layers first; a module may import its own package and any package of a lower layer.
+LAYERS = [
+    {"errors", "units"},
+    {"model"},
+    {"ffi"},
+    {"format", "storage", "sparsity"},
+    {"runtime", "convert"},
+    {"generation"},
+    {"cli"},
+]
+
+
+def modules() -> dict[str, Path]:
+    """Dotted name -> file of every module of the package."""
+    out = {}
+    for f in sorted(PACKAGE.rglob("*.py")):
+        parts = list(f.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = f
+    return out
+
+
+def imports(name: str, file: Path, known: dict) -> list[tuple[str, list[str]]]:
+    """(imported module, names taken from it) for every import statement, lazy ones included."""
+    out = []
+    pkg = name if file.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(file.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(a.name, []) for a in node.names if a.name.startswith("flashllm")]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(pkg.split(".")[:len(pkg.split(".")) - node.level + 1] + ([base] if base else []))
+            if not base.startswith("flashllm"):
+                continue
+            names = [a.name for a in node.names]
+            subs = [f"{base}.{n}" for n in names if f"{base}.{n}" in known]
+            out += [(s, []) for s in subs]
+            rest = [n for n in names if f"{base}.{n}" not in known]
+            if rest or not subs:
+                out.append((base, rest))
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {m: {i for i, _ in imports(m, f, known) if i in known and i != m} for m, f in known.items()}
+
+
+def layer(module: str) -> int:
+    top = module.split(".")[1] if module.count(".") else ""
+    for i, names in enumerate(LAYERS):
+        if top in names:
+            return i
+    return len(LAYERS)          # flashllm, flashllm.__main__: the entry points
+
+
+def find_cycles(g: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles a depth-first walk of g meets (each as its modules, first = last)."""
+    state, cycles = {}, []
+
+    def visit(m, path):
+        state[m] = "open"
+        for n in sorted(g[m]):
+            if state.get(n) == "open":
+                cycles.append(path[path.index(n):] + [n])
+            elif n not in state:
+                visit(n, path + [n])
+        state[m] = "done"
+
+    for m in sorted(g):
+        if m not in state:
+            visit(m, [m])
+    return cycles
+
+
+def test_the_cycle_finder_finds_one():
+    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    assert find_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycle():
+    assert find_cycles(graph()) == []
+
+
+def test_imports_flow_down_the_layers():
+    bad = [f"{m} -> {n}" for m, deps in graph().items() for n in deps
+           if n.count(".") and m.count(".") and layer(n) > layer(m)]
+    assert bad == []
+
+
+def test_no_private_name_crosses_a_module():
+    known = modules()
+    bad = [f"{m}: {n} from {src}" for m, f in known.items() for src, names in imports(m, f, known)
+           for n in names if n.startswith("_") and not n.endswith("__") and src != m]
+    assert bad == []
+
+
+def test_the_top_level_is_small():
+    top = [p.name for p in PACKAGE.iterdir() if p.suffix == ".py" or (p / "__init__.py").is_file()]
+    assert len([t for t in top if t.endswith(".py")]) <= 6, top
+
+
+def test_no_cycle_between_packages():
+    top = lambda m: ".".join(m.split(".")[:2])                          # noqa: E731
+    pkgs: dict[str, set[str]] = {}
+    for m, deps in graph().items():
+        pkgs.setdefault(top(m), set()).update(top(n) for n in deps if top(n) != top(m))
+    for deps in list(pkgs.values()):
+        for n in deps:
+            pkgs.setdefault(n, set())
+    assert find_cycles(pkgs) == []
