@@ -115,7 +115,7 @@ def crc32_array(a: np.ndarray) -> int:
 
 def required_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every dense tensor the architecture needs, with its shape (docs/ARCHITECTURE.md names)."""
-    d, e, hd = cfg.d_model, cfg.embed_dim, cfg.head_dim
+    d, e = cfg.d_model, cfg.embed_dim
     layer_norm = cfg.norm == "layer"
     req: dict[str, tuple[int, ...]] = {"token_embd.weight": (cfg.vocab_size, e),
                                        "output_norm.weight": (d,)}

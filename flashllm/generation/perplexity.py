@@ -89,7 +89,7 @@ def chunks(tokens: Sequence[int], n_ctx: int, n_chunks: Optional[int],
 def chunk_nll(model, inp: np.ndarray, orig: np.ndarray) -> np.ndarray:
     """(n_ctx - first - 1,) NLL of one chunk from an empty context. The first half runs without
     keeping logits, so only (n_ctx - first, vocab) logits are held at once."""
-    n_ctx, first = len(inp), len(inp) // 2
+    first = len(inp) // 2
     model.reset()
     model.forward(inp[:first], 0, last_only=True)
     logits = model.forward(inp[first:], first)                     # (n_ctx - first, vocab)
