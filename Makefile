@@ -73,10 +73,15 @@ fuzz: setup
 bench: setup $(BIN)/llama-cpp-stamp
 	$(BIN)/python scripts/bench.py $(if $(QUICK),--quick)
 
-# llama.cpp, the benchmark's peer: built from source (~8 min on 2 cores) with explicit AVX-512 flags and
-# AMX off (GGML_NATIVE with AMX is slower here and crashes when repacking)
-LLAMA_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \
-	-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+# llama.cpp, the benchmark's peer: built from source (~8 min on 2 cores) for the CPU it runs on, with
+# explicit ISA flags (GGML_NATIVE with AMX is slower on AMX Xeons and crashes when repacking): the
+# AVX-512 set where /proc/cpuinfo lists avx512f and avx512_vnni, else AVX2 (a build for AVX-512 dies
+# with SIGILL on an AVX2-only CPU such as AMD Zen 3)
+LLAMA_AVX512 := $(shell grep -qw avx512_vnni /proc/cpuinfo 2>/dev/null && echo ON || echo OFF)
+LLAMA_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	-DGGML_AVX512=$(LLAMA_AVX512) -DGGML_AVX512_VNNI=$(LLAMA_AVX512) \
+	-DGGML_AVX512_BF16=$(shell grep -qw avx512_bf16 /proc/cpuinfo 2>/dev/null && echo ON || echo OFF) \
+	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 $(BIN)/llama-cpp-stamp: | setup
 	CMAKE_ARGS="$(LLAMA_CMAKE)" $(BIN)/pip install -q --no-cache-dir llama-cpp-python==0.3.36
 	@touch $@
