@@ -1,0 +1,2 @@
+"""Bindings of the C kernel (native/): the compute half (kernel), the direct-I/O reader (reader), and
+whole-matrix quantization on top of the kernel (quant). The only package that touches cffi."""
