@@ -6,8 +6,8 @@ kernel offers it) or a pool of `n_threads` reader threads. `Reader.read` takes a
 bytes at `dst[dst_offsets[i]:]`; neighbouring requests are merged into page-aligned reads, and
 holes of at most `max_gap` bytes are read through when one larger read is cheaper (the cost
 model in costmodel.py picks `max_gap`). `Reader.read_bundles` is the neuron cache's verb: fixed
-stride bundles of one layer into rows of a preallocated matrix. `ReadAhead` is the C read-ahead
-ring over readers: one C thread reads a fixed schedule of batches into a ring of buffers.
+stride bundles of one layer into rows of a preallocated matrix. The read-ahead over readers
+(native/readahead.c) is bound in flashllm.storage.readahead.
 """
 from __future__ import annotations
 
@@ -59,7 +59,8 @@ def aligned_empty(nbytes: int) -> np.ndarray:
     return raw[start:start + nbytes]
 
 
-def _check(status: int, what: str) -> None:
+def check(status: int, what: str) -> None:
+    """KernelError naming `what` unless status is FL_OK."""
     if status == lib.FL_OK:
         return
     names = {lib.FL_EINVAL: "invalid argument", lib.FL_ENOMEM: "out of memory",
@@ -67,7 +68,8 @@ def _check(status: int, what: str) -> None:
     raise KernelError(f"{what}: {names.get(status, f'status {status}')}")
 
 
-def _int64(values: np.ndarray, name: str, n: int) -> np.ndarray:
+def int64_array(values: np.ndarray, name: str, n: int) -> np.ndarray:
+    """values as a contiguous (n,) int64 array for C; KernelError naming `name` otherwise."""
     arr = np.ascontiguousarray(values, dtype=np.int64)  # (n,)
     if arr.shape != (n,):
         raise KernelError(f"{name} has shape {arr.shape}, expected ({n},)")
@@ -78,11 +80,11 @@ def plan_reads(offsets: np.ndarray, lengths: np.ndarray, max_gap: int,
                max_run: int = DEFAULT_STAGE) -> Tuple[int, int, int]:
     """(reads, bytes read, gap bytes) that a Reader would issue for these requests."""
     n = len(offsets)
-    offs, lens = _int64(offsets, "offsets", n), _int64(lengths, "lengths", n)  # (n,) (n,)
+    offs, lens = int64_array(offsets, "offsets", n), int64_array(lengths, "lengths", n)  # (n,) (n,)
     out = ffi.new("int64_t[3]")
     status = lib.fl_io_plan(ffi.from_buffer("int64_t[]", offs), ffi.from_buffer("int64_t[]", lens),
                             n, max_gap, max_run, out, out + 1, out + 2)
-    _check(status, "planning reads")
+    check(status, "planning reads")
     return int(out[0]), int(out[1]), int(out[2])
 
 
@@ -98,10 +100,10 @@ class Reader:
         status = lib.fl_reader_open(str(self.path).encode(), n_threads, flags, stage_bytes, out)
         if status == lib.FL_EIO:
             raise KernelError(f"cannot open {self.path} for reading")
-        _check(status, f"opening a reader on {self.path} with {n_threads} threads")
+        check(status, f"opening a reader on {self.path} with {n_threads} threads")
         self._h = ffi.gc(out[0], lib.fl_reader_close)
         info_flags, info_size, info_threads = ffi.new("int32_t *"), ffi.new("int64_t *"), ffi.new("int32_t *")
-        _check(lib.fl_reader_info(self._h, info_flags, info_size, info_threads), "reader info")
+        check(lib.fl_reader_info(self._h, info_flags, info_size, info_threads), "reader info")
         self.direct = bool(info_flags[0] & lib.FL_READ_DIRECT)
         self.ring = bool(info_flags[0] & lib.FL_READ_RING)  # io_uring in use (else the pool)
         self.file_size = int(info_size[0])
@@ -119,8 +121,8 @@ class Reader:
         aligned_empty). max_gap < 0 disables merging; max_run <= 0 means the staging size.
         """
         n = len(offsets)
-        offs, lens = _int64(offsets, "offsets", n), _int64(lengths, "lengths", n)  # (n,) (n,)
-        douts = _int64(dst_offsets, "dst_offsets", n)  # (n,)
+        offs, lens = int64_array(offsets, "offsets", n), int64_array(lengths, "lengths", n)  # (n,) (n,)
+        douts = int64_array(dst_offsets, "dst_offsets", n)  # (n,)
         if dst.dtype != np.uint8 or not dst.flags.c_contiguous or not dst.flags.writeable:
             raise KernelError("read destination must be a writable C-contiguous uint8 array")
         if n and (douts.min() < 0 or int((douts + lens).max()) > dst.nbytes):
@@ -133,7 +135,7 @@ class Reader:
             bad = int(np.flatnonzero((offs < 0) | (lens < 0) | (offs + lens > self.file_size))[0])
             raise KernelError(f"{self.path}: request {bad} (offset {offs[bad]}, {lens[bad]} bytes) "
                               f"is outside the file ({self.file_size} bytes)")
-        _check(status, f"reading {n} requests from {self.path}")
+        check(status, f"reading {n} requests from {self.path}")
 
     def read_bundles(self, base: int, stride: int, ids: np.ndarray, out: np.ndarray,
                      slots: np.ndarray, max_gap: int = 0, max_run: int = 0) -> None:
@@ -150,13 +152,18 @@ class Reader:
         self.read(offsets, lengths, out.reshape(-1), np.asarray(slots, dtype=np.int64) * stride,
                   max_gap=max_gap, max_run=max_run)
 
+    @property
+    def handle(self):
+        """The C fl_reader * (the read-ahead reads through it)."""
+        return self._h
+
     def stats(self) -> ReadStats:
         s = ffi.new("fl_reader_stats_t *")
-        _check(lib.fl_reader_stats(self._h, s), "reader stats")
-        return _stats(s)
+        check(lib.fl_reader_stats(self._h, s), "reader stats")
+        return read_stats(s)
 
     def reset_stats(self) -> None:
-        _check(lib.fl_reader_reset_stats(self._h), "reader stats reset")
+        check(lib.fl_reader_reset_stats(self._h), "reader stats reset")
 
     def close(self) -> None:
         """Join the threads and close the file (idempotent)."""
@@ -171,64 +178,7 @@ class Reader:
         self.close()
 
 
-def _stats(s) -> ReadStats:
+def read_stats(s) -> ReadStats:
+    """A C fl_reader_stats_t as ReadStats."""
     return ReadStats(s.batches, s.requests, s.reads, s.bytes_requested, s.bytes_read, s.gap_bytes,
                      s.merged_requests, s.seconds)
-
-
-class ReadAhead:
-    """fl_readahead: one C thread reads entry pos % n of a fixed schedule into buffer
-    (pos - start) % n_buf, over and over; take(pos) waits for it. Entry e is one read of requests
-    first[e] .. first[e+1]-1 through readers[reader_of[e]] (dst: byte offsets in the buffer).
-    The readers must stay open and unused by anyone else while the ring runs (stop() first)."""
-
-    def __init__(self, readers: list, reader_of: np.ndarray, first: np.ndarray,
-                 offsets: np.ndarray, lengths: np.ndarray, dst: np.ndarray, max_gap: np.ndarray,
-                 max_run: np.ndarray, buffers: np.ndarray) -> None:
-        n, m = len(reader_of), int(first[-1])
-        self._readers, self._buffers = list(readers), buffers            # kept alive: C uses them
-        self._arrays = [np.ascontiguousarray(reader_of, np.int32), _int64(first, "first", n + 1),
-                        _int64(offsets, "offsets", m), _int64(lengths, "lengths", m),
-                        _int64(dst, "dst", m), _int64(max_gap, "max_gap", n),
-                        _int64(max_run, "max_run", n)]   # (n,) (n+1,) (m,) (m,) (m,) (n,) (n,)
-        if buffers.ndim != 2 or buffers.dtype != np.uint8 or not buffers.flags.c_contiguous:
-            raise KernelError("read-ahead buffers must be a C-contiguous (n_buf, bytes) uint8 array")
-        out = ffi.new("fl_readahead **")
-        handles = ffi.new("fl_reader *[]", [r._h for r in self._readers])
-        types = ("int32_t[]",) + ("int64_t[]",) * 6
-        args = [ffi.from_buffer(t, a) for t, a in zip(types, self._arrays)]
-        status = lib.fl_readahead_open(handles, len(self._readers), *args, n,
-                                       ffi.from_buffer("uint8_t[]", buffers, require_writable=True),
-                                       buffers.shape[1], buffers.shape[0], out)
-        _check(status, "opening the read-ahead ring")
-        self._h = ffi.gc(out[0], lib.fl_readahead_close)
-        self._k, self._delta = ffi.new("int32_t *"), ffi.new("fl_reader_stats_t *")
-        self._idle = ffi.new("double *")
-
-    def take(self, pos: int) -> tuple[int, ReadStats, float]:
-        """(buffer index, the reader's counters for its read, seconds the thread waited for a
-        free buffer before it) of schedule position pos."""
-        status = lib.fl_readahead_take(self._h, pos, self._k, self._delta, self._idle)
-        if status != lib.FL_OK:
-            what = f"read-ahead of schedule position {pos} ({self._readers[0].path.name} ...)"
-            _check(status, what)
-        return int(self._k[0]), _stats(self._delta), float(self._idle[0])
-
-    def release(self) -> None:
-        _check(lib.fl_readahead_release(self._h), "read-ahead release")
-
-    def stop(self) -> None:
-        if self._h is not None:
-            _check(lib.fl_readahead_stop(self._h), "read-ahead stop")
-
-    @property
-    def running(self) -> bool:
-        flag = ffi.new("int32_t *")
-        return self._h is not None and lib.fl_readahead_running(self._h, flag) == lib.FL_OK \
-            and bool(flag[0])
-
-    def close(self) -> None:
-        """Stop the thread and free the ring (idempotent)."""
-        if self._h is not None:
-            ffi.release(self._h)
-            self._h = None

@@ -124,7 +124,7 @@ def stream_dense(flash, ffn, weights) -> None:
     """When the FFN reads the same bundles every pass (its read-ahead schedule), the streamed
     attention and output head join that schedule: one queue keeps the device busy (else the
     dense weights' own reader reads them while the FFN's ring waits)."""
-    if ffn is None or weights is None or getattr(ffn, "reads", None) is None:
+    if ffn is None or weights is None or getattr(ffn, "schedule", None) is None:
         return
     from flashllm.ffi.reader import Reader
     layers = weights.streamed_layers()
@@ -132,7 +132,7 @@ def stream_dense(flash, ffn, weights) -> None:
         return
     reader = Reader(flash.dense_file, n_threads=ffn.reader.n_threads, stage_bytes=READER_STAGE)
     attention = {i: (reader, *weights.attention_extents(i)) for i in layers}
-    extents = [] if weights.head is not None else weights.head_extents(ffn.reads.buffer_bytes)
+    extents = [] if weights.head is not None else weights.head_extents(ffn.schedule.buffer_bytes)
     if ffn.stream_dense(attention, (reader, extents)):
         weights.layer_source = ffn.attention_bytes
         weights.head_source = ffn.head_chunks

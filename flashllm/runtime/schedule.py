@@ -1,16 +1,17 @@
-"""Everything a static forward pass reads, in the order it uses it, read ahead by one ReadRing.
+"""The schedule of a static forward pass: everything it reads, in the order it uses it, read
+ahead by one ReadAhead (flashllm/storage/readahead.py).
 
 When the FFN bundles a pass needs do not depend on its input (no predictor, or --naive), neither
 do any of its reads, so one schedule covers the pass: for each layer its streamed attention
 matrices (one entry), then its FFN chunks; after the last layer the streamed output head, in
-extents. One C thread reads it over and over (read_ring.py) — across layers and across passes —
+extents. One C thread reads it over and over (the read-ahead) — across layers and across passes —
 so the device sees one queue and never waits for compute.
 
-    reads = PassReads(buffers, ffn_chunks, ffn_request)  ffn_chunks[layer] = [(first slot, n)]
-    reads.add_dense(attention, head)                      streamed dense weights join
-    rows, counters = reads.take(("ffn", layer, j))        rows (n, stride) of chunk j
-    ... compute ...; reads.release()
-    buf, counters = reads.take(("attn", layer), hold=False)  bytes valid until the next take
+    schedule = PassSchedule(buffers, ffn_chunks, ffn_request)  ffn_chunks[layer] = [(first slot, n)]
+    schedule.add_dense(attention, head)                      streamed dense weights join
+    rows, counters = schedule.take(("ffn", layer, j))        rows (n, stride) of chunk j
+    ... compute ...; schedule.release()
+    buf, counters = schedule.take(("attn", layer), hold=False)  bytes valid until the next take
 
 A pass takes its entries in schedule order. The position of a take is the next one at or after
 the cursor that holds that entry, so a pass that was cut short (an error, a pass that did not
@@ -22,13 +23,13 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from flashllm.storage.readahead import Entry, ReadRing
+from flashllm.storage.readahead import Entry, ReadAhead
 
 # ffn_request(layer, first slot, n slots) -> (reader, offsets (m,), lengths (m,), dst offsets (m,))
 FfnRequest = Callable[[int, int, int], tuple]
 
 
-class PassReads:
+class PassSchedule:
     """The schedule of a static pass over a ring of buffers (n_buf, rows, stride) uint8."""
 
     def __init__(self, buffers: np.ndarray, ffn_chunks: list, ffn_request: FfnRequest):
@@ -81,12 +82,6 @@ class PassReads:
     def release(self) -> None:
         self.ring.release()
 
-    def stop(self) -> None:
-        """Stop reading ahead; the next take restarts the ring."""
-        if self.ring is not None:
-            self.ring.stop()
-        self._held = False
-
     def close(self) -> None:
         self._close_ring()
         readers = {id(r): r for r, *_ in self._attn.values()}
@@ -100,7 +95,7 @@ class PassReads:
             self.ring.close()
         self._held = False
 
-    def _build(self) -> Optional[ReadRing]:
+    def _build(self) -> Optional[ReadAhead]:
         stride = self.buffers.shape[2]
         rows = lambda nbytes: -(-int(nbytes) // stride)
         entries = []
@@ -116,4 +111,4 @@ class PassReads:
                           np.array([nbytes]), np.array([0]))
                     for j, (offset, nbytes) in enumerate(self._head[1])]
         self._pos = {e.key: p for p, e in enumerate(entries)}
-        return ReadRing(self.buffers, entries) if entries else None
+        return ReadAhead(self.buffers, entries) if entries else None

@@ -9,7 +9,7 @@ Decode (one token, or a token + draft guesses: their union), per layer:
     y += FFN over the new rows; misses the cache could not take stream through the staging buffer
 Static passes: when every token needs the same slots 0 .. k-1 (predictor.AllSlots: no trained
 predictor; or --naive, the paper's baseline, every bundle every token), every cache row is pinned
-and the rest is read by one read-ahead schedule (pass_reads.py) that runs ahead of the forward
+and the rest is read by one read-ahead schedule (runtime/schedule.py) that runs ahead of the forward
 pass, across layers and passes (decode and prefill alike), through the staging memory cut into
 four page-aligned buffers; streamed attention and a streamed output head join the same schedule
 (stream_dense), so one queue feeds the device.
@@ -35,7 +35,7 @@ from flashllm.storage.costmodel import CostModel, batch_reads
 from flashllm.runtime.ffn import bundle_ids, up_biases
 from flashllm.runtime.stats import FlashStats, TokenStats
 from flashllm.ffi.reader import aligned_empty
-from flashllm.runtime.schedule import PassReads
+from flashllm.runtime.schedule import PassSchedule
 from flashllm.storage.readahead import page_chunks, page_rows, reader_delta
 
 clock = time.perf_counter
@@ -71,14 +71,14 @@ class SparseFlashFfn:
         for layer, cache in enumerate(self.caches):
             self._read_seq(layer, cache.pin(), cache.matrix, None)
         self._slots = np.arange(f.n_ff, dtype=np.int32)    # (n_ff,) sliced per chunk: no arange per token
-        self.reads = self._make_reads(cfg.n_layers)
+        self.schedule = self._make_schedule(cfg.n_layers)
 
     def _static_slots(self) -> Optional[int]:
         """k when every token needs slots 0 .. k-1 (naive, or a predictor independent of the
         input), else None."""
         return self.f.n_ff if self.naive else getattr(self.predictor, "n_static", None)
 
-    def _make_reads(self, n_layers: int) -> Optional[PassReads]:
+    def _make_schedule(self, n_layers: int) -> Optional[PassSchedule]:
         """The read-ahead schedule of a static pass: the slots past the pinned cache rows in
         chunks of one ring buffer; None when the set is not static or all cached."""
         k = self._static_slots()
@@ -93,49 +93,49 @@ class SparseFlashFfn:
                                                        first, k, step)]
                   for layer in range(n_layers)]                        # [layer][j] = (first, n)
         buffers = self.staging[:n_buf * step].reshape(n_buf, step, self.f.stride)  # (n_buf, step, stride)
-        reads = PassReads(buffers, chunks, self._static_request)
+        reads = PassSchedule(buffers, chunks, self._static_request)
         return reads if reads.ring is not None else None
 
     @property
     def ring(self):
         """The read-ahead ring of a static pass (None without one)."""
-        return None if self.reads is None else self.reads.ring
+        return None if self.schedule is None else self.schedule.ring
 
     def stream_dense(self, attention: dict, head: tuple) -> bool:
-        """Streamed dense weights join the static pass's schedule (pass_reads.py): attention
+        """Streamed dense weights join the static pass's schedule (runtime/schedule.py): attention
         {layer: (reader, offsets, lengths, dst offsets)}, head (reader, [(offset, nbytes)]).
         False (nothing changes) without a schedule or when a piece does not fit a buffer."""
-        if self.reads is None:
+        if self.schedule is None:
             return False
         sizes = [int(d[-1] + n[-1]) for _, _, n, d in attention.values()] + \
             [int(n) for _, n in head[1]]
-        if not sizes or max(sizes) > self.reads.buffer_bytes:
+        if not sizes or max(sizes) > self.schedule.buffer_bytes:
             return False
-        self.reads.add_dense(attention, head)
+        self.schedule.add_dense(attention, head)
         return True
 
     def attention_bytes(self, layer: int):
         """(bytes of layer's streamed attention, read counters), valid until the next read is
         taken; None when the schedule does not carry it."""
-        if self.reads is None or not self.reads.has_attention(layer):
+        if self.schedule is None or not self.schedule.has_attention(layer):
             return None
-        rows, counters = self.reads.take(("attn", layer), hold=False)   # (n, stride)
+        rows, counters = self.schedule.take(("attn", layer), hold=False)   # (n, stride)
         return rows.reshape(-1), counters
 
     def head_chunks(self):
         """Iterator of (extent index, bytes (nbytes,), read counters) over the output head's
         extents, each valid until the next; None when the schedule does not carry the head."""
-        if self.reads is None or not self.reads.head_extents:
+        if self.schedule is None or not self.schedule.head_extents:
             return None
         return self._take_head()
 
     def _take_head(self):
-        for j, (_, nbytes) in enumerate(self.reads.head_extents):
-            rows, counters = self.reads.take(("head", j))                # (n, stride)
+        for j, (_, nbytes) in enumerate(self.schedule.head_extents):
+            rows, counters = self.schedule.take(("head", j))                # (n, stride)
             try:
                 yield j, rows.reshape(-1)[:nbytes], counters
             finally:
-                self.reads.release()
+                self.schedule.release()
 
     # ---- the strategy seam -------------------------------------------------------------------
 
@@ -157,8 +157,8 @@ class SparseFlashFfn:
 
     def close(self) -> None:
         """Stop reading ahead, close the readers (the FFN's and the ring's dense one)."""
-        if self.reads is not None:
-            self.reads.close()
+        if self.schedule is not None:
+            self.schedule.close()
         self._pool.shutdown(wait=True)
         self.reader.close()
 
@@ -237,13 +237,13 @@ class SparseFlashFfn:
         t.compute_s += clock() - t0
         t.active += self._static_slots()
         t.hits += pinned
-        for key in ([] if self.reads is None else self.reads.ffn_keys(layer)):
+        for key in ([] if self.schedule is None else self.schedule.ffn_keys(layer)):
             t0 = clock()
-            rows, counters = self.reads.take(key)                        # (n, stride)
+            rows, counters = self.schedule.take(key)                        # (n, stride)
             t1 = clock()
-            first, n = self.reads.chunk(key)
+            first, n = self.schedule.chunk(key)
             self._compute_block(layer, rows, self._slots[first:first + n], h, x)
-            self.reads.release()
+            self.schedule.release()
             t.add_reads(counters)
             t.io_s += t1 - t0
             t.compute_s += clock() - t1

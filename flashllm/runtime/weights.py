@@ -12,7 +12,7 @@
 Vectors (norms, biases) are always resident. Which matrices stream is the budget plan's decision
 (budget.py: `BudgetPlan.streamed`); reads go through the direct-I/O Reader (ioreader.py), or,
 when the FFN's reads are static, come from its read-ahead schedule (`layer_source`,
-`head_source`, set by runtime.stream_dense: pass_reads.py).
+`head_source`, set by runtime.assemble.stream_dense: runtime/schedule.py).
 """
 from __future__ import annotations
 

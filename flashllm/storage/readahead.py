@@ -1,5 +1,6 @@
-"""A read-ahead ring: one C thread (native/readahead.c) reads a fixed schedule of batches, over
-and over, into a ring of aligned buffers; the forward pass takes them in the same order.
+"""The read-ahead: one C thread (native/readahead.c, `fl_readahead`) reads a fixed schedule of
+batches, over and over, into a ring of aligned buffers; the forward pass takes them in the same
+order. (docs/ARCHITECTURE.md, "The read-ahead", tells why.)
 
 When the bundles a token needs do not depend on the token (no predictor: every neuron outside
 the pinned cache rows is read each token; or --naive), the reads of the whole token are known in
@@ -8,11 +9,10 @@ computes over one buffer, the next buffers (the rest of layer l, layer l+1, ... 
 token boundary, the next token's first layers) are already being read. The reading thread is
 C: no interpreter lock or Python frame sits between two reads.
 
-    ring = ReadRing(buffers, entries)              buffers (n_buf, rows, stride) uint8
+    ring = ReadAhead(buffers, entries)             buffers (n_buf, rows, stride) uint8
     rows, counters = ring.take(pos)                blocks until entries[pos % len] is read
     ... compute over rows ...
     ring.release()                                 the buffer may be read into again
-    ring.stop()                                    before anyone else uses the readers
     ring.close()                                   frees the C ring
 
 `take(pos)` restarts the ring at pos when the caller is not where the ring expected (a prefill in
@@ -26,7 +26,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flashllm.ffi.reader import ReadAhead, Reader
+from flashllm.errors import KernelError
+from flashllm.ffi._native import ffi, lib
+from flashllm.ffi.reader import Reader, check, int64_array, read_stats
 from flashllm.units import PAGE
 
 
@@ -73,47 +75,76 @@ class Entry:
     max_run: int = 0
 
 
-class ReadRing:
-    """Read-ahead of entries[i % len] into buffers[(i - start) % n_buf]."""
+class ReadAhead:
+    """Read-ahead of entries[i % len] into buffers[(i - start) % n_buf], one C thread reading.
+    The entries' readers must stay open and unused by anyone else while it runs."""
 
     def __init__(self, buffers: np.ndarray, entries: list):
-        if buffers.ndim != 3 or len(buffers) < 2:
-            raise ValueError("a read ring needs at least two (rows, stride) buffers")
+        if buffers.ndim != 3 or len(buffers) < 2 or buffers.dtype != np.uint8 \
+                or not buffers.flags.c_contiguous:
+            raise KernelError("read-ahead needs at least two C-contiguous (rows, stride) uint8 buffers")
         if not entries or max(e.rows for e in entries) > buffers.shape[1] or \
                 max(int(np.max(np.asarray(e.dst) + e.lengths, initial=0)) for e in entries) > \
                 buffers[0].nbytes:
-            raise ValueError("every scheduled chunk must fit one ring buffer")
+            raise KernelError("every scheduled chunk must fit one read-ahead buffer")
         self.buffers, self.schedule = buffers, list(entries)      # (n_buf, rows, stride)
-        readers = list({id(e.reader): e.reader for e in entries}.values())
-        index = {id(r): i for i, r in enumerate(readers)}
+        self._readers = list({id(e.reader): e.reader for e in entries}.values())  # kept alive
+        self._arrays = self._pack(entries)
+        out = ffi.new("fl_readahead **")
+        handles = ffi.new("fl_reader *[]", [r.handle for r in self._readers])
+        types = ("int32_t[]",) + ("int64_t[]",) * 6
+        args = [ffi.from_buffer(t, a) for t, a in zip(types, self._arrays)]
+        flat = buffers.reshape(len(buffers), -1)                  # (n_buf, bytes)
+        status = lib.fl_readahead_open(handles, len(self._readers), *args, len(entries),
+                                       ffi.from_buffer("uint8_t[]", flat, require_writable=True),
+                                       flat.shape[1], flat.shape[0], out)
+        check(status, "opening the read-ahead")
+        self._h = ffi.gc(out[0], lib.fl_readahead_close)
+        self._k, self._delta = ffi.new("int32_t *"), ffi.new("fl_reader_stats_t *")
+        self._idle = ffi.new("double *")
+
+    def _pack(self, entries: list) -> list[np.ndarray]:
+        """The schedule as C arrays: reader_of (n,), first (n+1,), offsets, lengths, dst (m,),
+        max_gap, max_run (n,)."""
+        index = {id(r): i for i, r in enumerate(self._readers)}
         sizes = [len(e.offsets) for e in entries]
+        n, m = len(entries), int(sum(sizes))
         cat = lambda name: np.concatenate([np.asarray(getattr(e, name), np.int64).reshape(-1)
                                            for e in entries])     # (m,)
-        self._c = ReadAhead(readers, np.array([index[id(e.reader)] for e in entries]),
-                            np.concatenate([[0], np.cumsum(sizes)]), cat("offsets"),
-                            cat("lengths"), cat("dst"), np.array([e.max_gap for e in entries]),
-                            np.array([e.max_run for e in entries]),
-                            buffers.reshape(len(buffers), -1))
+        return [np.array([index[id(e.reader)] for e in entries], np.int32),
+                int64_array(np.concatenate([[0], np.cumsum(sizes)]), "first", n + 1),
+                int64_array(cat("offsets"), "offsets", m), int64_array(cat("lengths"), "lengths", m),
+                int64_array(cat("dst"), "dst", m),
+                int64_array([e.max_gap for e in entries], "max_gap", n),
+                int64_array([e.max_run for e in entries], "max_run", n)]
 
     def take(self, pos: int) -> tuple[np.ndarray, dict]:
         """(rows (n, stride) holding entries[pos % len], the read's counters and ring_idle_s:
         how long the reader had waited for a free buffer before it); waits for it."""
-        k, delta, idle = self._c.take(pos)
+        status = lib.fl_readahead_take(self._h, pos, self._k, self._delta, self._idle)
+        if status != lib.FL_OK:
+            check(status, f"read-ahead of schedule position {pos} ({self._readers[0].path.name} ...)")
+        k, delta = int(self._k[0]), read_stats(self._delta)
         rows = self.buffers[k, :self.schedule[pos % len(self.schedule)].rows]   # (n, stride)
-        return rows, {**read_counters(delta), "ring_idle_s": idle}
+        return rows, {**read_counters(delta), "ring_idle_s": float(self._idle[0])}
 
     def release(self) -> None:
         """The buffer of the last take() may be read into again."""
-        self._c.release()
+        check(lib.fl_readahead_release(self._h), "read-ahead release")
 
     def stop(self) -> None:
         """Stop reading ahead (waits for the read in flight); what was read is dropped."""
-        self._c.stop()
-
-    def close(self) -> None:
-        """Stop and free the C ring; the ring cannot be used after."""
-        self._c.close()
+        if self._h is not None:
+            check(lib.fl_readahead_stop(self._h), "read-ahead stop")
 
     @property
     def running(self) -> bool:
-        return self._c.running
+        flag = ffi.new("int32_t *")
+        return self._h is not None and lib.fl_readahead_running(self._h, flag) == lib.FL_OK \
+            and bool(flag[0])
+
+    def close(self) -> None:
+        """Stop the thread and free it (idempotent); the read-ahead cannot be used after."""
+        if self._h is not None:
+            ffi.release(self._h)
+            self._h = None

@@ -39,7 +39,7 @@ def test_dense_reads_through_the_ring_give_the_same_logits(tmp_path, streamed, s
     cfg = write_model(tmp_path / "m", True, "f32", tied=False)
     ring, ffn, w_ring = model(tmp_path / "m", cfg, streamed, staging_rows, True)
     own, ffn_own, _ = model(tmp_path / "m", cfg, streamed, staging_rows, False)
-    assert len(ffn.reads.head_extents) == (2 if staging_rows == 192 else 1)
+    assert len(ffn.schedule.head_extents) == (2 if staging_rows == 192 else 1)
     pos = 0
     for toks in STEPS:
         np.testing.assert_array_equal(ring.forward(np.array(toks), pos),
@@ -60,10 +60,10 @@ def test_a_pass_cut_short_restarts_the_ring_at_the_next_pass(tmp_path):
     own, _, _ = model(tmp_path / "m", cfg, *HEAD_ATTN, False)
     for m in (ring, own):
         m.forward(np.array([1, 5]), 0)
-    ffn.reads.take(("ffn", 0, 0))       # a pass that stops after its first chunk
-    ffn.reads.release()
+    ffn.schedule.take(("ffn", 0, 0))       # a pass that stops after its first chunk
+    ffn.schedule.release()
     np.testing.assert_array_equal(ring.forward(np.array([4]), 2), own.forward(np.array([4]), 2))
-    ffn.reads.stop()
+    ffn.schedule.ring.stop()                # the read-ahead stopped between passes
     np.testing.assert_array_equal(ring.forward(np.array([7]), 3), own.forward(np.array([7]), 3))
     assert ffn.ring.running
     ffn.close()

@@ -1,4 +1,4 @@
-"""The read-ahead ring (C thread, native/readahead.c) against the file's bytes: chunks come back
+"""The read-ahead (C thread, native/readahead.c) against the file's bytes: chunks come back
 in order and hold the right bytes across many laps of the schedule (from two readers), a consumer
 that jumps restarts the ring at the right place, a read error reaches the consumer as the error,
 and the counters of each take are its own read's."""
@@ -9,7 +9,7 @@ import pytest
 
 from flashllm.errors import KernelError
 from flashllm.ffi.reader import Reader, aligned_empty
-from flashllm.storage.readahead import Entry, ReadRing
+from flashllm.storage.readahead import Entry, ReadAhead
 
 STRIDE = 4096 + 512          # a bundle that is not a page multiple
 
@@ -31,7 +31,7 @@ def make_ring(path, schedule, n_buf=3, rows=8):
     readers = [Reader(path, n_threads=2), Reader(path, n_threads=2)]
     buffers = aligned_empty(n_buf * rows * STRIDE).reshape(n_buf, rows, STRIDE)  # (n_buf, rows, stride)
     entries = [entry(readers[i % 2], *s) for i, s in enumerate(schedule)]     # alternate readers
-    return ReadRing(buffers, entries), readers
+    return ReadAhead(buffers, entries), readers
 
 
 def close(ring, readers):
@@ -112,13 +112,13 @@ def test_a_read_error_is_raised_by_take(ffn_file):
 
 def test_bad_rings_are_refused(ffn_file):
     path, _ = ffn_file
-    with pytest.raises(ValueError, match="fit one ring buffer"):
+    with pytest.raises(KernelError, match="fit one read-ahead buffer"):
         make_ring(path, [(0, 0, 9)], rows=8)
-    with pytest.raises(ValueError, match="at least two"):
+    with pytest.raises(KernelError, match="at least two"):
         make_ring(path, [(0, 0, 8)], n_buf=1)
     reader = Reader(path, n_threads=1)
     buffers = aligned_empty(2 * 8 * STRIDE).reshape(2, 8, STRIDE)  # (2, 8, stride)
     bad = Entry("x", 1, reader, np.array([0]), np.array([STRIDE]), np.array([8 * STRIDE - 1]))
-    with pytest.raises(ValueError, match="fit one ring buffer"):
-        ReadRing(buffers, [bad])                                   # a request past its buffer
+    with pytest.raises(KernelError, match="fit one read-ahead buffer"):
+        ReadAhead(buffers, [bad])                                   # a request past its buffer
     reader.close()
