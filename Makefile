@@ -38,12 +38,12 @@ clean:
 
 ## bench-kernels: each kernel's time and GB/s (int8 vs f32 activations) next to a DRAM read, and numpy/BLAS on the same work
 bench-kernels: setup
-	$(BIN)/python scripts/bench_kernels.py
+	$(BIN)/python -m scripts.bench.kernels
 
 ## bench-io: bundle reads through the C reader next to the device profile (MODEL=dir, else a synthetic ffn.bin in BENCH_DIR)
 BENCH_DIR ?= .
 bench-io: setup
-	$(BIN)/python scripts/bench_io.py $(if $(MODEL),$(MODEL),--synthetic $(BENCH_DIR))
+	$(BIN)/python -m scripts.bench.bundle_reads $(if $(MODEL),$(MODEL),--synthetic $(BENCH_DIR))
 
 ## test-asan: the direct-I/O reader and read-ahead ring (native/io.c, io_plan.c, io_ring.c, readahead.c) under AddressSanitizer + UBSan, and the compute kernel's worker threads (native/pool.c) under ASan + UBSan and ThreadSanitizer, through C test drivers
 test-asan:
@@ -69,9 +69,9 @@ fuzz: setup
 	  $(BIN)/pytest -q -s -p no:cacheprovider tests/test_fuzz.py
 
 .PHONY: bench
-## bench: DESIGN.md §8 into BENCHMARKS.md: dense decode and flash inference under cgroup memory caps (root), next to llama.cpp (llama-cpp-python in the venv); QUICK=1: SmolLM2 only, short
+## bench: docs/DESIGN.md's benchmark protocol into BENCHMARKS.md: dense decode and flash inference under cgroup memory caps (root), next to llama.cpp (llama-cpp-python in the venv); QUICK=1: SmolLM2 only, short
 bench: setup $(BIN)/llama-cpp-stamp
-	$(BIN)/python scripts/bench.py $(if $(QUICK),--quick)
+	$(BIN)/python -m scripts.bench.bench $(if $(QUICK),--quick)
 
 # llama.cpp, the benchmark's peer: built from source (~8 min on 2 cores) for the CPU it runs on, with
 # explicit ISA flags (GGML_NATIVE with AMX is slower on AMX Xeons and crashes when repacking): the

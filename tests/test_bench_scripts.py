@@ -7,11 +7,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-import bench_flashllm  # noqa: E402
-import bench_report  # noqa: E402
-import bench_stats  # noqa: E402
-import cgroup_run  # noqa: E402
+from scripts.bench import cgroup_run, flashllm_cli, report, stats
 
 MiB = 1 << 20
 needs_cgroup = pytest.mark.skipif(cgroup_run.unavailable_reason() is not None,
@@ -40,33 +36,33 @@ def test_parse_size():
 
 
 def test_parse_run_timings():
-    d = bench_flashllm.parse_run(TIMINGS)
+    d = flashllm_cli.parse_run(TIMINGS)
     assert (d["n_prompt"], d["n_decode"]) == (64, 15)
     assert d["prefill_tps"] == pytest.approx(100.0)
     assert d["decode_tps"] == pytest.approx(50.0)
-    assert bench_flashllm.parse_run("error: no such model") is None
+    assert flashllm_cli.parse_run("error: no such model") is None
 
 
 def test_parse_run_prefers_json():
-    d = bench_flashllm.parse_run(TIMINGS + '{"n_prompt": 64, "prefill_s": 2.0, "n_decode": 10, "decode_s": 4.0}\n')
+    d = flashllm_cli.parse_run(TIMINGS + '{"n_prompt": 64, "prefill_s": 2.0, "n_decode": 10, "decode_s": 4.0}\n')
     assert d["prefill_tps"] == pytest.approx(32.0) and d["decode_tps"] == pytest.approx(2.5)
 
 
 def test_stats_table_mean_row():
-    d = bench_stats.parse_stats_table(STATS)
+    d = stats.parse_stats_table(STATS)
     assert d["io_bytes_per_token"] == pytest.approx(31.06e6)
     assert d["reads_per_token"] == 154 and d["hit_rate"] == pytest.approx(0.29)
     assert d["recall"] == pytest.approx(0.90)
-    cells = bench_stats.stat_cells(d)
+    cells = stats.stat_cells(d)
     assert cells["mb_tok"] == "31.1" and cells["gibs"] == "0.64 (2.02)"
     assert cells["split"] == "50.2 / 4.3 / 28.7 / 0.0"
-    assert bench_stats.parse_stats_table(STATS.replace("hit%", "hits")) == {"plan": STATS.splitlines()[0]}
+    assert stats.parse_stats_table(STATS.replace("hit%", "hits")) == {"plan": STATS.splitlines()[0]}
 
 
 def test_merge_keeps_other_sections(tmp_path):
     old = tmp_path / "B.md"
     old.write_text("# t\n\nold head\n\n## I/O\n\nio text\n\n## Dense decode\n\nold dense\n\n## Quality\n\nq\n")
-    text = bench_report.merge(old, "# new\n", {"## Flash inference": "## Flash inference\n\nflash\n"})
+    text = report.merge(old, "# new\n", {"## Flash inference": "## Flash inference\n\nflash\n"})
     assert "old head" not in text and "io text" in text and "q\n" in text and "old dense" in text
     assert text.index("## Dense decode") < text.index("## Flash inference") < text.index("## I/O")
 
@@ -93,8 +89,16 @@ def test_run_json_flash_summary():
             '{"io_bytes_per_token": 2.5e6, "reads_per_token": 12.0, "hit_rate": 0.5, "recall": null, '
             '"io_ms_per_token": 3.0, "mm_ms_per_token": 1.0, "compute_ms_per_token": 7.0, '
             '"predictor_ms_per_token": 0.04}}}')
-    d = bench_flashllm.parse_run("note\n" + line + "\n")
-    assert bench_report.plan_label(d) == "DRAM budget 170 MiB"
-    cells = bench_stats.stat_cells(d)
+    d = flashllm_cli.parse_run("note\n" + line + "\n")
+    assert report.plan_label(d) == "DRAM budget 170 MiB"
+    cells = stats.stat_cells(d)
     assert (cells["mb_tok"], cells["reads_tok"], cells["hit"]) == ("2.5", "12", "0.500")
     assert cells["recall"] == "–" and cells["split"] == "3.0 / 1.0 / 7.0 / 0.0"
+
+
+def test_portable_paths(tmp_path):
+    cache, root = tmp_path / "cache", tmp_path / "repo"
+    text = (f"flashllm run {cache}/converted/m-q4_1 -f {root}/build/bench/p.txt -o {Path.home()}/out "
+            f"--other /x{root}/kept")
+    assert report.portable(text, cache, root) == (
+        f"flashllm run $FLASHLLM_CACHE/converted/m-q4_1 -f build/bench/p.txt -o ~/out --other /x{root}/kept")

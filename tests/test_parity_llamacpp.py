@@ -1,5 +1,6 @@
 """Parity with llama.cpp on the real GGUF models, converted at f32 (exact dequantization of the
-GGUF weights), against the fixtures of scripts/make_llamacpp_fixtures.py (format documented there).
+GGUF weights), against the fixtures of scripts/fixtures/make_llamacpp_fixtures.py (format
+documented there).
 
 llama.cpp multiplies quantized weights by 8-bit-quantized activations (and keeps an f16 KV cache),
 flashllm computes in f32 on the exactly dequantized weights. Measured on smollm2-135m, "prose":
@@ -16,9 +17,10 @@ top-2 margin is at least NEAR_TIE (0.25, above the largest margin swing seen):
   top-16 ids within LOGPROB_TOL of llama.cpp's (the max difference is printed).
 
 The NAME-f32 fixtures remove llama.cpp's rounding: they come from llama.cpp running an F32
-re-export of the same GGUF (every tensor dequantized by gguf-py, scripts/make_f32_gguf.py) with an
-F32 KV cache, so both sides compute in f32 on identical weights and the issue's bars apply to ALL
-positions, with no near-tie exemption in teacher forcing:
+re-export of the same GGUF (every tensor dequantized by gguf-py,
+scripts/fixtures/make_f32_gguf.py) with an F32 KV cache, so both sides compute in f32 on
+identical weights and the issue's bars apply to ALL positions, with no near-tie exemption in
+teacher forcing:
 - teacher forcing: top-1 agreement >= 99% over 3 prompts x 64 positions;
 - logits: raw logits at llama.cpp's top-16 ids within F32_LOGIT_TOL (see there);
 - greedy: tokens identical up to the first step whose llama.cpp top-2 margin is below

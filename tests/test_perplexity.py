@@ -1,5 +1,6 @@
 """Perplexity (llama.cpp's definition) vs the same definition computed from transformers logits,
-and vs llama.cpp itself on the real SmolLM2-135M (fixture from scripts/make_llamacpp_ppl_fixture.py)."""
+and vs llama.cpp itself on the real SmolLM2-135M (fixture from
+scripts/fixtures/make_llamacpp_ppl_fixture.py)."""
 from __future__ import annotations
 
 import hashlib

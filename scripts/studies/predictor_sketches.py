@@ -1,4 +1,4 @@
-"""Candidates for scripts/predictor_study.py that the runtime does not ship: low-bit gate/up
+"""Candidates for predictor.py (the predictor study) that the runtime does not ship: low-bit gate/up
 sketches (simulated: the weights are quantized, then kept dequantized in f32, so only their
 accuracy is measured) and the static hot set (the most frequently active slots, no DRAM).
 

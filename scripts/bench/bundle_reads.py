@@ -13,8 +13,8 @@ that read size and the same thread count (ratio = the median of the rounds' rati
     read size. One ratio per round (`--rounds` passes over all layers).
   - "saved": the device's saved profile (`flashllm profile`), log-interpolated the same way.
 
-    python scripts/bench_io.py MODEL_DIR               # a converted model's ffn.bin
-    python scripts/bench_io.py --synthetic /work/scratch --stride 1536 --n-ff 8960 --layers 16
+    python -m scripts.bench.bundle_reads MODEL_DIR          # a converted model's ffn.bin
+    python -m scripts.bench.bundle_reads --synthetic DIR --stride 1536 --n-ff 8960 --layers 16
 """
 from __future__ import annotations
 
@@ -27,14 +27,13 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from flashllm.cli.app import cache_dir  # noqa: E402  (the CLI's cache folder, env included)
-from flashllm.storage.costmodel import CostModel, batch_reads, bundle_requests  # noqa: E402
-from flashllm.ffi.reader import Reader, aligned_empty, plan_reads  # noqa: E402
-from flashllm.runtime.assemble import READER_STAGE  # noqa: E402  (the staging size `run` opens readers with)
-from flashllm.storage.profile import (CHUNKS, DST_BYTES, Profile, device_of, load_profile,  # noqa: E402
+from flashllm.cli.app import cache_dir  # the CLI's cache folder, env included
+from flashllm.storage.costmodel import CostModel, batch_reads, bundle_requests
+from flashllm.ffi.reader import Reader, aligned_empty, plan_reads
+from flashllm.runtime.assemble import READER_STAGE  # the staging size `run` opens readers with
+from flashllm.storage.profile import (CHUNKS, DST_BYTES, Profile, device_of, load_profile,
                                      measure_cell, scratch_file)
-from flashllm.units import GiB  # noqa: E402
+from flashllm.units import GiB
 
 FRACTIONS = (0.02, 0.10, 0.50)
 ALIGN_LAYER = 4096

@@ -1,7 +1,7 @@
 """What the tokenizer holds on the run path, as budget.py counts it: anonymous resident memory
 (/proc/self/status RssAnon, heap trimmed) over the process before the model was opened.
 
-Run:  python scripts/tokenizer_rss.py MODEL_FOLDER [PROMPT_FILE] [--chat]
+Run:  python -m scripts.studies.tokenizer_rss MODEL_FOLDER [PROMPT_FILE] [--chat]
 
 One-shot (the default) does what `flashllm run -p` does under --dram-budget: load without the
 word cache, encode the prompt, release(keep_source=False). --chat keeps the tokenizer loaded and

@@ -1,11 +1,11 @@
 """flashllm's perplexity on the exact token ids of a llama.cpp perplexity fixture.
 
-Run:  python scripts/ppl_on_fixture.py MODEL FIXTURE [--sparsity S]
-FIXTURE: made by scripts/make_llamacpp_ppl_fixture.py (llama.cpp's tokens, chunking and PPL). Scores
-the same ids with flashllm.generation.perplexity (llama.cpp's definition, the fixture's BOS replacement), dense or
-with the layer thresholds `flashllm perplexity --sparsity S` uses, and prints one JSON line with both
-perplexities and their ratio: a comparison on identical tokens, which `flashllm perplexity FILE` (its
-own tokenizer over its own text) cannot promise.
+Run:  python -m scripts.bench.ppl_on_fixture MODEL FIXTURE [--sparsity S]
+FIXTURE: made by scripts/fixtures/make_llamacpp_ppl_fixture.py (llama.cpp's tokens, chunking and
+PPL). Scores the same ids with flashllm.generation.perplexity (llama.cpp's definition, the
+fixture's BOS replacement), dense or with the layer thresholds `flashllm perplexity --sparsity S`
+uses, and prints one JSON line with both perplexities and their ratio: a comparison on identical
+tokens, which `flashllm perplexity FILE` (its own tokenizer over its own text) cannot promise.
 """
 from __future__ import annotations
 
@@ -17,14 +17,13 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from flashllm.format.reader import open_flash  # noqa: E402
-from flashllm.sparsity.calibrate import text_tokens, thresholds_for  # noqa: E402
-from flashllm.sparsity.corpus import builtin_text  # noqa: E402
-from flashllm.runtime.ffn import DenseFfn  # noqa: E402
-from flashllm.runtime.model import Model  # noqa: E402
-from flashllm.generation.perplexity import perplexity  # noqa: E402
-from flashllm.generation.tokenizer import Tokenizer  # noqa: E402
+from flashllm.format.reader import open_flash
+from flashllm.sparsity.calibrate import text_tokens, thresholds_for
+from flashllm.sparsity.corpus import builtin_text
+from flashllm.runtime.ffn import DenseFfn
+from flashllm.runtime.model import Model
+from flashllm.generation.perplexity import perplexity
+from flashllm.generation.tokenizer import Tokenizer
 
 
 def main() -> None:

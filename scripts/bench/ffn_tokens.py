@@ -1,7 +1,7 @@
 """The FFN kernel on a real model's layers by tokens per call: what a decode pass with T - 1
 draft guesses costs (the per-token path for T <= 10, GEMM panels beyond).
 
-Run:  python scripts/bench_ffn_tokens.py [MODEL] [--tokens 1,2,3,4,5,6,8,9,12] [--threads 2]
+Run:  python -m scripts.bench.ffn_tokens [MODEL] [--tokens 1,2,3,4,5,6,8,9,12] [--threads 2]
 Every layer of MODEL (a converted folder; default the bench's calibrated Qwen2.5-Coder-1.5B q4_k)
 is read into DRAM and cycled (28 layers of 23 MB: beyond the caches, as in decode), x is random
 (T, d_model) * 0.5, the layers' calibrated thresholds apply; each T prints the best of 4 sweeps
@@ -15,16 +15,17 @@ from pathlib import Path
 
 import numpy as np
 
+from flashllm.cli.app import cache_dir
 from flashllm.ffi import kernel
 from flashllm.format.reader import open_flash
 from flashllm.sparsity.activations import manifest_thresholds
 
-DEFAULT = Path.home() / ".cache" / "flashllm" / "converted" / "qwen2.5-coder-1.5b-q4_k-cal"
+DEFAULT = Path("converted") / "qwen2.5-coder-1.5b-q4_k-cal"    # in the user cache: make bench's
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("model", type=Path, nargs="?", default=DEFAULT)
+    ap.add_argument("model", type=Path, nargs="?", default=cache_dir() / DEFAULT)
     ap.add_argument("--tokens", default="1,2,3,4,5,6,8,9,12")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()

@@ -1,7 +1,7 @@
-"""`make bench`: the DESIGN.md §8 protocol, written to BENCHMARKS.md (sections "Dense decode",
-"Flash inference" and "Speculative decoding"; every other section of the file is kept).
+"""`make bench`: docs/DESIGN.md's benchmark protocol, written to BENCHMARKS.md (sections "Dense
+decode", "Flash inference" and "Speculative decoding"; every other section of the file is kept).
 
-Run:  python scripts/bench.py [--quick] [--sections dense,flash,draft] [--out BENCHMARKS.md]
+Run:  python -m scripts.bench.bench [--quick] [--sections dense,flash,draft] [--out BENCHMARKS.md]
 
 Dense decode (issue 2): SmolLM2-135M converted at f16 / q8_0 / q4_0 / q4_1, `flashllm run` decode and
 prefill tok/s (median of 3), next to llama.cpp on the same GGUF with both OMP wait policies (the
@@ -9,10 +9,11 @@ faster is the reference).
 Flash inference (issues 4/5): Qwen2.5-Coder-1.5B and SmolLM2-135M under cgroup-v1 memory caps, cold
 cache, flashllm sparse / --naive / dense and llama.cpp; the rows whose `flashllm run` option does
 not exist yet say "not available yet". --quick: SmolLM2 only, 32 tokens, one run each.
-Each capped flashllm row is bracketed by two 4-s read probes (scripts/read_probe.py) so its read rate
+Each capped flashllm row is bracketed by two 4-s read probes (read_probe.py) so its read rate
 can be set against the device's rate of those minutes.
-Speculative decoding: scripts/bench_draft.py's editing prompt, flashllm --draft 0 / 8 and llama.cpp
+Speculative decoding: draft.py's editing prompt, flashllm --draft 0 / 8 and llama.cpp
 plain / prompt lookup, uncapped, 560 MiB and 280 MiB (not with --quick).
+Paths in BENCHMARKS.md are written portably (report.portable: $FLASHLLM_CACHE/..., build/...).
 Raw results (stderr tails, stats JSON) go to build/bench.json.
 """
 from __future__ import annotations
@@ -29,21 +30,24 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_draft import draft_rows, draft_section  # noqa: E402
-from bench_flashllm import (ROOT, Flashllm, run_cmd, converted_dir, ensure_calibrated,  # noqa: E402
-                            ensure_converted, make_prompt, parse_run)
-from bench_report import dense_section, flash_section, header, merge  # noqa: E402
-from bench_stats import parse_stats_table, stat_cells  # noqa: E402
-from cgroup_run import unavailable_reason  # noqa: E402
-from read_probe import probe  # noqa: E402
+from flashllm.cli.app import cache_dir
+from flashllm.storage.profile import device_of
+from scripts.bench.cgroup_run import unavailable_reason
+from scripts.bench.draft import draft_rows, draft_section
+from scripts.bench.flashllm_cli import (ROOT, Flashllm, converted_dir, ensure_calibrated, ensure_converted,
+                                        make_prompt, parse_run, run_cmd)
+from scripts.bench.read_probe import probe
+from scripts.bench.report import dense_section, flash_section, header, merge, portable
+from scripts.bench.stats import parse_stats_table, stat_cells
 
 MiB = 1 << 20
-# name -> (local GGUF file name, flash dtype); the GGUF is looked up in --models-dir, else pulled.
+# name -> (local GGUF file name, flash dtype); the GGUF is looked up in --models-dir, else pulled
+# (once: `flashllm pull` keeps it in the user cache).
 # q4_k copies the 1.5B's Q4_K gate/up blocks (2688-byte bundles, q4_1's 2880: -6.7% read per token, the
 # same perplexity: x1.028 of llama.cpp's at s = 0.5, q4_1 x1.026); q4_1 re-quantizes SmolLM2's Q4_1
 # blocks exactly (its d_model 576 is no multiple of 256, which Q4_K needs). BENCHMARKS.md "## Quality"
-MODELS = {"qwen2.5-coder-1.5b": ("qwen15.gguf", "q4_k"), "smollm2-135m": ("smollm2-135m.gguf", "q4_1")}
+MODELS = {"qwen2.5-coder-1.5b": ("qwen2.5-coder-1.5b.gguf", "q4_k"),
+          "smollm2-135m": ("smollm2-135m.gguf", "q4_1")}
 QWEN_CAPS = [None, 560 * MiB, 280 * MiB]          # issue 4/5: unlimited / 560 MiB / 280 MiB
 
 
@@ -55,10 +59,25 @@ def loadavg() -> str:
     return " / ".join(open("/proc/loadavg").read().split()[:3])
 
 
-def machine_info(args) -> Dict[str, str]:
+def disk_words(path: Path) -> str:
+    """The kind of block device holding path, in words, from its kernel name."""
+    name = device_of(path).name
+    kinds = (("nvme", "an NVMe drive"), ("vd", "a virtio disk"), ("xvd", "a Xen virtual disk"),
+             ("sd", "a SCSI/SATA disk"), ("mmcblk", "an eMMC/SD card"))
+    return next((words for prefix, words in kinds if name.startswith(prefix)), f"block device {name}")
+
+
+def machine_words(work: Path) -> str:
+    """'Intel(R) Xeon(R) Processor, 2 cores, 24 GiB RAM, no swap, a virtio disk'."""
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
                platform.processor())
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    swap = next((int(ln.split()[1]) for ln in open("/proc/meminfo") if ln.startswith("SwapTotal:")), 0)
+    swap_words = f"{swap / 2**20:.0f} GiB swap" if swap else "no swap"
+    return f"{cpu}, {os.cpu_count()} cores, {ram:.0f} GiB RAM, {swap_words}, {disk_words(work)}"
+
+
+def machine_info(args) -> Dict[str, str]:
     git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                          cwd=ROOT).stdout.strip()
     try:
@@ -66,15 +85,15 @@ def machine_info(args) -> Dict[str, str]:
         llv = llama_cpp.__version__
     except ImportError:
         llv = "not installed"
-    return {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "cpu": cpu,
-            "cores": str(os.cpu_count()), "ram": f"{ram:.0f} GiB", "git": git, "llama_cpp": llv,
+    return {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+            "machine": machine_words(args.work), "git": git, "llama_cpp": llv,
             "mode": "quick" if args.quick else "full", "reps": str(args.reps),
             "n_gen": "32" if args.quick else "128", "load": loadavg()}
 
 
-def gguf_for(fl: Flashllm, name: str, models_dir: Path) -> Path:
-    local = models_dir / MODELS[name][0]
-    if local.is_file():
+def gguf_for(fl: Flashllm, name: str, models_dir: Optional[Path]) -> Path:
+    local = models_dir / MODELS[name][0] if models_dir else None
+    if local and local.is_file():
         return local
     res = subprocess.run(fl.argv + ["pull", name], capture_output=True, text=True, cwd=ROOT, check=True)
     return Path(res.stdout.strip().splitlines()[-1])
@@ -90,7 +109,7 @@ def failure(raw: dict) -> str:
 
 
 def llamacpp_argv(gguf: Path, policy: str, reps: int, n_gen: int, warm: bool) -> List[str]:
-    argv = [sys.executable, "scripts/bench_llamacpp.py", "--model", str(gguf), "--threads", "2",
+    argv = [sys.executable, "-m", "scripts.bench.llamacpp", "--model", str(gguf), "--threads", "2",
             "--reps", str(reps), "--n-gen", str(n_gen), "--omp-wait-policy", policy, "--json"]
     return argv + ([] if warm else ["--no-warmup"])
 
@@ -102,7 +121,7 @@ def show_py(argv: List[str]) -> str:
 def capped(cmd: str, cap: Optional[int]) -> str:
     """cmd as run by the flash section: in its own memory cgroup, cold cache."""
     limit = f" --limit {cap // MiB}MiB" if cap else ""
-    return f"python scripts/cgroup_run.py --cold{limit} -- {cmd}"
+    return f"python -m scripts.bench.cgroup_run --cold{limit} -- {cmd}"
 
 
 def llamacpp_row(gguf: Path, policy: str, reps: int, n_gen: int, cap: Optional[int], warm: bool,
@@ -287,14 +306,13 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="SmolLM2 only, 32 tokens, one run each")
     ap.add_argument("--sections", default="dense,flash,draft")
     ap.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
-    ap.add_argument("--models-dir", type=Path, default=Path("/work/models"))
+    ap.add_argument("--models-dir", type=Path, default=None,
+                    help="a folder of GGUF files named as in MODELS (default: `flashllm pull` them)")
     ap.add_argument("--cache", type=Path, default=None, help="flashllm's user cache (default: the CLI's)")
     ap.add_argument("--timeout", type=float, default=1200.0, help="seconds per capped run")
     args = ap.parse_args()
     args.reps = 1 if args.quick else 3
     if args.cache is None:
-        sys.path.insert(0, str(ROOT))
-        from flashllm.cli.app import cache_dir
         args.cache = cache_dir()
     args.work = ROOT / "build" / "bench"
     args.work.mkdir(parents=True, exist_ok=True)
@@ -321,8 +339,9 @@ def main() -> None:
     if "draft" in wanted and not args.quick:
         start = loadavg()
         caps = [None] + (["560MiB", "280MiB"] if not unavailable_reason() else [])
-        raw["draft"] = draft_rows(caps, 128, 8, log)
+        raw["draft"] = draft_rows(args.cache, caps, 128, 8, log)
         sections["## Speculative decoding"] = draft_section(raw["draft"], (start, loadavg()))
+    sections = {title: portable(text, args.cache, ROOT) for title, text in sections.items()}
     args.out.write_text(merge(args.out, header(info), sections), encoding="utf-8")
     (ROOT / "build" / "bench.json").write_text(json.dumps(raw, indent=1, default=str))
     log(f"wrote {args.out} and build/bench.json")

@@ -1,6 +1,6 @@
 """The device's random direct-read rate right now: one `flashllm profile` cell, measured longer.
 
-Run:  python scripts/read_probe.py FILE [--chunk 256KiB] [--threads 8] [--seconds 4] [--repeat N]
+Run:  python -m scripts.bench.read_probe FILE [--chunk 256KiB] [--threads 8] [--seconds 4] [--repeat N]
 Reads chunk-sized, chunk-aligned random requests of FILE with `threads` in flight through the C
 reader for `seconds` (profile.measure_cell, the profile's own measurement) and prints
 {"gib_s": ..., "chunk": ..., "threads": ..., "seconds": ...}. bench.py takes it right before and

@@ -1,6 +1,6 @@
 """Speculative decoding on an editing prompt: flashllm --draft against llama.cpp's prompt lookup.
 
-Run:  python scripts/bench_draft.py [--caps none,560MiB] [--n-gen 128] [--draft 8]
+Run:  python -m scripts.bench.draft [--caps none,560MiB] [--n-gen 128] [--draft 8]
       [--out build/bench-draft.json]
 The prompt (ChatML, written to build/bench/edit-prompt.txt) asks Qwen2.5-Coder-1.5B to add type
 hints to textwrap.dedent and rename a variable: an answer that mostly repeats its context, where
@@ -18,13 +18,13 @@ import sys
 import textwrap
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_flashllm import ROOT, parse_run, run_cmd  # noqa: E402
-from cgroup_run import parse_size  # noqa: E402
+from flashllm.cli.app import cache_dir
+from scripts.bench.cgroup_run import parse_size
+from scripts.bench.flashllm_cli import ROOT, parse_run, run_cmd
+from scripts.bench.report import portable
 
-CACHE = Path.home() / ".cache" / "flashllm"
-MODEL = CACHE / "converted" / "qwen2.5-coder-1.5b-q4_k-cal"
-GGUF = CACHE / "models" / "qwen2.5-coder-1.5b.gguf"
+MODEL = Path("converted") / "qwen2.5-coder-1.5b-q4_k-cal"    # in the user cache: bench.py's
+GGUF = Path("models") / "qwen2.5-coder-1.5b.gguf"             # what `flashllm pull` writes
 
 
 def edit_prompt() -> str:
@@ -35,8 +35,8 @@ def edit_prompt() -> str:
             f"```python\n{code}```<|im_end|>\n<|im_start|>assistant\n")
 
 
-def flashllm_row(prompt: Path, cap, n_gen: int, draft: int) -> dict:
-    argv = [sys.executable, "-m", "flashllm", "run", str(MODEL), "-f", str(prompt), "-n",
+def flashllm_row(cache: Path, prompt: Path, cap, n_gen: int, draft: int) -> dict:
+    argv = [sys.executable, "-m", "flashllm", "run", str(cache / MODEL), "-f", str(prompt), "-n",
             str(n_gen), "-t", "2", "-c", "1024", "--temp", "0", "--draft", str(draft), "--json"]
     if cap is not None:
         argv += ["--dram-budget", cap]
@@ -48,9 +48,9 @@ def flashllm_row(prompt: Path, cap, n_gen: int, draft: int) -> dict:
             "cmd": "flashllm " + " ".join(argv[3:])}
 
 
-def llamacpp_row(prompt: Path, cap, n_gen: int, draft: int) -> dict:
-    argv = [sys.executable, "scripts/bench_llamacpp_text.py", "--model", str(GGUF), "--prompt",
-            str(prompt), "--n-gen", str(n_gen), "--draft", str(draft)]
+def llamacpp_row(cache: Path, prompt: Path, cap, n_gen: int, draft: int) -> dict:
+    argv = [sys.executable, "-m", "scripts.bench.llamacpp_text", "--model", str(cache / GGUF),
+            "--prompt", str(prompt), "--n-gen", str(n_gen), "--draft", str(draft)]
     if cap is not None:
         argv += ["--no-warmup", "--omp-wait-policy", "passive"]
     raw = run_cmd(argv, parse_size(cap) if cap else None, cold=cap is not None, timeout=3600)
@@ -88,8 +88,9 @@ def table(rows: list) -> str:
     return "\n".join(out)
 
 
-def draft_rows(caps: list, n_gen: int, draft: int, log=lambda m: None) -> list:
-    """Per cap (None: uncapped) flashllm and llama.cpp, plain then with drafts."""
+def draft_rows(cache: Path, caps: list, n_gen: int, draft: int, log=lambda m: None) -> list:
+    """Per cap (None: uncapped) flashllm and llama.cpp, plain then with drafts; the models in
+    the user cache `cache`."""
     prompt = ROOT / "build" / "bench" / "edit-prompt.txt"
     prompt.parent.mkdir(parents=True, exist_ok=True)
     prompt.write_text(edit_prompt())
@@ -97,7 +98,7 @@ def draft_rows(caps: list, n_gen: int, draft: int, log=lambda m: None) -> list:
     for cap in caps:
         for n in (0, draft):
             for make in (flashllm_row, llamacpp_row):
-                rows.append(make(prompt, cap, n_gen, n))
+                rows.append(make(cache, prompt, cap, n_gen, n))
                 log(f"draft: {rows[-1]['engine']} --draft {n} cap {cap or 'none'}: "
                     f"{fmt(rows[-1]['decode_tps'])} tok/s")
     return rows
@@ -106,7 +107,7 @@ def draft_rows(caps: list, n_gen: int, draft: int, log=lambda m: None) -> list:
 def draft_section(rows: list, load: tuple) -> str:
     """The BENCHMARKS.md section of these rows, with the command of each."""
     text = ["## Speculative decoding", "",
-            "An editing request whose answer mostly repeats its context (scripts/bench_draft.py: "
+            "An editing request whose answer mostly repeats its context (scripts/bench/draft.py: "
             "add type hints to textwrap.dedent, rename a variable; ChatML, greedy, "
             f"{rows[0]['n_gen'] or '–'} tokens, 2 threads), Qwen2.5-Coder-1.5B. flashllm: the "
             "calibrated q4_k model, `--draft 0` and `--draft N` (prompt-lookup guesses, as many "
@@ -123,7 +124,7 @@ def draft_section(rows: list, load: tuple) -> str:
             table(rows), "", "Commands:", ""]
     text += [f"- {r['engine']} --draft {r['draft']}, cap {r['cap'] or 'none'}: `{r['cmd']}`"
              + ("" if r["cap"] is None
-                else f" (in `scripts/cgroup_run.py --cold --limit {r['cap']}`)")
+                else f" (in `python -m scripts.bench.cgroup_run --cold --limit {r['cap']}`)")
              for r in rows]
     return "\n".join(text) + "\n"
 
@@ -136,10 +137,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "build" / "bench-draft.json")
     args = ap.parse_args()
     caps = [None if c == "none" else c for c in args.caps.split(",")]
-    rows = draft_rows(caps, args.n_gen, args.draft, lambda m: print(m, file=sys.stderr))
+    rows = draft_rows(cache_dir(), caps, args.n_gen, args.draft, lambda m: print(m, file=sys.stderr))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(rows, indent=1))
-    print(draft_section(rows, ("–", "–")))
+    print(portable(draft_section(rows, ("–", "–")), cache_dir(), ROOT))
 
 
 if __name__ == "__main__":

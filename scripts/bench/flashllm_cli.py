@@ -1,7 +1,7 @@
 """flashllm as a benchmark contender: the CLI invocation, conversions, a fixed-length prompt and
 the parsing of `flashllm run`'s timings (--json when the CLI has it, else the timings lines).
 
-Used by scripts/bench.py; every figure comes from a `flashllm run` subprocess, so the command in
+Used by bench.py; every figure comes from a `flashllm run` subprocess, so the command in
 BENCHMARKS.md is the one a user can type.
 """
 from __future__ import annotations
@@ -10,16 +10,14 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cgroup_run import CgroupUnavailable, run_capped  # noqa: E402
+from scripts.bench.cgroup_run import CgroupUnavailable, run_capped
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]    # the repository: every command runs from here
 TIMING = re.compile(r"(prompt eval|eval) time\s*=\s*([0-9.]+) ms /\s*(\d+) (?:tokens|runs)")
 # the options of `flashllm run` a benchmark row may need
 RUN_OPTIONS = ("--json", "--stats", "--dram-budget", "--naive", "--dense", "--window")
@@ -71,7 +69,7 @@ def _quote(arg: str) -> str:
 
 
 def converted_dir(cache: Path, name: str, dtype: str) -> Path:
-    """Where the registry keeps NAME converted at DTYPE (flashllm/registry.py resolve_model)."""
+    """Where the registry keeps NAME converted at DTYPE (flashllm.convert.registry.resolve_model)."""
     return cache / "converted" / f"{name}-{dtype}"
 
 
@@ -117,8 +115,6 @@ def prompt_text(kind: str) -> str:
 def make_prompt(model: Path, n_tokens: int, kind: str, out: Path) -> int:
     """Write a prefix of prompt_text(kind) that the model's tokenizer encodes (with its special
     tokens) to exactly n_tokens ids, or the nearest count below; returns that count."""
-    import sys
-    sys.path.insert(0, str(ROOT))
     from flashllm.format.reader import open_flash
     from flashllm.generation.tokenizer import Tokenizer
     tok = Tokenizer.from_flash(open_flash(model))

@@ -6,7 +6,7 @@ shows medians and the ratio. The same mechanism on both sides: when the reader r
 (the default where the kernel has it), fio uses ioengine=io_uring with iodepth = threads in one
 job; with the thread pool (`--pool`), psync with numjobs = threads. Needs fio on PATH.
 
-    python scripts/fio_compare.py /work/scratch --size 1GiB --seconds 3 --rounds 3
+    python -m scripts.bench.fio_compare DIR --size 1GiB --seconds 3 --rounds 3
 """
 from __future__ import annotations
 
@@ -19,10 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from flashllm.ffi.reader import Reader, aligned_empty  # noqa: E402
-from flashllm.storage.profile import DST_BYTES, measure_cell, scratch_file  # noqa: E402
-from flashllm.units import GiB, KiB, parse_size  # noqa: E402
+from flashllm.ffi.reader import Reader, aligned_empty
+from flashllm.storage.profile import DST_BYTES, measure_cell, scratch_file
+from flashllm.units import GiB, KiB, parse_size
 
 CHUNKS = (4 * KiB, 32 * KiB, 256 * KiB)
 THREADS = (1, 16)

@@ -77,7 +77,7 @@ def find(flat: Dict[str, object], fragments: Sequence[str]) -> Optional[float]:
 
 def stat_cells(parsed: dict, probe: Optional[float] = None) -> Dict[str, str]:
     """Table cells: mb_tok, reads_tok, avg_read_kib, gibs, hit, recall, split (strings). probe:
-    the device's GiB/s measured right before and after the run (scripts/read_probe.py)."""
+    the device's GiB/s measured right before and after the run (read_probe.py)."""
     flat = flatten(parsed)
     val = {c: find(flat, frags) for c, (frags, _, _) in COLUMNS.items()}
 

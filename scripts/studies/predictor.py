@@ -1,4 +1,5 @@
-"""Predictor study (issue 4, DESIGN.md §3): candidates compared by perplexity at equal bytes loaded.
+"""Predictor study: candidates compared by perplexity at equal bytes loaded (docs/PREDICTOR.md;
+the question: docs/DESIGN.md, "Sparsity of today's models").
 
 For a model (models.toml name or converted folder): run the dense model over calibration text and
 record each layer's FFN input h; the true mask of a layer is |act(g)·u| >= t_l with t_l set for
@@ -8,7 +9,7 @@ held-out perplexity is measured with the FFN computing only the predicted slots,
 filtered by t_l. Also: recall/precision on held-out calibration tokens, predictor DRAM bytes,
 predict time per token.
 
-    python scripts/predictor_study.py qwen2.5-coder-0.5b --calib-tokens 2048 --eval-tokens 1024
+    python -m scripts.studies.predictor qwen2.5-coder-0.5b --calib-tokens 2048 --eval-tokens 1024
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from flashllm.generation.perplexity import bos_to_add, perplexity
 from flashllm.sparsity.train import mask_metrics, train_predictor
 from flashllm.convert.registry import resolve_model
 from flashllm.generation.tokenizer import Tokenizer
-from predictor_sketches import SKETCHES, StaticHot, sketch_predictor
+from scripts.studies.predictor_sketches import SKETCHES, StaticHot, sketch_predictor
 
 # name -> (kind, train_predictor keyword arguments)
 CANDIDATES = {

@@ -1,13 +1,13 @@
 """llama.cpp's dense speed on a GGUF file: the peer row of flashllm's benchmark table.
 
-Run:  /work/venv/bin/python scripts/bench_llamacpp.py [--model /work/models/smollm2-135m.gguf]
+Run:  python -m scripts.bench.llamacpp [--model GGUF]   (default: the user cache's smollm2-135m.gguf)
 Measures, with llama-cpp-python (mmap, use_extra_bufts off, 2 threads), the median of --reps runs:
   pp64   prefill tokens/s: one batch of a 64-token prompt
   tg128  decode tokens/s: 128 tokens, one at a time, after that 64-token prompt
 The prompt is 64 fixed token ids (no tokenizer involved), so runs are comparable across models.
 Prints one markdown table row (with its header) on stdout, or with --json one JSON object.
 --no-warmup measures from whatever the page cache holds (bench.py runs it cold under a cgroup cap
-through scripts/cgroup_run.py); --n-gen shortens the decode for slow capped runs.
+through cgroup_run.py); --n-gen shortens the decode for slow capped runs.
 
 llama.cpp's OpenMP threads spin-wait between ops by default. On an idle machine that is its best
 setting; when other processes share the 2 cores it collapses (measured here: tg128 2.4 tok/s
@@ -31,9 +31,9 @@ N_GEN = 128
 
 
 def load(path: Path, threads: int, n_ctx: int):
-    """llama.cpp on path with use_extra_bufts off (see llamacpp_params.py)."""
+    """llama.cpp on path with use_extra_bufts off (see scripts/llamacpp_params.py)."""
     import llama_cpp
-    from llamacpp_params import no_extra_bufts
+    from scripts.llamacpp_params import no_extra_bufts
     with no_extra_bufts():
         llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads,
                               n_threads_batch=threads, n_batch=N_PROMPT, verbose=False)
@@ -57,7 +57,8 @@ def one_run(llm, prompt: list, n_gen: int = N_GEN) -> tuple:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", type=Path, default=Path("/work/models/smollm2-135m.gguf"))
+    ap.add_argument("--model", type=Path, help="a GGUF file (default: the user cache's "
+                    "models/smollm2-135m.gguf, as `flashllm pull smollm2-135m` writes it)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--omp-wait-policy", choices=["default", "active", "passive"], default="default")
@@ -66,6 +67,9 @@ def main() -> None:
     ap.add_argument("--no-warmup", action="store_true", help="measure the first run (cold cache)")
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = ap.parse_args()
+    if args.model is None:       # flashllm only here: bench.py passes --model to capped runs
+        from flashllm.cli.app import cache_dir
+        args.model = cache_dir() / "models" / "smollm2-135m.gguf"
     if args.omp_wait_policy != "default":
         os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()  # read when libgomp loads
     import llama_cpp

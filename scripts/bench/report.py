@@ -1,6 +1,6 @@
-"""BENCHMARKS.md writing for scripts/bench.py: the header, the "## Dense decode" and
-"## Flash inference" sections, and the merge that keeps every other section (## I/O, ## Quality,
-owned by other scripts) as it is in the file."""
+"""BENCHMARKS.md writing for bench.py: the header, the "## Dense decode" and
+"## Flash inference" sections, the merge that keeps every other section (## I/O, ## Quality,
+owned by other scripts) as it is in the file, and the portable form of the paths in them."""
 from __future__ import annotations
 
 import re
@@ -19,24 +19,46 @@ def mib(n: Optional[int]) -> str:
     return "–" if not n else f"{n / 2**20:.0f}"
 
 
+def portable(text: str, cache: Path, root: Path) -> str:
+    """text with this machine's folders in the forms BENCHMARKS.md uses: the user cache as
+    $FLASHLLM_CACHE, the repository's files relative to its root (every command runs there),
+    the home folder as ~."""
+    for folder, short in ((cache, "$FLASHLLM_CACHE/"), (root, ""), (Path.home(), "~/")):
+        text = re.sub(r"(?<![\w.~$/-])" + re.escape(str(folder).rstrip("/")) + "/", short, text)
+    return text
+
+
 def header(info: Dict[str, str]) -> str:
     return "\n".join([
         TITLE, "",
         f"Last `make bench`: {info['date']} ({info['mode']} mode), load average at its start "
         f"{info['load']} (1/5/15 min).", "",
-        f"Machine: {info['cpu']}, {info['cores']} cores, {info['ram']} RAM, no swap, virtio disk "
-        "(../shared/DESIGN.md §7). llama.cpp: llama-cpp-python " + info["llama_cpp"] + ".",
+        f"Machine: {info['machine']}. llama.cpp: llama-cpp-python {info['llama_cpp']}.", "",
+        "Absolute figures move with whatever else runs on the machine (each section states its "
+        "run's date and load average) and with the device's read rate, which can drift by tens of "
+        "percent within minutes: **compare ratios within one run**.", "",
+        "llama.cpp's configuration. Every llama.cpp row keeps its weights file-backed: mmap with "
+        "`use_extra_bufts=False` (scripts/llamacpp_params.py), so they stay in page cache that a "
+        "memory cap charges and reclaims. Capped rows: that configuration from a cold page cache, "
+        "its OpenMP threads passive. Uncapped rows: the same file-backed weights, warm, once with "
+        "llama.cpp's default OpenMP wait policy (spinning) and once passive; the faster is the "
+        "reference of the ratio columns. They are not llama.cpp's out-of-the-box setting, which "
+        "repacks the weights into anonymous memory for its CPU kernels (extra buffer types): a "
+        "memory cap would count or kill that copy, and in DRAM it is faster than the rows here.",
         "",
-        "The machine is shared: other engineers build, test and convert on the same 2 cores while "
-        "these figures are taken. Absolute figures move by ±20% or more between runs; **compare "
-        "ratios within one run** (each section states its run's date and load average).",
-        "",
-        "`make bench` (scripts/bench.py) writes the sections \"Dense decode\", \"Flash "
+        "Commands are written to run from the repository root: `flashllm` is the console script "
+        "(`make setup`; in a source tree without it, bench.py calls `python -c 'from "
+        "flashllm.cli.app import main; main()'` with the same arguments), `python -m scripts.…` "
+        "the scripts (scripts/README.md), `build/…` the repository's build folder, and "
+        "`$FLASHLLM_CACHE` flashllm's user cache (the FLASHLLM_CACHE environment variable, else "
+        "the platform's user cache folder, e.g. ~/.cache/flashllm on Linux), where `flashllm "
+        "pull` puts models/NAME.gguf and the benchmark its converted/NAME-DTYPE folders.", "",
+        "`make bench` (scripts/bench/bench.py) writes the sections \"Dense decode\", \"Flash "
         "inference\" and \"Speculative decoding\"; `make bench QUICK=1` is the SmolLM2-only "
-        "development mode (no speculative section). \"## I/O\" and "
-        "\"## Quality\" come from their own scripts (named in each section). `flashllm` below is "
-        "the console script (`make setup`); in a source tree without it, bench.py calls "
-        "`python -c 'from flashllm.cli.app import main; main()'` with the same arguments.",
+        "development mode (no speculative section). \"## I/O\" and \"## Quality\" come from "
+        "their own scripts (named in each section); the protocol is docs/DESIGN.md's "
+        "\"Benchmark protocol\", and the dated notes that read these tables are in "
+        "docs/history/.",
         "",
     ])
 
@@ -53,7 +75,7 @@ def dense_section(info: Dict[str, str], rows: List[dict], load: tuple, notes: Li
            f"greedy, decode = tokens after the first (\"eval time\" line), median of {info['reps']} "
            "runs. flashllm's C kernel keeps its own worker threads (native/pool.c: they spin "
            "100 µs after a kernel call, then sleep), so no OpenMP setting applies to it. llama.cpp: "
-           "scripts/bench_llamacpp.py on the source GGUF (Q4_1), 64 "
+           "scripts/bench/llamacpp.py on the source GGUF (Q4_1, file-backed: see above), 64 "
            f"fixed token ids, one batch prefill then tg{info['n_gen']}, one warm-up + median of the "
            "runs, with its OpenMP threads passive and spinning (default); the faster of the two is "
            "the reference of the ratio column.", "",
@@ -77,8 +99,8 @@ FLASH_COLS = ("| model | cap | contender | decode tok/s | prefill tok/s | decode
 
 def flash_section(info: Dict[str, str], rows: List[dict], load: tuple, notes: List[str]) -> str:
     out = ["## Flash inference", "", run_line(info, *load), "",
-           "DESIGN.md §8 protocol. Every contender runs in its own cgroup-v1 memory group "
-           "(scripts/cgroup_run.py: memory.limit_in_bytes = the cap, page cache dropped before each "
+           "docs/DESIGN.md's benchmark protocol. Every contender runs in its own cgroup-v1 memory "
+           "group (scripts/bench/cgroup_run.py: memory.limit_in_bytes = the cap, page cache dropped before each "
            "run, peak = memory.max_usage_in_bytes, failcnt = times the cap was hit), 2 threads, "
            "one run per cell, cold (no warm-up) except llama.cpp uncapped (one warm-up run first: the "
            "in-RAM figure). flashllm: the model converted at the dtype shown, a "
@@ -90,9 +112,10 @@ def flash_section(info: Dict[str, str], rows: List[dict], load: tuple, notes: Li
            "needs does not exist in this build. \"GiB/s reading\": the run's FFN reads (bytes / time "
            "in reads), against the saved device profile's figure at the run's read size and "
            "threads, and [in brackets] against the mean of two 4-s probes of the same random "
-           "direct reads taken right before and right after the run (scripts/read_probe.py: one "
-           "profile cell measured longer; this VM's disk moves between ~1.2 and ~2.2 GiB/s over "
-           "seconds, so only an adjacent measurement says whether the run left the device idle).", "",
+           "direct reads taken right before and right after the run (scripts/bench/read_probe.py: "
+           "one profile cell measured longer; a disk whose rate drifts over seconds, as a virtual "
+           "machine's may, is only judged fairly by an adjacent measurement: did the run leave the "
+           "device idle?).", "",
            FLASH_COLS, "|---|---|---|" + "---:|" * 10 + "---|---|---|"]
     refs = {(r["model"], r["cap"]): r.get("decode_tps") for r in rows if r.get("ref")}
     cmds: List[str] = []

@@ -1,6 +1,6 @@
 """Run a command under a cgroup-v1 memory cap, optionally from a cold page cache.
 
-Run:  python scripts/cgroup_run.py [--limit 560MiB] [--cold] [--json] -- CMD ARGS...
+Run:  python -m scripts.bench.cgroup_run [--limit 560MiB] [--cold] [--json] -- CMD ARGS...
 
 A fresh group is made under /sys/fs/cgroup/memory, memory.limit_in_bytes is written (no limit when
 --limit is absent: the group then only measures), the child moves itself into the group before

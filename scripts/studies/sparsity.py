@@ -1,6 +1,6 @@
 """Quality of oracle FFN sparsity on a real model: held-out perplexity, locality and skew.
 
-Run:  PYTHONPATH=. /work/venv/bin/python scripts/sparsity_study.py MODEL [--tokens 2048]
+Run:  python -m scripts.studies.sparsity MODEL [--tokens 2048]
           [--ctx 512] [--chunks 4] [--sparsities 0.3,0.5,0.6,0.7] [--threads 2] [--json OUT]
 MODEL: a converted folder or a models.toml name (read only; nothing is written to it).
 

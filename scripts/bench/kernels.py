@@ -1,6 +1,6 @@
 """Weight-streaming speed of fl_matmul and fl_ffn_bundles against numpy f32 on the same work.
 
-    PYTHONPATH=. python scripts/bench_kernels.py [--shapes 4864x896,151936x896] [--T 1]
+    python -m scripts.bench.kernels [--shapes 4864x896,151936x896] [--T 1]
         [--ffn 4864x896]
 
 Decode (T = 1) is memory-bandwidth bound, so the figure of merit is weight bytes per second

@@ -1,6 +1,6 @@
 """llama.cpp's greedy decode speed on a text prompt, plain or with prompt-lookup drafts.
 
-Run:  python scripts/bench_llamacpp_text.py --model GGUF --prompt FILE [--n-gen 128] [--draft 8]
+Run:  python -m scripts.bench.llamacpp_text --model GGUF --prompt FILE [--n-gen 128] [--draft 8]
       [--no-warmup] [--omp-wait-policy passive]
 llama-cpp-python (mmap, use_extra_bufts off, 2 threads) completes the prompt file's text
 (tokenized by llama.cpp, special tokens parsed) with temperature 0; with --draft N it checks the N
@@ -14,11 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def main() -> None:
@@ -35,7 +32,7 @@ def main() -> None:
         os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()
     import llama_cpp
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-    from llamacpp_params import no_extra_bufts
+    from scripts.llamacpp_params import no_extra_bufts
     text = args.prompt.read_text()
     draft = LlamaPromptLookupDecoding(num_pred_tokens=args.draft) if args.draft else None
     with no_extra_bufts():
