@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -27,13 +28,20 @@ def hf_tiny(tmp_path_factory):
 
 # ---- real models (llama.cpp parity) -----------------------------------------------------------
 
-# models.toml name -> file name in the local models folder, used when present instead of a pull
-LOCAL_GGUF = {"smollm2-135m": "smollm2-135m.gguf", "qwen2.5-coder-0.5b": "qwen05.gguf",
-              "qwen2.5-coder-1.5b": "qwen15.gguf"}
+def local_gguf(name: str) -> Optional[Path]:
+    """FLASHLLM_TEST_MODELS/NAME.gguf (a folder of GGUF files named by their models.toml names),
+    when that variable is set and the file is there."""
+    folder = os.environ.get("FLASHLLM_TEST_MODELS")
+    path = Path(folder) / f"{name}.gguf" if folder else None
+    return path if path and path.is_file() else None
 
 
-def local_models_dir() -> Path:
-    return Path(os.environ.get("FLASHLLM_TEST_MODELS", "/work/models"))
+def cached_gguf(name: str) -> Optional[Path]:
+    """The GGUF file of models.toml model `name` if it is already on this machine (the local
+    copy, or where `flashllm pull` keeps it in the user cache); None otherwise, nothing fetched."""
+    from flashllm.cli.app import cache_dir
+    pulled = cache_dir() / "models" / f"{name}.gguf"
+    return local_gguf(name) or (pulled if pulled.is_file() else None)
 
 
 def gguf_path(name: str, log=lambda m: print(m, file=sys.stderr)) -> Path:
@@ -41,10 +49,7 @@ def gguf_path(name: str, log=lambda m: print(m, file=sys.stderr)) -> Path:
     through the registry into the user cache."""
     from flashllm.cli.app import cache_dir, registry_path
     from flashllm.convert.registry import load_registry, pull
-    local = local_models_dir() / LOCAL_GGUF[name]
-    if local.is_file():
-        return local
-    return pull(load_registry(registry_path()).get(name), cache_dir(), log)
+    return local_gguf(name) or pull(load_registry(registry_path()).get(name), cache_dir(), log)
 
 
 def _converted(name: str, dtype: str, log) -> Path:
