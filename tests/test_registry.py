@@ -21,7 +21,7 @@ from flashllm.convert.registry import load_registry, pull, resolve_model
 ROOT = Path(__file__).resolve().parent.parent
 MODELS_TOML = ROOT / "models.toml"
 
-# The facts of DESIGN.md §6 (and the gemma download), written out independently of models.toml.
+# The facts of docs/DESIGN.md §7 (and the gemma download), written out independently of models.toml.
 EXPECTED = {
     "smollm2-135m": (98362432, "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", 1),
     "qwen2.5-coder-0.5b": (491400064,

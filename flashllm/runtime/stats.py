@@ -107,7 +107,7 @@ def _mean(recs: list, expected: Callable[[float], float]) -> dict:
 
 
 def _summary(m: dict) -> dict:
-    """Per decode token figures under the names scripts/bench_stats.py looks for."""
+    """Per decode token figures under the names scripts/bench/stats.py looks for."""
     if not m:
         return {}
     return {"io_bytes_per_token": m["bytes_read"], "reads_per_token": m["reads"],

@@ -1,4 +1,4 @@
-"""Calibration and evaluation text that every machine already has (DESIGN.md §8).
+"""Calibration and evaluation text that every machine already has (docs/DESIGN.md §8).
 
 Code: the running Python's standard-library sources, calibration and evaluation from two disjoint
 fixed sets of modules. Prose: the English documentation in `pydoc_data.topics`, the sorted topic

@@ -21,7 +21,7 @@ from flashllm.model.tensor import QTensor
 
 
 # what `flashllm calibrate` trains unless told otherwise: the best perplexity at equal load in
-# scripts/predictor_study.py (docs/PREDICTOR.md); ReLU / non-GLU models fall back to lowrank
+# scripts/studies/predictor.py (docs/PREDICTOR.md); ReLU / non-GLU models fall back to lowrank
 DEFAULT_KIND = {"glu": "gate_up", "plain": "lowrank"}
 DEFAULT_OPTIONS = {"gate_up": {"dtype": "q4_0"}, "lowrank": {"rank": 128, "dtype": "q8_0", "pin": 16}}
 PIN_LOGIT = 1e4      # the bias of a pinned slot: predicted active whatever the input
