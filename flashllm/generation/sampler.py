@@ -52,7 +52,7 @@ def apply_repeat_penalty(logits: np.ndarray, recent: np.ndarray, penalty: float)
 def top_k(ids: np.ndarray, logits: np.ndarray, k: int):
     """The k candidates with the largest logits, sorted descending, ties in index order (all,
     sorted, when k <= 0). With k set, only the k are sorted: a partition finds the k-th largest
-    value first (a whole-vocabulary sort costs ~10 ms at 152k tokens)."""
+    value first (a whole-vocabulary sort is slow at 152k tokens: docs/MEASUREMENTS.md)."""
     if not 0 < k < len(logits):
         order = np.argsort(-logits, kind="stable")      # (n,)
         return ids[order], logits[order]

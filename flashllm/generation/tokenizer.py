@@ -122,13 +122,12 @@ class ReleasedError(FlashError):
 class Tokenizer:
     """Encoding through a `tokenizers` object, decoding through a token -> bytes table.
 
-    The `tokenizers` object of a 151k vocabulary holds ~53 MiB once its load's heap is trimmed
-    (and peaks ~135 MiB while it loads); `release()` drops it once the prompt is encoded, and the
-    next encode loads it again from the JSON text (~10 MiB as a str for a 5 MB JSON), which
-    `release(keep_source=False)` drops too when nothing will be encoded again (a one-shot run).
-    Decoding never needs either for byte-level vocabularies. word_cache=False turns off the BPE
-    model's cache of encoded words: what it held stays resident after release (measured 0.5-2.5
-    KiB per prompt token), and a text encoded once gains nothing from it."""
+    The `tokenizers` object of a large vocabulary holds tens of MiB (more while it loads);
+    `release()` drops it once the prompt is encoded, and the next encode loads it again from the
+    JSON text, which `release(keep_source=False)` drops too when nothing will be encoded again (a
+    one-shot run). Decoding never needs either for byte-level vocabularies. word_cache=False turns
+    off the BPE model's cache of encoded words: what it held stays resident after release, and a
+    text encoded once gains nothing from it. Sizes: docs/MEASUREMENTS.md, "Tokenizer memory"."""
 
     def __init__(self, text: str, eos_ids: Sequence[int] = (), word_cache: bool = True):
         self._json: str | None = text
@@ -164,7 +163,7 @@ class Tokenizer:
                 raise FormatError(f"tokenizer JSON cannot be loaded ({e})") from None
             if not self._word_cache and hasattr(self._hf.model, "_resize_cache"):
                 self._hf.model._resize_cache(0)     # the models that keep a word cache
-            trim_heap()               # the load's temporaries: loaded ~2.5x less than its peak
+            trim_heap()               # the load's temporaries: most of its peak
         return self._hf
 
     @property

@@ -18,7 +18,7 @@ READER_STAGE = 256 * KiB        # per reader thread: the largest single read (64
 READER_THREADS = 16             # staging buffers the budget reserves for the reader pool
 PREDICTOR_MODES = ("auto", "on", "off")
 READ_GIB_S = 2.0                # the auto predictor rule's device and DRAM speeds: only their
-DRAM_GIB_S = 10.0               # ratio matters (this machine: ~2 GiB/s reads, ~10-15 GiB/s DRAM)
+DRAM_GIB_S = 10.0               # ratio matters (measured: docs/MEASUREMENTS.md, "Device and DRAM")
 
 
 @dataclass(frozen=True)

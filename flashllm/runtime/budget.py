@@ -5,17 +5,11 @@ loaded when the budget cannot work.
 Resident at run time (all counted against --dram-budget):
     process         the Python process before the model (interpreter, numpy, cffi): measured
     tokenizer       a one-shot run, after release(keep_source=False): the id -> bytes table and
-                    the heap the `tokenizers` object leaves (no JSON text, no word cache).
-                    Measured (RssAnon over the process before the model is opened, heap
-                    trimmed; in `flashllm run` and scripts/tokenizer_rss.py): 3.6-5.5 MiB for
-                    Qwen2.5-Coder's 5.4 MB JSON, 1.2-2.2 MiB for SmolLM2's 1.6 MB (the byte
-                    tables are 2.2 and 0.7 MiB; the leftover heap varies by ~1 MiB with what the
-                    process did before), growing ~40 bytes per prompt token (Qwen's 5.4 MiB after
-                    a 23k-token prompt, SmolLM2's 2.5 MiB after 33k). Counted as 1x the JSON +
-                    2 MiB (7.1 and 3.5 MiB). While it loads, before the model, it peaks at 28x
-                    the JSON (30x for SmolLM2's), checked separately (TOKENIZER_LOAD). A chat
-                    keeps it loaded: 12.5x the JSON once the load's heap is trimmed (64 MiB for
-                    Qwen's, 19 MiB for SmolLM2's), counted as TOKENIZER_LOADED x the JSON + 4 MiB
+                    the heap the `tokenizers` object leaves (no JSON text, no word cache),
+                    counted as TOKENIZER_KEPT x the JSON + TOKENIZER_KEPT_FIXED. While it loads,
+                    before the model, it peaks higher: checked separately (TOKENIZER_LOAD). A
+                    chat keeps it loaded: TOKENIZER_LOADED x the JSON + TOKENIZER_LOADED_FIXED.
+                    The ratios are measured: docs/MEASUREMENTS.md, "Tokenizer memory"
     KV cache        2 · n_layers · n_ctx · n_kv_heads · head_dim · 2 bytes (f16, as llama.cpp)
     work            logits and activations of one forward pass, the reader's staging buffers,
                     the sparse FFN's staging buffer for prefill / streamed neurons
@@ -254,8 +248,8 @@ def _head_overlap(manifest: dict, n_ctx: int, avail: int, groups: list, embed: t
     streams the output head too when the caches can take the DRAM it frees. The bytes a token
     reads are then the same but for the head's two stream buffers, and the head's compute — the
     longest stretch of a token with nothing to read — overlaps the reads of its own extents
-    instead of stalling the read-ahead ring once its buffers are full (1.5B at 560 MiB: the
-    ring idled 20 ms a token with the head resident, 3-6 with it streamed)."""
+    instead of stalling the read-ahead ring once its buffers are full (docs/MEASUREMENTS.md,
+    "The output head streamed")."""
     head = groups[-1][0][0]
     if head in cur[1]:
         return cur

@@ -31,7 +31,7 @@ from flashllm.units import GiB, KiB
 MIN_RUN, MAX_RUN = 64 * KiB, 1 << 20
 DEPTH_TOLERANCE = 1.10    # plan: the deepest pool predicted within 10% of the fastest
 
-# This machine's figures (DESIGN.md §7), used when the device has no profile: (chunk, threads, GiB/s)
+# (chunk, threads, GiB/s) when the device has no profile: a virtio disk's (docs/MEASUREMENTS.md)
 DEFAULT_POINTS = ((4 * KiB, 1, 0.2), (32 * KiB, 1, 1.1), (256 * KiB, 1, 1.6),
                   (4 * KiB, 4, 0.45), (32 * KiB, 4, 1.5), (256 * KiB, 4, 2.2),
                   (4 * KiB, 16, 0.6), (32 * KiB, 16, 1.9), (256 * KiB, 16, 2.4))

@@ -5,8 +5,8 @@ Reads chunk-sized, chunk-aligned random requests of FILE with `threads` in fligh
 reader for `seconds` (profile.measure_cell, the profile's own measurement) and prints
 {"gib_s": ..., "chunk": ..., "threads": ..., "seconds": ...}. bench.py takes it right before and
 right after each capped run, so the run's read rate can be set against the device's rate of those
-minutes: over 2-s windows this VM's disk moves between ~1.2 and ~2.2 GiB/s (session 6; see it with
---seconds 2 --repeat 20, one JSON line per window).
+minutes: a virtual machine's disk can drift by tens of percent over seconds (docs/MEASUREMENTS.md;
+see it with --seconds 2 --repeat 20, one JSON line per window).
 """
 from __future__ import annotations
 
