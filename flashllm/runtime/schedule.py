@@ -1,11 +1,9 @@
 """The schedule of a static forward pass: everything it reads, in the order it uses it, read
 ahead by one ReadAhead (flashllm/storage/readahead.py).
 
-When the FFN bundles a pass needs do not depend on its input (no predictor, or --naive), neither
-do any of its reads, so one schedule covers the pass: for each layer its streamed attention
-matrices (one entry), then its FFN chunks; after the last layer the streamed output head, in
-extents. One C thread reads it over and over (the read-ahead) — across layers and across passes —
-so the device sees one queue and never waits for compute.
+Why and when: docs/ARCHITECTURE.md, "The read-ahead". The schedule: for each layer its streamed
+attention matrices (one entry), then its FFN chunks; after the last layer the streamed output
+head, in extents. The read-ahead reads it over and over, across layers and passes.
 
     schedule = PassSchedule(buffers, ffn_chunks, ffn_request)  ffn_chunks[layer] = [(first slot, n)]
     schedule.add_dense(attention, head)                      streamed dense weights join

@@ -9,10 +9,9 @@ Decode (one token, or a token + draft guesses: their union), per layer:
     y += FFN over the new rows; misses the cache could not take stream through the staging buffer
 Static passes: when every token needs the same slots 0 .. k-1 (predictor.AllSlots: no trained
 predictor; or --naive, the paper's baseline, every bundle every token), every cache row is pinned
-and the rest is read by one read-ahead schedule (runtime/schedule.py) that runs ahead of the forward
-pass, across layers and passes (decode and prefill alike), through the staging memory cut into
-four page-aligned buffers; streamed attention and a streamed output head join the same schedule
-(stream_dense), so one queue feeds the device.
+and the rest comes from the read-ahead (docs/ARCHITECTURE.md, "The read-ahead"; schedule.py)
+through the staging memory cut into four page-aligned buffers, with streamed attention and a
+streamed output head in the same schedule (stream_dense).
 With a predictor, a prefill (T > 1) reads each layer whole and sequentially through the staging
 buffer's two halves (pinned rows come from the cache) and computes densely. Every path applies
 the layer's calibrated magnitude threshold (manifest `sparsity.thresholds`, 0 when

@@ -1,13 +1,6 @@
 """The read-ahead: one C thread (native/readahead.c, `fl_readahead`) reads a fixed schedule of
 batches, over and over, into a ring of aligned buffers; the forward pass takes them in the same
-order. (docs/ARCHITECTURE.md, "The read-ahead", tells why.)
-
-When the bundles a token needs do not depend on the token (no predictor: every neuron outside
-the pinned cache rows is read each token; or --naive), the reads of the whole token are known in
-advance. The ring then keeps the device busy without waiting for compute: while layer l's FFN
-computes over one buffer, the next buffers (the rest of layer l, layer l+1, ... and across the
-token boundary, the next token's first layers) are already being read. The reading thread is
-C: no interpreter lock or Python frame sits between two reads.
+order. (docs/ARCHITECTURE.md, "The read-ahead", tells why and when.)
 
     ring = ReadAhead(buffers, entries)             buffers (n_buf, rows, stride) uint8
     rows, counters = ring.take(pos)                blocks until entries[pos % len] is read
