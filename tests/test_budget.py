@@ -243,3 +243,9 @@ def test_a_one_shot_tokenizer_released_for_good_stays_within_what_the_plan_count
     assert tok.decode(ids) == text
     with pytest.raises(ReleasedError, match="it cannot encode again"):
         tok.encode("def")
+
+
+def test_run_refuses_an_unknown_predictor_mode_at_parse_time(tiny):  # noqa: F811
+    r = CliRunner().invoke(app, ["run", str(tiny[0].path), "-p", "x", "--predictor", "maybe"])
+    said = " ".join(r.output.replace("│", " ").split())                  # unwrap Rich's box
+    assert r.exit_code == 2 and "'maybe' is not one of 'auto', 'on', 'off'" in said

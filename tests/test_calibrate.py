@@ -241,7 +241,11 @@ def test_cli_calibrate_then_sparse_perplexity(tiny, tmp_path):
     r = CliRunner().invoke(app, ["calibrate", str(path), "--text", str(text), "--tokens", "999"])
     assert r.exit_code == 1 and "999 were asked for" in r.output
     r = CliRunner().invoke(app, ["calibrate", str(path), "--text", str(text), "--predictor", "x"])
-    assert r.exit_code == 1 and "--predictor must be default, none or one of" in r.output
+    said = lambda r: " ".join(r.output.replace("│", " ").split())        # noqa: E731 (unwrap the box)
+    assert r.exit_code == 2 and "'x' is not one of 'default', 'none'" in said(r)
+    for opt, bad in (("--criterion", "cats"), ("--corpus", "poetry")):
+        r = CliRunner().invoke(app, ["calibrate", str(path), opt, bad])
+        assert r.exit_code == 2 and f"'{bad}' is not one of" in said(r), r.output
 
 
 def _flash_and_model(path):

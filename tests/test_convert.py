@@ -183,3 +183,10 @@ def test_real_smollm2_q8_0_matches_gguf_py(tmp_path):
     np.testing.assert_array_equal(bundles[:, :pb], ref_rows(ref("blk.29.ffn_gate.weight"), "q8_0"))
     down_t = np.ascontiguousarray(ref("blk.29.ffn_down.weight").T)          # (1536, 576)
     np.testing.assert_array_equal(bundles[:, 2 * pb:3 * pb], ref_rows(down_t, "q8_0"))
+
+
+def test_cli_refuses_an_unknown_dtype_at_parse_time(tmp_path):
+    code, out, err = _cli([tmp_path, "-o", tmp_path / "out", "--dtype", "q3_k"])
+    said = " ".join(err.replace("│", " ").split())                       # unwrap Rich's box
+    assert code == 2 and out == "" and "'q3_k' is not one of 'f32', 'f16'" in said
+    assert not (tmp_path / "out").exists()

@@ -9,6 +9,7 @@ everything else goes to stderr.
 """
 from __future__ import annotations
 
+import enum
 import functools
 import os
 import sys
@@ -25,6 +26,12 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 err = Console(stderr=True, highlight=False)
 
 DEFAULT_THREADS = min(os.cpu_count() or 1, 8)
+
+
+def choice(name: str, values) -> type[enum.Enum]:
+    """A str Enum of exactly `values`, for a Typer option that refuses anything else at parse
+    time (a usage error, exit code 2, listing the choices)."""
+    return enum.Enum(name, {v: v for v in values}, type=str)
 
 
 def cache_dir() -> Path:

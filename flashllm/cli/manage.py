@@ -7,8 +7,10 @@ from typing import List
 import typer
 from rich.console import Console
 
-from flashllm.cli.app import cache_dir, command, err, fail, registry_path
+from flashllm.cli.app import choice, cache_dir, command, err, fail, registry_path
 from flashllm.model.tensor import DTYPES
+
+Dtype = choice("Dtype", DTYPES)
 
 
 @command
@@ -16,16 +18,13 @@ def convert(
     src: List[Path] = typer.Argument(..., help="HF checkpoint folder(s) or GGUF file(s)."),
     out: Path = typer.Option(..., "-o", "--out",
                              help="Output model folder (one source) or parent folder (several)."),
-    dtype: str = typer.Option("q8_0", "--dtype", help=f"Storage dtype: {', '.join(DTYPES)}."),
+    dtype: Dtype = typer.Option("q8_0", "--dtype", help="Storage dtype."),
     force: bool = typer.Option(False, "--force", help="Replace an existing output."),
     jobs: int = typer.Option(1, "-j", "--jobs", min=1, help="Sources converted at once (worker processes)."),
 ) -> None:
     """Repack checkpoints into the row-column-bundled flash layout."""
     from flashllm.convert.convert import convert_many
-    if dtype not in DTYPES:
-        err.print(f"error: --dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
-        raise typer.Exit(2)
-    failures = convert_many(src, out, dtype, force, console=err, jobs=jobs)
+    failures = convert_many(src, out, dtype.value, force, console=err, jobs=jobs)
     if failures:
         raise typer.Exit(1)
 

@@ -6,7 +6,14 @@ from typing import Optional
 
 import typer
 
-from flashllm.cli.app import DEFAULT_THREADS, model_path, command, err, fail
+from flashllm.sparsity.activations import CRITERIA
+from flashllm.sparsity.corpus import KINDS as CORPORA
+from flashllm.sparsity.predictor import KINDS as PREDICTOR_KINDS
+from flashllm.cli.app import choice, DEFAULT_THREADS, model_path, command, err, fail
+
+Corpus = choice("Corpus", CORPORA)
+Criterion = choice("Criterion", CRITERIA)
+PredictorKind = choice("PredictorKind", ("default", "none", *PREDICTOR_KINDS))
 
 
 def _quality_text(file: Optional[Path], split: str, kind: str, max_chars: Optional[int] = None):
@@ -24,7 +31,7 @@ def perplexity(
     chunks: Optional[int] = typer.Option(None, "--chunks", min=1, help="Chunks to score (default: all)."),
     sparsity: Optional[float] = typer.Option(None, "--sparsity", help="Drop FFN terms below the "
                                              "thresholds for this sparsity (0..1)."),
-    corpus: str = typer.Option("code", "--corpus", help="Shipped text: code or prose."),
+    corpus: Corpus = typer.Option("code", "--corpus", help="Shipped text: code or prose."),
     threads: int = typer.Option(DEFAULT_THREADS, "-t", "--threads", help="Compute threads."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
@@ -40,6 +47,7 @@ def perplexity(
         fail(f"--sparsity must be in [0, 1), not {sparsity}")
     flash = open_flash(model_path(model))
     tok = Tokenizer.from_flash(flash)
+    corpus = corpus.value
     text = _quality_text(file, "evaluation", corpus)
     log = lambda m: err.print(m, markup=False, soft_wrap=True)
     ffn = None
@@ -65,11 +73,11 @@ def calibrate(
     sparsity: float = typer.Option(0.5, "--sparsity", help="Target fraction of inactive FFN neurons."),
     tokens: int = typer.Option(2048, "--tokens", min=1, help="Calibration tokens."),
     ctx: int = typer.Option(512, "--ctx", help="Tokens per pass."),
-    corpus: str = typer.Option("code", "--corpus", help="Shipped text: code or prose."),
-    criterion: Optional[str] = typer.Option(None, "--criterion", help="glu_product (GLU default), "
+    corpus: Corpus = typer.Option("code", "--corpus", help="Shipped text: code or prose."),
+    criterion: Optional[Criterion] = typer.Option(None, "--criterion", help="glu_product (GLU default), "
                                             "gate (CATS), relu, magnitude."),
     reorder: bool = typer.Option(True, "--reorder/--no-reorder", help="Rewrite the FFN hot-first."),
-    predictor: str = typer.Option("default", "--predictor", help="Predictor to train: default "
+    predictor: PredictorKind = typer.Option("default", "--predictor", help="Predictor to train: default "
                                   "(gate_up for GLU models, lowrank otherwise), a kind, or none."),
     threads: int = typer.Option(DEFAULT_THREADS, "-t", "--threads", help="Compute threads."),
 ) -> None:
@@ -77,14 +85,13 @@ def calibrate(
     from flashllm.format.reader import open_flash
     from flashllm.runtime.model import Model
     from flashllm.sparsity.calibrate import calibrate_model, text_tokens
-    from flashllm.sparsity.predictor import KINDS
     from flashllm.sparsity.train import DEFAULT_KIND
     from flashllm.generation.tokenizer import Tokenizer
     if not 0.0 <= sparsity < 1.0:
         fail(f"--sparsity must be in [0, 1), not {sparsity}")
-    if predictor not in ("default", "none", *KINDS):
-        fail(f"--predictor must be default, none or one of {', '.join(KINDS)}, not {predictor!r}")
     flash = open_flash(model_path(model))
+    predictor, corpus = predictor.value, corpus.value
+    criterion = criterion.value if criterion is not None else None
     if predictor == "default":
         predictor = DEFAULT_KIND["glu" if flash.config.glu else "plain"]
     source = _quality_text(text, "calibration", corpus, None if text else 8 * tokens)

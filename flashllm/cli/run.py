@@ -12,7 +12,10 @@ from typing import Optional
 
 import typer
 
-from flashllm.cli.app import DEFAULT_THREADS, model_path, cache_dir, command, err, fail
+from flashllm.runtime.assemble import PREDICTOR_MODES
+from flashllm.cli.app import choice, DEFAULT_THREADS, model_path, cache_dir, command, err, fail
+
+PredictorMode = choice("PredictorMode", PREDICTOR_MODES)
 
 
 @command
@@ -39,7 +42,7 @@ def run(
         None, "--window", help="Keep the neurons of the last K tokens cached (default 4; 2 for GLU)."),
     naive: bool = typer.Option(False, "--naive", help="Read every FFN bundle every token (baseline)."),
     dense: bool = typer.Option(False, "--dense", help="Every FFN bundle in DRAM (the default)."),
-    predictor: str = typer.Option("auto", "--predictor", help="With --dram-budget: use the model's "
+    predictor: PredictorMode = typer.Option("auto", "--predictor", help="With --dram-budget: use the model's "
                                   "predictor (from calibrate): auto (when it is expected to make "
                                   "tokens faster within the budget), on, or off."),
     draft: int = typer.Option(0, "--draft", help="Speculative decoding: check up to N tokens "
@@ -74,7 +77,7 @@ def run(
         fail(f"--draft {draft}: give the most guesses a pass may check (0: off)")
     text = None if interactive else _read_prompt(prompt, file)
     path = model_path(model)
-    fopts = FlashOptions(dram_budget, window, naive, dense, check_recall, predictor,
+    fopts = FlashOptions(dram_budget, window, naive, dense, check_recall, predictor.value,
                          keep_tokenizer=interactive)
     process = process_rss()
     n_ctx = ctx_size if interactive else min(ctx_size, len(text.encode()) + n_predict + 2)
