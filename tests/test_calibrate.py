@@ -184,25 +184,25 @@ def json_roundtrip(x):
 
 @pytest.mark.parametrize("where", ["ffn", "manifest"])
 def test_interrupted_calibration_leaves_the_model_valid(tiny, tmp_path, monkeypatch, where):
-    import flashllm.sparsity.reorder as hotfirst
+    import flashllm.sparsity.reorder as reorder
     from flashllm.format.reader import FlashModel
     hf, _ = tiny("llama")
     path = _fresh(tiny, "llama", tmp_path)
     before = (path / "manifest.json").read_bytes()
     armed = []
     if where == "ffn":          # stop while the reordered FFN file is half written
-        real_perm, real_read = hotfirst.hot_first_permutation, FlashModel.read_ffn_layer
+        real_perm, real_read = reorder.hot_first_permutation, FlashModel.read_ffn_layer
 
         def read(self, layer):
             if armed and layer == 1:
                 raise KeyboardInterrupt
             return real_read(self, layer)
-        monkeypatch.setattr(hotfirst, "hot_first_permutation", lambda f: armed.append(1) or real_perm(f))
+        monkeypatch.setattr(reorder, "hot_first_permutation", lambda f: armed.append(1) or real_perm(f))
         monkeypatch.setattr(FlashModel, "read_ffn_layer", read)
     else:                       # stop just before the manifest switch
         def switch(*args, **kwargs):
             raise KeyboardInterrupt
-        monkeypatch.setattr(hotfirst, "update_manifest", switch)
+        monkeypatch.setattr(reorder, "update_manifest", switch)
     with pytest.raises(KeyboardInterrupt):
         calibrate_model(*_flash_and_model(path), TOKENS, {}, 0.5, n_ctx=N_CTX)
     assert (path / "manifest.json").read_bytes() == before

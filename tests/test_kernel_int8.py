@@ -6,7 +6,7 @@ on the same quantized inputs the kernel must agree to f32 accumulation error (2e
 the integer block sums are exact). A second test bounds the distance to the exact f32 product by
 the rounding itself: each x value moves by at most d / 2, so |int8 - exact| <= sum over blocks of
 d / 2 * sum |w| — the tolerance the int8 path costs, and nothing more. (The plain FFN case, int8
-and exact, is test_kernel.py's test_ffn_bundles_matches_numpy.)
+and exact, is tests/test_kernel.py's test_ffn_bundles_matches_numpy.)
 """
 import numpy as np
 import pytest

@@ -1,5 +1,5 @@
 """Streamed attention and output head read through the FFN's read-ahead schedule
-(runtime.stream_dense, pass_reads.py) give exactly the logits of the dense weights reading them
+(runtime/assemble.stream_dense, runtime/schedule.py) give exactly the logits of the dense weights reading them
 themselves, over prefills and decodes, and after a pass cut short; the ring's buffers start on
 pages so its reads land in place."""
 from __future__ import annotations

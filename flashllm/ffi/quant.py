@@ -1,7 +1,7 @@
 """Quantize / dequantize whole (rows, cols) matrices to ggml-compatible f32/f16/q8_0/q4_0/q4_1
 rows (q4_1 with a search of its step, see fl_quantize_row in native/flashllm.h).
 
-The work runs in the C kernel (through kernel.py). Rows of one matrix are contiguous blocks, so
+The work runs in the C kernel (through ffi/kernel.py). Rows of one matrix are contiguous blocks, so
 a chunk of rows is converted in one C call as one long row, and chunks run on a thread pool (the
 GIL is released inside the C calls).
 """

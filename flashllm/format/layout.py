@@ -1,6 +1,6 @@
 """The flash layout's constants, byte headers and size rules (docs/FORMAT.md).
 
-Shared by the writer (bundle_write.py) and the reader (bundle.py) so both agree byte for byte.
+Shared by the writer (format/writer.py) and the reader (format/reader.py) so both agree byte for byte.
 """
 from __future__ import annotations
 

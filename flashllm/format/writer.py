@@ -83,7 +83,7 @@ class FlashWriter:
     # ---- dense section --------------------------------------------------------------------
 
     def add_tensor(self, name: str, x: np.ndarray) -> None:
-        """Append a dense tensor: x (n,) or (rows, cols) f32, stored per bundle_format.tensor_dtype."""
+        """Append a dense tensor: x (n,) or (rows, cols) f32, stored per layout.tensor_dtype."""
         self._require(WriterState.OPEN, WriterState.DENSE, what=f"add_tensor({name!r})")
         if ffn_weight(name):
             raise FormatError(f"{name} is an FFN weight: write it with add_ffn_layer")

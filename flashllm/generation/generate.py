@@ -1,5 +1,5 @@
 """Generation as small verbs: prefill the prompt, a decode pass (the fed token and any draft
-guesses, flashllm/speculate.py), and the loop that joins them to the sampler, with llama.cpp-style
+guesses, flashllm/generation/speculate.py), and the loop that joins them to the sampler, with llama.cpp-style
 timings."""
 from __future__ import annotations
 

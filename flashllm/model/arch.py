@@ -47,7 +47,7 @@ class Arch:
         if any(_compile(p).match(hf_name) for p in self.ignore):
             return None
         raise SourceError(f"tensor {hf_name!r} is not mapped by the {self.hf_class} table "
-                          f"(flashllm/arch.py); refusing to skip it silently")
+                          f"(flashllm/model/arch.py); refusing to skip it silently")
 
 
 ARCHITECTURES: dict[str, Arch] = {}

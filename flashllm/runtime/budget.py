@@ -17,7 +17,7 @@ Resident at run time (all counted against --dram-budget):
     dense weights   vectors (norms, biases) always; then, while the budget lasts, each layer's
                     attention matrices, the output head, and (only once the caches hold
                     the whole FFN) the embeddings. What does not fit streams from dense.bin
-                    (dense_stream.py) through two layer buffers and two head chunks; so does
+                    (runtime/weights.py) through two layer buffers and two head chunks; so does
                     the output head when the caches can take the DRAM it frees (the same
                     bytes read a token, and its compute overlaps its reads: _head_overlap).
     neuron caches   per layer (capacity, stride) rows + maps; the rest of the budget
@@ -170,7 +170,7 @@ def dense_groups(manifest: dict) -> tuple[int, list[tuple[list[str], int]], tupl
 
 
 def stream_reserve(manifest: dict, n_ctx: int, streamed=None) -> int:
-    """DRAM of the dense streaming buffers (dense_stream.py) for the streamed tensor names
+    """DRAM of the dense streaming buffers (runtime/weights.py) for the streamed tensor names
     (None: everything streams)."""
     entries = {t["name"]: t for t in manifest["dense"]["tensors"]}
     on = lambda name: streamed is None or name in streamed

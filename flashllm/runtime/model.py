@@ -8,10 +8,10 @@ One code path serves prefill (T tokens at once) and decode (T = 1):
         x += ffn_bundles(norm(x)) [+ down bias]
     logits = output([proj_out](norm(x)))
 
-Per-token math runs in C through kernel.py; numpy only reshapes and adds. The FFN of each layer
-is a strategy object (flashllm/ffn.py): `ffn(layer, h, x)` adds the FFN of h to x. The default,
+Per-token math runs in C through flashllm/ffi/kernel.py; numpy only reshapes and adds. The FFN of each layer
+is a strategy object (flashllm/runtime/ffn.py): `ffn(layer, h, x)` adds the FFN of h to x. The default,
 DenseFfn, reads every layer's bundles into DRAM; the sparse flash FFN streams them. The other
-weights come from a DenseWeights (flashllm/dense_stream.py): resident, or streamed from dense.bin
+weights come from a DenseWeights (flashllm/runtime/weights.py): resident, or streamed from dense.bin
 where the DRAM budget cannot hold them.
 """
 from __future__ import annotations

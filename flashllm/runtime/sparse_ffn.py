@@ -42,7 +42,7 @@ SERIAL_BYTES = 256 << 10       # an FFN call over fewer bundle bytes (x tokens) 
 
 
 class SparseFlashFfn:
-    """An FFN strategy (flashllm/ffn.py) that streams bundles from ffn.bin through `reader`."""
+    """An FFN strategy (flashllm/runtime/ffn.py) that streams bundles from ffn.bin through `reader`."""
 
     def __init__(self, flash, predictor, budget_plan: BudgetPlan, reader, n_threads: int = 1,
                  window: int = 4, naive: bool = False, cost: Optional[CostModel] = None,

@@ -10,7 +10,7 @@
                                     multiplied chunk by chunk
 
 Vectors (norms, biases) are always resident. Which matrices stream is the budget plan's decision
-(budget.py: `BudgetPlan.streamed`); reads go through the direct-I/O Reader (ioreader.py), or,
+(budget.py: `BudgetPlan.streamed`); reads go through the direct-I/O Reader (ffi/reader.py), or,
 when the FFN's reads are static, come from its read-ahead schedule (`layer_source`,
 `head_source`, set by runtime.assemble.stream_dense: runtime/schedule.py).
 """

@@ -3,7 +3,7 @@
 
 A rewrite never touches the files the manifest names: the reordered FFN file, order file and
 frequency file go under the other name of each pair below (temporary name, fsync, rename), the
-manifest is switched to them in one atomic rename (bundle_write.update_manifest), and only then
+manifest is switched to them in one atomic rename (format/writer.update_manifest), and only then
 are the old files removed. An interrupted rewrite leaves the old model valid; the stray new files
 are overwritten by the next calibration.
 """

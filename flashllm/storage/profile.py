@@ -1,6 +1,6 @@
 """Device read-throughput profile: measure direct-I/O reads, save and load them per device.
 
-`measure` reads a file through the C reader (ioreader.Reader, its default engine) with direct
+`measure` reads a file through the C reader (ffi/reader.Reader, its default engine) with direct
 I/O: sequential 1 MiB reads, then random reads aligned to the chunk size over a grid of chunk
 sizes × thread counts (reads in flight), three passes over the grid, median per cell.
 `scratch_file` makes (and always removes) the file to measure on the device holding a folder.
