@@ -45,11 +45,11 @@ BENCH_DIR ?= .
 bench-io: setup
 	$(BIN)/python -m scripts.bench.bundle_reads $(if $(MODEL),$(MODEL),--synthetic $(BENCH_DIR))
 
-## test-asan: the direct-I/O reader and read-ahead ring (native/io.c, io_plan.c, io_ring.c, readahead.c) under AddressSanitizer + UBSan, and the compute kernel's worker threads (native/pool.c) under ASan + UBSan and ThreadSanitizer, through C test drivers
+## test-asan: the direct-I/O reader and read-ahead ring (native/io.c, io_plan.c, io_uring.c, readahead.c) under AddressSanitizer + UBSan, and the compute kernel's worker threads (native/pool.c) under ASan + UBSan and ThreadSanitizer, through C test drivers
 test-asan:
 	@mkdir -p build/asan
 	$(CC) -g -O1 -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer \
-	  -std=c11 -Wall -Wextra -Werror -D_GNU_SOURCE -Inative tests/native/io_driver.c native/io.c native/io_plan.c native/io_ring.c native/readahead.c \
+	  -std=c11 -Wall -Wextra -Werror -D_GNU_SOURCE -Inative tests/native/io_driver.c native/io.c native/io_plan.c native/io_uring.c native/readahead.c \
 	  -o build/asan/io_driver -lpthread
 	ASAN_OPTIONS=detect_leaks=1 build/asan/io_driver build/asan
 	$(CC) -g -O1 -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer \

@@ -10,7 +10,7 @@
 #include <math.h>
 
 #include "flashllm.h"
-#include "simd.h"
+#include "compute_internal.h"
 
 #define EXP_HI 88.3f
 #define EXP_LO -87.3f

@@ -11,7 +11,7 @@
 #include <stdlib.h>
 
 #include "flashllm.h"
-#include "simd.h"
+#include "compute_internal.h"
 
 #define MIN_BUNDLES_PER_THREAD 32
 #define CHUNKS_PER_THREAD 4 /* work units per thread: dynamic balance under load */
@@ -346,11 +346,15 @@ static uint8_t *quantize_x(int32_t dtype, int32_t exact, const float *x, int64_t
     return xq;
 }
 
-int32_t fl_ffn_bundles(const uint8_t *bundles, int64_t n, int64_t stride, int32_t dtype,
-                       int64_t d, int32_t glu, int32_t act, const int32_t *ids,
-                       const float *up_bias, const int32_t *rows, int64_t n_rows,
+int32_t fl_ffn_bundles(const fl_ffn_layer *layer, const int32_t *rows, int64_t n_rows,
                        float threshold, const float *x, int64_t T, float *y, int32_t exact,
                        int32_t n_threads) {
+    if (!layer) return FL_EINVAL;
+    const uint8_t *bundles = layer->bundles;
+    const int64_t stride = layer->stride, d = layer->d;
+    const int32_t dtype = layer->dtype, glu = layer->glu, act = layer->act;
+    const int32_t *ids = layer->ids;
+    int64_t n = layer->n;
     const int32_t ddt = dtype == FL_Q4_K ? FL_Q4_1 : dtype;
     const size_t rb = fl_row_bytes(dtype, d), rd = fl_row_bytes(ddt, d);
     if (rb == 0 || d <= 0 || n < 0 || stride < (int64_t)(rb * (glu ? 2 : 1) + rd) || !x || !y ||
@@ -361,8 +365,8 @@ int32_t fl_ffn_bundles(const uint8_t *bundles, int64_t n, int64_t stride, int32_
     int32_t status;
     uint8_t *xq = quantize_x(dtype, exact, x, T, d, &status);
     if (status != FL_OK) return status;
-    const ffn_args a = {d,   T,       rb,   dtype, glu != 0, act,       ddt,
-                        ids, rows, up_bias, x,   threshold, xq, (size_t)fli_xq_bytes(d)};
+    const ffn_args a = {d,   T,    rb,             dtype, glu != 0,  act, ddt,
+                        ids, rows, layer->up_bias, x,     threshold, xq,  (size_t)fli_xq_bytes(d)};
     if (rows) n = n_rows;
     const int64_t useful = n / MIN_BUNDLES_PER_THREAD;
     const int32_t nt = useful < n_threads ? (int32_t)(useful > 1 ? useful : 1) : n_threads;

@@ -1,4 +1,6 @@
-/* flashllm.h — the whole C API of flashllm's native kernel.
+/* flashllm.h — the whole C API of flashllm's native kernel, in two parts: compute (part 1) and
+ * I/O (part 2), after the status codes and dtypes both share. Each part has an internal header
+ * for what its files share and the API does not show: compute_internal.h, io_internal.h.
  *
  * Conventions
  *  - Every function returns an int32_t status (FL_OK on success) and never exits or prints.
@@ -42,6 +44,11 @@ enum { FL_F32 = 0, FL_F16 = 1, FL_Q8_0 = 2, FL_Q4_0 = 3, FL_Q4_1 = 4, FL_Q4_K = 
 
 /* FFN activations */
 enum { FL_ACT_SILU = 0, FL_ACT_GELU = 1, FL_ACT_RELU = 2 };
+
+/* ====================================================================================== */
+/* PART 1 — compute: quantization, dense ops, the bundled FFN                              */
+/* (internal header: compute_internal.h)                                                   */
+/* ====================================================================================== */
 
 /* ---- CPU check (cpu.c) ------------------------------------------------------------------- */
 
@@ -119,19 +126,33 @@ int32_t fl_attention(const float *q, const void *k_cache, const void *v_cache, i
  *   glu:     a_i = act(gate_i . x_t) * (up_i . x_t + up_bias[id_i])
  *   non-glu: a_i = act(up_i . x_t + up_bias[id_i])
  * and a term with |a_i| < threshold is dropped (magnitude sparsity; 0 keeps every term).
- * bundles (n, stride) bytes; ids (n) the neuron id of each bundle, used only to index up_bias
- * (ids == NULL means bundle i is neuron i); up_bias (n_ff) or NULL; rows (n_rows) the bundle
- * rows to use, each in [0, n) (rows == NULL uses all n rows in order, n_rows is then ignored);
+ * The layer's bundles and their layout are described by an fl_ffn_layer (ids index up_bias
+ * only); rows (n_rows) the bundle rows to use, each in [0, n) (rows == NULL uses all n rows in
+ * order, n_rows is then ignored);
  * x (T, d); y (T, d) is accumulated into (the caller zeroes it or passes the residual).
  * q4_0 / q4_1 / q8_0 / q4_k bundles: gate_i . x and up_i . x use int8-quantized x as fl_matmul does unless
  * exact != 0; the down columns are always applied in f32. */
-int32_t fl_ffn_bundles(const uint8_t *bundles, int64_t n, int64_t stride, int32_t dtype,
-                       int64_t d, int32_t glu, int32_t act, const int32_t *ids,
-                       const float *up_bias, const int32_t *rows, int64_t n_rows,
+typedef struct {
+    const uint8_t *bundles;  /* (n, stride) bytes */
+    int64_t n;               /* bundles */
+    int64_t stride;          /* bytes per bundle, >= the parts' bytes */
+    int32_t dtype;           /* FL_* of the gate / up rows (and the down column; q4_k: q4_1) */
+    int64_t d;               /* d_model: values per row */
+    int32_t glu;             /* 1: [gate | up | down]; 0: [up | down] */
+    int32_t act;             /* FL_ACT_* */
+    const int32_t *ids;      /* (n) neuron id of each bundle, or NULL: bundle i is neuron i */
+    const float *up_bias;    /* (n_ff) up bias by neuron id, or NULL */
+} fl_ffn_layer;
+
+int32_t fl_ffn_bundles(const fl_ffn_layer *layer, const int32_t *rows, int64_t n_rows,
                        float threshold, const float *x, int64_t T, float *y, int32_t exact,
                        int32_t n_threads);
 
-/* ---- direct-I/O reader (io.c; io_uring engine io_ring.c; batch planning io_plan.c) ---- */
+/* ====================================================================================== */
+/* PART 2 — I/O: the direct-I/O reader and the read-ahead (internal header: io_internal.h)  */
+/* ====================================================================================== */
+
+/* ---- direct-I/O reader (io.c; io_uring engine io_uring.c; batch planning io_plan.c) ------- */
 
 /* A reader owns one open file (O_DIRECT when possible) and either a pool of n_threads reader
  * threads (the calling thread is one of them) or an io_uring. One batch at a time per reader. */
@@ -187,20 +208,29 @@ int32_t fl_reader_close(fl_reader *r);
 int32_t fl_io_plan(const int64_t *offsets, const int64_t *lengths, int64_t n, int64_t max_gap,
                    int64_t max_run, int64_t *n_reads, int64_t *bytes_read, int64_t *gap_bytes);
 
-/* ---- read-ahead ring (readahead.c) ---- */
+/* ---- read-ahead (readahead.c) ------------------------------------------------------------ */
 
 /* One thread reads a fixed schedule of n_entries batches over and over into n_buf buffers of
  * buf_bytes each (buffers: n_buf * buf_bytes, not owned); the consumer takes them in order.
  * Entry e: fl_reader_read(readers[reader_of[e]], the requests [first[e], first[e + 1]) of
  * offsets / lengths / dst_offsets (byte offsets inside the buffer), max_gap[e], max_run[e]).
- * The arrays are copied; the readers must stay open, and no one else may use them while the
+ * The schedule's arrays are copied; the readers must stay open, and no one else may use them while the
  * ring runs (fl_readahead_stop first). FL_EINVAL for a request that leaves its buffer. */
 typedef struct fl_readahead fl_readahead;
 
-int32_t fl_readahead_open(fl_reader **readers, int32_t n_readers, const int32_t *reader_of,
-                          const int64_t *first, const int64_t *offsets, const int64_t *lengths,
-                          const int64_t *dst_offsets, const int64_t *max_gap,
-                          const int64_t *max_run, int64_t n_entries, uint8_t *buffers,
+typedef struct {
+    int64_t n_entries;
+    const int32_t *reader_of;    /* (n_entries) index into the readers of each entry */
+    const int64_t *first;        /* (n_entries + 1) entry e's requests are first[e] .. first[e+1]-1 */
+    const int64_t *offsets;      /* (first[n_entries]) file offsets */
+    const int64_t *lengths;      /* (first[n_entries]) bytes */
+    const int64_t *dst_offsets;  /* (first[n_entries]) byte offsets inside the entry's buffer */
+    const int64_t *max_gap;      /* (n_entries) fl_reader_read's merge limit per entry */
+    const int64_t *max_run;      /* (n_entries) fl_reader_read's read size limit per entry */
+} fl_readahead_schedule;
+
+int32_t fl_readahead_open(fl_reader **readers, int32_t n_readers,
+                          const fl_readahead_schedule *schedule, uint8_t *buffers,
                           int64_t buf_bytes, int32_t n_buf, fl_readahead **out);
 
 /* Wait for schedule position pos (entry pos % n_entries) and give its buffer index, the

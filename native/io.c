@@ -36,7 +36,7 @@ struct fl_reader {
     int fd;
     int32_t flags;            /* FL_READ_DIRECT / FL_READ_RING in effect */
     int32_t n_threads;        /* pool threads, or reads in flight with the ring */
-    io_ring *ring;            /* the io_uring engine, NULL for the thread pool */
+    uring_engine *ring;            /* the io_uring engine, NULL for the thread pool */
     int64_t file_size;
     int64_t stage_bytes;
     uint8_t *arena;           /* (n_threads * stage_bytes) aligned staging memory */
@@ -169,7 +169,7 @@ static int32_t alloc_reader(struct fl_reader *r) {
 /* Stops the workers that started, frees everything; safe on a partly built reader. */
 static void free_reader(struct fl_reader *r) {
     stop_workers(r);
-    io_ring_close(r->ring);
+    uring_close(r->ring);
     free(r->arena);
     if (r->has_done) sem_destroy(&r->done);
     free(r->stage);
@@ -193,7 +193,7 @@ static int32_t start_engine(struct fl_reader *r, int32_t want_ring) {
     int32_t status = alloc_reader(r);
     if (status != FL_OK) return status;
     if (want_ring) {
-        status = io_ring_open(r->fd, r->n_threads, &r->ring);
+        status = uring_open(r->fd, r->n_threads, &r->ring);
         if (status == FL_OK) r->flags |= FL_READ_RING;
         if (status != FL_EUNSUPPORTED) return status;
     }
@@ -250,7 +250,7 @@ int32_t fl_reader_close(fl_reader *r) {
 /* ---- reading a batch --------------------------------------------------------------------- */
 
 static int32_t run_job(struct fl_reader *r, io_job *job) {
-    if (r->ring) return io_ring_read(r->ring, job, r->arena, r->n_threads * r->stage_bytes,
+    if (r->ring) return uring_read(r->ring, job, r->arena, r->n_threads * r->stage_bytes,
                                      r->file_size);
     int64_t helpers = job->n_runs < r->n_threads ? job->n_runs - 1 : r->n_threads - 1;
     r->job = job;

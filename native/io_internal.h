@@ -45,16 +45,16 @@ void io_scatter(const io_job *job, const io_run *run, const uint8_t *buf);
  * destination), else NULL (it goes through staging). */
 uint8_t *io_direct_target(const io_job *job, const io_run *run);
 
-/* The io_uring engine (io_ring.c): depth reads in flight from one thread. */
-typedef struct io_ring io_ring;
+/* The io_uring engine (io_uring.c): depth reads in flight from one thread. */
+typedef struct uring_engine uring_engine;
 
 /* FL_EUNSUPPORTED when the kernel refuses io_uring (old kernel, seccomp, sysctl). */
-int32_t io_ring_open(int file_fd, int32_t depth, io_ring **out);
-void io_ring_close(io_ring *ring);
+int32_t uring_open(int file_fd, int32_t depth, uring_engine **out);
+void uring_close(uring_engine *ring);
 
 /* Read every run of job, staging through arena (arena_bytes, page aligned, at least depth times
  * the largest run). */
-int32_t io_ring_read(io_ring *ring, io_job *job, uint8_t *arena, int64_t arena_bytes,
+int32_t uring_read(uring_engine *ring, io_job *job, uint8_t *arena, int64_t arena_bytes,
                      int64_t file_size);
 
 /* FL_ERANGE unless every request lies in [0, limit). */

@@ -12,7 +12,7 @@
 #include <stdlib.h>
 
 #include "flashllm.h"
-#include "simd.h"
+#include "compute_internal.h"
 
 #define TILE 4              /* weight rows dequantized together when T > 1 (fli_dot4x4_f32) */
 #define PREFETCH_BYTES 2048 /* how far ahead of the row being read a matvec prefetches */

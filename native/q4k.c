@@ -9,7 +9,7 @@
  * qgemm.c, fli_q4k_tile1) carry the speed.
  */
 #include "flashllm.h"
-#include "simd.h"
+#include "compute_internal.h"
 
 void fli_q4k_dequant(const uint8_t *row, float *dst, int64_t n) {
     float sc[8], mn[8];

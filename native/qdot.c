@@ -1,4 +1,4 @@
-/* qdot.c — int8 activation kernels: activations quantized per block of 32 (xq.c: as ggml's
+/* qdot.c — int8 activation kernels: activations quantized per block of 32 (act_quant.c: as ggml's
  * q8_0, with an f32 scale d; for q4_k one d per superblock), multiplied by q4_0 / q8_0 / q4_1 /
  * q4_k weight blocks in integer arithmetic: the exact integer dot of a weight block with q is
  * scaled by d_w * d.
@@ -14,7 +14,7 @@
  * token's q4_k tiles go to fli_q4k_tile1 (q4k.c), which keeps the scales in integers.
  */
 #include "flashllm.h"
-#include "simd.h"
+#include "compute_internal.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>

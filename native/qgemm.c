@@ -18,7 +18,7 @@
  * FL_QT x FL_QT tiles of qdot.c (same results up to f32 summation order).
  */
 #include "flashllm.h"
-#include "simd.h"
+#include "compute_internal.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>

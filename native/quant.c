@@ -7,7 +7,7 @@
 #include <math.h>
 
 #include "flashllm.h"
-#include "simd.h"
+#include "compute_internal.h"
 
 #define REFITS 4 /* least-squares refits of a q4_1 block that is on no grid */
 

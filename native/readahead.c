@@ -120,33 +120,34 @@ static int32_t check_schedule(const int32_t *reader_of, const int64_t *first,
     return FL_OK;
 }
 
-int32_t fl_readahead_open(fl_reader **readers, int32_t n_readers, const int32_t *reader_of,
-                          const int64_t *first, const int64_t *offsets, const int64_t *lengths,
-                          const int64_t *dst_offsets, const int64_t *max_gap,
-                          const int64_t *max_run, int64_t n_entries, uint8_t *buffers,
+int32_t fl_readahead_open(fl_reader **readers, int32_t n_readers,
+                          const fl_readahead_schedule *schedule, uint8_t *buffers,
                           int64_t buf_bytes, int32_t n_buf, fl_readahead **out) {
     if (!out) return FL_EINVAL;
     *out = NULL;
-    if (!readers || n_readers < 1 || !reader_of || !first || n_entries < 1 || !buffers ||
-        buf_bytes < 1 || n_buf < 2 || !max_gap || !max_run)
+    if (!schedule) return FL_EINVAL;
+    const fl_readahead_schedule s = *schedule;
+    const int64_t n_entries = s.n_entries;
+    if (!readers || n_readers < 1 || !s.reader_of || !s.first || n_entries < 1 || !buffers ||
+        buf_bytes < 1 || n_buf < 2 || !s.max_gap || !s.max_run)
         return FL_EINVAL;
     for (int32_t i = 0; i < n_readers; i++)
         if (!readers[i]) return FL_EINVAL;
-    int64_t n_req = first[n_entries];
-    if (n_req > 0 && (!offsets || !lengths || !dst_offsets)) return FL_EINVAL;
-    int32_t status = check_schedule(reader_of, first, lengths, dst_offsets, n_entries, n_readers,
-                                    buf_bytes);
+    int64_t n_req = s.first[n_entries];
+    if (n_req > 0 && (!s.offsets || !s.lengths || !s.dst_offsets)) return FL_EINVAL;
+    int32_t status = check_schedule(s.reader_of, s.first, s.lengths, s.dst_offsets, n_entries,
+                                    n_readers, buf_bytes);
     if (status != FL_OK) return status;
     fl_readahead *ra = calloc(1, sizeof *ra);
     if (!ra) return FL_ENOMEM;
     ra->readers = dup_array(readers, (size_t)n_readers, sizeof *readers);
-    ra->reader_of = dup_array(reader_of, (size_t)n_entries, sizeof *reader_of);
-    ra->first = dup_array(first, (size_t)n_entries + 1, sizeof *first);
-    ra->offsets = dup_array(offsets, (size_t)n_req, sizeof *offsets);
-    ra->lengths = dup_array(lengths, (size_t)n_req, sizeof *lengths);
-    ra->dst_offsets = dup_array(dst_offsets, (size_t)n_req, sizeof *dst_offsets);
-    ra->max_gap = dup_array(max_gap, (size_t)n_entries, sizeof *max_gap);
-    ra->max_run = dup_array(max_run, (size_t)n_entries, sizeof *max_run);
+    ra->reader_of = dup_array(s.reader_of, (size_t)n_entries, sizeof *s.reader_of);
+    ra->first = dup_array(s.first, (size_t)n_entries + 1, sizeof *s.first);
+    ra->offsets = dup_array(s.offsets, (size_t)n_req, sizeof *s.offsets);
+    ra->lengths = dup_array(s.lengths, (size_t)n_req, sizeof *s.lengths);
+    ra->dst_offsets = dup_array(s.dst_offsets, (size_t)n_req, sizeof *s.dst_offsets);
+    ra->max_gap = dup_array(s.max_gap, (size_t)n_entries, sizeof *s.max_gap);
+    ra->max_run = dup_array(s.max_run, (size_t)n_entries, sizeof *s.max_run);
     ra->done = calloc((size_t)n_buf, sizeof *ra->done);
     ra->n_readers = n_readers;
     ra->n_entries = n_entries;

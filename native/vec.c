@@ -5,7 +5,7 @@
  * NV = 32 / VW vectors and scaled once per block.
  */
 #include "flashllm.h"
-#include "simd.h"
+#include "compute_internal.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>

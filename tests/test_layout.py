@@ -121,3 +121,10 @@ def test_no_cycle_between_packages():
         for n in deps:
             pkgs.setdefault(n, set())
     assert find_cycles(pkgs) == []
+
+
+def test_only_ffi_lib_loads_the_c_library():
+    known = modules()
+    loaders = sorted(m for m, f in known.items() for src, _ in imports(m, f, known)
+                     if src == "flashllm.ffi._native")
+    assert loaders == ["flashllm.ffi.lib"]

@@ -63,12 +63,6 @@ def command(fn):
         except KeyboardInterrupt:
             err.print("interrupted", markup=False)
             raise typer.Exit(130) from None
-        except ImportError as e:
-            if "_native" not in str(e):
-                raise
-            err.print(f"error: the C extension flashllm.ffi._native cannot be loaded ({e}): build it with "
-                      "`make setup`, or `make native` in a source tree", markup=False, soft_wrap=True)
-            raise typer.Exit(1) from None
     return app.command()(wrapper)
 
 

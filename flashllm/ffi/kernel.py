@@ -11,44 +11,9 @@ import numpy as np
 from flashllm.errors import KernelError
 from flashllm.model.tensor import QTensor, companion, dtype_code, row_bytes
 
-try:
-    from flashllm.ffi._native import ffi, lib
-except ImportError as exc:  # the extension was not built
-    ffi = lib = None
-    _IMPORT_ERROR = str(exc)
-else:
-    _IMPORT_ERROR = ""
-    _missing = ffi.new("char[]", 32)
-    if lib.fl_cpu_check(_missing, 32) != 0:  # built for another CPU: SIMD code would SIGILL
-        _IMPORT_ERROR = (f"it was compiled for a CPU with {ffi.string(_missing).decode()}, "
-                         "which this one lacks")
-        lib = None
+from flashllm.ffi.lib import check as _check, ffi, native as _native
 
 ACT_CODES = {"silu": 0, "gelu": 1, "relu": 2}
-_STATUS = {
-    1: "invalid argument",
-    2: "out of memory",
-    3: "read error",
-    4: "request outside the file",
-    5: "not supported by this build",
-}
-
-
-def _native():
-    """The cffi lib, or a KernelError telling the user how to build it."""
-    if lib is None:
-        raise KernelError(
-            f"the C kernel flashllm.ffi._native is not built ({_IMPORT_ERROR}): "
-            "run `make setup` (or `make native` to rebuild it in place)"
-        )
-    return lib
-
-
-def _check(status: int, what: str) -> None:
-    if status != 0:
-        raise KernelError(f"{what} failed: {_STATUS.get(status, f'status {status}')}")
-
-
 def _as_f32(a, name: str, ndim: int) -> np.ndarray:
     """a as a C-contiguous float32 array of ndim dims (copied only when it is not one already)."""
     arr = np.ascontiguousarray(a, dtype=np.float32)
@@ -268,11 +233,12 @@ def ffn_bundles(bundles: np.ndarray, dtype: str, d: int, glu: bool, act: str, x,
     sel = None if rows is None else _ids(rows, "rows", n)              # (m,) int32
     if not threshold >= 0.0:
         raise KernelError(f"threshold must be >= 0, got {threshold}")
-    _check(k.fl_ffn_bundles(ffi.from_buffer(bundles), n, stride, dtype_code(dtype), d, int(glu),
-                            ACT_CODES[act], ffi.NULL if idx is None else ffi.from_buffer(
-                                "int32_t[]", idx),
-                            ffi.NULL if ba is None else _fptr(ba),
-                            ffi.NULL if sel is None else ffi.from_buffer("int32_t[]", sel),
+    layer = ffi.new("fl_ffn_layer *", {
+        "bundles": ffi.from_buffer(bundles), "n": n, "stride": stride, "dtype": dtype_code(dtype),
+        "d": d, "glu": int(glu), "act": ACT_CODES[act],
+        "ids": ffi.NULL if idx is None else ffi.from_buffer("int32_t[]", idx),
+        "up_bias": ffi.NULL if ba is None else _fptr(ba)})
+    _check(k.fl_ffn_bundles(layer, ffi.NULL if sel is None else ffi.from_buffer("int32_t[]", sel),
                             0 if sel is None else sel.size, float(threshold),
                             _fptr(xa), xa.shape[0], _fptr(y), int(exact), _threads(n_threads)),
            "ffn_bundles")

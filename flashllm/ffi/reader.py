@@ -18,7 +18,7 @@ from typing import Tuple
 
 import numpy as np
 
-from flashllm.ffi._native import ffi, lib
+from flashllm.ffi.lib import check, ffi, native
 from flashllm.errors import KernelError
 
 ALIGN = 4096                  # page size of every direct read: offsets, sizes and buffers
@@ -59,15 +59,6 @@ def aligned_empty(nbytes: int) -> np.ndarray:
     return raw[start:start + nbytes]
 
 
-def check(status: int, what: str) -> None:
-    """KernelError naming `what` unless status is FL_OK."""
-    if status == lib.FL_OK:
-        return
-    names = {lib.FL_EINVAL: "invalid argument", lib.FL_ENOMEM: "out of memory",
-             lib.FL_EIO: "I/O error", lib.FL_ERANGE: "request outside the file"}
-    raise KernelError(f"{what}: {names.get(status, f'status {status}')}")
-
-
 def int64_array(values: np.ndarray, name: str, n: int) -> np.ndarray:
     """values as a contiguous (n,) int64 array for C; KernelError naming `name` otherwise."""
     arr = np.ascontiguousarray(values, dtype=np.int64)  # (n,)
@@ -79,6 +70,7 @@ def int64_array(values: np.ndarray, name: str, n: int) -> np.ndarray:
 def plan_reads(offsets: np.ndarray, lengths: np.ndarray, max_gap: int,
                max_run: int = DEFAULT_STAGE) -> Tuple[int, int, int]:
     """(reads, bytes read, gap bytes) that a Reader would issue for these requests."""
+    lib = native()
     n = len(offsets)
     offs, lens = int64_array(offsets, "offsets", n), int64_array(lengths, "lengths", n)  # (n,) (n,)
     out = ffi.new("int64_t[3]")
@@ -94,6 +86,7 @@ class Reader:
     def __init__(self, path: Path, n_threads: int = 8, direct: bool = True,
                  stage_bytes: int = DEFAULT_STAGE, ring: bool = True) -> None:
         """n_threads: reads in flight (io_uring) or pool threads; ring=False forces the pool."""
+        lib = native()
         self.path = Path(path)
         out = ffi.new("fl_reader **")
         flags = (lib.FL_READ_DIRECT if direct else 0) | (lib.FL_READ_RING if ring else 0)
@@ -120,6 +113,7 @@ class Reader:
         dst: a writable C-contiguous uint8 array (4096-aligned for in-place reads, see
         aligned_empty). max_gap < 0 disables merging; max_run <= 0 means the staging size.
         """
+        lib = native()
         n = len(offsets)
         offs, lens = int64_array(offsets, "offsets", n), int64_array(lengths, "lengths", n)  # (n,) (n,)
         douts = int64_array(dst_offsets, "dst_offsets", n)  # (n,)
@@ -158,11 +152,13 @@ class Reader:
         return self._h
 
     def stats(self) -> ReadStats:
+        lib = native()
         s = ffi.new("fl_reader_stats_t *")
         check(lib.fl_reader_stats(self._h, s), "reader stats")
         return read_stats(s)
 
     def reset_stats(self) -> None:
+        lib = native()
         check(lib.fl_reader_reset_stats(self._h), "reader stats reset")
 
     def close(self) -> None:

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from flashllm.errors import KernelError
-from flashllm.ffi._native import ffi, lib
-from flashllm.ffi.reader import Reader, check, int64_array, read_stats
+from flashllm.ffi.lib import check, ffi, native
+from flashllm.ffi.reader import Reader, int64_array, read_stats
 from flashllm.units import PAGE
 
 
@@ -83,12 +83,16 @@ class ReadAhead:
         self.buffers, self.schedule = buffers, list(entries)      # (n_buf, rows, stride)
         self._readers = list({id(e.reader): e.reader for e in entries}.values())  # kept alive
         self._arrays = self._pack(entries)
+        lib = self._lib = native()
         out = ffi.new("fl_readahead **")
         handles = ffi.new("fl_reader *[]", [r.handle for r in self._readers])
         types = ("int32_t[]",) + ("int64_t[]",) * 6
-        args = [ffi.from_buffer(t, a) for t, a in zip(types, self._arrays)]
+        names = ("reader_of", "first", "offsets", "lengths", "dst_offsets", "max_gap", "max_run")
+        schedule = ffi.new("fl_readahead_schedule *", {
+            "n_entries": len(entries),
+            **{n: ffi.from_buffer(t, a) for n, t, a in zip(names, types, self._arrays)}})
         flat = buffers.reshape(len(buffers), -1)                  # (n_buf, bytes)
-        status = lib.fl_readahead_open(handles, len(self._readers), *args, len(entries),
+        status = lib.fl_readahead_open(handles, len(self._readers), schedule,
                                        ffi.from_buffer("uint8_t[]", flat, require_writable=True),
                                        flat.shape[1], flat.shape[0], out)
         check(status, "opening the read-ahead")
@@ -114,8 +118,8 @@ class ReadAhead:
     def take(self, pos: int) -> tuple[np.ndarray, dict]:
         """(rows (n, stride) holding entries[pos % len], the read's counters and ring_idle_s:
         how long the reader had waited for a free buffer before it); waits for it."""
-        status = lib.fl_readahead_take(self._h, pos, self._k, self._delta, self._idle)
-        if status != lib.FL_OK:
+        status = self._lib.fl_readahead_take(self._h, pos, self._k, self._delta, self._idle)
+        if status != self._lib.FL_OK:
             check(status, f"read-ahead of schedule position {pos} ({self._readers[0].path.name} ...)")
         k, delta = int(self._k[0]), read_stats(self._delta)
         rows = self.buffers[k, :self.schedule[pos % len(self.schedule)].rows]   # (n, stride)
@@ -123,18 +127,19 @@ class ReadAhead:
 
     def release(self) -> None:
         """The buffer of the last take() may be read into again."""
-        check(lib.fl_readahead_release(self._h), "read-ahead release")
+        check(self._lib.fl_readahead_release(self._h), "read-ahead release")
 
     def stop(self) -> None:
         """Stop reading ahead (waits for the read in flight); what was read is dropped."""
         if self._h is not None:
-            check(lib.fl_readahead_stop(self._h), "read-ahead stop")
+            check(self._lib.fl_readahead_stop(self._h), "read-ahead stop")
 
     @property
     def running(self) -> bool:
         flag = ffi.new("int32_t *")
-        return self._h is not None and lib.fl_readahead_running(self._h, flag) == lib.FL_OK \
-            and bool(flag[0])
+        if self._h is None:
+            return False
+        return self._lib.fl_readahead_running(self._h, flag) == self._lib.FL_OK and bool(flag[0])
 
     def close(self) -> None:
         """Stop the thread and free it (idempotent); the read-ahead cannot be used after."""

@@ -108,9 +108,9 @@ static int readahead(fl_reader *a, fl_reader *b, const uint8_t *data) {
     }
     first[RA_ENTRIES] = 2 * RA_ENTRIES;
     uint8_t *buffers = aligned_alloc(4096, 3 * RA_BUF);
+    const fl_readahead_schedule sched = {RA_ENTRIES, reader_of, first, off, len, dst, gap, run};
     fl_readahead *ra = NULL;
-    if (!buffers || fl_readahead_open(readers, 2, reader_of, first, off, len, dst, gap, run,
-                                      RA_ENTRIES, buffers, RA_BUF, 3, &ra) != FL_OK)
+    if (!buffers || fl_readahead_open(readers, 2, &sched, buffers, RA_BUF, 3, &ra) != FL_OK)
         return fail("readahead open", 0);
     int bad = 0;
     int64_t order[] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 3, 4, 17, 18};   /* laps and jumps */
@@ -130,8 +130,7 @@ static int readahead(fl_reader *a, fl_reader *b, const uint8_t *data) {
     }
     fl_readahead_close(ra);                            /* a running ring: stops, then frees */
     off[3] = FILE_BYTES;                               /* entry 1 now reads past the end */
-    if (!bad && fl_readahead_open(readers, 2, reader_of, first, off, len, dst, gap, run,
-                                  RA_ENTRIES, buffers, RA_BUF, 3, &ra) == FL_OK) {
+    if (!bad && fl_readahead_open(readers, 2, &sched, buffers, RA_BUF, 3, &ra) == FL_OK) {
         int32_t k;
         fl_reader_stats_t d;
         double idle;
@@ -141,8 +140,8 @@ static int readahead(fl_reader *a, fl_reader *b, const uint8_t *data) {
         fl_readahead_close(ra);
     }
     dst[0] = RA_BUF - 1;                               /* a request that leaves its buffer */
-    if (!bad && fl_readahead_open(readers, 2, reader_of, first, off, len, dst, gap, run, RA_ENTRIES,
-                                  buffers, RA_BUF, 3, &ra) != FL_EINVAL) bad = fail("readahead check", 0);
+    if (!bad && fl_readahead_open(readers, 2, &sched, buffers, RA_BUF, 3, &ra) != FL_EINVAL)
+        bad = fail("readahead check", 0);
     free(buffers);
     return bad;
 }

@@ -6,7 +6,7 @@
 #include <stdio.h>
 #include <time.h>
 
-#include "simd.h"
+#include "compute_internal.h"
 
 typedef struct {
     atomic_llong sum, next;

@@ -11,7 +11,7 @@
 #include <stdlib.h>
 
 #include "flashllm.h"
-#include "simd.h"
+#include "compute_internal.h"
 
 #define NMAX 320
 

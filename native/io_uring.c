@@ -1,4 +1,4 @@
-/* io_ring.c — the reader's io_uring engine: one thread keeps up to `depth` reads in flight.
+/* io_uring.c — the reader's io_uring engine: one thread keeps up to `depth` reads in flight.
  *
  * The calling thread queues the batch's runs (in file order) into a raw io_uring (no liburing:
  * the three syscalls and the shared rings), each into a free staging slot or straight into the
@@ -32,7 +32,7 @@ typedef struct {
     int32_t staged;       /* buf is a staging slot: scatter when complete */
 } io_slot;
 
-struct io_ring {
+struct uring_engine {
     int ring_fd, file_fd;
     uint32_t depth;
     uint32_t *sq_head, *sq_tail, *sq_mask, *sq_array;
@@ -52,7 +52,7 @@ static int ring_enter(int fd, uint32_t to_submit, uint32_t min_complete) {
                         IORING_ENTER_GETEVENTS, NULL, 0);
 }
 
-static int32_t map_rings(io_ring *q, const struct io_uring_params *p) {
+static int32_t map_rings(uring_engine *q, const struct io_uring_params *p) {
     q->sq_len = p->sq_off.array + p->sq_entries * sizeof(uint32_t);
     q->cq_len = p->cq_off.cqes + p->cq_entries * sizeof(struct io_uring_cqe);
     if (p->features & IORING_FEAT_SINGLE_MMAP)
@@ -79,7 +79,7 @@ static int32_t map_rings(io_ring *q, const struct io_uring_params *p) {
     return FL_OK;
 }
 
-void io_ring_close(io_ring *q) {
+void uring_close(uring_engine *q) {
     if (!q) return;
     if (q->sqe_map) munmap(q->sqe_map, q->sqe_len);
     if (q->cq_map && q->cq_map != q->sq_map) munmap(q->cq_map, q->cq_len);
@@ -91,28 +91,28 @@ void io_ring_close(io_ring *q) {
     free(q);
 }
 
-int32_t io_ring_open(int file_fd, int32_t depth, io_ring **out) {
+int32_t uring_open(int file_fd, int32_t depth, uring_engine **out) {
     *out = NULL;
-    io_ring *q = calloc(1, sizeof *q);
+    uring_engine *q = calloc(1, sizeof *q);
     if (!q) return FL_ENOMEM;
     q->file_fd = file_fd;
     q->depth = (uint32_t)depth;
     struct io_uring_params p;
     memset(&p, 0, sizeof p);
     q->ring_fd = (int)syscall(__NR_io_uring_setup, (unsigned)depth, &p);
-    if (q->ring_fd < 0) { io_ring_close(q); return FL_EUNSUPPORTED; }
+    if (q->ring_fd < 0) { uring_close(q); return FL_EUNSUPPORTED; }
     q->cap = SLOTS_PER_DEPTH * depth;
     q->slots = calloc((size_t)q->cap, sizeof *q->slots);
     q->free_slots = calloc((size_t)q->cap, sizeof *q->free_slots);
     q->ready = calloc((size_t)q->cap, sizeof *q->ready);
     int32_t status = q->slots && q->free_slots && q->ready ? map_rings(q, &p) : FL_ENOMEM;
-    if (status != FL_OK) { io_ring_close(q); return status; }
+    if (status != FL_OK) { uring_close(q); return status; }
     *out = q;
     return FL_OK;
 }
 
 /* Queue the rest of slot s's run (not yet submitted). */
-static void queue_read(io_ring *q, const io_job *job, int32_t s) {
+static void queue_read(uring_engine *q, const io_job *job, int32_t s) {
     const io_slot *slot = &q->slots[s];
     const io_run *run = &job->runs[slot->run];
     uint32_t tail = *q->sq_tail, idx = tail & *q->sq_mask;
@@ -130,7 +130,7 @@ static void queue_read(io_ring *q, const io_job *job, int32_t s) {
 
 /* A completion of slot s with result res: 1 when its run is finished (read or failed), 0 when
  * the rest was resubmitted. */
-static int complete(io_ring *q, io_job *job, int32_t s, int32_t res, int64_t file_size) {
+static int complete(uring_engine *q, io_job *job, int32_t s, int32_t res, int64_t file_size) {
     io_slot *slot = &q->slots[s];
     const io_run *run = &job->runs[slot->run];
     if (res == -EINTR || res == -EAGAIN) { queue_read(q, job, s); return 0; }
@@ -154,7 +154,7 @@ typedef struct {
 } io_batch;
 
 /* Queue the next runs while fewer than depth reads are in flight and a slot is free. */
-static void fill(io_ring *q, io_job *job, io_batch *b) {
+static void fill(uring_engine *q, io_job *job, io_batch *b) {
     while (b->live < q->depth && b->n_free > 0 && b->next < job->n_runs &&
            atomic_load(&job->status) == FL_OK) {
         int32_t s = q->free_slots[--b->n_free];
@@ -168,7 +168,7 @@ static void fill(io_ring *q, io_job *job, io_batch *b) {
 }
 
 /* Take every completion off the CQ ring: finished staged runs go to the ready stack. */
-static void reap(io_ring *q, io_job *job, io_batch *b, int64_t file_size) {
+static void reap(uring_engine *q, io_job *job, io_batch *b, int64_t file_size) {
     uint32_t head = *q->cq_head, tail = __atomic_load_n(q->cq_tail, __ATOMIC_ACQUIRE);
     for (; head != tail; head++) {
         const struct io_uring_cqe *cqe = &q->cqes[head & *q->cq_mask];
@@ -188,7 +188,7 @@ static int64_t largest_run(const io_job *job) {
     return most;
 }
 
-int32_t io_ring_read(io_ring *q, io_job *job, uint8_t *arena, int64_t arena_bytes,
+int32_t uring_read(uring_engine *q, io_job *job, uint8_t *arena, int64_t arena_bytes,
                      int64_t file_size) {
     io_batch b = {.arena = arena, .slot_bytes = largest_run(job)};
     int64_t n_slots = arena_bytes / b.slot_bytes;

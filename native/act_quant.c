@@ -1,4 +1,4 @@
-/* xq.c — a token's int8 activations for qdot.c / qgemm.c / q4k.c (the fli_xq_bytes layout).
+/* act_quant.c — a token's int8 activations for qdot.c / qgemm.c / q4k.c (the fli_xq_bytes layout).
  *
  * Per block b of 32 values: q[32] = nearest-even(x * (1/d)), d = amax / 127 (f32, so x = d * q up
  * to d/2 per value), as ggml's q8_0; for q4_k weights one d per 256-value superblock (the amax of
@@ -12,7 +12,7 @@
 #include <math.h>
 
 #include "flashllm.h"
-#include "simd.h"
+#include "compute_internal.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>

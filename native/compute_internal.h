@@ -1,4 +1,4 @@
-/* simd.h — internal helpers of the compute kernel (not part of the public API, not seen by cffi).
+/* compute_internal.h — internal helpers of the compute kernel (not part of the public API, not seen by cffi).
  *
  * fp16 <-> fp32 conversion (F16C when the build has it, otherwise exact bit manipulation with
  * round-to-nearest-even, as in ggml) and the per-row vector kernels of vec.c, which dispatch on
@@ -204,7 +204,7 @@ void fli_down_f32(const float *h, int64_t ldh, const float *down, int64_t K, int
 
 /* ---- qdot.c: int8 activations against q4_0 / q4_1 / q8_0 / q4_k weights (n a multiple of 32) ---------- */
 
-/* Bytes of one token's quantized activations (xq.c): int8 q (n), then per block FL_XQ_LANES f32
+/* Bytes of one token's quantized activations (act_quant.c): int8 q (n), then per block FL_XQ_LANES f32
  * copies of its scale, FL_XQ_LANES int32 (a correction in lane 0, zeros) and FL_XQ_LANES f32
  * (d * sum(q) in lane 0, zeros: q4_1's msum), then int16 sum(q) per block (q4_k only; 16 bytes
  * per 8 blocks), the vector layout of qdot.c.
