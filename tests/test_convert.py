@@ -62,15 +62,41 @@ def test_an_exception_mid_write_leaves_nothing(tmp_path, source, call, exc):
 
 
 def test_existing_output_is_kept_without_force_and_replaced_with_it(tmp_path, source):
-    out = tmp_path / "m"
-    out.mkdir()
-    (out / "keep").write_text("mine")
+    out = convert_source(source, tmp_path / "m", "q8_0")
     with pytest.raises(FormatError, match="already exists"):
         convert_source(source, out, "f16")
-    assert [p.name for p in out.iterdir()] == ["keep"]
+    assert open_flash(out).dtype == "q8_0"
     convert_source(source, out, "f16", force=True)
-    assert open_flash(out).dtype == "f16" and not (out / "keep").exists()
+    assert open_flash(out).dtype == "f16"
     assert [p.name for p in tmp_path.iterdir()] == ["m"]
+
+
+@pytest.mark.parametrize("kind", ["folder", "file", "link"])
+def test_force_never_replaces_what_is_not_a_flash_model(tmp_path, source, kind):
+    out = tmp_path / "d"
+    if kind == "folder":
+        out.mkdir()
+        (out / "keep").write_text("mine")
+    elif kind == "file":
+        out.write_text("mine")
+    else:
+        (tmp_path / "target").mkdir()
+        out.symlink_to(tmp_path / "target")
+    with pytest.raises(FormatError, match="is not a flash model folder"):
+        convert_source(source, out, "f16", force=True)
+    if kind == "folder":
+        assert (out / "keep").read_text() == "mine" and len(list(out.iterdir())) == 1
+    elif kind == "file":
+        assert out.read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["d"] + (["target"] if kind == "link" else []))
+
+
+def test_force_never_replaces_the_source_or_its_folder(tmp_path):
+    src = write_hf_llama(tmp_path / "hf")
+    for out in (src, src.parent):
+        code, out_text, err = _cli([src, "-o", out, "--force", "--dtype", "f32"])
+        assert code == 1 and "holds the source" in err, err
+    assert (src / "config.json").is_file() and any(src.glob("*.safetensors"))
 
 
 def test_a_source_missing_a_tensor_is_refused_before_writing(tmp_path, source):

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
 import sys
 import zipfile
 from dataclasses import replace
@@ -285,3 +287,26 @@ def test_run_by_name_pulls_and_converts_smollm2_once(tmp_path):
     logs = []
     assert resolve_model("smollm2-135m", tmp_path, MODELS_TOML, logs.append) == out
     assert logs == []  # neither fetched nor converted again
+
+
+@pytest.mark.realmodel
+def test_two_runs_on_a_fresh_cache_convert_once_and_both_succeed(tmp_path):
+    from conftest import gguf_path
+    cache = tmp_path / "cache"
+    (cache / "models").mkdir(parents=True)
+    src = gguf_path("smollm2-135m")
+    for name in (src.name, src.name + ".verified"):         # the pulled file, as pull leaves it
+        if (src.parent / name).exists():
+            os.link(src.parent / name, cache / "models" / name)
+    env = {**os.environ, "FLASHLLM_CACHE": str(cache)}
+    cmd = [sys.executable, "-m", "flashllm", "run", "smollm2-135m", "-p", "The sky is", "-n", "4",
+           "--temp", "0", "--no-timings"]
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [e for _, e in outs]
+    assert outs[0][0] == outs[1][0] and outs[0][0].strip()
+    converting = [e.count("converting to") for _, e in outs]
+    assert sorted(converting) == [0, 1]                      # one converted, the other waited
+    assert sorted(p.name for p in (cache / "converted").iterdir()) == \
+        [".smollm2-135m-q8_0.lock", "smollm2-135m-q8_0"]

@@ -32,10 +32,12 @@ def convert(src: Path, out: Path, dtype: str, force: bool = False,
             progress: ProgressFn | None = None) -> Path:
     """Convert the checkpoint at src (HF folder or GGUF file) into the flash model folder out.
     progress(done, total) is called after every tensor, counting the source's f32 bytes."""
-    src = Path(src)
+    src, out = Path(src), Path(out)
+    if out.exists() and (out.resolve() == src.resolve() or out.resolve() in src.resolve().parents):
+        raise FlashError(f"{out} holds the source {src}: the output must be another folder")
     source = open_source(src)
     try:
-        return convert_source(source, Path(out), dtype, force=force, progress=progress,
+        return convert_source(source, out, dtype, force=force, progress=progress,
                               description={"path": str(src.resolve()), "name": src.name})
     finally:
         source.close()

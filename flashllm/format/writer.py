@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from flashllm import __version__
+from flashllm.format.reader import FlashModel
 from flashllm.format.layout import (DENSE_ALIGN, DENSE_FILE, DENSE_HEADER, DENSE_MAGIC, DTYPE_CODES,
                             FFN_ALIGN, FFN_FILE, FFN_HEADER, FFN_MAGIC, FORMAT_VERSION, MAGIC,
                             MANIFEST_FILE, ORDER_FILE, TOKENIZER_FILE, align_up, crc32_array,
@@ -257,8 +258,20 @@ class FlashWriter:
         self.state = WriterState.ABORTED
 
     def _check_target(self) -> None:
-        if (self.out.exists() or self.out.is_symlink()) and not self.force:
+        """An existing output may only be a flash model folder, and is replaced only with force:
+        a file, a link or any other folder is never deleted."""
+        if not (self.out.exists() or self.out.is_symlink()):
+            return
+        if not self.force:
             raise FormatError(f"{self.out} already exists (use --force to replace it)")
+        if self.out.is_symlink() or not self.out.is_dir():
+            raise FormatError(f"{self.out} is not a flash model folder: --force replaces only a "
+                              "converted model, never a file")
+        try:
+            FlashModel(self.out)
+        except FormatError as e:
+            raise FormatError(f"{self.out} is not a flash model folder, so --force will not "
+                              f"replace it ({e}); choose another output") from None
 
     def _require(self, *states: WriterState, what: str) -> None:
         if self.state not in states:
