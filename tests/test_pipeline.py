@@ -59,7 +59,8 @@ def test_head_c_1_ends_quietly(model):
 
 @pytest.mark.parametrize("args, code, message", [
     ("run /nonexistent/model -p hi", 1, "error: no such model"),
-    ("run {model} -p hi --top-p 7", 1, "error: top_p=7.0 must be in (0, 1]"),
+    ("run {model} -p hi --top-p 7", 2, "Invalid value for '--top-p'"),
+    ("run {model} -p hi --top-p 0", 1, "error: top_p=0.0 must be in (0, 1]"),
     ("run {model} --bogus-option", 2, "No such option"),
     ("inspect", 2, "Missing argument"),
 ])

@@ -19,13 +19,28 @@ import typer
 from platformdirs import user_cache_dir
 from rich.console import Console
 
+from flashllm import __version__
 from flashllm.errors import FlashError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  rich_markup_mode=None,
                   help="Run language models larger than DRAM: FFN neurons stream from flash.")
 err = Console(stderr=True, highlight=False)
 
+
+def _version(show: bool) -> None:
+    if show:
+        print(f"flashllm {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _options(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                          help="Print the version and exit.")) -> None:
+    """Run language models larger than DRAM: FFN neurons stream from flash."""
+
 DEFAULT_THREADS = min(os.cpu_count() or 1, 8)
+MAX_THREADS = 256          # the C reader's limit, and far past any useful compute thread count
 
 
 def choice(name: str, values) -> type[enum.Enum]:

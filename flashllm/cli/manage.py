@@ -7,7 +7,7 @@ from typing import List
 import typer
 from rich.console import Console
 
-from flashllm.cli.app import choice, cache_dir, command, err, fail, registry_path
+from flashllm.cli.app import cache_dir, choice, command, err, fail, model_path, registry_path
 from flashllm.model.tensor import DTYPES
 
 Dtype = choice("Dtype", DTYPES)
@@ -53,7 +53,7 @@ def models(as_json: bool = typer.Option(False, "--json", help="Print the list as
 
 @command
 def inspect(
-    path: Path = typer.Argument(..., help="A converted model folder."),
+    model: str = typer.Argument(..., help="Converted model folder, or a models.toml name."),
     verify: bool = typer.Option(False, "--verify", help="Also check every checksum."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
@@ -61,7 +61,7 @@ def inspect(
     import json
     from flashllm.format.reader import open_flash
     from flashllm.cli.views import flash_summary, summary_table
-    summary = flash_summary(open_flash(path), verify=verify)
+    summary = flash_summary(open_flash(model_path(model)), verify=verify)
     if as_json:
         print(json.dumps(summary, indent=1))
     else:
@@ -73,7 +73,7 @@ def profile(
     path: Path = typer.Argument(Path("."), help="A folder on the device to measure (a scratch "
                                 "file is written there), or an existing file to read."),
     size: str = typer.Option("2GiB", "--size", help="Scratch file size."),
-    seconds: float = typer.Option(30.0, "--seconds", help="Total measuring time."),
+    seconds: float = typer.Option(30.0, "--seconds", min=1.0, help="Total measuring time."),
     as_json: bool = typer.Option(False, "--json", help="Print the profile as JSON."),
 ) -> None:
     """Measure the device's direct-I/O read throughput and save it for `run` to plan reads."""

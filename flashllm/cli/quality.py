@@ -9,7 +9,8 @@ import typer
 from flashllm.sparsity.activations import CRITERIA
 from flashllm.sparsity.corpus import KINDS as CORPORA
 from flashllm.sparsity.predictor import KINDS as PREDICTOR_KINDS
-from flashllm.cli.app import choice, DEFAULT_THREADS, model_path, command, err, fail
+from flashllm.cli.app import (DEFAULT_THREADS, MAX_THREADS, choice, command, err, fail,
+                              model_path)
 
 Corpus = choice("Corpus", CORPORA)
 Criterion = choice("Criterion", CRITERIA)
@@ -27,12 +28,13 @@ def perplexity(
     model: str = typer.Argument(..., help="Converted model folder, or a models.toml name."),
     file: Optional[Path] = typer.Argument(None, help="Text file (default: the held-out evaluation "
                                           "text from the Python standard library)."),
-    ctx: int = typer.Option(512, "--ctx", help="Tokens per chunk (the context of each pass)."),
+    ctx: int = typer.Option(512, "--ctx", min=2, help="Tokens per chunk (the context of each pass)."),
     chunks: Optional[int] = typer.Option(None, "--chunks", min=1, help="Chunks to score (default: all)."),
     sparsity: Optional[float] = typer.Option(None, "--sparsity", help="Drop FFN terms below the "
                                              "thresholds for this sparsity (0..1)."),
     corpus: Corpus = typer.Option("code", "--corpus", help="Shipped text: code or prose."),
-    threads: int = typer.Option(DEFAULT_THREADS, "-t", "--threads", help="Compute threads."),
+    threads: int = typer.Option(DEFAULT_THREADS, "-t", "--threads", min=1, max=MAX_THREADS,
+                               help="Compute threads."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Perplexity by llama.cpp's definition (second half of each chunk), dense or sparse."""
@@ -72,14 +74,15 @@ def calibrate(
                                         "Python standard-library sources)."),
     sparsity: float = typer.Option(0.5, "--sparsity", help="Target fraction of inactive FFN neurons."),
     tokens: int = typer.Option(2048, "--tokens", min=1, help="Calibration tokens."),
-    ctx: int = typer.Option(512, "--ctx", help="Tokens per pass."),
+    ctx: int = typer.Option(512, "--ctx", min=1, help="Tokens per pass."),
     corpus: Corpus = typer.Option("code", "--corpus", help="Shipped text: code or prose."),
     criterion: Optional[Criterion] = typer.Option(None, "--criterion", help="glu_product (GLU default), "
                                             "gate (CATS), relu, magnitude."),
     reorder: bool = typer.Option(True, "--reorder/--no-reorder", help="Rewrite the FFN hot-first."),
     predictor: PredictorKind = typer.Option("default", "--predictor", help="Predictor to train: default "
                                   "(gate_up for GLU models, lowrank otherwise), a kind, or none."),
-    threads: int = typer.Option(DEFAULT_THREADS, "-t", "--threads", help="Compute threads."),
+    threads: int = typer.Option(DEFAULT_THREADS, "-t", "--threads", min=1, max=MAX_THREADS,
+                               help="Compute threads."),
 ) -> None:
     """Per-layer sparsity thresholds, neuron frequencies, hot-first FFN rewrite, predictor."""
     from flashllm.format.reader import open_flash

@@ -13,7 +13,8 @@ from typing import Optional
 import typer
 
 from flashllm.runtime.assemble import PREDICTOR_MODES
-from flashllm.cli.app import choice, DEFAULT_THREADS, model_path, cache_dir, command, err, fail
+from flashllm.cli.app import (DEFAULT_THREADS, MAX_THREADS, cache_dir, choice, command, err, fail,
+                              model_path)
 
 PredictorMode = choice("PredictorMode", PREDICTOR_MODES)
 
@@ -23,29 +24,30 @@ def run(
     model: str = typer.Argument(..., help="Converted model folder, or a models.toml name."),
     prompt: Optional[str] = typer.Option(None, "-p", "--prompt", help="Prompt text; '-' reads stdin."),
     file: Optional[Path] = typer.Option(None, "-f", "--file", help="Read the prompt from a file."),
-    n_predict: int = typer.Option(128, "-n", "--n-predict", help="Tokens to generate."),
-    ctx_size: int = typer.Option(2048, "-c", "--ctx-size", help="Context length (KV cache size; a "
+    n_predict: int = typer.Option(128, "-n", "--n-predict", min=1, help="Tokens to generate."),
+    ctx_size: int = typer.Option(2048, "-c", "--ctx-size", min=1, help="Context length (KV cache size; a "
                                  "one-shot prompt needs only its tokens + -n)."),
-    threads: int = typer.Option(DEFAULT_THREADS, "-t", "--threads", help="Compute threads."),
-    temp: float = typer.Option(0.8, "--temp", help="Temperature; 0 is greedy."),
-    top_k: int = typer.Option(40, "--top-k", help="Keep the k most likely tokens; 0 disables."),
-    top_p: float = typer.Option(0.95, "--top-p", help="Nucleus sampling mass; 1 disables."),
-    min_p: float = typer.Option(0.05, "--min-p", help="Drop tokens below min_p × the top probability."),
-    repeat_penalty: float = typer.Option(1.0, "--repeat-penalty", help="Penalty on recent tokens; 1 disables."),
-    repeat_last_n: int = typer.Option(64, "--repeat-last-n", help="How many recent tokens the penalty sees."),
+    threads: int = typer.Option(DEFAULT_THREADS, "-t", "--threads", min=1, max=MAX_THREADS,
+                               help="Compute threads."),
+    temp: float = typer.Option(0.8, "--temp", min=0.0, help="Temperature; 0 is greedy."),
+    top_k: int = typer.Option(40, "--top-k", min=0, help="Keep the k most likely tokens; 0 disables."),
+    top_p: float = typer.Option(0.95, "--top-p", min=0.0, max=1.0, help="Nucleus sampling mass; 1 disables."),
+    min_p: float = typer.Option(0.05, "--min-p", min=0.0, max=1.0, help="Drop tokens below min_p × the top probability."),
+    repeat_penalty: float = typer.Option(1.0, "--repeat-penalty", min=0.0, help="Penalty on recent tokens; 1 disables."),
+    repeat_last_n: int = typer.Option(64, "--repeat-last-n", min=0, help="How many recent tokens the penalty sees."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed (default: random)."),
     no_timings: bool = typer.Option(False, "--no-timings", help="Do not print the timings line."),
     dram_budget: Optional[str] = typer.Option(
         None, "--dram-budget", help="Stream the FFN from flash within this DRAM: 1.5GiB, 560MiB, "
         "or 50% of the converted model (default: everything in DRAM)."),
     window: Optional[int] = typer.Option(
-        None, "--window", help="Keep the neurons of the last K tokens cached (default 4; 2 for GLU)."),
+        None, "--window", min=1, help="Keep the neurons of the last K tokens cached (default 4; 2 for GLU)."),
     naive: bool = typer.Option(False, "--naive", help="Read every FFN bundle every token (baseline)."),
     dense: bool = typer.Option(False, "--dense", help="Every FFN bundle in DRAM (the default)."),
     predictor: PredictorMode = typer.Option("auto", "--predictor", help="With --dram-budget: use the model's "
                                   "predictor (from calibrate): auto (when it is expected to make "
                                   "tokens faster within the budget), on, or off."),
-    draft: int = typer.Option(0, "--draft", help="Speculative decoding: check up to N tokens "
+    draft: int = typer.Option(0, "--draft", min=0, help="Speculative decoding: check up to N tokens "
                               "guessed from the context in each pass (prompt lookup; as many as "
                               "pay, learned while running; 0: off). Tokens are drawn from the "
                               "same distributions; pays where the answer repeats the context."),
