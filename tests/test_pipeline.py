@@ -123,3 +123,15 @@ def test_real_smollm2_pipeline_word_count():
     assert statuses(proc) == [0, 0, 0] and 1 <= int(proc.stdout) <= 8
     head = sh(f"echo 'Once upon a time' | {FLASHLLM} run {path} -n 8 -t 2 | head -c 1", timeout=600)
     assert statuses(head) == [0, 0, 0] and len(head.stdout) == 1 and "Traceback" not in head.stderr
+
+
+@pytest.mark.parametrize("feed", ["printf 'hello caf\\xe9\\n' | {f} run {m} -n 3 --temp 0",
+                                  "printf 'hello caf\\xe9\\n' | {f} run {m} -p - -n 3 --temp 0",
+                                  "{f} run {m} -n 3 --temp 0 -p \"$(printf 'hello caf\\xe9')\"",
+                                  "printf 'hello caf\\xe9\\n' > p.txt; {f} run {m} -f p.txt -n 3 --temp 0",
+                                  "printf 'caf\\xe9 hello\\nhello there\\n' | {f} run {m} -i -n 3 --temp 0"])
+def test_invalid_utf8_prompts_are_replaced_with_a_warning(model, tmp_path, feed):
+    proc = sh(f"cd {shlex.quote(str(tmp_path))}; " + feed.format(f=FLASHLLM, m=model))
+    assert set(statuses(proc)) == {0} and "Traceback" not in proc.stderr, proc.stderr
+    assert "is not valid UTF-8: 1 invalid byte sequence(s) replaced with U+FFFD" in proc.stderr
+    assert proc.stdout.strip()

@@ -171,14 +171,26 @@ def _read_prompt(prompt: Optional[str], file: Optional[Path]) -> str:
         fail("give the prompt with -p or -f, not both")
     if file is not None:
         try:
-            return file.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            fail(f"cannot read prompt file {file}: {e}")
+            return _utf8(file.read_bytes(), f"prompt file {file}")
+        except OSError as e:
+            fail(f"cannot read prompt file {file}: {e.strerror or e}")
     if prompt == "-" or (prompt is None and not sys.stdin.isatty()):
-        return sys.stdin.read()
+        return _utf8(sys.stdin.buffer.read(), "the prompt on stdin")
     if prompt is None:
         fail("no prompt: give -p TEXT, -f FILE, or pipe text to stdin")
-    return prompt
+    return _utf8(prompt, "the -p prompt")
+
+
+def _utf8(raw, what: str) -> str:
+    """raw (bytes, or a str whose undecodable bytes Python kept as surrogates: argv, a TTY) as
+    UTF-8 text; bytes that are not UTF-8 become U+FFFD, with one warning line on stderr."""
+    data = raw.encode("utf-8", "surrogateescape") if isinstance(raw, str) else raw
+    text = data.decode("utf-8", "replace")
+    bad = text.count("\ufffd") - data.count("\ufffd".encode())
+    if bad:
+        err.print(f"warning: {what} is not valid UTF-8: {bad} invalid byte sequence(s) replaced "
+                  "with U+FFFD", markup=False, soft_wrap=True)
+    return text
 
 
 def _chat(flash, net, tok, sampler, system: Optional[str], template_file: Optional[Path],
@@ -208,7 +220,7 @@ def _chat(flash, net, tok, sampler, system: Optional[str], template_file: Option
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    io = ReplIO(read=input if tty else _read_line, write=write,
+    io = ReplIO(read=_read_tty if tty else _read_line, write=write,
                 note=lambda m: err.print(m, markup=False, soft_wrap=True), color=color)
     err.print(f"chat template: {origin}; context {net.n_ctx} tokens", markup=False)
     with line_editing(cache_dir() / "chat_history" if tty else None):
@@ -220,10 +232,15 @@ def _chat(flash, net, tok, sampler, system: Optional[str], template_file: Option
 
 def _read_line(prompt: str) -> str:
     """input() for a non-TTY stdin: no prompt echo (stdout carries answers only)."""
-    line = sys.stdin.readline()
+    line = sys.stdin.buffer.readline()
     if not line:
         raise EOFError
-    return line
+    return _utf8(line, "this message")
+
+
+def _read_tty(prompt: str) -> str:
+    """input() on a terminal, its bytes made valid UTF-8."""
+    return _utf8(input(prompt), "this message")
 
 
 def _stats_json(stats, flash: Optional[dict] = None) -> str:
