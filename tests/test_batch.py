@@ -130,3 +130,34 @@ def test_ctrl_c_during_convert_jobs_leaves_nothing(tmp_path, whom):
     stderr = proc.communicate(timeout=120)[1]
     assert proc.returncode == 130 and stderr.rstrip().endswith("interrupted") and "Traceback" not in stderr
     assert list(out.iterdir()) == []
+
+
+@pytest.mark.realmodel
+def test_sigterm_during_convert_leaves_nothing(tmp_path):
+    import signal
+    import time
+    from conftest import gguf_path
+    out = tmp_path / "q05"
+    proc = subprocess.Popen([sys.executable, "-m", "flashllm", "convert", str(gguf_path("qwen2.5-coder-0.5b")),
+                             "-o", str(out)], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not any(p.name.startswith(".q05.tmp-") for p in tmp_path.iterdir()):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)                                    # `timeout`, `kill`
+    stderr = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 143 and stderr.rstrip().endswith("terminated") and "Traceback" not in stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_later_convert_sweeps_what_killed_ones_left(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()          # a finished pid
+    for name in (f".m.tmp-{dead}", f".m.old-{dead}", f".m.tmp-{os.getpid()}x", ".other.tmp-1"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "ffn.bin").write_bytes(b"x" * 100)
+    src = write_hf_llama(tmp_path / "src")
+    assert flashllm("convert", src, "-o", tmp_path / "m", "--dtype", "f32").returncode == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["src", "m", f".m.tmp-{os.getpid()}x", ".other.tmp-1"])       # only the dead writers' of m

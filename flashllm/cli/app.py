@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import functools
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -75,10 +76,24 @@ def command(fn):
         except BrokenPipeError:
             _silence_stdout()
             raise typer.Exit(0) from None
-        except KeyboardInterrupt:
-            err.print("interrupted", markup=False)
-            raise typer.Exit(130) from None
+        except KeyboardInterrupt as e:
+            raise typer.Exit(_interrupted(e)) from None
     return app.command()(wrapper)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the program is, so the same cleanup as Ctrl-C runs."""
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated()
+
+
+def _interrupted(e: KeyboardInterrupt) -> int:
+    """One line for Ctrl-C or SIGTERM; the shell's exit code for it (130, 143)."""
+    term = isinstance(e, Terminated)
+    err.print("terminated" if term else "interrupted", markup=False)
+    return 128 + (signal.SIGTERM if term else signal.SIGINT)
 
 
 def _silence_stdout() -> None:
@@ -100,7 +115,9 @@ def model_path(model: str) -> Path:
 
 
 def main() -> None:
-    """Console entry point: domain errors become one line and exit code 1."""
+    """Console entry point: domain errors become one line and exit code 1; SIGTERM is handled
+    as Ctrl-C is (temporary files removed), with exit code 143."""
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         app()
     except FlashError as e:
@@ -110,7 +127,5 @@ def main() -> None:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         sys.exit(0)
-    except KeyboardInterrupt:
-        err.print("interrupted", markup=False)
-        sys.exit(130)
-
+    except KeyboardInterrupt as e:
+        sys.exit(_interrupted(e))

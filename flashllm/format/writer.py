@@ -61,6 +61,7 @@ class FlashWriter:
         try:
             if not self.out.parent.exists():
                 self.out.parent.mkdir(parents=True)              # like mkdir -p
+            _sweep_leftovers(self.out)
             if self.tmp.exists():
                 shutil.rmtree(self.tmp)
             self.tmp.mkdir()
@@ -284,6 +285,26 @@ class FlashWriter:
             action(f)
         except OSError as e:
             raise FormatError(f"cannot write {f.name}: {_why(e)}") from None
+
+
+def _sweep_leftovers(out: Path) -> None:
+    """Remove the temporary folders (.NAME.tmp-PID, .NAME.old-PID) that writers of out left when
+    they were killed: those whose process is gone."""
+    for p in out.parent.glob(f".{out.name}.*-*"):
+        kind, _, pid = p.name[len(out.name) + 2:].partition("-")
+        if kind not in ("tmp", "old") or not pid.isdigit() or _alive(int(pid)):
+            continue
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:        # someone else's process
+        return True
+    return True
 
 
 def _part_rows(layer: int, w, dtype: str, order) -> np.ndarray:
