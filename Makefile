@@ -4,13 +4,21 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 TORCH   := torch==2.13.0
 
-.PHONY: setup native demo test test-all clean
+.PHONY: setup setup-test native demo test test-all clean clean-cache
 
-## setup: a local virtual environment with flashllm (C kernel built by the install) and the test references
+## setup: a local virtual environment with flashllm (the C kernel is built by the install): all `run` needs
 setup: $(BIN)/flashllm
 
 $(BIN)/flashllm: pyproject.toml setup.py native/build_ffi.py
 	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q -e .
+	@touch $@
+
+## setup-test: what the tests add: pytest, hypothesis, pexpect and the references they compare against
+## (transformers on the CPU build of torch, ~1 GB)
+setup-test: $(VENV)/test-stamp
+
+$(VENV)/test-stamp: $(BIN)/flashllm
 	$(BIN)/pip install -q $(TORCH)   # the CPU wheel from local disk; must come before transformers
 	$(BIN)/pip install -q -e '.[dev,ref]'
 	@touch $@
@@ -23,13 +31,19 @@ native:
 demo: setup
 	$(BIN)/flashllm run smollm2-135m -p "The three primary colors are" -n 48 --temp 0
 
-## test: the test suite (real models are fetched once into the user cache)
-test: setup
+## test: the test suite. Real models are fetched and converted once into the user cache (~5 GB;
+## `make clean-cache` removes them)
+test: setup-test
 	$(BIN)/pytest -q
 
 ## test-all: including the slow tests
-test-all: setup
+test-all: setup-test
 	$(BIN)/pytest -q -m ''
+
+## clean-cache: remove the models and conversions that `run NAME` and the tests keep in the user cache
+clean-cache: setup
+	$(BIN)/python -c "import shutil; from flashllm.cli.app import cache_dir; d = cache_dir(); \
+	print('removing', d); shutil.rmtree(d, ignore_errors=True)"
 
 clean:
 	rm -rf build *.egg-info flashllm/ffi/_native*.so flashllm/ffi/_native.c .pytest_cache
@@ -63,14 +77,14 @@ test-asan:
 .PHONY: fuzz
 FUZZ_EXAMPLES ?= 1200
 ## fuzz: every file reader under hypothesis with random seeds, FUZZ_EXAMPLES cases per target (≥ 10,000 in all); counts in build/fuzz.json
-fuzz: setup
+fuzz: setup-test
 	@mkdir -p build
 	FLASHLLM_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) FLASHLLM_FUZZ_REPORT=build/fuzz.json \
 	  $(BIN)/pytest -q -s -p no:cacheprovider tests/test_fuzz.py
 
 .PHONY: bench
 ## bench: docs/DESIGN.md's benchmark protocol into BENCHMARKS.md: dense decode and flash inference under cgroup memory caps (root), next to llama.cpp (llama-cpp-python in the venv); QUICK=1: SmolLM2 only, short
-bench: setup $(BIN)/llama-cpp-stamp
+bench: setup-test $(BIN)/llama-cpp-stamp
 	$(BIN)/python -m scripts.bench.bench $(if $(QUICK),--quick)
 
 # llama.cpp, the benchmark's peer: built from source (~8 min on 2 cores) for the CPU it runs on, with

@@ -87,3 +87,9 @@ def real_model():
         return loaded[name, dtype]
 
     return load
+
+
+def pytest_report_header(config) -> str:
+    from flashllm.cli.app import cache_dir
+    return (f"flashllm: real models are fetched and converted once into {cache_dir()} "
+            "(several GB; `make clean-cache` removes them)")

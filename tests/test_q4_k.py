@@ -167,9 +167,10 @@ def test_kernels_on_every_instruction_set(isa, bundle_case, tmp_path):
         for exact in (0, 1):
             xr = x.astype(np.float64) if exact else int8_x(x)
             y = np.zeros((T, D), np.float32)
-            assert lib.fl_ffn_bundles(ffi.from_buffer(bundles), FF, bundles.shape[1], 5, D, 1, 0,
-                                      ffi.NULL, ffi.NULL, ffi.NULL, 0, 0.0, f32(x), T, f32(y),
-                                      exact, 2) == 0
+            layer = ffi.new("fl_ffn_layer *", {"bundles": ffi.from_buffer(bundles), "n": FF,
+                                               "stride": bundles.shape[1], "dtype": 5, "d": D,
+                                               "glu": 1, "act": 0})
+            assert lib.fl_ffn_bundles(layer, ffi.NULL, 0, 0.0, f32(x), T, f32(y), exact, 2) == 0
             ref = ffn_ref(xr, g, u, dn)
             assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max(), (isa, T, exact)
             y = np.zeros((T, FF), np.float32)
