@@ -1,7 +1,8 @@
 """llama.cpp's dense speed on a GGUF file: the peer row of flashllm's benchmark table.
 
 Run:  python -m scripts.bench.llamacpp [--model GGUF]   (default: the user cache's smollm2-135m.gguf)
-Measures, with llama-cpp-python (mmap, use_extra_bufts off, 2 threads), the median of --reps runs:
+Measures, with llama-cpp-python (mmap, use_extra_bufts off, or --repack: its default of weights
+repacked into anonymous memory; 2 threads), the median of --reps runs:
   pp64   prefill tokens/s: one batch of a 64-token prompt
   tg128  decode tokens/s: 128 tokens, one at a time, after that 64-token prompt
 The prompt is 64 fixed token ids (no tokenizer involved), so runs are comparable across models.
@@ -30,14 +31,16 @@ N_PROMPT = 64
 N_GEN = 128
 
 
-def load(path: Path, threads: int, n_ctx: int):
-    """llama.cpp on path with use_extra_bufts off (see scripts/llamacpp_params.py)."""
+def load(path: Path, threads: int, n_ctx: int, repack: bool = False):
+    """llama.cpp on path: file-backed (use_extra_bufts off, see scripts/llamacpp_params.py), or
+    with repack its default, the weights repacked into anonymous memory for its CPU kernels."""
+    import contextlib
     import llama_cpp
     from scripts.llamacpp_params import no_extra_bufts
-    with no_extra_bufts():
+    with contextlib.nullcontext() if repack else no_extra_bufts():
         llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads,
                               n_threads_batch=threads, n_batch=N_PROMPT, verbose=False)
-    assert not llm.model_params.use_extra_bufts
+    assert bool(llm.model_params.use_extra_bufts) == repack
     return llm
 
 
@@ -66,6 +69,8 @@ def main() -> None:
     ap.add_argument("--n-gen", type=int, default=N_GEN)
     ap.add_argument("--no-warmup", action="store_true", help="measure the first run (cold cache)")
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    ap.add_argument("--repack", action="store_true", help="llama.cpp's default: weights repacked "
+                    "into anonymous memory (else file-backed, as under a memory cap)")
     args = ap.parse_args()
     if args.model is None:       # flashllm only here: bench.py passes --model to capped runs
         from flashllm.cli.app import cache_dir
@@ -73,7 +78,7 @@ def main() -> None:
     if args.omp_wait_policy != "default":
         os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()  # read when libgomp loads
     import llama_cpp
-    llm = load(args.model, args.threads, args.n_prompt + args.n_gen + 8)
+    llm = load(args.model, args.threads, args.n_prompt + args.n_gen + 8, args.repack)
     prompt = np.random.default_rng(0).integers(100, 1100, args.n_prompt).tolist()  # (n_prompt,)
     if not args.no_warmup:
         one_run(llm, prompt, args.n_gen)  # warm-up: page the weights in
@@ -85,13 +90,15 @@ def main() -> None:
     if args.json:
         print(json.dumps({"engine": f"llama.cpp {llama_cpp.__version__}", "model": args.model.name,
                           "threads": args.threads, "omp_wait": args.omp_wait_policy,
+                          "weights": "repacked" if args.repack else "file-backed",
                           "n_prompt": args.n_prompt, "n_gen": args.n_gen, "warmup": not args.no_warmup,
                           "runs": runs, "prefill_tps": pp, "decode_tps": tg}))
         llm.close()
         return
     print("| engine | model | threads | OMP wait | pp64 tok/s | tg128 tok/s |")
     print("|---|---|---|---|---|---|")
-    print(f"| llama.cpp {llama_cpp.__version__} (dense, mmap) | {args.model.name} | "
+    weights = "repacked" if args.repack else "mmap"
+    print(f"| llama.cpp {llama_cpp.__version__} (dense, {weights}) | {args.model.name} | "
           f"{args.threads} | {args.omp_wait_policy} | {pp:.1f} | {tg:.1f} |")
     llm.close()
 

@@ -37,14 +37,14 @@ def header(info: Dict[str, str]) -> str:
         "Absolute figures move with whatever else runs on the machine (each section states its "
         "run's date and load average) and with the device's read rate, which can drift by tens of "
         "percent within minutes: **compare ratios within one run**.", "",
-        "llama.cpp's configuration. Every llama.cpp row keeps its weights file-backed: mmap with "
-        "`use_extra_bufts=False` (scripts/llamacpp_params.py), so they stay in page cache that a "
-        "memory cap charges and reclaims. Capped rows: that configuration from a cold page cache, "
-        "its OpenMP threads passive. Uncapped rows: the same file-backed weights, warm, once with "
-        "llama.cpp's default OpenMP wait policy (spinning) and once passive; the faster is the "
-        "reference of the ratio columns. They are not llama.cpp's out-of-the-box setting, which "
-        "repacks the weights into anonymous memory for its CPU kernels (extra buffer types): a "
-        "memory cap would count or kill that copy, and in DRAM it is faster than the rows here.",
+        "llama.cpp's configuration. Uncapped rows: llama.cpp as its users run it in RAM, its "
+        "default of weights repacked into anonymous memory for its CPU kernels (extra buffer "
+        "types), warm, once with its default OpenMP wait policy (spinning) and once passive; the "
+        "faster is the reference of the ratio columns. Capped rows: the weights file-backed (mmap "
+        "with `use_extra_bufts=False`, scripts/llamacpp_params.py), so they stay in page cache that "
+        "the memory cap charges and reclaims (a repacked copy would be counted or killed), from a "
+        "cold page cache, its OpenMP threads passive. Tables made before this rule (noted where "
+        "they are) compared uncapped rows with file-backed weights, which is slower in RAM.",
         "",
         "Commands are written to run from the repository root: `flashllm` is the console script "
         "(`make setup`; in a source tree without it, bench.py calls `python -c 'from "
