@@ -109,18 +109,24 @@ def test_refusals_through_the_cli(tiny, monkeypatch):  # noqa: F811
     assert r.exit_code == 1
     assert r.output.strip() == (
         "error: --dram-budget 50MiB (50 MiB) cannot load the tokenizer: the process and the "
-        "tokenizer peak at 101 MiB while the prompt is encoded")
+        "tokenizer peak at 101 MiB while the prompt is encoded (the least --dram-budget that works "
+        "for this model and context: 117 MiB)")
     r = run(model, "--dram-budget", "110MiB", monkeypatch=monkeypatch)
     assert r.exit_code == 1
     assert r.output.strip() == (
-        "error: --dram-budget 110MiB (110 MiB) is below the 115 MiB that must stay resident (KV "
-        "cache 1 MiB, tokenizer 3 MiB, process 100 MiB, buffers 13 MiB, dense vectors 1 MiB, "
-        "stream buffers 1 MiB); give at least 115 MiB, or a shorter context (--ctx-size, or the "
-        "prompt + --n-predict)")
+        "error: --dram-budget 110MiB (110 MiB) is below the 117 MiB that must stay resident (KV "
+        "cache 1 MiB, tokenizer 5 MiB, process 100 MiB, buffers 13 MiB, dense vectors 1 MiB, "
+        "stream buffers 1 MiB); give at least 117 MiB, or a shorter context (--ctx-size, or the "
+        "prompt + --n-predict) (the least --dram-budget that works for this model and context: "
+        "117 MiB)")
+    ok = run(model, "--dram-budget", "117MiB", monkeypatch=monkeypatch)
+    assert ok.exit_code == 0, ok.output                                     # the least one works
+    assert run(model, "--dram-budget", "116MiB", monkeypatch=monkeypatch).exit_code == 1
     r = run(model, "--dense", "--naive", monkeypatch=monkeypatch)
     assert r.exit_code == 1 and r.output.strip() == "error: give --dense or --naive, not both"
     n_ctx = len(Tokenizer.from_flash(open_flash(model)).encode("hello there")) + 3  # prompt + -n
-    full = plan_budget(read_manifest(model), "1GiB", n_ctx, 100 * MiB, reader_stage=16 * 256 * 1024)
+    full = plan_budget(read_manifest(model), "1GiB", n_ctx, 100 * MiB, reader_stage=16 * 256 * 1024,
+                       keep_tokenizer=True)          # a word-level vocabulary: no byte table
     short = str(full.total - 1)          # one byte short of every FFN bundle in DRAM
     r = run(model, "--dense", "--dram-budget", short, monkeypatch=monkeypatch)
     assert r.exit_code == 1 and r.output.strip() == (

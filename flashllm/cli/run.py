@@ -4,7 +4,6 @@ Generated tokens go alone to stdout; timings, stats and errors to stderr.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -80,7 +79,7 @@ def run(
     text = None if interactive else _read_prompt(prompt, file)
     path = model_path(model)
     fopts = FlashOptions(dram_budget, window, naive, dense, check_recall, predictor.value,
-                         keep_tokenizer=interactive)
+                         keep_tokenizer=interactive or not _decodes_bytes(path))
     process = process_rss()
     n_ctx = ctx_size if interactive else min(ctx_size, len(text.encode()) + n_predict + 2)
     plan = plan_run(path, fopts, n_ctx, process)     # refuses before loading anything
@@ -90,8 +89,6 @@ def run(
     ids = None if interactive else _prompt_ids(tok, text, n_predict, ctx_size)
     if not interactive:          # one-shot: the KV cache holds the prompt and the tokens to make
         n_ctx = len(ids) + n_predict
-        if not tok.releasable:   # decoding keeps the tokenizers object: count it loaded
-            fopts = dataclasses.replace(fopts, keep_tokenizer=True)
         plan = plan and plan_run(path, fopts, n_ctx, process)
     if plan is not None and not interactive:
         tok.release(keep_source=False)   # never encodes again; decoding needs only the table
@@ -164,6 +161,17 @@ def _complete(net, tok, sampler, ids: list[int], n_predict: int, n_draft: int = 
     out.write(detok.flush() + "\n")
     out.flush()
     return stats
+
+
+def _decodes_bytes(path: Path) -> bool:
+    """Whether the model's tokenizer decodes through a byte table, so a one-shot run can release
+    it after the prompt (a budget then counts it small): read from tokenizer.json before loading."""
+    from flashllm.format.layout import TOKENIZER_FILE
+    from flashllm.generation.tokenizer import decodes_bytes
+    try:
+        return decodes_bytes((path / TOKENIZER_FILE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 def _read_prompt(prompt: Optional[str], file: Optional[Path]) -> str:

@@ -7,6 +7,7 @@ token -> bytes table, so the `tokenizers` object can be released after encoding.
 from __future__ import annotations
 
 import codecs
+import json
 import ctypes
 from typing import Sequence
 
@@ -113,6 +114,16 @@ def trim_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def decodes_bytes(tokenizer_json: str) -> bool:
+    """True when a tokenizer.json decodes byte-level (its decoder is ByteLevel): decoding then
+    needs only a token -> bytes table, and a one-shot run releases the `tokenizers` object
+    (Tokenizer.releasable)."""
+    try:
+        return (json.loads(tokenizer_json).get("decoder") or {}).get("type") == "ByteLevel"
+    except (ValueError, AttributeError):
+        return False
 
 
 class ReleasedError(FlashError):

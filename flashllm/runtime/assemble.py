@@ -58,8 +58,14 @@ def plan_run(path: Path, opts: FlashOptions, n_ctx: int, process: int) -> Option
     text = opts.dram_budget or "100%"
     if opts.dram_budget is None:   # --naive alone: no limit, the whole model's worth
         text = f"{model_bytes(man) + (1 << 30)}"
-    plan = plan_budget(man, text, n_ctx, process, reader_stage=READER_THREADS * READER_STAGE,
-                       naive=opts.naive, keep_tokenizer=opts.keep_tokenizer)
+    kwargs = dict(reader_stage=READER_THREADS * READER_STAGE, naive=opts.naive,
+                  keep_tokenizer=opts.keep_tokenizer)
+    try:
+        plan = plan_budget(man, text, n_ctx, process, **kwargs)
+    except BudgetError as e:
+        least = least_budget(man, n_ctx, process, **kwargs)
+        raise BudgetError(f"{e} (the least --dram-budget that works for this model and context: "
+                          f"{format_size(least, 'MiB', up=True)})") from None
     if not opts.naive and opts.predictor != "off" and man.get("predictor"):
         plan = _with_predictor(man, text, n_ctx, process, plan, opts)
     elif opts.predictor == "on" and not opts.naive:
@@ -68,10 +74,25 @@ def plan_run(path: Path, opts: FlashOptions, n_ctx: int, process: int) -> Option
         plan = dataclasses.replace(plan, n_pinned=plan.capacity)
     if opts.dense and plan.capacity < plan.n_ff:
         need = plan.total - plan.cache_bytes + plan.n_layers * plan.n_ff * plan.stride
-        raise BudgetError(f"--dense needs {format_size(need, 'MiB', up=True)} (every FFN bundle in DRAM), --dram-budget "
-                          f"{opts.dram_budget} gives {format_size(plan.budget, 'MiB', up=False)}: drop --dense to stream "
-                          f"the FFN from flash")
+        need_s, have = format_size(need, "MiB", up=True), format_size(plan.budget, "MiB", up=False)
+        raise BudgetError(f"--dense needs {need_s} (every FFN bundle in DRAM), --dram-budget "
+                          f"{opts.dram_budget} gives {have}: drop --dense to stream the FFN from "
+                          f"flash")
     return plan
+
+
+def least_budget(man: dict, n_ctx: int, process: int, **kwargs) -> int:
+    """The smallest budget (bytes, to 1 MiB) that plan_budget accepts, by bisection: the plan is
+    arithmetic on the manifest, so this costs nothing next to a run."""
+    lo, hi = 0, 4 * model_bytes(man) + process + (1 << 30)   # refused / accepted
+    while hi - lo > (1 << 20):
+        mid = (lo + hi) // 2
+        try:
+            plan_budget(man, str(mid), n_ctx, process, **kwargs)
+            hi = mid
+        except BudgetError:
+            lo = mid
+    return hi
 
 
 def _with_predictor(man: dict, text: str, n_ctx: int, process: int, plain: BudgetPlan,
@@ -79,6 +100,7 @@ def _with_predictor(man: dict, text: str, n_ctx: int, process: int, plain: Budge
     """The plan with the manifest's predictor resident when forced (--predictor on), or when it
     is expected to make a token faster than `plain` (the same budget without it); else plain."""
     sec, force = man["predictor"], opts.predictor == "on"
+    size = format_size(int(sec.get("bytes") or 0), "MiB", up=True)
     try:
         plan = plan_budget(man, text, n_ctx, process, predictor=int(sec.get("nbytes") or 0),
                            reader_stage=READER_THREADS * READER_STAGE,
@@ -87,16 +109,15 @@ def _with_predictor(man: dict, text: str, n_ctx: int, process: int, plain: Budge
         if force:
             raise
         return dataclasses.replace(plain, notes=plain.notes + (
-            f"predictor {sec.get('kind')} not used: its {format_size(int(sec.get('bytes') or 0), 'MiB', up=True)} do not "
-            f"fit the budget",))
+            f"predictor {sec.get('kind')} not used: its {size} do not fit the budget",))
     loads = sec.get("load") or [1.0]
     load = float(np.mean(loads)) if all(isinstance(v, (int, float)) for v in loads) else 1.0
     if force or token_seconds(plan, load, int(sec.get("bytes") or 0)) < token_seconds(plain, 1.0, 0):
         return dataclasses.replace(plan, predictor=True, notes=plan.notes + (
-            f"predictor {sec.get('kind')} resident ({format_size(int(sec.get('bytes') or 0), 'MiB', up=True)}, "
+            f"predictor {sec.get('kind')} resident ({size}, "
             f"{load:.0%} of the neurons per token)",))
     return dataclasses.replace(plain, notes=plain.notes + (
-        f"predictor {sec.get('kind')} not used: it costs {format_size(int(sec.get('bytes') or 0), 'MiB', up=True)} of DRAM "
+        f"predictor {sec.get('kind')} not used: it costs {size} of DRAM "
         f"and is not expected to make a token faster within this budget (--predictor on forces it)",))
 
 

@@ -82,10 +82,11 @@ class BudgetPlan:
         return self.capacity / self.n_ff
 
     def summary(self) -> str:
-        parts = ", ".join(f"{k} {format_size(v, 'MiB', up=True)}" for k, v in self.resident.items())
-        stream = f"; dense streamed: {_describe(self.streamed)} ({format_size(self.streamed_bytes, 'MiB', up=True)} " \
+        mib = lambda n: format_size(n, "MiB", up=True)              # noqa: E731
+        parts = ", ".join(f"{k} {mib(v)}" for k, v in self.resident.items())
+        stream = f"; dense streamed: {_describe(self.streamed)} ({mib(self.streamed_bytes)} " \
                  f"per token)" if self.streamed else ""
-        return (f"DRAM budget {format_size(self.budget, 'MiB', up=True)}: {parts}; neuron caches {format_size(self.cache_bytes, 'MiB', up=True)} "
+        return (f"DRAM budget {mib(self.budget)}: {parts}; neuron caches {mib(self.cache_bytes)} "
                 f"({self.capacity} of {self.n_ff} neurons per layer = {self.cache_fraction:.0%}, "
                 f"{self.n_pinned} pinned){stream}")
 
@@ -284,13 +285,15 @@ def _check_tokenizer_load(manifest: dict, budget: int, text: str, process: int) 
     """The tokenizers object peaks while it loads (before the model): it must fit then."""
     need = process + (TOKENIZER_LOAD + 1) * int(manifest["tokenizer"].get("nbytes") or 0)
     if budget < need:
-        raise BudgetError(f"--dram-budget {text} ({format_size(budget, 'MiB', up=False)}) cannot load the "
-                          f"tokenizer: the process and the tokenizer peak at {format_size(need, 'MiB', up=True)} while "
-                          f"the prompt is encoded")
+        have, peak = format_size(budget, "MiB", up=False), format_size(need, "MiB", up=True)
+        raise BudgetError(f"--dram-budget {text} ({have}) cannot load the tokenizer: the process "
+                          f"and the tokenizer peak at {peak} while the prompt is encoded")
 
 
 def _refuse(budget: int, text: str, parts: dict, need: int) -> None:
-    listed = ", ".join(f"{k} {format_size(v, 'MiB', up=True)}" for k, v in parts.items() if v)
-    raise BudgetError(f"--dram-budget {text} ({format_size(budget, 'MiB', up=False)}) is below the {format_size(need, 'MiB', up=True)} "
-                      f"that must stay resident ({listed}); give at least {format_size(need, 'MiB', up=True)}, or a shorter "
-                      f"context (--ctx-size, or the prompt + --n-predict)")
+    mib = lambda n: format_size(n, "MiB", up=True)                  # noqa: E731
+    listed = ", ".join(f"{k} {mib(v)}" for k, v in parts.items() if v)
+    have = format_size(budget, "MiB", up=False)
+    raise BudgetError(f"--dram-budget {text} ({have}) is below the {mib(need)} that must stay "
+                      f"resident ({listed}); give at least {mib(need)}, or a shorter context "
+                      f"(--ctx-size, or the prompt + --n-predict)")
