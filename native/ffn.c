@@ -2,9 +2,10 @@
  *
  * Activations: SiLU x*sigmoid(x); GELU is the exact erf form 0.5*x*(1+erf(x/sqrt(2))) (Hugging
  * Face "gelu"; models using the tanh approximation "gelu_new"/"gelu_pytorch_tanh" differ by
- * < 1e-3); ReLU. Threads take chunks of the bundles as they come free; each chunk accumulates
- * into its own (T, d) partial and the partials are then summed into y in chunk order, split over
- * y's elements.
+ * < 1e-3); ReLU. The bundles are cut into a number of chunks that depends on the work alone
+ * (never on the thread count, so results are the same bits on any number of threads); threads
+ * take chunks as they come free, each chunk accumulates into its own (T, d) partial, and the
+ * partials are then summed into y in chunk order, split over y's elements.
  */
 #include <math.h>
 #include <stdatomic.h>
@@ -13,9 +14,11 @@
 #include "flashllm.h"
 #include "compute_internal.h"
 
-#define MIN_BUNDLES_PER_THREAD 32
-#define CHUNKS_PER_THREAD 4 /* work units per thread: dynamic balance under load */
-#define PARTIAL_FLOATS (1 << 18) /* above this T * d, one chunk (and partial) per thread */
+#define MIN_BUNDLES_PER_CHUNK 32
+#define CHUNKS_SMALL 8 /* work units of a call while T * d <= PARTIAL_FLOATS (decode): dynamic
+                        * balance over up to 8 threads, and under load */
+#define CHUNKS_LARGE 4 /* above it (prefill): each chunk has a (T, d) partial */
+#define PARTIAL_FLOATS (1 << 18)
 #define PREFETCH_BUNDLES 2 /* bundles ahead of the one being computed */
 #define PREFETCH_GROUPS 1  /* int8 paths: groups of FL_QT bundles ahead */
 #define DOWN_K FL_PR       /* neurons per f32 down GEMM when T > 1 (a multiple of FL_QT) */
@@ -368,12 +371,14 @@ int32_t fl_ffn_bundles(const fl_ffn_layer *layer, const int32_t *rows, int64_t n
     const ffn_args a = {d,   T,    rb,             dtype, glu != 0,  act, ddt,
                         ids, rows, layer->up_bias, x,     threshold, xq,  (size_t)fli_xq_bytes(d)};
     if (rows) n = n_rows;
-    const int64_t useful = n / MIN_BUNDLES_PER_THREAD;
-    const int32_t nt = useful < n_threads ? (int32_t)(useful > 1 ? useful : 1) : n_threads;
-    const int64_t per_thread = T * d <= PARTIAL_FLOATS ? CHUNKS_PER_THREAD : 1;  // partials' DRAM
-    const int64_t chunks = nt * per_thread < useful ? nt * per_thread : useful;
-    status = nt == 1 ? ffn_serial(&a, bundles, n, stride, y)
-                     : ffn_parallel(&a, bundles, n, stride, y, nt, chunks);
+    /* The chunks, and so the grouping of the sum, depend on the work only, never on n_threads:
+     * the same call gives the same bits on any number of threads. */
+    const int64_t useful = n / MIN_BUNDLES_PER_CHUNK;
+    const int64_t want = T * d <= PARTIAL_FLOATS ? CHUNKS_SMALL : CHUNKS_LARGE;  // partials' DRAM
+    const int64_t chunks = want < useful ? want : (useful > 1 ? useful : 1);
+    const int32_t nt = chunks < n_threads ? (int32_t)chunks : n_threads;
+    status = chunks == 1 ? ffn_serial(&a, bundles, n, stride, y)
+                         : ffn_parallel(&a, bundles, n, stride, y, nt, chunks);
     free(xq);
     return status;
 }

@@ -279,3 +279,18 @@ def test_read_only_inputs_are_accepted_without_copies():
     x = np.ones(32, np.float32)
     _close(kernel.matmul(w, x, exact=True), wref @ np.ones(32))
     _close(kernel.attention(q, k, k, 3, 0.5), _attention_ref(q, k, k, 3, 0.5))
+
+
+@pytest.mark.parametrize("dtype", ["q8_0", "q4_1", "f32"])
+@pytest.mark.parametrize("T", [1, 3, 12, 300])
+def test_ffn_bundles_gives_the_same_bits_on_any_number_of_threads(dtype, T):
+    """Greedy output must not depend on -t: the FFN's sum is grouped by the work, not the threads."""
+    n, d = 640, 128
+    bundles, _ = _bundles(n, d, dtype, True, 0, seed=11)                        # (n, stride)
+    x = _rng(T).standard_normal((T, d)).astype(np.float32)                      # (T, d)
+    rows = np.sort(_rng(5).choice(n, 200, replace=False)).astype(np.int32)      # (200,)
+    for sel, thr in ((None, 0.0), (None, 0.05), (rows, 0.05)):
+        outs = [kernel.ffn_bundles(bundles, dtype, d, True, "silu", x, x.copy(), n_threads=k,
+                                   rows=sel, threshold=thr) for k in (1, 2, 3, 5, 8)]
+        for y in outs[1:]:
+            np.testing.assert_array_equal(y, outs[0])

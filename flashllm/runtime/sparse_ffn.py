@@ -46,11 +46,12 @@ class SparseFlashFfn:
 
     def __init__(self, flash, predictor, budget_plan: BudgetPlan, reader, n_threads: int = 1,
                  window: int = 4, naive: bool = False, cost: Optional[CostModel] = None,
-                 check: bool = False, overlap: bool = True):
+                 check: bool = False, overlap: bool = True, exact: bool = False):
         cfg, f = flash.config, flash.ffn
         self.flash, self.f, self.predictor, self.reader = flash, f, predictor, reader
         self.d, self.glu, self.act, self.n_threads = cfg.d_model, cfg.glu, cfg.act, n_threads
         self.naive, self.check, self.plan, self.overlap = naive, check, budget_plan, overlap
+        self.exact = exact            # f32 activations in the FFN instead of int8 (tests)
         self.ids = [bundle_ids(flash, i) for i in range(cfg.n_layers)]   # (n_ff,) int32 or None
         self.up_b = up_biases(flash)                                     # (n_ff,) f32 or None
         self.threshold = manifest_thresholds(flash.manifest, cfg.n_layers)
@@ -271,7 +272,7 @@ class SparseFlashFfn:
             ids = order[slots] if order is not None else slots   # (n,) neuron id of each row
         kernel.ffn_bundles(matrix, self.f.dtype, self.d, self.glu, self.act, h, x, ids=ids,
                            up_bias=ub, n_threads=self._threads(len(rows), len(h)), rows=rows,
-                           threshold=self.threshold[layer])
+                           threshold=self.threshold[layer], exact=self.exact)
 
     def _threads(self, n_rows: int, T: int) -> int:
         """Threads for an FFN call over n_rows bundles of T tokens: one below SERIAL_BYTES of
@@ -379,7 +380,7 @@ class SparseFlashFfn:
             ids = order[slots] if order is not None else slots   # (k,) neuron ids
         kernel.ffn_bundles(rows, self.f.dtype, self.d, self.glu, self.act, h, x, ids=ids,
                            up_bias=ub, n_threads=self._threads(len(rows), len(h)),
-                           threshold=self.threshold[layer])
+                           threshold=self.threshold[layer], exact=self.exact)
 
     # ---- predictor recall (check mode) -------------------------------------------------------
 
