@@ -100,8 +100,16 @@ def test_models_lists_registry_and_cache(tmp_path):
     assert [c["dtype"] for c in rows["smollm2-135m"]["converted"]] == ["q8_0"]
     assert rows["mine"]["converted"][0]["complete"] is False
     assert "qwen2.5-coder-0.5b" in rows and rows["qwen2.5-coder-0.5b"]["converted"] == []
-    table = flashllm("models", env={"FLASHLLM_CACHE": str(cache)}).stdout
+    assert rows["smollm2-135m"]["gguf"] is None
+    (cache / "models").mkdir()
+    with open(cache / "models" / "smollm2-135m.gguf", "wb") as f:
+        f.truncate(98362432)                                  # pulled: the size models.toml says
+    rows = {r["name"]: r for r in json.loads(flashllm("models", "--json",
+                                                      env={"FLASHLLM_CACHE": str(cache)}).stdout)}
+    assert rows["smollm2-135m"]["gguf"] == str(cache / "models" / "smollm2-135m.gguf")
+    table = flashllm("models", env={"FLASHLLM_CACHE": str(cache), "COLUMNS": "200"}).stdout
     assert "smollm2-135m" in table and "q8_0 2 B" in table
+    assert f"fetched GGUF files: {cache / 'models'}" in table
 
 
 def test_models_with_a_broken_registry_is_one_line(tmp_path):

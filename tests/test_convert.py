@@ -216,3 +216,19 @@ def test_cli_refuses_an_unknown_dtype_at_parse_time(tmp_path):
     said = " ".join(err.replace("│", " ").split())                       # unwrap Rich's box
     assert code == 2 and out == "" and "'q3_k' is not one of 'f32', 'f16'" in said
     assert not (tmp_path / "out").exists()
+
+
+def test_a_source_without_a_tokenizer_converts_with_a_warning(tmp_path):
+    src = write_hf_llama(tmp_path / "llama")                        # config + safetensors only
+    code, out, err = _cli([src, "-o", tmp_path / "m", "--dtype", "f32"])
+    said = " ".join(err.split())
+    assert code == 0 and f"warning: {src} has no tokenizer" in said, err
+    assert "`flashllm run` cannot encode a prompt for it" in said
+    (src / "tokenizer.json").write_text(_word_tokenizer())
+    code, out, err = _cli([src, "-o", tmp_path / "m2", "--dtype", "f32"])
+    assert code == 0 and "warning" not in err, err
+
+
+def _word_tokenizer() -> str:
+    from tokenizers import Tokenizer, models
+    return Tokenizer(models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>")).to_str()

@@ -48,7 +48,7 @@ def models(as_json: bool = typer.Option(False, "--json", help="Print the list as
     if as_json:
         print(json.dumps(rows, indent=1))
     else:
-        Console(highlight=False).print(models_table(rows))
+        Console(highlight=False).print(models_table(rows, cache_dir()))
 
 
 @command

@@ -93,14 +93,16 @@ def catalog(registry, cache: Path) -> list[dict]:
     for name, entry in registry.entries.items():
         gguf = cache / "models" / f"{name}.gguf"
         mine = [p for p in folders if p.name.rsplit("-", 1)[0] == name]
+        pulled = gguf.is_file() and gguf.stat().st_size == entry.size
         rows.append({"name": name, "arch": entry.arch, "description": entry.description,
-                     "size": entry.size, "pulled": gguf.is_file() and gguf.stat().st_size == entry.size,
+                     "size": entry.size, "pulled": pulled, "gguf": str(gguf) if pulled else None,
                      "converted": [_converted_row(p) for p in mine],
                      "unsupported": entry.unsupported})
         folders = [p for p in folders if p not in mine]
     for p in folders:
         rows.append({"name": p.name, "arch": None, "description": "converted folder in the cache",
-                     "size": None, "pulled": False, "converted": [_converted_row(p)], "unsupported": None})
+                     "size": None, "pulled": False, "gguf": None, "converted": [_converted_row(p)],
+                     "unsupported": None})
     return rows
 
 
@@ -109,14 +111,16 @@ def _converted_row(path: Path) -> dict:
             "complete": (path / MANIFEST_FILE).is_file(), "disk_bytes": folder_bytes(path)}
 
 
-def models_table(rows: list[dict]) -> Table:
-    table = Table(title="models (models.toml and the user cache)", title_justify="left")
+def models_table(rows: list[dict], cache: Path) -> Table:
+    table = Table(title="models (models.toml and the user cache)", title_justify="left",
+                  caption=f"fetched GGUF files: {cache / 'models'}; conversions: "
+                          f"{cache / 'converted'}", caption_justify="left")
     for col in ("name", "arch", "GGUF", "pulled", "converted"):
         table.add_column(col, no_wrap=True)
     table.add_column("description")
     for r in rows:
-        conv = ", ".join(f"{c['dtype']} {format_size(c['disk_bytes'])}" + ("" if c["complete"] else " (incomplete)")
-                         for c in r["converted"]) or "-"
+        conv = ", ".join(f"{c['dtype']} {format_size(c['disk_bytes'])}"
+                         + ("" if c["complete"] else " (incomplete)") for c in r["converted"]) or "-"
         note = f" (unsupported: {r['unsupported']})" if r["unsupported"] else ""
         table.add_row(r["name"], r["arch"] or "-", format_size(r["size"]) if r["size"] else "-",
                       "yes" if r["pulled"] else "no", conv, escape(r["description"] + note))

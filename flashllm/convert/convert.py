@@ -19,7 +19,7 @@ from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, Time
                            TimeRemainingColumn)
 from rich.table import Table
 
-from flashllm.format.layout import ffn_parts, ffn_weight, required_tensors
+from flashllm.format.layout import TOKENIZER_FILE, ffn_parts, ffn_weight, required_tensors
 from flashllm.format.writer import FlashWriter
 from flashllm.errors import FlashError, SourceError
 from flashllm.convert.sources import open_source
@@ -140,6 +140,11 @@ def convert_many(srcs: Sequence[Path], out: Path, dtype: str, force: bool,
         def report(r: JobResult, task) -> None:
             if r.error is None:
                 bar.update(task, description=f"{r.src.name} → {r.dest}")
+                if not (r.dest / TOKENIZER_FILE).is_file():
+                    console.print(f"warning: {r.src} has no tokenizer (tokenizer.json, or a GGUF "
+                                  f"vocabulary): {r.dest} converted, but `flashllm run` cannot "
+                                  "encode a prompt for it", markup=False, soft_wrap=True,
+                                  highlight=False)
             else:
                 bar.update(task, visible=False)
                 console.print(f"error: {r.error}", markup=False, soft_wrap=True, highlight=False)
