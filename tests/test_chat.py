@@ -190,3 +190,25 @@ def test_terminal_session_with_smollm2(tmp_path):
     child.close()
     print((tmp_path / "session.log").read_text(), file=sys.stderr)
     assert child.exitstatus == 0
+
+
+def test_stats_after_reset_and_the_limit_note(tiny):
+    chat = _session(tiny, n_predict=2)
+    lines, notes = iter(["hello there", "/stats", "/reset", "/stats"]), []
+
+    def read(prompt):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    repl(chat, ReplIO(read, lambda s: None, notes.append), Interrupt())
+    stats = [n for n in notes if n.startswith("turns")]
+    used = int(stats[0].split("context ")[1].split("/")[0])
+    after = int(stats[1].split("context ")[1].split("/")[0])
+    rendered = ChatTemplate(CHATML).render(chat.messages, add_generation_prompt=True)
+    system_only = len(tiny[1].encode(rendered, add_special=False)) - 1   # its tokens stay cached
+    assert used > after and after <= system_only and "messages 1," in stats[1]
+    assert chat.turns[0].stop == "limit"
+    assert "[answer cut at the -n limit of 2 tokens: raise -n for longer answers]" in notes
+    assert chat.ask("you", lambda s: None).n_reused == after     # and are reused

@@ -23,7 +23,9 @@ def run(
     model: str = typer.Argument(..., help="Converted model folder, or a models.toml name."),
     prompt: Optional[str] = typer.Option(None, "-p", "--prompt", help="Prompt text; '-' reads stdin."),
     file: Optional[Path] = typer.Option(None, "-f", "--file", help="Read the prompt from a file."),
-    n_predict: int = typer.Option(128, "-n", "--n-predict", min=1, help="Tokens to generate."),
+    n_predict: Optional[int] = typer.Option(None, "-n", "--n-predict", min=1, help="Tokens to "
+                                            "generate (default 128; in a chat, per answer: a "
+                                            "quarter of the context)."),
     ctx_size: int = typer.Option(2048, "-c", "--ctx-size", min=1, help="Context length (KV cache size; a "
                                  "one-shot prompt needs only its tokens + -n)."),
     threads: int = typer.Option(DEFAULT_THREADS, "-t", "--threads", min=1, max=MAX_THREADS,
@@ -76,6 +78,8 @@ def run(
         fail("give a prompt (-p/-f) or -i/--chat, not both")
     if draft < 0:
         fail(f"--draft {draft}: give the most guesses a pass may check (0: off)")
+    if n_predict is None:        # a chat answer may run long; 0 there means a quarter of n_ctx
+        n_predict = 0 if interactive else 128
     text = None if interactive else _read_prompt(prompt, file)
     path = model_path(model)
     fopts = FlashOptions(dram_budget, window, naive, dense, check_recall, predictor.value,

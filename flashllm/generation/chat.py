@@ -56,9 +56,12 @@ class ChatSession:
         self.reset()
 
     def reset(self) -> None:
-        """Forget the conversation (the system prompt stays). Cached KV entries stay valid and
-        are reused for as long as the next rendering matches them."""
+        """Forget the conversation (the system prompt stays). The KV entries of the system
+        prompt's tokens stay valid and are reused by the next turn; the rest are forgotten."""
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        if self.cached:
+            kept = self._render_ids(self.messages) if self.messages else []
+            self.cached = self.cached[:max(0, min(_common_prefix(self.cached, kept), len(kept) - 1))]
 
     @property
     def reserve(self) -> int:
@@ -188,6 +191,7 @@ class Interrupt:
 COMMANDS = {"/exit": "leave (or Ctrl-D)", "/reset": "forget the conversation",
             "/stats": "context use and speeds", "/help": "this list"}
 STOP_NOTES = {"interrupted": "[answer stopped]",
+              "limit": "[answer cut at the -n limit of {n} tokens: raise -n for longer answers]",
               "context": "[context full: the oldest turns are dropped on the next turn]"}
 
 
@@ -256,7 +260,7 @@ def _turn(session: ChatSession, io: ReplIO, interrupt: Interrupt, text: str) -> 
     if stats.n_dropped:
         io.note(f"[{stats.n_dropped} oldest messages dropped to fit the context]")
     if stats.stop in STOP_NOTES:
-        io.note(STOP_NOTES[stats.stop])
+        io.note(STOP_NOTES[stats.stop].format(n=stats.n_gen))
 
 
 def stats_text(session: ChatSession) -> str:
