@@ -58,3 +58,23 @@ def test_inspect_takes_a_models_toml_name_like_run(tiny, tmp_path, monkeypatch):
     assert r.exit_code == 0 and '"arch"' in r.output, r.output
     r = CliRunner().invoke(app, ["inspect", "gpt-9"])
     assert r.exit_code == 1 and "no such model 'gpt-9'" in r.output
+
+
+@pytest.mark.parametrize("target, said", [
+    ("/dev/null", "error: /dev/null is neither a folder (to write a scratch file in) nor a regular file"),
+    ("/proc", "error: cannot write a 4194304 byte scratch file in /proc: "),
+])
+def test_profile_on_what_cannot_hold_a_scratch_file_is_one_line(target, said, tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHLLM_CACHE", str(tmp_path))
+    r = CliRunner().invoke(app, ["profile", target, "--seconds", "1", "--size", "4MiB"])
+    lines = r.output.strip().splitlines()
+    assert r.exit_code == 1 and len(lines) == 1 and lines[0].startswith(said), r.output
+    assert list(tmp_path.iterdir()) == []                               # no profile saved
+
+
+def test_an_unusable_cache_folder_is_one_line(tiny, monkeypatch):  # noqa: F811
+    monkeypatch.setenv("FLASHLLM_CACHE", "/proc/flashllm-cache")       # cannot be made
+    r = CliRunner().invoke(app, ["run", "smollm2-135m", "-p", "hi", "-n", "2"])
+    lines = r.output.strip().splitlines()
+    assert r.exit_code == 1 and len(lines) == 1 and lines[0].startswith("error: "), r.output
+    assert "/proc/flashllm-cache" in lines[0]

@@ -78,6 +78,10 @@ def command(fn):
             raise typer.Exit(0) from None
         except KeyboardInterrupt as e:
             raise typer.Exit(_interrupted(e)) from None
+        except OSError as e:        # a file or folder the domain code did not name: say which
+            where = f": {e.filename}" if e.filename else ""
+            err.print(f"error: {e.strerror or e}{where}", markup=False, soft_wrap=True)
+            raise typer.Exit(1) from None
     return app.command()(wrapper)
 
 

@@ -85,6 +85,8 @@ def profile(
     from flashllm.cli.views import model_table, profile_table, run_profile, sequential_table, throughput_chart
     if not path.exists():
         fail(f"{path} does not exist")
+    if not (path.is_dir() or path.is_file()):
+        fail(f"{path} is neither a folder (to write a scratch file in) nor a regular file to read")
     result = run_profile(err, path, parse_size(size), seconds)
     saved = save_profile(result, cache_dir())
     if as_json:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import contextlib
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -131,13 +132,18 @@ def profile_path(cache: Path, device: Device) -> Path:
 def save_profile(profile: Profile, cache: Path) -> Path:
     """Write atomically (temporary name, fsync, rename); returns the path."""
     path = profile_path(cache, profile.device)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(profile.to_dict(), f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "w") as f:
+            json.dump(profile.to_dict(), f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise ProfileError(f"cannot save the profile in {path.parent}: {e.strerror or e}") from None
     return path
 
 
@@ -169,10 +175,12 @@ def scratch_file(folder: Path, size: int, progress: Callable[[int], None] = lamb
                 os.fsync(f.fileno())
                 os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         except OSError as e:
-            raise ProfileError(f"cannot write a {size} byte scratch file in {folder}: {e}") from e
+            raise ProfileError(f"cannot write a {size} byte scratch file in {folder}: "
+                               f"{e.strerror or e}") from None
         yield path
     finally:
-        path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):      # e.g. folder is not one: nothing was made
+            path.unlink(missing_ok=True)
 
 
 def measure_cell(reader: Reader, kind: str, chunk: int, seconds: float,
