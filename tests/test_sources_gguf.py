@@ -119,10 +119,21 @@ def test_unmapped_gguf_tensor(tmp_path):
 def test_truncated_and_corrupt_gguf(tmp_path):
     write_gguf(tmp_path / "m.gguf", "llama", hf_weights(np.random.default_rng(2), False, True))
     data = (tmp_path / "m.gguf").read_bytes()
-    for cut in (len(data) - 1000, 200, 10):
+    for cut, why in ((len(data) - 1000, "cut short"), (200, "more than its 200 bytes can hold"),
+                     (10, "ends inside its 24-byte header")):
         (tmp_path / "t.gguf").write_bytes(data[:cut])
-        with pytest.raises(SourceError, match="t.gguf: (corrupt or )?truncated GGUF"):
+        with pytest.raises(SourceError, match=f"t.gguf: (corrupt GGUF: .*{why}|truncated GGUF)") as e:
             open_source(tmp_path / "t.gguf")
+        assert "Error" not in str(e.value) and "dtype" not in str(e.value)   # no numpy internals
+    bad = bytearray(data)
+    bad[4:8] = (7).to_bytes(4, "little")                                    # version 7
+    (tmp_path / "t.gguf").write_bytes(bad)
+    with pytest.raises(SourceError, match="unknown GGUF version 7"):
+        open_source(tmp_path / "t.gguf")
+    bad[4:8], bad[8:16] = (3).to_bytes(4, "little"), (1 << 40).to_bytes(8, "little")
+    (tmp_path / "t.gguf").write_bytes(bad)
+    with pytest.raises(SourceError, match=r"counts 1099511627776 tensors .* more than its"):
+        open_source(tmp_path / "t.gguf")
 
 
 def test_rope_scaling_refused(tmp_path):

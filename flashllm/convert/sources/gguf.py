@@ -6,6 +6,7 @@ order), which is HF's (out, in). llama-arch files store attn_q/attn_k permuted f
 """
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -39,8 +40,8 @@ def _read(path: Path) -> GGUFReader:
         raise SourceError(f"{path}: not a GGUF file (magic {magic!r})")
     try:
         reader = GGUFReader(path, "r")
-    except Exception as e:                # gguf-py raises ValueError, struct.error, IndexError, ...
-        raise SourceError(f"{path}: corrupt or truncated GGUF ({type(e).__name__}: {e})") from None
+    except Exception:                     # gguf-py raises ValueError, struct.error, IndexError, ...
+        raise SourceError(f"{path}: corrupt GGUF: {_diagnose(path)}") from None
     size = path.stat().st_size
     for t in reader.tensors:
         if len(t.shape) == 0 or any(int(n) <= 0 for n in t.shape):
@@ -49,6 +50,24 @@ def _read(path: Path) -> GGUFReader:
             raise SourceError(f"{path}: truncated GGUF: tensor {t.name!r} ends at byte "
                               f"{t.data_offset + t.n_bytes}, the file has {size}")
     return reader
+
+
+def _diagnose(path: Path) -> str:
+    """What is wrong with a GGUF file gguf-py could not read, from its fixed header: the
+    version, the counts, or else the metadata / tensor table that follows them."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(24)                  # magic, version u32, n_tensors u64, n_kv u64
+    if len(head) < 24:
+        return f"the file ends inside its 24-byte header ({size} bytes)"
+    version, n_tensors, n_kv = struct.unpack("<IQQ", head[4:])
+    if version not in (2, 3):
+        return f"unknown GGUF version {version} (flashllm reads versions 2 and 3)"
+    if n_tensors > size // 24 or n_kv > size // 12:    # each entry takes at least that many bytes
+        return (f"the header counts {n_tensors} tensors and {n_kv} metadata entries, more than "
+                f"its {size} bytes can hold")
+    return (f"after its header ({n_kv} metadata entries, {n_tensors} tensors) the metadata, the "
+            f"tensor table or the tensor data is cut short or does not parse ({size} bytes)")
 
 
 def _metadata(reader: GGUFReader) -> dict:
