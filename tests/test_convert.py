@@ -232,3 +232,17 @@ def test_a_source_without_a_tokenizer_converts_with_a_warning(tmp_path):
 def _word_tokenizer() -> str:
     from tokenizers import Tokenizer, models
     return Tokenizer(models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>")).to_str()
+
+
+def test_progress_in_a_log_is_plain_lines_with_true_totals(tmp_path):
+    src = write_hf_llama(tmp_path / "llama")
+    (src / "tokenizer.json").write_text(_word_tokenizer())
+    stored = sum(p.stat().st_size for p in src.glob("*.safetensors"))
+    proc = subprocess.run([sys.executable, "-m", "flashllm", "convert", str(src), "-o",
+                           str(tmp_path / "m"), "--dtype", "f32"], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 0 and lines[-1] == f"llama → {tmp_path / 'm'}", proc.stderr
+    assert lines[-2].startswith("llama: 100% (") and "━" not in proc.stderr
+    done, total = lines[-2].split("(")[1].rstrip(")").split(" of ")
+    assert done == total and abs(float(total.split()[0]) * 1024 - stored / 1024) < 0.1 * stored / 1024

@@ -273,6 +273,9 @@ class FirstLayers:
     def tensor_names(self):
         return self.names
 
+    def tensor_nbytes(self, name):
+        return 4 * int(np.prod(self.tensor_shape(name)))
+
     def tensor_shape(self, name):
         shape = self.src.tensor_shape(name)
         return (self.vocab, *shape[1:]) if name in ("token_embd.weight", "output.weight") else shape

@@ -37,6 +37,9 @@ class ArraySource:
     def tensor_names(self) -> list[str]:
         return list(self.arrays)
 
+    def tensor_nbytes(self, name):
+        return 4 * int(np.prod(self.arrays[name].shape))
+
     def tensor_shape(self, name: str) -> tuple[int, ...]:
         return self.arrays[name].shape
 

@@ -1,7 +1,6 @@
 """Source checkpoint → flash model folder, one tensor / one FFN layer in memory at a time."""
 from __future__ import annotations
 
-import math
 import multiprocessing
 import os
 import signal
@@ -22,6 +21,7 @@ from rich.table import Table
 from flashllm.format.layout import TOKENIZER_FILE, ffn_parts, ffn_weight, required_tensors
 from flashllm.format.writer import FlashWriter
 from flashllm.errors import FlashError, SourceError
+from flashllm.units import format_size
 from flashllm.convert.sources import open_source
 from flashllm.model.tensor import QTensor
 
@@ -31,7 +31,7 @@ ProgressFn = Callable[[int, int], None]
 def convert(src: Path, out: Path, dtype: str, force: bool = False,
             progress: ProgressFn | None = None) -> Path:
     """Convert the checkpoint at src (HF folder or GGUF file) into the flash model folder out.
-    progress(done, total) is called after every tensor, counting the source's f32 bytes."""
+    progress(done, total) is called after every tensor, counting the bytes the source stores."""
     src, out = Path(src), Path(out)
     if out.exists() and (out.resolve() == src.resolve() or out.resolve() in src.resolve().parents):
         raise FlashError(f"{out} holds the source {src}: the output must be another folder")
@@ -50,7 +50,7 @@ def convert_source(source, out: Path, dtype: str, *, force: bool = False,
     dense, ffn = _plan(source)
     if dtype == "q4_k":
         _check_q4_k(source, ffn)
-    nbytes = {n: 4 * math.prod(source.tensor_shape(n)) for n in source.tensor_names()}
+    nbytes = {n: source.tensor_nbytes(n) for n in source.tensor_names()}   # as the source stores them
     total, done = sum(nbytes.values()), 0
     tick = progress or (lambda done, total: None)
     with FlashWriter(out, cfg, dtype, force=force, source=description) as w:
@@ -134,8 +134,9 @@ def convert_many(srcs: Sequence[Path], out: Path, dtype: str, force: bool,
     pairs = _targets([Path(s) for s in srcs], Path(out))
     columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
                TimeElapsedColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=console) as bar:
-        tasks = [bar.add_task(src.name, total=None) for src, _ in pairs]
+    bar = Progress(*columns, console=console) if console.is_terminal else LineProgress(console)
+    with bar:
+        tasks = [bar.add_task(src.name, total=_source_bytes(src)) for src, _ in pairs]
 
         def report(r: JobResult, task) -> None:
             if r.error is None:
@@ -157,6 +158,50 @@ def convert_many(srcs: Sequence[Path], out: Path, dtype: str, force: bool,
     if len(pairs) > 1:
         console.print(summary_table(results))
     return [(r.src, r.error) for r in results if r.error is not None]
+
+
+def _source_bytes(src: Path) -> int | None:
+    """The size of a source on disk (its weights), the progress total before it is opened."""
+    try:
+        if src.is_dir():
+            return sum(p.stat().st_size for p in src.glob("*.safetensors")) or None
+        return src.stat().st_size
+    except OSError:
+        return None
+
+
+class LineProgress:
+    """Progress as plain lines for a log (stderr not a terminal): each task's name at every
+    further 10% and when it completes, with its totals; the subset of rich's Progress the
+    converter uses."""
+
+    def __init__(self, console: Console):
+        self.console, self.tasks = console, []
+
+    def __enter__(self) -> "LineProgress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def add_task(self, description: str, total: int | None = None) -> int:
+        self.tasks.append({"description": description, "total": total, "shown": -1})
+        return len(self.tasks) - 1
+
+    def update(self, task: int, completed: int | None = None, total: int | None = None,
+               description: str | None = None, visible: bool = True) -> None:
+        t = self.tasks[task]
+        t["total"] = total or t["total"]
+        if description is not None and visible:
+            self.console.print(description, markup=False, highlight=False, soft_wrap=True)
+        if completed is None or not t["total"]:
+            return
+        tenth = min(10, 10 * completed // t["total"])
+        if tenth > t["shown"]:
+            t["shown"] = tenth
+            self.console.print(f"{t['description']}: {10 * tenth}% ({format_size(completed)} of "
+                               f"{format_size(t['total'])})", markup=False, highlight=False,
+                               soft_wrap=True)
 
 
 def _one(src: Path, dest: Path | str, dtype: str, force: bool, progress: ProgressFn) -> JobResult:

@@ -29,6 +29,10 @@ class Source(ABC):
     def tensor_shape(self, name: str) -> tuple[int, ...]:
         """Shape of a canonical tensor in HF semantics (a linear weight is (out, in))."""
 
+    def tensor_nbytes(self, name: str) -> int:
+        """Bytes the checkpoint stores the tensor in (what converting it reads)."""
+        return 4 * int(np.prod(self.tensor_shape(name)))
+
     @abstractmethod
     def load(self, name: str) -> np.ndarray:
         """The tensor as a new float32 array in HF semantics."""

@@ -129,6 +129,11 @@ class GGUFSource(Source):
     def tensor_names(self) -> list[str]:
         return list(self._tensors)
 
+    def tensor_nbytes(self, name: str) -> int:
+        if name not in self._tensors:
+            raise self._unknown(name)
+        return int(self._tensors[name].n_bytes)
+
     def tensor_shape(self, name: str) -> tuple[int, ...]:
         return self._shape_of(name)
 

@@ -125,6 +125,11 @@ class HFSource(Source):
     def tensor_shape(self, name: str) -> tuple[int, ...]:
         return tuple(int(n) for n in self._slice(name)[2].get_shape())
 
+    def tensor_nbytes(self, name: str) -> int:
+        sl = self._slice(name)[2]
+        size = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}.get(sl.get_dtype(), 4)
+        return size * int(np.prod(sl.get_shape()))
+
     def load(self, name: str) -> np.ndarray:
         file, hf_name, _ = self._slice(name)
         try:
