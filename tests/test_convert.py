@@ -245,4 +245,5 @@ def test_progress_in_a_log_is_plain_lines_with_true_totals(tmp_path):
     assert proc.returncode == 0 and lines[-1] == f"llama → {tmp_path / 'm'}", proc.stderr
     assert lines[-2].startswith("llama: 100% (") and "━" not in proc.stderr
     done, total = lines[-2].split("(")[1].rstrip(")").split(" of ")
-    assert done == total and abs(float(total.split()[0]) * 1024 - stored / 1024) < 0.1 * stored / 1024
+    from flashllm.units import parse_size
+    assert done == total and abs(parse_size(total.replace(" ", "")) - stored) < 0.1 * stored
