@@ -7,10 +7,9 @@ import pytest
 from typer.testing import CliRunner
 
 from flashllm.storage.costmodel import CostModel, bundle_requests, fit_points
-from flashllm.ffi.reader import ALIGN
 from flashllm.storage.profile import (Cell, Profile, ProfileError, device_of, load_profile, measure,
                                      profile_path, save_profile, scratch_file)
-from flashllm.units import GiB, KiB, MiB, SizeError, parse_size
+from flashllm.units import GiB, KiB, MiB, PAGE, SizeError, parse_size
 
 CHUNKS = [4 * KiB << i for i in range(9)]
 
@@ -24,7 +23,7 @@ def test_fit_recovers_overhead_and_bandwidth():
     fit = fit_points(16, [(c, g) for c, _, g in synthetic_points(8e-6, 2.5 * GiB, 16)])
     assert fit.overhead == pytest.approx(8e-6, rel=1e-6)
     assert fit.bandwidth == pytest.approx(2.5 * GiB, rel=1e-6)
-    assert fit.merge_gap == int(8e-6 * 2.5 * GiB) // ALIGN * ALIGN  # 20 KiB: a hole costs a/B
+    assert fit.merge_gap == int(8e-6 * 2.5 * GiB) // PAGE * PAGE  # 20 KiB: a hole costs a/B
 
 
 def model_two_pools():
@@ -38,11 +37,11 @@ def test_plan_merges_holes_below_the_gap_and_picks_the_fast_pool():
     ids = np.arange(0, 4000, 2)  # (2000,) every other neuron: 1.5 KiB holes
     offsets, lengths = bundle_requests(4096, stride, ids)  # (2000,) (2000,)
     plan = model.plan(offsets, lengths)
-    assert plan.threads == 16 and plan.max_gap == int(5e-6 * 2 * GiB) // ALIGN * ALIGN
-    pages = -(-(offsets[-1] + stride) // ALIGN) - 1  # every page from 4096 to the last bundle's
-    assert plan.bytes_read == pages * ALIGN and plan.gap_bytes == 0  # 1.5 KiB holes share pages
-    assert plan.max_run == -(-(offsets[-1] + stride - offsets[0]) // 64) // ALIGN * ALIGN
-    assert plan.reads == -(-pages * ALIGN // plan.max_run)  # joined runs, one or more per thread
+    assert plan.threads == 16 and plan.max_gap == int(5e-6 * 2 * GiB) // PAGE * PAGE
+    pages = -(-(offsets[-1] + stride) // PAGE) - 1  # every page from 4096 to the last bundle's
+    assert plan.bytes_read == pages * PAGE and plan.gap_bytes == 0  # 1.5 KiB holes share pages
+    assert plan.max_run == -(-(offsets[-1] + stride - offsets[0]) // 64) // PAGE * PAGE
+    assert plan.reads == -(-pages * PAGE // plan.max_run)  # joined runs, one or more per thread
     assert plan.bytes_requested == 2000 * stride
     avg = plan.bytes_read / plan.reads  # the device's GiB/s there, log-interpolated by hand:
     chunks, gib = zip(*[(c, g) for c, _, g in synthetic_points(5e-6, 2.0 * GiB, 16)])

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from flashllm.errors import KernelError
-from flashllm.ffi.reader import ALIGN, DirectIOWarning, Reader, aligned_empty, plan_reads
+from flashllm.units import PAGE
+from flashllm.ffi.reader import DirectIOWarning, Reader, aligned_empty, plan_reads
 
 FILE_BYTES = 2 * 1024 * 1024 + 777  # not a multiple of the page: the tail bundle is unaligned
 
@@ -59,11 +60,11 @@ def test_io_uring_is_used_where_the_kernel_has_it(data_file):
     with Reader(data_file, n_threads=4) as reader:
         if not reader.ring:
             pytest.skip("this kernel refuses io_uring: the reader uses its thread pool")
-        dst = aligned_empty(3 * ALIGN)  # (3 pages,)
-        reader.read(np.array([FILE_BYTES - 2 * ALIGN - 5]), np.array([2 * ALIGN + 5]), dst,
+        dst = aligned_empty(3 * PAGE)  # (3 pages,)
+        reader.read(np.array([FILE_BYTES - 2 * PAGE - 5]), np.array([2 * PAGE + 5]), dst,
                     np.array([0]))  # the last read is short: it stops at the end of the file
-        assert dst[:2 * ALIGN + 5].tobytes() == python_read(data_file, FILE_BYTES - 2 * ALIGN - 5,
-                                                            2 * ALIGN + 5)
+        assert dst[:2 * PAGE + 5].tobytes() == python_read(data_file, FILE_BYTES - 2 * PAGE - 5,
+                                                            2 * PAGE + 5)
 
 
 def test_bundles_land_in_their_slots(data_file):
@@ -80,28 +81,28 @@ def test_bundles_land_in_their_slots(data_file):
 
 
 def test_gaps_are_read_only_when_allowed(data_file):
-    offsets = np.arange(0, 64) * 3 * ALIGN  # (64,) one page used, two skipped
-    lengths = np.full(64, ALIGN)  # (64,)
-    assert plan_reads(offsets, lengths, max_gap=-1) == (64, 64 * ALIGN, 0)
-    assert plan_reads(offsets, lengths, max_gap=ALIGN) == (64, 64 * ALIGN, 0)
-    reads, nbytes, gaps = plan_reads(offsets, lengths, max_gap=2 * ALIGN, max_run=1 << 20)
-    assert (reads, gaps) == (1, 63 * 2 * ALIGN) and nbytes == 190 * ALIGN
-    dst = aligned_empty(64 * ALIGN)  # (64 pages,)
+    offsets = np.arange(0, 64) * 3 * PAGE  # (64,) one page used, two skipped
+    lengths = np.full(64, PAGE)  # (64,)
+    assert plan_reads(offsets, lengths, max_gap=-1) == (64, 64 * PAGE, 0)
+    assert plan_reads(offsets, lengths, max_gap=PAGE) == (64, 64 * PAGE, 0)
+    reads, nbytes, gaps = plan_reads(offsets, lengths, max_gap=2 * PAGE, max_run=1 << 20)
+    assert (reads, gaps) == (1, 63 * 2 * PAGE) and nbytes == 190 * PAGE
+    dst = aligned_empty(64 * PAGE)  # (64 pages,)
     with Reader(data_file, n_threads=4) as reader:
-        reader.read(offsets, lengths, dst, np.arange(64) * ALIGN, max_gap=2 * ALIGN)
+        reader.read(offsets, lengths, dst, np.arange(64) * PAGE, max_gap=2 * PAGE)
         stats = reader.stats()
-    assert (stats.reads, stats.gap_bytes, stats.merged_requests) == (1, 63 * 2 * ALIGN, 63)
-    assert dst[5 * ALIGN:6 * ALIGN].tobytes() == python_read(data_file, 15 * ALIGN, ALIGN)
+    assert (stats.reads, stats.gap_bytes, stats.merged_requests) == (1, 63 * 2 * PAGE, 63)
+    assert dst[5 * PAGE:6 * PAGE].tobytes() == python_read(data_file, 15 * PAGE, PAGE)
 
 
 def test_request_past_end_of_file_is_a_clear_error(data_file):
-    dst = aligned_empty(2 * ALIGN)
+    dst = aligned_empty(2 * PAGE)
     with Reader(data_file, n_threads=2) as reader:
         with pytest.raises(KernelError, match=r"request 1 \(offset .*outside the file"):
             reader.read(np.array([0, FILE_BYTES - 100]), np.array([100, 101]), dst,
-                        np.array([0, ALIGN]))
+                        np.array([0, PAGE]))
         with pytest.raises(KernelError, match="too small"):
-            reader.read(np.array([0]), np.array([3 * ALIGN]), dst, np.array([0]))
+            reader.read(np.array([0]), np.array([3 * PAGE]), dst, np.array([0]))
         assert reader.stats().batches == 0
 
 

@@ -20,8 +20,8 @@ import numpy as np
 
 from flashllm.ffi.lib import check, ffi, native
 from flashllm.errors import KernelError
+from flashllm.units import PAGE
 
-ALIGN = 4096                  # page size of every direct read: offsets, sizes and buffers
 DEFAULT_STAGE = 1 << 20       # per-thread staging buffer = the largest single read
 
 
@@ -54,8 +54,8 @@ class ReadStats:
 
 def aligned_empty(nbytes: int) -> np.ndarray:
     """An uninitialised uint8 array (nbytes) whose data starts on a 4096-byte boundary."""
-    raw = np.empty(nbytes + ALIGN, dtype=np.uint8)  # (nbytes + ALIGN)
-    start = (-raw.ctypes.data) % ALIGN
+    raw = np.empty(nbytes + PAGE, dtype=np.uint8)  # (nbytes + PAGE)
+    start = (-raw.ctypes.data) % PAGE
     return raw[start:start + nbytes]
 
 

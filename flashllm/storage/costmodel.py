@@ -24,9 +24,9 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from flashllm.ffi.reader import ALIGN, plan_reads
+from flashllm.ffi.reader import plan_reads
 from flashllm.storage.profile import Profile, device_of, load_profile
-from flashllm.units import GiB, KiB
+from flashllm.units import GiB, KiB, PAGE
 
 MIN_RUN, MAX_RUN = 64 * KiB, 1 << 20
 DEPTH_TOLERANCE = 1.10    # plan: the deepest pool predicted within 10% of the fastest
@@ -54,7 +54,7 @@ class Fit:
     @property
     def merge_gap(self) -> int:
         """Largest hole worth reading through to save one read, in whole pages."""
-        return int(self.overhead * self.bandwidth) // ALIGN * ALIGN
+        return int(self.overhead * self.bandwidth) // PAGE * PAGE
 
 
 @dataclass(frozen=True)
@@ -175,7 +175,7 @@ def run_size(offsets: np.ndarray, lengths: np.ndarray, threads: int) -> int:
     if len(offsets) == 0:
         return MAX_RUN
     span = int(np.max(offsets + lengths) - np.min(offsets))
-    per_thread = -(-span // (4 * threads)) // ALIGN * ALIGN  # ~4 reads per thread: even finish
+    per_thread = -(-span // (4 * threads)) // PAGE * PAGE  # ~4 reads per thread: even finish
     return int(min(MAX_RUN, max(MIN_RUN, per_thread)))
 
 
