@@ -27,6 +27,7 @@ embedding row costs one small read per token: hence that order.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -121,7 +122,8 @@ def parse_budget(text: str, model_bytes: int) -> int:
 def process_rss() -> int:
     """Resident bytes of this process now (Linux /proc; 0 where unavailable)."""
     try:
-        return int(Path("/proc/self/statm").read_text().split()[1]) * 4096
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE")            # the OS's page, not the I/O PAGE
     except (OSError, IndexError, ValueError):
         return 0
 
