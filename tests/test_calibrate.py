@@ -223,6 +223,7 @@ def test_cli_calibrate_then_sparse_perplexity(tiny, tmp_path):
     r = CliRunner().invoke(app, ["calibrate", str(path), "--text", str(text), "--tokens", "48",
                                  "--ctx", "24", "--sparsity", "0.4", "-t", "1"])
     assert r.exit_code == 0, r.output
+    assert "training a gate_up predictor on 48 tokens x" in r.output     # says what takes time
     sec = open_flash(path, verify=True).manifest["sparsity"]
     assert (sec["target"], sec["criterion"], sec["hot_first"]) == (0.4, "glu_product", True)
     assert sec["calibration"]["text"]["source"] == "file" and sec["calibration"]["n_tokens"] == 48
@@ -236,6 +237,7 @@ def test_cli_calibrate_then_sparse_perplexity(tiny, tmp_path):
                                  "0.4", "--json", "-t", "1"])
     assert r.exit_code == 0, r.output
     assert "using the model's calibrated thresholds" in r.output
+    assert "[1/2] " in r.output and "min left" in r.output and "[2/2] " in r.output   # an ETA
     out = json.loads(r.output.strip().splitlines()[-1])
     assert (out["count"], out["n_chunks"], out["sparsity"]) == (22, 2, 0.4)
     r = CliRunner().invoke(app, ["calibrate", str(path), "--text", str(text), "--tokens", "999"])

@@ -1,6 +1,7 @@
 """`flashllm perplexity` and `flashllm calibrate` (commands registered on cli.app)."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -21,6 +22,15 @@ def _quality_text(file: Optional[Path], split: str, kind: str, max_chars: Option
     """The text for perplexity/calibration: FILE, else the shipped text of `split`."""
     from flashllm.sparsity.corpus import builtin_text, file_text
     return file_text(file) if file is not None else builtin_text(split, kind, max_chars)
+
+
+def _chunk_line(t0: float):
+    """on_chunk for perplexity: the running value and the time left, one line per chunk."""
+    def show(i: int, n: int, ppl: float) -> None:
+        left = (time.perf_counter() - t0) / i * (n - i)
+        err.print(f"[{i}/{n}] {ppl:.4f}, about {left / 60:.1f} min left" if i < n else
+                  f"[{i}/{n}] {ppl:.4f}", markup=False)
+    return show
 
 
 @command
@@ -60,7 +70,7 @@ def perplexity(
     net = Model(flash, n_threads=threads, n_ctx=ctx, ffn=ffn, kv_dtype="f16")   # as `run`
     bos = bos_to_add(tok, flash.config.bos_token_id)
     result = measure(net, text_tokens(tok, text.text), ctx, chunks, bos,
-                     on_chunk=lambda i, n, p: err.print(f"[{i}/{n}] {p:.4f}", markup=False))
+                     on_chunk=_chunk_line(time.perf_counter()))
     if as_json:
         print(json.dumps({**result.to_dict(), "sparsity": sparsity, "text": text.description}))
     else:
