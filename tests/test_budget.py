@@ -255,3 +255,22 @@ def test_run_refuses_an_unknown_predictor_mode_at_parse_time(tiny):  # noqa: F81
     r = CliRunner().invoke(app, ["run", str(tiny[0].path), "-p", "x", "--predictor", "maybe"])
     said = " ".join(r.output.replace("│", " ").split())                  # unwrap Rich's box
     assert r.exit_code == 2 and "'maybe' is not one of 'auto', 'on', 'off'" in said
+
+
+@pytest.mark.realmodel
+@pytest.mark.parametrize("mib", [100, 130, 200])
+def test_a_run_stays_within_its_budget_smollm2(mib):
+    """The budget is a promise: the process's peak resident memory (its own getrusage, measured
+    by a parent that runs nothing else) stays below --dram-budget."""
+    import subprocess
+    import sys
+    from conftest import _converted
+    path = _converted("smollm2-135m", "q8_0", log=lambda m: None)
+    code = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:], capture_output=True);"
+            " print(r.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+    run_argv = [sys.executable, "-m", "flashllm", "run", str(path), "-p", "The sky is", "-n", "16",
+                "--temp", "0", "--dram-budget", f"{mib}MiB"]
+    out = subprocess.run([sys.executable, "-c", code, *run_argv], capture_output=True, text=True,
+                         timeout=300).stdout.split()
+    rc, peak_kib = int(out[0]), int(out[1])
+    assert rc == 0 and peak_kib <= mib * 1024, (rc, peak_kib / 1024)
