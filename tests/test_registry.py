@@ -18,7 +18,8 @@ import pytest
 
 from flashllm.convert import registry as reg
 from flashllm.errors import RegistryError
-from flashllm.convert.registry import load_registry, pull, resolve_model
+from flashllm.convert.registry import load_registry, pull
+from flashllm.convert.resolve import resolve_model
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS_TOML = ROOT / "models.toml"

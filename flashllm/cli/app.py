@@ -114,7 +114,7 @@ def fail(message: str) -> None:
 
 def model_path(model: str) -> Path:
     """MODEL as given on the command line: a converted folder, or a models.toml name."""
-    from flashllm.convert.registry import resolve_model
+    from flashllm.convert.resolve import resolve_model
     return resolve_model(model, cache_dir(), registry_path(), log=lambda m: err.print(m, markup=False))
 
 

