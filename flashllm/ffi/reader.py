@@ -86,7 +86,7 @@ class Reader:
     def __init__(self, path: Path, n_threads: int = 8, direct: bool = True,
                  stage_bytes: int = DEFAULT_STAGE, ring: bool = True) -> None:
         """n_threads: reads in flight (io_uring) or pool threads; ring=False forces the pool."""
-        lib = native()
+        lib = self._lib = native()
         self.path = Path(path)
         out = ffi.new("fl_reader **")
         flags = (lib.FL_READ_DIRECT if direct else 0) | (lib.FL_READ_RING if ring else 0)
@@ -113,7 +113,7 @@ class Reader:
         dst: a writable C-contiguous uint8 array (4096-aligned for in-place reads, see
         aligned_empty). max_gap < 0 disables merging; max_run <= 0 means the staging size.
         """
-        lib = native()
+        lib = self._lib
         n = len(offsets)
         offs, lens = int64_array(offsets, "offsets", n), int64_array(lengths, "lengths", n)  # (n,) (n,)
         douts = int64_array(dst_offsets, "dst_offsets", n)  # (n,)
@@ -152,13 +152,13 @@ class Reader:
         return self._h
 
     def stats(self) -> ReadStats:
-        lib = native()
+        lib = self._lib
         s = ffi.new("fl_reader_stats_t *")
         check(lib.fl_reader_stats(self._h, s), "reader stats")
         return read_stats(s)
 
     def reset_stats(self) -> None:
-        lib = native()
+        lib = self._lib
         check(lib.fl_reader_reset_stats(self._h), "reader stats reset")
 
     def close(self) -> None:
