@@ -157,7 +157,7 @@ def _read_manifest(path: Path) -> dict:
 
 
 _FLOAT_FIELDS = ("norm_eps", "rope_theta")
-_BOOL_FIELDS = ("glu", "tied_embeddings", "attn_qkv_bias", "attn_out_bias", "ffn_bias")
+_BOOL_FIELDS = ("glu", "tied_embeddings", "attn_qkv_bias", "attn_out_bias", "ffn_bias", "qk_norm")
 _INT_FIELDS = ("pos_offset", "d_embed")
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
 from flashllm.model.config import ModelConfig
+from flashllm.model.hf_config import eos_ids, need, rope_model
 from flashllm.errors import SourceError
 
 _PLACEHOLDERS = {"{i}": r"(?P<i>\d+)", "{wb}": r"(?P<wb>weight|bias)", "{m}": r"(?:model\.)?"}
@@ -125,63 +126,6 @@ def check_tensor_set(cfg: ModelConfig, present: Iterable[str], where: str) -> No
         raise SourceError(f"{where}: tensor {extra[0]!r} is not expected by the {cfg.arch} config")
 
 
-# ---------------------------------------------------------------- config.json helpers
-
-def _get(cfg: Mapping, key: str, where: str):
-    if cfg.get(key) is None:
-        raise SourceError(f"{where}: config.json has no {key!r}")
-    return cfg[key]
-
-
-def rope_theta(cfg: Mapping, default: float = 10000.0) -> float:
-    """rope_theta; any rope scaling other than the default is refused (transformers 4 and 5 keys)."""
-    params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or {}
-    for spec in (params, scaling):
-        kind = spec.get("rope_type", spec.get("type", "default"))
-        if kind not in (None, "default"):
-            raise SourceError(f"rope scaling {kind!r} is unsupported (only plain RoPE)")
-    if scaling and not (scaling.get("rope_type") or scaling.get("type")):
-        raise SourceError(f"rope_scaling {dict(scaling)!r} is unsupported (only plain RoPE)")
-    return float(cfg.get("rope_theta") or params.get("rope_theta") or default)
-
-
-def eos_ids(value) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else (int(value),)
-
-
-def _silu(cfg: Mapping, where: str) -> str:
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise SourceError(f"{where}: hidden_act {act!r} is unsupported (only silu)")
-    return "silu"
-
-
-def _rope_model(cfg: Mapping, name: str, qkv_bias: bool, out_bias: bool) -> ModelConfig:
-    """The shared config of llama-like models (RMSNorm, SwiGLU, RoPE)."""
-    where = name
-    d_model = int(_get(cfg, "hidden_size", where))
-    n_heads = int(_get(cfg, "num_attention_heads", where))
-    if cfg.get("mlp_bias"):
-        raise SourceError(f"{where}: mlp_bias=True is unsupported")
-    if cfg.get("partial_rotary_factor", 1.0) != 1.0:
-        raise SourceError(f"{where}: partial_rotary_factor is unsupported")
-    return ModelConfig(
-        arch=name, vocab_size=int(_get(cfg, "vocab_size", where)), d_model=d_model,
-        n_layers=int(_get(cfg, "num_hidden_layers", where)), n_heads=n_heads,
-        n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
-        head_dim=int(cfg.get("head_dim") or d_model // n_heads),
-        n_ff=int(_get(cfg, "intermediate_size", where)),
-        context_length=int(_get(cfg, "max_position_embeddings", where)),
-        norm="rms", norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), act=_silu(cfg, where), glu=True,
-        pos="rope", rope_theta=rope_theta(cfg), tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attn_qkv_bias=qkv_bias, attn_out_bias=out_bias,
-        bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids(cfg.get("eos_token_id")),
-    ).validate()
-
-
 _LLAMA_TABLE = (
     ("model.embed_tokens.weight", "token_embd.weight"),
     ("model.norm.weight", "output_norm.weight"),
@@ -203,7 +147,7 @@ _ROTARY_BUFFERS = ("model.rotary_emb.inv_freq", "model.layers.{i}.self_attn.rota
           gguf_permuted_qk=True)
 def llama_config(cfg: Mapping) -> ModelConfig:
     bias = bool(cfg.get("attention_bias", False))
-    return _rope_model(cfg, "llama", bias, bias)
+    return rope_model(cfg, "llama", bias, bias)
 
 
 @register("Qwen2ForCausalLM", "qwen2", _LLAMA_TABLE, _ROTARY_BUFFERS, gguf_arch="qwen2")
@@ -211,7 +155,7 @@ def qwen2_config(cfg: Mapping) -> ModelConfig:
     """Qwen2: biases on q/k/v only. use_sliding_window is off in released models and refused here."""
     if cfg.get("use_sliding_window"):
         raise SourceError("Qwen2ForCausalLM: use_sliding_window=True is unsupported")
-    return _rope_model(cfg, "qwen2", True, False)
+    return rope_model(cfg, "qwen2", True, False)
 
 
 @register("MistralForCausalLM", "mistral", _LLAMA_TABLE, _ROTARY_BUFFERS)
@@ -219,7 +163,7 @@ def mistral_config(cfg: Mapping) -> ModelConfig:
     """Mistral = llama without biases. sliding_window is not recorded: flashllm attends over the
     whole context, which equals sliding-window attention while the context is shorter than the
     window (4096 and more in released models)."""
-    return _rope_model(cfg, "mistral", False, False)
+    return rope_model(cfg, "mistral", False, False)
 
 
 _OPT_TABLE = (
@@ -251,50 +195,18 @@ def opt_config(cfg: Mapping) -> ModelConfig:
     act = cfg.get("activation_function", "relu")
     if act != "relu":
         raise SourceError(f"{where}: activation_function {act!r} is unsupported (only relu)")
-    d_model = int(_get(cfg, "hidden_size", where))
-    n_heads = int(_get(cfg, "num_attention_heads", where))
+    d_model = int(need(cfg, "hidden_size", where))
+    n_heads = int(need(cfg, "num_attention_heads", where))
     d_embed = int(cfg.get("word_embed_proj_dim") or d_model)
     bias = bool(cfg.get("enable_bias", True))
     return ModelConfig(
-        arch="opt", vocab_size=int(_get(cfg, "vocab_size", where)), d_model=d_model,
-        n_layers=int(_get(cfg, "num_hidden_layers", where)), n_heads=n_heads, n_kv_heads=n_heads,
-        head_dim=d_model // n_heads, n_ff=int(_get(cfg, "ffn_dim", where)),
-        context_length=int(_get(cfg, "max_position_embeddings", where)),
+        arch="opt", vocab_size=int(need(cfg, "vocab_size", where)), d_model=d_model,
+        n_layers=int(need(cfg, "num_hidden_layers", where)), n_heads=n_heads, n_kv_heads=n_heads,
+        head_dim=d_model // n_heads, n_ff=int(need(cfg, "ffn_dim", where)),
+        context_length=int(need(cfg, "max_position_embeddings", where)),
         norm="layer", norm_eps=1e-5, act="relu", glu=False, pos="learned", pos_offset=2,
         d_embed=d_embed if d_embed != d_model else 0,
         tied_embeddings=bool(cfg.get("tie_word_embeddings", True)),
         attn_qkv_bias=bias, attn_out_bias=bias, ffn_bias=bias,
         bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids(cfg.get("eos_token_id")),
-    ).validate()
-
-
-def gguf_config(arch: Arch, meta: Mapping, tensor_names: Iterable[str], vocab_size: int,
-                eos: tuple[int, ...]) -> ModelConfig:
-    """ModelConfig from GGUF metadata (`meta`: key -> value). Tied when output.weight is absent."""
-    a = arch.gguf_arch
-
-    def need(key: str):
-        if meta.get(f"{a}.{key}") is None:
-            raise SourceError(f"GGUF metadata has no {a}.{key!r}")
-        return meta[f"{a}.{key}"]
-
-    names = set(tensor_names)
-    d_model, n_heads = int(need("embedding_length")), int(need("attention.head_count"))
-    head_dim = int(meta.get(f"{a}.attention.key_length") or d_model // n_heads)
-    rot = meta.get(f"{a}.rope.dimension_count")
-    if rot is not None and int(rot) != head_dim:
-        raise SourceError(f"GGUF rope.dimension_count={rot} != head_dim={head_dim}: partial RoPE is unsupported")
-    scaling = meta.get(f"{a}.rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise SourceError(f"GGUF rope scaling {scaling!r} is unsupported (only plain RoPE)")
-    return ModelConfig(
-        arch=arch.name, vocab_size=vocab_size, d_model=d_model, n_layers=int(need("block_count")),
-        n_heads=n_heads, n_kv_heads=int(meta.get(f"{a}.attention.head_count_kv") or n_heads),
-        head_dim=head_dim, n_ff=int(need("feed_forward_length")),
-        context_length=int(need("context_length")), norm="rms",
-        norm_eps=float(need("attention.layer_norm_rms_epsilon")), act="silu", glu=True, pos="rope",
-        rope_theta=float(meta.get(f"{a}.rope.freq_base") or 10000.0),
-        tied_embeddings="output.weight" not in names,
-        attn_qkv_bias="blk.0.attn_q.bias" in names, attn_out_bias="blk.0.attn_output.bias" in names,
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_ids=eos,
     ).validate()

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from flashllm.errors import FormatError
 
-ARCHS = ("llama", "qwen2", "mistral", "opt")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "opt")
 NORMS = ("rms", "layer")
 ACTS = ("silu", "gelu", "relu")
 POSITIONS = ("rope", "learned")
@@ -38,6 +38,8 @@ class ModelConfig:
     ffn_bias: bool = False      # bias on up and down (OPT fc1/fc2)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Fields below came later; their defaults are what folders converted before them mean.
+    qk_norm: bool = False       # RMSNorm over each head's q and k before RoPE (attn_q_norm, attn_k_norm)
 
     @property
     def embed_dim(self) -> int:

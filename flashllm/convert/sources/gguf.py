@@ -13,7 +13,8 @@ import numpy as np
 from gguf import GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
-from flashllm.model.arch import arch_for_gguf, check_tensor_set, gguf_config
+from flashllm.model.arch import arch_for_gguf, check_tensor_set
+from flashllm.model.gguf_config import gguf_config
 from flashllm.errors import FlashError, SourceError
 from flashllm.convert.gguf_vocab import gguf_tokenizer_json
 from flashllm.convert.sources.base import GGUF_MAGIC, Source
