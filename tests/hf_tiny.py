@@ -33,6 +33,10 @@ TINY = {
                                        num_attention_heads=8, num_key_value_heads=2,
                                        rope_theta=1000000.0, rms_norm_eps=1e-6,
                                        tie_word_embeddings=True)),
+    # head_dim 40 is not hidden / heads (96 / 4 = 24): the config's own value must be used
+    "qwen3": ("Qwen3Config", dict(hidden_size=96, intermediate_size=176, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=40,
+                                  rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)),
     "mistral": ("MistralConfig", dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=1,
                                       rope_theta=10000.0, rms_norm_eps=1e-5, sliding_window=None,

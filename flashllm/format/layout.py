@@ -147,6 +147,8 @@ def _layer_tensors(cfg: ModelConfig, p: str, layer_norm: bool) -> dict[str, tupl
                     p + "attn_v.bias": (kv_rows,)})
     if cfg.attn_out_bias:
         req[p + "attn_output.bias"] = (d,)
+    if cfg.qk_norm:
+        req.update({p + "attn_q_norm.weight": (cfg.head_dim,), p + "attn_k_norm.weight": (cfg.head_dim,)})
     if cfg.ffn_bias:
         req[p + "ffn_up.bias"] = (cfg.n_ff,)
         req[p + "ffn_down.bias"] = (d,)

@@ -98,8 +98,10 @@ def expected_tensors(cfg: ModelConfig) -> list[str]:
         names.append("output.weight")
     for i in range(cfg.n_layers):
         parts = [("attn_norm", layer_norm), ("attn_q", cfg.attn_qkv_bias), ("attn_k", cfg.attn_qkv_bias),
-                 ("attn_v", cfg.attn_qkv_bias), ("attn_output", cfg.attn_out_bias),
-                 ("ffn_norm", layer_norm)]
+                 ("attn_v", cfg.attn_qkv_bias), ("attn_output", cfg.attn_out_bias)]
+        if cfg.qk_norm:
+            parts += [("attn_q_norm", False), ("attn_k_norm", False)]
+        parts.append(("ffn_norm", layer_norm))
         if cfg.glu:
             parts.append(("ffn_gate", False))
         parts += [("ffn_up", cfg.ffn_bias), ("ffn_down", cfg.ffn_bias)]
@@ -156,6 +158,22 @@ def qwen2_config(cfg: Mapping) -> ModelConfig:
     if cfg.get("use_sliding_window"):
         raise SourceError("Qwen2ForCausalLM: use_sliding_window=True is unsupported")
     return rope_model(cfg, "qwen2", True, False)
+
+
+_QK_NORM_TABLE = _LLAMA_TABLE + (
+    ("model.layers.{i}.self_attn.q_norm.weight", "blk.{i}.attn_q_norm.weight"),
+    ("model.layers.{i}.self_attn.k_norm.weight", "blk.{i}.attn_k_norm.weight"),
+)
+
+
+@register("Qwen3ForCausalLM", "qwen3", _QK_NORM_TABLE, _ROTARY_BUFFERS, gguf_arch="qwen3")
+def qwen3_config(cfg: Mapping) -> ModelConfig:
+    """Qwen3: QK-norm, head_dim from the config (not d_model / n_heads), no q/k/v bias unless
+    attention_bias. use_sliding_window is off in released models and refused here."""
+    if cfg.get("use_sliding_window"):
+        raise SourceError("Qwen3ForCausalLM: use_sliding_window=True is unsupported")
+    bias = bool(cfg.get("attention_bias", False))
+    return rope_model(cfg, "qwen3", bias, bias, qk_norm=True)
 
 
 @register("MistralForCausalLM", "mistral", _LLAMA_TABLE, _ROTARY_BUFFERS)

@@ -36,5 +36,6 @@ def gguf_config(arch: Arch, meta: Mapping, tensor_names: Iterable[str], vocab_si
         rope_theta=float(meta.get(f"{a}.rope.freq_base") or 10000.0),
         tied_embeddings="output.weight" not in names,
         attn_qkv_bias="blk.0.attn_q.bias" in names, attn_out_bias="blk.0.attn_output.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_ids=eos,
     ).validate()

@@ -40,8 +40,9 @@ def silu_act(cfg: Mapping, where: str) -> str:
     return "silu"
 
 
-def rope_model(cfg: Mapping, name: str, qkv_bias: bool, out_bias: bool) -> ModelConfig:
-    """The shared config of llama-like models (RMSNorm, SwiGLU, RoPE)."""
+def rope_model(cfg: Mapping, name: str, qkv_bias: bool, out_bias: bool, **fields) -> ModelConfig:
+    """The shared config of llama-like models (RMSNorm, SwiGLU, RoPE); `fields` set or override
+    ModelConfig fields."""
     where = name
     d_model = int(need(cfg, "hidden_size", where))
     n_heads = int(need(cfg, "num_attention_heads", where))
@@ -60,4 +61,5 @@ def rope_model(cfg: Mapping, name: str, qkv_bias: bool, out_bias: bool) -> Model
         pos="rope", rope_theta=rope_theta(cfg), tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attn_qkv_bias=qkv_bias, attn_out_bias=out_bias,
         bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids(cfg.get("eos_token_id")),
+        **fields,
     ).validate()

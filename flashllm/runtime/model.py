@@ -112,6 +112,9 @@ class Model:
         q = kernel.matmul(L.wq, h, L.bq, nt, ex).reshape(T, cfg.n_heads, hd)       # (T, n_heads, hd)
         k = kernel.matmul(L.wk, h, L.bk, nt, ex).reshape(T, cfg.n_kv_heads, hd)    # (T, n_kv, hd)
         v = kernel.matmul(L.wv, h, L.bv, nt, ex).reshape(T, cfg.n_kv_heads, hd)    # (T, n_kv, hd)
+        if L.q_norm is not None:                                          # QK-norm, per head
+            q = self._head_norm(q, L.q_norm)                              # (T, n_heads, hd)
+            k = self._head_norm(k, L.k_norm)                              # (T, n_kv, hd)
         if cfg.pos == "rope":
             kernel.rope(q, pos, cfg.rope_theta, hd)
             kernel.rope(k, pos, cfg.rope_theta, hd)
@@ -120,3 +123,8 @@ class Model:
         o = kernel.attention(q, self.k_cache[i], self.v_cache[i], pos0, hd ** -0.5,
                              n_threads=nt)                                # (T, n_heads * hd)
         return kernel.matmul(L.wo, o, L.bo, nt, ex)                       # (T, d_model)
+
+    def _head_norm(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        """RMSNorm of each head's vector: x (T, heads, hd) -> (T, heads, hd)."""
+        T, heads, hd = x.shape
+        return kernel.rmsnorm(x.reshape(T * heads, hd), w, self.config.norm_eps).reshape(T, heads, hd)

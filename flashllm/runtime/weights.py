@@ -50,6 +50,8 @@ class Layer:
     ffn_norm: np.ndarray                # (d_model,)
     ffn_norm_b: Optional[np.ndarray]    # (d_model,)
     down_b: Optional[np.ndarray]        # (d_model,)
+    q_norm: Optional[np.ndarray] = None # (hd,) QK-norm models only
+    k_norm: Optional[np.ndarray] = None # (hd,)
 
 
 def _opt(flash, name: str) -> Optional[np.ndarray]:
@@ -73,6 +75,7 @@ def load_layer(flash, i: int, matrices: Optional[list] = None) -> Layer:
         bv=_opt(flash, p + "attn_v.bias"), bo=_opt(flash, p + "attn_output.bias"),
         ffn_norm=flash.tensor(p + "ffn_norm.weight"), ffn_norm_b=_opt(flash, p + "ffn_norm.bias"),
         down_b=_opt(flash, p + "ffn_down.bias"),
+        q_norm=_opt(flash, p + "attn_q_norm.weight"), k_norm=_opt(flash, p + "attn_k_norm.weight"),
     )
 
 
