@@ -102,9 +102,11 @@ int32_t fl_layernorm(const float *x, const float *w, const float *b, float *y, i
 
 /* In place rotary embedding, rotate-half (NEOX / Hugging Face) pairing: for each head, value j
  * pairs with j + n_rot/2, j < n_rot/2; values at n_rot.. are left alone.
- * x (T, n_heads, head_dim); pos (T) the absolute position of each row; freq_j = theta^(-2j/n_rot). */
+ * x (T, n_heads, head_dim); pos (T) the absolute position of each row; inv_freq (n_rot/2) the
+ * angle per position of pair j, e.g. theta^(-2j/n_rot) / factor_j (rope scaling folds in here).
+ * The angle pos * inv_freq[j] is formed in double. */
 int32_t fl_rope(float *x, int64_t T, int64_t n_heads, int64_t head_dim, int64_t n_rot,
-                const int32_t *pos, float theta);
+                const int32_t *pos, const double *inv_freq);
 
 /* Causal multi-head attention with grouped KV heads.
  * q (T, n_heads, head_dim) holds the queries of positions pos0 .. pos0+T-1;

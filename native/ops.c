@@ -245,15 +245,17 @@ int32_t fl_layernorm(const float *x, const float *w, const float *b, float *y, i
 }
 
 int32_t fl_rope(float *x, int64_t T, int64_t n_heads, int64_t head_dim, int64_t n_rot,
-                const int32_t *pos, float theta) {
-    if (!x || !pos || T <= 0 || n_heads <= 0 || head_dim <= 0 || n_rot <= 0 || n_rot % 2 ||
-        n_rot > head_dim || !(theta > 0.0f))
+                const int32_t *pos, const double *inv_freq) {
+    if (!x || !pos || !inv_freq || T <= 0 || n_heads <= 0 || head_dim <= 0 || n_rot <= 0 ||
+        n_rot % 2 || n_rot > head_dim)
         return FL_EINVAL;
     const int64_t half = n_rot / 2;
+    for (int64_t j = 0; j < half; j++)
+        if (!(inv_freq[j] > 0.0 && inv_freq[j] < INFINITY)) return FL_EINVAL;
     for (int64_t t = 0; t < T; t++) {
         float *xt = x + t * n_heads * head_dim;  // (n_heads, head_dim)
         for (int64_t j = 0; j < half; j++) {
-            const double angle = pos[t] * pow((double)theta, -2.0 * (double)j / (double)n_rot);
+            const double angle = pos[t] * inv_freq[j];
             const float c = (float)cos(angle), s = (float)sin(angle);
             for (int64_t h = 0; h < n_heads; h++) {
                 float *xh = xt + h * head_dim;  // (head_dim)

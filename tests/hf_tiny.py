@@ -26,6 +26,16 @@ TINY = {
                                        num_attention_heads=3, num_key_value_heads=1,
                                        rope_theta=50000.0, rms_norm_eps=1e-5,
                                        tie_word_embeddings=True)),
+    # llama3 rope scaling: with head_dim 16 and original context 64, frequencies fall on both
+    # sides of and between the low / high wavelength bounds (16 and 64)
+    "llama3": ("LlamaConfig", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   rope_parameters=dict(rope_type="llama3", rope_theta=10000.0,
+                                                        factor=8.0, low_freq_factor=1.0,
+                                                        high_freq_factor=4.0,
+                                                        original_max_position_embeddings=64),
+                                   max_position_embeddings=512, rms_norm_eps=1e-5,
+                                   tie_word_embeddings=True)),
     "qwen2": ("Qwen2Config", dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, rope_theta=1000000.0,
                                   rms_norm_eps=1e-6, tie_word_embeddings=False)),

@@ -92,10 +92,10 @@ def test_rmsnorm_and_layernorm():
     _close(y, rms)
 
 
-def _rope_ref(x: np.ndarray, pos: np.ndarray, theta: float, n_rot: int) -> np.ndarray:
-    """Hugging Face rotate_half RoPE on the first n_rot values of every head, in f64."""
-    half = n_rot // 2
-    inv = theta ** (-np.arange(half) * 2.0 / n_rot)  # (half,)
+def _rope_ref(x: np.ndarray, pos: np.ndarray, inv: np.ndarray) -> np.ndarray:
+    """Hugging Face rotate_half RoPE on the first n_rot = 2 * len(inv) values of every head, f64."""
+    half = len(inv)
+    n_rot = 2 * half
     ang = pos[:, None].astype(np.float64) * inv  # (T, half)
     cos = np.concatenate([np.cos(ang)] * 2, 1)[:, None, :]  # (T, 1, n_rot)
     sin = np.concatenate([np.sin(ang)] * 2, 1)[:, None, :]  # (T, 1, n_rot)
@@ -105,11 +105,16 @@ def _rope_ref(x: np.ndarray, pos: np.ndarray, theta: float, n_rot: int) -> np.nd
 
 
 @pytest.mark.parametrize("n_rot", [16, 10])
-def test_rope_rotate_half(n_rot):
+@pytest.mark.parametrize("scaled", [False, True])
+def test_rope_rotate_half(n_rot, scaled):
+    """Plain frequencies theta^(-2j/n_rot), and the same divided per frequency (rope scaling)."""
     x = _rng(1).standard_normal((4, 3, 16)).astype(np.float32)  # (T, H, head_dim)
     pos = np.array([0, 1, 7, 300], np.int32)
-    ref = _rope_ref(x, pos, 10000.0, n_rot)
-    _close(kernel.rope(x, pos, 10000.0, n_rot), ref, rel=1e-6)
+    inv = 10000.0 ** (-np.arange(n_rot // 2) * 2.0 / n_rot)  # (n_rot/2,)
+    if scaled:
+        inv = inv / np.linspace(1.0, 8.0, n_rot // 2)
+    ref = _rope_ref(x, pos, inv)
+    _close(kernel.rope(x, pos, inv), ref, rel=1e-6)
 
 
 def _attention_ref(q, k, v, pos0, scale):
@@ -252,8 +257,9 @@ def _bad_calls():
         lambda: kernel.matmul(w, x, n_threads=0),
         lambda: kernel.get_rows(w, [8]),
         lambda: kernel.rmsnorm(x, np.zeros(31, np.float32), 1e-6),
-        lambda: kernel.rope(np.zeros((1, 2, 8), np.float64), [0], 1e4, 8),
-        lambda: kernel.rope(np.zeros((1, 2, 8), np.float32), [0], 1e4, 9),
+        lambda: kernel.rope(np.zeros((1, 2, 8), np.float64), [0], np.ones(4)),
+        lambda: kernel.rope(np.zeros((1, 2, 8), np.float32), [0], np.ones(5)),
+        lambda: kernel.rope(np.zeros((1, 2, 8), np.float32), [0], np.zeros(4)),
         lambda: kernel.attention(np.zeros((1, 3, 8), np.float32), k, k, 0, 1.0),
         lambda: kernel.attention(np.zeros((2, 2, 8), np.float32), k, k, 3, 1.0),
         lambda: kernel.ffn_bundles(data, "q8_0", 32, True, "tanh", x, y),

@@ -187,7 +187,10 @@ def test_missing_tensor(tmp_path, hf_tiny):
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}, "rope scaling 'linear' is unsupported"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}},
+     r"rope scaling 'yarn' is unsupported \(supported: default, linear, llama3\)"),
+    ({"rope_parameters": {"rope_type": "llama3", "factor": -1.0, "rope_theta": 1e4}},
+     "rope scaling needs a positive 'factor'"),
     ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope scaling 'dynamic' is unsupported"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is unsupported"),
     ({"mlp_bias": True}, "mlp_bias=True is unsupported"),

@@ -144,8 +144,10 @@ def layernorm(x, w, b, eps: float, out: np.ndarray | None = None) -> np.ndarray:
     return y
 
 
-def rope(x: np.ndarray, pos, theta: float, n_rot: int) -> np.ndarray:
-    """Rotate-half RoPE in place on x (T, n_heads, head_dim) at positions pos (T); returns x."""
+def rope(x: np.ndarray, pos, inv_freq) -> np.ndarray:
+    """Rotate-half RoPE in place on x (T, n_heads, head_dim) at positions pos (T), pair j turning
+    by pos * inv_freq[j] (inv_freq (n_rot/2,), n_rot <= head_dim; model/rope.py makes it);
+    returns x."""
     k = _native()
     if not isinstance(x, np.ndarray) or x.ndim != 3:
         raise KernelError("rope: x must be a (T, n_heads, head_dim) float32 array")
@@ -154,10 +156,12 @@ def rope(x: np.ndarray, pos, theta: float, n_rot: int) -> np.ndarray:
     p = np.ascontiguousarray(pos, dtype=np.int32).reshape(-1)  # (T,)
     if p.shape != (t,):
         raise KernelError(f"rope: pos must have {t} positions, got {p.size}")
-    if n_rot <= 0 or n_rot % 2 or n_rot > head_dim:
-        raise KernelError(f"rope: n_rot must be even and in [2, {head_dim}], got {n_rot}")
-    _check(k.fl_rope(_fptr(x), t, n_heads, head_dim, n_rot, ffi.from_buffer("int32_t[]", p),
-                     theta), "rope")
+    f = np.ascontiguousarray(inv_freq, dtype=np.float64).reshape(-1)  # (n_rot/2,)
+    if not 0 < 2 * f.size <= head_dim or not (np.isfinite(f).all() and (f > 0).all()):
+        raise KernelError(f"rope: inv_freq must hold 1..{head_dim // 2} positive finite values, "
+                          f"got {f.size}")
+    _check(k.fl_rope(_fptr(x), t, n_heads, head_dim, 2 * f.size, ffi.from_buffer("int32_t[]", p),
+                     ffi.from_buffer("double[]", f)), "rope")
     return x
 
 

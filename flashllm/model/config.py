@@ -40,6 +40,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     # Fields below came later; their defaults are what folders converted before them mean.
     qk_norm: bool = False       # RMSNorm over each head's q and k before RoPE (attn_q_norm, attn_k_norm)
+    rope_freq_factors: tuple[float, ...] = ()   # (head_dim / 2) divisors of the RoPE frequencies
+                                                # (rope scaling, model/rope.py); () for none
 
     @property
     def embed_dim(self) -> int:
@@ -56,6 +58,11 @@ class ModelConfig:
                      "n_ff", "context_length"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise FormatError(f"config field {name}={getattr(self, name)!r} must be a positive integer")
+        f = self.rope_freq_factors
+        if f and (len(f) != self.head_dim // 2 or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf") for v in f)):
+            raise FormatError(f"rope_freq_factors must be {self.head_dim // 2} positive numbers, "
+                              f"got {len(f)}")
         if self.n_heads % self.n_kv_heads:
             raise FormatError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
         return self
@@ -63,6 +70,7 @@ class ModelConfig:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
+        d["rope_freq_factors"] = list(self.rope_freq_factors)
         return d
 
     @classmethod
@@ -73,7 +81,8 @@ class ModelConfig:
         if unknown:
             raise FormatError(f"unknown config fields in manifest: {sorted(unknown)}")
         try:
-            cfg = cls(**{**d, "eos_token_ids": tuple(d.get("eos_token_ids", ()))})
+            cfg = cls(**{**d, "eos_token_ids": tuple(d.get("eos_token_ids", ())),
+                         "rope_freq_factors": tuple(d.get("rope_freq_factors", ()))})
         except TypeError as e:
             raise FormatError(f"bad config in manifest: {e}") from None
         return cfg.validate()

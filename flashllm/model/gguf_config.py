@@ -9,8 +9,9 @@ from flashllm.model.config import ModelConfig
 
 
 def gguf_config(arch: Arch, meta: Mapping, tensor_names: Iterable[str], vocab_size: int,
-                eos: tuple[int, ...]) -> ModelConfig:
-    """ModelConfig from GGUF metadata (`meta`: key -> value). Tied when output.weight is absent."""
+                eos: tuple[int, ...], rope_freqs: tuple[float, ...] = ()) -> ModelConfig:
+    """ModelConfig from GGUF metadata (`meta`: key -> value). Tied when output.weight is absent;
+    rope_freqs: the values of the file's rope_freqs.weight tensor (llama3 rope scaling), if any."""
     a = arch.gguf_arch
 
     def need(key: str):
@@ -24,18 +25,33 @@ def gguf_config(arch: Arch, meta: Mapping, tensor_names: Iterable[str], vocab_si
     rot = meta.get(f"{a}.rope.dimension_count")
     if rot is not None and int(rot) != head_dim:
         raise SourceError(f"GGUF rope.dimension_count={rot} != head_dim={head_dim}: partial RoPE is unsupported")
-    scaling = meta.get(f"{a}.rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise SourceError(f"GGUF rope scaling {scaling!r} is unsupported (only plain RoPE)")
+    factors = rope_factors(meta, a, head_dim, rope_freqs)
     return ModelConfig(
         arch=arch.name, vocab_size=vocab_size, d_model=d_model, n_layers=int(need("block_count")),
         n_heads=n_heads, n_kv_heads=int(meta.get(f"{a}.attention.head_count_kv") or n_heads),
         head_dim=head_dim, n_ff=int(need("feed_forward_length")),
         context_length=int(need("context_length")), norm="rms",
         norm_eps=float(need("attention.layer_norm_rms_epsilon")), act="silu", glu=True, pos="rope",
-        rope_theta=float(meta.get(f"{a}.rope.freq_base") or 10000.0),
+        rope_theta=float(meta.get(f"{a}.rope.freq_base") or 10000.0), rope_freq_factors=factors,
         tied_embeddings="output.weight" not in names,
         attn_qkv_bias="blk.0.attn_q.bias" in names, attn_out_bias="blk.0.attn_output.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_ids=eos,
     ).validate()
+
+
+def rope_factors(meta: Mapping, a: str, head_dim: int, rope_freqs: tuple[float, ...]) -> tuple[float, ...]:
+    """The RoPE frequency divisors (model/rope.py) of a GGUF: its rope_freqs tensor, times a
+    linear scaling's factor; any other scaling type is refused."""
+    factors = tuple(float(v) for v in rope_freqs)
+    if factors and len(factors) != head_dim // 2:
+        raise SourceError(f"GGUF rope_freqs.weight has {len(factors)} values, head_dim {head_dim} "
+                          f"needs {head_dim // 2}")
+    scaling = meta.get(f"{a}.rope.scaling.type")
+    if scaling == "linear":
+        factor = float(meta.get(f"{a}.rope.scaling.factor") or 1.0)
+        factors = tuple(f * factor for f in factors or (1.0,) * (head_dim // 2))
+    elif scaling not in (None, "none"):
+        raise SourceError(f"GGUF rope scaling {scaling!r} is unsupported (supported: none, linear, "
+                          f"and llama3 as a rope_freqs tensor)")
+    return factors

@@ -6,25 +6,13 @@ from typing import Mapping
 
 from flashllm.errors import SourceError
 from flashllm.model.config import ModelConfig
+from flashllm.model.rope import hf_rope
 
 
 def need(cfg: Mapping, key: str, where: str):
     if cfg.get(key) is None:
         raise SourceError(f"{where}: config.json has no {key!r}")
     return cfg[key]
-
-
-def rope_theta(cfg: Mapping, default: float = 10000.0) -> float:
-    """rope_theta; any rope scaling other than the default is refused (transformers 4 and 5 keys)."""
-    params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or {}
-    for spec in (params, scaling):
-        kind = spec.get("rope_type", spec.get("type", "default"))
-        if kind not in (None, "default"):
-            raise SourceError(f"rope scaling {kind!r} is unsupported (only plain RoPE)")
-    if scaling and not (scaling.get("rope_type") or scaling.get("type")):
-        raise SourceError(f"rope_scaling {dict(scaling)!r} is unsupported (only plain RoPE)")
-    return float(cfg.get("rope_theta") or params.get("rope_theta") or default)
 
 
 def eos_ids(value) -> tuple[int, ...]:
@@ -50,15 +38,17 @@ def rope_model(cfg: Mapping, name: str, qkv_bias: bool, out_bias: bool, **fields
         raise SourceError(f"{where}: mlp_bias=True is unsupported")
     if cfg.get("partial_rotary_factor", 1.0) != 1.0:
         raise SourceError(f"{where}: partial_rotary_factor is unsupported")
+    head_dim = int(cfg.get("head_dim") or d_model // n_heads)
+    theta, factors = hf_rope(cfg, head_dim, where)
     return ModelConfig(
         arch=name, vocab_size=int(need(cfg, "vocab_size", where)), d_model=d_model,
         n_layers=int(need(cfg, "num_hidden_layers", where)), n_heads=n_heads,
         n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
-        head_dim=int(cfg.get("head_dim") or d_model // n_heads),
+        head_dim=head_dim,
         n_ff=int(need(cfg, "intermediate_size", where)),
         context_length=int(need(cfg, "max_position_embeddings", where)),
         norm="rms", norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), act=silu_act(cfg, where), glu=True,
-        pos="rope", rope_theta=rope_theta(cfg), tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        pos="rope", rope_theta=theta, rope_freq_factors=factors, tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attn_qkv_bias=qkv_bias, attn_out_bias=out_bias,
         bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids(cfg.get("eos_token_id")),
         **fields,

@@ -21,6 +21,7 @@ from typing import Optional
 import numpy as np
 
 from flashllm.ffi import kernel
+from flashllm.model.rope import inv_freq
 from flashllm.runtime.weights import DenseWeights, Layer
 from flashllm.errors import FlashError
 from flashllm.runtime.ffn import DenseFfn
@@ -53,6 +54,7 @@ class Model:
         kv = KV_DTYPES[kv_dtype]      # `run` keeps f16 keys/values, as llama.cpp does
         self.k_cache = np.zeros(shape, dtype=kv)                         # (n_layers, n_ctx, n_kv, hd)
         self.v_cache = np.zeros(shape, dtype=kv)                         # (n_layers, n_ctx, n_kv, hd)
+        self.rope_inv = inv_freq(cfg.rope_theta, cfg.head_dim, cfg.rope_freq_factors)  # (hd/2,)
 
     def reset(self) -> None:
         """Forget the context: clear the KV cache."""
@@ -116,8 +118,8 @@ class Model:
             q = self._head_norm(q, L.q_norm)                              # (T, n_heads, hd)
             k = self._head_norm(k, L.k_norm)                              # (T, n_kv, hd)
         if cfg.pos == "rope":
-            kernel.rope(q, pos, cfg.rope_theta, hd)
-            kernel.rope(k, pos, cfg.rope_theta, hd)
+            kernel.rope(q, pos, self.rope_inv)
+            kernel.rope(k, pos, self.rope_inv)
         self.k_cache[i, pos0:pos0 + T] = k
         self.v_cache[i, pos0:pos0 + T] = v
         o = kernel.attention(q, self.k_cache[i], self.v_cache[i], pos0, hd ** -0.5,

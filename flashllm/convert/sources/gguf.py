@@ -22,6 +22,7 @@ from flashllm.convert.sources.base import GGUF_MAGIC, Source
 # llama.cpp treats these as end-of-generation when present (llama_vocab::load, auto-detection).
 EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
              "<EOT>", "<|eom_id|>")
+ROPE_FREQS = "rope_freqs.weight"   # per-frequency RoPE divisors (model/rope.py), read into the config
 DEQUANT_ROWS = 8192          # rows dequantized at a time: gguf-py's temporaries stay small
 _BIG_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
                "tokenizer.ggml.scores")
@@ -114,7 +115,9 @@ class GGUFSource(Source):
             raise SourceError("a tensor name appears twice")
         tokens = reader.fields.get("tokenizer.ggml.tokens")
         vocab = len(tokens.data) if tokens is not None else self._shape_of("token_embd.weight")[0]
-        self.config = gguf_config(arch, meta, self._tensors, vocab, _eos_ids(reader, meta))
+        freqs = self._tensors.pop(ROPE_FREQS, None)      # llama3 rope scaling: config, not weights
+        rope_freqs = tuple(dequantize(freqs.data, freqs.tensor_type).reshape(-1)) if freqs else ()
+        self.config = gguf_config(arch, meta, self._tensors, vocab, _eos_ids(reader, meta), rope_freqs)
         self.tokenizer_json = gguf_tokenizer_json(reader.fields)
         check_tensor_set(self.config, self._tensors, str(self.path))
         template = meta.get("tokenizer.chat_template")
