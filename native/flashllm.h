@@ -112,10 +112,12 @@ int32_t fl_rope(float *x, int64_t T, int64_t n_heads, int64_t head_dim, int64_t 
  * q (T, n_heads, head_dim) holds the queries of positions pos0 .. pos0+T-1;
  * k_cache, v_cache (n_ctx, n_kv_heads, head_dim) of kv_dtype (FL_F32 or FL_F16) already hold
  * keys/values of positions 0 .. pos0+T-1; out (T, n_heads * head_dim). Query head h reads KV head
- * h / (n_heads / n_kv_heads). scores are scaled by `scale` (normally 1/sqrt(head_dim)). */
+ * h / (n_heads / n_kv_heads). scores are scaled by `scale` (normally 1/sqrt(head_dim)).
+ * window > 0: sliding-window attention, the query at position p sees the keys of positions
+ * p - window + 1 .. p only (Hugging Face's sliding_window, llama.cpp's n_swa); 0: all of 0 .. p. */
 int32_t fl_attention(const float *q, const void *k_cache, const void *v_cache, int32_t kv_dtype,
                      float *out, int64_t T, int64_t pos0, int64_t n_heads, int64_t n_kv_heads,
-                     int64_t head_dim, float scale, int32_t n_threads);
+                     int64_t head_dim, float scale, int64_t window, int32_t n_threads);
 
 /* ---- bundled FFN (ffn.c) ----------------------------------------------------------------- */
 

@@ -295,7 +295,7 @@ typedef struct {
     const uint8_t *kc, *vc;
     int32_t kv_dtype;
     float *out;      // (T, n_heads, head_dim)
-    int64_t T, pos0, n_heads, group, head_dim, row_bytes, esize;
+    int64_t T, pos0, n_heads, group, head_dim, row_bytes, esize, window;
     float scale;
     atomic_llong next;  // the next (token, head) pair to take
     atomic_int failed;
@@ -310,9 +310,11 @@ static void attention_part(void *p) {
     }
     for (int64_t i, i1; fli_take(&j->next, j->T * j->n_heads, 1, &i, &i1);) {
         const int64_t tok = i / j->n_heads, h = i % j->n_heads;
-        const int64_t off = (h / j->group) * j->head_dim * j->esize;
+        const int64_t n_keys = j->pos0 + tok + 1;
+        const int64_t first = j->window > 0 && n_keys > j->window ? n_keys - j->window : 0;
+        const int64_t off = first * j->row_bytes + (h / j->group) * j->head_dim * j->esize;
         attend_one(j->q + i * j->head_dim, j->kc + off, j->vc + off, j->kv_dtype,
-                   j->out + i * j->head_dim, j->pos0 + tok + 1, j->row_bytes, j->head_dim,
+                   j->out + i * j->head_dim, n_keys - first, j->row_bytes, j->head_dim,
                    j->scale, scores);
     }
     free(scores);
@@ -320,15 +322,15 @@ static void attention_part(void *p) {
 
 int32_t fl_attention(const float *q, const void *k_cache, const void *v_cache, int32_t kv_dtype,
                      float *out, int64_t T, int64_t pos0, int64_t n_heads, int64_t n_kv_heads,
-                     int64_t head_dim, float scale, int32_t n_threads) {
-    if (!q || !k_cache || !v_cache || !out || T <= 0 || pos0 < 0 || n_heads <= 0 ||
+                     int64_t head_dim, float scale, int64_t window, int32_t n_threads) {
+    if (!q || !k_cache || !v_cache || !out || T <= 0 || pos0 < 0 || n_heads <= 0 || window < 0 ||
         n_kv_heads <= 0 || n_heads % n_kv_heads || head_dim <= 0 || n_threads < 1 ||
         (kv_dtype != FL_F32 && kv_dtype != FL_F16))
         return FL_EINVAL;
     const int64_t esize = kv_dtype == FL_F32 ? 4 : 2;
     attention_job j = {q,       k_cache, v_cache, kv_dtype, out, T, pos0, n_heads,
                        n_heads / n_kv_heads, head_dim, n_kv_heads * head_dim * esize, esize,
-                       scale, 0, 0};
+                       window, scale, 0, 0};
     fli_parallel(n_threads, attention_part, &j);
     return atomic_load(&j.failed) ? FL_ENOMEM : FL_OK;
 }

@@ -47,6 +47,11 @@ TINY = {
     "qwen3": ("Qwen3Config", dict(hidden_size=96, intermediate_size=176, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, head_dim=40,
                                   rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)),
+    # sliding_window 12 < the 32-token prompt: every layer attends through it
+    "phi3": ("Phi3Config", dict(hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0,
+                                rms_norm_eps=1e-5, sliding_window=12, max_position_embeddings=256,
+                                original_max_position_embeddings=256, tie_word_embeddings=False)),
     "mistral": ("MistralConfig", dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=1,
                                       rope_theta=10000.0, rms_norm_eps=1e-5, sliding_window=None,

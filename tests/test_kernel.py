@@ -117,17 +117,18 @@ def test_rope_rotate_half(n_rot, scaled):
     _close(kernel.rope(x, pos, inv), ref, rel=1e-6)
 
 
-def _attention_ref(q, k, v, pos0, scale):
-    """Causal softmax attention with grouped KV heads, f64."""
+def _attention_ref(q, k, v, pos0, scale, window=0):
+    """Causal softmax attention with grouped KV heads, f64; window > 0: the last `window` keys."""
     t, n_heads, hd = q.shape
     group = n_heads // k.shape[1]
     out = np.zeros((t, n_heads, hd))  # (T, H, hd)
     for i in range(t):
         n = pos0 + i + 1
+        first = max(0, n - window) if window else 0       # keys of positions first .. n-1
         for h in range(n_heads):
-            s = scale * (k[:n, h // group].astype(np.float64) @ q[i, h])  # (n,)
+            s = scale * (k[first:n, h // group].astype(np.float64) @ q[i, h])  # (n - first,)
             p = np.exp(s - s.max())
-            out[i, h] = (p / p.sum()) @ v[:n, h // group]
+            out[i, h] = (p / p.sum()) @ v[first:n, h // group]
     return out.reshape(t, n_heads * hd)
 
 
@@ -144,6 +145,21 @@ def test_attention_causal_gqa(T, pos0, n_heads, n_kv, threads, kv_dtype):
     got = kernel.attention(q, k, v, pos0, 1 / math.sqrt(hd), n_threads=threads)
     _close(got, _attention_ref(q, k.astype(np.float32), v.astype(np.float32), pos0,
                                1 / math.sqrt(hd)))
+
+
+@pytest.mark.parametrize("T,pos0,window", [(1, 9, 4), (7, 0, 3), (6, 5, 1), (4, 2, 50)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_attention_sliding_window(T, pos0, window, threads):
+    """Each query sees only the keys of its last `window` positions (itself included)."""
+    hd, n_ctx, n_heads, n_kv = 16, 16, 4, 2
+    rng = _rng(T * 7 + window)
+    q = rng.standard_normal((T, n_heads, hd)).astype(np.float32)  # (T, H, hd)
+    k = (rng.standard_normal((n_ctx, n_kv, hd)) * 4).astype(np.float32)  # (n_ctx, kv, hd)
+    v = rng.standard_normal((n_ctx, n_kv, hd)).astype(np.float32)  # (n_ctx, kv, hd)
+    got = kernel.attention(q, k, v, pos0, 0.3, n_threads=threads, window=window)
+    _close(got, _attention_ref(q, k, v, pos0, 0.3, window))
+    if pos0 + T > window:
+        assert not np.allclose(got, _attention_ref(q, k, v, pos0, 0.3))
 
 
 def test_attention_refuses_mixed_or_other_kv_dtypes():
@@ -262,6 +278,7 @@ def _bad_calls():
         lambda: kernel.rope(np.zeros((1, 2, 8), np.float32), [0], np.zeros(4)),
         lambda: kernel.attention(np.zeros((1, 3, 8), np.float32), k, k, 0, 1.0),
         lambda: kernel.attention(np.zeros((2, 2, 8), np.float32), k, k, 3, 1.0),
+        lambda: kernel.attention(np.zeros((1, 2, 8), np.float32), k, k, 0, 1.0, window=-1),
         lambda: kernel.ffn_bundles(data, "q8_0", 32, True, "tanh", x, y),
         lambda: kernel.ffn_bundles(data[:, :100], "q8_0", 32, True, "silu", x, y),
         lambda: kernel.ffn_bundles(data, "q8_0", 32, True, "silu", x, y.astype(np.float64)),

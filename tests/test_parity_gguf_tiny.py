@@ -15,7 +15,7 @@ from flashllm.generation.sampler import Sampler, SamplerParams
 from flashllm.runtime.model import Model
 
 # tiny model name -> GGUF architecture
-CASES = {"llama": "llama", "llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+CASES = {"llama": "llama", "llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
 
 
 @pytest.mark.parametrize("name", list(CASES))

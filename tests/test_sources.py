@@ -202,6 +202,27 @@ def test_llama_refusals(tmp_path, hf_tiny, changes, message):
         open_source(folder)
 
 
+def test_phi3_longrope_refused(tmp_path, hf_tiny):
+    folder = _copy(hf_tiny, "phi3", tmp_path / "m")
+    _edit_config(folder, rope_parameters={"rope_type": "longrope", "rope_theta": 1e4,
+                                          "long_factor": [1.0] * 8, "short_factor": [1.0] * 8})
+    with pytest.raises(SourceError, match=r"rope scaling 'longrope' is unsupported \(supported: "):
+        open_source(folder)
+
+
+def test_phi3_fused_tensors_are_split(tmp_path, hf_tiny):
+    """qkv_proj and gate_up_proj become attn_q / attn_k / attn_v and ffn_gate / ffn_up rows."""
+    folder, hf = hf_tiny("phi3")
+    sd = {k: v.numpy() for k, v in hf.state_dict().items()}
+    q, kv, ff = 4 * 16, 2 * 16, 112
+    qkv, gate_up = sd["model.layers.1.self_attn.qkv_proj.weight"], sd["model.layers.1.mlp.gate_up_proj.weight"]
+    with open_source(folder) as src:
+        for name, want in (("attn_q", qkv[:q]), ("attn_k", qkv[q:q + kv]), ("attn_v", qkv[q + kv:]),
+                           ("ffn_gate", gate_up[:ff]), ("ffn_up", gate_up[ff:])):
+            assert src.tensor_shape(f"blk.1.{name}.weight") == want.shape
+            np.testing.assert_array_equal(src.load(f"blk.1.{name}.weight"), want)
+
+
 def test_opt_post_layernorm_refused(tmp_path, hf_tiny):
     folder = _copy(hf_tiny, "opt", tmp_path / "m")
     _edit_config(folder, do_layer_norm_before=False)

@@ -209,3 +209,12 @@ def test_qwen05_mixed_quant_types_equal_gguf_py():
             ref = gguf.quants.dequantize(t.data, t.tensor_type).reshape(src.tensor_shape(t.name))
             np.testing.assert_array_equal(src.load(t.name), ref, err_msg=f"{t.name} {t.tensor_type.name}")
     assert {"Q4_K", "Q6_K", "Q5_0", "Q8_0", "F32"} <= set(picks)
+
+
+def test_longrope_factors_refused(tmp_path):
+    weights = hf_weights(np.random.default_rng(1), False, True)
+    weights["rope_factors_long.weight"] = np.ones(HD // 2, np.float32)
+    weights["rope_factors_short.weight"] = np.ones(HD // 2, np.float32)
+    write_gguf(tmp_path / "m.gguf", "phi3", weights, permute=False)
+    with pytest.raises(SourceError, match="longrope scaling of the Phi-3 128k models"):
+        open_source(tmp_path / "m.gguf")

@@ -166,8 +166,9 @@ def rope(x: np.ndarray, pos, inv_freq) -> np.ndarray:
 
 
 def attention(q, k_cache: np.ndarray, v_cache: np.ndarray, pos0: int, scale: float,
-              n_threads: int = 1) -> np.ndarray:
-    """Causal GQA attention: q (T, n_heads, head_dim) at positions pos0.. -> (T, n_heads*head_dim).
+              n_threads: int = 1, window: int = 0) -> np.ndarray:
+    """Causal GQA attention: q (T, n_heads, head_dim) at positions pos0.. -> (T, n_heads*head_dim);
+    window > 0: the query at position p sees the keys of p - window + 1 .. p only.
 
     k_cache, v_cache (n_ctx, n_kv_heads, head_dim), both float32 or both float16 (C-contiguous,
     never copied), must already hold positions 0 .. pos0+T-1.
@@ -187,9 +188,16 @@ def attention(q, k_cache: np.ndarray, v_cache: np.ndarray, pos0: int, scale: flo
     out = np.empty((t, n_heads * head_dim), np.float32)  # (T, n_heads * head_dim)
     code = k.FL_F32 if kc.dtype == np.float32 else k.FL_F16
     _check(k.fl_attention(_fptr(qa), ffi.from_buffer(kc), ffi.from_buffer(vc), code, _fptr(out),
-                          t, pos0, n_heads, kc.shape[1], head_dim, scale, _threads(n_threads)),
+                          t, pos0, n_heads, kc.shape[1], head_dim, scale, _window(window),
+                          _threads(n_threads)),
            "attention")
     return out
+
+
+def _window(window: int) -> int:
+    if int(window) < 0:
+        raise KernelError(f"attention window must be >= 0 (0: none), got {window}")
+    return int(window)
 
 
 def _kv(a, name: str) -> np.ndarray:

@@ -37,7 +37,21 @@ class Arch:
     ignore: tuple[str, ...]                     # HF buffers that carry no weights (rotary inv_freq)
     hf_config: Callable[[Mapping], ModelConfig]
     gguf_permuted_qk: bool = False              # llama.cpp permuted attn_q/attn_k for interleaved RoPE
+    fused: tuple[tuple[str, tuple[str, ...]], ...] = ()   # (tensor, the parts its rows hold)
+    gguf_swa_pattern: int | None = None         # llama.cpp's sliding-window layer pattern (None: no
+                                                # window; 0: every layer; n: all but every n-th)
     _compiled: tuple = field(default=(), compare=False, repr=False)
+
+    def split(self, cfg: ModelConfig, name: str, rows: int) -> list[tuple[str, int, int]]:
+        """[(canonical name, first row, end row)]: the parts of a fused tensor (Phi-3's attn_qkv,
+        its 2·n_ff-row ffn_up), or [(name, 0, rows)] for any other tensor."""
+        m = re.fullmatch(r"(blk\.\d+\.)(\w+)(\.weight)", name)
+        parts = dict(self.fused).get(m.group(2), ()) if m else ()
+        sizes = [part_rows(cfg, p) for p in parts]
+        if not parts or sum(sizes) != rows:
+            return [(name, 0, rows)]
+        ends = [sum(sizes[:k + 1]) for k in range(len(sizes))]
+        return [(m.group(1) + p + m.group(3), end - n, end) for p, n, end in zip(parts, sizes, ends)]
 
     def canonical(self, hf_name: str) -> str | None:
         """The canonical name of an HF tensor; None for an ignored buffer; SourceError if unmapped."""
@@ -55,13 +69,21 @@ ARCHITECTURES: dict[str, Arch] = {}
 GGUF_ARCHITECTURES: dict[str, Arch] = {}
 
 
+def part_rows(cfg: ModelConfig, part: str) -> int:
+    """Rows of a projection that a fused tensor can hold."""
+    kv = cfg.n_kv_heads * cfg.head_dim
+    return {"attn_q": cfg.n_heads * cfg.head_dim, "attn_k": kv, "attn_v": kv, "ffn_gate": cfg.n_ff,
+            "ffn_up": cfg.n_ff}[part]
+
+
 def register(hf_class: str, name: str, table: Iterable[tuple[str, str]], ignore: Iterable[str] = (),
-             gguf_arch: str | None = None, gguf_permuted_qk: bool = False):
-    """Decorator: register `fn(config_json) -> ModelConfig` with its tensor table."""
+             gguf_arch: str | None = None, **data):
+    """Decorator: register `fn(config_json) -> ModelConfig` with its tensor table; `data` sets the
+    other Arch fields (gguf_permuted_qk, fused, gguf_swa_pattern)."""
     def deco(fn: Callable[[Mapping], ModelConfig]) -> Callable[[Mapping], ModelConfig]:
         tbl = tuple(table)
-        arch = Arch(name, hf_class, gguf_arch, tbl, tuple(ignore), fn, gguf_permuted_qk,
-                    tuple((_compile(p), t) for p, t in tbl))
+        arch = Arch(name, hf_class, gguf_arch, tbl, tuple(ignore), fn, **data,
+                    _compiled=tuple((_compile(p), t) for p, t in tbl))
         ARCHITECTURES[hf_class] = arch
         if gguf_arch is not None:
             GGUF_ARCHITECTURES.setdefault(gguf_arch, arch)
@@ -182,6 +204,32 @@ def mistral_config(cfg: Mapping) -> ModelConfig:
     whole context, which equals sliding-window attention while the context is shorter than the
     window (4096 and more in released models)."""
     return rope_model(cfg, "mistral", False, False)
+
+
+_PHI3_TABLE = (
+    ("model.embed_tokens.weight", "token_embd.weight"),
+    ("model.norm.weight", "output_norm.weight"),
+    ("lm_head.weight", "output.weight"),
+    ("model.layers.{i}.input_layernorm.weight", "blk.{i}.attn_norm.weight"),
+    ("model.layers.{i}.self_attn.qkv_proj.weight", "blk.{i}.attn_qkv.weight"),
+    ("model.layers.{i}.self_attn.o_proj.weight", "blk.{i}.attn_output.weight"),
+    ("model.layers.{i}.post_attention_layernorm.weight", "blk.{i}.ffn_norm.weight"),
+    ("model.layers.{i}.mlp.gate_up_proj.weight", "blk.{i}.ffn_up.weight"),
+    ("model.layers.{i}.mlp.down_proj.weight", "blk.{i}.ffn_down.weight"),
+)
+# llama.cpp's names for the fused tensors (attn_qkv; ffn_up of 2·n_ff rows, gate first)
+_PHI3_FUSED = (("attn_qkv", ("attn_q", "attn_k", "attn_v")), ("ffn_up", ("ffn_gate", "ffn_up")))
+
+
+@register("Phi3ForCausalLM", "phi3", _PHI3_TABLE, _ROTARY_BUFFERS, gguf_arch="phi3",
+          fused=_PHI3_FUSED, gguf_swa_pattern=0)
+def phi3_config(cfg: Mapping) -> ModelConfig:
+    """Phi-3: fused qkv_proj and gate_up_proj (split at conversion), every layer attending through
+    sliding_window when the config has one (as transformers does; llama.cpp ignores it).
+    longrope / su scaling (the 128k models) is refused by model/rope.py."""
+    window = int(cfg.get("sliding_window") or 0)
+    layers = tuple(range(int(need(cfg, "num_hidden_layers", "Phi3ForCausalLM")))) if window else ()
+    return rope_model(cfg, "phi3", False, False, sliding_window=window, sliding_layers=layers)
 
 
 _OPT_TABLE = (

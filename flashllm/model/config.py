@@ -7,10 +7,11 @@ from dataclasses import dataclass
 
 from flashllm.errors import FormatError
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "opt")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "opt")
 NORMS = ("rms", "layer")
 ACTS = ("silu", "gelu", "relu")
 POSITIONS = ("rope", "learned")
+_TUPLES = ("eos_token_ids", "rope_freq_factors", "sliding_layers")   # JSON lists in the manifest
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,8 @@ class ModelConfig:
     qk_norm: bool = False       # RMSNorm over each head's q and k before RoPE (attn_q_norm, attn_k_norm)
     rope_freq_factors: tuple[float, ...] = ()   # (head_dim / 2) divisors of the RoPE frequencies
                                                 # (rope scaling, model/rope.py); () for none
+    sliding_window: int = 0     # keys a sliding layer's query sees, its own included; 0: none
+    sliding_layers: tuple[int, ...] = ()   # the layers attending through that window
 
     @property
     def embed_dim(self) -> int:
@@ -63,15 +66,18 @@ class ModelConfig:
                 isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf") for v in f)):
             raise FormatError(f"rope_freq_factors must be {self.head_dim // 2} positive numbers, "
                               f"got {len(f)}")
+        w = self.sliding_window
+        if isinstance(w, bool) or not isinstance(w, int) or w < 0 or bool(w) != bool(self.sliding_layers) \
+                or not all(isinstance(i, int) and 0 <= i < self.n_layers for i in self.sliding_layers):
+            raise FormatError(f"sliding_window={w!r} needs sliding layers in [0, {self.n_layers}) "
+                              f"(and they a window > 0), got {list(self.sliding_layers)[:4]}")
         if self.n_heads % self.n_kv_heads:
             raise FormatError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
         return self
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        d["eos_token_ids"] = list(self.eos_token_ids)
-        d["rope_freq_factors"] = list(self.rope_freq_factors)
-        return d
+        return {**d, **{name: list(d[name]) for name in _TUPLES}}
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
@@ -81,8 +87,7 @@ class ModelConfig:
         if unknown:
             raise FormatError(f"unknown config fields in manifest: {sorted(unknown)}")
         try:
-            cfg = cls(**{**d, "eos_token_ids": tuple(d.get("eos_token_ids", ())),
-                         "rope_freq_factors": tuple(d.get("rope_freq_factors", ()))})
+            cfg = cls(**{**d, **{name: tuple(d[name]) for name in _TUPLES if name in d}})
         except TypeError as e:
             raise FormatError(f"bad config in manifest: {e}") from None
         return cfg.validate()

@@ -26,8 +26,13 @@ def gguf_config(arch: Arch, meta: Mapping, tensor_names: Iterable[str], vocab_si
     if rot is not None and int(rot) != head_dim:
         raise SourceError(f"GGUF rope.dimension_count={rot} != head_dim={head_dim}: partial RoPE is unsupported")
     factors = rope_factors(meta, a, head_dim, rope_freqs)
+    if "rope_factors_long.weight" in names or "rope_factors_short.weight" in names:
+        raise SourceError("GGUF rope_factors_long / rope_factors_short (longrope scaling of the "
+                          "Phi-3 128k models) is unsupported")
+    n_layers = int(need("block_count"))
+    window, sliding = sliding_layers(meta, a, n_layers, arch.gguf_swa_pattern)
     return ModelConfig(
-        arch=arch.name, vocab_size=vocab_size, d_model=d_model, n_layers=int(need("block_count")),
+        arch=arch.name, vocab_size=vocab_size, d_model=d_model, n_layers=n_layers,
         n_heads=n_heads, n_kv_heads=int(meta.get(f"{a}.attention.head_count_kv") or n_heads),
         head_dim=head_dim, n_ff=int(need("feed_forward_length")),
         context_length=int(need("context_length")), norm="rms",
@@ -35,7 +40,7 @@ def gguf_config(arch: Arch, meta: Mapping, tensor_names: Iterable[str], vocab_si
         rope_theta=float(meta.get(f"{a}.rope.freq_base") or 10000.0), rope_freq_factors=factors,
         tied_embeddings="output.weight" not in names,
         attn_qkv_bias="blk.0.attn_q.bias" in names, attn_out_bias="blk.0.attn_output.bias" in names,
-        qk_norm="blk.0.attn_q_norm.weight" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names, sliding_window=window, sliding_layers=sliding,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_ids=eos,
     ).validate()
 
@@ -55,3 +60,22 @@ def rope_factors(meta: Mapping, a: str, head_dim: int, rope_freqs: tuple[float, 
         raise SourceError(f"GGUF rope scaling {scaling!r} is unsupported (supported: none, linear, "
                           f"and llama3 as a rope_freqs tensor)")
     return factors
+
+
+def sliding_layers(meta: Mapping, a: str, n_layers: int, pattern: int | None) -> tuple[int, tuple[int, ...]]:
+    """(window, sliding layers) as llama.cpp reads them: {a}.attention.sliding_window, the layers
+    from {a}.attention.sliding_window_pattern (a per-layer list, or n: every layer but each n-th;
+    0: all) or the architecture's default `pattern`; (0, ()) without a window."""
+    window = int(meta.get(f"{a}.attention.sliding_window") or 0)
+    if window <= 0:
+        return 0, ()
+    if pattern is None:
+        raise SourceError(f"GGUF {a}.attention.sliding_window={window} is unsupported for {a}")
+    given = meta.get(f"{a}.attention.sliding_window_pattern", pattern)
+    if isinstance(given, (list, tuple)):
+        if len(given) < n_layers:
+            raise SourceError(f"GGUF {a}.attention.sliding_window_pattern has {len(given)} "
+                              f"entries for {n_layers} layers")
+        return window, tuple(i for i in range(n_layers) if given[i])
+    n = int(given)
+    return window, tuple(i for i in range(n_layers) if n == 0 or i % n < n - 1)

@@ -36,7 +36,8 @@ def rope_model(cfg: Mapping, name: str, qkv_bias: bool, out_bias: bool, **fields
     n_heads = int(need(cfg, "num_attention_heads", where))
     if cfg.get("mlp_bias"):
         raise SourceError(f"{where}: mlp_bias=True is unsupported")
-    if cfg.get("partial_rotary_factor", 1.0) != 1.0:
+    if cfg.get("partial_rotary_factor", 1.0) != 1.0 or \
+            (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0) != 1.0:
         raise SourceError(f"{where}: partial_rotary_factor is unsupported")
     head_dim = int(cfg.get("head_dim") or d_model // n_heads)
     theta, factors = hf_rope(cfg, head_dim, where)

@@ -54,6 +54,8 @@ class Model:
         kv = KV_DTYPES[kv_dtype]      # `run` keeps f16 keys/values, as llama.cpp does
         self.k_cache = np.zeros(shape, dtype=kv)                         # (n_layers, n_ctx, n_kv, hd)
         self.v_cache = np.zeros(shape, dtype=kv)                         # (n_layers, n_ctx, n_kv, hd)
+        sliding = set(cfg.sliding_layers)
+        self.windows = [cfg.sliding_window if i in sliding else 0 for i in range(cfg.n_layers)]
         self.rope_inv = inv_freq(cfg.rope_theta, cfg.head_dim, cfg.rope_freq_factors)  # (hd/2,)
 
     def reset(self) -> None:
@@ -123,7 +125,7 @@ class Model:
         self.k_cache[i, pos0:pos0 + T] = k
         self.v_cache[i, pos0:pos0 + T] = v
         o = kernel.attention(q, self.k_cache[i], self.v_cache[i], pos0, hd ** -0.5,
-                             n_threads=nt)                                # (T, n_heads * hd)
+                             n_threads=nt, window=self.windows[i])        # (T, n_heads * hd)
         return kernel.matmul(L.wo, o, L.bo, nt, ex)                       # (T, d_model)
 
     def _head_norm(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:

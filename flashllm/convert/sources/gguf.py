@@ -7,6 +7,7 @@ order), which is HF's (out, in). llama-arch files store attn_q/attn_k permuted f
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +27,16 @@ ROPE_FREQS = "rope_freqs.weight"   # per-frequency RoPE divisors (model/rope.py)
 DEQUANT_ROWS = 8192          # rows dequantized at a time: gguf-py's temporaries stay small
 _BIG_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
                "tokenizer.ggml.scores")
+
+
+@dataclass
+class RowRange:
+    """Rows r0 .. r1 of a stored GGUF tensor, read like gguf-py's ReaderTensor."""
+    name: str
+    shape: list                 # ggml order: (cols, rows)
+    data: np.ndarray            # (rows, bytes per row) or (rows, cols)
+    n_bytes: int
+    tensor_type: object
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -118,12 +129,26 @@ class GGUFSource(Source):
         freqs = self._tensors.pop(ROPE_FREQS, None)      # llama3 rope scaling: config, not weights
         rope_freqs = tuple(dequantize(freqs.data, freqs.tensor_type).reshape(-1)) if freqs else ()
         self.config = gguf_config(arch, meta, self._tensors, vocab, _eos_ids(reader, meta), rope_freqs)
+        self._tensors = self._split(arch)
         self.tokenizer_json = gguf_tokenizer_json(reader.fields)
         check_tensor_set(self.config, self._tensors, str(self.path))
         template = meta.get("tokenizer.chat_template")
         if template is not None and not isinstance(template, str):
             raise SourceError("tokenizer.chat_template is not a string")
         self.chat_template = template
+
+    def _split(self, arch) -> dict:
+        """The tensors with each fused one (Phi-3's attn_qkv, 2·n_ff-row ffn_up) replaced by its
+        parts: row ranges of the same stored rows."""
+        out = {}
+        for name, t in self._tensors.items():
+            rows = int(t.shape[-1]) if len(t.shape) == 2 else 1
+            parts = arch.split(self.config, name, rows)
+            for part, r0, r1 in parts:
+                out[part] = t if len(parts) == 1 else RowRange(
+                    part, [t.shape[0], r1 - r0], t.data[r0:r1], t.n_bytes // rows * (r1 - r0),
+                    t.tensor_type)
+        return out
 
     def _shape_of(self, name: str) -> tuple[int, ...]:
         if name not in self._tensors:

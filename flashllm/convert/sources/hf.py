@@ -86,7 +86,8 @@ class HFSource(Source):
         self.path = Path(folder)
         self.arch, self.config = _config(self.path)
         self._handles: dict[Path, object] = {}
-        self._where: dict[str, tuple[Path, str]] = {}     # canonical -> (file, HF name)
+        self._where: dict[str, tuple[Path, str, int, int]] = {}  # canonical -> (file, HF name,
+                                                                # its rows first .. end)
         try:
             self._index_tensors()
         except BaseException:
@@ -107,9 +108,11 @@ class HFSource(Source):
                 canonical = self.arch.canonical(hf_name)
                 if canonical is None:
                     continue
-                if canonical in self._where:
-                    raise SourceError(f"{file}: tensor {hf_name!r} appears twice in the checkpoint")
-                self._where[canonical] = (file, hf_name)
+                rows = int((handle.get_slice(hf_name).get_shape() or [1])[0])
+                for part, r0, r1 in self.arch.split(self.config, canonical, rows):  # fused: parts
+                    if part in self._where:
+                        raise SourceError(f"{file}: tensor {hf_name!r} appears twice in the checkpoint")
+                    self._where[part] = (file, hf_name, r0, r1)
         if self.config.tied_embeddings:
             self._where.pop("output.weight", None)     # a tied head duplicates token_embd
         check_tensor_set(self.config, self._where, str(self.path))
@@ -120,19 +123,21 @@ class HFSource(Source):
     def _slice(self, name: str):
         if name not in self._where:
             raise self._unknown(name)
-        file, hf_name = self._where[name]
-        return file, hf_name, self._handles[file].get_slice(hf_name)
+        file, hf_name, r0, r1 = self._where[name]
+        return file, hf_name, self._handles[file].get_slice(hf_name), (r0, r1)
 
     def tensor_shape(self, name: str) -> tuple[int, ...]:
-        return tuple(int(n) for n in self._slice(name)[2].get_shape())
+        _, _, sl, (r0, r1) = self._slice(name)
+        shape = tuple(int(n) for n in sl.get_shape())
+        return (r1 - r0, *shape[1:]) if shape else shape
 
     def tensor_nbytes(self, name: str) -> int:
         sl = self._slice(name)[2]
         size = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}.get(sl.get_dtype(), 4)
-        return size * int(np.prod(sl.get_shape()))
+        return size * int(np.prod(self.tensor_shape(name)))
 
     def load(self, name: str) -> np.ndarray:
-        file, hf_name, _ = self._slice(name)
+        file, hf_name, _, (r0, r1) = self._slice(name)
         try:
             raw = self._handles[file].get_tensor(hf_name)   # storage dtype, any shape
         except (SafetensorError, TypeError, OSError) as e:
@@ -140,6 +145,8 @@ class HFSource(Source):
         if raw.dtype.name not in FLOAT_DTYPES:
             raise SourceError(f"{file}: tensor {hf_name!r} has dtype {raw.dtype.name}, "
                               f"supported: {', '.join(FLOAT_DTYPES)}")
+        if raw.ndim:
+            raw = raw[r0:r1]                                        # all, or a fused tensor's part
         return raw.astype(np.float32, copy=False)                   # get_tensor already copied
 
     def close(self) -> None:
