@@ -1,11 +1,12 @@
 /* act_quant.c — a token's int8 activations for qdot.c / qgemm.c / q4k.c (the fli_xq_bytes layout).
  *
  * Per block b of 32 values: q[32] = nearest-even(x * (1/d)), d = amax / 127 (f32, so x = d * q up
- * to d/2 per value), as ggml's q8_0; for q4_k weights one d per 256-value superblock (the amax of
- * all its blocks, as ggml's q8_K), so the 6-bit sub-block scales combine in integer arithmetic
- * (fli_q4k_tile1), and the blocks' sums of q are kept as int16 too (ggml's bsums). Every block
+ * to d/2 per value), as ggml's q8_0; for k-quant weights one d per 256-value superblock (the amax
+ * of all its blocks, as ggml's q8_K), so the sub-block scales combine in integer arithmetic
+ * (fli_q4k_tile1, qk.c), and the sums of q per 32 and per 16 values are kept as int16 too
+ * (ggml's bsums). Every block
  * also carries FL_XQ_LANES copies of d, the correction -bias * sum(q) of weights stored with an
- * offset (q4_0 nibbles + 8; q8_0 + 128 where the dot is VNNI's unsigned x signed, FLI_Q8_BIAS)
+ * offset (q4_0 nibbles + 8; q5_0 values + 16; q8_0 + 128 where the dot is VNNI's unsigned x signed, FLI_Q8_BIAS)
  * and d * sum(q) (the m_w term of q4_1 and q4_k, as llama.cpp's q8_1 keeps s = d * sum(q)).
  * AVX-512, AVX2 or plain C: the same f32 operations, so every build gives the same bytes.
  */
@@ -26,7 +27,7 @@
 
 int64_t fli_xq_bytes(int64_t n) {
     const int64_t nb = n / FL_QK;
-    return n + nb * FL_XQ_LANES * 12 + (nb + 7) / 8 * 16;
+    return n + nb * FL_XQ_LANES * 12 + (nb + 7) / 8 * 48;
 }
 
 /* q (32) = nearest-even(xb * (1 / d)), d = max(amax, amax0) / 127 (its return value); *sum = sum
@@ -103,14 +104,25 @@ void fli_xq_quantize(int32_t dtype, const float *x, int64_t n, uint8_t *buf) {
     float *scale = (float *)(buf + n);                        // (nb, 8)
     int32_t *corr = (int32_t *)(scale + nb * FL_XQ_LANES);     // (nb, 8)
     float *msum = (float *)(corr + nb * FL_XQ_LANES);           // (nb, 8)
-    int16_t *bsum = (int16_t *)(msum + nb * FL_XQ_LANES);       // (nb) q4_k only, else unset
-    const int32_t bias = dtype == FL_Q4_0 ? 8 : dtype == FL_Q8_0 ? FLI_Q8_BIAS : 0;
-    float amax0 = 0.0f;  // q4_k: one d per superblock (as ggml's q8_K), so its scales combine
+    int16_t *bsum = (int16_t *)(msum + nb * FL_XQ_LANES);       // (nb) k-quants only
+    int16_t *bsum16 = bsum + (nb + 7) / 8 * 8;                  // (2 nb) k-quants only
+    const int32_t bias = dtype == FL_Q4_0   ? 8
+                         : dtype == FL_Q5_0 ? 16
+                         : dtype == FL_Q8_0 ? FLI_Q8_BIAS
+                                            : 0;
+    const int kq = fli_is_kquant(dtype);
+    float amax0 = 0.0f;  // k-quants: one d per superblock (as ggml's q8_K), so their scales combine
     for (int64_t b = 0; b < nb; b++) {
-        if (b % 8 == 0) amax0 = dtype == FL_Q4_K && b + 8 <= nb ? amax_of(x + b * FL_QK) : 0.0f;
+        if (b % 8 == 0) amax0 = kq && b + 8 <= nb ? amax_of(x + b * FL_QK) : 0.0f;
         int32_t sum;
         const float d = quantize_block(x + b * FL_QK, amax0, q + b * FL_QK, &sum);
-        if (dtype == FL_Q4_K) bsum[b] = (int16_t)sum;
+        if (kq) {
+            int32_t half = 0;
+            for (int j = 0; j < FL_QK / 2; j++) half += q[b * FL_QK + j];
+            bsum[b] = (int16_t)sum;
+            bsum16[2 * b] = (int16_t)half;
+            bsum16[2 * b + 1] = (int16_t)(sum - half);
+        }
         for (int l = 0; l < FL_XQ_LANES; l++) {
             scale[b * FL_XQ_LANES + l] = d;
             corr[b * FL_XQ_LANES + l] = l == 0 ? -bias * sum : 0;

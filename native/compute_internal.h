@@ -23,6 +23,10 @@
 #define FL_Q4_1_BYTES 20  /* f16 scale + f16 min + 16 bytes of nibbles */
 #define FL_QK_K 256       /* values per Q4_K superblock: 8 sub-blocks of FL_QK */
 #define FL_Q4_K_BYTES 144 /* f16 d, f16 dmin, 12 bytes of 6-bit scales / mins, 128 of nibbles */
+#define FL_Q5_0_BYTES 22  /* f16 scale + 32 high bits + 16 bytes of nibbles */
+#define FL_Q5_1_BYTES 24  /* f16 scale + f16 min + 32 high bits + 16 bytes of nibbles */
+#define FL_Q5_K_BYTES 176 /* Q4_K's head, 32 bytes of high bits, 128 of nibbles */
+#define FL_Q6_K_BYTES 210 /* 128 bytes of low nibbles, 64 of high 2 bits, 16 int8 scales, f16 d */
 #define FL_QT 4           /* weight rows x tokens of one int8 tile (fli_qdot_tile) */
 #define FL_XQ_LANES 8     /* f32 / int32 lanes per block in a quantized token's side arrays */
 #define FL_PR 16          /* weight rows of one int8 GEMM panel (qgemm.c) */
@@ -98,9 +102,38 @@ static inline float fl_load_fp16(const uint8_t *p) {
 #define FLI_Q8_BIAS 0
 #endif
 
-/* bytes of one block of a quantized dtype (q4_0 for anything that is not q8_0 / q4_1) */
+/* bytes of one 32-value block of a quantized dtype (q4_0 for anything not listed) */
 static inline size_t fli_block_bytes(int32_t dtype) {
-    return dtype == FL_Q8_0 ? FL_Q8_0_BYTES : dtype == FL_Q4_1 ? FL_Q4_1_BYTES : FL_Q4_0_BYTES;
+    switch (dtype) {
+    case FL_Q8_0: return FL_Q8_0_BYTES;
+    case FL_Q4_1: return FL_Q4_1_BYTES;
+    case FL_Q5_0: return FL_Q5_0_BYTES;
+    case FL_Q5_1: return FL_Q5_1_BYTES;
+    default: return FL_Q4_0_BYTES;
+    }
+}
+
+/* the 256-value superblock dtypes (ggml's k-quants) */
+static inline int fli_is_kquant(int32_t dtype) {
+    return dtype == FL_Q4_K || dtype == FL_Q5_K || dtype == FL_Q6_K;
+}
+
+/* the dtypes whose weights meet int8 activations (every quantized one) */
+static inline int fli_is_quant(int32_t dtype) {
+    return dtype == FL_Q8_0 || dtype == FL_Q4_0 || dtype == FL_Q4_1 || dtype == FL_Q5_0 ||
+           dtype == FL_Q5_1 || fli_is_kquant(dtype);
+}
+
+/* bytes of one k-quant superblock */
+static inline size_t fli_kblock_bytes(int32_t dtype) {
+    return dtype == FL_Q4_K ? FL_Q4_K_BYTES : dtype == FL_Q5_K ? FL_Q5_K_BYTES : FL_Q6_K_BYTES;
+}
+
+/* the 32 high bits of a q5_0 / q5_1 block (bit j: bit 4 of value j) */
+static inline uint32_t fli_q5_qh(int32_t dtype, const uint8_t *blk) {
+    uint32_t qh;
+    memcpy(&qh, blk + (dtype == FL_Q5_1 ? 4 : 2), sizeof qh);
+    return qh;
 }
 
 /* Q4_K superblock sb: the bytes of u (4) = its 6-bit scales sc_0..7 then mins m_0..7, unpacked
@@ -176,6 +209,16 @@ void fli_q4k_axpy(const uint8_t *row, float a, float *y, int64_t n);
 /* fli_wx_expand of a Q4_K row: per 32-value sub-block its nibbles, d * sc_j, -dmin * m_j */
 void fli_q4k_expand(const uint8_t *w, int64_t n, uint8_t *buf);
 
+/* qk.c: q5_k / q6_k rows (n a multiple of FL_QK_K): dst (n) = dequantized row, rounded as
+ * gguf-py's dequantize; row . x; y (n) += a * row (f32 x, through one superblock at a time) */
+void fli_qk_dequant(int32_t dtype, const uint8_t *row, float *dst, int64_t n);
+float fli_qk_dot(int32_t dtype, const uint8_t *row, const float *x, int64_t n);
+void fli_qk_axpy(int32_t dtype, const uint8_t *row, float a, float *y, int64_t n);
+/* w . x for one q5_k / q6_k row and one token quantized by fli_xq_quantize for that dtype:
+ * per superblock the exact integer sums of the sub-blocks times their integer scales, then
+ * d * d_x * isum - dmin * d_x * msum in f32; AVX-512 BW, AVX2 and plain C give the same bits */
+float fli_qk_qdot(int32_t dtype, const uint8_t *w, const uint8_t *x, int64_t n);
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define FLI_Q4K_TILE1 1
 /* out[r] = w[r] . x for FL_QT Q4_K rows and one token x quantized by fli_xq_quantize for q4_k
@@ -202,12 +245,13 @@ void fli_axpy4(int32_t dtype, const uint8_t *const rows[FL_QT], const float a[FL
 void fli_down_f32(const float *h, int64_t ldh, const float *down, int64_t K, int64_t d, float *y,
                   int64_t T);
 
-/* ---- qdot.c: int8 activations against q4_0 / q4_1 / q8_0 / q4_k weights (n a multiple of 32) ---------- */
+/* ---- qdot.c: int8 activations against quantized weights (n a multiple of 32) ------------ */
 
 /* Bytes of one token's quantized activations (act_quant.c): int8 q (n), then per block FL_XQ_LANES f32
  * copies of its scale, FL_XQ_LANES int32 (a correction in lane 0, zeros) and FL_XQ_LANES f32
- * (d * sum(q) in lane 0, zeros: q4_1's msum), then int16 sum(q) per block (q4_k only; 16 bytes
- * per 8 blocks), the vector layout of qdot.c.
+ * (d * sum(q) in lane 0, zeros: q4_1's msum), then int16 sum(q) per block (k-quants only; 16
+ * bytes per 8 blocks), then int16 sum(q) per 16 values (k-quants only; 32 bytes per 8 blocks),
+ * the vector layout of qdot.c.
  * The correction depends on the weight dtype, so quantize for the dtype the buffer will meet. */
 int64_t fli_xq_bytes(int64_t n);
 
@@ -233,7 +277,13 @@ void fli_qdot_tile(int32_t dtype, const uint8_t *const w[FL_QT], const uint8_t *
 
 /* ---- qgemm.c: the int8 GEMM of prefill over panels of FL_PR weight rows ------------------ */
 
-/* bytes of one panel of FL_PR rows of n values (q4_0 / q4_1 / q8_0) */
+/* whether dtype has int8 GEMM panels (every quantized dtype but q5_k and q6_k, whose T > 1
+ * products run the one-token dots per token) */
+static inline int fli_has_panel(int32_t dtype) {
+    return fli_is_quant(dtype) && dtype != FL_Q5_K && dtype != FL_Q6_K;
+}
+
+/* bytes of one panel of FL_PR rows of n values (a dtype with panels) */
 size_t fli_panel_bytes(int64_t n);
 
 /* buf (fli_panel_bytes(n)) = FL_PR rows w (pointers; repeat one to pad) repacked for

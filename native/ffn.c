@@ -31,7 +31,7 @@ typedef struct {
     int64_t d, T;
     size_t rb;  // bytes of the gate and up rows (the down column follows the up row)
     int32_t dtype, glu, act;
-    int32_t ddt;  // dtype of the down column: dtype, q4_1 for q4_k bundles
+    int32_t ddt;  // dtype of the down column
     const int32_t *ids;
     const int32_t *rows;  // (m) bundle rows to use, NULL = every row in order
     const float *up_bias;
@@ -340,8 +340,7 @@ static int indices_ok(const int32_t *idx, int64_t n, int64_t bound) {
 static uint8_t *quantize_x(int32_t dtype, int32_t exact, const float *x, int64_t T, int64_t d,
                            int32_t *status) {
     *status = FL_OK;
-    if (exact || (dtype != FL_Q4_0 && dtype != FL_Q4_1 && dtype != FL_Q8_0 && dtype != FL_Q4_K))
-        return NULL;
+    if (exact || !fli_is_quant(dtype)) return NULL;
     const size_t xb = (size_t)fli_xq_bytes(d);
     uint8_t *xq = malloc((size_t)T * xb);
     if (!xq) *status = FL_ENOMEM;
@@ -349,21 +348,26 @@ static uint8_t *quantize_x(int32_t dtype, int32_t exact, const float *x, int64_t
     return xq;
 }
 
-int32_t fl_ffn_bundles(const fl_ffn_layer *layer, const int32_t *rows, int64_t n_rows,
-                       float threshold, const float *x, int64_t T, float *y, int32_t exact,
-                       int32_t n_threads) {
-    if (!layer) return FL_EINVAL;
+/* a dtype a down column may have: applied in f32 by fli_axpy / fli_axpy4 */
+static int down_dtype_ok(int32_t ddt) {
+    return ddt == FL_F32 || ddt == FL_F16 || ddt == FL_Q8_0 || ddt == FL_Q4_0 || ddt == FL_Q4_1 ||
+           ddt == FL_Q5_0 || ddt == FL_Q5_1;
+}
+
+static int32_t ffn_checked(const fl_ffn_layer *layer, const int32_t *rows, int64_t n_rows,
+                           float threshold, const float *x, int64_t T, float *y, int32_t exact,
+                           int32_t n_threads) {
     const uint8_t *bundles = layer->bundles;
     const int64_t stride = layer->stride, d = layer->d;
     const int32_t dtype = layer->dtype, glu = layer->glu, act = layer->act;
     const int32_t *ids = layer->ids;
     int64_t n = layer->n;
-    const int32_t ddt = dtype == FL_Q4_K ? FL_Q4_1 : dtype;
+    const int32_t ddt = layer->down_dtype;
     const size_t rb = fl_row_bytes(dtype, d), rd = fl_row_bytes(ddt, d);
-    if (rb == 0 || d <= 0 || n < 0 || stride < (int64_t)(rb * (glu ? 2 : 1) + rd) || !x || !y ||
-        T <= 0 || n_threads < 1 || act < FL_ACT_SILU || act > FL_ACT_RELU ||
-        !indices_ok(ids, n, INT32_MAX) || !indices_ok(rows, n_rows, n) || n_rows < 0 ||
-        !(threshold >= 0.0f) || (n > 0 && !bundles))
+    if (rb == 0 || rd == 0 || !down_dtype_ok(ddt) || d <= 0 || n < 0 ||
+        stride < (int64_t)(rb * (glu ? 2 : 1) + rd) || n_threads < 1 || act < FL_ACT_SILU ||
+        act > FL_ACT_RELU || !indices_ok(ids, n, INT32_MAX) || !indices_ok(rows, n_rows, n) ||
+        n_rows < 0 || !(threshold >= 0.0f) || (n > 0 && !bundles))
         return FL_EINVAL;
     int32_t status;
     uint8_t *xq = quantize_x(dtype, exact, x, T, d, &status);
@@ -381,4 +385,21 @@ int32_t fl_ffn_bundles(const fl_ffn_layer *layer, const int32_t *rows, int64_t n
                          : ffn_parallel(&a, bundles, n, stride, y, nt, chunks);
     free(xq);
     return status;
+}
+
+int32_t fl_ffn_bundles(const fl_ffn_layer *layer, const int32_t *rows, int64_t n_rows,
+                       float threshold, const float *x, int64_t T, float *y, int32_t exact,
+                       int32_t n_threads) {
+    if (!layer || !x || !y || T <= 0) return FL_EINVAL;
+    if (T <= SMALL_T || exact || !fli_is_quant(layer->dtype) || fli_has_panel(layer->dtype))
+        return ffn_checked(layer, rows, n_rows, threshold, x, T, y, exact, n_threads);
+    /* gate / up without int8 panels (q5_k, q6_k): SMALL_T tokens at a time, each token's
+     * arithmetic that of range_qs */
+    for (int64_t t = 0; t < T; t += SMALL_T) {
+        const int64_t nt = T - t < SMALL_T ? T - t : SMALL_T;
+        const int32_t st = ffn_checked(layer, rows, n_rows, threshold, x + t * layer->d, nt,
+                                       y + t * layer->d, exact, n_threads);
+        if (st != FL_OK) return st;
+    }
+    return FL_OK;
 }

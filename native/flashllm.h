@@ -18,6 +18,16 @@
  *            dmin * m_j, its nibble the low (j even) or high (j odd) half of qs[32 * (j / 2) + i].
  *            Rows need n a multiple of 256. fl_quantize_row does not make it (FL_EUNSUPPORTED):
  *            q4_k rows are copied from Q4_K sources.
+ *      q5_0: { f16 d; uint32 qh; uint8 nibbles[16]; } 22 bytes / 32 values, x = d * (u - 16),
+ *            u = nibble (placed as in q4_0) | bit j of qh << 4 for value j.
+ *      q5_1: { f16 d; f16 m; uint32 qh; uint8 nibbles[16]; } 24 bytes / 32, x = d * u + m.
+ *      q5_k: ggml's block_q5_K, 176 bytes / 256 values: { f16 d; f16 dmin; uint8 scales[12];
+ *            uint8 qh[32]; uint8 qs[128]; }: q4_k's scales and nibbles, plus bit j of qh[i] as
+ *            bit 4 of value i of sub-block j.
+ *      q6_k: ggml's block_q6_K, 210 bytes / 256 values: { uint8 ql[128]; uint8 qh[64];
+ *            int8 scales[16]; f16 d; }: 16 sub-blocks of 16 values, x = d * scales[k] * (u - 32),
+ *            u (6 bits) as in ggml's dequantize_row_q6_K.
+ *            q5_k and q6_k rows are copied from GGUF sources (fl_quantize_row: FL_EUNSUPPORTED).
  *  - Threading is explicit: functions that take n_threads use at most that many threads.
  *  - The section between CDEF-BEGIN and CDEF-END is fed verbatim to cffi: no preprocessor there.
  */
@@ -40,7 +50,10 @@ enum {
 };
 
 /* storage dtypes (values are part of the on-disk format, see docs/FORMAT.md) */
-enum { FL_F32 = 0, FL_F16 = 1, FL_Q8_0 = 2, FL_Q4_0 = 3, FL_Q4_1 = 4, FL_Q4_K = 5 };
+enum {
+    FL_F32 = 0, FL_F16 = 1, FL_Q8_0 = 2, FL_Q4_0 = 3, FL_Q4_1 = 4, FL_Q4_K = 5,
+    FL_Q5_0 = 6, FL_Q5_1 = 7, FL_Q5_K = 8, FL_Q6_K = 9
+};
 
 /* FFN activations */
 enum { FL_ACT_SILU = 0, FL_ACT_GELU = 1, FL_ACT_RELU = 2 };
@@ -60,14 +73,14 @@ int32_t fl_cpu_check(char *missing, size_t n);
 /* ---- quantization (quant.c) ---------------------------------------------------------------- */
 
 /* Bytes of one row of n values in dtype; 0 when dtype is unknown or n is not a multiple of the
- * block size (32; 256 for q4_k) for a quantized dtype. */
+ * block size (32; 256 for q4_k, q5_k, q6_k) for a quantized dtype. */
 size_t fl_row_bytes(int32_t dtype, int64_t n);
 
 /* dst (n) f32 = dequantized src row (fl_row_bytes(dtype, n) bytes). */
 int32_t fl_dequantize_row(int32_t dtype, const void *src, float *dst, int64_t n);
 
-/* dst (fl_row_bytes(dtype, n) bytes) = src (n) f32 quantized, ggml reference rounding for q8_0
- * and q4_0. q4_1 blocks take m = min and d = (max - min) / k for the k in 1..15 whose grid
+/* dst (fl_row_bytes(dtype, n) bytes) = src (n) f32 quantized, ggml reference rounding for q8_0,
+ * q4_0, q5_0 and q5_1. q4_1 blocks take m = min and d = (max - min) / k for the k in 1..15 whose grid
  * (d, m rounded to f16, q = nearest in 0..15) has the least squared error: k = 15 is ggml's
  * choice; a block that already lies on a 16-level grid of k + 1 used levels (a dequantized
  * Q4_K sub-block) is then reproduced up to the f16 rounding of d and m. A block on no grid
@@ -83,13 +96,13 @@ int32_t fl_get_rows(const void *w, int32_t dtype, int64_t rows, int64_t cols,
 /* ---- dense ops (ops.c) ------------------------------------------------------------------- */
 
 /* y (T, rows) = x (T, cols) @ w (rows, cols)^T  [+ bias (rows) when bias != NULL]
- * For q4_0 / q4_1 / q8_0 / q4_k weights each token of x is first quantized to int8 per block of 32
- * (d = amax / 127 in f32, q = nearest-even(x / d): every value moves by at most d / 2) and the
- * block products are exact integer sums scaled by d_w * d (q4_1 adds m_w * d * sum(q), the
- * block sum llama.cpp's q8_1 keeps; q4_k is q4_1 per 32-value sub-block with d_w = d * sc_j,
- * m_w = -dmin * m_j, and its x has one d per 256 values, the amax of the superblock, as ggml's
- * q8_K), as llama.cpp does; exact != 0 keeps
- * x in f32 instead (the dequantized weights times f32 x). f32 / f16 weights are always f32. */
+ * For quantized weights each token of x is first quantized to int8 (d = amax / 127 in f32,
+ * q = nearest-even(x / d): every value moves by at most d / 2), per block of 32 for q4_0 / q4_1 /
+ * q5_0 / q5_1 / q8_0 and per superblock of 256 (as ggml's q8_K) for q4_k / q5_k / q6_k, and the
+ * block products are exact integer sums scaled by d_w * d (q4_1 / q5_1 add m_w * d * sum(q),
+ * the block sum llama.cpp's q8_1 keeps; the k-quants combine their sub-block scales in integers
+ * within a superblock), as llama.cpp does; exact != 0 keeps x in f32 instead (the dequantized
+ * weights times f32 x). f32 / f16 weights are always f32. */
 int32_t fl_matmul(const void *w, int32_t dtype, int64_t rows, int64_t cols, const float *bias,
                   const float *x, int64_t T, float *y, int32_t exact, int32_t n_threads);
 
@@ -121,10 +134,10 @@ int32_t fl_attention(const float *q, const void *k_cache, const void *v_cache, i
 
 /* ---- bundled FFN (ffn.c) ----------------------------------------------------------------- */
 
-/* One FFN neuron is one bundle of `stride` bytes: [gate row | up row | down column], each part
- * fl_row_bytes(dtype, d) bytes (no gate part when glu == 0), padding up to stride. dtype q4_k
- * (FL_Q4_K) bundles hold gate and up as q4_k rows and the down column as a q4_1 row:
- * [q4_k gate | q4_k up | q4_1 down].
+/* One FFN neuron is one bundle of `stride` bytes: [gate row | up row | down column], gate and up
+ * fl_row_bytes(dtype, d) bytes each (no gate part when glu == 0), the down column
+ * fl_row_bytes(down_dtype, d) bytes, padding up to stride. The down column is one of f32, f16,
+ * q8_0, q4_0, q4_1, q5_0, q5_1 (it is applied in f32); gate / up may be any dtype.
  *
  * y (T, d) += sum over the used bundles i of  a_i(x) * down_i, where for each token t
  *   glu:     a_i = act(gate_i . x_t) * (up_i . x_t + up_bias[id_i])
@@ -134,13 +147,14 @@ int32_t fl_attention(const float *q, const void *k_cache, const void *v_cache, i
  * only); rows (n_rows) the bundle rows to use, each in [0, n) (rows == NULL uses all n rows in
  * order, n_rows is then ignored);
  * x (T, d); y (T, d) is accumulated into (the caller zeroes it or passes the residual).
- * q4_0 / q4_1 / q8_0 / q4_k bundles: gate_i . x and up_i . x use int8-quantized x as fl_matmul does unless
- * exact != 0; the down columns are always applied in f32. */
+ * Quantized gate / up rows: gate_i . x and up_i . x use int8-quantized x as fl_matmul does
+ * unless exact != 0; the down columns are always applied in f32. */
 typedef struct {
     const uint8_t *bundles;  /* (n, stride) bytes */
     int64_t n;               /* bundles */
     int64_t stride;          /* bytes per bundle, >= the parts' bytes */
-    int32_t dtype;           /* FL_* of the gate / up rows (and the down column; q4_k: q4_1) */
+    int32_t dtype;           /* FL_* of the gate / up rows */
+    int32_t down_dtype;      /* FL_* of the down column */
     int64_t d;               /* d_model: values per row */
     int32_t glu;             /* 1: [gate | up | down]; 0: [up | down] */
     int32_t act;             /* FL_ACT_* */

@@ -1,7 +1,7 @@
 /* ops.c — dense ops: matmul over a weight in any storage dtype, norms, RoPE, causal attention.
  *
  * matmul: f32 / f16 weights (and quantized ones when `exact`) run in f32 on dequantized values;
- * q4_0 / q4_1 / q8_0 weights otherwise meet int8-quantized activations (qdot.c), as in llama.cpp.
+ * quantized weights otherwise meet int8-quantized activations (qdot.c, qk.c), as in llama.cpp.
  *
  * Threads (pool.c) take the work in chunks as they come free: output rows (matvec), weight tiles
  * (matmuls), (token, head) pairs (attention); each thread allocates its own scratch and frees it
@@ -165,20 +165,23 @@ static void quantize_part(void *p) {
 /* tiles taken in chunks as threads come free (balanced when a core is shared) */
 static void qtiles_part(void *p) {
     matmul_q_job *j = p;
-    const int64_t T = j->T, step = T > FL_QT ? FL_PR : FL_QT, chunk = T > FL_QT ? 1 : QT_CHUNK;
+    const int64_t T = j->T;
+    const int panels = T > FL_QT && fli_has_panel(j->dtype);  // else tiles of FL_QT tokens
+    const int64_t step = panels ? FL_PR : FL_QT, chunk = panels ? 1 : QT_CHUNK;
     const int64_t n_tiles = (j->rows + step - 1) / step;
-    uint8_t *pan = T > FL_QT ? malloc(fli_panel_bytes(j->cols) + FL_PR * (size_t)T * sizeof(float))
-                             : NULL;
-    if (T > FL_QT && !pan) {
+    uint8_t *pan = panels ? malloc(fli_panel_bytes(j->cols) + FL_PR * (size_t)T * sizeof(float))
+                          : NULL;
+    if (panels && !pan) {
         atomic_store(&j->failed, 1);
         return;
     }
     for (int64_t c, c1; fli_take(&j->next, n_tiles, chunk, &c, &c1);)
         for (int64_t i = c; i < c1; i++) {
-            if (T <= FL_QT)
-                qtile_rows(j->w, j->dtype, j->rb, i * step, j->rows, j->cols, j->bias, j->xq,
-                           j->xb, T, j->y);
-            else
+            for (int64_t t = 0; !panels && t < T; t += FL_QT)
+                qtile_rows(j->w, j->dtype, j->rb, i * step, j->rows, j->cols, j->bias,
+                           j->xq + t * j->xb, j->xb, T - t < FL_QT ? T - t : FL_QT,
+                           j->y + t * j->rows);
+            if (panels)
                 panel_rows(j->w, j->dtype, j->rb, i * step, j->rows, j->cols, j->bias, j->xq,
                            j->xb, T, j->y, pan, (float *)(pan + fli_panel_bytes(j->cols)));
         }
@@ -205,7 +208,7 @@ int32_t fl_matmul(const void *w, int32_t dtype, int64_t rows, int64_t cols, cons
                   const float *x, int64_t T, float *y, int32_t exact, int32_t n_threads) {
     const size_t rb = fl_row_bytes(dtype, cols);
     if (!w || !x || !y || rb == 0 || rows <= 0 || T <= 0 || n_threads < 1) return FL_EINVAL;
-    if (!exact && (dtype == FL_Q4_0 || dtype == FL_Q4_1 || dtype == FL_Q8_0 || dtype == FL_Q4_K))
+    if (!exact && fli_is_quant(dtype))
         return matmul_q((const uint8_t *)w, dtype, rb, rows, cols, bias, x, T, y, n_threads);
     if (T == 1) {
         matvec((const uint8_t *)w, dtype, rb, rows, cols, bias, x, y, n_threads);

@@ -30,6 +30,11 @@ static inline vi w_q4(const uint8_t *b, size_t bb, size_t off) {
     const __m512i sh = _mm512_srlv_epi64(z, _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0));
     return _mm512_and_si512(sh, _mm512_set1_epi8(0x0F));
 }
+/* q5_0 / q5_1 blocks b, b + bb: the q4 nibbles with bit 4 from each block's qh */
+static inline vi w_q5(const uint8_t *b, size_t bb, size_t off, uint32_t h0, uint32_t h1) {
+    const __mmask64 m = (__mmask64)h0 | ((__mmask64)h1 << 32);
+    return _mm512_or_si512(w_q4(b, bb, off), _mm512_maskz_mov_epi8(m, _mm512_set1_epi8(0x10)));
+}
 static inline vi w_q8(const uint8_t *b) {  // blocks b, b + 34 -> 64 values + 128
     const __m256i a = _mm256_loadu_si256((const __m256i *)(b + 2));
     const __m256i c = _mm256_loadu_si256((const __m256i *)(b + 2 + FL_Q8_0_BYTES));
@@ -85,6 +90,19 @@ static inline vi w_q4(const uint8_t *b, size_t bb, size_t off) {
     const __m128i m = _mm_set1_epi8(0x0F);
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m), _mm_and_si128(raw, m));
 }
+/* byte i = 0x10 where bit i of m is set */
+static inline __m256i bit4_bytes(uint32_t m) {
+    const __m256i rep = _mm256_shuffle_epi8(
+        _mm256_set1_epi32((int)m), _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                    2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(rep, bit), bit),
+                            _mm256_set1_epi8(0x10));
+}
+static inline vi w_q5(const uint8_t *b, size_t bb, size_t off, uint32_t h0, uint32_t h1) {
+    (void)h1;
+    return _mm256_or_si256(w_q4(b, bb, off), bit4_bytes(h0));
+}
 static inline vi w_q8(const uint8_t *b) {
     const __m256i w = _mm256_loadu_si256((const __m256i *)(b + 2));
     return FLI_Q8_BIAS ? _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80)) : w;
@@ -129,14 +147,20 @@ static inline float vs_sum(vs a) { return fli_hsum256(a); }
 #define G 0 /* no vector path: every block goes through block_idot */
 #endif
 
-/* weights with an offset per block (x = d_w * nibble + m_w): q4_1, and q4_k per sub-block */
-#define HAS_M(dt) ((dt) == FL_Q4_1 || (dt) == FL_Q4_K)
+/* weights with an offset per block (x = d_w * u + m_w): q4_1, q5_1, and q4_k per sub-block */
+#define HAS_M(dt) ((dt) == FL_Q4_1 || (dt) == FL_Q5_1 || (dt) == FL_Q4_K)
+/* the same among the 32-value block dtypes (m_w stored as f16 after d_w) */
+#define HAS_M32(dt) ((dt) == FL_Q4_1 || (dt) == FL_Q5_1)
 
 #if G > 0
 /* the unsigned weight bytes dp multiplies, of G blocks from b */
 static inline vi w_load(int32_t dtype, const uint8_t *b) {
     if (dtype == FL_Q8_0) return w_q8(b);
     if (dtype == FL_Q4_1) return w_q4(b, FL_Q4_1_BYTES, 4);
+    if (dtype == FL_Q5_0)
+        return w_q5(b, FL_Q5_0_BYTES, 6, fli_q5_qh(dtype, b), fli_q5_qh(dtype, b + FL_Q5_0_BYTES));
+    if (dtype == FL_Q5_1)
+        return w_q5(b, FL_Q5_1_BYTES, 8, fli_q5_qh(dtype, b), fli_q5_qh(dtype, b + FL_Q5_1_BYTES));
     return w_q4(b, FL_Q4_0_BYTES, 2);
 }
 #endif
@@ -152,6 +176,13 @@ block_idot(int32_t dtype, const uint8_t *blk, const int8_t *q) {
     } else if (dtype == FL_Q4_1) {
         for (int j = 0; j < FL_QK / 2; j++)
             s += (blk[4 + j] & 0x0F) * q[j] + (blk[4 + j] >> 4) * q[j + FL_QK / 2];
+    } else if (dtype == FL_Q5_0 || dtype == FL_Q5_1) {
+        const uint32_t qh = fli_q5_qh(dtype, blk);
+        const uint8_t *qs = blk + (dtype == FL_Q5_1 ? 8 : 6);
+        const int off = dtype == FL_Q5_0 ? 16 : 0;
+        for (int j = 0; j < FL_QK / 2; j++)
+            s += ((int)((qs[j] & 0x0F) | ((qh >> j) & 1) << 4) - off) * q[j] +
+                 ((int)((qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4) - off) * q[j + FL_QK / 2];
     } else {
         for (int j = 0; j < FL_QK / 2; j++)
             s += ((blk[2 + j] & 0x0F) - 8) * q[j] + ((blk[2 + j] >> 4) - 8) * q[j + FL_QK / 2];
@@ -204,7 +235,7 @@ static inline __attribute__((always_inline)) void tail_rc(int32_t dtype, const u
                 const uint8_t *blk = w[r] + b * bb;
                 out[r][t] += fl_load_fp16(blk) * x[t].scale[b * FL_XQ_LANES] *
                              (float)block_idot(dtype, blk, x[t].q + b * FL_QK);
-                if (dtype == FL_Q4_1)
+                if (HAS_M32(dtype))
                     out[r][t] += fl_load_fp16(blk + 2) * x[t].msum[b * FL_XQ_LANES];
             }
 }
@@ -241,7 +272,7 @@ static inline __attribute__((always_inline)) void tile_rc(int32_t dtype, const u
             } else {
                 wv[r] = w_load(dtype, w[r] + b * bb);
                 ws[r] = w_scale(w[r] + b * bb, bb);
-                if (dtype == FL_Q4_1) wm[r] = w_scale(w[r] + b * bb + 2, bb);
+                if (HAS_M32(dtype)) wm[r] = w_scale(w[r] + b * bb + 2, bb);
             }
         }
         for (int t = 0; t < C; t++) {
@@ -278,16 +309,36 @@ void fli_wx_expand(int32_t dtype, const uint8_t *w, int64_t n, uint8_t *buf) {
     for (int64_t b = 0; b + G <= nb; b += G) {
         vi_store(buf + b * FL_QK, w_load(dtype, w + b * bb));
         vs_store(scale + b * FL_XQ_LANES, w_scale(w + b * bb, bb));
-        if (dtype == FL_Q4_1) vs_store(m + b * FL_XQ_LANES, w_scale(w + b * bb + 2, bb));
+        if (HAS_M32(dtype)) vs_store(m + b * FL_XQ_LANES, w_scale(w + b * bb + 2, bb));
     }
 #else
     (void)dtype, (void)w, (void)n, (void)buf;
 #endif
 }
 
+/* tile_rc with the dtype a constant in each branch */
+static inline __attribute__((always_inline)) void tile_dt(int32_t dtype, const uint8_t *const *w,
+                                                          const uint8_t *const *ex, int EX,
+                                                          int R, const xq_view *x, int C,
+                                                          int64_t nb, float out[FL_QT][FL_QT]) {
+    switch (dtype) {
+    case FL_Q8_0: tile_rc(FL_Q8_0, w, ex, EX, R, x, C, nb, out); break;
+    case FL_Q4_1: tile_rc(FL_Q4_1, w, ex, EX, R, x, C, nb, out); break;
+    case FL_Q4_K: tile_rc(FL_Q4_K, w, ex, EX, R, x, C, nb, out); break;
+    case FL_Q5_0: tile_rc(FL_Q5_0, w, ex, EX, R, x, C, nb, out); break;
+    case FL_Q5_1: tile_rc(FL_Q5_1, w, ex, EX, R, x, C, nb, out); break;
+    default: tile_rc(FL_Q4_0, w, ex, EX, R, x, C, nb, out); break;
+    }
+}
+
 void fli_qdot_tile(int32_t dtype, const uint8_t *const w[FL_QT], const uint8_t *const ex[FL_QT],
                    const uint8_t *const x[FL_QT], int32_t n_tok, int64_t n,
                    float out[FL_QT][FL_QT]) {
+    if (dtype == FL_Q5_K || dtype == FL_Q6_K) {  // one row and token at a time (qk.c)
+        for (int r = 0; r < FL_QT; r++)
+            for (int t = 0; t < n_tok; t++) out[r][t] = fli_qk_qdot(dtype, w[r], x[t], n);
+        return;
+    }
     xq_view xv[FL_QT];
     for (int t = 0; t < FL_QT; t++) xv[t] = view(x[t], n);
     const int64_t nb = n / FL_QK;
@@ -299,40 +350,17 @@ void fli_qdot_tile(int32_t dtype, const uint8_t *const w[FL_QT], const uint8_t *
         return;
     }
 #endif
-    if (n_tok == 1) {
-        if (dtype == FL_Q8_0) tile_rc(FL_Q8_0, w, ex, 0, FL_QT, xv, 1, nb, out);
-        else if (dtype == FL_Q4_1) tile_rc(FL_Q4_1, w, ex, 0, FL_QT, xv, 1, nb, out);
-        else if (dtype == FL_Q4_K) tile_rc(FL_Q4_K, w, ex, 0, FL_QT, xv, 1, nb, out);
-        else tile_rc(FL_Q4_0, w, ex, 0, FL_QT, xv, 1, nb, out);
-    } else if (n_tok == 2 && !ex) {  // 2 or 3 tokens (draft guesses): no idle tile columns
-        if (dtype == FL_Q8_0) tile_rc(FL_Q8_0, w, ex, 0, FL_QT, xv, 2, nb, out);
-        else if (dtype == FL_Q4_1) tile_rc(FL_Q4_1, w, ex, 0, FL_QT, xv, 2, nb, out);
-        else if (dtype == FL_Q4_K) tile_rc(FL_Q4_K, w, ex, 0, FL_QT, xv, 2, nb, out);
-        else tile_rc(FL_Q4_0, w, ex, 0, FL_QT, xv, 2, nb, out);
-    } else if (n_tok == 3 && !ex) {
-        if (dtype == FL_Q8_0) tile_rc(FL_Q8_0, w, ex, 0, FL_QT, xv, 3, nb, out);
-        else if (dtype == FL_Q4_1) tile_rc(FL_Q4_1, w, ex, 0, FL_QT, xv, 3, nb, out);
-        else if (dtype == FL_Q4_K) tile_rc(FL_Q4_K, w, ex, 0, FL_QT, xv, 3, nb, out);
-        else tile_rc(FL_Q4_0, w, ex, 0, FL_QT, xv, 3, nb, out);
-    } else if (ex) {
-        if (dtype == FL_Q8_0) tile_rc(FL_Q8_0, w, ex, 1, FL_QT, xv, FL_QT, nb, out);
-        else if (dtype == FL_Q4_1) tile_rc(FL_Q4_1, w, ex, 1, FL_QT, xv, FL_QT, nb, out);
-        else if (dtype == FL_Q4_K) tile_rc(FL_Q4_K, w, ex, 1, FL_QT, xv, FL_QT, nb, out);
-        else tile_rc(FL_Q4_0, w, ex, 1, FL_QT, xv, FL_QT, nb, out);
-    } else {
-        if (dtype == FL_Q8_0) tile_rc(FL_Q8_0, w, ex, 0, FL_QT, xv, FL_QT, nb, out);
-        else if (dtype == FL_Q4_1) tile_rc(FL_Q4_1, w, ex, 0, FL_QT, xv, FL_QT, nb, out);
-        else if (dtype == FL_Q4_K) tile_rc(FL_Q4_K, w, ex, 0, FL_QT, xv, FL_QT, nb, out);
-        else tile_rc(FL_Q4_0, w, ex, 0, FL_QT, xv, FL_QT, nb, out);
-    }
+    if (n_tok == 1) tile_dt(dtype, w, ex, 0, FL_QT, xv, 1, nb, out);
+    else if (n_tok == 2 && !ex) tile_dt(dtype, w, ex, 0, FL_QT, xv, 2, nb, out);  // draft guesses:
+    else if (n_tok == 3 && !ex) tile_dt(dtype, w, ex, 0, FL_QT, xv, 3, nb, out);  // no idle columns
+    else if (ex) tile_dt(dtype, w, ex, 1, FL_QT, xv, FL_QT, nb, out);
+    else tile_dt(dtype, w, ex, 0, FL_QT, xv, FL_QT, nb, out);
 }
 
 float fli_qdot(int32_t dtype, const uint8_t *w, const uint8_t *x, int64_t n) {
+    if (dtype == FL_Q5_K || dtype == FL_Q6_K) return fli_qk_qdot(dtype, w, x, n);
     float out[FL_QT][FL_QT];
     const xq_view xv = view(x, n);
-    if (dtype == FL_Q8_0) tile_rc(FL_Q8_0, &w, NULL, 0, 1, &xv, 1, n / FL_QK, out);
-    else if (dtype == FL_Q4_1) tile_rc(FL_Q4_1, &w, NULL, 0, 1, &xv, 1, n / FL_QK, out);
-    else if (dtype == FL_Q4_K) tile_rc(FL_Q4_K, &w, NULL, 0, 1, &xv, 1, n / FL_QK, out);
-    else tile_rc(FL_Q4_0, &w, NULL, 0, 1, &xv, 1, n / FL_QK, out);
+    tile_dt(dtype, &w, NULL, 0, 1, &xv, 1, n / FL_QK, out);
     return out[0][0];
 }

@@ -12,7 +12,8 @@
  * ~5 for the 4x4 tiles of qdot.c, whose lanes hold values of one row.
  *
  * q4_k packs its sub-blocks into the same records (d_w = d * sc_j, m_w = -dmin * m_j, f32), so
- * its GEMM is q4_1's.
+ * its GEMM is q4_1's; q5_0 / q5_1 are q4_0 / q4_1 with bit 4 of each value from qh (q5_0's
+ * offset 16 paid by the activations' correction). q5_k / q6_k have no panels (fli_has_panel).
  *
  * Other builds: the panel is the 16 raw rows and their fli_wx_expand copies, and the GEMM runs the
  * FL_QT x FL_QT tiles of qdot.c (same results up to f32 summation order).
@@ -55,13 +56,25 @@ static inline void transpose16x4(const __m512i src[4], __m512i *dst) {
     dst[3] = _mm512_shuffle_i32x4(ab_hi, cd_hi, 0xDD);
 }
 
+/* q5_0 / q5_1: bit 4 of the values of 4 rows (row k in 128-bit lane k) from their qh, values
+ * 0..15 (hi = 0) or 16..31 (hi = 1) of block b */
+static inline __m512i bit4_rows4(int32_t dtype, const uint8_t *const *w, size_t bb, int64_t b,
+                                 int hi) {
+    uint64_t m = 0;
+    for (int k = 0; k < 4; k++)
+        m |= (uint64_t)((fli_q5_qh(dtype, w[k] + (size_t)b * bb) >> (16 * hi)) & 0xFFFF) << (16 * k);
+    return _mm512_maskz_mov_epi8((__mmask64)m, _mm512_set1_epi8(0x10));
+}
+
 /* the 8 byte vectors of block b of 16 rows: quantized values 4k .. 4k+3 of every row in vector k */
 static void pack_block(int32_t dtype, const uint8_t *const w[FL_PR], size_t bb, int64_t b,
                        uint8_t *rec) {
     __m512i v[4], q[8];
     const __m512i lo = _mm512_set1_epi8(0x0F);
+    const int q5 = dtype == FL_Q5_0 || dtype == FL_Q5_1;
+    const size_t qs = dtype == FL_Q4_1 ? 4 : dtype == FL_Q5_0 ? 6 : dtype == FL_Q5_1 ? 8 : 2;
     for (int half = 0; half < (dtype == FL_Q8_0 ? 2 : 1); half++) {
-        const size_t off = (size_t)b * bb + (dtype == FL_Q4_1 ? 4 : 2) + 16 * (size_t)half;
+        const size_t off = (size_t)b * bb + qs + 16 * (size_t)half;
         for (int g = 0; g < 4; g++) v[g] = rows4(w + 4 * g, off);
         if (dtype == FL_Q8_0) {
             for (int g = 0; g < 4; g++) v[g] = _mm512_xor_si512(v[g], _mm512_set1_epi8((char)0x80));
@@ -71,6 +84,10 @@ static void pack_block(int32_t dtype, const uint8_t *const w[FL_PR], size_t bb, 
             for (int g = 0; g < 4; g++) {
                 h[g] = _mm512_and_si512(_mm512_srli_epi16(v[g], 4), lo);
                 v[g] = _mm512_and_si512(v[g], lo);
+                if (q5) {
+                    v[g] = _mm512_or_si512(v[g], bit4_rows4(dtype, w + 4 * g, bb, b, 0));
+                    h[g] = _mm512_or_si512(h[g], bit4_rows4(dtype, w + 4 * g, bb, b, 1));
+                }
             }
             transpose16x4(v, q);
             transpose16x4(h, q + 4);
@@ -78,9 +95,10 @@ static void pack_block(int32_t dtype, const uint8_t *const w[FL_PR], size_t bb, 
     }
     for (int k = 0; k < 8; k++) _mm512_storeu_si512(rec + 64 * k, q[k]);
     uint16_t dm[2][FL_PR];  // (d_w | m_w, row) f16
+    const int has_m = dtype == FL_Q4_1 || dtype == FL_Q5_1;
     for (int r = 0; r < FL_PR; r++) {
         memcpy(&dm[0][r], w[r] + (size_t)b * bb, 2);
-        memcpy(&dm[1][r], dtype == FL_Q4_1 ? w[r] + (size_t)b * bb + 2 : w[r] + (size_t)b * bb, 2);
+        memcpy(&dm[1][r], w[r] + (size_t)b * bb + (has_m ? 2 : 0), 2);
     }
     _mm512_storeu_ps(rec + 512, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)dm[0])));
     _mm512_storeu_ps(rec + 576, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)dm[1])));
@@ -181,9 +199,10 @@ static inline __attribute__((always_inline)) void gemm_dt(int32_t dtype, const u
 
 void fli_panel_gemm(int32_t dtype, const uint8_t *panel, const uint8_t *x, size_t xb, int64_t T,
                     int64_t n, float *out, int64_t ld) {
-    if (dtype == FL_Q4_1 || dtype == FL_Q4_K) gemm_dt(FL_Q4_1, panel, x, xb, T, n, out, ld);
+    if (dtype == FL_Q4_1 || dtype == FL_Q5_1 || dtype == FL_Q4_K)  // d_w * u + m_w
+        gemm_dt(FL_Q4_1, panel, x, xb, T, n, out, ld);
     else if (dtype == FL_Q8_0) gemm_dt(FL_Q8_0, panel, x, xb, T, n, out, ld);
-    else gemm_dt(FL_Q4_0, panel, x, xb, T, n, out, ld);
+    else gemm_dt(FL_Q4_0, panel, x, xb, T, n, out, ld);  // q4_0, q5_0: x's correction pays the offset
 }
 #else
 /* panel: (FL_PR, raw row) then (FL_PR, xb) the rows expanded by fli_wx_expand */

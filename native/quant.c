@@ -1,7 +1,7 @@
 /* quant.c — row sizes, ggml-compatible quantize / dequantize of rows, embedding lookup.
  *
- * Rounding follows ggml's reference quantizers (quantize_row_q8_0_ref, quantize_row_q4_0_ref)
- * bit for bit; q4_1 searches the step of its grid (see fl_quantize_row in flashllm.h). This file relies on the build not contracting x * id + 8.5f into an FMA
+ * Rounding follows ggml's reference quantizers (quantize_row_q8_0_ref, quantize_row_q4_0_ref,
+ * quantize_row_q5_0_ref, quantize_row_q5_1_ref) bit for bit; q4_1 searches the step of its grid (see fl_quantize_row in flashllm.h). This file relies on the build not contracting x * id + 8.5f into an FMA
  * (-std=c11 implies -ffp-contract=off in GCC), or q4_0 could round differently on ties.
  */
 #include <math.h>
@@ -20,6 +20,10 @@ size_t fl_row_bytes(int32_t dtype, int64_t n) {
     case FL_Q4_0: return n % FL_QK ? 0 : (size_t)(n / FL_QK) * FL_Q4_0_BYTES;
     case FL_Q4_1: return n % FL_QK ? 0 : (size_t)(n / FL_QK) * FL_Q4_1_BYTES;
     case FL_Q4_K: return n % FL_QK_K ? 0 : (size_t)(n / FL_QK_K) * FL_Q4_K_BYTES;
+    case FL_Q5_0: return n % FL_QK ? 0 : (size_t)(n / FL_QK) * FL_Q5_0_BYTES;
+    case FL_Q5_1: return n % FL_QK ? 0 : (size_t)(n / FL_QK) * FL_Q5_1_BYTES;
+    case FL_Q5_K: return n % FL_QK_K ? 0 : (size_t)(n / FL_QK_K) * FL_Q5_K_BYTES;
+    case FL_Q6_K: return n % FL_QK_K ? 0 : (size_t)(n / FL_QK_K) * FL_Q6_K_BYTES;
     default: return 0;
     }
 }
@@ -48,8 +52,8 @@ static void quantize_block_q8_0(const float *x, uint8_t *blk) {
     for (int j = 0; j < FL_QK; j++) q[j] = (int8_t)roundf(x[j] * id);
 }
 
-/* one q4_0 block: d = max / -8 (max = signed value of the largest |x|), q = min(15, x/d + 8.5) */
-static void quantize_block_q4_0(const float *x, uint8_t *blk) {
+/* the signed value of a block's largest |x| (the first of equal ones), as ggml's q4_0 / q5_0 */
+static float signed_max(const float *x) {
     float amax = 0.0f, max = 0.0f;
     for (int j = 0; j < FL_QK; j++) {
         if (amax < fabsf(x[j])) {
@@ -57,7 +61,12 @@ static void quantize_block_q4_0(const float *x, uint8_t *blk) {
             max = x[j];
         }
     }
-    const float d = max / -8.0f;
+    return max;
+}
+
+/* one q4_0 block: d = max / -8 (max = signed value of the largest |x|), q = min(15, x/d + 8.5) */
+static void quantize_block_q4_0(const float *x, uint8_t *blk) {
+    const float d = signed_max(x) / -8.0f;
     const float id = d != 0.0f ? 1.0f / d : 0.0f;
     store_fp16(blk, d);
     for (int j = 0; j < FL_QK / 2; j++) {
@@ -69,6 +78,49 @@ static void quantize_block_q4_0(const float *x, uint8_t *blk) {
         const uint8_t q1 = i1 < 15 ? (uint8_t)i1 : 15;
         blk[2 + j] = (uint8_t)(q0 | (q1 << 4));
     }
+}
+
+/* the 5-bit values q (32) of a q5_0 / q5_1 block packed into blk's qh and nibbles */
+static void pack_q5(const uint8_t q[FL_QK], uint8_t *qh_at, uint8_t *qs) {
+    uint32_t qh = 0;
+    for (int j = 0; j < FL_QK; j++) qh |= (uint32_t)(q[j] >> 4) << j;
+    memcpy(qh_at, &qh, sizeof qh);
+    for (int j = 0; j < FL_QK / 2; j++)
+        qs[j] = (uint8_t)((q[j] & 0x0F) | ((q[j + FL_QK / 2] & 0x0F) << 4));
+}
+
+/* one q5_0 block, as ggml's quantize_row_q5_0_ref: d = max / -16 (max = signed value of the
+ * largest |x|), q = min(31, trunc(x / d + 16.5)) */
+static void quantize_block_q5_0(const float *x, uint8_t *blk) {
+    const float d = signed_max(x) / -16.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    uint8_t q[FL_QK];
+    for (int j = 0; j < FL_QK; j++) {
+        const int8_t i = (int8_t)(x[j] * id + 16.5f);
+        q[j] = i < 31 ? (uint8_t)i : 31;
+    }
+    store_fp16(blk, d);
+    pack_q5(q, blk + 2, blk + 6);
+}
+
+/* one q5_1 block, as ggml's quantize_row_q5_1_ref: d = (max - min) / 31, m = min,
+ * q = min(31, trunc((x - min) / d + 0.5)) */
+static void quantize_block_q5_1(const float *x, uint8_t *blk) {
+    float lo = x[0], hi = x[0];
+    for (int j = 1; j < FL_QK; j++) {
+        if (x[j] < lo) lo = x[j];
+        if (x[j] > hi) hi = x[j];
+    }
+    const float d = (hi - lo) / 31.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    uint8_t q[FL_QK];
+    for (int j = 0; j < FL_QK; j++) {
+        const uint8_t i = (uint8_t)((x[j] - lo) * id + 0.5f);
+        q[j] = i < 31 ? i : 31;
+    }
+    store_fp16(blk, d);
+    store_fp16(blk + 2, lo);
+    pack_q5(q, blk + 4, blk + 8);
 }
 
 /* nibbles q (32) of x on the grid d * q + m (d, m as stored: f16), nearest level in 0..15;
@@ -140,29 +192,27 @@ static void quantize_block_q4_1(const float *x, uint8_t *blk) {
         blk[4 + j] = (uint8_t)(best_q[j] | (best_q[j + FL_QK / 2] << 4));
 }
 
+/* out = src (n) quantized one 32-value block at a time by quantize_block, bb bytes a block */
+static void quantize_blocks(void (*quantize_block)(const float *, uint8_t *), size_t bb,
+                            const float *src, uint8_t *out, int64_t n) {
+    for (int64_t b = 0; b < n / FL_QK; b++) quantize_block(src + b * FL_QK, out + b * bb);
+}
+
 int32_t fl_quantize_row(int32_t dtype, const float *src, void *dst, int64_t n) {
     if (!row_args_ok(dtype, src, dst, n)) return FL_EINVAL;
-    if (dtype == FL_Q4_K) return FL_EUNSUPPORTED;  // q4_k rows are copied from Q4_K sources
+    if (fli_is_kquant(dtype)) return FL_EUNSUPPORTED;  // k-quant rows are copied from sources
     uint8_t *out = (uint8_t *)dst;
+    const size_t bb = fli_block_bytes(dtype);
     switch (dtype) {
-    case FL_F32:
-        memcpy(out, src, (size_t)n * 4);
-        break;
+    case FL_F32: memcpy(out, src, (size_t)n * 4); break;
     case FL_F16:
         for (int64_t i = 0; i < n; i++) store_fp16(out + 2 * i, src[i]);
         break;
-    case FL_Q8_0:
-        for (int64_t b = 0; b < n / FL_QK; b++)
-            quantize_block_q8_0(src + b * FL_QK, out + b * FL_Q8_0_BYTES);
-        break;
-    case FL_Q4_0:
-        for (int64_t b = 0; b < n / FL_QK; b++)
-            quantize_block_q4_0(src + b * FL_QK, out + b * FL_Q4_0_BYTES);
-        break;
-    case FL_Q4_1:
-        for (int64_t b = 0; b < n / FL_QK; b++)
-            quantize_block_q4_1(src + b * FL_QK, out + b * FL_Q4_1_BYTES);
-        break;
+    case FL_Q8_0: quantize_blocks(quantize_block_q8_0, bb, src, out, n); break;
+    case FL_Q4_0: quantize_blocks(quantize_block_q4_0, bb, src, out, n); break;
+    case FL_Q4_1: quantize_blocks(quantize_block_q4_1, bb, src, out, n); break;
+    case FL_Q5_0: quantize_blocks(quantize_block_q5_0, bb, src, out, n); break;
+    case FL_Q5_1: quantize_blocks(quantize_block_q5_1, bb, src, out, n); break;
     }
     return FL_OK;
 }

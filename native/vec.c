@@ -39,6 +39,15 @@ static inline void load_q4u(const uint8_t *qs, vf v[2]) {  // unsigned nibbles 0
     v[0] = _mm512_permutexvar_ps(raw, table);
     v[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(raw, 4), table);
 }
+/* q5 values: nibble - off (off 16 for q5_0, 0 for q5_1), + 16 where bit j of qh is set */
+static inline void load_q5(const uint8_t *qs, uint32_t qh, float off, vf v[2]) {
+    load_q4u(qs, v);
+    const __m512 sixteen = _mm512_set1_ps(16.0f), o = _mm512_set1_ps(off);
+    v[0] = _mm512_mask_add_ps(_mm512_sub_ps(v[0], o), (__mmask16)(qh & 0xFFFF),
+                              _mm512_sub_ps(v[0], o), sixteen);
+    v[1] = _mm512_mask_add_ps(_mm512_sub_ps(v[1], o), (__mmask16)(qh >> 16),
+                              _mm512_sub_ps(v[1], o), sixteen);
+}
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 typedef __m256 vf;
@@ -82,6 +91,16 @@ static inline void load_q4u(const uint8_t *qs, vf v[4]) {  // unsigned nibbles 0
     v[2] = cvt8(hi);
     v[3] = cvt8(_mm_srli_si128(hi, 8));
 }
+static inline void load_q5(const uint8_t *qs, uint32_t qh, float off, vf v[4]) {
+    load_q4u(qs, v);
+    for (int k = 0; k < 4; k++) {  // lane i of v[k] is value 8k + i
+        const __m256i bits = _mm256_and_si256(
+            _mm256_srlv_epi32(_mm256_set1_epi32((int)(qh >> (8 * k))),
+                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)), _mm256_set1_epi32(1));
+        v[k] = _mm256_add_ps(_mm256_sub_ps(v[k], _mm256_set1_ps(off)),
+                             _mm256_mul_ps(_mm256_cvtepi32_ps(bits), _mm256_set1_ps(16.0f)));
+    }
+}
 #else
 typedef float vf;
 #define VW 1
@@ -113,17 +132,29 @@ static inline void load_q4u(const uint8_t *qs, vf v[32]) {
         v[j + 16] = (float)(qs[j] >> 4);
     }
 }
+static inline void load_q5(const uint8_t *qs, uint32_t qh, float off, vf v[32]) {
+    for (int j = 0; j < 16; j++) {
+        v[j] = (float)((qs[j] & 0x0F) | ((qh >> j) & 1) << 4) - off;
+        v[j + 16] = (float)((qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4) - off;
+    }
+}
 #endif
 
 #define NV (FL_QK / VW) /* vectors per quantized block */
 
-/* unscaled values of one block of a quantized dtype and its scale; *m its offset (q4_1: the
- * block is d * v + m; 0 for the others) */
+/* q4_1 and q5_1: a block is d * v + m */
+#define HAS_MIN(dt) ((dt) == FL_Q4_1 || (dt) == FL_Q5_1)
+
+/* unscaled values of one block of a quantized dtype and its scale; *m its offset (q4_1, q5_1:
+ * the block is d * v + m; 0 for the others). Exact small integers, so d * v rounds as ggml's
+ * and gguf-py's dequantization does. */
 static inline __attribute__((always_inline)) float load_block(int32_t dtype, const uint8_t *blk,
                                                               vf v[NV], float *m) {
-    *m = dtype == FL_Q4_1 ? fl_load_fp16(blk + 2) : 0.0f;
+    *m = HAS_MIN(dtype) ? fl_load_fp16(blk + 2) : 0.0f;
     if (dtype == FL_Q8_0) load_q8(blk + 2, v);
     else if (dtype == FL_Q4_1) load_q4u(blk + 4, v);
+    else if (dtype == FL_Q5_0) load_q5(blk + 6, fli_q5_qh(dtype, blk), 16.0f, v);
+    else if (dtype == FL_Q5_1) load_q5(blk + 8, fli_q5_qh(dtype, blk), 0.0f, v);
     else load_q4(blk + 2, v);
     return fl_load_fp16(blk);
 }
@@ -168,7 +199,7 @@ static inline __attribute__((always_inline)) float dot_blocks(int32_t dtype, con
         vf t = vmul(v[0], vload(x));
         for (int k = 1; k < NV; k++) t = vfma(v[k], vload(x + k * VW), t);
         acc = vfma(vset1(d), t, acc);
-        if (dtype == FL_Q4_1) {
+        if (HAS_MIN(dtype)) {
             vf sx = vload(x);
             for (int k = 1; k < NV; k++) sx = vadd(sx, vload(x + k * VW));
             macc = vfma(vset1(m), sx, macc);
@@ -184,6 +215,10 @@ float fli_dot(int32_t dtype, const uint8_t *row, const float *x, int64_t n) {
     case FL_Q8_0: return dot_blocks(FL_Q8_0, row, x, n);
     case FL_Q4_1: return dot_blocks(FL_Q4_1, row, x, n);
     case FL_Q4_K: return fli_q4k_dot(row, x, n);
+    case FL_Q5_0: return dot_blocks(FL_Q5_0, row, x, n);
+    case FL_Q5_1: return dot_blocks(FL_Q5_1, row, x, n);
+    case FL_Q5_K:
+    case FL_Q6_K: return fli_qk_dot(dtype, row, x, n);
     default: return dot_blocks(FL_Q4_0, row, x, n);
     }
 }
@@ -204,7 +239,7 @@ static inline __attribute__((always_inline)) void axpy_blocks(int32_t dtype, con
         float m;
         const vf ad = vset1(a * load_block(dtype, row, v, &m)), am = vset1(a * m);
         for (int k = 0; k < NV; k++) {
-            const vf yk = dtype == FL_Q4_1 ? vadd(vload(y + k * VW), am) : vload(y + k * VW);
+            const vf yk = HAS_MIN(dtype) ? vadd(vload(y + k * VW), am) : vload(y + k * VW);
             vstore(y + k * VW, vfma(ad, v[k], yk));
         }
     }
@@ -217,6 +252,10 @@ void fli_axpy(int32_t dtype, const uint8_t *row, float a, float *y, int64_t n) {
     case FL_Q8_0: axpy_blocks(FL_Q8_0, row, a, y, n); break;
     case FL_Q4_1: axpy_blocks(FL_Q4_1, row, a, y, n); break;
     case FL_Q4_K: fli_q4k_axpy(row, a, y, n); break;
+    case FL_Q5_0: axpy_blocks(FL_Q5_0, row, a, y, n); break;
+    case FL_Q5_1: axpy_blocks(FL_Q5_1, row, a, y, n); break;
+    case FL_Q5_K:
+    case FL_Q6_K: fli_qk_axpy(dtype, row, a, y, n); break;
     default: axpy_blocks(FL_Q4_0, row, a, y, n); break;
     }
 }
@@ -230,7 +269,7 @@ static inline __attribute__((always_inline)) void dequant_blocks(int32_t dtype,
         float m;
         const vf d = vset1(load_block(dtype, row, v, &m)), vm = vset1(m);
         for (int k = 0; k < NV; k++)
-            vstore(dst + k * VW, dtype == FL_Q4_1 ? vfma(d, v[k], vm) : vmul(d, v[k]));
+            vstore(dst + k * VW, HAS_MIN(dtype) ? vadd(vmul(d, v[k]), vm) : vmul(d, v[k]));
     }
 }
 
@@ -246,6 +285,10 @@ void fli_dequant(int32_t dtype, const uint8_t *row, float *dst, int64_t n) {
     case FL_Q8_0: dequant_blocks(FL_Q8_0, row, dst, n); break;
     case FL_Q4_1: dequant_blocks(FL_Q4_1, row, dst, n); break;
     case FL_Q4_K: fli_q4k_dequant(row, dst, n); break;
+    case FL_Q5_0: dequant_blocks(FL_Q5_0, row, dst, n); break;
+    case FL_Q5_1: dequant_blocks(FL_Q5_1, row, dst, n); break;
+    case FL_Q5_K:
+    case FL_Q6_K: fli_qk_dequant(dtype, row, dst, n); break;
     default: dequant_blocks(FL_Q4_0, row, dst, n); break;
     }
 }
@@ -288,7 +331,7 @@ static inline __attribute__((always_inline)) void axpy4_blocks(int32_t dtype,
             am += a[r] * m;
             for (int k = 0; k < NV; k++) acc[k] = vfma(ad, v[k], acc[k]);
         }
-        for (int k = 0; dtype == FL_Q4_1 && k < NV; k++) acc[k] = vadd(acc[k], vset1(am));
+        for (int k = 0; HAS_MIN(dtype) && k < NV; k++) acc[k] = vadd(acc[k], vset1(am));
         for (int k = 0; k < NV; k++) vstore(y + k * VW, acc[k]);
     }
 }
@@ -300,8 +343,12 @@ void fli_axpy4(int32_t dtype, const uint8_t *const rows[FL_QT], const float a[FL
     case FL_F16: axpy4_plain(FL_F16, rows, a, y, n); break;
     case FL_Q8_0: axpy4_blocks(FL_Q8_0, rows, a, y, n); break;
     case FL_Q4_1: axpy4_blocks(FL_Q4_1, rows, a, y, n); break;
+    case FL_Q5_0: axpy4_blocks(FL_Q5_0, rows, a, y, n); break;
+    case FL_Q5_1: axpy4_blocks(FL_Q5_1, rows, a, y, n); break;
     case FL_Q4_K:
-        for (int r = 0; r < FL_QT; r++) fli_q4k_axpy(rows[r], a[r], y, n);
+    case FL_Q5_K:
+    case FL_Q6_K:
+        for (int r = 0; r < FL_QT; r++) fli_axpy(dtype, rows[r], a[r], y, n);
         break;
     default: axpy4_blocks(FL_Q4_0, rows, a, y, n); break;
     }

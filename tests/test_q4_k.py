@@ -168,7 +168,8 @@ def test_kernels_on_every_instruction_set(isa, bundle_case, tmp_path):
             xr = x.astype(np.float64) if exact else int8_x(x)
             y = np.zeros((T, D), np.float32)
             layer = ffi.new("fl_ffn_layer *", {"bundles": ffi.from_buffer(bundles), "n": FF,
-                                               "stride": bundles.shape[1], "dtype": 5, "d": D,
+                                               "stride": bundles.shape[1], "dtype": 5,
+                                               "down_dtype": 4, "d": D,
                                                "glu": 1, "act": 0})
             assert lib.fl_ffn_bundles(layer, ffi.NULL, 0, 0.0, f32(x), T, f32(y), exact, 2) == 0
             ref = ffn_ref(xr, g, u, dn)

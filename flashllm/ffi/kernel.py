@@ -98,8 +98,9 @@ def get_rows(w: QTensor, ids) -> np.ndarray:
 def matmul(w: QTensor, x, bias=None, n_threads: int = 1, exact: bool = False) -> np.ndarray:
     """y (T, rows) = x (T, cols) @ w^T [+ bias (rows)]; a 1-D x gives a 1-D y.
 
-    q4_0 / q4_1 / q8_0 weights meet x quantized to int8 per block of 32 (as llama.cpp does; each
-    value moves by at most its block's amax / 254) unless exact, which keeps x in f32."""
+    Quantized weights meet x quantized to int8 per block of 32 (per 256 for the k-quants, as
+    llama.cpp does; each value moves by at most its block's amax / 254) unless exact, which keeps
+    x in f32."""
     k = _native()
     xa = _as_f32(x, "x", np.ndim(x))
     x2 = xa.reshape(1, -1) if xa.ndim == 1 else xa  # (T, cols)
@@ -210,13 +211,14 @@ def _kv(a, name: str) -> np.ndarray:
 
 def ffn_bundles(bundles: np.ndarray, dtype: str, d: int, glu: bool, act: str, x, y: np.ndarray,
                 ids=None, up_bias=None, n_threads: int = 1, rows=None,
-                threshold: float = 0.0, exact: bool = False) -> np.ndarray:
+                threshold: float = 0.0, exact: bool = False,
+                down_dtype: str | None = None) -> np.ndarray:
     """y (T, d) += the FFN over bundles (n, stride) [gate | up | down] (see flashllm.h).
 
     rows (m,) picks the bundle rows to use (default: all); a term whose |activation| is below
-    threshold is dropped (magnitude sparsity). q4_0 / q4_1 / q8_0 / q4_k bundles take gate and up
-    dot products on int8-quantized x as matmul does, unless exact. A q4_k bundle's down column
-    is a q4_1 row.
+    threshold is dropped (magnitude sparsity). Quantized bundles take gate and up dot products
+    on int8-quantized x as matmul does, unless exact. dtype is the gate / up rows', down_dtype
+    the down column's (default companion(dtype): dtype, q4_1 for q4_k).
 
     act: "silu", "relu" or "gelu" (the exact erf GELU, Hugging Face "gelu"; not the tanh
     approximation "gelu_new" / "gelu_pytorch_tanh").
@@ -228,7 +230,8 @@ def ffn_bundles(bundles: np.ndarray, dtype: str, d: int, glu: bool, act: str, x,
             or not bundles.flags.c_contiguous:
         raise KernelError("bundles must be a C-contiguous (n, stride) uint8 array")
     n, stride = bundles.shape
-    used = (2 if glu else 1) * row_bytes(dtype, d) + row_bytes(companion(dtype), d)
+    down_dtype = companion(dtype) if down_dtype is None else down_dtype
+    used = (2 if glu else 1) * row_bytes(dtype, d) + row_bytes(down_dtype, d)
     if stride < used:
         raise KernelError(f"bundle stride {stride} is below the {dtype} bundle of {d} values "
                           f"({used} bytes)")
@@ -247,7 +250,7 @@ def ffn_bundles(bundles: np.ndarray, dtype: str, d: int, glu: bool, act: str, x,
         raise KernelError(f"threshold must be >= 0, got {threshold}")
     layer = ffi.new("fl_ffn_layer *", {
         "bundles": ffi.from_buffer(bundles), "n": n, "stride": stride, "dtype": dtype_code(dtype),
-        "d": d, "glu": int(glu), "act": ACT_CODES[act],
+        "down_dtype": dtype_code(down_dtype), "d": d, "glu": int(glu), "act": ACT_CODES[act],
         "ids": ffi.NULL if idx is None else ffi.from_buffer("int32_t[]", idx),
         "up_bias": ffi.NULL if ba is None else _fptr(ba)})
     _check(k.fl_ffn_bundles(layer, ffi.NULL if sel is None else ffi.from_buffer("int32_t[]", sel),

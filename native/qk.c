@@ -1,0 +1,218 @@
+/* qk.c — ggml's q5_k and q6_k rows: f32 paths (dequantize, dot, axpy) and the int8 dot of one
+ * row with one token quantized per superblock (act_quant.c, as ggml's q8_K).
+ *
+ * q5_k (176 bytes / 256 values): q4_k's f16 d, dmin and 12 bytes of 6-bit scales sc_j / mins m_j,
+ * then qh[32], then qs[128]; value i of 32-value sub-block j is d * sc_j * u - dmin * m_j with
+ * u = its q4_k nibble | bit j of qh[i] << 4.
+ * q6_k (210 bytes / 256 values): ql[128], qh[64], int8 scales[16], f16 d; the superblock is two
+ * halves of 128 values, value v of half h is d * scales[8h + v / 16] * (u - 32), u = the low
+ * (v % 64 < 32... see q6k_u) nibble of ql and 2 bits of qh as in ggml's dequantize_row_q6_K.
+ *
+ * Dequantization rounds as gguf-py does: (d * scale) in f32, times u (minus dmin * m for q5_k).
+ * The int8 dot computes per superblock exact integers — isum = sum over sub-blocks of scale *
+ * (u . q), and the min / offset term against the token's sub-block sums — with AVX-512 BW, AVX2
+ * or plain C, then the same f32 operations on them, so every build gives the same bits.
+ */
+#include "flashllm.h"
+#include "compute_internal.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define QK_512 1
+#elif defined(__AVX2__)
+#include <immintrin.h>
+#define QK_256 1
+#endif
+
+/* u (0..63) of value v (0..255) of q6_k superblock sb */
+static inline int q6k_u(const uint8_t *sb, int v) {
+    const int h = v / 128, l = v % 32, g = (v % 128) / 32;  // g: which of the 4 groups of 32
+    const uint8_t ql = sb[64 * h + l + (g & 1) * 32];
+    const uint8_t qh = sb[128 + 32 * h + l];
+    return ((g < 2 ? ql & 0x0F : ql >> 4) | (((qh >> (2 * g)) & 3) << 4));
+}
+
+/* u (0..31) of value i of sub-block j of q5_k superblock sb */
+static inline int q5k_u(const uint8_t *sb, int j, int i) {
+    const uint8_t q = sb[48 + 32 * (j / 2) + i];
+    return ((j & 1 ? q >> 4 : q & 0x0F) | (((sb[16 + i] >> j) & 1) << 4));
+}
+
+/* dst (256) = one superblock dequantized */
+static void dequant_sb(int32_t dtype, const uint8_t *sb, float *dst) {
+    if (dtype == FL_Q6_K) {
+        const float d = fl_load_fp16(sb + 208);
+        for (int v = 0; v < FL_QK_K; v++) {
+            const float dl = d * (float)(int8_t)sb[192 + v / 16];
+            dst[v] = dl * (float)(q6k_u(sb, v) - 32);
+        }
+        return;
+    }
+    float sc[8], mn[8];  // d * sc_j, -(dmin * m_j)
+    fli_q4k_scales(sb, sc, mn);
+    for (int j = 0; j < 8; j++)
+        for (int i = 0; i < FL_QK; i++)
+            dst[j * FL_QK + i] = sc[j] * (float)q5k_u(sb, j, i) - (-mn[j]);
+}
+
+void fli_qk_dequant(int32_t dtype, const uint8_t *row, float *dst, int64_t n) {
+    const size_t kb = fli_kblock_bytes(dtype);
+    for (int64_t s = 0; s < n / FL_QK_K; s++) dequant_sb(dtype, row + s * kb, dst + s * FL_QK_K);
+}
+
+float fli_qk_dot(int32_t dtype, const uint8_t *row, const float *x, int64_t n) {
+    float w[FL_QK_K], s = 0.0f;  // w (256): one superblock dequantized
+    const size_t kb = fli_kblock_bytes(dtype);
+    for (int64_t b = 0; b < n / FL_QK_K; b++) {
+        dequant_sb(dtype, row + b * kb, w);
+        s += fli_dot_f32(w, x + b * FL_QK_K, FL_QK_K);
+    }
+    return s;
+}
+
+void fli_qk_axpy(int32_t dtype, const uint8_t *row, float a, float *y, int64_t n) {
+    float w[FL_QK_K];  // (256)
+    const size_t kb = fli_kblock_bytes(dtype);
+    for (int64_t b = 0; b < n / FL_QK_K; b++) {
+        dequant_sb(dtype, row + b * kb, w);
+        fli_axpy_f32(a, w, y + b * FL_QK_K, FL_QK_K);
+    }
+}
+
+/* ---- int8: the exact integer sum of one superblock ---------------------------------------- */
+
+#if defined(QK_256)
+static inline int32_t hsum_i32(__m256i acc) {  // the sum of the 8 int32 lanes
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1)));
+}
+#endif
+
+/* q6_k: sum over the 16 sub-blocks k of scales[k] * (u . q) (u unsigned, q the token's int8) */
+static int32_t q6k_isum(const uint8_t *sb, const int8_t *q) {
+#if defined(QK_512)
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(0x03);
+    const __m512i sc16 = _mm512_castsi256_si512(
+        _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(sb + 192))));  // (16) int16
+    const __m512i eighth = _mm512_srli_epi16(  // int16 lane j -> j / 8
+        _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14,
+                         13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 3);
+    __m512i acc = _mm512_setzero_si512();
+    for (int h = 0; h < 2; h++) {
+        const __m512i ql = _mm512_loadu_si512(sb + 64 * h);  // (64)
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(sb + 128 + 32 * h)));
+        const __m512i ha = _mm512_and_si512(_mm512_srlv_epi64(qh, _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0)), m3);
+        const __m512i hb = _mm512_and_si512(_mm512_srlv_epi64(qh, _mm512_set_epi64(6, 6, 6, 6, 4, 4, 4, 4)), m3);
+        const __m512i ua = _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_slli_epi16(ha, 4));
+        const __m512i ub = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
+                                           _mm512_slli_epi16(hb, 4));
+        const __m512i pa = _mm512_maddubs_epi16(ua, _mm512_loadu_si512(q + 128 * h));
+        const __m512i pb = _mm512_maddubs_epi16(ub, _mm512_loadu_si512(q + 128 * h + 64));
+        const __m512i ia = _mm512_add_epi16(eighth, _mm512_set1_epi16((short)(8 * h)));
+        const __m512i ib = _mm512_add_epi16(ia, _mm512_set1_epi16(4));
+        acc = _mm512_add_epi32(acc, _mm512_madd_epi16(pa, _mm512_permutexvar_epi16(ia, sc16)));
+        acc = _mm512_add_epi32(acc, _mm512_madd_epi16(pb, _mm512_permutexvar_epi16(ib, sc16)));
+    }
+    return _mm512_reduce_add_epi32(acc);
+#elif defined(QK_256)
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(0x03);
+    const int8_t *sc = (const int8_t *)(sb + 192);
+    __m256i acc = _mm256_setzero_si256();
+    for (int h = 0; h < 2; h++)
+        for (int g = 0; g < 4; g++) {  // values 128h + 32g .. +31: sub-blocks 8h + 2g, + 1
+            const __m256i ql = _mm256_loadu_si256((const __m256i *)(sb + 64 * h + 32 * (g & 1)));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(sb + 128 + 32 * h));
+            const __m256i lo = g < 2 ? _mm256_and_si256(ql, m4)
+                                     : _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4);
+            const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * g)), m3);
+            const __m256i u = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+            const __m256i p = _mm256_maddubs_epi16(
+                u, _mm256_loadu_si256((const __m256i *)(q + 128 * h + 32 * g)));
+            const int k = 8 * h + 2 * g;
+            const __m256i s = _mm256_set_m128i(_mm_set1_epi16(sc[k + 1]), _mm_set1_epi16(sc[k]));
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, s));
+        }
+    return hsum_i32(acc);
+#else
+    int32_t s = 0;
+    for (int k = 0; k < 16; k++) {
+        int32_t t = 0;
+        for (int i = 0; i < 16; i++) t += q6k_u(sb, 16 * k + i) * q[16 * k + i];
+        s += (int8_t)sb[192 + k] * t;
+    }
+    return s;
+#endif
+}
+
+/* q5_k: sum over the 8 sub-blocks j of sc[j] * (u . q); sc (8) the 6-bit scales */
+static int32_t q5k_isum(const uint8_t *sb, const uint8_t sc[8], const int8_t *q) {
+#if defined(QK_512)
+    const __m512i m4 = _mm512_set1_epi8(0x0F), one = _mm512_set1_epi8(1);
+    const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(sb + 16)));
+    __m512i acc = _mm512_setzero_si512();
+    for (int j = 0; j < 8; j += 2) {  // sub-blocks j (low nibbles), j + 1 (high): one 32-byte load
+        const __m256i a = _mm256_loadu_si256((const __m256i *)(sb + 48 + 16 * j));
+        const __m512i nib = _mm512_and_si512(
+            _mm512_inserti64x4(_mm512_castsi256_si512(a), _mm256_srli_epi16(a, 4), 1), m4);
+        const __m512i hb = _mm512_and_si512(
+            _mm512_srlv_epi64(qh, _mm512_set_epi64(j + 1, j + 1, j + 1, j + 1, j, j, j, j)), one);
+        const __m512i u = _mm512_or_si512(nib, _mm512_slli_epi16(hb, 4));
+        const __m512i p = _mm512_maddubs_epi16(u, _mm512_loadu_si512(q + 32 * j));
+        const __m512i s = _mm512_inserti64x4(_mm512_set1_epi16(sc[j]), _mm256_set1_epi16(sc[j + 1]), 1);
+        acc = _mm512_add_epi32(acc, _mm512_madd_epi16(p, s));
+    }
+    return _mm512_reduce_add_epi32(acc);
+#elif defined(QK_256)
+    const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(sb + 16));
+    __m256i acc = _mm256_setzero_si256();
+    for (int j = 0; j < 8; j++) {
+        const __m256i a = _mm256_loadu_si256((const __m256i *)(sb + 48 + 32 * (j / 2)));
+        const __m256i nib = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(a, 4) : a, m4);
+        const __m256i hb = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(j)), one);
+        const __m256i u = _mm256_or_si256(nib, _mm256_slli_epi16(hb, 4));
+        const __m256i p = _mm256_maddubs_epi16(u, _mm256_loadu_si256((const __m256i *)(q + 32 * j)));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(sc[j])));
+    }
+    return hsum_i32(acc);
+#else
+    int32_t s = 0;
+    for (int j = 0; j < 8; j++) {
+        int32_t t = 0;
+        for (int i = 0; i < FL_QK; i++) t += q5k_u(sb, j, i) * q[32 * j + i];
+        s += sc[j] * t;
+    }
+    return s;
+#endif
+}
+
+float fli_qk_qdot(int32_t dtype, const uint8_t *w, const uint8_t *x, int64_t n) {
+    const int64_t nb = n / FL_QK;
+    const int8_t *q = (const int8_t *)x;                                    // (n)
+    const float *scale = (const float *)(x + n);                            // (nb, 8)
+    const int16_t *bsum = (const int16_t *)(scale + 3 * nb * FL_XQ_LANES);  // (nb)
+    const int16_t *bsum16 = bsum + (nb + 7) / 8 * 8;                        // (2 nb)
+    const size_t kb = fli_kblock_bytes(dtype);
+    float s = 0.0f;
+    for (int64_t sbi = 0; sbi < n / FL_QK_K; sbi++) {
+        const uint8_t *sb = w + sbi * kb;
+        const float dx = scale[sbi * 8 * FL_XQ_LANES];
+        if (dtype == FL_Q6_K) {
+            int32_t corr = 0;  // sum over k of scales[k] * (sum of the token's q over sub-block k)
+            for (int k = 0; k < 16; k++) corr += (int8_t)sb[192 + k] * bsum16[16 * sbi + k];
+            const int32_t isum = q6k_isum(sb, q + sbi * FL_QK_K) - 32 * corr;
+            s += fl_load_fp16(sb + 208) * dx * (float)isum;
+            continue;
+        }
+        uint32_t u[4];
+        uint8_t sm[16];  // sc_0..7, m_0..7
+        fli_q4k_unpack(sb, u);
+        memcpy(sm, u, sizeof sm);
+        int32_t msum = 0;
+        for (int j = 0; j < 8; j++) msum += sm[8 + j] * bsum[8 * sbi + j];
+        s += fl_load_fp16(sb) * dx * (float)q5k_isum(sb, sm, q + sbi * FL_QK_K);
+        s -= fl_load_fp16(sb + 2) * dx * (float)msum;
+    }
+    return s;
+}
