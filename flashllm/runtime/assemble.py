@@ -19,6 +19,10 @@ READER_THREADS = 16             # staging buffers the budget reserves for the re
 PREDICTOR_MODES = ("auto", "on", "off")
 READ_GIB_S = 2.0                # the auto predictor rule's device and DRAM speeds: only their
 DRAM_GIB_S = 10.0               # ratio matters (measured: docs/MEASUREMENTS.md, "Device and DRAM")
+GATHER_COST = 1.5              # a predicted pass's FFN computes scattered rows: measured ~1.5x
+                                # the time per byte of a static pass's (docs/PREDICTOR.md)
+PREDICTOR_MARGIN = 1.25         # auto takes a predictor only when expected this much faster: the
+                                # rule's error, measured against runs (docs/PREDICTOR.md)
 
 
 @dataclass(frozen=True)
@@ -112,7 +116,8 @@ def _with_predictor(man: dict, text: str, n_ctx: int, process: int, plain: Budge
             f"predictor {sec.get('kind')} not used: its {size} do not fit the budget",))
     loads = sec.get("load") or [1.0]
     load = float(np.mean(loads)) if all(isinstance(v, (int, float)) for v in loads) else 1.0
-    if force or token_seconds(plan, load, int(sec.get("bytes") or 0)) < token_seconds(plain, 1.0, 0):
+    with_it = token_seconds(plan, load, int(sec.get("bytes") or 0), read_ahead=False)
+    if force or PREDICTOR_MARGIN * with_it < token_seconds(plain, 1.0, 0, read_ahead=True):
         return dataclasses.replace(plan, predictor=True, notes=plan.notes + (
             f"predictor {sec.get('kind')} resident ({size}, "
             f"{load:.0%} of the neurons per token)",))
@@ -121,14 +126,18 @@ def _with_predictor(man: dict, text: str, n_ctx: int, process: int, plain: Budge
         f"and is not expected to make a token faster within this budget (--predictor on forces it)",))
 
 
-def token_seconds(plan: BudgetPlan, load: float, predictor_bytes: int) -> float:
+def token_seconds(plan: BudgetPlan, load: float, predictor_bytes: int, read_ahead: bool) -> float:
     """Estimated seconds per decode token of a plan: FFN bundles read for a `load` share of
     the neurons outside the caches (plus the dense weights it streams) at READ_GIB_S, and the
-    bytes the FFN and the predictor touch in DRAM at DRAM_GIB_S."""
+    bytes the FFN and the predictor touch in DRAM at DRAM_GIB_S. With `read_ahead` (a static
+    pass: the same bundles every token) the reads overlap the compute; a predicted pass
+    learns what to read only at each layer, so its reads and compute add up, and its FFN
+    gathers scattered rows (GATHER_COST)."""
     ffn = plan.n_layers * plan.n_ff * plan.stride
     read = load * (1.0 - plan.cache_fraction) * ffn + plan.streamed_bytes
-    touched = load * ffn + predictor_bytes
-    return read / (READ_GIB_S * 2**30) + touched / (DRAM_GIB_S * 2**30)
+    touched = load * ffn * (1.0 if read_ahead else GATHER_COST) + predictor_bytes
+    read_s, touch_s = read / (READ_GIB_S * 2**30), touched / (DRAM_GIB_S * 2**30)
+    return max(read_s, touch_s) if read_ahead else read_s + touch_s
 
 
 def make_weights(flash, plan: Optional[BudgetPlan], n_threads: int):
