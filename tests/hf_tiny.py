@@ -66,6 +66,35 @@ TINY = {
                                    do_layer_norm_before=True, enable_bias=True)),
 }
 
+# Mixtures of experts: expert counts, top-k and expert sizes no released model has; top-k >= 2,
+# norm_topk_prob on and off (Mixtral always renormalises).
+_MOE_ATTN = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 rms_norm_eps=1e-5, tie_word_embeddings=False)
+TINY_MOE = {
+    "mixtral": ("MixtralConfig", dict(hidden_size=64, intermediate_size=80, num_local_experts=5,
+                                      num_experts_per_tok=2, rope_theta=10000.0,
+                                      sliding_window=None, **_MOE_ATTN)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(hidden_size=64, intermediate_size=128,
+                                         moe_intermediate_size=48, shared_expert_intermediate_size=80,
+                                         num_experts=6, num_experts_per_tok=3, norm_topk_prob=False,
+                                         rope_theta=1000000.0, **_MOE_ATTN)),
+    "qwen2_moe_norm": ("Qwen2MoeConfig", dict(hidden_size=96, intermediate_size=128,
+                                              moe_intermediate_size=40,
+                                              shared_expert_intermediate_size=56, num_experts=4,
+                                              num_experts_per_tok=2, norm_topk_prob=True,
+                                              rope_theta=10000.0, **_MOE_ATTN)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(hidden_size=64, moe_intermediate_size=36, head_dim=24,
+                                         num_experts=7, num_experts_per_tok=2, norm_topk_prob=True,
+                                         rope_theta=1000000.0, **_MOE_ATTN)),
+    "olmoe": ("OlmoeConfig", dict(hidden_size=96, intermediate_size=56, num_experts=5,
+                                  num_experts_per_tok=3, norm_topk_prob=False, rope_theta=10000.0,
+                                  **_MOE_ATTN)),
+    "olmoe_norm": ("OlmoeConfig", dict(hidden_size=64, intermediate_size=72, num_experts=6,
+                                       num_experts_per_tok=2, norm_topk_prob=True,
+                                       rope_theta=10000.0, **_MOE_ATTN)),
+}
+TINY.update(TINY_MOE)
+
 
 def require_transformers():
     """(torch, transformers), or skip the calling test when either cannot be imported."""
@@ -87,14 +116,17 @@ def build_model(name: str, seed: int = SEED):
 
 
 def _randomize(model, torch, seed: int) -> None:
-    """Redraw every parameter: matrices ~ N(0, 1/sqrt(fan_in)) (embeddings and lm_head N(0, 1), so
-    logits are far from flat and greedy choices are not near ties), norm
+    """Redraw every parameter: matrices (and stacked experts' matrices) ~ N(0, 1/sqrt(fan_in))
+    (embeddings and lm_head N(0, 1), so logits are far from flat and greedy choices are not near
+    ties), norm
     scales ~ 1 + N(0, 0.1), biases ~ N(0, 0.1)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for pname, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
-            if p.ndim == 2:
+            if p.ndim == 3:                              # (experts, out, in)
+                p.copy_(noise * p.shape[2] ** -0.5)
+            elif p.ndim == 2:
                 scale = 1.0 if ("embed" in pname or "lm_head" in pname) else p.shape[1] ** -0.5
                 p.copy_(noise * scale)
             elif "norm" in pname and pname.endswith("weight"):

@@ -23,7 +23,7 @@ import shutil
 import numpy as np
 import pytest
 
-from hf_tiny import TINY, VOCAB
+from hf_tiny import TINY, TINY_MOE, VOCAB
 
 from flashllm.format.reader import open_flash
 from flashllm.convert.convert import convert
@@ -35,10 +35,24 @@ PROMPT = np.random.default_rng(99).integers(3, VOCAB, size=32).astype(np.int64) 
 ARCHS = list(TINY)
 TOL_VS_ROUNDED = {"f32": 1e-4, "f16": 1e-4, "q8_0": 1e-4}
 TOL_VS_ORIGINAL = {"f32": 1e-3, "f16": 3e-3, "q8_0": 5e-2}
+MOE_FLIPS = 3
+ROUTERS = ("mlp.gate.weight", "shared_expert_gate.weight")   # MoE routers and the shared gate
 
 
 def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
     return float(np.abs(ours - ref).max() / np.abs(ref).max())
+
+
+def assert_close(ours: np.ndarray, ref: np.ndarray, tol: float, name: str) -> None:
+    """rel_err < tol; for a mixture of experts against a reference whose weights or activations
+    were rounded differently, a router may pick another expert for a token whose top-k was
+    nearly tied (a jump, not a drift): there at most MOE_FLIPS of the positions may exceed tol
+    (measured: 0-2 of 32) and the median position must stay below it."""
+    if name not in TINY_MOE:
+        assert rel_err(ours, ref) < tol
+        return
+    per = np.abs(ours - ref).max(axis=1) / np.abs(ref).max()            # (T,)
+    assert (per >= tol).sum() <= MOE_FLIPS and np.median(per) < tol, (per.max(), np.median(per))
 
 
 def round_q8_0(w: np.ndarray) -> np.ndarray:
@@ -77,9 +91,14 @@ def rounded_reference(model, dtype: str):
     ref = copy.deepcopy(model)
     with torch.no_grad():
         for name, p in ref.named_parameters():
+            if name.endswith(ROUTERS):
+                continue                                   # stored f32, as llama.cpp keeps them
+            by_cols = name.endswith(("down_proj.weight", "fc2.weight", "experts.down_proj"))
             if p.ndim == 2:
-                by_cols = name.endswith(("down_proj.weight", "fc2.weight"))
                 p.copy_(torch.from_numpy(round_weight(p.numpy(), dtype, by_cols)))
+            elif p.ndim == 3:                              # stacked experts (n_experts, out, in)
+                p.copy_(torch.from_numpy(np.stack([round_weight(w, dtype, by_cols)
+                                                   for w in p.numpy()])))
     return ref
 
 
@@ -144,13 +163,19 @@ def test_f16_kv_cache_prefill_then_decode_against_transformers(hf_tiny, tmp_path
 
 @pytest.mark.parametrize("name", ARCHS)
 def test_greedy_32_tokens_match_transformers(flash_model, name):
+    """32 tokens, EOS included: generate() here does not stop at EOS, so transformers must
+    neither stop nor mask it (min_new_tokens would pick the runner-up where EOS is greedy)."""
     import torch
     net, hf = flash_model(name, "f32")
     net.reset()
     prompt = PROMPT[:8]
-    with torch.no_grad():
-        seq = hf.generate(torch.as_tensor(prompt).reshape(1, -1), do_sample=False,
-                          max_new_tokens=32, min_new_tokens=32, pad_token_id=0)
+    eos, hf.generation_config.eos_token_id = hf.generation_config.eos_token_id, None
+    try:
+        with torch.no_grad():
+            seq = hf.generate(torch.as_tensor(prompt).reshape(1, -1), do_sample=False,
+                              max_new_tokens=32, pad_token_id=0)
+    finally:
+        hf.generation_config.eos_token_id = eos
     want = seq[0, len(prompt):].tolist()
     got = []
     generate(net, Sampler(SamplerParams(temp=0.0)), prompt.tolist(), 32, on_token=got.append)
@@ -163,11 +188,11 @@ def test_quantized_logits(flash_model, name, dtype):
     net, hf = flash_model(name, dtype)
     ours = net.forward(PROMPT, 0)                                            # (32, vocab)
     assert rel_err(ours, hf_logits(rounded_reference(hf, dtype), PROMPT)) < TOL_VS_ROUNDED[dtype]
-    assert rel_err(ours, hf_logits(hf, PROMPT)) < TOL_VS_ORIGINAL[dtype]
+    assert_close(ours, hf_logits(hf, PROMPT), TOL_VS_ORIGINAL[dtype], name)
     fast, _ = flash_model(name, dtype, exact=False)        # int8 activations for q8_0
-    err = rel_err(fast.forward(PROMPT, 0), hf_logits(hf, PROMPT))
-    print(f"{name} {dtype}, exact=False: logits vs transformers {err:.2e}")
-    assert err < TOL_VS_ORIGINAL[dtype]
+    out = fast.forward(PROMPT, 0)
+    print(f"{name} {dtype}, exact=False: logits vs transformers {rel_err(out, hf_logits(hf, PROMPT)):.2e}")
+    assert_close(out, hf_logits(hf, PROMPT), TOL_VS_ORIGINAL[dtype], name)
 
 
 @pytest.mark.parametrize("name", ARCHS)
@@ -181,9 +206,10 @@ def test_q4_1_grids_come_back(hf_tiny, tmp_path, name):
     ref = hf_logits(on_grid, PROMPT)                                         # (32, vocab)
     for exact, tol in ((True, 1e-4), (False, 5e-2)):
         net = Model(open_flash(out), n_threads=2, n_ctx=128, exact=exact)
-        err = rel_err(net.forward(PROMPT, 0), ref)
-        print(f"{name} q4_1, exact={exact}: logits vs transformers on q4_1 grids {err:.2e}")
-        assert err < tol
+        logits = net.forward(PROMPT, 0)                                      # (32, vocab)
+        print(f"{name} q4_1, exact={exact}: logits vs transformers on q4_1 grids "
+              f"{rel_err(logits, ref):.2e}")
+        assert_close(logits, ref, tol, name)
 
 
 def test_running_past_the_context_is_a_clear_error(flash_model):

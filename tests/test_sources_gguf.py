@@ -104,8 +104,10 @@ def test_small_gguf_roundtrip(tmp_path, arch, qkv_bias, tied):
 
 def test_unknown_gguf_architecture(tmp_path):
     write_gguf(tmp_path / "m.gguf", "mamba", {"token_embd.weight": np.ones((VOCAB, D), np.float32)})
-    with pytest.raises(SourceError, match=r"m.gguf: unsupported GGUF architecture 'mamba' \(supported: [a-z0-9, ]*llama, qwen2[a-z0-9, ]*\)$"):
+    with pytest.raises(SourceError, match=r"m.gguf: unsupported GGUF architecture 'mamba' \(supported: ") as e:
         open_source(tmp_path / "m.gguf")
+    listed = str(e.value).split("(supported: ")[1].rstrip(")").split(", ")
+    assert {"llama", "qwen2", "qwen2moe", "qwen3moe", "olmoe"} <= set(listed) and "\n" not in str(e.value)
 
 
 def test_unmapped_gguf_tensor(tmp_path):

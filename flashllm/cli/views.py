@@ -46,13 +46,21 @@ def flash_summary(flash, verify: bool = False) -> dict:
         "config": cfg.to_dict(), "dtype": flash.dtype,
         "dense": {"tensors": len(dense), "nbytes": m["dense"]["nbytes"], "bytes_by_dtype": dict(by_dtype)},
         "ffn": {"dtype": ffn.dtype, "parts": list(m["ffn"]["parts"]), "bundle_bytes": ffn.stride,
-                "bundles": cfg.n_layers * cfg.n_ff, "nbytes": m["ffn"]["nbytes"],
+                "bundles": cfg.n_layers * cfg.ffn_slots, "nbytes": m["ffn"]["nbytes"],
                 "hot_first_order": ffn.neuron_order is not None},
         "tokenizer": m["tokenizer"].get("file") is not None, "chat_template": flash.chat_template is not None,
         "calibrated": bool(m["sparsity"]) or bool(m["predictor"]),
         "sparsity": m["sparsity"], "predictor": m["predictor"],
         "disk_bytes": folder_bytes(flash.path), "verified_s": verified,
     }
+
+
+def _experts(cfg: dict) -> str:
+    """' × 64 experts (top 8)' and a shared expert, for a mixture of experts; else ''."""
+    if not cfg.get("n_experts"):
+        return ""
+    shared = f" + a shared expert of {cfg['n_ff_shared']}" if cfg.get("n_ff_shared") else ""
+    return f" × {cfg['n_experts']} experts (top {cfg['n_experts_used']}){shared}"
 
 
 def summary_table(s: dict) -> Table:
@@ -62,7 +70,8 @@ def summary_table(s: dict) -> Table:
     table.add_column(style="bold")
     table.add_column()
     rows = [
-        ("model", f"{cfg['arch']}: {cfg['n_layers']} layers × d_model {cfg['d_model']}, n_ff {cfg['n_ff']}, "
+        ("model", f"{cfg['arch']}: {cfg['n_layers']} layers × d_model {cfg['d_model']}, n_ff {cfg['n_ff']}"
+                  + _experts(cfg) + ", "
                   f"{cfg['n_heads']}/{cfg['n_kv_heads']} heads × {cfg['head_dim']}, vocab {cfg['vocab_size']}, "
                   f"context {cfg['context_length']}"),
         ("ffn", f"{s['ffn']['dtype']} bundles [{' | '.join(s['ffn']['parts'])}] of {s['ffn']['bundle_bytes']} B, "

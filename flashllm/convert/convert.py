@@ -48,6 +48,9 @@ def convert_source(source, out: Path, dtype: str, *, force: bool = False,
     """Write an opened Source (sources.Source protocol) as a flash model folder at out."""
     cfg = source.config
     dense, ffn = _plan(source)
+    if dtype == "q4_k" and cfg.n_experts:
+        raise SourceError("--dtype q4_k is not supported for a mixture of experts (use q4_1, "
+                          "q4_0 or q8_0)")
     if dtype == "q4_k":
         _check_q4_k(source, ffn)
     nbytes = {n: source.tensor_nbytes(n) for n in source.tensor_names()}   # as the source stores them
@@ -60,13 +63,26 @@ def convert_source(source, out: Path, dtype: str, *, force: bool = False,
             done += nbytes[name]
             tick(done, total)
         for layer in range(cfg.n_layers):
-            names = ffn[layer]
-            weights = {part: _ffn_part(source, name, part, dtype)
-                       for part, name in names.items()}   # (n_ff, d) / (d, n_ff), or QTensor
-            w.add_ffn_layer(layer, weights.get("gate"), weights["up"], weights["down"])
-            done += sum(nbytes[n] for n in names.values())
+            groups = ffn[layer]
+            if cfg.n_experts:
+                _write_experts(source, w, layer, groups)
+            else:
+                weights = {part: _ffn_part(source, name, part, dtype)
+                           for part, name in groups[""].items()}   # (n_ff, d) / (d, n_ff), or QTensor
+                w.add_ffn_layer(layer, weights.get("gate"), weights["up"], weights["down"])
+            done += sum(nbytes[n] for names in groups.values() for n in names.values())
             tick(done, total)
         return w.finish()
+
+
+def _write_experts(source, w: FlashWriter, layer: int, groups: dict[str, dict[str, str]]) -> None:
+    """An MoE layer's slots: each routed expert in turn (one expert's f32 weights in memory at a
+    time), then the shared expert."""
+    exps = groups["exps"]
+    for e in range(source.config.n_experts):
+        w.add_ffn_rows(layer, *(source.load_expert(exps[p], e) for p in ("gate", "up", "down")))
+    if "shexp" in groups:
+        w.add_ffn_rows(layer, *(source.load(groups["shexp"][p]) for p in ("gate", "up", "down")))
 
 
 def _ffn_part(source, name: str, part: str, dtype: str):
@@ -77,12 +93,13 @@ def _ffn_part(source, name: str, part: str, dtype: str):
     return source.load(name)
 
 
-def _check_q4_k(source, ffn: list[dict[str, str]]) -> None:
+def _check_q4_k(source, ffn: list[dict[str, dict[str, str]]]) -> None:
     """SourceError unless every FFN gate / up weight is stored as Q4_K rows (q4_k copies them)."""
     d = source.config.d_model
     if d % 256:
         raise SourceError(f"--dtype q4_k needs d_model a multiple of 256, this model has {d}")
-    for parts in ffn:
+    for groups in ffn:
+        parts = groups[""]
         for part in ("gate", "up"):
             name = parts.get(part)
             if name and source.stored_type(name) != "Q4_K":
@@ -90,8 +107,9 @@ def _check_q4_k(source, ffn: list[dict[str, str]]) -> None:
                                   f"{source.stored_type(name)} (use --dtype q4_1)")
 
 
-def _plan(source) -> tuple[list[str], list[dict[str, str]]]:
-    """Dense tensor names in source order, and per layer {part: name} of the FFN weights;
+def _plan(source) -> tuple[list[str], list[dict[str, dict[str, str]]]]:
+    """Dense tensor names in source order, and per layer {group: {part: name}} of the FFN
+    weights (group "" for a dense FFN, "exps" and "shexp" for an MoE layer's; layout.ffn_weight);
     SourceError when a tensor the architecture needs is missing or misshapen."""
     cfg = source.config
     names = list(source.tensor_names())
@@ -102,19 +120,38 @@ def _plan(source) -> tuple[list[str], list[dict[str, str]]]:
         if tuple(source.tensor_shape(name)) != shape:
             raise SourceError(f"tensor {name} has shape {tuple(source.tensor_shape(name))}, "
                               f"the config needs {shape}")
-    ffn: list[dict[str, str]] = [{} for _ in range(cfg.n_layers)]
+    ffn: list[dict[str, dict[str, str]]] = [{} for _ in range(cfg.n_layers)]
     for n in names:
         key = ffn_weight(n)
         if key and key[0] >= cfg.n_layers:
             raise SourceError(f"tensor {n} is beyond the config's {cfg.n_layers} layers")
         if key:
-            ffn[key[0]][key[1]] = n
-    for layer, parts in enumerate(ffn):
-        missing = set(ffn_parts(cfg.glu)) - set(parts)
-        if missing or set(parts) - set(ffn_parts(cfg.glu)):
-            raise SourceError(f"layer {layer}: FFN weights {sorted(parts)} do not match a "
-                              f"{'GLU' if cfg.glu else 'non-GLU'} model (needs {list(ffn_parts(cfg.glu))})")
+            ffn[key[0]].setdefault(key[2], {})[key[1]] = n
+    want = (["exps"] + (["shexp"] if cfg.n_ff_shared else [])) if cfg.n_experts else [""]
+    for layer, groups in enumerate(ffn):
+        for group in set(want) | set(groups):
+            parts = groups.get(group, {})
+            if group not in want or set(parts) != set(ffn_parts(cfg.glu)):
+                raise SourceError(f"layer {layer}: FFN weights {sorted(parts)} "
+                                  f"{'of the ' + group + ' ' if group else ''}do not match a "
+                                  f"{'GLU' if cfg.glu else 'non-GLU'} model (needs "
+                                  f"{list(ffn_parts(cfg.glu))})")
+        if cfg.n_experts:
+            _check_expert_shapes(source, layer, groups)
     return dense, ffn
+
+
+def _check_expert_shapes(source, layer: int, groups: dict[str, dict[str, str]]) -> None:
+    """SourceError unless an MoE layer's FFN tensors have the config's shapes."""
+    cfg, d = source.config, source.config.d_model
+    want = {("exps", "gate"): (cfg.n_experts, cfg.n_ff, d), ("exps", "up"): (cfg.n_experts, cfg.n_ff, d),
+            ("exps", "down"): (cfg.n_experts, d, cfg.n_ff), ("shexp", "gate"): (cfg.n_ff_shared, d),
+            ("shexp", "up"): (cfg.n_ff_shared, d), ("shexp", "down"): (d, cfg.n_ff_shared)}
+    for group, parts in groups.items():
+        for part, name in parts.items():
+            if tuple(source.tensor_shape(name)) != want[group, part]:
+                raise SourceError(f"tensor {name} has shape {tuple(source.tensor_shape(name))}, "
+                                  f"the config needs {want[group, part]}")
 
 
 @dataclass

@@ -40,23 +40,26 @@ FFN_HEADER = struct.Struct("<8sIIIIQQQQQQQ")
 
 CRC_CHUNK = 16 << 20             # bytes hashed per zlib.crc32 call when streaming a file
 
-_FFN_WEIGHT = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.weight")
+_FFN_WEIGHT = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)(?:_(exps|shexp))?\.weight")
+ROUTER = "ffn_gate_inp.weight"    # an MoE router: kept f32, as llama.cpp never quantizes it
 
 
 def align_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
-def ffn_weight(name: str) -> tuple[int, str] | None:
-    """(layer, "gate"|"up"|"down") for an FFN weight that goes to ffn.bin, else None."""
+def ffn_weight(name: str) -> tuple[int, str, str] | None:
+    """(layer, "gate"|"up"|"down", group) for an FFN weight that goes to ffn.bin, else None;
+    group is "" for a dense FFN, "exps" for the routed experts, "shexp" for the shared one."""
     m = _FFN_WEIGHT.fullmatch(name)
-    return (int(m.group(1)), m.group(2)) if m else None
+    return (int(m.group(1)), m.group(2), m.group(3) or "") if m else None
 
 
-def tensor_dtype(dtype: str, shape: tuple[int, ...]) -> str:
-    """The dtype a dense tensor is stored in: 1-D in f32; 2-D in `dtype` (q4_1 for q4_k), or f16
-    when that is quantized and the row length is not a multiple of the block size."""
-    if len(shape) == 1:
+def tensor_dtype(dtype: str, shape: tuple[int, ...], name: str = "") -> str:
+    """The dtype a dense tensor is stored in: 1-D and MoE routers in f32; 2-D in `dtype` (q4_1
+    for q4_k), or f16 when that is quantized and the row length is not a multiple of the block
+    size."""
+    if len(shape) == 1 or name.endswith(ROUTER):
         return "f32"
     dtype = companion(dtype)
     if dtype in QUANTIZED and shape[1] % QBLOCK:
@@ -148,8 +151,14 @@ def _layer_tensors(cfg: ModelConfig, p: str, layer_norm: bool) -> dict[str, tupl
     if cfg.attn_out_bias:
         req[p + "attn_output.bias"] = (d,)
     if cfg.qk_norm:
-        req.update({p + "attn_q_norm.weight": (cfg.head_dim,), p + "attn_k_norm.weight": (cfg.head_dim,)})
+        full = cfg.qk_norm_full                         # over the whole projection, or per head
+        req.update({p + "attn_q_norm.weight": (q_rows if full else cfg.head_dim,),
+                    p + "attn_k_norm.weight": (kv_rows if full else cfg.head_dim,)})
     if cfg.ffn_bias:
         req[p + "ffn_up.bias"] = (cfg.n_ff,)
         req[p + "ffn_down.bias"] = (d,)
+    if cfg.n_experts:
+        req[p + ROUTER] = (cfg.n_experts, d)
+    if cfg.n_ff_shared:
+        req[p + "ffn_gate_inp_shexp.weight"] = (d,)
     return req

@@ -30,7 +30,7 @@ class FfnLayout:
     dtype: str
     glu: bool
     d_model: int
-    n_ff: int
+    n_ff: int                         # bundle slots per layer (ModelConfig.ffn_slots)
     part_bytes: int                   # row_bytes(dtype, d_model): one gate/up/down part (gate/up
                                       # only for q4_k, whose down part is a q4_1 row)
     stride: int                       # bytes per bundle slot (parts + padding)
@@ -157,7 +157,8 @@ def _read_manifest(path: Path) -> dict:
 
 
 _FLOAT_FIELDS = ("norm_eps", "rope_theta")
-_BOOL_FIELDS = ("glu", "tied_embeddings", "attn_qkv_bias", "attn_out_bias", "ffn_bias", "qk_norm")
+_BOOL_FIELDS = ("glu", "tied_embeddings", "attn_qkv_bias", "attn_out_bias", "ffn_bias", "qk_norm",
+                "qk_norm_full", "norm_topk")
 _INT_FIELDS = ("pos_offset", "d_embed")
 
 
@@ -296,7 +297,7 @@ def _check_ffn(path: Path, m: dict, cfg: ModelConfig) -> FfnLayout:
     dtype = _get(f, "dtype", str, where)
     if not fits(dtype, cfg.d_model):
         raise FormatError(f"{where}: dtype {dtype!r} cannot store rows of d_model={cfg.d_model}")
-    want = {"glu": cfg.glu, "d_model": cfg.d_model, "n_ff": cfg.n_ff, "n_layers": cfg.n_layers,
+    want = {"glu": cfg.glu, "d_model": cfg.d_model, "n_ff": cfg.ffn_slots, "n_layers": cfg.n_layers,
             "part_bytes": row_bytes(dtype, cfg.d_model),
             "parts": list(ffn_parts(cfg.glu))}
     for key, value in want.items():
@@ -304,7 +305,7 @@ def _check_ffn(path: Path, m: dict, cfg: ModelConfig) -> FfnLayout:
             raise FormatError(f"{where}: {key}={f.get(key)!r}, the config needs {value!r}")
     file = _side_file(path, f, where)      # ffn.bin, or the file a hot-first rewrite made
     stride, layer_bytes, size = (_nat(f, k, where) for k in ("stride", "layer_bytes", "nbytes"))
-    n_ff, used = cfg.n_ff, sum(ffn_part_bytes(dtype, cfg.d_model, cfg.glu))
+    n_ff, used = cfg.ffn_slots, sum(ffn_part_bytes(dtype, cfg.d_model, cfg.glu))
     if stride < used or stride % STRIDE_ALIGN or layer_bytes < n_ff * stride or layer_bytes % FFN_ALIGN:
         raise FormatError(f"{where}: stride {stride} / layer_bytes {layer_bytes} do not fit "
                           f"{n_ff} bundles of {used} bytes")
@@ -345,13 +346,13 @@ def _read_order(path: Path, entry, cfg: ModelConfig) -> np.ndarray | None:
         return None
     where = f"{path / MANIFEST_FILE} ffn.neuron_order"
     file = _side_file(path, entry, where)
-    shape, nbytes = [cfg.n_layers, cfg.n_ff], 4 * cfg.n_layers * cfg.n_ff
+    shape, nbytes = [cfg.n_layers, cfg.ffn_slots], 4 * cfg.n_layers * cfg.ffn_slots
     if (entry.get("dtype"), entry.get("shape"), entry.get("nbytes")) != ("int32", shape, nbytes):
         raise FormatError(f"{where}: expected int32 {shape} ({nbytes} bytes)")
     _file_size(file, entry["nbytes"])
     order = np.fromfile(file, dtype="<i4").reshape(shape)                        # (n_layers, n_ff)
-    if not np.array_equal(np.sort(order, axis=1), np.broadcast_to(np.arange(cfg.n_ff), shape)):
-        raise FormatError(f"{file}: a layer's neuron order is not a permutation of 0..{cfg.n_ff - 1}")
+    if not np.array_equal(np.sort(order, axis=1), np.broadcast_to(np.arange(cfg.ffn_slots), shape)):
+        raise FormatError(f"{file}: a layer's neuron order is not a permutation of 0..{cfg.ffn_slots - 1}")
     return order.astype(np.int32)
 
 

@@ -11,6 +11,7 @@ import enum
 import json
 import os
 import shutil
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -56,8 +57,9 @@ class FlashWriter:
         self.tokenizer_json: str | None = None
         self.chat_template: str | None = None
         self.stride = ffn_stride(dtype, config.d_model, config.glu)
-        self.layer_bytes = align_up(config.n_ff * self.stride, FFN_ALIGN)
+        self.layer_bytes = align_up(config.ffn_slots * self.stride, FFN_ALIGN)
         self._ffn = None
+        self._rows = (0, 0)            # (slots written, crc32 so far) of the layer being written
         try:
             if not self.out.parent.exists():
                 self.out.parent.mkdir(parents=True)              # like mkdir -p
@@ -93,7 +95,7 @@ class FlashWriter:
             raise FormatError(f"tensor {name} written twice")
         if x.ndim not in (1, 2) or 0 in x.shape:
             raise FormatError(f"tensor {name} has shape {x.shape}: only 1-D and 2-D tensors are stored")
-        dt = tensor_dtype(self.dtype, x.shape)
+        dt = tensor_dtype(self.dtype, x.shape, name)
         x = np.ascontiguousarray(x, dtype=np.float32)                   # (n,) or (rows, cols)
         data = x if dt == "f32" else quantize_rows(x, dt)               # f32 as is, else (rows, row_bytes)
         offset = align_up(self._dense.tell(), DENSE_ALIGN)
@@ -123,22 +125,40 @@ class FlashWriter:
         None for non-GLU models. A q4_k model takes gate and up as QTensors already in q4_k (their
         bytes are copied), down in f32 (stored as q4_1). order (n_ff) int, a permutation: bundle slot j holds neuron order[j]
         (None: slot j holds neuron j)."""
-        self._require(WriterState.DENSE, WriterState.FFN, what=f"add_ffn_layer({layer})")
+        self.add_ffn_rows(layer, gate, up, down, order)
+        if self._rows[0]:
+            raise FormatError(f"FFN layer {layer}: {self._rows[0]} of {self.cfg.ffn_slots} slots "
+                              f"given to add_ffn_layer (a mixture of experts: add_ffn_rows)")
+
+    def add_ffn_rows(self, layer: int, gate: np.ndarray | None, up: np.ndarray, down: np.ndarray,
+                     order: np.ndarray | None = None) -> None:
+        """Append the next slots of layer `layer`: gate, up (n, d_model), down (d_model, n) as
+        add_ffn_layer takes them. A mixture of experts writes each expert (then the shared one)
+        in turn; the layer is complete at cfg.ffn_slots slots, and the next layer starts."""
+        self._require(WriterState.DENSE, WriterState.FFN, what=f"add_ffn_rows({layer})")
         if layer != len(self.layers):
             raise FormatError(f"FFN layer {layer} written out of order (expected layer {len(self.layers)})")
         if self.state is WriterState.DENSE:
             self._close_dense()
             self._open_ffn()
-        bundles = self._bundles(layer, gate, up, down, order)         # (n_ff, stride) uint8
+        done, crc = self._rows
+        bundles = self._bundles(layer, gate, up, down, order, self.cfg.ffn_slots - done)  # (n, stride)
         offset = FFN_ALIGN + layer * self.layer_bytes
-        self._io(self._ffn, lambda f: (f.seek(offset), f.write(bundles),
-                                       f.write(bytes(self.layer_bytes - bundles.nbytes))))
-        self.layers.append({"offset": offset, "nbytes": bundles.nbytes, "crc32": crc32_array(bundles)})
-        self.orders.append(order)
+        self._io(self._ffn, lambda f: (f.seek(offset + done * self.stride), f.write(bundles)))
+        done, crc = done + len(bundles), zlib.crc32(memoryview(bundles).cast("B"), crc)
+        self._rows = (done, crc)
         self.state = WriterState.FFN
+        if done == self.cfg.ffn_slots:
+            self._io(self._ffn, lambda f: f.write(bytes(self.layer_bytes - done * self.stride)))
+            self.layers.append({"offset": offset, "nbytes": done * self.stride, "crc32": crc})
+            self.orders.append(order)
+            self._rows = (0, 0)
 
-    def _bundles(self, layer: int, gate, up, down, order) -> np.ndarray:
-        n_ff, d = self.cfg.n_ff, self.cfg.d_model
+    def _bundles(self, layer: int, gate, up, down, order, room: int) -> np.ndarray:
+        n_ff, d = up.rows if isinstance(up, QTensor) else len(up), self.cfg.d_model
+        if n_ff > room or (order is not None and n_ff != self.cfg.ffn_slots):
+            raise FormatError(f"layer {layer}: {n_ff} FFN slots given, {room} left to write"
+                              + (" (a neuron order needs the whole layer)" if order is not None else ""))
         if (gate is not None) != self.cfg.glu:
             raise FormatError(f"layer {layer}: gate {'missing' if self.cfg.glu else 'given'} "
                               f"for a {'GLU' if self.cfg.glu else 'non-GLU'} model")
@@ -161,7 +181,7 @@ class FlashWriter:
     def _open_ffn(self) -> None:
         n_layers = self.cfg.n_layers
         header = FFN_HEADER.pack(FFN_MAGIC, FORMAT_VERSION, FFN_ALIGN, DTYPE_CODES[self.dtype],
-                                 int(self.cfg.glu), n_layers, self.cfg.d_model, self.cfg.n_ff,
+                                 int(self.cfg.glu), n_layers, self.cfg.d_model, self.cfg.ffn_slots,
                                  row_bytes(self.dtype, self.cfg.d_model), self.stride,
                                  self.layer_bytes, FFN_ALIGN + n_layers * self.layer_bytes)
         try:
@@ -179,7 +199,7 @@ class FlashWriter:
     def finish(self) -> Path:
         """Write the remaining files and the manifest, then rename the folder into place."""
         self._require(WriterState.FFN, what="finish")
-        if len(self.layers) != self.cfg.n_layers:
+        if len(self.layers) != self.cfg.n_layers or self._rows[0]:
             raise FormatError(f"finish() after {len(self.layers)} of {self.cfg.n_layers} FFN layers")
         shapes = {t["name"]: tuple(t["shape"]) for t in self.tensors}
         for name, shape in required_tensors(self.cfg).items():
@@ -203,7 +223,7 @@ class FlashWriter:
     def _write_order(self) -> dict | None:
         if all(o is None for o in self.orders):
             return None
-        identity = np.arange(self.cfg.n_ff)
+        identity = np.arange(self.cfg.ffn_slots)
         table = np.stack([identity if o is None else o for o in self.orders])   # (n_layers, n_ff)
         table = table.astype("<i4")
         return {**self._write_file(ORDER_FILE, table.tobytes()), "dtype": "int32",
@@ -224,7 +244,7 @@ class FlashWriter:
         cfg, pb = self.cfg, row_bytes(self.dtype, self.cfg.d_model)
         ffn = {"file": FFN_FILE, "nbytes": FFN_ALIGN + cfg.n_layers * self.layer_bytes,
                "header_bytes": FFN_ALIGN, "alignment": FFN_ALIGN, "dtype": self.dtype, "glu": cfg.glu,
-               "parts": list(ffn_parts(cfg.glu)), "d_model": cfg.d_model, "n_ff": cfg.n_ff,
+               "parts": list(ffn_parts(cfg.glu)), "d_model": cfg.d_model, "n_ff": cfg.ffn_slots,
                "n_layers": cfg.n_layers, "part_bytes": pb, "stride": self.stride,
                "layer_bytes": self.layer_bytes, "layers": self.layers, "neuron_order": files["order"]}
         dense = {"file": DENSE_FILE, "nbytes": self.dense_bytes, "header_bytes": DENSE_ALIGN,

@@ -5,8 +5,9 @@ Per architecture: a table from Hugging Face tensor-name patterns to canonical na
 ModelConfig from config.json. Registered by HF class name (`ARCHITECTURES`) and, for GGUF, by
 `general.architecture` (`GGUF_ARCHITECTURES`). A tensor that no table maps is a SourceError.
 
-Patterns use `{i}` for a layer number, `{wb}` for "weight" or "bias" and `{m}` for an optional
-leading "model." (some OPT checkpoints omit it).
+Patterns use `{i}` for a layer number, `{wb}` for "weight" or "bias", `{m}` for an optional
+leading "model." (some OPT checkpoints omit it) and `{e}` for an expert's number: the experts of
+a layer become one canonical (n_experts, ...) tensor (flashllm/model/arch_moe.py).
 """
 from __future__ import annotations
 
@@ -14,11 +15,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
+from flashllm.model.arch_moe import MIXTRAL_FFN_TABLE, QWEN_MOE_FFN_TABLE, hf_moe_fields, moe_parts
 from flashllm.model.config import ModelConfig
 from flashllm.model.hf_config import eos_ids, need, rope_model
 from flashllm.errors import SourceError
 
-_PLACEHOLDERS = {"{i}": r"(?P<i>\d+)", "{wb}": r"(?P<wb>weight|bias)", "{m}": r"(?:model\.)?"}
+_PLACEHOLDERS = {"{i}": r"(?P<i>\d+)", "{wb}": r"(?P<wb>weight|bias)", "{m}": r"(?:model\.)?",
+                 "{e}": r"(?P<e>\d+)"}
 
 
 def _compile(pattern: str) -> re.Pattern:
@@ -40,6 +43,8 @@ class Arch:
     fused: tuple[tuple[str, tuple[str, ...]], ...] = ()   # (tensor, the parts its rows hold)
     gguf_swa_pattern: int | None = None         # llama.cpp's sliding-window layer pattern (None: no
                                                 # window; 0: every layer; n: all but every n-th)
+    gguf_norm_topk: bool = False                # llama.cpp renormalises the top-k router weights
+    gguf_qk_norm_full: bool = False             # its attn_q_norm spans the whole q (OLMoE)
     _compiled: tuple = field(default=(), compare=False, repr=False)
 
     def split(self, cfg: ModelConfig, name: str, rows: int) -> list[tuple[str, int, int]]:
@@ -55,10 +60,17 @@ class Arch:
 
     def canonical(self, hf_name: str) -> str | None:
         """The canonical name of an HF tensor; None for an ignored buffer; SourceError if unmapped."""
+        found = self.locate(hf_name)
+        return None if found is None else found[0]
+
+    def locate(self, hf_name: str) -> tuple[str, int | None] | None:
+        """(canonical name, expert number or None) of an HF tensor; None for an ignored buffer;
+        SourceError if unmapped."""
         for rx, template in self._compiled:
             m = rx.match(hf_name)
             if m:
-                return template.format(**m.groupdict())
+                e = m.groupdict().get("e")
+                return template.format(**m.groupdict()), None if e is None else int(e)
         if any(_compile(p).match(hf_name) for p in self.ignore):
             return None
         raise SourceError(f"tensor {hf_name!r} is not mapped by the {self.hf_class} table "
@@ -79,7 +91,7 @@ def part_rows(cfg: ModelConfig, part: str) -> int:
 def register(hf_class: str, name: str, table: Iterable[tuple[str, str]], ignore: Iterable[str] = (),
              gguf_arch: str | None = None, **data):
     """Decorator: register `fn(config_json) -> ModelConfig` with its tensor table; `data` sets the
-    other Arch fields (gguf_permuted_qk, fused, gguf_swa_pattern)."""
+    other Arch fields (gguf_permuted_qk, fused, gguf_swa_pattern, gguf_norm_topk, ...)."""
     def deco(fn: Callable[[Mapping], ModelConfig]) -> Callable[[Mapping], ModelConfig]:
         tbl = tuple(table)
         arch = Arch(name, hf_class, gguf_arch, tbl, tuple(ignore), fn, **data,
@@ -124,9 +136,11 @@ def expected_tensors(cfg: ModelConfig) -> list[str]:
         if cfg.qk_norm:
             parts += [("attn_q_norm", False), ("attn_k_norm", False)]
         parts.append(("ffn_norm", layer_norm))
-        if cfg.glu:
-            parts.append(("ffn_gate", False))
-        parts += [("ffn_up", cfg.ffn_bias), ("ffn_down", cfg.ffn_bias)]
+        if cfg.n_experts:
+            parts += [(part, False) for part in moe_parts(cfg.n_ff_shared)]
+        else:
+            parts += [("ffn_gate", False)] if cfg.glu else []
+            parts += [("ffn_up", cfg.ffn_bias), ("ffn_down", cfg.ffn_bias)]
         for part, bias in parts:
             names.append(f"blk.{i}.{part}.weight")
             if bias:
@@ -150,7 +164,7 @@ def check_tensor_set(cfg: ModelConfig, present: Iterable[str], where: str) -> No
         raise SourceError(f"{where}: tensor {extra[0]!r} is not expected by the {cfg.arch} config")
 
 
-_LLAMA_TABLE = (
+_LLAMA_ATTENTION = (
     ("model.embed_tokens.weight", "token_embd.weight"),
     ("model.norm.weight", "output_norm.weight"),
     ("lm_head.weight", "output.weight"),
@@ -160,6 +174,8 @@ _LLAMA_TABLE = (
     ("model.layers.{i}.self_attn.v_proj.{wb}", "blk.{i}.attn_v.{wb}"),
     ("model.layers.{i}.self_attn.o_proj.{wb}", "blk.{i}.attn_output.{wb}"),
     ("model.layers.{i}.post_attention_layernorm.weight", "blk.{i}.ffn_norm.weight"),
+)
+_LLAMA_TABLE = _LLAMA_ATTENTION + (
     ("model.layers.{i}.mlp.gate_proj.weight", "blk.{i}.ffn_gate.weight"),
     ("model.layers.{i}.mlp.up_proj.weight", "blk.{i}.ffn_up.weight"),
     ("model.layers.{i}.mlp.down_proj.weight", "blk.{i}.ffn_down.weight"),
@@ -168,7 +184,7 @@ _ROTARY_BUFFERS = ("model.rotary_emb.inv_freq", "model.layers.{i}.self_attn.rota
 
 
 @register("LlamaForCausalLM", "llama", _LLAMA_TABLE, _ROTARY_BUFFERS, gguf_arch="llama",
-          gguf_permuted_qk=True)
+          gguf_permuted_qk=True, gguf_norm_topk=True)
 def llama_config(cfg: Mapping) -> ModelConfig:
     bias = bool(cfg.get("attention_bias", False))
     return rope_model(cfg, "llama", bias, bias)
@@ -182,10 +198,11 @@ def qwen2_config(cfg: Mapping) -> ModelConfig:
     return rope_model(cfg, "qwen2", True, False)
 
 
-_QK_NORM_TABLE = _LLAMA_TABLE + (
+_QK_NORM = (
     ("model.layers.{i}.self_attn.q_norm.weight", "blk.{i}.attn_q_norm.weight"),
     ("model.layers.{i}.self_attn.k_norm.weight", "blk.{i}.attn_k_norm.weight"),
 )
+_QK_NORM_TABLE = _LLAMA_TABLE + _QK_NORM
 
 
 @register("Qwen3ForCausalLM", "qwen3", _QK_NORM_TABLE, _ROTARY_BUFFERS, gguf_arch="qwen3")
@@ -204,6 +221,51 @@ def mistral_config(cfg: Mapping) -> ModelConfig:
     whole context, which equals sliding-window attention while the context is shorter than the
     window (4096 and more in released models)."""
     return rope_model(cfg, "mistral", False, False)
+
+
+_MIXTRAL_TABLE = _LLAMA_ATTENTION + MIXTRAL_FFN_TABLE
+_QWEN_MOE_TABLE = _LLAMA_ATTENTION + _QK_NORM + QWEN_MOE_FFN_TABLE
+
+
+@register("MixtralForCausalLM", "mixtral", _MIXTRAL_TABLE, _ROTARY_BUFFERS)
+def mixtral_config(cfg: Mapping) -> ModelConfig:
+    """Mixtral: Mistral attention, top-k experts always renormalised (MixtralTopKRouter)."""
+    moe = hf_moe_fields(cfg, "MixtralForCausalLM", "intermediate_size", True)
+    return rope_model(cfg, "mixtral", False, False, **moe)
+
+
+@register("Qwen2MoeForCausalLM", "qwen2moe", _QWEN_MOE_TABLE, _ROTARY_BUFFERS, gguf_arch="qwen2moe")
+def qwen2moe_config(cfg: Mapping) -> ModelConfig:
+    """Qwen2-MoE: Qwen2 attention (q/k/v biases: qkv_bias), a shared expert with a sigmoid gate."""
+    where = "Qwen2MoeForCausalLM"
+    if cfg.get("use_sliding_window"):
+        raise SourceError(f"{where}: use_sliding_window=True is unsupported")
+    moe = hf_moe_fields(cfg, where, "moe_intermediate_size")
+    return rope_model(cfg, "qwen2moe", bool(cfg.get("qkv_bias", True)), False, **moe)
+
+
+@register("Qwen3MoeForCausalLM", "qwen3moe", _QWEN_MOE_TABLE, _ROTARY_BUFFERS, gguf_arch="qwen3moe",
+          gguf_norm_topk=True)
+def qwen3moe_config(cfg: Mapping) -> ModelConfig:
+    """Qwen3-MoE: Qwen3's per-head QK-norm, no shared expert."""
+    where = "Qwen3MoeForCausalLM"
+    if cfg.get("use_sliding_window"):
+        raise SourceError(f"{where}: use_sliding_window=True is unsupported")
+    moe = hf_moe_fields(cfg, where, "moe_intermediate_size")
+    bias = bool(cfg.get("attention_bias", False))
+    return rope_model(cfg, "qwen3moe", bias, bias, qk_norm=True, **moe)
+
+
+@register("OlmoeForCausalLM", "olmoe", _QWEN_MOE_TABLE, _ROTARY_BUFFERS, gguf_arch="olmoe",
+          gguf_qk_norm_full=True)
+def olmoe_config(cfg: Mapping) -> ModelConfig:
+    """OLMoE: QK-norm over the whole q / k projection; clip_qkv is refused."""
+    where = "OlmoeForCausalLM"
+    if cfg.get("clip_qkv") is not None:
+        raise SourceError(f"{where}: clip_qkv is unsupported")
+    moe = hf_moe_fields(cfg, where, "intermediate_size")
+    bias = bool(cfg.get("attention_bias", False))
+    return rope_model(cfg, "olmoe", bias, bias, qk_norm=True, qk_norm_full=True, **moe)
 
 
 _PHI3_TABLE = (

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from flashllm.errors import FormatError
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "opt")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "opt", "mixtral", "qwen2moe", "qwen3moe",
+         "olmoe")
 NORMS = ("rms", "layer")
 ACTS = ("silu", "gelu", "relu")
 POSITIONS = ("rope", "learned")
@@ -45,10 +46,21 @@ class ModelConfig:
                                                 # (rope scaling, model/rope.py); () for none
     sliding_window: int = 0     # keys a sliding layer's query sees, its own included; 0: none
     sliding_layers: tuple[int, ...] = ()   # the layers attending through that window
+    qk_norm_full: bool = False  # QK-norm over the whole q / k projection, not per head (OLMoE)
+    n_experts: int = 0          # mixture of experts: routed experts per layer; 0 = a dense FFN
+    n_experts_used: int = 0     # experts a token is routed to (the router's top-k)
+    norm_topk: bool = False     # the top-k router weights renormalised to sum to 1
+    n_ff_shared: int = 0        # neurons of the always-on shared expert (Qwen2-MoE), 0: none
 
     @property
     def embed_dim(self) -> int:
         return self.d_embed or self.d_model
+
+    @property
+    def ffn_slots(self) -> int:
+        """Bundle slots per layer in the FFN file: n_ff, or for a mixture of experts every
+        expert's n_ff neurons (expert e at slots e·n_ff ..) and then the shared expert's."""
+        return self.n_experts * self.n_ff + self.n_ff_shared if self.n_experts else self.n_ff
 
     def validate(self) -> "ModelConfig":
         """Raise FormatError naming the first field that makes no sense."""
@@ -71,9 +83,23 @@ class ModelConfig:
                 or not all(isinstance(i, int) and 0 <= i < self.n_layers for i in self.sliding_layers):
             raise FormatError(f"sliding_window={w!r} needs sliding layers in [0, {self.n_layers}) "
                               f"(and they a window > 0), got {list(self.sliding_layers)[:4]}")
+        self._validate_experts()
         if self.n_heads % self.n_kv_heads:
             raise FormatError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
         return self
+
+    def _validate_experts(self) -> None:
+        for name in ("n_experts", "n_experts_used", "n_ff_shared"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise FormatError(f"config field {name}={v!r} must be a non-negative integer")
+        if self.n_experts and not 1 <= self.n_experts_used <= self.n_experts:
+            raise FormatError(f"n_experts_used={self.n_experts_used} must be in [1, "
+                              f"n_experts={self.n_experts}]")
+        if self.n_experts and not self.glu:
+            raise FormatError("a mixture of experts needs gated (GLU) experts")
+        if not self.n_experts and (self.n_experts_used or self.n_ff_shared):
+            raise FormatError("n_experts_used / n_ff_shared without n_experts")
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)

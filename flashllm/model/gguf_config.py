@@ -5,6 +5,7 @@ from typing import Iterable, Mapping
 
 from flashllm.errors import SourceError
 from flashllm.model.arch import Arch
+from flashllm.model.arch_moe import gguf_moe_fields
 from flashllm.model.config import ModelConfig
 
 
@@ -31,17 +32,20 @@ def gguf_config(arch: Arch, meta: Mapping, tensor_names: Iterable[str], vocab_si
                           "Phi-3 128k models) is unsupported")
     n_layers = int(need("block_count"))
     window, sliding = sliding_layers(meta, a, n_layers, arch.gguf_swa_pattern)
+    moe = gguf_moe_fields(meta, a, names, arch.gguf_norm_topk)
+    qk_norm = "blk.0.attn_q_norm.weight" in names
     return ModelConfig(
         arch=arch.name, vocab_size=vocab_size, d_model=d_model, n_layers=n_layers,
         n_heads=n_heads, n_kv_heads=int(meta.get(f"{a}.attention.head_count_kv") or n_heads),
-        head_dim=head_dim, n_ff=int(need("feed_forward_length")),
+        head_dim=head_dim, n_ff=int(moe.pop("n_ff", None) or need("feed_forward_length")),
         context_length=int(need("context_length")), norm="rms",
         norm_eps=float(need("attention.layer_norm_rms_epsilon")), act="silu", glu=True, pos="rope",
         rope_theta=float(meta.get(f"{a}.rope.freq_base") or 10000.0), rope_freq_factors=factors,
         tied_embeddings="output.weight" not in names,
         attn_qkv_bias="blk.0.attn_q.bias" in names, attn_out_bias="blk.0.attn_output.bias" in names,
-        qk_norm="blk.0.attn_q_norm.weight" in names, sliding_window=window, sliding_layers=sliding,
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_ids=eos,
+        qk_norm=qk_norm, qk_norm_full=qk_norm and arch.gguf_qk_norm_full,
+        sliding_window=window, sliding_layers=sliding,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_ids=eos, **moe,
     ).validate()
 
 

@@ -46,7 +46,7 @@ def rope_model(cfg: Mapping, name: str, qkv_bias: bool, out_bias: bool, **fields
         n_layers=int(need(cfg, "num_hidden_layers", where)), n_heads=n_heads,
         n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
         head_dim=head_dim,
-        n_ff=int(need(cfg, "intermediate_size", where)),
+        n_ff=int(fields.pop("n_ff", None) or need(cfg, "intermediate_size", where)),
         context_length=int(need(cfg, "max_position_embeddings", where)),
         norm="rms", norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), act=silu_act(cfg, where), glu=True,
         pos="rope", rope_theta=theta, rope_freq_factors=factors, tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),

@@ -59,6 +59,9 @@ def plan_run(path: Path, opts: FlashOptions, n_ctx: int, process: int) -> Option
     if opts.predictor not in PREDICTOR_MODES:
         raise BudgetError(f"--predictor {opts.predictor!r}: expected one of {', '.join(PREDICTOR_MODES)}")
     man = read_manifest(path)
+    if man["config"].get("n_experts"):
+        raise BudgetError(f"{path} is a mixture of experts: it runs with every expert in DRAM "
+                          f"(drop --dram-budget / --naive); streaming its experts is not built yet")
     text = opts.dram_budget or "100%"
     if opts.dram_budget is None:   # --naive alone: no limit, the whole model's worth
         text = f"{model_bytes(man) + (1 << 30)}"

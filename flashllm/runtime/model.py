@@ -25,6 +25,7 @@ from flashllm.model.rope import inv_freq
 from flashllm.runtime.weights import DenseWeights, Layer
 from flashllm.errors import FlashError
 from flashllm.runtime.ffn import DenseFfn
+from flashllm.runtime.moe import MoeFfn
 
 
 class ContextError(FlashError):
@@ -46,7 +47,9 @@ class Model:
         self.n_threads = n_threads
         self.n_ctx = n_ctx
         self.exact = exact      # q4_0 / q4_1 / q8_0 matmuls in f32 instead of on int8 activations
-        self.ffn = DenseFfn(flash, n_threads, exact=exact) if ffn is None else ffn
+        if ffn is None:
+            ffn = (MoeFfn if cfg.n_experts else DenseFfn)(flash, n_threads, exact=exact)
+        self.ffn = ffn
         self.w = DenseWeights(flash, n_threads) if weights is None else weights
         shape = (cfg.n_layers, n_ctx, cfg.n_kv_heads, cfg.head_dim)
         if kv_dtype not in KV_DTYPES:
@@ -113,10 +116,14 @@ class Model:
     def _attention(self, i: int, L: Layer, h: np.ndarray, pos: np.ndarray, pos0: int):
         cfg, nt, ex = self.config, self.n_threads, self.exact
         T, hd = len(h), cfg.head_dim
-        q = kernel.matmul(L.wq, h, L.bq, nt, ex).reshape(T, cfg.n_heads, hd)       # (T, n_heads, hd)
-        k = kernel.matmul(L.wk, h, L.bk, nt, ex).reshape(T, cfg.n_kv_heads, hd)    # (T, n_kv, hd)
+        q = kernel.matmul(L.wq, h, L.bq, nt, ex)                          # (T, n_heads * hd)
+        k = kernel.matmul(L.wk, h, L.bk, nt, ex)                          # (T, n_kv * hd)
+        if cfg.qk_norm_full:                                              # QK-norm, whole q / k
+            q = kernel.rmsnorm(q, L.q_norm, cfg.norm_eps)                 # (T, n_heads * hd)
+            k = kernel.rmsnorm(k, L.k_norm, cfg.norm_eps)                 # (T, n_kv * hd)
+        q, k = q.reshape(T, cfg.n_heads, hd), k.reshape(T, cfg.n_kv_heads, hd)
         v = kernel.matmul(L.wv, h, L.bv, nt, ex).reshape(T, cfg.n_kv_heads, hd)    # (T, n_kv, hd)
-        if L.q_norm is not None:                                          # QK-norm, per head
+        if L.q_norm is not None and not cfg.qk_norm_full:                 # QK-norm, per head
             q = self._head_norm(q, L.q_norm)                              # (T, n_heads, hd)
             k = self._head_norm(k, L.k_norm)                              # (T, n_kv, hd)
         if cfg.pos == "rope":

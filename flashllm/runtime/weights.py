@@ -50,8 +50,8 @@ class Layer:
     ffn_norm: np.ndarray                # (d_model,)
     ffn_norm_b: Optional[np.ndarray]    # (d_model,)
     down_b: Optional[np.ndarray]        # (d_model,)
-    q_norm: Optional[np.ndarray] = None # (hd,) QK-norm models only
-    k_norm: Optional[np.ndarray] = None # (hd,)
+    q_norm: Optional[np.ndarray] = None # (hd,), or (n_heads * hd,) over the whole q (OLMoE)
+    k_norm: Optional[np.ndarray] = None # (hd,), or (n_kv * hd,)
 
 
 def _opt(flash, name: str) -> Optional[np.ndarray]:

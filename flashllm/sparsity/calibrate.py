@@ -105,6 +105,9 @@ def calibrate_model(flash, model, tokens: Sequence[int], text: dict, sparsity: f
     per-slot frequencies, (reorder) the hot-first FFN rewrite, and (predictor: a kind of
     flashllm.sparsity.train) a trained predictor. Writes and returns the manifest's sparsity
     section; the model stays valid if this is interrupted."""
+    if flash.config.n_experts:
+        raise CalibrationError("calibrate finds the neurons a dense FFN needs; in a mixture of "
+                               "experts the router already names them (run it with --dram-budget)")
     criterion = criterion or default_criterion(flash.config)
     check_criterion(flash.config, criterion)
     inputs = collect_ffn_inputs(model, tokens, n_ctx=n_ctx)

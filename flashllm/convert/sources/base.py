@@ -37,6 +37,11 @@ class Source(ABC):
     def load(self, name: str) -> np.ndarray:
         """The tensor as a new float32 array in HF semantics."""
 
+    def load_expert(self, name: str, expert: int) -> np.ndarray:
+        """Expert `expert` of a 3-D MoE tensor (n_experts, rows, cols) as a new float32 (rows, cols)
+        array: one expert in memory, not the layer's all."""
+        return np.ascontiguousarray(self.load(name)[expert])
+
     def stored_type(self, name: str) -> str:
         """The source's own storage type of a tensor (a ggml type name such as "Q4_K" for GGUF,
         else e.g. "F32"); only `load_blocks` of a block-quantized type gives its bytes."""

@@ -198,5 +198,17 @@ class GGUFSource(Source):
             out = unpermute_qk(out, heads)
         return out
 
+    def load_expert(self, name: str, expert: int) -> np.ndarray:
+        shape = self._shape_of(name)
+        t = self._tensors[name]
+        if len(shape) != 3 or not 0 <= expert < shape[0] or t.data.shape[0] != shape[0]:
+            raise SourceError(f"{self.path}: tensor {name!r} {list(shape)} has no expert {expert}")
+        try:
+            part = dequantize(t.data[expert], t.tensor_type)           # (rows, cols)
+        except NotImplementedError:
+            raise SourceError(f"{self.path}: tensor {name!r} has type {t.tensor_type.name}, "
+                              "which gguf-py cannot dequantize") from None
+        return np.ascontiguousarray(part, dtype=np.float32).reshape(shape[1:])
+
     def close(self) -> None:
         self._tensors = {}

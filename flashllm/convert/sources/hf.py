@@ -15,6 +15,7 @@ from safetensors import SafetensorError, safe_open
 
 from flashllm.model.arch import Arch, arch_for_hf, check_tensor_set
 from flashllm.model.hf_config import eos_ids
+from flashllm.model.arch_moe import SHARED_GATE
 from flashllm.model.config import ModelConfig
 from flashllm.errors import FlashError, SourceError
 from flashllm.convert.sources.base import Source
@@ -88,6 +89,7 @@ class HFSource(Source):
         self._handles: dict[Path, object] = {}
         self._where: dict[str, tuple[Path, str, int, int]] = {}  # canonical -> (file, HF name,
                                                                 # its rows first .. end)
+        self._experts: dict[str, dict[int, tuple[Path, str]]] = {}   # 3-D canonical -> e -> file, name
         try:
             self._index_tensors()
         except BaseException:
@@ -105,30 +107,56 @@ class HFSource(Source):
                 raise SourceError(f"{file}: corrupt or truncated safetensors file ({e})") from None
             self._handles[file] = handle
             for hf_name in handle.keys():
-                canonical = self.arch.canonical(hf_name)
-                if canonical is None:
+                found = self.arch.locate(hf_name)
+                if found is None:
+                    continue
+                canonical, expert = found
+                if expert is not None:                 # one expert of a 3-D MoE tensor
+                    if expert in self._experts.setdefault(canonical, {}):
+                        raise SourceError(f"{file}: tensor {hf_name!r} appears twice in the checkpoint")
+                    self._experts[canonical][expert] = (file, hf_name)
                     continue
                 rows = int((handle.get_slice(hf_name).get_shape() or [1])[0])
                 for part, r0, r1 in self.arch.split(self.config, canonical, rows):  # fused: parts
                     if part in self._where:
                         raise SourceError(f"{file}: tensor {hf_name!r} appears twice in the checkpoint")
                     self._where[part] = (file, hf_name, r0, r1)
+        self._check_experts()
         if self.config.tied_embeddings:
             self._where.pop("output.weight", None)     # a tied head duplicates token_embd
         check_tensor_set(self.config, self._where, str(self.path))
 
+    def _check_experts(self) -> None:
+        """Every 3-D tensor holds experts 0 .. n_experts-1, each of one shape; its name is listed
+        with expert 0's place (whose shape, with the count in front, is the tensor's)."""
+        for canonical, experts in self._experts.items():
+            if sorted(experts) != list(range(self.config.n_experts)):
+                raise SourceError(f"{self.path}: {canonical} has experts {sorted(experts)[:8]}, the "
+                                  f"config {self.config.n_experts}")
+            shapes = {tuple(self._handles[f].get_slice(n).get_shape()) for f, n in experts.values()}
+            if len(shapes) != 1:
+                raise SourceError(f"{self.path}: the experts of {canonical} differ in shape")
+            file, hf_name = experts[0]
+            self._where[canonical] = (file, hf_name, 0, shapes.pop()[0])
+
     def tensor_names(self) -> list[str]:
         return list(self._where)
 
-    def _slice(self, name: str):
+    def _slice(self, name: str, expert: int | None = None):
         if name not in self._where:
             raise self._unknown(name)
         file, hf_name, r0, r1 = self._where[name]
+        if expert is not None:
+            file, hf_name = self._experts[name][expert]
         return file, hf_name, self._handles[file].get_slice(hf_name), (r0, r1)
 
     def tensor_shape(self, name: str) -> tuple[int, ...]:
         _, _, sl, (r0, r1) = self._slice(name)
         shape = tuple(int(n) for n in sl.get_shape())
+        if name in self._experts:
+            return (len(self._experts[name]), *shape)
+        if name.endswith(SHARED_GATE) and shape[:1] == (1,):
+            return shape[1:]                             # (1, d_model) -> (d_model,)
         return (r1 - r0, *shape[1:]) if shape else shape
 
     def tensor_nbytes(self, name: str) -> int:
@@ -137,7 +165,17 @@ class HFSource(Source):
         return size * int(np.prod(self.tensor_shape(name)))
 
     def load(self, name: str) -> np.ndarray:
-        file, hf_name, _, (r0, r1) = self._slice(name)
+        if name in self._experts:
+            return np.stack([self.load_expert(name, e) for e in range(len(self._experts[name]))])
+        return self._load(name, None).reshape(self.tensor_shape(name))
+
+    def load_expert(self, name: str, expert: int) -> np.ndarray:
+        if name not in self._experts or expert not in self._experts[name]:
+            raise self._unknown(f"{name}[{expert}]")
+        return self._load(name, expert)
+
+    def _load(self, name: str, expert: int | None) -> np.ndarray:
+        file, hf_name, _, (r0, r1) = self._slice(name, expert)
         try:
             raw = self._handles[file].get_tensor(hf_name)   # storage dtype, any shape
         except (SafetensorError, TypeError, OSError) as e:
