@@ -1,8 +1,8 @@
 /* ffn.c — the sparse FFN over row-column bundles (see fl_ffn_bundles in flashllm.h).
  *
  * Activations: SiLU x*sigmoid(x); GELU is the exact erf form 0.5*x*(1+erf(x/sqrt(2))) (Hugging
- * Face "gelu"; models using the tanh approximation "gelu_new"/"gelu_pytorch_tanh" differ by
- * < 1e-3); ReLU. The bundles are cut into a number of chunks that depends on the work alone
+ * Face "gelu"); GELU_TANH the tanh approximation 0.5*x*(1+tanh(sqrt(2/pi)*(x+0.044715*x^3)))
+ * (Hugging Face "gelu_pytorch_tanh" / "gelu_new", Gemma's GeGLU); ReLU. The bundles are cut into a number of chunks that depends on the work alone
  * (never on the thread count, so results are the same bits on any number of threads); threads
  * take chunks as they come free, each chunk accumulates into its own (T, d) partial, and the
  * partials are then summed into y in chunk order, split over y's elements.
@@ -45,6 +45,8 @@ static inline float activate(int32_t act, float v) {
     switch (act) {
     case FL_ACT_SILU: return v / (1.0f + expf(-v));
     case FL_ACT_GELU: return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
+    case FL_ACT_GELU_TANH:
+        return 0.5f * v * (1.0f + tanhf(0.79788456080286536f * (v + 0.044715f * v * v * v)));
     default: return v > 0.0f ? v : 0.0f;
     }
 }
@@ -366,7 +368,7 @@ static int32_t ffn_checked(const fl_ffn_layer *layer, const int32_t *rows, int64
     const size_t rb = fl_row_bytes(dtype, d), rd = fl_row_bytes(ddt, d);
     if (rb == 0 || rd == 0 || !down_dtype_ok(ddt) || d <= 0 || n < 0 ||
         stride < (int64_t)(rb * (glu ? 2 : 1) + rd) || n_threads < 1 || act < FL_ACT_SILU ||
-        act > FL_ACT_RELU || !indices_ok(ids, n, INT32_MAX) || !indices_ok(rows, n_rows, n) ||
+        act > FL_ACT_GELU_TANH || !indices_ok(ids, n, INT32_MAX) || !indices_ok(rows, n_rows, n) ||
         n_rows < 0 || !(threshold >= 0.0f) || (n > 0 && !bundles))
         return FL_EINVAL;
     int32_t status;

@@ -56,7 +56,7 @@ enum {
 };
 
 /* FFN activations */
-enum { FL_ACT_SILU = 0, FL_ACT_GELU = 1, FL_ACT_RELU = 2 };
+enum { FL_ACT_SILU = 0, FL_ACT_GELU = 1, FL_ACT_RELU = 2, FL_ACT_GELU_TANH = 3 };
 
 /* ====================================================================================== */
 /* PART 1 — compute: quantization, dense ops, the bundled FFN                              */
@@ -157,7 +157,7 @@ typedef struct {
     int32_t down_dtype;      /* FL_* of the down column */
     int64_t d;               /* d_model: values per row */
     int32_t glu;             /* 1: [gate | up | down]; 0: [up | down] */
-    int32_t act;             /* FL_ACT_* */
+    int32_t act;             /* FL_ACT_*: GELU is erf's, GELU_TANH the tanh approximation */
     const int32_t *ids;      /* (n) neuron id of each bundle, or NULL: bundle i is neuron i */
     const float *up_bias;    /* (n_ff) up bias by neuron id, or NULL */
 } fl_ffn_layer;

@@ -5,8 +5,11 @@ Tensor names come from gguf-py's own HF -> GGUF name map (gguf.get_tensor_name_m
 llama.cpp's converter uses), not from flashllm's tables. What the converter changes on the way is
 redone here from its description: llama permutes attn_q / attn_k for interleaved RoPE (qwen2,
 qwen3, phi3 and gemma3 are not permuted); gemma3 adds 1 to every `*norm.weight`; llama3 rope
-scaling becomes a `rope_freqs.weight` tensor of per-frequency divisors. Phi-3's fused qkv_proj and
-gate_up_proj stay fused (attn_qkv, a 2·n_ff-row ffn_up), as llama.cpp stores them.
+scaling becomes a `rope_freqs.weight` tensor of per-frequency divisors, linear scaling the
+rope.scaling keys. Phi-3's fused qkv_proj and gate_up_proj stay fused (attn_qkv, a 2·n_ff-row
+ffn_up), as llama.cpp stores them. A Gemma 3 whose layer_types are not llama.cpp's default
+pattern (every 6th layer global) gets the per-layer sliding_window_pattern list llama.cpp reads
+(its converter writes none for gemma3: such a model is not made there).
 """
 from __future__ import annotations
 
@@ -45,6 +48,7 @@ def llama3_rope_freqs(rope: dict, head_dim: int) -> np.ndarray:
 
 
 def _metadata(w, cfg, arch: str) -> None:
+    import gguf
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
@@ -56,10 +60,21 @@ def _metadata(w, cfg, arch: str) -> None:
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     rope = cfg.rope_parameters
-    rope = rope.get("full_attention", rope)
-    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
+    if rope.get("full_attention", rope).get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["full_attention"]["factor"])
+    if "sliding_attention" in rope:
+        w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    if getattr(cfg, "final_logit_softcapping", None):
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
     if getattr(cfg, "sliding_window", None) and arch in ("phi3", "gemma3"):
         w.add_sliding_window(cfg.sliding_window)
+    types = getattr(cfg, "layer_types", None)
+    if arch == "gemma3" and types != [("full_attention" if (i + 1) % 6 == 0 else "sliding_attention")
+                                      for i in range(len(types))]:
+        # not llama.cpp's default pattern (every 6th layer global): the per-layer list it reads
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in types])
     w.add_bos_token_id(cfg.bos_token_id)
     w.add_eos_token_id(cfg.eos_token_id)
 

@@ -52,6 +52,21 @@ TINY = {
                                 num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0,
                                 rms_norm_eps=1e-5, sliding_window=12, max_position_embeddings=256,
                                 original_max_position_embeddings=256, tie_word_embeddings=False)),
+    # 7 layers: 6 sliding (window 10 < the 32-token prompt, local RoPE base) + layer 5 global
+    # (rope_theta with linear scaling x4); head_dim 24 is not 64 / 4; query_pre_attn_scalar 20
+    "gemma3": ("Gemma3TextConfig", dict(
+        hidden_size=64, intermediate_size=160, num_hidden_layers=7, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=24, query_pre_attn_scalar=20, sliding_window=10,
+        rope_parameters={"full_attention": dict(rope_type="linear", factor=4.0, rope_theta=1e6),
+                         "sliding_attention": dict(rope_type="default", rope_theta=1e4)},
+        rms_norm_eps=1e-6, max_position_embeddings=256, tie_word_embeddings=True)),
+    # untied head, final logit softcapping (low enough to bend these logits), both layer kinds
+    "gemma3_softcap": ("Gemma3TextConfig", dict(
+        hidden_size=96, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=40, query_pre_attn_scalar=40, sliding_window=6,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        final_logit_softcapping=30.0, rms_norm_eps=1e-6, max_position_embeddings=256,
+        tie_word_embeddings=False)),
     "mistral": ("MistralConfig", dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=1,
                                       rope_theta=10000.0, rms_norm_eps=1e-5, sliding_window=None,

@@ -176,6 +176,8 @@ def _act(name: str, z: np.ndarray) -> np.ndarray:
         return z / (1 + np.exp(-z))
     if name == "gelu":
         return 0.5 * z * (1 + np.vectorize(math.erf)(z / math.sqrt(2)))
+    if name == "gelu_tanh":
+        return 0.5 * z * (1 + np.tanh(math.sqrt(2 / math.pi) * (z + 0.044715 * z ** 3)))
     return np.maximum(z, 0)
 
 
@@ -188,7 +190,7 @@ def _bundles(n: int, d: int, dtype: str, glu: bool, pad: int, seed: int):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("glu,act", [(True, "silu"), (True, "gelu"), (False, "relu"),
-                                     (False, "gelu"), (True, "relu")])
+                                     (False, "gelu"), (True, "relu"), (True, "gelu_tanh")])
 @pytest.mark.parametrize("T", [1, 3, 6])
 @pytest.mark.parametrize("exact", [True, False])
 def test_ffn_bundles_matches_numpy(dtype, glu, act, T, exact):

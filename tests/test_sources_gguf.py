@@ -107,7 +107,8 @@ def test_unknown_gguf_architecture(tmp_path):
     with pytest.raises(SourceError, match=r"m.gguf: unsupported GGUF architecture 'mamba' \(supported: ") as e:
         open_source(tmp_path / "m.gguf")
     listed = str(e.value).split("(supported: ")[1].rstrip(")").split(", ")
-    assert {"llama", "qwen2", "qwen2moe", "qwen3moe", "olmoe"} <= set(listed) and "\n" not in str(e.value)
+    assert {"llama", "qwen2", "qwen3", "phi3", "gemma3", "qwen2moe", "qwen3moe", "olmoe"} <= set(listed) \
+        and "\n" not in str(e.value)
 
 
 def test_unmapped_gguf_tensor(tmp_path):

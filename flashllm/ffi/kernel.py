@@ -13,7 +13,7 @@ from flashllm.model.tensor import QTensor, companion, dtype_code, row_bytes
 
 from flashllm.ffi.lib import check as _check, ffi, native as _native
 
-ACT_CODES = {"silu": 0, "gelu": 1, "relu": 2}
+ACT_CODES = {"silu": 0, "gelu": 1, "relu": 2, "gelu_tanh": 3}
 def _as_f32(a, name: str, ndim: int) -> np.ndarray:
     """a as a C-contiguous float32 array of ndim dims (copied only when it is not one already)."""
     arr = np.ascontiguousarray(a, dtype=np.float32)
@@ -220,8 +220,8 @@ def ffn_bundles(bundles: np.ndarray, dtype: str, d: int, glu: bool, act: str, x,
     on int8-quantized x as matmul does, unless exact. dtype is the gate / up rows', down_dtype
     the down column's (default companion(dtype): dtype, q4_1 for q4_k).
 
-    act: "silu", "relu" or "gelu" (the exact erf GELU, Hugging Face "gelu"; not the tanh
-    approximation "gelu_new" / "gelu_pytorch_tanh").
+    act: "silu", "relu", "gelu" (the exact erf GELU, Hugging Face "gelu") or "gelu_tanh" (the
+    tanh approximation, Hugging Face "gelu_pytorch_tanh" / "gelu_new": Gemma's GeGLU).
     """
     k = _native()
     if act not in ACT_CODES:

@@ -154,6 +154,8 @@ def _layer_tensors(cfg: ModelConfig, p: str, layer_norm: bool) -> dict[str, tupl
         full = cfg.qk_norm_full                         # over the whole projection, or per head
         req.update({p + "attn_q_norm.weight": (q_rows if full else cfg.head_dim,),
                     p + "attn_k_norm.weight": (kv_rows if full else cfg.head_dim,)})
+    if cfg.sandwich_norm:
+        req.update({p + "post_attention_norm.weight": (d,), p + "post_ffw_norm.weight": (d,)})
     if cfg.ffn_bias:
         req[p + "ffn_up.bias"] = (cfg.n_ff,)
         req[p + "ffn_down.bias"] = (d,)

@@ -156,9 +156,9 @@ def _read_manifest(path: Path) -> dict:
     return m
 
 
-_FLOAT_FIELDS = ("norm_eps", "rope_theta")
+_FLOAT_FIELDS = ("norm_eps", "rope_theta", "embed_scale")
 _BOOL_FIELDS = ("glu", "tied_embeddings", "attn_qkv_bias", "attn_out_bias", "ffn_bias", "qk_norm",
-                "qk_norm_full", "norm_topk")
+                "qk_norm_full", "norm_topk", "sandwich_norm")
 _INT_FIELDS = ("pos_offset", "d_embed")
 
 

@@ -17,6 +17,7 @@ from typing import Callable, Iterable, Mapping
 
 from flashllm.model.arch_moe import MIXTRAL_FFN_TABLE, QWEN_MOE_FFN_TABLE, hf_moe_fields, moe_parts
 from flashllm.model.config import ModelConfig
+from flashllm.model.gemma3 import gemma3_gguf_fields, gemma3_hf_config
 from flashllm.model.hf_config import eos_ids, need, rope_model
 from flashllm.errors import SourceError
 
@@ -45,6 +46,9 @@ class Arch:
                                                 # window; 0: every layer; n: all but every n-th)
     gguf_norm_topk: bool = False                # llama.cpp renormalises the top-k router weights
     gguf_qk_norm_full: bool = False             # its attn_q_norm spans the whole q (OLMoE)
+    norm_shift: float = 0.0                     # HF norms scale by (shift + w): folded into w (f32)
+    gguf_fields: Callable[[Mapping, ModelConfig], dict] | None = None   # ModelConfig fields of a
+                                                # GGUF that llama.cpp fixes per architecture
     _compiled: tuple = field(default=(), compare=False, repr=False)
 
     def split(self, cfg: ModelConfig, name: str, rows: int) -> list[tuple[str, int, int]]:
@@ -91,7 +95,8 @@ def part_rows(cfg: ModelConfig, part: str) -> int:
 def register(hf_class: str, name: str, table: Iterable[tuple[str, str]], ignore: Iterable[str] = (),
              gguf_arch: str | None = None, **data):
     """Decorator: register `fn(config_json) -> ModelConfig` with its tensor table; `data` sets the
-    other Arch fields (gguf_permuted_qk, fused, gguf_swa_pattern, gguf_norm_topk, ...)."""
+    other Arch fields (gguf_permuted_qk, fused, gguf_swa_pattern, gguf_norm_topk, norm_shift,
+    gguf_fields, ...)."""
     def deco(fn: Callable[[Mapping], ModelConfig]) -> Callable[[Mapping], ModelConfig]:
         tbl = tuple(table)
         arch = Arch(name, hf_class, gguf_arch, tbl, tuple(ignore), fn, **data,
@@ -135,12 +140,16 @@ def expected_tensors(cfg: ModelConfig) -> list[str]:
                  ("attn_v", cfg.attn_qkv_bias), ("attn_output", cfg.attn_out_bias)]
         if cfg.qk_norm:
             parts += [("attn_q_norm", False), ("attn_k_norm", False)]
+        if cfg.sandwich_norm:
+            parts.append(("post_attention_norm", False))
         parts.append(("ffn_norm", layer_norm))
         if cfg.n_experts:
             parts += [(part, False) for part in moe_parts(cfg.n_ff_shared)]
         else:
             parts += [("ffn_gate", False)] if cfg.glu else []
             parts += [("ffn_up", cfg.ffn_bias), ("ffn_down", cfg.ffn_bias)]
+        if cfg.sandwich_norm:
+            parts.append(("post_ffw_norm", False))
         for part, bias in parts:
             names.append(f"blk.{i}.{part}.weight")
             if bias:
@@ -292,6 +301,33 @@ def phi3_config(cfg: Mapping) -> ModelConfig:
     window = int(cfg.get("sliding_window") or 0)
     layers = tuple(range(int(need(cfg, "num_hidden_layers", "Phi3ForCausalLM")))) if window else ()
     return rope_model(cfg, "phi3", False, False, sliding_window=window, sliding_layers=layers)
+
+
+_GEMMA3_TABLE = (
+    ("model.embed_tokens.weight", "token_embd.weight"),
+    ("model.norm.weight", "output_norm.weight"),
+    ("lm_head.weight", "output.weight"),
+    ("model.layers.{i}.input_layernorm.weight", "blk.{i}.attn_norm.weight"),
+    ("model.layers.{i}.self_attn.q_proj.weight", "blk.{i}.attn_q.weight"),
+    ("model.layers.{i}.self_attn.k_proj.weight", "blk.{i}.attn_k.weight"),
+    ("model.layers.{i}.self_attn.v_proj.weight", "blk.{i}.attn_v.weight"),
+    ("model.layers.{i}.self_attn.o_proj.weight", "blk.{i}.attn_output.weight"),
+    ("model.layers.{i}.self_attn.q_norm.weight", "blk.{i}.attn_q_norm.weight"),
+    ("model.layers.{i}.self_attn.k_norm.weight", "blk.{i}.attn_k_norm.weight"),
+    ("model.layers.{i}.post_attention_layernorm.weight", "blk.{i}.post_attention_norm.weight"),
+    ("model.layers.{i}.pre_feedforward_layernorm.weight", "blk.{i}.ffn_norm.weight"),
+    ("model.layers.{i}.post_feedforward_layernorm.weight", "blk.{i}.post_ffw_norm.weight"),
+    ("model.layers.{i}.mlp.gate_proj.weight", "blk.{i}.ffn_gate.weight"),
+    ("model.layers.{i}.mlp.up_proj.weight", "blk.{i}.ffn_up.weight"),
+    ("model.layers.{i}.mlp.down_proj.weight", "blk.{i}.ffn_down.weight"),
+)
+
+
+@register("Gemma3ForCausalLM", "gemma3", _GEMMA3_TABLE, _ROTARY_BUFFERS, gguf_arch="gemma3",
+          gguf_swa_pattern=6, norm_shift=1.0, gguf_fields=gemma3_gguf_fields)
+def gemma3_config(cfg: Mapping) -> ModelConfig:
+    """Gemma 3's text model (model/gemma3.py)."""
+    return gemma3_hf_config(cfg)
 
 
 _OPT_TABLE = (

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 from flashllm.errors import FormatError
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "opt", "mixtral", "qwen2moe", "qwen3moe",
-         "olmoe")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3", "opt", "mixtral", "qwen2moe",
+         "qwen3moe", "olmoe")
 NORMS = ("rms", "layer")
-ACTS = ("silu", "gelu", "relu")
+ACTS = ("silu", "gelu", "relu", "gelu_tanh")
 POSITIONS = ("rope", "learned")
 _TUPLES = ("eos_token_ids", "rope_freq_factors", "sliding_layers")   # JSON lists in the manifest
 
@@ -28,7 +28,7 @@ class ModelConfig:
     context_length: int
     norm: str                   # "rms" | "layer"
     norm_eps: float
-    act: str                    # "silu" | "gelu" | "relu"
+    act: str                    # "silu" | "gelu" (erf) | "relu" | "gelu_tanh" (tanh approximation)
     glu: bool                   # gated FFN (gate, up, down) vs plain (up, down)
     pos: str                    # "rope" | "learned"
     rope_theta: float = 10000.0
@@ -51,6 +51,13 @@ class ModelConfig:
     n_experts_used: int = 0     # experts a token is routed to (the router's top-k)
     norm_topk: bool = False     # the top-k router weights renormalised to sum to 1
     n_ff_shared: int = 0        # neurons of the always-on shared expert (Qwen2-MoE), 0: none
+    rope_local_theta: float = 0.0   # RoPE base of the sliding layers, without rope_freq_factors
+                                    # (Gemma 3's local layers); 0: as every other layer
+    sandwich_norm: bool = False # RMSNorm of the attention and FFN outputs before the residual
+                                # add (post_attention_norm, post_ffw_norm: Gemma 2/3)
+    embed_scale: float = 1.0    # token embeddings times this (Gemma: sqrt(d_model))
+    attn_scale: float = 0.0     # attention scores times this; 0: head_dim^-0.5
+    final_softcap: float = 0.0  # logits = cap * tanh(logits / cap); 0: none
 
     @property
     def embed_dim(self) -> int:
@@ -84,6 +91,10 @@ class ModelConfig:
             raise FormatError(f"sliding_window={w!r} needs sliding layers in [0, {self.n_layers}) "
                               f"(and they a window > 0), got {list(self.sliding_layers)[:4]}")
         self._validate_experts()
+        for name in ("rope_local_theta", "attn_scale", "final_softcap"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+                raise FormatError(f"config field {name}={v!r} must be a finite number >= 0")
         if self.n_heads % self.n_kv_heads:
             raise FormatError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
         return self

@@ -34,7 +34,7 @@ def gguf_config(arch: Arch, meta: Mapping, tensor_names: Iterable[str], vocab_si
     window, sliding = sliding_layers(meta, a, n_layers, arch.gguf_swa_pattern)
     moe = gguf_moe_fields(meta, a, names, arch.gguf_norm_topk)
     qk_norm = "blk.0.attn_q_norm.weight" in names
-    return ModelConfig(
+    base = dict(
         arch=arch.name, vocab_size=vocab_size, d_model=d_model, n_layers=n_layers,
         n_heads=n_heads, n_kv_heads=int(meta.get(f"{a}.attention.head_count_kv") or n_heads),
         head_dim=head_dim, n_ff=int(moe.pop("n_ff", None) or need("feed_forward_length")),
@@ -45,8 +45,10 @@ def gguf_config(arch: Arch, meta: Mapping, tensor_names: Iterable[str], vocab_si
         attn_qkv_bias="blk.0.attn_q.bias" in names, attn_out_bias="blk.0.attn_output.bias" in names,
         qk_norm=qk_norm, qk_norm_full=qk_norm and arch.gguf_qk_norm_full,
         sliding_window=window, sliding_layers=sliding,
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_ids=eos, **moe,
-    ).validate()
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_ids=eos, **moe)
+    cfg = ModelConfig(**base)
+    return cfg.validate() if arch.gguf_fields is None else \
+        ModelConfig(**{**base, **arch.gguf_fields(meta, cfg)}).validate()
 
 
 def rope_factors(meta: Mapping, a: str, head_dim: int, rope_freqs: tuple[float, ...]) -> tuple[float, ...]:

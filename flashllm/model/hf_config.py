@@ -28,9 +28,10 @@ def silu_act(cfg: Mapping, where: str) -> str:
     return "silu"
 
 
-def rope_model(cfg: Mapping, name: str, qkv_bias: bool, out_bias: bool, **fields) -> ModelConfig:
-    """The shared config of llama-like models (RMSNorm, SwiGLU, RoPE); `fields` set or override
-    ModelConfig fields."""
+def rope_model(cfg: Mapping, name: str, qkv_bias: bool, out_bias: bool, act: str | None = None,
+               **fields) -> ModelConfig:
+    """The shared config of llama-like models (RMSNorm, GLU FFN, RoPE): act, else hidden_act
+    (only silu); `fields` set or override ModelConfig fields."""
     where = name
     d_model = int(need(cfg, "hidden_size", where))
     n_heads = int(need(cfg, "num_attention_heads", where))
@@ -41,16 +42,15 @@ def rope_model(cfg: Mapping, name: str, qkv_bias: bool, out_bias: bool, **fields
         raise SourceError(f"{where}: partial_rotary_factor is unsupported")
     head_dim = int(cfg.get("head_dim") or d_model // n_heads)
     theta, factors = hf_rope(cfg, head_dim, where)
-    return ModelConfig(
+    base = dict(
         arch=name, vocab_size=int(need(cfg, "vocab_size", where)), d_model=d_model,
         n_layers=int(need(cfg, "num_hidden_layers", where)), n_heads=n_heads,
         n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
         head_dim=head_dim,
         n_ff=int(fields.pop("n_ff", None) or need(cfg, "intermediate_size", where)),
         context_length=int(need(cfg, "max_position_embeddings", where)),
-        norm="rms", norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), act=silu_act(cfg, where), glu=True,
+        norm="rms", norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), act=act or silu_act(cfg, where), glu=True,
         pos="rope", rope_theta=theta, rope_freq_factors=factors, tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attn_qkv_bias=qkv_bias, attn_out_bias=out_bias,
-        bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids(cfg.get("eos_token_id")),
-        **fields,
-    ).validate()
+        bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids(cfg.get("eos_token_id")))
+    return ModelConfig(**{**base, **fields}).validate()

@@ -2,11 +2,12 @@
 
 One code path serves prefill (T tokens at once) and decode (T = 1):
 
-    x = embed(tokens) [+ learned positions] [@ proj_in]
+    x = embed(tokens) [* embed_scale] [+ learned positions] [@ proj_in]
     for each layer:
-        x += attn_output(attention(rope(q), rope(k) → KV cache, v))     of norm(x)
-        x += ffn_bundles(norm(x)) [+ down bias]
-    logits = output([proj_out](norm(x)))
+        x += [norm](attn_output(attention(rope(q), rope(k) → KV cache, v)))  of norm(x)
+             (q, k [QK-normed] per head; the layer's RoPE frequencies and window)
+        x += [norm](ffn_bundles(norm(x))) [+ down bias]     ([norm]: sandwich-norm models)
+    logits = [softcap](output([proj_out](norm(x))))
 
 Per-token math runs in C through flashllm/ffi/kernel.py; numpy only reshapes and adds. The FFN of each layer
 is a strategy object (flashllm/runtime/ffn.py): `ffn(layer, h, x)` adds the FFN of h to x. The default,
@@ -59,7 +60,10 @@ class Model:
         self.v_cache = np.zeros(shape, dtype=kv)                         # (n_layers, n_ctx, n_kv, hd)
         sliding = set(cfg.sliding_layers)
         self.windows = [cfg.sliding_window if i in sliding else 0 for i in range(cfg.n_layers)]
-        self.rope_inv = inv_freq(cfg.rope_theta, cfg.head_dim, cfg.rope_freq_factors)  # (hd/2,)
+        glob = inv_freq(cfg.rope_theta, cfg.head_dim, cfg.rope_freq_factors)  # (hd/2,)
+        local = inv_freq(cfg.rope_local_theta, cfg.head_dim) if cfg.rope_local_theta else glob
+        self.rope_inv = [local if i in sliding else glob for i in range(cfg.n_layers)]  # (hd/2,) each
+        self.attn_scale = cfg.attn_scale or cfg.head_dim ** -0.5
 
     def reset(self) -> None:
         """Forget the context: clear the KV cache."""
@@ -81,9 +85,17 @@ class Model:
         for i in range(self.config.n_layers):
             layer = self.w.layer(i)
             h = self._norm(x, layer.attn_norm, layer.attn_norm_b)        # (T, d_model)
-            x += self._attention(i, layer, h, pos, pos0)                 # (T, d_model)
+            a = self._attention(i, layer, h, pos, pos0)                  # (T, d_model)
+            if layer.post_attn_norm is not None:                         # sandwich norm
+                a = self._norm(a, layer.post_attn_norm, None)            # (T, d_model)
+            x += a
             h = self._norm(x, layer.ffn_norm, layer.ffn_norm_b)          # (T, d_model)
-            self.ffn(i, h, x)                                            # x (T, d_model) += ffn(h)
+            if layer.post_ffn_norm is None:
+                self.ffn(i, h, x)                                        # x (T, d_model) += ffn(h)
+            else:
+                f = np.zeros_like(x)                                     # (T, d_model)
+                self.ffn(i, h, f)
+                x += self._norm(f, layer.post_ffn_norm, None)            # (T, d_model)
             if layer.down_b is not None:
                 x += layer.down_b
         if last_only:
@@ -91,7 +103,9 @@ class Model:
         x = self._norm(x, self.w.out_norm, self.w.out_norm_b)            # (T, d_model)
         if self.w.proj_out is not None:
             x = kernel.matmul(self.w.proj_out, x, None, self.n_threads, self.exact)  # (T, d_embed)
-        return self._output(x)                                           # (T, vocab)
+        logits = self._output(x)                                         # (T, vocab)
+        cap = self.config.final_softcap
+        return logits if not cap else np.tanh(logits / np.float32(cap)) * np.float32(cap)
 
     def _output(self, x: np.ndarray) -> np.ndarray:
         """(T, vocab) logits, resident or streamed head."""
@@ -102,6 +116,8 @@ class Model:
         if tokens.min() < 0 or tokens.max() >= cfg.vocab_size:
             raise ContextError(f"token id outside the vocabulary [0, {cfg.vocab_size})")
         x = self.w.embed(tokens)                                         # (T, embed_dim)
+        if cfg.embed_scale != 1.0:
+            x *= np.float32(cfg.embed_scale)                             # Gemma: sqrt(d_model)
         if self.w.proj_in is not None:
             x = kernel.matmul(self.w.proj_in, x, None, self.n_threads, self.exact)  # (T, d_model)
         if cfg.pos == "learned":
@@ -127,11 +143,11 @@ class Model:
             q = self._head_norm(q, L.q_norm)                              # (T, n_heads, hd)
             k = self._head_norm(k, L.k_norm)                              # (T, n_kv, hd)
         if cfg.pos == "rope":
-            kernel.rope(q, pos, self.rope_inv)
-            kernel.rope(k, pos, self.rope_inv)
+            kernel.rope(q, pos, self.rope_inv[i])
+            kernel.rope(k, pos, self.rope_inv[i])
         self.k_cache[i, pos0:pos0 + T] = k
         self.v_cache[i, pos0:pos0 + T] = v
-        o = kernel.attention(q, self.k_cache[i], self.v_cache[i], pos0, hd ** -0.5,
+        o = kernel.attention(q, self.k_cache[i], self.v_cache[i], pos0, self.attn_scale,
                              n_threads=nt, window=self.windows[i])        # (T, n_heads * hd)
         return kernel.matmul(L.wo, o, L.bo, nt, ex)                       # (T, d_model)
 

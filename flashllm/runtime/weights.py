@@ -52,6 +52,8 @@ class Layer:
     down_b: Optional[np.ndarray]        # (d_model,)
     q_norm: Optional[np.ndarray] = None # (hd,), or (n_heads * hd,) over the whole q (OLMoE)
     k_norm: Optional[np.ndarray] = None # (hd,), or (n_kv * hd,)
+    post_attn_norm: Optional[np.ndarray] = None  # (d_model,) sandwich-norm models only
+    post_ffn_norm: Optional[np.ndarray] = None   # (d_model,)
 
 
 def _opt(flash, name: str) -> Optional[np.ndarray]:
@@ -76,6 +78,8 @@ def load_layer(flash, i: int, matrices: Optional[list] = None) -> Layer:
         ffn_norm=flash.tensor(p + "ffn_norm.weight"), ffn_norm_b=_opt(flash, p + "ffn_norm.bias"),
         down_b=_opt(flash, p + "ffn_down.bias"),
         q_norm=_opt(flash, p + "attn_q_norm.weight"), k_norm=_opt(flash, p + "attn_k_norm.weight"),
+        post_attn_norm=_opt(flash, p + "post_attention_norm.weight"),
+        post_ffn_norm=_opt(flash, p + "post_ffw_norm.weight"),
     )
 
 

@@ -72,13 +72,15 @@ def ffn_weights(flash, layer: int, n_threads: int = 1) -> FfnWeights:
 
 
 def activation(x: np.ndarray, act: str) -> np.ndarray:
-    """act(x) elementwise in f32: silu, relu or the exact (erf) gelu."""
+    """act(x) elementwise in f32: silu, relu, the exact (erf) gelu or its tanh approximation."""
     if act == "silu":
         return x / (1.0 + np.exp(-x))
     if act == "relu":
         return np.maximum(x, 0.0)
     if act == "gelu":
         return 0.5 * x * (1.0 + _erf(x * np.float32(0.5 ** 0.5)))
+    if act == "gelu_tanh":
+        return 0.5 * x * (1.0 + np.tanh(np.float32((2 / np.pi) ** 0.5) * (x + np.float32(0.044715) * x ** 3)))
     raise CalibrationError(f"unknown activation {act!r}")
 
 

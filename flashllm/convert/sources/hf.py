@@ -185,6 +185,8 @@ class HFSource(Source):
                               f"supported: {', '.join(FLOAT_DTYPES)}")
         if raw.ndim:
             raw = raw[r0:r1]                                        # all, or a fused tensor's part
+        if self.arch.norm_shift and name.endswith("norm.weight"):  # Gemma's (1 + w), in f32
+            return raw.astype(np.float32) + np.float32(self.arch.norm_shift)
         return raw.astype(np.float32, copy=False)                   # get_tensor already copied
 
     def close(self) -> None:
