@@ -1,4 +1,5 @@
 """`python -m flashllm` is the `flashllm` command."""
 from flashllm.cli import main
 
-main()
+if __name__ == "__main__":     # a spawned child (a conversion apart from a run) imports this too
+    main()

@@ -300,3 +300,27 @@ def test_a_run_stays_within_its_budget_smollm2(extra_mib):
     assert mib - extra_mib < 160, stderr          # the process and the tokenizer: ~100 MiB
     rc, peak_kib, stderr = _peak_of_run(path, f"{mib}MiB")
     assert rc == 0 and peak_kib <= mib * 1024, (rc, peak_kib / 1024, stderr)
+
+
+@pytest.mark.realmodel
+def test_a_first_run_under_a_budget_converts_apart(tmp_path):
+    """`run NAME --dram-budget` on a fresh cache converts in a child process: the conversion
+    (dequantized embeddings: several times the budget) never counts in the run's own peak."""
+    import os
+    import subprocess
+    import sys
+    from conftest import gguf_path
+    (tmp_path / "models").mkdir()
+    gguf = gguf_path("smollm2-135m")
+    for f in (gguf, gguf.with_name(gguf.name + ".verified")):
+        (tmp_path / "models" / f.name).symlink_to(f)
+    code = ("import atexit, resource, runpy, sys; atexit.register(lambda: print('peak', resource."
+            "getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)); sys.argv[0] = 'flashllm';"
+            " runpy.run_module('flashllm', run_name='__main__')")
+    r = subprocess.run([sys.executable, "-c", code, "run", "smollm2-135m", "-p", "The sky is",
+                        "-n", "8", "--temp", "0", "--dram-budget", "200MiB"], capture_output=True,
+                       text=True, timeout=600, env={**os.environ, "FLASHLLM_CACHE": str(tmp_path)})
+    peak_kib = int(r.stderr.split("peak ")[-1])
+    assert r.returncode == 0 and "in a child process" in r.stderr, r.stderr
+    assert (tmp_path / "converted" / "smollm2-135m-q8_0" / "manifest.json").is_file()
+    assert peak_kib <= 200 * 1024, peak_kib / 1024

