@@ -59,9 +59,6 @@ def plan_run(path: Path, opts: FlashOptions, n_ctx: int, process: int) -> Option
     if opts.predictor not in PREDICTOR_MODES:
         raise BudgetError(f"--predictor {opts.predictor!r}: expected one of {', '.join(PREDICTOR_MODES)}")
     man = read_manifest(path)
-    if man["config"].get("n_experts"):
-        raise BudgetError(f"{path} is a mixture of experts: it runs with every expert in DRAM "
-                          f"(drop --dram-budget / --naive); streaming its experts is not built yet")
     text = opts.dram_budget or "100%"
     if opts.dram_budget is None:   # --naive alone: no limit, the whole model's worth
         text = f"{model_bytes(man) + (1 << 30)}"
@@ -175,9 +172,12 @@ def stream_dense(flash, ffn, weights) -> None:
 
 def make_ffn(flash, opts: FlashOptions, plan: Optional[BudgetPlan], n_threads: int,
              cache_dir: Path, log=lambda m: None):
-    """The FFN strategy for Model(ffn=...): None (dense) or a SparseFlashFfn."""
+    """The FFN strategy for Model(ffn=...): None (dense), an ExpertFlashFfn (a mixture of
+    experts) or a SparseFlashFfn."""
     if not opts.flash:
         return None
+    if flash.config.n_experts:
+        return make_expert_ffn(flash, opts, plan, n_threads, cache_dir, log)
     from flashllm.storage.costmodel import CostModel, bundle_requests
     from flashllm.ffi.reader import Reader
     from flashllm.sparsity.predictor import AllSlots, load_predictor
@@ -196,3 +196,24 @@ def make_ffn(flash, opts: FlashOptions, plan: Optional[BudgetPlan], n_threads: i
         log(note)
     return SparseFlashFfn(flash, predictor or AllSlots(f.n_ff), plan, reader, n_threads=n_threads,
                           window=window, naive=opts.naive, cost=cost, check=opts.check)
+
+
+def make_expert_ffn(flash, opts: FlashOptions, plan: BudgetPlan, n_threads: int, cache_dir: Path,
+                    log=lambda m: None):
+    """The expert-streaming FFN of a mixture of experts (runtime/expert_ffn.py): the router picks
+    the experts, so no predictor, window or calibration applies; --naive reads every routed
+    expert every pass (no cache, no read-ahead)."""
+    from flashllm.storage.costmodel import CostModel
+    from flashllm.ffi.reader import Reader
+    from flashllm.runtime.expert_ffn import ExpertFlashFfn
+    if opts.check or opts.predictor == "on" or opts.window is not None:
+        raise BudgetError("--check, --predictor on and --window are for a dense FFN's neurons; "
+                          "a mixture of experts is routed exactly")
+    cost = CostModel.for_path(cache_dir, flash.ffn.file)
+    if cost.hint:
+        log(cost.hint)
+    f = flash.ffn
+    expert = f.stride * flash.config.n_ff
+    threads = cost.plan(np.array([f.layer_offsets[0]]), np.array([expert])).threads
+    reader = Reader(f.file, n_threads=threads, stage_bytes=READER_STAGE)
+    return ExpertFlashFfn(flash, plan, reader, n_threads=n_threads, naive=opts.naive)

@@ -13,7 +13,9 @@ from typing import Callable, Optional
 from flashllm.units import GiB, KiB, MiB
 
 FIELDS = ("bytes_read", "bytes_requested", "gap_bytes", "reads", "read_s", "ring_idle_s", "io_s",
-          "mm_s", "compute_s", "predict_s", "active", "hits", "streamed", "true_active", "true_hits")
+          "mm_s", "compute_s", "predict_s", "active", "hits", "streamed", "true_active", "true_hits",
+          "experts", "expert_hits", "expert_reads", "prefetched", "prefetch_used", "guessed",
+          "guessed_right")
 
 
 @dataclass
@@ -37,6 +39,13 @@ class TokenStats:
     streamed: int = 0                  # read into the staging buffer (not cached)
     true_active: int = 0               # exact mask size (check mode only)
     true_hits: int = 0                 # exact active neurons the predictor found (check mode only)
+    experts: int = 0                   # mixture of experts: experts routed, summed over layers
+    expert_hits: int = 0               # of them already in DRAM (cached, read before this pass)
+    expert_reads: int = 0              # of them read now (not cached, not read ahead)
+    prefetched: int = 0                # experts read ahead on the next layer's guessed routing
+    prefetch_used: int = 0             # of those, routed when their layer came
+    guessed: int = 0                   # routed experts of layers that had a guess
+    guessed_right: int = 0             # of them, named by the guess
 
     def add_reads(self, delta: dict) -> None:
         """Add reader counters (reader_delta) of reads made for this pass."""
@@ -117,7 +126,19 @@ def _summary(m: dict) -> dict:
             "compute_ms_per_token": 1e3 * m["compute_s"],
             "predictor_ms_per_token": 1e3 * m["predict_s"], "recall": m["recall"],
             "precision": m["precision"], "active_per_token": m["active"],
-            "decode_tokens": m["tokens"]}
+            "decode_tokens": m["tokens"], **_expert_summary(m)}
+
+
+def _expert_summary(m: dict) -> dict:
+    """A mixture of experts' per-token figures ({} for a dense FFN)."""
+    if not m.get("experts"):
+        return {}
+    return {"experts_per_token": m["experts"], "experts_cached_per_token": m["expert_hits"],
+            "experts_read_per_token": m["expert_reads"],
+            "experts_prefetched_per_token": m["prefetched"],
+            "prefetch_used_per_token": m["prefetch_used"],
+            "prefetch_hit_rate": m["prefetch_used"] / m["prefetched"] if m["prefetched"] else None,
+            "guess_recall": m["guessed_right"] / m["guessed"] if m["guessed"] else None}
 
 
 def stats_table(d: dict) -> str:
@@ -130,6 +151,14 @@ def stats_table(d: dict) -> str:
         lines.append(_row(str(i), t))
     if d["decode_mean"]:
         lines.append(_row("mean", {**d["decode_mean"], "kind": "decode"}))
+    s = d.get("summary") or {}
+    if "experts_per_token" in s:
+        rate = lambda v: "-" if v is None else f"{v:.0%}"              # noqa: E731
+        lines.append(f"experts per decode token: {s['experts_per_token']:.1f} routed, "
+                     f"{s['experts_cached_per_token']:.1f} cached, {s['experts_read_per_token']:.1f} "
+                     f"read, {s['experts_prefetched_per_token']:.1f} prefetched "
+                     f"({rate(s['prefetch_hit_rate'])} of them used); the next layer's guess "
+                     f"named {rate(s['guess_recall'])} of its routed experts")
     return "\n".join(lines)
 
 
