@@ -1,0 +1,120 @@
+"""Mixture-of-experts decode, flashllm against llama.cpp, under memory caps of 1/2 and 1/4 of the file.
+
+flashllm streams the routed experts from flash, llama.cpp maps the GGUF; each runs in a cgroup
+capped at 1/2 and 1/4 of the GGUF's size, from a cold page cache, in the same run.
+
+Run:  python -m scripts.bench.moe [--n-gen 16] [--caps 1/2,1/4]      (root, cgroup v1; else the
+      capped rows are skipped with the reason)
+
+The model is scripts/fixtures/make_moe_gguf.py's random-weight GGUF in OLMoE-1B-7B's shape
+(16 layers, 64 experts, top-8, d_model 2048, expert n_ff 1024, Q4_0), made into build/moe/ when
+absent and converted there by `flashllm convert --dtype q4_0`. Random routers route near-uniformly:
+the worst case for flashllm's expert cache (real text is skewed). Per cap: llama.cpp through
+scripts/bench/llamacpp.py (64 fixed token ids, --n-gen tokens, file-backed weights, OpenMP
+passive), flashllm `run` on a 64-token prompt with --dram-budget = the cap, --stats --json. Rows:
+decode tok/s, flashllm × llama.cpp, cgroup peak, bytes read per token against the routed experts'
+bytes, the read-ahead's figures. Raw results: build/moe/results.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from fractions import Fraction
+from pathlib import Path
+
+from scripts.bench.flashllm_cli import ROOT, Flashllm, run_cmd
+from scripts.fixtures.make_moe_gguf import write as write_gguf
+
+BUILD = ROOT / "build" / "moe"
+PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fi"   # 64 bytes
+
+
+def last_json(text: str) -> dict:
+    for line in reversed(text.splitlines()):
+        line = line.strip()
+        if line.startswith("{") and line.endswith("}"):
+            try:
+                return json.loads(line)
+            except ValueError:
+                continue
+    return {}
+
+
+def active_bytes(model: Path) -> int:
+    """Bytes of the experts a token is routed to: layers × top-k × n_ff × bundle stride."""
+    man = json.loads((model / "manifest.json").read_text())
+    c = man["config"]
+    return c["n_layers"] * c["n_experts_used"] * c["n_ff"] * man["ffn"]["stride"]
+
+
+def llamacpp(gguf: Path, cap: int, n_gen: int) -> dict:
+    argv = [sys.executable, "-m", "scripts.bench.llamacpp", "--model", str(gguf), "--threads", "2",
+            "--reps", "1", "--n-gen", str(n_gen), "--no-warmup", "--omp-wait-policy", "passive",
+            "--json"]
+    r = run_cmd(argv, cap, cold=True, timeout=3600)
+    out = last_json(r.get("stdout") or "")
+    return {"cmd": argv, "rc": r.get("rc"), "error": r.get("error") or (r.get("stderr") or "")[-400:]
+            if not out else None, "decode_tps": out.get("decode_tps"), "peak": r.get("peak"),
+            "failcnt": r.get("failcnt")}
+
+
+def flashllm(fl: Flashllm, model: Path, prompt: Path, cap: int, n_gen: int) -> dict:
+    argv = fl.argv + ["run", str(model), "-f", str(prompt), "-n", str(n_gen), "-t", "2", "-c", "128",
+                      "--temp", "0", "--dram-budget", str(cap), "--stats", "--json"]
+    r = run_cmd(argv, cap, cold=True, timeout=3600)
+    out = last_json(r.get("stderr") or "")
+    s = (out.get("flash") or {}).get("summary") or {}
+    return {"cmd": argv, "shown": fl.show(argv), "rc": r.get("rc"),
+            "error": None if out else (r.get("error") or (r.get("stderr") or "")[-400:]),
+            "decode_tps": out.get("decode_tps"), "peak": r.get("peak"), "failcnt": r.get("failcnt"),
+            "summary": s, "plan": ((out.get("flash") or {}).get("plan") or {}).get("summary")}
+
+
+def row(cap_name: str, cap: int, ll: dict, fl: dict, active: int) -> str:
+    mib = lambda n: "–" if n is None else f"{n / 2**20:.0f}"               # noqa: E731
+    s, ratio = fl["summary"], "–"
+    if fl["decode_tps"] and ll["decode_tps"]:
+        ratio = f"{fl['decode_tps'] / ll['decode_tps']:.1f}"
+    per_tok = s.get("io_bytes_per_token")
+    pf = s.get("prefetch_hit_rate")
+    return (f"| {cap_name} ({mib(cap)} MiB) | {ll['decode_tps'] or ll['error']} | "
+            f"{fl['decode_tps'] or fl['error']} | {ratio} | {mib(ll['peak'])} / {mib(fl['peak'])} | "
+            f"{mib(per_tok)} / {mib(active)} = {per_tok / active:.2f} | "
+            f"{s.get('experts_cached_per_token', 0):.1f} / {s.get('experts_read_per_token', 0):.1f} / "
+            f"{s.get('experts_prefetched_per_token', 0):.1f} | "
+            f"{'–' if pf is None else f'{pf:.0%}'} / {s.get('guess_recall') or 0:.0%} |"
+            if per_tok is not None else f"| {cap_name} | {ll} | {fl} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gguf", type=Path, default=BUILD / "olmoe-shape-q4_0.gguf")
+    ap.add_argument("--n-gen", type=int, default=16)
+    ap.add_argument("--caps", default="1/2,1/4", help="fractions of the GGUF's size")
+    args = ap.parse_args()
+    if not args.gguf.is_file():
+        write_gguf(args.gguf, "q4_0")
+    fl = Flashllm.find(sys.executable)
+    model = BUILD / "olmoe-q4_0"
+    if not (model / "manifest.json").is_file():
+        run_cmd(fl.argv + ["convert", str(args.gguf), "-o", str(model), "--dtype", "q4_0"], None,
+                cold=False, timeout=7200)
+    prompt = BUILD / "prompt.txt"
+    prompt.write_text(PROMPT, encoding="utf-8")
+    size, active, results = args.gguf.stat().st_size, active_bytes(model), []
+    print("| cap | llama.cpp tok/s | flashllm tok/s | × llama.cpp | peak MiB (llama.cpp / flashllm) "
+          "| MiB read per token / routed experts' MiB | experts per token cached / read / "
+          "prefetched | prefetch used / guess recall |")
+    print("|---|---:|---:|---:|---|---|---|---|")
+    for text in args.caps.split(","):
+        cap = int(size * Fraction(text))
+        ll = llamacpp(args.gguf, cap, args.n_gen)
+        fr = flashllm(fl, model, prompt, cap, args.n_gen)
+        results.append({"cap": text, "cap_bytes": cap, "llama.cpp": ll, "flashllm": fr})
+        print(row(text, cap, ll, fr, active), flush=True)
+    (BUILD / "results.json").write_text(json.dumps(results, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
