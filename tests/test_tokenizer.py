@@ -66,7 +66,10 @@ def test_bos_only_when_add_bos_token(byte_tok):
 
 def test_refusals():
     assert gguf_tokenizer_json({}) is None
-    with pytest.raises(SourceError, match="tokenizer model 'llama' is unsupported.*SentencePiece"):
+    with pytest.raises(SourceError, match=r"tokenizer model 't5' is unsupported \(supported: "
+                                          r"byte-level BPE 'gpt2', SentencePiece 'llama'\)"):
+        gguf_tokenizer_json(byte_fields(**{"tokenizer.ggml.model": "t5"}))
+    with pytest.raises(SourceError, match="scores has 0 entries"):     # SentencePiece needs scores
         gguf_tokenizer_json(byte_fields(**{"tokenizer.ggml.model": "llama"}))
     with pytest.raises(SourceError, match="pre-tokenizer 'klingon' is unsupported"):
         gguf_tokenizer_json(byte_fields(**{"tokenizer.ggml.pre": "klingon"}))

@@ -1,14 +1,18 @@
 """A GGUF file's vocabulary rebuilt as a Hugging Face tokenizer.json (at convert time).
 
 `gguf_tokenizer_json` rebuilds a byte-level BPE ("gpt2" model) vocabulary with the pre-tokenizer
-regexes llama.cpp uses for `tokenizer.ggml.pre` (src/llama-vocab.cpp). SentencePiece ("llama"
-model) GGUF vocabularies are refused for now.
+regexes llama.cpp uses for `tokenizer.ggml.pre` (src/llama-vocab.cpp), and a SentencePiece ("llama"
+model, e.g. Gemma) vocabulary as the BPE that llama.cpp's llm_tokenizer_spm runs: spaces become
+"▁" (U+2581), an optional "▁" prefix (tokenizer.ggml.add_space_prefix), then adjacent pieces merge,
+the pair whose concatenation is the highest-scoring token first (the merges, ranked by that score),
+and a character no token holds falls back to its <0xXX> byte tokens. Control and user-defined
+tokens are split out of the text first, as llama.cpp's special-token partition does.
 """
 from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 from flashllm.errors import SourceError
@@ -38,7 +42,8 @@ _PRE_TYPES = {
     "falcon": ("falcon", False, False),
     "default": ("default", False, False),
 }
-CONTROL, USER_DEFINED = 3, 4
+NORMAL, CONTROL, USER_DEFINED, BYTE = 1, 3, 4, 6
+SPACE = "\u2581"       # SentencePiece's visible space
 
 
 def _field_value(fields: Mapping, key: str, default=None):
@@ -74,20 +79,34 @@ def gguf_tokenizer_json(fields: Mapping) -> str | None:
     kind = _field_value(fields, "tokenizer.ggml.model")
     if kind is None:
         return None
-    if kind != "gpt2":
-        raise SourceError(f"GGUF tokenizer model {kind!r} is unsupported (only byte-level BPE 'gpt2'; "
-                          "SentencePiece 'llama' vocabularies are not rebuilt yet)")
-    pre = _field_value(fields, "tokenizer.ggml.pre", "default")
-    if pre not in _PRE_TYPES:
-        raise SourceError(f"GGUF pre-tokenizer {pre!r} is unsupported (supported: {', '.join(sorted(_PRE_TYPES))})")
-    family, ignore_merges, add_bos = _PRE_TYPES[pre]
+    if kind not in ("gpt2", "llama"):
+        raise SourceError(f"GGUF tokenizer model {kind!r} is unsupported (supported: byte-level BPE "
+                          "'gpt2', SentencePiece 'llama')")
     tokens = list(_field_value(fields, "tokenizer.ggml.tokens", []))
-    types = list(_field_value(fields, "tokenizer.ggml.token_type", [1] * len(tokens)))
-    merges = [tuple(m.split(" ", 1)) for m in _field_value(fields, "tokenizer.ggml.merges", [])]
+    types = list(_field_value(fields, "tokenizer.ggml.token_type", [NORMAL] * len(tokens)))
     tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]   # as llama.cpp does
     vocab = {t: i for i, t in enumerate(tokens)}
     if len(vocab) != len(tokens) or len(types) != len(tokens):
         raise SourceError("GGUF vocabulary has duplicate tokens or a token_type list of another length")
+    tok, add_bos = (_bpe(fields, tokens, vocab) if kind == "gpt2" else
+                    _sentencepiece(fields, tokens, types, vocab))
+    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                            for i in range(len(tokens)) if types[i] == CONTROL])
+    tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
+                    for i in range(len(tokens)) if types[i] == USER_DEFINED])
+    tok.post_processor = _post_processor(
+        _special(tokens, fields, "tokenizer.ggml.bos_token_id", "tokenizer.ggml.add_bos_token", add_bos),
+        _special(tokens, fields, "tokenizer.ggml.eos_token_id", "tokenizer.ggml.add_eos_token", False))
+    return tok.to_str()
+
+
+def _bpe(fields: Mapping, tokens: list[str], vocab: dict[str, int]) -> tuple[HFTokenizer, bool]:
+    """A byte-level BPE ("gpt2") tokenizer and its add_bos default."""
+    pre = _field_value(fields, "tokenizer.ggml.pre", "default")
+    if pre not in _PRE_TYPES:
+        raise SourceError(f"GGUF pre-tokenizer {pre!r} is unsupported (supported: {', '.join(sorted(_PRE_TYPES))})")
+    family, ignore_merges, add_bos = _PRE_TYPES[pre]
+    merges = [tuple(m.split(" ", 1)) for m in _field_value(fields, "tokenizer.ggml.merges", [])]
     if any(len(m) != 2 for m in merges):
         raise SourceError("GGUF tokenizer.ggml.merges holds an entry that is not 'left right'")
     try:
@@ -98,11 +117,41 @@ def gguf_tokenizer_json(fields: Mapping) -> str | None:
     tok.pre_tokenizer = pre_tokenizers.Sequence(splits + [pre_tokenizers.ByteLevel(
         add_prefix_space=False, trim_offsets=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
-                            for i in range(len(tokens)) if types[i] == CONTROL])
-    tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
-                    for i in range(len(tokens)) if types[i] == USER_DEFINED])
-    tok.post_processor = _post_processor(
-        _special(tokens, fields, "tokenizer.ggml.bos_token_id", "tokenizer.ggml.add_bos_token", add_bos),
-        _special(tokens, fields, "tokenizer.ggml.eos_token_id", "tokenizer.ggml.add_eos_token", False))
-    return tok.to_str()
+    return tok, add_bos
+
+
+def spm_merges(tokens: list[str], types: list[int], scores: list[float]) -> list[tuple[str, str]]:
+    """Every (left, right) pair of normal tokens whose concatenation is a normal token, ranked as
+    llama.cpp's SentencePiece tokenizer merges: the higher the merged token's score, the earlier."""
+    normal = {t: i for i, t in enumerate(tokens) if types[i] == NORMAL}
+    found = []
+    for piece, i in normal.items():
+        for cut in range(1, len(piece)):
+            if piece[:cut] in normal and piece[cut:] in normal:
+                found.append((-scores[i], i, cut))
+    found.sort()
+    return [(tokens[i][:cut], tokens[i][cut:]) for _, i, cut in found]
+
+
+def _sentencepiece(fields: Mapping, tokens: list[str], types: list[int],
+                   vocab: dict[str, int]) -> tuple[HFTokenizer, bool]:
+    """A SentencePiece ("llama") vocabulary as a BPE with byte fallback, and its add_bos default."""
+    scores = list(_field_value(fields, "tokenizer.ggml.scores", []))
+    if len(scores) != len(tokens):
+        raise SourceError(f"GGUF tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens")
+    unk = _field_value(fields, "tokenizer.ggml.unknown_token_id")
+    try:
+        tok = HFTokenizer(models.BPE(vocab=vocab, merges=spm_merges(tokens, types, scores),
+                                     unk_token=tokens[int(unk)] if unk is not None else None,
+                                     byte_fallback=True, fuse_unk=True))
+    except Exception as e:
+        raise SourceError(f"GGUF vocabulary cannot be rebuilt ({e})") from None
+    steps = [normalizers.Replace(" ", SPACE)]
+    if _field_value(fields, "tokenizer.ggml.add_space_prefix", True):
+        steps.insert(0, normalizers.Prepend(SPACE))
+    tok.normalizer = normalizers.Sequence(steps)
+    decode = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if _field_value(fields, "tokenizer.ggml.add_space_prefix", True):
+        decode.append(decoders.Strip(" ", 1, 0))
+    tok.decoder = decoders.Sequence(decode)
+    return tok, True

@@ -1,0 +1,116 @@
+"""A SentencePiece ("llama") GGUF vocabulary rebuilt as tokenizer.json, against llama.cpp's SPM
+tokenizer written out below from src/llama-vocab.cpp (llm_tokenizer_spm_session): UTF-8
+characters as symbols; repeatedly merge the adjacent pair whose concatenation is a token of the
+highest score (ties: the leftmost); a final symbol that is no token becomes its <0xXX> byte
+tokens. Control and user-defined tokens are split out first (tokenizer_st_partition, longest
+first), spaces become U+2581. On a random vocabulary built so that merges compete.
+
+The real Gemma 3 vocabulary is checked against llama.cpp itself in test_parity_llamacpp.py."""
+from __future__ import annotations
+
+import heapq
+import random
+
+import pytest
+from tokenizers import Tokenizer
+
+from flashllm.convert.gguf_vocab import gguf_tokenizer_json
+
+SP = "\u2581"
+NORMAL, CONTROL, USER_DEFINED, BYTE = 1, 3, 4, 6
+
+
+def llamacpp_spm(text: str, vocab: dict[str, int], scores: list[float]) -> list[int]:
+    """llm_tokenizer_spm_session::tokenize on one raw fragment (already space-escaped)."""
+    sym = list(text)                                  # symbol texts; "" once merged away
+    nxt = list(range(1, len(sym))) + [-1]
+    prv = list(range(-1, len(sym) - 1))
+    queue = []
+
+    def bigram(left: int, right: int) -> None:
+        if left == -1 or right == -1:
+            return
+        merged = sym[left] + sym[right]
+        if merged in vocab:
+            heapq.heappush(queue, (-scores[vocab[merged]], left, right, len(merged)))
+
+    for i in range(1, len(sym)):
+        bigram(i - 1, i)
+    while queue:
+        _, left, right, size = heapq.heappop(queue)
+        if not sym[left] or not sym[right] or len(sym[left]) + len(sym[right]) != size:
+            continue
+        sym[left], sym[right] = sym[left] + sym[right], ""
+        nxt[left] = nxt[right]
+        if nxt[right] >= 0:
+            prv[nxt[right]] = left
+        bigram(prv[left], left)
+        bigram(left, nxt[left])
+    out, i = [], 0
+    while i != -1:
+        if sym[i] in vocab:
+            out.append(vocab[sym[i]])
+        else:
+            out += [vocab[f"<0x{b:02X}>"] for b in sym[i].encode("utf-8")]
+        i = nxt[i]
+    return out
+
+
+def llamacpp_tokenize(text: str, tokens: list[str], types: list[int], scores: list[float]) -> list[int]:
+    """BOS, then the special-token partition (longest first) and SPM on the raw pieces."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    specials = sorted((i for i, t in enumerate(types) if t in (CONTROL, USER_DEFINED)),
+                      key=lambda i: -len(tokens[i]))
+    parts: list = [text]
+    for sid in specials:
+        out = []
+        for p in parts:
+            if isinstance(p, int):
+                out.append(p)
+                continue
+            pieces = p.split(tokens[sid])
+            for k, piece in enumerate(pieces):
+                if piece:
+                    out.append(piece)
+                if k < len(pieces) - 1:
+                    out.append(sid)
+        parts = out
+    ids = [vocab["<bos>"]]
+    for p in parts:
+        ids += [p] if isinstance(p, int) else llamacpp_spm(p.replace(" ", SP), vocab, scores)
+    return ids
+
+
+def random_vocab(seed: int):
+    """Specials, 256 byte tokens, the characters, and random multi-character pieces of them
+    with random scores (so several merges compete for the same symbols)."""
+    rng = random.Random(seed)
+    chars = list("abcde" + SP + "é東")
+    tokens = ["<unk>", "<bos>", "<eos>", "<start>", "  "]
+    types = [2, CONTROL, CONTROL, CONTROL, USER_DEFINED]
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [BYTE] * 256
+    pieces = set(c for c in chars if c != "é")        # é only via its bytes
+    while len(pieces) < 120:
+        pieces.add("".join(rng.choice(chars[:6]) for _ in range(rng.randint(2, 5))))
+    tokens += sorted(pieces)
+    types += [NORMAL] * len(pieces)
+    scores = [0.0] * (len(tokens) - len(pieces)) + rng.sample(range(-5000, 0), len(pieces))
+    return tokens, types, [float(s) for s in scores]
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_spm_vocab_tokenizes_as_llamacpp(seed):
+    tokens, types, scores = random_vocab(seed)
+    fields = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+              "tokenizer.ggml.token_type": types, "tokenizer.ggml.scores": scores,
+              "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
+              "tokenizer.ggml.unknown_token_id": 0, "tokenizer.ggml.add_space_prefix": False}
+    tok = Tokenizer.from_str(gguf_tokenizer_json(fields))
+    rng = random.Random(seed + 100)
+    alphabet = list("abcde ") + ["é", "東", "x", "<start>", "  "]
+    for _ in range(300):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 30)))
+        want = llamacpp_tokenize(text, tokens, types, scores)
+        assert tok.encode(text).ids == want, text
+        assert tok.decode(want, skip_special_tokens=True) == text.replace("<start>", "")
