@@ -71,6 +71,12 @@ TINY = {
                                       num_attention_heads=4, num_key_value_heads=1,
                                       rope_theta=10000.0, rms_norm_eps=1e-5, sliding_window=None,
                                       tie_word_embeddings=False)),
+    # every layer through a window shorter than the tests' 32-token prompt
+    "mistral_window": ("MistralConfig", dict(hidden_size=64, intermediate_size=96,
+                                             num_hidden_layers=2, num_attention_heads=4,
+                                             num_key_value_heads=2, rope_theta=10000.0,
+                                             rms_norm_eps=1e-5, sliding_window=7,
+                                             tie_word_embeddings=False)),
     "opt": ("OPTConfig", dict(hidden_size=64, ffn_dim=256, num_hidden_layers=2,
                               num_attention_heads=4, word_embed_proj_dim=64,
                               max_position_embeddings=128, activation_function="relu",
@@ -88,7 +94,7 @@ _MOE_ATTN = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads
 TINY_MOE = {
     "mixtral": ("MixtralConfig", dict(hidden_size=64, intermediate_size=80, num_local_experts=5,
                                       num_experts_per_tok=2, rope_theta=10000.0,
-                                      sliding_window=None, **_MOE_ATTN)),
+                                      sliding_window=6, **_MOE_ATTN)),
     "qwen2_moe": ("Qwen2MoeConfig", dict(hidden_size=64, intermediate_size=128,
                                          moe_intermediate_size=48, shared_expert_intermediate_size=80,
                                          num_experts=6, num_experts_per_tok=3, norm_topk_prob=False,

@@ -226,10 +226,17 @@ def qwen3_config(cfg: Mapping) -> ModelConfig:
 
 @register("MistralForCausalLM", "mistral", _LLAMA_TABLE, _ROTARY_BUFFERS)
 def mistral_config(cfg: Mapping) -> ModelConfig:
-    """Mistral = llama without biases. sliding_window is not recorded: flashllm attends over the
-    whole context, which equals sliding-window attention while the context is shorter than the
-    window (4096 and more in released models)."""
-    return rope_model(cfg, "mistral", False, False)
+    """Mistral = llama without biases; every layer attends through sliding_window when the
+    config has one (Mistral-7B v0.1: 4096)."""
+    return rope_model(cfg, "mistral", False, False, **_every_layer_window(cfg, "MistralForCausalLM"))
+
+
+def _every_layer_window(cfg: Mapping, where: str) -> dict:
+    """sliding_window and sliding_layers for a model whose every layer attends through
+    config.json's sliding_window (none when it is null)."""
+    window = int(cfg.get("sliding_window") or 0)
+    layers = tuple(range(int(need(cfg, "num_hidden_layers", where)))) if window else ()
+    return dict(sliding_window=window, sliding_layers=layers)
 
 
 _MIXTRAL_TABLE = _LLAMA_ATTENTION + MIXTRAL_FFN_TABLE
@@ -240,7 +247,8 @@ _QWEN_MOE_TABLE = _LLAMA_ATTENTION + _QK_NORM + QWEN_MOE_FFN_TABLE
 def mixtral_config(cfg: Mapping) -> ModelConfig:
     """Mixtral: Mistral attention, top-k experts always renormalised (MixtralTopKRouter)."""
     moe = hf_moe_fields(cfg, "MixtralForCausalLM", "intermediate_size", True)
-    return rope_model(cfg, "mixtral", False, False, **moe)
+    return rope_model(cfg, "mixtral", False, False, **moe,
+                      **_every_layer_window(cfg, "MixtralForCausalLM"))
 
 
 @register("Qwen2MoeForCausalLM", "qwen2moe", _QWEN_MOE_TABLE, _ROTARY_BUFFERS, gguf_arch="qwen2moe")
@@ -298,9 +306,7 @@ def phi3_config(cfg: Mapping) -> ModelConfig:
     """Phi-3: fused qkv_proj and gate_up_proj (split at conversion), every layer attending through
     sliding_window when the config has one (as transformers does; llama.cpp ignores it).
     longrope / su scaling (the 128k models) is refused by model/rope.py."""
-    window = int(cfg.get("sliding_window") or 0)
-    layers = tuple(range(int(need(cfg, "num_hidden_layers", "Phi3ForCausalLM")))) if window else ()
-    return rope_model(cfg, "phi3", False, False, sliding_window=window, sliding_layers=layers)
+    return rope_model(cfg, "phi3", False, False, **_every_layer_window(cfg, "Phi3ForCausalLM"))
 
 
 _GEMMA3_TABLE = (
