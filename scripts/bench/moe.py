@@ -11,7 +11,9 @@ The model is scripts/fixtures/make_moe_gguf.py's random-weight GGUF in OLMoE-1B-
 absent and converted there by `flashllm convert --dtype q4_0`. Random routers route near-uniformly:
 the worst case for flashllm's expert cache (real text is skewed). Per cap: llama.cpp through
 scripts/bench/llamacpp.py (64 fixed token ids, --n-gen tokens, file-backed weights, OpenMP
-passive), flashllm `run` on a 64-token prompt with --dram-budget = the cap, --stats --json. Rows:
+passive; it feeds varying token ids), flashllm `run` on a 64-byte prompt with --dram-budget =
+the cap, sampling at temperature 1 (greedy decoding of random weights repeats one token, and with
+it the same experts: a best case, not the one measured), --stats --json. Rows:
 decode tok/s, flashllm × llama.cpp, cgroup peak, bytes read per token against the routed experts'
 bytes, the read-ahead's figures. Raw results: build/moe/results.json.
 """
@@ -61,7 +63,7 @@ def llamacpp(gguf: Path, cap: int, n_gen: int) -> dict:
 
 def flashllm(fl: Flashllm, model: Path, prompt: Path, cap: int, n_gen: int) -> dict:
     argv = fl.argv + ["run", str(model), "-f", str(prompt), "-n", str(n_gen), "-t", "2", "-c", "128",
-                      "--temp", "0", "--dram-budget", str(cap), "--stats", "--json"]
+                      "--temp", "1", "--seed", "1", "--dram-budget", str(cap), "--stats", "--json"]
     r = run_cmd(argv, cap, cold=True, timeout=3600)
     out = last_json(r.get("stderr") or "")
     s = (out.get("flash") or {}).get("summary") or {}
