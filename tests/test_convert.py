@@ -214,7 +214,7 @@ def test_real_smollm2_q8_0_matches_gguf_py(tmp_path):
 def test_cli_refuses_an_unknown_dtype_at_parse_time(tmp_path):
     code, out, err = _cli([tmp_path, "-o", tmp_path / "out", "--dtype", "q3_k"])
     said = " ".join(err.replace("│", " ").split())                       # unwrap Rich's box
-    assert code == 2 and out == "" and "'q3_k' is not one of 'f32', 'f16'" in said
+    assert code == 2 and out == "" and "'q3_k' is not one of 'native', 'f32', 'f16'" in said
     assert not (tmp_path / "out").exists()
 
 

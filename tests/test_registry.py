@@ -270,7 +270,7 @@ def test_resolve_unsupported_model(tmp_path):
 
 
 def test_resolve_name_uses_the_converted_cache(tmp_path):
-    out = tmp_path / "converted" / "smollm2-135m-q8_0"
+    out = tmp_path / "converted" / "smollm2-135m-native"
     out.mkdir(parents=True)
     (out / "manifest.json").write_text("{}")  # already converted: no pull, no convert
     assert resolve_model("smollm2-135m", tmp_path, MODELS_TOML, quiet) == out
@@ -304,9 +304,9 @@ def test_run_by_name_pulls_and_converts_smollm2_once(tmp_path):
     assert (head, path.stat().st_size, h) == (b"GGUF", EXPECTED["smollm2-135m"][0],
                                               EXPECTED["smollm2-135m"][1])
     out = resolve_model("smollm2-135m", tmp_path, MODELS_TOML, quiet)
-    assert out == tmp_path / "converted" / "smollm2-135m-q8_0"
+    assert out == tmp_path / "converted" / "smollm2-135m-native"
     manifest = json.loads((out / "manifest.json").read_text())
-    assert (manifest["dtype"], manifest["source"]["path"]) == ("q8_0", str(path))
+    assert (manifest["dtype"], manifest["source"]["path"]) == ("native", str(path))
     logs = []
     assert resolve_model("smollm2-135m", tmp_path, MODELS_TOML, logs.append) == out
     assert logs == []  # neither fetched nor converted again
@@ -332,7 +332,7 @@ def test_two_runs_on_a_fresh_cache_convert_once_and_both_succeed(tmp_path):
     converting = [e.count("converting to") for _, e in outs]
     assert sorted(converting) == [0, 1]                      # one converted, the other waited
     assert sorted(p.name for p in (cache / "converted").iterdir()) == \
-        [".smollm2-135m-q8_0.lock", "smollm2-135m-q8_0"]
+        [".smollm2-135m-native.lock", "smollm2-135m-native"]
 
 
 def test_pip_cause_finds_the_reason_behind_a_bare_exception():

@@ -2,15 +2,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 import typer
 from rich.console import Console
 
 from flashllm.cli.app import cache_dir, choice, command, err, fail, model_path, registry_path
-from flashllm.model.tensor import DTYPES
+from flashllm.format.layout import NATIVE
+from flashllm.model.tensor import QUANTIZABLE
 
-Dtype = choice("Dtype", DTYPES)
+Dtype = choice("Dtype", (NATIVE, *QUANTIZABLE, "q4_k"))   # q4_k: a GGUF's Q4_K gate / up rows
 
 
 @command
@@ -18,13 +19,16 @@ def convert(
     src: List[Path] = typer.Argument(..., help="HF checkpoint folder(s) or GGUF file(s)."),
     out: Path = typer.Option(..., "-o", "--out",
                              help="Output model folder (one source) or parent folder (several)."),
-    dtype: Dtype = typer.Option("q8_0", "--dtype", help="Storage dtype."),
+    dtype: Optional[Dtype] = typer.Option(
+        None, "--dtype", help="Storage dtype; native (the default for a GGUF: each tensor in its "
+        "own type, FFN down columns re-quantized) or one dtype for all (the default for a "
+        "Hugging Face folder: q8_0)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing output."),
     jobs: int = typer.Option(1, "-j", "--jobs", min=1, help="Sources converted at once (worker processes)."),
 ) -> None:
     """Repack checkpoints into the row-column-bundled flash layout."""
     from flashllm.convert.convert import convert_many
-    failures = convert_many(src, out, dtype.value, force, console=err, jobs=jobs)
+    failures = convert_many(src, out, dtype and dtype.value, force, console=err, jobs=jobs)
     if failures:
         raise typer.Exit(1)
 
@@ -56,16 +60,20 @@ def inspect(
     model: str = typer.Argument(..., help="Converted model folder, or a models.toml name."),
     verify: bool = typer.Option(False, "--verify", help="Also check every checksum."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+    tensors: bool = typer.Option(False, "--tensors", help="Also list every tensor: its dtype and "
+                                 "whether it was copied from the source or re-quantized."),
 ) -> None:
     """Summarize a converted model: config, dtypes, sizes, calibration state; --verify checksums."""
     import json
     from flashllm.format.reader import open_flash
-    from flashllm.cli.views import flash_summary, summary_table
+    from flashllm.cli.views import flash_summary, summary_table, tensors_table
     summary = flash_summary(open_flash(model_path(model)), verify=verify)
     if as_json:
         print(json.dumps(summary, indent=1))
-    else:
-        Console(highlight=False).print(summary_table(summary))
+        return
+    Console(highlight=False).print(summary_table(summary))
+    if tensors:
+        Console(highlight=False).print(tensors_table(summary))
 
 
 @command

@@ -14,7 +14,8 @@ from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from flashllm.format.layout import MANIFEST_FILE
+from flashllm.convert.native import report as native_report
+from flashllm.format.layout import MANIFEST_FILE, NATIVE
 from flashllm.storage.costmodel import CostModel
 from flashllm.storage.profile import (CHUNKS, REPEATS, SEQ_THREADS, THREADS, Cell, Profile, measure, scratch_file)
 from flashllm.units import KiB, format_size
@@ -45,14 +46,43 @@ def flash_summary(flash, verify: bool = False) -> dict:
         "created_by": m.get("created_by"), "source": m.get("source", {}).get("path"),
         "config": cfg.to_dict(), "dtype": flash.dtype,
         "dense": {"tensors": len(dense), "nbytes": m["dense"]["nbytes"], "bytes_by_dtype": dict(by_dtype)},
-        "ffn": {"dtype": ffn.dtype, "parts": list(m["ffn"]["parts"]), "bundle_bytes": ffn.stride,
+        "ffn": {"dtype": ffn.dtype, "down_dtype": ffn.down_dtype, "parts": list(m["ffn"]["parts"]),
+                "bundle_bytes": ffn.stride,
                 "bundles": cfg.n_layers * cfg.ffn_slots, "nbytes": m["ffn"]["nbytes"],
                 "hot_first_order": ffn.neuron_order is not None},
         "tokenizer": m["tokenizer"].get("file") is not None, "chat_template": flash.chat_template is not None,
         "calibrated": bool(m["sparsity"]) or bool(m["predictor"]),
         "sparsity": m["sparsity"], "predictor": m["predictor"],
         "disk_bytes": folder_bytes(flash.path), "verified_s": verified,
+        "origin": native_report(m) if flash.dtype == NATIVE else [], "tensors": tensor_rows(m),
     }
+
+
+def tensor_rows(m: dict) -> list[dict]:
+    """Per stored tensor (dense, then each layer's FFN parts): name, dtype and, for a native
+    conversion, how it was made from the source (copied / requantized, with the error)."""
+    rows = [{"name": t["name"], "dtype": t["dtype"], "shape": t["shape"],
+             "origin": t.get("origin")} for t in m["dense"]["tensors"]]
+    f = m["ffn"]
+    dts = {"gate": f["dtype"], "up": f["dtype"], "down": f.get("down_dtype", f["dtype"])}
+    for i, layer in enumerate(f["layers"]):
+        rows += [{"name": f"blk.{i}.ffn_{p}", "dtype": dts[p], "shape": None,
+                  "origin": (layer.get("origin") or {}).get(p)} for p in f["parts"]]
+    return rows
+
+
+def tensors_table(s: dict) -> Table:
+    """`flashllm inspect --tensors`: one row per stored tensor and how it was made."""
+    table = Table(title=f"{s['path']}: tensors", title_justify="left")
+    for col in ("tensor", "stored as", "from the source"):
+        table.add_column(col)
+    for t in s["tensors"]:
+        o = t["origin"]
+        how = "" if o is None else f"{o['from']}, copied byte for byte" if o["how"] == "copied" \
+            else f"{o['from']}, {o['how']}" if "rel_rms" not in o \
+            else f"{o['from']}, re-quantized (relative RMS error {o['rel_rms']:.3%})"
+        table.add_row(escape(t["name"]), t["dtype"], how)
+    return table
 
 
 def _experts(cfg: dict) -> str:
@@ -74,7 +104,8 @@ def summary_table(s: dict) -> Table:
                   + _experts(cfg) + ", "
                   f"{cfg['n_heads']}/{cfg['n_kv_heads']} heads × {cfg['head_dim']}, vocab {cfg['vocab_size']}, "
                   f"context {cfg['context_length']}"),
-        ("ffn", f"{s['ffn']['dtype']} bundles [{' | '.join(s['ffn']['parts'])}] of {s['ffn']['bundle_bytes']} B, "
+        ("ffn", f"{s['ffn']['dtype']} bundles [{' | '.join(s['ffn']['parts'])}] (down "
+                f"{s['ffn']['down_dtype']}) of {s['ffn']['bundle_bytes']} B, "
                 f"{s['ffn']['bundles']} bundles, {format_size(s['ffn']['nbytes'])}"
                 + (", hot-first order" if s["ffn"]["hot_first_order"] else "")),
         ("dense", f"{s['dense']['tensors']} tensors, {format_size(s['dense']['nbytes'])} ("
@@ -88,6 +119,8 @@ def summary_table(s: dict) -> Table:
     ]
     if s["verified_s"] is not None:
         rows.append(("checksums", f"all verified ({s['verified_s']:.2f} s)"))
+    if s["origin"]:
+        rows.append(("from the source", "\n".join(s["origin"]) + "\n(per tensor: --tensors)"))
     for field, value in rows:
         table.add_row(field, escape(value))
     return table

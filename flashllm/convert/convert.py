@@ -1,6 +1,7 @@
 """Source checkpoint → flash model folder, one tensor / one FFN layer in memory at a time."""
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import signal
@@ -18,7 +19,9 @@ from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, Time
                            TimeRemainingColumn)
 from rich.table import Table
 
-from flashllm.format.layout import TOKENIZER_FILE, ffn_parts, ffn_weight, required_tensors
+from flashllm.convert import native
+from flashllm.format.layout import (MANIFEST_FILE, NATIVE, TOKENIZER_FILE, ffn_parts, ffn_weight,
+                                    required_tensors)
 from flashllm.format.writer import FlashWriter
 from flashllm.errors import FlashError, SourceError
 from flashllm.units import format_size
@@ -28,10 +31,18 @@ from flashllm.model.tensor import QTensor
 ProgressFn = Callable[[int, int], None]
 
 
-def convert(src: Path, out: Path, dtype: str, force: bool = False,
+def default_dtype(src: Path) -> str:
+    """The conversion a source gets when none is asked for: native for a GGUF file (its own
+    types), q8_0 for a Hugging Face folder."""
+    return NATIVE if Path(src).is_file() else "q8_0"
+
+
+def convert(src: Path, out: Path, dtype: str | None, force: bool = False,
             progress: ProgressFn | None = None) -> Path:
-    """Convert the checkpoint at src (HF folder or GGUF file) into the flash model folder out.
-    progress(done, total) is called after every tensor, counting the bytes the source stores."""
+    """Convert the checkpoint at src (HF folder or GGUF file) into the flash model folder out, in
+    dtype (None: default_dtype). progress(done, total) is called after every tensor, counting
+    the bytes the source stores."""
+    dtype = dtype or default_dtype(src)
     src, out = Path(src), Path(out)
     if out.exists() and (out.resolve() == src.resolve() or out.resolve() in src.resolve().parents):
         raise FlashError(f"{out} holds the source {src}: the output must be another folder")
@@ -53,19 +64,25 @@ def convert_source(source, out: Path, dtype: str, *, force: bool = False,
                           "q4_0 or q8_0)")
     if dtype == "q4_k":
         _check_q4_k(source, ffn)
+    plan = native.plan(source, ffn) if dtype == NATIVE else None
     nbytes = {n: source.tensor_nbytes(n) for n in source.tensor_names()}   # as the source stores them
     total, done = sum(nbytes.values()), 0
     tick = progress or (lambda done, total: None)
-    with FlashWriter(out, cfg, dtype, force=force, source=description) as w:
+    with FlashWriter(out, cfg, dtype, force=force, source=description,
+                     ffn_dtypes=plan and (plan.ffn_dtype, plan.down_dtype)) as w:
         w.set_tokenizer(source.tokenizer_json, source.chat_template)
         for name in dense:
-            w.add_tensor(name, source.load(name))
+            w.add_tensor(name, *(native.dense_tensor(source, name) if plan else
+                                 (source.load(name),)))
             done += nbytes[name]
             tick(done, total)
         for layer in range(cfg.n_layers):
             groups = ffn[layer]
             if cfg.n_experts:
                 _write_experts(source, w, layer, groups)
+            elif plan:
+                gate, up, down, origin = native.ffn_layer(source, groups[""], plan)
+                w.add_ffn_layer(layer, gate, up, down, origin=origin)
             else:
                 weights = {part: _ffn_part(source, name, part, dtype)
                            for part, name in groups[""].items()}   # (n_ff, d) / (d, n_ff), or QTensor
@@ -162,7 +179,7 @@ class JobResult:
     seconds: float = 0.0
 
 
-def convert_many(srcs: Sequence[Path], out: Path, dtype: str, force: bool,
+def convert_many(srcs: Sequence[Path], out: Path, dtype: str | None, force: bool,
                  console: Console, jobs: int = 1) -> list[tuple[Path, str]]:
     """Convert each source; one source → out is the model folder, several → out/<source stem>.
     jobs > 1 converts that many sources at once in worker processes. A failing source prints
@@ -178,6 +195,8 @@ def convert_many(srcs: Sequence[Path], out: Path, dtype: str, force: bool,
         def report(r: JobResult, task) -> None:
             if r.error is None:
                 bar.update(task, description=f"{r.src.name} → {r.dest}")
+                for line in _native_report(r.dest):
+                    console.print(f"  {line}", markup=False, soft_wrap=True, highlight=False)
                 if not (r.dest / TOKENIZER_FILE).is_file():
                     console.print(f"warning: {r.src} has no tokenizer (tokenizer.json, or a GGUF "
                                   f"vocabulary): {r.dest} converted, but `flashllm run` cannot "
@@ -195,6 +214,12 @@ def convert_many(srcs: Sequence[Path], out: Path, dtype: str, force: bool,
     if len(pairs) > 1:
         console.print(summary_table(results))
     return [(r.src, r.error) for r in results if r.error is not None]
+
+
+def _native_report(dest: Path) -> list[str]:
+    """What a native conversion at dest copied and re-quantized (nothing for other dtypes)."""
+    manifest = json.loads((dest / MANIFEST_FILE).read_text(encoding="utf-8"))
+    return native.report(manifest) if manifest.get("dtype") == NATIVE else []
 
 
 def _source_bytes(src: Path) -> int | None:
@@ -241,7 +266,7 @@ class LineProgress:
                                soft_wrap=True)
 
 
-def _one(src: Path, dest: Path | str, dtype: str, force: bool, progress: ProgressFn) -> JobResult:
+def _one(src: Path, dest: Path | str, dtype: str | None, force: bool, progress: ProgressFn) -> JobResult:
     """Convert one source, its failure as a one-line message naming the source."""
     t0 = time.perf_counter()
     try:
@@ -260,7 +285,7 @@ def _run_here(src, dest, dtype, force, bar, task, report) -> JobResult:
     return result
 
 
-def _job(queue, index: int, src: Path, dest: Path | str, dtype: str, force: bool) -> JobResult:
+def _job(queue, index: int, src: Path, dest: Path | str, dtype: str | None, force: bool) -> JobResult:
     """Runs in a worker process: announces its pid (done = -1), then progress by percent steps.
     The progress display is not essential: a queue that has gone away is ignored."""
     shown = [-1]

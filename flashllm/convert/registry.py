@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from flashllm.errors import RegistryError
-from flashllm.model.tensor import DTYPES
+from flashllm.format.layout import NATIVE
+from flashllm.model.tensor import QUANTIZABLE
 
 Log = Callable[[str], None]
 
@@ -118,7 +119,8 @@ def _entry(name: str, spec: object) -> Entry:
     description = _field(name, spec, "description", str)
     arch = _field(name, spec, "arch", str)
     dtype = _field(name, spec, "default_dtype", str)
-    _check(dtype in DTYPES, name, "default_dtype", f"must be one of {', '.join(DTYPES)}")
+    _check(dtype in (NATIVE, *QUANTIZABLE, "q4_k"), name, "default_dtype",
+           f"must be one of {NATIVE}, {', '.join(QUANTIZABLE)}, q4_k")
     size = _field(name, spec, "size", int)
     _check(size > 0, name, "size", "must be a positive byte count")
     sha = _field(name, spec, "sha256", str)

@@ -16,6 +16,9 @@ from flashllm.model.tensor import BLOCK_SIZE, DTYPE_CODES, companion, row_bytes
 from flashllm.units import PAGE
 
 MAGIC = "flashllm"
+# the manifest dtype of a native conversion: every tensor in its own type (per tensor, and the
+# FFN's in ffn.dtype / ffn.down_dtype)
+NATIVE = "native"
 FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 DENSE_FILE = "dense.bin"
@@ -84,19 +87,22 @@ def ffn_parts(glu: bool) -> tuple[str, ...]:
     return ("gate", "up", "down") if glu else ("up", "down")
 
 
-def ffn_part_dtypes(dtype: str, glu: bool) -> tuple[str, ...]:
-    """The dtype of each bundle part: all `dtype`, but a q4_k bundle's down column is q4_1."""
-    return tuple(dtype if part != "down" else companion(dtype) for part in ffn_parts(glu))
+def ffn_part_dtypes(dtype: str, glu: bool, down_dtype: str | None = None) -> tuple[str, ...]:
+    """The dtype of each bundle part: gate / up in `dtype`, the down column in down_dtype
+    (default companion(dtype): dtype, but q4_1 for a q4_k bundle, as folders before down_dtype)."""
+    down = companion(dtype) if down_dtype is None else down_dtype
+    return tuple(dtype if part != "down" else down for part in ffn_parts(glu))
 
 
-def ffn_part_bytes(dtype: str, d_model: int, glu: bool) -> tuple[int, ...]:
+def ffn_part_bytes(dtype: str, d_model: int, glu: bool,
+                   down_dtype: str | None = None) -> tuple[int, ...]:
     """Bytes of each bundle part, in ffn_parts order."""
-    return tuple(row_bytes(dt, d_model) for dt in ffn_part_dtypes(dtype, glu))
+    return tuple(row_bytes(dt, d_model) for dt in ffn_part_dtypes(dtype, glu, down_dtype))
 
 
-def ffn_stride(dtype: str, d_model: int, glu: bool) -> int:
+def ffn_stride(dtype: str, d_model: int, glu: bool, down_dtype: str | None = None) -> int:
     """Bytes of one bundle slot: the parts back to back, rounded up to STRIDE_ALIGN."""
-    return align_up(sum(ffn_part_bytes(dtype, d_model, glu)), STRIDE_ALIGN)
+    return align_up(sum(ffn_part_bytes(dtype, d_model, glu, down_dtype)), STRIDE_ALIGN)
 
 
 def crc32_file(f, offset: int, nbytes: int) -> int:

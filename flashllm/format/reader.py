@@ -14,12 +14,12 @@ from pathlib import Path
 
 import numpy as np
 
-from flashllm.format.layout import (DENSE_FILE, DENSE_HEADER, DENSE_MAGIC, DTYPE_CODES, FFN_ALIGN, FFN_FILE,
+from flashllm.format.layout import (NATIVE, DENSE_FILE, DENSE_HEADER, DENSE_MAGIC, DTYPE_CODES, FFN_ALIGN, FFN_FILE,
                             FFN_HEADER, FFN_MAGIC, FORMAT_VERSION, MAGIC, MANIFEST_FILE, STRIDE_ALIGN,
                             crc32_file, ffn_part_bytes, ffn_parts, fits, ffn_weight, required_tensors, tensor_nbytes)
 from flashllm.model.config import ModelConfig
 from flashllm.errors import FormatError
-from flashllm.model.tensor import QTensor, row_bytes
+from flashllm.model.tensor import DOWN_DTYPES, QTensor, companion, row_bytes
 
 __all__ = ["FlashModel", "FfnLayout", "open_flash"]
 
@@ -38,6 +38,7 @@ class FfnLayout:
     layer_nbytes: int                 # n_ff * stride: bytes of bundles per layer
     layer_crc32: list[int]
     neuron_order: np.ndarray | None   # (n_layers, n_ff) int32, slot j holds neuron order[l, j]; None: j
+    down_dtype: str                   # the down column's dtype (companion(dtype) in older folders)
 
 
 def open_flash(path: Path, verify: bool = False) -> "FlashModel":
@@ -58,7 +59,7 @@ class FlashModel:
         self.manifest = _read_manifest(path / MANIFEST_FILE)
         self.config: ModelConfig = _config(self.manifest)
         self.dtype: str = _get(self.manifest, "dtype", str, MANIFEST_FILE)
-        if self.dtype not in DTYPE_CODES:
+        if self.dtype not in DTYPE_CODES and self.dtype != NATIVE:
             raise FormatError(f"{path / MANIFEST_FILE}: unknown storage dtype {self.dtype!r}")
         self._tensors = _check_tensors(path, self.manifest, self.config)
         self.dense_file = path / DENSE_FILE
@@ -295,8 +296,10 @@ def _check_dense_header(file: Path, m: dict, tensors: dict[str, dict]) -> None:
 def _check_ffn(path: Path, m: dict, cfg: ModelConfig) -> FfnLayout:
     where, f = f"{path / MANIFEST_FILE} ffn", m["ffn"]
     dtype = _get(f, "dtype", str, where)
-    if not fits(dtype, cfg.d_model):
-        raise FormatError(f"{where}: dtype {dtype!r} cannot store rows of d_model={cfg.d_model}")
+    down = f.get("down_dtype", companion(dtype) if dtype in DTYPE_CODES else dtype)
+    if not fits(dtype, cfg.d_model) or down not in DOWN_DTYPES or not fits(down, cfg.d_model):
+        raise FormatError(f"{where}: dtype {dtype!r} / down_dtype {down!r} cannot store rows of "
+                          f"d_model={cfg.d_model}")
     want = {"glu": cfg.glu, "d_model": cfg.d_model, "n_ff": cfg.ffn_slots, "n_layers": cfg.n_layers,
             "part_bytes": row_bytes(dtype, cfg.d_model),
             "parts": list(ffn_parts(cfg.glu))}
@@ -305,7 +308,7 @@ def _check_ffn(path: Path, m: dict, cfg: ModelConfig) -> FfnLayout:
             raise FormatError(f"{where}: {key}={f.get(key)!r}, the config needs {value!r}")
     file = _side_file(path, f, where)      # ffn.bin, or the file a hot-first rewrite made
     stride, layer_bytes, size = (_nat(f, k, where) for k in ("stride", "layer_bytes", "nbytes"))
-    n_ff, used = cfg.ffn_slots, sum(ffn_part_bytes(dtype, cfg.d_model, cfg.glu))
+    n_ff, used = cfg.ffn_slots, sum(ffn_part_bytes(dtype, cfg.d_model, cfg.glu, down))
     if stride < used or stride % STRIDE_ALIGN or layer_bytes < n_ff * stride or layer_bytes % FFN_ALIGN:
         raise FormatError(f"{where}: stride {stride} / layer_bytes {layer_bytes} do not fit "
                           f"{n_ff} bundles of {used} bytes")
@@ -322,7 +325,8 @@ def _check_ffn(path: Path, m: dict, cfg: ModelConfig) -> FfnLayout:
     _check_ffn_header(file, size, (DTYPE_CODES[dtype], int(cfg.glu), cfg.n_layers,
                       cfg.d_model, n_ff, want["part_bytes"], stride, layer_bytes, size))
     return FfnLayout(file, dtype, cfg.glu, cfg.d_model, n_ff, want["part_bytes"], stride,
-                     offsets, n_ff * stride, crcs, _read_order(path, f.get("neuron_order"), cfg))
+                     offsets, n_ff * stride, crcs, _read_order(path, f.get("neuron_order"), cfg),
+                     down)
 
 
 def _check_ffn_header(file: Path, size: int, want: tuple) -> None:

@@ -18,7 +18,7 @@ import numpy as np
 
 from flashllm import __version__
 from flashllm.format.reader import FlashModel
-from flashllm.format.layout import (DENSE_ALIGN, DENSE_FILE, DENSE_HEADER, DENSE_MAGIC, DTYPE_CODES,
+from flashllm.format.layout import (NATIVE, DENSE_ALIGN, DENSE_FILE, DENSE_HEADER, DENSE_MAGIC, DTYPE_CODES,
                             FFN_ALIGN, FFN_FILE, FFN_HEADER, FFN_MAGIC, FORMAT_VERSION, MAGIC,
                             MANIFEST_FILE, ORDER_FILE, TOKENIZER_FILE, align_up, crc32_array,
                             ffn_part_bytes, ffn_part_dtypes, ffn_parts, ffn_stride, ffn_weight,
@@ -26,7 +26,8 @@ from flashllm.format.layout import (DENSE_ALIGN, DENSE_FILE, DENSE_HEADER, DENSE
 from flashllm.model.config import ModelConfig
 from flashllm.errors import FormatError
 from flashllm.ffi.quant import quantize_rows
-from flashllm.model.tensor import BLOCK_SIZE, QTensor, row_bytes
+from flashllm.model.tensor import (BLOCK_SIZE, DOWN_DTYPES, QUANTIZABLE, QTensor, companion,
+                                   row_bytes)
 
 
 class WriterState(enum.Enum):
@@ -41,12 +42,20 @@ class FlashWriter:
     """Write tensors with add_tensor, then every FFN layer in order with add_ffn_layer, then finish()."""
 
     def __init__(self, out: Path, config: ModelConfig, dtype: str, *, force: bool = False,
-                 source: dict | None = None) -> None:
-        if dtype not in DTYPE_CODES:
+                 source: dict | None = None, ffn_dtypes: tuple[str, str] | None = None) -> None:
+        """dtype: the conversion's (a storage dtype, or NATIVE: every 2-D tensor comes as a
+        QTensor); ffn_dtypes: (gate / up, down) of the bundles, by default (dtype,
+        companion(dtype))."""
+        if dtype not in DTYPE_CODES and not (dtype == NATIVE and ffn_dtypes):
             raise FormatError(f"unknown storage dtype {dtype!r} (one of {', '.join(DTYPE_CODES)})")
-        if not fits(dtype, config.d_model):
-            raise FormatError(f"d_model={config.d_model} is not a multiple of {BLOCK_SIZE[dtype]}: "
-                              f"the FFN cannot be stored as {dtype} (use f16 or f32)")
+        self.ffn_dtype, self.down_dtype = ffn_dtypes or (dtype, companion(dtype))
+        for dt in (self.ffn_dtype, self.down_dtype):
+            if not fits(dt, config.d_model):
+                raise FormatError(f"d_model={config.d_model} is not a multiple of "
+                                  f"{BLOCK_SIZE.get(dt, '?')}: the FFN cannot be stored as {dt} "
+                                  "(use f16 or f32)")
+        if self.down_dtype not in DOWN_DTYPES:
+            raise FormatError(f"a bundle's down column cannot be {self.down_dtype}")
         self.out, self.cfg, self.dtype, self.force = Path(out), config.validate(), dtype, force
         self.source = source or {}
         self._check_target()
@@ -56,7 +65,7 @@ class FlashWriter:
         self.orders: list[np.ndarray | None] = []
         self.tokenizer_json: str | None = None
         self.chat_template: str | None = None
-        self.stride = ffn_stride(dtype, config.d_model, config.glu)
+        self.stride = ffn_stride(self.ffn_dtype, config.d_model, config.glu, self.down_dtype)
         self.layer_bytes = align_up(config.ffn_slots * self.stride, FFN_ALIGN)
         self._ffn = None
         self._rows = (0, 0)            # (slots written, crc32 so far) of the layer being written
@@ -86,22 +95,28 @@ class FlashWriter:
 
     # ---- dense section --------------------------------------------------------------------
 
-    def add_tensor(self, name: str, x: np.ndarray) -> None:
-        """Append a dense tensor: x (n,) or (rows, cols) f32, stored per layout.tensor_dtype."""
+    def add_tensor(self, name: str, x: np.ndarray | QTensor, origin: dict | None = None) -> None:
+        """Append a dense tensor: x (n,) or (rows, cols) f32, stored per layout.tensor_dtype, or
+        a QTensor stored as it is; origin (how the source stored it) goes into the manifest."""
         self._require(WriterState.OPEN, WriterState.DENSE, what=f"add_tensor({name!r})")
         if ffn_weight(name):
             raise FormatError(f"{name} is an FFN weight: write it with add_ffn_layer")
         if any(t["name"] == name for t in self.tensors):
             raise FormatError(f"tensor {name} written twice")
-        if x.ndim not in (1, 2) or 0 in x.shape:
-            raise FormatError(f"tensor {name} has shape {x.shape}: only 1-D and 2-D tensors are stored")
-        dt = tensor_dtype(self.dtype, x.shape, name)
-        x = np.ascontiguousarray(x, dtype=np.float32)                   # (n,) or (rows, cols)
-        data = x if dt == "f32" else quantize_rows(x, dt)               # f32 as is, else (rows, row_bytes)
+        if isinstance(x, QTensor):
+            dt, shape, data = x.dtype, [x.rows, x.cols], x.data          # data (rows, row_bytes)
+        else:
+            if x.ndim not in (1, 2) or 0 in x.shape:
+                raise FormatError(f"tensor {name} has shape {x.shape}: only 1-D and 2-D tensors "
+                                  "are stored")
+            dt, shape = tensor_dtype(self.dtype, x.shape, name), list(x.shape)
+            x = np.ascontiguousarray(x, dtype=np.float32)               # (n,) or (rows, cols)
+            data = x if dt == "f32" else quantize_rows(x, dt)           # f32 as is, else (rows, row_bytes)
         offset = align_up(self._dense.tell(), DENSE_ALIGN)
         self._io(self._dense, lambda f: (f.write(bytes(offset - f.tell())), f.write(data)))
-        self.tensors.append({"name": name, "dtype": dt, "shape": list(x.shape), "offset": offset,
-                             "nbytes": data.nbytes, "crc32": crc32_array(data)})
+        self.tensors.append({"name": name, "dtype": dt, "shape": shape, "offset": offset,
+                             "nbytes": data.nbytes, "crc32": crc32_array(data),
+                             **({"origin": origin} if origin else {})})
         self.state = WriterState.DENSE
 
     def _close_dense(self) -> None:
@@ -120,18 +135,19 @@ class FlashWriter:
     # ---- FFN section ----------------------------------------------------------------------
 
     def add_ffn_layer(self, layer: int, gate: np.ndarray | None, up: np.ndarray, down: np.ndarray,
-                      order: np.ndarray | None = None) -> None:
+                      order: np.ndarray | None = None, origin: dict | None = None) -> None:
         """Write layer `layer`'s bundles: gate, up (n_ff, d_model), down (d_model, n_ff) f32; gate is
-        None for non-GLU models. A q4_k model takes gate and up as QTensors already in q4_k (their
-        bytes are copied), down in f32 (stored as q4_1). order (n_ff) int, a permutation: bundle slot j holds neuron order[j]
-        (None: slot j holds neuron j)."""
-        self.add_ffn_rows(layer, gate, up, down, order)
+        None for non-GLU models. Any part may instead be a QTensor already in its bundle dtype
+        (its bytes are copied; down's rows are the columns, (n_ff, d_model)). order (n_ff) int, a
+        permutation: bundle slot j holds neuron order[j] (None: slot j holds neuron j). origin
+        (how each part was made) goes into the manifest."""
+        self.add_ffn_rows(layer, gate, up, down, order, origin)
         if self._rows[0]:
             raise FormatError(f"FFN layer {layer}: {self._rows[0]} of {self.cfg.ffn_slots} slots "
                               f"given to add_ffn_layer (a mixture of experts: add_ffn_rows)")
 
     def add_ffn_rows(self, layer: int, gate: np.ndarray | None, up: np.ndarray, down: np.ndarray,
-                     order: np.ndarray | None = None) -> None:
+                     order: np.ndarray | None = None, origin: dict | None = None) -> None:
         """Append the next slots of layer `layer`: gate, up (n, d_model), down (d_model, n) as
         add_ffn_layer takes them. A mixture of experts writes each expert (then the shared one)
         in turn; the layer is complete at cfg.ffn_slots slots, and the next layer starts."""
@@ -150,7 +166,8 @@ class FlashWriter:
         self.state = WriterState.FFN
         if done == self.cfg.ffn_slots:
             self._io(self._ffn, lambda f: f.write(bytes(self.layer_bytes - done * self.stride)))
-            self.layers.append({"offset": offset, "nbytes": done * self.stride, "crc32": crc})
+            self.layers.append({"offset": offset, "nbytes": done * self.stride, "crc32": crc,
+                                **({"origin": origin} if origin else {})})
             self.orders.append(order)
             self._rows = (0, 0)
 
@@ -163,26 +180,29 @@ class FlashWriter:
             raise FormatError(f"layer {layer}: gate {'missing' if self.cfg.glu else 'given'} "
                               f"for a {'GLU' if self.cfg.glu else 'non-GLU'} model")
         for part, w, shape in (("gate", gate, (n_ff, d)), ("up", up, (n_ff, d)), ("down", down, (d, n_ff))):
-            got = (w.rows, w.cols) if isinstance(w, QTensor) else None if w is None else w.shape
+            got = (w.cols, w.rows) if isinstance(w, QTensor) and part == "down" else \
+                (w.rows, w.cols) if isinstance(w, QTensor) else None if w is None else w.shape
             if w is not None and got != shape:
                 raise FormatError(f"blk.{layer}.ffn_{part}.weight has shape {got}, expected {shape}")
         if order is not None:
             order = np.asarray(order)                                  # (n_ff,)
             if order.shape != (n_ff,) or not np.array_equal(np.sort(order), np.arange(n_ff)):
                 raise FormatError(f"layer {layer}: neuron order is not a permutation of 0..{n_ff - 1}")
-        rows = [gate, up, down.T] if self.cfg.glu else [up, down.T]    # each (n_ff, d)
+        down_rows = down if isinstance(down, QTensor) else down.T       # (n_ff, d)
+        rows = [gate, up, down_rows] if self.cfg.glu else [up, down_rows]
         bundles = np.zeros((n_ff, self.stride), dtype=np.uint8)        # (n_ff, stride)
         glu, at = self.cfg.glu, 0
-        for w, dt, pb in zip(rows, ffn_part_dtypes(self.dtype, glu), ffn_part_bytes(self.dtype, d, glu)):
+        for w, dt, pb in zip(rows, ffn_part_dtypes(self.ffn_dtype, glu, self.down_dtype),
+                             ffn_part_bytes(self.ffn_dtype, d, glu, self.down_dtype)):
             bundles[:, at:at + pb] = _part_rows(layer, w, dt, order)  # (n_ff, pb)
             at += pb
         return bundles
 
     def _open_ffn(self) -> None:
         n_layers = self.cfg.n_layers
-        header = FFN_HEADER.pack(FFN_MAGIC, FORMAT_VERSION, FFN_ALIGN, DTYPE_CODES[self.dtype],
+        header = FFN_HEADER.pack(FFN_MAGIC, FORMAT_VERSION, FFN_ALIGN, DTYPE_CODES[self.ffn_dtype],
                                  int(self.cfg.glu), n_layers, self.cfg.d_model, self.cfg.ffn_slots,
-                                 row_bytes(self.dtype, self.cfg.d_model), self.stride,
+                                 row_bytes(self.ffn_dtype, self.cfg.d_model), self.stride,
                                  self.layer_bytes, FFN_ALIGN + n_layers * self.layer_bytes)
         try:
             self._ffn = open(self.tmp / FFN_FILE, "wb")
@@ -241,9 +261,10 @@ class FlashWriter:
         return {"file": name, "nbytes": len(data), "crc32": crc32_array(np.frombuffer(data, np.uint8))}
 
     def _manifest(self, files: dict) -> dict:
-        cfg, pb = self.cfg, row_bytes(self.dtype, self.cfg.d_model)
+        cfg, pb = self.cfg, row_bytes(self.ffn_dtype, self.cfg.d_model)
         ffn = {"file": FFN_FILE, "nbytes": FFN_ALIGN + cfg.n_layers * self.layer_bytes,
-               "header_bytes": FFN_ALIGN, "alignment": FFN_ALIGN, "dtype": self.dtype, "glu": cfg.glu,
+               "header_bytes": FFN_ALIGN, "alignment": FFN_ALIGN, "dtype": self.ffn_dtype,
+               "down_dtype": self.down_dtype, "glu": cfg.glu,
                "parts": list(ffn_parts(cfg.glu)), "d_model": cfg.d_model, "n_ff": cfg.ffn_slots,
                "n_layers": cfg.n_layers, "part_bytes": pb, "stride": self.stride,
                "layer_bytes": self.layer_bytes, "layers": self.layers, "neuron_order": files["order"]}
@@ -334,8 +355,8 @@ def _part_rows(layer: int, w, dtype: str, order) -> np.ndarray:
         if w.dtype != dtype:
             raise FormatError(f"layer {layer}: a {w.dtype} FFN part cannot be stored as {dtype}")
         return w.data if order is None else w.data[order]
-    if dtype == "q4_k":
-        raise FormatError(f"layer {layer}: q4_k FFN rows are copied from Q4_K source blocks, "
+    if dtype not in QUANTIZABLE:
+        raise FormatError(f"layer {layer}: {dtype} FFN rows are copied from a GGUF's blocks, "
                           "not quantized from floats")
     return quantize_rows(np.ascontiguousarray(w if order is None else w[order], np.float32), dtype)
 

@@ -272,7 +272,8 @@ class SparseFlashFfn:
             ids = order[slots] if order is not None else slots   # (n,) neuron id of each row
         kernel.ffn_bundles(matrix, self.f.dtype, self.d, self.glu, self.act, h, x, ids=ids,
                            up_bias=ub, n_threads=self._threads(len(rows), len(h)), rows=rows,
-                           threshold=self.threshold[layer], exact=self.exact)
+                           threshold=self.threshold[layer], exact=self.exact,
+                           down_dtype=self.f.down_dtype)
 
     def _threads(self, n_rows: int, T: int) -> int:
         """Threads for an FFN call over n_rows bundles of T tokens: one below SERIAL_BYTES of
@@ -380,7 +381,8 @@ class SparseFlashFfn:
             ids = order[slots] if order is not None else slots   # (k,) neuron ids
         kernel.ffn_bundles(rows, self.f.dtype, self.d, self.glu, self.act, h, x, ids=ids,
                            up_bias=ub, n_threads=self._threads(len(rows), len(h)),
-                           threshold=self.threshold[layer], exact=self.exact)
+                           threshold=self.threshold[layer], exact=self.exact,
+                           down_dtype=self.f.down_dtype)
 
     # ---- predictor recall (check mode) -------------------------------------------------------
 

@@ -43,7 +43,8 @@ def main() -> None:
             t0 = time.perf_counter()
             for i, bundles in enumerate(layers):
                 kernel.ffn_bundles(bundles, f.dtype, cfg.d_model, cfg.glu, cfg.act, xt, y,
-                                   threshold=thr[i], n_threads=args.threads)
+                                   threshold=thr[i], n_threads=args.threads,
+                                   down_dtype=f.down_dtype)
             best = min(best, time.perf_counter() - t0)
         cells.append(f"T={T}: {1e3 * best / len(layers):.2f}")
     print(f"{args.model.name}, {args.threads} threads, ms per layer: " + "  ".join(cells))

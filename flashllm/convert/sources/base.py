@@ -20,6 +20,7 @@ class Source(ABC):
     config: ModelConfig
     tokenizer_json: str | None     # Hugging Face tokenizers JSON, or None when the checkpoint has none
     chat_template: str | None      # Jinja chat template, or None
+    stores_blocks = False          # True: 2-D tensors have stored blocks (load_blocks), as in a GGUF
 
     @abstractmethod
     def tensor_names(self) -> list[str]:

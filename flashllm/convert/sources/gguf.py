@@ -106,6 +106,8 @@ def _eos_ids(reader: GGUFReader, meta: dict) -> tuple[int, ...]:
 
 
 class GGUFSource(Source):
+    stores_blocks = True
+
     def __init__(self, path: Path):
         self.path = Path(path)
         reader = _read(self.path)
@@ -175,7 +177,8 @@ class GGUFSource(Source):
         t = self._tensors[name]
         if len(shape) != 2 or t.data.ndim != 2 or t.data.shape[0] != shape[0]:
             raise SourceError(f"{self.path}: tensor {name!r} is not stored as rows of blocks")
-        return np.ascontiguousarray(t.data).view(np.uint8).reshape(shape[0], -1)  # (rows, bytes)
+        rows = np.ascontiguousarray(t.data).view(np.uint8).reshape(shape[0], -1)  # (rows, bytes)
+        return self._unpermuted(name, rows)
 
     def load(self, name: str) -> np.ndarray:
         shape = self._shape_of(name)
@@ -190,13 +193,18 @@ class GGUFSource(Source):
         except NotImplementedError:
             raise SourceError(f"{self.path}: tensor {name!r} has type {t.tensor_type.name}, "
                               "which gguf-py cannot dequantize") from None
-        if self._permuted and name.split(".")[-2] in ("attn_q", "attn_k"):
-            heads = self.config.n_heads if ".attn_q." in name else self.config.n_kv_heads
-            if shape[0] % (2 * heads):
-                raise SourceError(f"{self.path}: tensor {name!r} has {shape[0]} rows, not whole "
-                                  f"RoPE pairs of {heads} heads")
-            out = unpermute_qk(out, heads)
-        return out
+        return self._unpermuted(name, out)
+
+    def _unpermuted(self, name: str, rows: np.ndarray) -> np.ndarray:
+        """rows (out, ...) — values or stored blocks — in HF order: llama-arch attn_q / attn_k
+        rows back from llama.cpp's interleaved-RoPE permutation."""
+        if not (self._permuted and name.split(".")[-2] in ("attn_q", "attn_k")):
+            return rows
+        heads = self.config.n_heads if ".attn_q." in name else self.config.n_kv_heads
+        if rows.shape[0] % (2 * heads):
+            raise SourceError(f"{self.path}: tensor {name!r} has {rows.shape[0]} rows, not whole "
+                              f"RoPE pairs of {heads} heads")
+        return np.ascontiguousarray(unpermute_qk(rows, heads))
 
     def load_expert(self, name: str, expert: int) -> np.ndarray:
         shape = self._shape_of(name)

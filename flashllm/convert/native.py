@@ -1,0 +1,124 @@
+"""The native conversion of a GGUF (`--dtype native`, the default for GGUF sources): every tensor
+stays in its own ggml type, byte for byte, where the kernel has that type; what cannot stay is
+re-quantized, and how each tensor was made is recorded in the manifest (`origin`).
+
+- Dense 2-D tensors (attention, embeddings, output head): copied (F32, F16, Q8_0, Q4_0, Q4_1,
+  Q5_0, Q5_1, Q4_K, Q5_K, Q6_K); BF16 is widened to f32 (exact); any other type is re-quantized
+  to q8_0 (f16 when a row is not whole blocks of 32).
+- FFN gate / up rows are the source's rows: copied when every layer stores both in one type the
+  kernel has and d_model is whole blocks of it; else re-quantized to q8_0.
+- FFN down columns cut across the source's row blocks, so they are always re-quantized, to q8_0
+  (f16 when d_model is not whole blocks of 32), whatever the source type: at least as precise as
+  any type a GGUF stores them in. A smaller type was measured: q5_1 columns (one bit per weight
+  more than SmolLM2's Q4_1, 3.9% relative RMS error) cost its perplexity 3.8% (11.38 against
+  10.97 with q8_0 columns, 8 chunks of the evaluation text), where q8_0's 0.5% costs nothing
+  measurable. Every layer shares one bundle stride, so one layer's smaller columns would save
+  no byte of any read; `--dtype` makes smaller models for users who choose them.
+The error of a re-quantization is its relative RMS, |requantized - source| / |source|, over the
+tensor (the source's dequantized values are the reference).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from flashllm.errors import SourceError
+from flashllm.ffi.quant import dequantize_rows, quantize_rows
+from flashllm.format.layout import fits
+from flashllm.model.tensor import FROM_GGML, QTensor
+
+FALLBACK = "q8_0"     # the down columns, and what any type the kernel lacks becomes
+
+
+@dataclass(frozen=True)
+class NativePlan:
+    ffn_dtype: str          # the bundles' gate / up rows
+    gate_up_copied: bool    # False: re-quantized to ffn_dtype (the source's type does not fit)
+    down_dtype: str         # every layer's down column
+
+
+def plan(source, ffn: list[dict[str, dict[str, str]]]) -> NativePlan:
+    """The FFN dtypes of a native conversion of source (ffn: per layer {group: {part: tensor
+    name}}, group "" a dense FFN's). A mixture of experts' FFN is re-quantized to q8_0 (its
+    expert tensors are written one expert at a time from f32)."""
+    if not source.stores_blocks:
+        raise SourceError(f"{source.path}: a native conversion keeps a GGUF's own types; this "
+                          "source has none (choose --dtype)")
+    d = source.config.d_model
+    if source.config.n_experts:
+        return NativePlan(FALLBACK, False, FALLBACK)
+    types = {source.stored_type(n) for groups in ffn for p, n in groups[""].items() if p != "down"}
+    dt = FROM_GGML.get(types.pop()) if len(types) == 1 else None
+    copied = dt is not None and fits(dt, d)
+    return NativePlan(dt if copied else FALLBACK, copied, FALLBACK if fits(FALLBACK, d) else "f16")
+
+
+def rel_rms(got: np.ndarray, ref: np.ndarray) -> float:
+    """|got - ref| / |ref| over every value (0 for an all-zero ref)."""
+    den = float(np.sqrt(np.sum(np.square(ref, dtype=np.float64))))
+    return float(np.sqrt(np.sum(np.square(got - ref, dtype=np.float64)))) / den if den else 0.0
+
+
+def requantized(x: np.ndarray, dtype: str, stored: str) -> tuple[QTensor, dict]:
+    """x (rows, cols) f32 quantized to dtype, and its origin with the error."""
+    rows, cols = x.shape
+    data = quantize_rows(x, dtype)                                       # (rows, row_bytes)
+    err = rel_rms(dequantize_rows(data, dtype, cols), x)
+    return QTensor(data, dtype, rows, cols), {"from": stored, "to": dtype, "how": "requantized",
+                                              "rel_rms": round(err, 7)}
+
+
+def dense_tensor(source, name: str) -> tuple[np.ndarray | QTensor, dict | None]:
+    """A dense tensor for the writer: 1-D as f32; 2-D in the source's own type when the kernel
+    has it (its bytes), else widened or re-quantized; with its origin."""
+    shape = tuple(source.tensor_shape(name))
+    if len(shape) == 1:
+        return source.load(name), None
+    stored = source.stored_type(name)
+    dt = FROM_GGML.get(stored)
+    if dt is not None and fits(dt, shape[1]):
+        return QTensor(source.load_blocks(name), dt, *shape), {"from": stored, "how": "copied"}
+    x = source.load(name)                                                # (rows, cols) f32
+    if stored == "BF16":
+        return QTensor(x.view(np.uint8), "f32", *shape), {"from": stored, "how": "widened"}
+    return requantized(x, FALLBACK if fits(FALLBACK, shape[1]) else "f16", stored)
+
+
+def ffn_layer(source, names: dict[str, str], p: NativePlan):
+    """(gate or None, up, down, origin) of one layer for FlashWriter.add_ffn_layer: QTensors in
+    the plan's dtypes (down as its columns, (n_ff, d_model))."""
+    parts, origin = {}, {}
+    for part, name in names.items():
+        stored = source.stored_type(name)
+        if part == "down":
+            cols = np.ascontiguousarray(source.load(name).T)             # (n_ff, d_model)
+            parts[part], origin[part] = requantized(cols, p.down_dtype, stored)
+        elif p.gate_up_copied:
+            n_ff, d = source.tensor_shape(name)
+            parts[part] = QTensor(source.load_blocks(name), p.ffn_dtype, n_ff, d)
+            origin[part] = {"from": stored, "how": "copied"}
+        else:
+            parts[part], origin[part] = requantized(source.load(name), p.ffn_dtype, stored)
+    return parts.get("gate"), parts["up"], parts["down"], origin
+
+
+def report(manifest: dict) -> list[str]:
+    """What a native conversion copied and re-quantized, in a few lines (convert prints them)."""
+    copied, redone = {}, {}
+    entries = [(t["name"], t.get("origin")) for t in manifest["dense"]["tensors"]]
+    for i, layer in enumerate(manifest["ffn"]["layers"]):
+        entries += [(f"blk.{i}.ffn_{p}", o) for p, o in (layer.get("origin") or {}).items()]
+    for name, o in entries:
+        if o is None:
+            continue
+        if o["how"] == "requantized":
+            redone.setdefault((o["from"], o["to"]), []).append(o["rel_rms"])
+        else:
+            copied[o["from"]] = copied.get(o["from"], 0) + 1
+    lines = ["copied byte for byte: " + ", ".join(f"{n} {t}" for t, n in sorted(copied.items()))]
+    for (src, dst), errs in sorted(redone.items()):
+        lines.append(f"re-quantized {src} -> {dst}: {len(errs)} tensor{'s' * (len(errs) != 1)}, "
+                     f"relative RMS error "
+                     f"{min(errs):.3%} .. {max(errs):.3%} (mean {np.mean(errs):.3%})")
+    return lines

@@ -1,0 +1,186 @@
+"""The native conversion of a GGUF (the default for GGUF sources; flashllm/convert/native.py).
+
+The references are the GGUF's own bytes (what gguf-py's reader gives) and gguf-py's dequantize:
+every tensor the kernel has a type for must be stored byte for byte (llama-arch attn_q / attn_k
+rows back in Hugging Face order), the FFN down columns re-quantized from the source's values,
+and the model must compute what an f32 conversion of the same file computes, up to the down
+columns' re-quantization. Folders written before `down_dtype` existed still load.
+"""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+
+from flashllm.convert.convert import convert
+from flashllm.convert.sources.gguf import unpermute_qk
+from flashllm.ffi.quant import dequantize_rows, quantize_rows
+from flashllm.format.reader import open_flash
+from flashllm.runtime.model import Model
+
+ROOT = Path(__file__).resolve().parent.parent
+D, FF, HEADS, KV = 256, 256, 4, 2
+BLOCK = {Q.Q6_K: (210, (208,)), Q.Q5_K: (176, (0, 2)), Q.Q4_K: (144, (0, 2)), Q.Q2_K: (84, (80, 82))}
+
+
+def k_rows(rng, qtype, rows: int, cols: int) -> np.ndarray:
+    """(rows, bytes) random k-quant blocks with realistic f16 scales (gguf-py has no quantizer)."""
+    bb, at = BLOCK[qtype]
+    blk = rng.integers(0, 256, (rows, cols // 256, bb), dtype=np.uint8)
+    for a in at:
+        f = rng.uniform(2e-4, 1e-3, (rows, cols // 256)).astype(np.float16)
+        blk[..., a:a + 2] = f.view(np.uint8).reshape(rows, -1, 2)
+    return blk.reshape(rows, -1)
+
+
+def stored_rows(rng, qtype, shape) -> np.ndarray:
+    if qtype in BLOCK:
+        return k_rows(rng, qtype, *shape)
+    w = (rng.standard_normal(shape) * 0.05).astype(np.float32)
+    return w if qtype == Q.F32 else quantize(w, qtype)
+
+
+TYPES = {"token_embd.weight": Q.Q6_K, "output.weight": Q.Q8_0, "attn_q": Q.Q5_0,
+         "attn_k": Q.Q4_K, "attn_v": Q.Q5_1, "attn_output": Q.Q2_K, "ffn_gate": Q.Q5_K,
+         "ffn_up": Q.Q5_K, "down0": Q.Q6_K, "down1": Q.Q4_K}
+
+
+def write_mixed_gguf(path: Path, rng) -> dict:
+    """A 2-layer llama GGUF whose tensors are in every type of TYPES; returns the stored arrays."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    for add, v in ((w.add_block_count, 2), (w.add_context_length, 64), (w.add_embedding_length, D),
+                   (w.add_feed_forward_length, FF), (w.add_head_count, HEADS),
+                   (w.add_head_count_kv, KV), (w.add_layer_norm_rms_eps, 1e-5),
+                   (w.add_rope_freq_base, 10000.0), (w.add_eos_token_id, 3)):
+        add(v)
+    hd, stored = D // HEADS, {}
+    shapes = {"token_embd.weight": (40, D), "output_norm.weight": (D,), "output.weight": (40, D)}
+    for i in range(2):
+        shapes.update({f"blk.{i}.attn_norm.weight": (D,), f"blk.{i}.ffn_norm.weight": (D,),
+                       f"blk.{i}.attn_q.weight": (D, D), f"blk.{i}.attn_k.weight": (KV * hd, D),
+                       f"blk.{i}.attn_v.weight": (KV * hd, D), f"blk.{i}.attn_output.weight": (D, D),
+                       f"blk.{i}.ffn_gate.weight": (FF, D), f"blk.{i}.ffn_up.weight": (FF, D),
+                       f"blk.{i}.ffn_down.weight": (D, FF)})
+    for name, shape in shapes.items():
+        kind = name.split(".")[-2] if name.startswith("blk.") else name
+        kind = f"down{name.split('.')[1]}" if kind == "ffn_down" else kind
+        qtype = Q.F32 if len(shape) == 1 else TYPES[kind]
+        data = (np.ones(shape, np.float32) if len(shape) == 1 else stored_rows(rng, qtype, shape))
+        w.add_tensor(name, data, raw_dtype=None if qtype == Q.F32 else qtype)
+        stored[name] = (qtype, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return stored
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("native")
+    stored = write_mixed_gguf(tmp / "m.gguf", np.random.default_rng(7))
+    return tmp, stored, convert(tmp / "m.gguf", tmp / "native", None)    # the default: native
+
+
+def test_dense_tensors_are_the_sources_bytes(mixed):
+    tmp, stored, out = mixed
+    flash = open_flash(out, verify=True)
+    entries = {t["name"]: t for t in flash.manifest["dense"]["tensors"]}
+    assert flash.dtype == "native"
+    for name, (qtype, data) in stored.items():
+        if "ffn_" in name or data.ndim == 1:
+            continue
+        got = flash.tensor(name)
+        raw = data.view(np.uint8).reshape(data.shape[0], -1)             # (rows, bytes)
+        if qtype == Q.Q2_K:                                               # no kernel: q8_0
+            ref = dequantize(raw, qtype).reshape(D, D)
+            assert got.dtype == "q8_0"
+            np.testing.assert_array_equal(got.data, quantize_rows(ref, "q8_0"))
+            err = np.linalg.norm(dequantize_rows(got.data, "q8_0", D) - ref) / np.linalg.norm(ref)
+            assert entries[name]["origin"] == {"from": "Q2_K", "to": "q8_0", "how": "requantized",
+                                               "rel_rms": round(float(err), 7)}
+            continue
+        heads = HEADS if "attn_q" in name else KV
+        want = unpermute_qk(raw, heads) if name.split(".")[-2] in ("attn_q", "attn_k") else raw
+        assert got.dtype == qtype.name.lower()
+        np.testing.assert_array_equal(got.data, want)
+        assert entries[name]["origin"] == {"from": qtype.name, "how": "copied"}
+
+
+def test_ffn_rows_copied_and_down_columns_requantized(mixed):
+    _, stored, out = mixed
+    flash = open_flash(out)
+    f = flash.ffn
+    assert (f.dtype, f.down_dtype, f.part_bytes) == ("q5_k", "q8_0", 176)
+    assert f.stride == 640                                                # 2 * 176 + 272, to 32
+    for layer in range(2):
+        b = flash.read_ffn_layer(layer)                                   # (FF, stride)
+        for k, part in enumerate(("gate", "up")):
+            np.testing.assert_array_equal(b[:, 176 * k:176 * (k + 1)],
+                                          stored[f"blk.{layer}.ffn_{part}.weight"][1])
+        qtype, down = stored[f"blk.{layer}.ffn_down.weight"]
+        cols = dequantize(down, qtype).reshape(D, FF).T                   # (FF, D)
+        np.testing.assert_array_equal(b[:, 352:624], quantize_rows(cols, "q8_0"))
+        origin = flash.manifest["ffn"]["layers"][layer]["origin"]
+        assert origin["gate"] == {"from": "Q5_K", "how": "copied"}
+        assert (origin["down"]["from"], origin["down"]["to"]) == (qtype.name, "q8_0")
+        assert 0 < origin["down"]["rel_rms"] < 0.01
+
+
+def test_the_model_computes_what_the_source_does(mixed):
+    """Logits of the native folder and of an f32 conversion (every value exactly the source's)
+    of the same GGUF, both in f32 arithmetic: they differ by the down columns' q8_0 rounding
+    (1.1e-2 of the largest logit here; the same file's q8_0 conversion 1.3e-1, the native one
+    with attn_q / attn_k blocks left in llama.cpp's row order 2.1e-1)."""
+    tmp, _, out = mixed
+    f32 = convert(tmp / "m.gguf", tmp / "f32", "f32")
+    tokens = np.array([1, 17, 5, 39, 22, 8], np.int32)                    # (6,)
+    a, b = (Model(open_flash(p), n_threads=2, n_ctx=16, exact=True).forward(tokens, 0)
+            for p in (out, f32))                                          # (6, 40) each
+    assert np.abs(a - b).max() <= 2e-2 * np.abs(b).max()
+    assert np.abs(a - b).max() > 0                                        # down really re-rounded
+    c = Model(open_flash(out), n_threads=2, n_ctx=16).forward(tokens, 0)  # int8 activations
+    assert np.abs(c - b).max() <= 4e-2 * np.abs(b).max()
+
+
+def test_convert_and_inspect_report_what_was_copied(mixed, tmp_path):
+    tmp, _, out = mixed
+    run = subprocess.run([sys.executable, "-m", "flashllm", "convert", str(tmp / "m.gguf"), "-o",
+                          str(tmp_path / "again")], capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    said = " ".join(run.stderr.split())
+    assert "copied byte for byte: 2 Q4_K, 2 Q5_0, 2 Q5_1, 4 Q5_K, 1 Q6_K, 1 Q8_0" in said
+    assert "re-quantized Q2_K -> q8_0: 2 tensors" in said
+    assert "re-quantized Q6_K -> q8_0: 1 tensor, relative RMS error" in said
+    run = subprocess.run([sys.executable, "-m", "flashllm", "inspect", str(out), "--json"],
+                         capture_output=True, text=True, cwd=ROOT)
+    rows = {t["name"]: t for t in json.loads(run.stdout)["tensors"]}
+    assert rows["blk.1.attn_v.weight"]["origin"] == {"from": "Q5_1", "how": "copied"}
+    assert rows["blk.1.ffn_down"]["dtype"] == "q8_0"
+    assert rows["blk.1.ffn_down"]["origin"]["how"] == "requantized"
+
+
+def test_folders_from_before_down_dtype_still_load(mixed, tmp_path):
+    """A q4_k folder's manifest as older flashllm wrote it (no down_dtype): down is q4_1."""
+    tmp, _, _ = mixed
+    out = convert(tmp / "m.gguf", tmp_path / "q41", "q4_1")
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["ffn"].pop("down_dtype") == "q4_1"
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    flash = open_flash(out, verify=True)
+    assert (flash.dtype, flash.ffn.dtype, flash.ffn.down_dtype) == ("q4_1", "q4_1", "q4_1")
+    tokens = np.array([1, 2, 3], np.int32)
+    assert np.isfinite(Model(flash, n_threads=1, n_ctx=8).forward(tokens, 0)).all()
+
+
+def test_a_folder_without_gguf_types_refuses_native(tmp_path):
+    from tiny_sources import write_hf_llama   # an HF folder: no stored types
+    src = write_hf_llama(tmp_path / "hf")
+    from flashllm.errors import SourceError
+    with pytest.raises(SourceError, match="a native conversion keeps a GGUF's own types"):
+        convert(src, tmp_path / "out", "native")
