@@ -8,7 +8,6 @@ k-quants; q = nearest-even): the integer sums are exact, so they agree to f32 ac
 (1e-5 of the scale). Every instruction set the kernel has a path for is built and run too (the
 extension itself is built for this CPU only).
 """
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -150,8 +149,8 @@ def test_ffn_bundles_against_numpy(dtype, down, T):
 
 
 @pytest.mark.parametrize("isa", list(ISAS))
-def test_every_instruction_set(isa, tmp_path: Path):
-    ffi, lib = _isa_lib(isa, tmp_path)
+def test_every_instruction_set(isa):
+    ffi, lib = _isa_lib(isa)
     f32 = lambda a: ffi.cast("float *", ffi.from_buffer(a))  # noqa: E731
     for code, dtype in ((6, "q5_0"), (7, "q5_1"), (8, "q5_k"), (9, "q6_k")):
         data, (g, u, dn) = bundles_of(dtype, "q5_1", 40, seed=code)

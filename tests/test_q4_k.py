@@ -9,8 +9,10 @@ Q4_K GGUF written here, and the real Qwen2.5-Coder-1.5B Q4_K_M GGUF (its first t
 the file is available).
 """
 import dataclasses
+import functools
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import cffi
@@ -140,9 +142,13 @@ def test_matmul_against_numpy(T):
 
 # ---- every instruction set ----------------------------------------------------------------
 
-def _isa_lib(isa: str, tmp: Path):
+@functools.lru_cache(maxsize=None)
+def _isa_lib(isa: str):
+    """native/*.c built for isa and loaded through cffi's ABI mode, once per session: the library
+    stays loaded to the end (its worker threads outlive any call, so an unloaded library would
+    crash them; a per-test library freed by the garbage collector did)."""
     cc = isa_compiler(isa)
-    so = tmp / f"flashllm_{isa}.so"
+    so = Path(tempfile.mkdtemp(prefix=f"flashllm-{isa}-")) / f"flashllm_{isa}.so"
     subprocess.run([cc, "-O2", "-std=c11", "-Wall", "-Wextra", "-Werror", "-D_GNU_SOURCE",
                     "-fopenmp", "-shared", "-fPIC", "-Inative", *ISAS[isa],
                     *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "native").glob("*.c")),
@@ -154,8 +160,8 @@ def _isa_lib(isa: str, tmp: Path):
 
 
 @pytest.mark.parametrize("isa", list(ISAS))
-def test_kernels_on_every_instruction_set(isa, bundle_case, tmp_path):
-    ffi, lib = _isa_lib(isa, tmp_path)
+def test_kernels_on_every_instruction_set(isa, bundle_case):
+    ffi, lib = _isa_lib(isa)
     f32 = lambda a: ffi.cast("float *", ffi.from_buffer(a))  # noqa: E731
     bundles, (g, u, dn) = bundle_case
     out = np.zeros(D * 2, np.float32)
