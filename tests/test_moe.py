@@ -45,10 +45,13 @@ def hf_greedy(model, prompt, n: int) -> list[int]:
 
 
 def with_experts(model, written: dict):
-    """A copy of the transformers model whose experts hold the values the GGUF stores."""
+    """A copy of the transformers model whose experts hold the values the GGUF stores, and no
+    sliding window: a GGUF carries none for these architectures (llama.cpp ignores Mixtral's)."""
     import copy
     import torch
     ref = copy.deepcopy(model)
+    if ref.config.model_type == "mixtral":
+        ref.config.sliding_window = None
     with torch.no_grad():
         for i, layer in enumerate(ref.model.layers):
             experts = layer.mlp.experts
