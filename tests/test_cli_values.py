@@ -14,7 +14,7 @@ RUN_BAD = [
     (["-n", "-5"], "'-n'"), (["-c", "0"], "'-c'"), (["--top-p", "1.5"], "'--top-p'"),
     (["--min-p", "-0.1"], "'--min-p'"), (["--window", "0"], "'--window'"),
     (["--draft", "-1"], "'--draft'"), (["--repeat-last-n", "-2"], "'--repeat-last-n'"),
-    (["--predictor", "maybe"], "'--predictor'"),
+    (["--predictor", "maybe"], "'--predictor'"), (["--seed", "-2"], "'--seed'"),
 ]
 
 
@@ -37,6 +37,17 @@ def test_quality_and_profile_refuse_bad_values(tiny, tmp_path, cmd):  # noqa: F8
     r = CliRunner().invoke(app, args)
     assert f"'{cmd[2]}'" in _error_line(r)
     assert list(tmp_path.iterdir()) == []          # profile measured nothing, saved nothing
+
+
+def test_seed_minus_one_is_random_as_in_llama_cpp(tiny):  # noqa: F811
+    r = CliRunner().invoke(app, ["run", str(tiny[0].path), "-p", "hello", "-n", "2", "--seed", "-1"])
+    assert r.exit_code == 0, r.output
+
+
+def test_convert_of_a_converted_folder_says_what_it_is(tiny, tmp_path):  # noqa: F811
+    r = CliRunner().invoke(app, ["convert", str(tiny[0].path), "-o", str(tmp_path / "out")])
+    assert r.exit_code == 1 and "already a converted flashllm model" in r.output, r.output
+    assert not (tmp_path / "out").exists()
 
 
 def test_version():

@@ -36,7 +36,8 @@ def run(
     min_p: float = typer.Option(0.05, "--min-p", min=0.0, max=1.0, help="Drop tokens below min_p × the top probability."),
     repeat_penalty: float = typer.Option(1.0, "--repeat-penalty", min=0.0, help="Penalty on recent tokens; 1 disables."),
     repeat_last_n: int = typer.Option(64, "--repeat-last-n", min=0, help="How many recent tokens the penalty sees."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed (default: random)."),
+    seed: Optional[int] = typer.Option(None, "--seed", min=-1,
+                                       help="Random seed (default, or -1 as in llama.cpp: random)."),
     no_timings: bool = typer.Option(False, "--no-timings", help="Do not print the timings line."),
     dram_budget: Optional[str] = typer.Option(
         None, "--dram-budget", help="Stream the FFN from flash within this DRAM: 1.5GiB, 560MiB, "
@@ -102,7 +103,7 @@ def run(
     net = Model(flash, n_threads=threads, n_ctx=n_ctx, ffn=ffn, weights=weights, kv_dtype="f16")
     sampler = Sampler(SamplerParams(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p,
                                     repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
-                                    seed=seed))
+                                    seed=None if seed == -1 else seed))
     try:
         if interactive:
             _chat(flash, net, tok, sampler, system, chat_template, n_predict, as_json, draft)

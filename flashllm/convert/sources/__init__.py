@@ -13,6 +13,7 @@ from flashllm.convert.sources.base import GGUF_MAGIC, Source
 from flashllm.convert.sources.gguf import GGUFSource
 from flashllm.convert.sources.hf import HFSource
 from flashllm.errors import SourceError
+from flashllm.format.layout import MANIFEST_FILE
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 _PICKLE_HINT = ("pickle checkpoints are never unpickled (they can run code); convert it to safetensors "
@@ -39,6 +40,9 @@ def _open_file(path: Path) -> Source:
 
 
 def _open_folder(path: Path) -> Source:
+    if (path / MANIFEST_FILE).is_file():
+        raise SourceError(f"{path}: already a converted flashllm model (run it with `flashllm run "
+                          f"{path}`); convert the GGUF file or Hugging Face folder it came from")
     has_safetensors = any(path.glob("*.safetensors"))
     if (path / "config.json").is_file() and has_safetensors:
         return HFSource(path)
