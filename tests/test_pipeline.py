@@ -46,9 +46,10 @@ def test_stdin_prompt_tokens_alone_on_stdout(model):
 
 def test_wc_counts_the_words_of_the_answer(model):
     alone = sh(f"{FLASHLLM} run {model} -p 'hello there' -n 12 --temp 0 --no-timings")
-    piped = sh(f"echo 'hello there' | {FLASHLLM} run {model} -p - -n 12 --temp 0 | wc -w")
-    assert statuses(piped) == [0, 0, 0]
-    assert int(piped.stdout) == len(alone.stdout.split())
+    for dash in ("-p -", "-f -"):
+        piped = sh(f"echo 'hello there' | {FLASHLLM} run {model} {dash} -n 12 --temp 0 | wc -w")
+        assert statuses(piped) == [0, 0, 0]
+        assert int(piped.stdout) == len(alone.stdout.split())
 
 
 def test_head_c_1_ends_quietly(model):

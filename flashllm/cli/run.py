@@ -22,7 +22,7 @@ PredictorMode = choice("PredictorMode", PREDICTOR_MODES)
 def run(
     model: str = typer.Argument(..., help="Converted model folder, or a models.toml name."),
     prompt: Optional[str] = typer.Option(None, "-p", "--prompt", help="Prompt text; '-' reads stdin."),
-    file: Optional[Path] = typer.Option(None, "-f", "--file", help="Read the prompt from a file."),
+    file: Optional[Path] = typer.Option(None, "-f", "--file", help="Read the prompt from a file (- : stdin)."),
     n_predict: Optional[int] = typer.Option(None, "-n", "--n-predict", min=1, help="Tokens to "
                                             "generate (default 128; in a chat, per answer: a "
                                             "quarter of the context)."),
@@ -182,12 +182,12 @@ def _decodes_bytes(path: Path) -> bool:
 def _read_prompt(prompt: Optional[str], file: Optional[Path]) -> str:
     if prompt is not None and file is not None:
         fail("give the prompt with -p or -f, not both")
-    if file is not None:
+    if file is not None and str(file) != "-":
         try:
             return _utf8(file.read_bytes(), f"prompt file {file}")
         except OSError as e:
             fail(f"cannot read prompt file {file}: {e.strerror or e}")
-    if prompt == "-" or (prompt is None and not sys.stdin.isatty()):
+    if prompt == "-" or file is not None or (prompt is None and not sys.stdin.isatty()):
         return _utf8(sys.stdin.buffer.read(), "the prompt on stdin")
     if prompt is None:
         fail("no prompt: give -p TEXT, -f FILE, or pipe text to stdin")
