@@ -323,5 +323,5 @@ def test_a_first_run_under_a_budget_converts_apart(tmp_path):
                        text=True, timeout=600, env={**os.environ, "FLASHLLM_CACHE": str(tmp_path)})
     peak_kib = int(r.stderr.split("peak ")[-1])
     assert r.returncode == 0 and "in a child process" in r.stderr, r.stderr
-    assert (tmp_path / "converted" / "smollm2-135m-q8_0" / "manifest.json").is_file()
+    assert len(list((tmp_path / "converted").glob("smollm2-135m-*/manifest.json"))) == 1
     assert peak_kib <= 200 * 1024, (peak_kib / 1024, r.stderr)
