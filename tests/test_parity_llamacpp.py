@@ -22,9 +22,9 @@ scripts/fixtures/make_f32_gguf.py) with an F32 KV cache, so both sides compute i
 identical weights and the issue's bars apply to ALL positions, with no near-tie exemption in
 teacher forcing:
 - teacher forcing: top-1 agreement >= 99% over 3 prompts x 64 positions;
-- logits: raw logits at llama.cpp's top-16 ids within F32_LOGIT_TOL (see there);
+- logits: raw logits at llama.cpp's top-16 ids within F32_LOGIT_TOL (per model, see there);
 - greedy: tokens identical up to the first step whose llama.cpp top-2 margin is below
-  F32_NEAR_TIE (twice the logit tolerance: below it the two f32 computations may order the top
+  twice the logit tolerance (below it the two f32 computations may order the top
   two either way).
 """
 from __future__ import annotations
@@ -41,15 +41,20 @@ from flashllm.generation.generate import generate
 from flashllm.generation.sampler import Sampler, SamplerParams
 
 FIXTURES = Path(__file__).parent / "fixtures" / "llamacpp"
-MODELS = ["smollm2-135m", "qwen2.5-coder-0.5b"]
+MODELS = ["smollm2-135m", "qwen2.5-coder-0.5b", "gemma-3-270m"]
 PROMPTS = ["prose", "code", "chat"]
 NEAR_TIE = 0.25       # logits (see above)
-LOGPROB_TOL = 1.5     # measured max 0.88 (smollm2, Q4_1); a wrong layer or RoPE gives several units
+LOGPROB_TOL = 1.5     # measured max 0.88 (smollm2, Q4_1), 1.36 (gemma-3-270m, Q4_K_M: llama.cpp's
+                      # int8 activations in its Q4_K/Q5_0/Q6_K dots, f16 KV, f16 GELU table); a
+                      # wrong layer or RoPE gives several units
 # f32 vs f32: measured max 4.4e-4 (smollm2) and 1.5e-4 (qwen), both at position 0, f32 summation
 # order noise; llama.cpp with only its KV cache in f16 instead of f32 already moves these logits by
 # 2.7e-2 (smollm2) and 1.5e-2 (qwen), so 5e-3 leaves ~10x headroom and still catches that.
-F32_LOGIT_TOL = 5e-3
-F32_NEAR_TIE = 2 * F32_LOGIT_TOL
+# gemma-3-270m: llama.cpp's GELU (ggml-cpu vec.h, GGML_GELU_FP16) looks the value up in an f16
+# table, rounding its input and output to f16 even in an F32 model: measured 2.7e-2 (logits up to
+# 66), 1.3e-2 with flashllm's GeGLU rounded the same way (an experiment, not kept); 5e-2 still
+# catches a wrong RoPE base, window or norm (whole units) but not an f16 KV cache there.
+F32_LOGIT_TOL = {"smollm2-135m": 5e-3, "qwen2.5-coder-0.5b": 5e-3, "gemma-3-270m": 5e-2}
 
 pytestmark = pytest.mark.realmodel
 
@@ -164,11 +169,12 @@ def test_f32_teacher_forced_all_positions(real_model, name):
     print(f"{name}-f32: top-1 agreement {agree}/{total} over all positions (smallest llama.cpp "
           f"top-2 margin {min_margin:.2e}), max |logit diff| at top-16 = {worst:.2e} ({where})")
     assert agree / total >= 0.99
-    assert worst < F32_LOGIT_TOL
+    assert worst < F32_LOGIT_TOL[name]
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
 @pytest.mark.parametrize("name", MODELS)
 def test_f32_greedy_matches_until_a_near_tie(flashllm_greedy, name, prompt):
-    got, want, checked = greedy_against(flashllm_greedy, name, f"{name}-f32", prompt, F32_NEAR_TIE)
+    got, want, checked = greedy_against(flashllm_greedy, name, f"{name}-f32", prompt,
+                                        2 * F32_LOGIT_TOL[name])
     assert got[:checked] == want[:checked]
