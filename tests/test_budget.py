@@ -97,6 +97,39 @@ def test_a_head_that_fits_streams_when_the_caches_take_its_dram():
     assert near.streamed == () and near.capacity < full.capacity
 
 
+
+OLMOE = Path(__file__).parent / "fixtures" / "olmoe-shape-q4_0.manifest.json"
+
+
+@pytest.mark.parametrize("cap", ["1858MiB", "930MiB"])
+def test_a_mixture_of_experts_keeps_its_head_over_expert_caches(cap):
+    """OLMoE-1B-7B's shape (q4_0: 55 MiB head, 55 MiB embeddings, 144 MiB attention; 64 experts
+    of 3.4 MiB a layer, top-8) under the MoE bench's caps (1/2, 1/4 of its GGUF). A cached
+    expert byte saves 8/64 of a byte a token, the resident head a whole one: the head stays,
+    only the embeddings (a row a token) stream, and the caches hold whole experts with less
+    than one expert per layer of the budget idle."""
+    man = json.loads(OLMOE.read_text())
+    plan = plan_budget(man, cap, 128, 80 * MiB, reader_stage=4 * MiB)
+    assert plan.streamed == ("token_embd.weight",) and plan.streamed_bytes == 0
+    expert = man["config"]["n_ff"]
+    assert plan.capacity > 0 and plan.capacity % expert == 0 and plan.total <= plan.budget
+    assert plan.budget - plan.total < plan.n_layers * expert * (plan.stride + 12)
+    full = plan.n_layers * plan.n_ff * (plan.stride + 12)
+    reads = budget.ffn_reads(man, full, plan.cache_bytes)
+    assert reads == pytest.approx((full - plan.cache_bytes) / 8, rel=1e-3)
+    assert "experts per layer" not in plan.summary() and "expert caches" in plan.summary()
+
+
+def test_ffn_reads_count_the_routed_share_and_the_shared_expert_in_full():
+    """Dense: every missing byte. MoE (4 experts of 100 rows, top-1, a shared expert of 200
+    rows, cached first): an expert byte missing costs 1/4, a shared one a whole byte."""
+    dense = {"config": {}, "ffn": {"n_ff": 600}}
+    assert [budget.ffn_reads(dense, 600, c) for c in (0, 250, 600, 700)] == [600, 350, 0, 0]
+    moe = {"config": {"n_experts": 4, "n_experts_used": 1, "n_ff_shared": 200, "n_ff": 100},
+           "ffn": {"n_ff": 600}}
+    assert [budget.ffn_reads(moe, 600, c) for c in (600, 400, 200, 0)] == [0, 50, 100, 300]
+    assert [budget._whole_experts(moe, r) for r in (150, 250, 399, 600)] == [150, 200, 300, 600]
+
 def run(model, *args, rss=100 * MiB, monkeypatch=None):
     monkeypatch.setattr(budget, "process_rss", lambda: rss)
     return CliRunner().invoke(app, ["run", str(model), "-p", "hello there", "-n", "3", "--temp", "0",

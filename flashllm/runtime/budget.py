@@ -22,7 +22,9 @@ Resident at run time (all counted against --dram-budget):
                     bytes read a token, and its compute overlaps its reads: _head_overlap).
     neuron caches   per layer (capacity, stride) rows + maps; the rest of the budget
 A dense byte kept saves one byte read per token; a cache byte saves less (only its hits), and an
-embedding row costs one small read per token: hence that order.
+embedding row costs one small read per token: hence that order. A mixture of experts' cache byte
+saves only the routed share, n_experts_used / n_experts of it per token (ffn_reads): its output
+head is worth keeping over the caches, and its caches hold whole experts (_whole_experts).
 """
 from __future__ import annotations
 
@@ -68,6 +70,7 @@ class BudgetPlan:
     streamed: tuple = field(default=())   # dense tensors read from dense.bin per use
     streamed_bytes: int = 0           # of them read per token (the embedding rows not counted)
     predictor: bool = False           # the manifest's predictor is resident (runtime's choice)
+    expert_rows: int = 0              # rows (neurons) of one expert; 0: a dense FFN
 
     @property
     def cache_bytes(self) -> int:
@@ -87,9 +90,13 @@ class BudgetPlan:
         parts = ", ".join(f"{k} {mib(v)}" for k, v in self.resident.items())
         stream = f"; dense streamed: {_describe(self.streamed)} ({mib(self.streamed_bytes)} " \
                  f"per token)" if self.streamed else ""
-        return (f"DRAM budget {mib(self.budget)}: {parts}; neuron caches {mib(self.cache_bytes)} "
-                f"({self.capacity} of {self.n_ff} neurons per layer = {self.cache_fraction:.0%}, "
-                f"{self.n_pinned} pinned){stream}")
+        caches = f"({self.capacity} of {self.n_ff} neurons per layer = " \
+            f"{self.cache_fraction:.0%}, {self.n_pinned} pinned)"
+        if self.expert_rows:                  # whole experts: runtime/expert_ffn.py counts them
+            caches = f"({self.capacity} of {self.n_ff} bundles per layer)"
+        kind = "expert" if self.expert_rows else "neuron"
+        return (f"DRAM budget {mib(self.budget)}: {parts}; {kind} caches {mib(self.cache_bytes)} "
+                f"{caches}{stream}")
 
 
 def _describe(names) -> str:
@@ -209,35 +216,62 @@ def plan_budget(manifest: dict, budget_text: str, n_ctx: int, process: int, pred
             reserve = stream_reserve(manifest, n_ctx)
             _refuse(budget, budget_text, {**resident, "dense vectors": always,
                                           "stream buffers": reserve}, fixed + reserve)
-        if stream is not None and (left < 0 or _read_per_token(full_cache, stream, groups)
-                                   < full_cache - left):
+        cheaper = stream is not None and _read_per_token(manifest, full_cache, stream, groups) \
+            < ffn_reads(manifest, full_cache, left)
+        if stream is not None and (left < 0 or cheaper):
             kept, streamed, left = always + stream[0], stream[1], stream[2]
         if not naive:
             cur = (kept - always, streamed, left)
             kept, streamed, left = _head_overlap(manifest, n_ctx, budget - fixed, groups, embed,
                                                  full_cache, cur)
             kept += always
-    capacity = 0 if naive else min(n_ff, left // row)
+    capacity = 0 if naive else _whole_experts(manifest, min(n_ff, left // row))
     per_token = _streamed_bytes(groups, streamed)
     resident = {"dense weights": kept, **resident}
     if streamed:
         resident["stream buffers"] = stream_reserve(manifest, n_ctx, set(streamed))
     hot_first = f.get("neuron_order") is not None
+    moe = bool(manifest["config"].get("n_experts"))       # the router picks: no neuron order
     pins = capacity if capacity == n_ff else int(capacity * pin_fraction) if hot_first else 0
-    notes = () if hot_first or naive else ("no hot-first neuron order (run calibrate): "
-                                           "the caches hold the first neurons, not the most "
-                                           "active",)
+    notes = () if hot_first or naive or moe else (
+        "no hot-first neuron order (run calibrate): the caches hold the first neurons, not the "
+        "most active",)
     return BudgetPlan(budget, resident, n_layers, n_ff, stride, int(capacity), int(pins),
-                      staging_rows, notes, tuple(streamed), per_token)
+                      staging_rows, notes, tuple(streamed), per_token,
+                      expert_rows=int(manifest["config"]["n_ff"]) if moe else 0)
 
 
-def _read_per_token(full_cache: int, stream: tuple, groups: list) -> int:
-    """Bytes a token reads under a stream plan when every cache byte saves one read byte (static
-    reads; less with a predictor): the FFN the caches miss plus the streamed matrices. Streaming
-    a matrix to grow the caches never pays by this count (its stream buffers come off the caches
-    too) — only what does not fit, the embeddings (one row per token) and, for the overlap of its
-    compute with reads, the output head should stream."""
-    return max(0, full_cache - stream[2]) + _streamed_bytes(groups, stream[1])
+def ffn_reads(manifest: dict, full_cache: int, cache: int) -> float:
+    """Bytes of FFN bundles a decode token reads when `cache` of the full_cache bytes go to the
+    caches. Dense FFN: every byte missing (static reads; less with a predictor). A mixture of
+    experts: the missing experts' bytes times n_experts_used / n_experts (a cache of c of a
+    layer's E experts serves c / E of its routings when routing is uniform, its worst case),
+    and the shared expert's in full (cached first: runtime/expert_ffn.py)."""
+    miss, c = max(0, full_cache - cache), manifest["config"]
+    if not c.get("n_experts"):
+        return miss
+    n_ff = int(manifest["ffn"]["n_ff"])
+    experts = full_cache * (n_ff - int(c.get("n_ff_shared") or 0)) // n_ff
+    return min(miss, experts) * c["n_experts_used"] / c["n_experts"] + max(0, miss - experts)
+
+
+def _whole_experts(manifest: dict, rows: int) -> int:
+    """Cache rows per layer a mixture of experts uses of `rows`: the shared expert's, then whole
+    experts of n_ff rows (the rest would sit idle); rows unchanged for a dense FFN."""
+    c = manifest["config"]
+    if not c.get("n_experts"):
+        return rows
+    shared, n = int(c.get("n_ff_shared") or 0), int(c["n_ff"])
+    return rows if rows < shared else shared + (rows - shared) // n * n
+
+
+def _read_per_token(manifest: dict, full_cache: int, stream: tuple, groups: list) -> float:
+    """Bytes a token reads under a stream plan: the FFN the caches miss (ffn_reads) plus the
+    streamed matrices. For a dense FFN streaming a matrix to grow the caches never pays by this
+    count (its stream buffers come off the caches too) — only what does not fit, the embeddings
+    (one row per token) and, for the overlap of its compute with reads, the output head should
+    stream; for a mixture of experts, whose cache bytes save k/E of a byte, the head stays."""
+    return ffn_reads(manifest, full_cache, stream[2]) + _streamed_bytes(groups, stream[1])
 
 
 def _streamed_bytes(groups: list, streamed) -> int:
@@ -261,7 +295,8 @@ def _head_overlap(manifest: dict, n_ctx: int, avail: int, groups: list, embed: t
         return cur
     buffers = stream_reserve(manifest, n_ctx, set(alt[1])) - \
         stream_reserve(manifest, n_ctx, set(alt[1]) - {head})     # the head's two chunks
-    more = _read_per_token(full_cache, alt, groups) - _read_per_token(full_cache, cur, groups)
+    more = _read_per_token(manifest, full_cache, alt, groups) - \
+        _read_per_token(manifest, full_cache, cur, groups)
     return alt if more <= buffers else cur
 
 
