@@ -170,8 +170,10 @@ def test_all_slots_threshold_zero_gives_the_dense_tokens_tiny(tmp_path):
     assert greedy(sparse, [1, 5, 9], 10) == greedy(dense, [1, 5, 9], 10)
 
 
-@pytest.mark.parametrize("name", ["llama", "opt"])
+@pytest.mark.parametrize("name", ["llama", "opt", "qwen3", "phi3", "gemma3", "mistral_window"])
 def test_all_slots_gives_the_dense_tokens_tiny_hf(hf_tiny, tmp_path, name):
+    """Streaming through the caches and the read-ahead changes no token, on every FFN shape:
+    SwiGLU, ReLU, GeGLU with Gemma's post-FFN norm, Phi-3's split gate_up, windowed attention."""
     from flashllm.convert.convert import convert
     folder, _ = hf_tiny(name)
     path = convert(folder, tmp_path / "m", "f32")
