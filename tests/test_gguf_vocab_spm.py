@@ -56,8 +56,11 @@ def llamacpp_spm(text: str, vocab: dict[str, int], scores: list[float]) -> list[
     return out
 
 
-def llamacpp_tokenize(text: str, tokens: list[str], types: list[int], scores: list[float]) -> list[int]:
-    """BOS, then the special-token partition (longest first) and SPM on the raw pieces."""
+def llamacpp_tokenize(text: str, tokens: list[str], types: list[int], scores: list[float],
+                      space_prefix: bool = False) -> list[int]:
+    """BOS, then the special-token partition (longest first) and SPM on the raw pieces, each
+    given a leading space when space_prefix (they all follow the start or a special token:
+    llama.cpp's is_prev_special)."""
     vocab = {t: i for i, t in enumerate(tokens)}
     specials = sorted((i for i, t in enumerate(types) if t in (CONTROL, USER_DEFINED)),
                       key=lambda i: -len(tokens[i]))
@@ -77,7 +80,8 @@ def llamacpp_tokenize(text: str, tokens: list[str], types: list[int], scores: li
         parts = out
     ids = [vocab["<bos>"]]
     for p in parts:
-        ids += [p] if isinstance(p, int) else llamacpp_spm(p.replace(" ", SP), vocab, scores)
+        raw = (" " if space_prefix else "") + p if not isinstance(p, int) else p
+        ids += [p] if isinstance(p, int) else llamacpp_spm(raw.replace(" ", SP), vocab, scores)
     return ids
 
 
@@ -99,18 +103,20 @@ def random_vocab(seed: int):
     return tokens, types, [float(s) for s in scores]
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_spm_vocab_tokenizes_as_llamacpp(seed):
+@pytest.mark.parametrize("seed, space_prefix", [(1, False), (2, False), (3, True), (4, True)])
+def test_spm_vocab_tokenizes_as_llamacpp(seed, space_prefix):
+    """Gemma's vocabulary has no space prefix; Llama 2 / Phi-3 style ones do."""
     tokens, types, scores = random_vocab(seed)
     fields = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
               "tokenizer.ggml.token_type": types, "tokenizer.ggml.scores": scores,
               "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
-              "tokenizer.ggml.unknown_token_id": 0, "tokenizer.ggml.add_space_prefix": False}
+              "tokenizer.ggml.unknown_token_id": 0, "tokenizer.ggml.add_space_prefix": space_prefix}
     tok = Tokenizer.from_str(gguf_tokenizer_json(fields))
     rng = random.Random(seed + 100)
     alphabet = list("abcde ") + ["é", "東", "x", "<start>", "  "]
     for _ in range(300):
         text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 30)))
-        want = llamacpp_tokenize(text, tokens, types, scores)
+        want = llamacpp_tokenize(text, tokens, types, scores, space_prefix)
         assert tok.encode(text).ids == want, text
-        assert tok.decode(want, skip_special_tokens=True) == text.replace("<start>", "")
+        if not space_prefix:
+            assert tok.decode(want, skip_special_tokens=True) == text.replace("<start>", "")
