@@ -8,8 +8,9 @@ Run:  python -m scripts.bench.moe [--n-gen 16] [--caps 1/2,1/4]      (root, cgro
 
 The model is scripts/fixtures/make_moe_gguf.py's random-weight GGUF in OLMoE-1B-7B's shape
 (16 layers, 64 experts, top-8, d_model 2048, expert n_ff 1024, Q4_0), made into build/moe/ when
-absent and converted there by `flashllm convert --dtype q4_0`. Random routers route near-uniformly:
-the worst case for flashllm's expert cache (real text is skewed). Per cap: llama.cpp through
+absent and converted there by `flashllm convert --dtype q4_0`. Its routing is near-uniform (the
+residual stream carries the token; scripts/bench/moe_routing.py measures it): the worst case for
+flashllm's expert cache (real text is skewed). Per cap: llama.cpp through
 scripts/bench/llamacpp.py (64 fixed token ids, --n-gen tokens, file-backed weights, OpenMP
 passive; it feeds varying token ids), flashllm `run` on a 64-byte prompt with --dram-budget =
 the cap, sampling at temperature 1 (greedy decoding of random weights repeats one token, and with
