@@ -5,8 +5,8 @@
  * then qh[32], then qs[128]; value i of 32-value sub-block j is d * sc_j * u - dmin * m_j with
  * u = its q4_k nibble | bit j of qh[i] << 4.
  * q6_k (210 bytes / 256 values): ql[128], qh[64], int8 scales[16], f16 d; the superblock is two
- * halves of 128 values, value v of half h is d * scales[8h + v / 16] * (u - 32), u = the low
- * (v % 64 < 32... see q6k_u) nibble of ql and 2 bits of qh as in ggml's dequantize_row_q6_K.
+ * halves of 128 values, value v of half h is d * scales[8h + v / 16] * (u - 32), u (6 bits) a
+ * nibble of ql and 2 bits of qh as in ggml's dequantize_row_q6_K (q6k_u).
  *
  * Dequantization rounds as gguf-py does: (d * scale) in f32, times u (minus dmin * m for q5_k).
  * The int8 dot computes per superblock exact integers — isum = sum over sub-blocks of scale *
