@@ -45,9 +45,9 @@ def stored_rows(rng, qtype, shape) -> np.ndarray:
     return w if qtype == Q.F32 else quantize(w, qtype)
 
 
-TYPES = {"token_embd.weight": Q.Q6_K, "output.weight": Q.Q8_0, "attn_q": Q.Q5_0,
-         "attn_k": Q.Q4_K, "attn_v": Q.Q5_1, "attn_output": Q.Q2_K, "ffn_gate": Q.Q5_K,
-         "ffn_up": Q.Q5_K, "down0": Q.Q6_K, "down1": Q.Q4_K}
+TYPES = {"token_embd.weight": Q.Q6_K, "output.weight": Q.BF16, "attn_q": Q.Q5_0,
+         "attn_k": Q.Q4_K, "attn_v0": Q.Q5_1, "attn_v1": Q.Q8_0, "attn_output": Q.Q2_K,
+         "ffn_gate": Q.Q5_K, "ffn_up": Q.Q5_K, "down0": Q.Q6_K, "down1": Q.Q4_K}
 
 
 def write_mixed_gguf(path: Path, rng) -> dict:
@@ -68,7 +68,8 @@ def write_mixed_gguf(path: Path, rng) -> dict:
                        f"blk.{i}.ffn_down.weight": (D, FF)})
     for name, shape in shapes.items():
         kind = name.split(".")[-2] if name.startswith("blk.") else name
-        kind = f"down{name.split('.')[1]}" if kind == "ffn_down" else kind
+        kind = f"down{name.split('.')[1]}" if kind == "ffn_down" else \
+            f"attn_v{name.split('.')[1]}" if kind == "attn_v" else kind
         qtype = Q.F32 if len(shape) == 1 else TYPES[kind]
         data = (np.ones(shape, np.float32) if len(shape) == 1 else stored_rows(rng, qtype, shape))
         w.add_tensor(name, data, raw_dtype=None if qtype == Q.F32 else qtype)
@@ -97,6 +98,11 @@ def test_dense_tensors_are_the_sources_bytes(mixed):
             continue
         got = flash.tensor(name)
         raw = data.view(np.uint8).reshape(data.shape[0], -1)             # (rows, bytes)
+        if qtype == Q.BF16:                                               # widened, exactly
+            assert got.dtype == "f32" and entries[name]["origin"]["how"] == "widened"
+            np.testing.assert_array_equal(got.data.view(np.float32),
+                                          dequantize(raw, qtype).reshape(got.rows, got.cols))
+            continue
         if qtype == Q.Q2_K:                                               # no kernel: q8_0
             ref = dequantize(raw, qtype).reshape(D, D)
             assert got.dtype == "q8_0"
@@ -154,13 +160,15 @@ def test_convert_and_inspect_report_what_was_copied(mixed, tmp_path):
                           str(tmp_path / "again")], capture_output=True, text=True, cwd=ROOT)
     assert run.returncode == 0, run.stderr
     said = " ".join(run.stderr.split())
-    assert "copied byte for byte: 2 Q4_K, 2 Q5_0, 2 Q5_1, 4 Q5_K, 1 Q6_K, 1 Q8_0" in said
+    assert "copied byte for byte: 2 Q4_K, 2 Q5_0, 1 Q5_1, 4 Q5_K, 1 Q6_K, 1 Q8_0" in said
+    assert "widened to f32: 1 BF16" in said
     assert "re-quantized Q2_K -> q8_0: 2 tensors" in said
     assert "re-quantized Q6_K -> q8_0: 1 tensor, relative RMS error" in said
     run = subprocess.run([sys.executable, "-m", "flashllm", "inspect", str(out), "--json"],
                          capture_output=True, text=True, cwd=ROOT)
     rows = {t["name"]: t for t in json.loads(run.stdout)["tensors"]}
-    assert rows["blk.1.attn_v.weight"]["origin"] == {"from": "Q5_1", "how": "copied"}
+    assert rows["blk.0.attn_v.weight"]["origin"] == {"from": "Q5_1", "how": "copied"}
+    assert rows["output.weight"]["origin"] == {"from": "BF16", "how": "widened"}
     assert rows["blk.1.ffn_down"]["dtype"] == "q8_0"
     assert rows["blk.1.ffn_down"]["origin"]["how"] == "requantized"
 

@@ -105,18 +105,18 @@ def ffn_layer(source, names: dict[str, str], p: NativePlan):
 
 def report(manifest: dict) -> list[str]:
     """What a native conversion copied and re-quantized, in a few lines (convert prints them)."""
-    copied, redone = {}, {}
-    entries = [(t["name"], t.get("origin")) for t in manifest["dense"]["tensors"]]
-    for i, layer in enumerate(manifest["ffn"]["layers"]):
-        entries += [(f"blk.{i}.ffn_{p}", o) for p, o in (layer.get("origin") or {}).items()]
-    for name, o in entries:
-        if o is None:
-            continue
+    kept, redone = {"copied": {}, "widened": {}}, {}
+    entries = [t.get("origin") for t in manifest["dense"]["tensors"]]
+    for layer in manifest["ffn"]["layers"]:
+        entries += list((layer.get("origin") or {}).values())
+    for o in filter(None, entries):
         if o["how"] == "requantized":
             redone.setdefault((o["from"], o["to"]), []).append(o["rel_rms"])
         else:
-            copied[o["from"]] = copied.get(o["from"], 0) + 1
-    lines = ["copied byte for byte: " + ", ".join(f"{n} {t}" for t, n in sorted(copied.items()))]
+            kept[o["how"]][o["from"]] = kept[o["how"]].get(o["from"], 0) + 1
+    label = {"copied": "copied byte for byte", "widened": "widened to f32"}
+    lines = [f"{label[how]}: " + ", ".join(f"{n} {t}" for t, n in sorted(kept[how].items()))
+             for how in kept if kept[how]]
     for (src, dst), errs in sorted(redone.items()):
         lines.append(f"re-quantized {src} -> {dst}: {len(errs)} tensor{'s' * (len(errs) != 1)}, "
                      f"relative RMS error "
