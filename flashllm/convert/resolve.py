@@ -63,9 +63,11 @@ def _convert_apart(gguf: Path, out: Path, dtype: str, name: str) -> None:
     try:
         said = receive.recv()                  # None when done, else the error's line
     except EOFError:                           # the child died without a word
-        said = f"converting {name} stopped (exit code {child.join() or child.exitcode})"
+        child.join()
+        said = f"converting {name} stopped (exit code {child.exitcode})"
     finally:
-        if child.is_alive() and child.join(timeout=5) is None and child.is_alive():
+        child.join(timeout=5)                  # it ends right after its last word
+        if child.is_alive():
             child.terminate()
         receive.close()
     if said is not None:
