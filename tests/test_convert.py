@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 
 from flashllm.format.reader import open_flash
 from flashllm.cli import app
-from flashllm.convert.convert import convert, convert_many, convert_source
+from flashllm.convert.batch import convert_many
+from flashllm.convert.convert import convert, convert_source
 from flashllm.errors import FormatError, SourceError
 from tiny_sources import ArraySource, ref_rows, tiny_arrays, tiny_config, write_hf_llama
 

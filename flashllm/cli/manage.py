@@ -27,7 +27,7 @@ def convert(
     jobs: int = typer.Option(1, "-j", "--jobs", min=1, help="Sources converted at once (worker processes)."),
 ) -> None:
     """Repack checkpoints into the row-column-bundled flash layout."""
-    from flashllm.convert.convert import convert_many
+    from flashllm.convert.batch import convert_many
     failures = convert_many(src, out, dtype and dtype.value, force, console=err, jobs=jobs)
     if failures:
         raise typer.Exit(1)
