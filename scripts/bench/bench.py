@@ -42,11 +42,10 @@ from scripts.bench.stats import parse_stats_table, stat_cells
 
 MiB = 1 << 20
 # name -> (local GGUF file name, flash dtype); the GGUF is looked up in --models-dir, else pulled
-# (once: `flashllm pull` keeps it in the user cache).
-# q4_k copies the 1.5B's Q4_K gate/up blocks (2688-byte bundles, q4_1's 2880: -6.7% read per token, the
-# same perplexity: x1.028 of llama.cpp's at s = 0.5, q4_1 x1.026); q4_1 re-quantizes SmolLM2's Q4_1
-# blocks exactly (its d_model 576 is no multiple of 256, which Q4_K needs). BENCHMARKS.md "## Quality"
-MODELS = {"qwen2.5-coder-1.5b": ("qwen2.5-coder-1.5b.gguf", "q4_k"),
+# (once: `flashllm pull` keeps it in the user cache). The 1.5B runs at its default conversion (native:
+# the GGUF's own Q4_K / Q6_K tensors, down columns re-quantized; BENCHMARKS.md "## Quality"), as
+# `flashllm run NAME` makes it; SmolLM2 at q4_1, which re-quantizes its Q4_1 blocks exactly.
+MODELS = {"qwen2.5-coder-1.5b": ("qwen2.5-coder-1.5b.gguf", "native"),
           "smollm2-135m": ("smollm2-135m.gguf", "q4_1")}
 QWEN_CAPS = [None, 560 * MiB, 280 * MiB]          # issue 4/5: unlimited / 560 MiB / 280 MiB
 

@@ -6,7 +6,7 @@ The prompt (ChatML, written to build/bench/edit-prompt.txt) asks Qwen2.5-Coder-1
 hints to textwrap.dedent and rename a variable: an answer that mostly repeats its context, where
 prompt lookup pays. Per cap (none = all weights in DRAM, warm; a cap = cold page cache under a
 memory cgroup, as the main benchmark): flashllm `run` greedy with --draft 0 and --draft N on the
-calibrated q4_k model, and llama.cpp (Q4_K_M GGUF) plain and with LlamaPromptLookupDecoding(N).
+calibrated native model (the default conversion), and llama.cpp (Q4_K_M GGUF) plain and with LlamaPromptLookupDecoding(N).
 Prints a markdown table (decode tok/s, tokens per pass, ratios) and writes the raw JSON.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from scripts.bench.cgroup_run import parse_size
 from scripts.bench.flashllm_cli import ROOT, parse_run, run_cmd
 from scripts.bench.report import portable
 
-MODEL = Path("converted") / "qwen2.5-coder-1.5b-q4_k-cal"    # in the user cache: bench.py's
+MODEL = Path("converted") / "qwen2.5-coder-1.5b-native-cal"    # in the user cache: bench.py's
 GGUF = Path("models") / "qwen2.5-coder-1.5b.gguf"             # what `flashllm pull` writes
 
 
@@ -110,7 +110,7 @@ def draft_section(rows: list, load: tuple) -> str:
             "An editing request whose answer mostly repeats its context (scripts/bench/draft.py: "
             "add type hints to textwrap.dedent, rename a variable; ChatML, greedy, "
             f"{rows[0]['n_gen'] or '–'} tokens, 2 threads), Qwen2.5-Coder-1.5B. flashllm: the "
-            "calibrated q4_k model, `--draft 0` and `--draft N` (prompt-lookup guesses, as many "
+            "calibrated native model, `--draft 0` and `--draft N` (prompt-lookup guesses, as many "
             "per pass as pay); llama.cpp: the Q4_K_M GGUF, plain and with llama-cpp-python's "
             "LlamaPromptLookupDecoding(N). Uncapped: warm (llama.cpp one warm-up run first); "
             "a cap: "
