@@ -209,6 +209,10 @@ void fli_q4k_axpy(const uint8_t *row, float a, float *y, int64_t n);
 /* fli_wx_expand of a Q4_K row: per 32-value sub-block its nibbles, d * sc_j, -dmin * m_j */
 void fli_q4k_expand(const uint8_t *w, int64_t n, uint8_t *buf);
 
+/* kquant.c: dst (fl_row_bytes(dtype, n)) = src (n) quantized to q4_k, q5_k or q6_k (n a
+ * multiple of FL_QK_K), ggml's quantize_row_q*_K_ref bit for bit */
+void fli_quantize_kquant(int32_t dtype, const float *src, uint8_t *dst, int64_t n);
+
 /* qk.c: q5_k / q6_k rows (n a multiple of FL_QK_K): dst (n) = dequantized row, rounded as
  * gguf-py's dequantize; row . x; y (n) += a * row (f32 x, through one superblock at a time) */
 void fli_qk_dequant(int32_t dtype, const uint8_t *row, float *dst, int64_t n);

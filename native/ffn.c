@@ -350,10 +350,9 @@ static uint8_t *quantize_x(int32_t dtype, int32_t exact, const float *x, int64_t
     return xq;
 }
 
-/* a dtype a down column may have: applied in f32 by fli_axpy / fli_axpy4 */
+/* a dtype a down column may have: applied in f32 by fli_axpy / fli_axpy4 (every dtype) */
 static int down_dtype_ok(int32_t ddt) {
-    return ddt == FL_F32 || ddt == FL_F16 || ddt == FL_Q8_0 || ddt == FL_Q4_0 || ddt == FL_Q4_1 ||
-           ddt == FL_Q5_0 || ddt == FL_Q5_1;
+    return ddt >= FL_F32 && ddt <= FL_Q6_K;
 }
 
 static int32_t ffn_checked(const fl_ffn_layer *layer, const int32_t *rows, int64_t n_rows,

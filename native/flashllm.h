@@ -16,8 +16,7 @@
  *            uint8 qs[128]; }: 8 sub-blocks of 32 with 6-bit scale sc_j and min m_j packed in
  *            scales as ggml's get_scale_min_k4; value i of sub-block j = d * sc_j * nibble -
  *            dmin * m_j, its nibble the low (j even) or high (j odd) half of qs[32 * (j / 2) + i].
- *            Rows need n a multiple of 256. fl_quantize_row does not make it (FL_EUNSUPPORTED):
- *            q4_k rows are copied from Q4_K sources.
+ *            Rows need n a multiple of 256.
  *      q5_0: { f16 d; uint32 qh; uint8 nibbles[16]; } 22 bytes / 32 values, x = d * (u - 16),
  *            u = nibble (placed as in q4_0) | bit j of qh << 4 for value j.
  *      q5_1: { f16 d; f16 m; uint32 qh; uint8 nibbles[16]; } 24 bytes / 32, x = d * u + m.
@@ -27,7 +26,6 @@
  *      q6_k: ggml's block_q6_K, 210 bytes / 256 values: { uint8 ql[128]; uint8 qh[64];
  *            int8 scales[16]; f16 d; }: 16 sub-blocks of 16 values, x = d * scales[k] * (u - 32),
  *            u (6 bits) as in ggml's dequantize_row_q6_K.
- *            q5_k and q6_k rows are copied from GGUF sources (fl_quantize_row: FL_EUNSUPPORTED).
  *  - Threading is explicit: functions that take n_threads use at most that many threads.
  *  - The section between CDEF-BEGIN and CDEF-END is fed verbatim to cffi: no preprocessor there.
  */
@@ -85,7 +83,8 @@ int32_t fl_dequantize_row(int32_t dtype, const void *src, float *dst, int64_t n)
  * choice; a block that already lies on a 16-level grid of k + 1 used levels (a dequantized
  * Q4_K sub-block) is then reproduced up to the f16 rounding of d and m. A block on no grid
  * then gets up to 4 least-squares refits of (d, m) to its levels, each kept if it lowers the
- * squared error. */
+ * squared error. q4_k, q5_k and q6_k rows (n a multiple of 256) are ggml's
+ * quantize_row_q4_K_ref / q5_K_ref / q6_K_ref (no importance matrix), bit for bit (kquant.c). */
 int32_t fl_quantize_row(int32_t dtype, const float *src, void *dst, int64_t n);
 
 /* out (n_ids, cols) f32 = rows ids[] of w (rows, cols) in dtype, dequantized (embedding lookup).
@@ -136,8 +135,8 @@ int32_t fl_attention(const float *q, const void *k_cache, const void *v_cache, i
 
 /* One FFN neuron is one bundle of `stride` bytes: [gate row | up row | down column], gate and up
  * fl_row_bytes(dtype, d) bytes each (no gate part when glu == 0), the down column
- * fl_row_bytes(down_dtype, d) bytes, padding up to stride. The down column is one of f32, f16,
- * q8_0, q4_0, q4_1, q5_0, q5_1 (it is applied in f32); gate / up may be any dtype.
+ * fl_row_bytes(down_dtype, d) bytes, padding up to stride. The down column may be any dtype
+ * (it is applied in f32); so may gate / up.
  *
  * y (T, d) += sum over the used bundles i of  a_i(x) * down_i, where for each token t
  *   glu:     a_i = act(gate_i . x_t) * (up_i . x_t + up_bias[id_i])

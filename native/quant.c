@@ -200,8 +200,11 @@ static void quantize_blocks(void (*quantize_block)(const float *, uint8_t *), si
 
 int32_t fl_quantize_row(int32_t dtype, const float *src, void *dst, int64_t n) {
     if (!row_args_ok(dtype, src, dst, n)) return FL_EINVAL;
-    if (fli_is_kquant(dtype)) return FL_EUNSUPPORTED;  // k-quant rows are copied from sources
     uint8_t *out = (uint8_t *)dst;
+    if (fli_is_kquant(dtype)) {
+        fli_quantize_kquant(dtype, src, out, n);  // kquant.c
+        return FL_OK;
+    }
     const size_t bb = fli_block_bytes(dtype);
     switch (dtype) {
     case FL_F32: memcpy(out, src, (size_t)n * 4); break;

@@ -22,7 +22,7 @@ from test_kernel_isa import ISAS
 from test_q4_k import _isa_lib, int8_x, silu
 
 GG = {"q5_0": Q.Q5_0, "q5_1": Q.Q5_1, "q5_k": Q.Q5_K, "q6_k": Q.Q6_K, "q8_0": Q.Q8_0,
-      "q4_1": Q.Q4_1}
+      "q4_1": Q.Q4_1, "q4_k": Q.Q4_K}
 NEW = ["q5_0", "q5_1", "q5_k", "q6_k"]
 D = 512
 
@@ -30,12 +30,12 @@ D = 512
 def rows_of(dtype: str, rng, rows: int, cols: int) -> np.ndarray:
     """(rows, row_bytes) uint8 of dtype: gguf-py's quantization of random weights, or for the
     k-quants (no gguf-py quantizer) random blocks with realistic f16 scales."""
-    if dtype not in ("q5_k", "q6_k"):
+    if dtype not in ("q4_k", "q5_k", "q6_k"):
         w = rng.standard_normal((rows, cols)).astype(np.float32) * 0.05    # (rows, cols)
         return quantize(w, GG[dtype]).view(np.uint8).reshape(rows, -1)
     nb, bb = cols // 256, row_bytes(dtype, 256)
     blk = rng.integers(0, 256, (rows, nb, bb), dtype=np.uint8)           # (rows, nb, bb)
-    at = (0, 2) if dtype == "q5_k" else (208,)                           # d, dmin / d
+    at = (208,) if dtype == "q6_k" else (0, 2)                           # d / d, dmin
     for a in at:
         f = rng.uniform(2e-4, 1e-3, (rows, nb)).astype(np.float16)       # (rows, nb)
         blk[..., a:a + 2] = f.view(np.uint8).reshape(rows, nb, 2)
@@ -81,10 +81,10 @@ def test_quantize_equals_gguf_py_bit_for_bit(dtype):
                                   quantize(w, GG[dtype]).view(np.uint8).reshape(17, -1))
 
 
-def test_k_quants_are_never_made_from_floats():
-    for dtype in ("q5_k", "q6_k"):
+def test_k_quant_rows_are_whole_superblocks():
+    for dtype in ("q4_k", "q5_k", "q6_k"):
         with pytest.raises(KernelError):
-            quantize_rows(np.zeros((1, 256), np.float32), dtype)
+            quantize_rows(np.zeros((1, 288), np.float32), dtype)
         with pytest.raises(KernelError):
             row_bytes(dtype, 288)
     assert row_bytes("q6_k", 1536) == 1260 and row_bytes("q5_k", 1536) == 1056
@@ -133,7 +133,7 @@ def bundles_of(dtype: str, down: str, n: int, seed: int):
 
 
 @pytest.mark.parametrize("dtype", NEW)
-@pytest.mark.parametrize("down", ["q8_0", "q5_1"])
+@pytest.mark.parametrize("down", ["q8_0", "q5_1", "q4_k", "q5_k", "q6_k"])
 @pytest.mark.parametrize("T", [1, 3, 13])
 def test_ffn_bundles_against_numpy(dtype, down, T):
     data, (g, u, dn) = bundles_of(dtype, down, 70, seed=T)
@@ -153,7 +153,8 @@ def test_every_instruction_set(isa):
     ffi, lib = _isa_lib(isa)
     f32 = lambda a: ffi.cast("float *", ffi.from_buffer(a))  # noqa: E731
     for code, dtype in ((6, "q5_0"), (7, "q5_1"), (8, "q5_k"), (9, "q6_k")):
-        data, (g, u, dn) = bundles_of(dtype, "q5_1", 40, seed=code)
+        down = dtype if code >= 8 else "q5_1"                             # k-quant columns too
+        data, (g, u, dn) = bundles_of(dtype, down, 40, seed=code)
         w = np.ascontiguousarray(data[:, :row_bytes(dtype, D)])           # (40, row_bytes)
         out = np.zeros(D, np.float32)
         assert lib.fl_dequantize_row(code, ffi.from_buffer(w[3]), f32(out), D) == 0
@@ -167,7 +168,8 @@ def test_every_instruction_set(isa):
             close(y, xr @ g.T, (isa, dtype, T))
             layer = ffi.new("fl_ffn_layer *", {"bundles": ffi.from_buffer(data), "n": 40,
                                                "stride": data.shape[1], "dtype": code,
-                                               "down_dtype": 7, "d": D, "glu": 1, "act": 0})
+                                               "down_dtype": max(7, code), "d": D, "glu": 1,
+                                               "act": 0})
             y = np.zeros((T, D), np.float32)
             assert lib.fl_ffn_bundles(layer, ffi.NULL, 0, 0.0, f32(x), T, f32(y), 0, 2) == 0
             close(y, (silu(xr @ g.T) * (xr @ u.T)) @ dn, (isa, dtype, T))

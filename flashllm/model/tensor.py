@@ -19,10 +19,13 @@ BLOCK_BYTES = {"f32": 4, "f16": 2, "q8_0": 34, "q4_0": 18, "q4_1": 20, "q4_k": 1
 GGML_TYPE = {"f32": "F32", "f16": "F16", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1",
              "q4_k": "Q4_K", "q5_0": "Q5_0", "q5_1": "Q5_1", "q5_k": "Q5_K", "q6_k": "Q6_K"}
 FROM_GGML = {v: k for k, v in GGML_TYPE.items()}
-# what flashllm can quantize floats to (the k-quants are only ever copied from a GGUF)
+# what a conversion's --dtype can quantize floats to (its k-quant rows are copied from a GGUF)
 QUANTIZABLE = ("f32", "f16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+# the k-quants flashllm makes from floats (native/kquant.c, ggml's reference quantizers): a
+# native conversion's down columns
+KQUANTS = ("q4_k", "q5_k", "q6_k")
 # the dtypes a bundle's down column may have (applied in f32 by the kernel)
-DOWN_DTYPES = QUANTIZABLE
+DOWN_DTYPES = QUANTIZABLE + KQUANTS
 # a q4_k model keeps only gate / up rows in q4_k (ggml Q4_K blocks copied from the source): its
 # FFN down columns and its dense tensors are stored as q4_1
 COMPANION = {"q4_k": "q4_1"}
