@@ -16,6 +16,7 @@ from rich.text import Text
 
 from flashllm.convert.native import report as native_report
 from flashllm.format.layout import MANIFEST_FILE, NATIVE
+from flashllm.model.tensor import companion
 from flashllm.storage.costmodel import CostModel
 from flashllm.storage.profile import (CHUNKS, REPEATS, SEQ_THREADS, THREADS, Cell, Profile, measure, scratch_file)
 from flashllm.units import KiB, format_size
@@ -46,8 +47,9 @@ def flash_summary(flash, verify: bool = False) -> dict:
         "created_by": m.get("created_by"), "source": m.get("source", {}).get("path"),
         "config": cfg.to_dict(), "dtype": flash.dtype,
         "dense": {"tensors": len(dense), "nbytes": m["dense"]["nbytes"], "bytes_by_dtype": dict(by_dtype)},
-        "ffn": {"dtype": ffn.dtype, "down_dtype": ffn.down_dtype, "parts": list(m["ffn"]["parts"]),
-                "bundle_bytes": ffn.stride,
+        "ffn": {"dtype": ffn.dtype, "down_dtype": _per_layer(ffn.down_dtypes),
+                "parts": list(m["ffn"]["parts"]),
+                "bundle_bytes": ffn.stride if ffn.uniform else list(ffn.strides),
                 "bundles": cfg.n_layers * cfg.ffn_slots, "nbytes": m["ffn"]["nbytes"],
                 "hot_first_order": ffn.neuron_order is not None},
         "tokenizer": m["tokenizer"].get("file") is not None, "chat_template": flash.chat_template is not None,
@@ -64,8 +66,9 @@ def tensor_rows(m: dict) -> list[dict]:
     rows = [{"name": t["name"], "dtype": t["dtype"], "shape": t["shape"],
              "origin": t.get("origin")} for t in m["dense"]["tensors"]]
     f = m["ffn"]
-    dts = {"gate": f["dtype"], "up": f["dtype"], "down": f.get("down_dtype", f["dtype"])}
     for i, layer in enumerate(f["layers"]):
+        dts = {"gate": f["dtype"], "up": f["dtype"],
+               "down": layer.get("down_dtype", f.get("down_dtype", companion(f["dtype"])))}
         rows += [{"name": f"blk.{i}.ffn_{p}", "dtype": dts[p], "shape": None,
                   "origin": (layer.get("origin") or {}).get(p)} for p in f["parts"]]
     return rows
@@ -83,6 +86,25 @@ def tensors_table(s: dict) -> Table:
             else f"{o['from']}, re-quantized (relative RMS error {o['rel_rms']:.3%})"
         table.add_row(escape(t["name"]), t["dtype"], how)
     return table
+
+
+def _per_layer(values) -> str | list:
+    """One value when every layer has it, else the per-layer list."""
+    return values[0] if len(set(values)) == 1 else list(values)
+
+
+def _counted(v) -> str:
+    """'q4_k' or, per layer, 'q4_k ×15, q6_k ×13' (first-seen order)."""
+    if not isinstance(v, list):
+        return str(v)
+    return ", ".join(f"{x} ×{v.count(x)}" for x in dict.fromkeys(v))
+
+
+def _bytes_of(v) -> str:
+    """'3360' or, per layer, '2592 .. 3008 (mean 2785)'."""
+    if not isinstance(v, list):
+        return str(v)
+    return f"{min(v)} .. {max(v)} (mean {sum(v) / len(v):.0f})"
 
 
 def _experts(cfg: dict) -> str:
@@ -105,7 +127,7 @@ def summary_table(s: dict) -> Table:
                   f"{cfg['n_heads']}/{cfg['n_kv_heads']} heads × {cfg['head_dim']}, vocab {cfg['vocab_size']}, "
                   f"context {cfg['context_length']}"),
         ("ffn", f"{s['ffn']['dtype']} bundles [{' | '.join(s['ffn']['parts'])}] (down "
-                f"{s['ffn']['down_dtype']}) of {s['ffn']['bundle_bytes']} B, "
+                f"{_counted(s['ffn']['down_dtype'])}) of {_bytes_of(s['ffn']['bundle_bytes'])} B, "
                 f"{s['ffn']['bundles']} bundles, {format_size(s['ffn']['nbytes'])}"
                 + (", hot-first order" if s["ffn"]["hot_first_order"] else "")),
         ("dense", f"{s['dense']['tensors']} tensors, {format_size(s['dense']['nbytes'])} ("

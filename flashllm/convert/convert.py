@@ -39,8 +39,10 @@ def convert(src: Path, out: Path, dtype: str | None, force: bool = False,
 
 
 def convert_source(source, out: Path, dtype: str, *, force: bool = False,
-                   progress: ProgressFn | None = None, description: dict | None = None) -> Path:
-    """Write an opened Source (sources.Source protocol) as a flash model folder at out."""
+                   progress: ProgressFn | None = None, description: dict | None = None,
+                   step_up: bool = False) -> Path:
+    """Write an opened Source (sources.Source protocol) as a flash model folder at out
+    (step_up: a native conversion's k-quant down columns one type finer, native.plan)."""
     cfg = source.config
     dense, ffn = _plan(source)
     if dtype == "q4_k" and cfg.n_experts:
@@ -48,12 +50,12 @@ def convert_source(source, out: Path, dtype: str, *, force: bool = False,
                           "q4_0 or q8_0)")
     if dtype == "q4_k":
         _check_q4_k(source, ffn)
-    plan = native.plan(source, ffn) if dtype == NATIVE else None
+    plan = native.plan(source, ffn, step_up) if dtype == NATIVE else None
     nbytes = {n: source.tensor_nbytes(n) for n in source.tensor_names()}   # as the source stores them
     total, done = sum(nbytes.values()), 0
     tick = progress or (lambda done, total: None)
     with FlashWriter(out, cfg, dtype, force=force, source=description,
-                     ffn_dtypes=plan and (plan.ffn_dtype, plan.down_dtype)) as w:
+                     ffn_dtypes=plan and (plan.ffn_dtype, list(plan.down_dtypes))) as w:
         w.set_tokenizer(source.tokenizer_json, source.chat_template)
         for name in dense:
             w.add_tensor(name, *(native.dense_tensor(source, name) if plan else
@@ -65,7 +67,7 @@ def convert_source(source, out: Path, dtype: str, *, force: bool = False,
             if cfg.n_experts:
                 _write_experts(source, w, layer, groups)
             elif plan:
-                gate, up, down, origin = native.ffn_layer(source, groups[""], plan)
+                gate, up, down, origin = native.ffn_layer(source, layer, groups[""], plan)
                 w.add_ffn_layer(layer, gate, up, down, origin=origin)
             else:
                 weights = {part: _ffn_part(source, name, part, dtype)

@@ -7,13 +7,15 @@ re-quantized, and how each tensor was made is recorded in the manifest (`origin`
   to q8_0 (f16 when a row is not whole blocks of 32).
 - FFN gate / up rows are the source's rows: copied when every layer stores both in one type the
   kernel has and d_model is whole blocks of it; else re-quantized to q8_0.
-- FFN down columns cut across the source's row blocks, so they are always re-quantized, to q8_0
-  (f16 when d_model is not whole blocks of 32), whatever the source type: at least as precise as
-  any type a GGUF stores them in. A smaller type was measured: q5_1 columns (one bit per weight
-  more than SmolLM2's Q4_1, 3.9% relative RMS error) cost its perplexity 3.8% (11.38 against
-  10.97 with q8_0 columns, 8 chunks of the evaluation text), where q8_0's 0.5% costs nothing
-  measurable. Every layer shares one bundle stride, so one layer's smaller columns would save
-  no byte of any read; `--dtype` makes smaller models for users who choose them.
+- FFN down columns cut across the source's row blocks, so they are always re-quantized, per
+  layer (down_column): a k-quant source layer's (Q4_K, Q5_K, Q6_K; Q2_K and Q3_K as q4_k) to
+  the same k-quant (ggml's reference quantizer, native/kquant.c) when d_model is whole
+  superblocks of 256, so a Q4_K_M model keeps its Q6_K layers' columns in q6_k and its Q4_K
+  layers' in q4_k; any other to q8_0 (f16 when d_model is not whole blocks of 32): at least as
+  precise as the 32-block types a GGUF stores them in. A smaller 32-block type was measured:
+  q5_1 columns (one bit per weight more than SmolLM2's Q4_1, 3.9% relative RMS error) cost its
+  perplexity 3.8% (11.38 against 10.97 with q8_0 columns, 8 chunks of the evaluation text).
+  Each layer has its own bundle stride (docs/FORMAT.md), so a smaller column is fewer bytes read.
 The error of a re-quantization is its relative RMS, |requantized - source| / |source|, over the
 tensor (the source's dequantized values are the reference).
 """
@@ -29,29 +31,44 @@ from flashllm.format.layout import fits
 from flashllm.model.tensor import FROM_GGML, QTensor
 
 FALLBACK = "q8_0"     # the down columns, and what any type the kernel lacks becomes
+# a k-quant source's down columns: the same k-quant (Q2_K / Q3_K: the smallest flashllm makes)
+KQUANT_DOWN = {"Q2_K": "q4_k", "Q3_K": "q4_k", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}
+STEP_UP = {"q4_k": "q5_k", "q5_k": "q6_k", "q6_k": "q6_k"}
 
 
 @dataclass(frozen=True)
 class NativePlan:
     ffn_dtype: str          # the bundles' gate / up rows
     gate_up_copied: bool    # False: re-quantized to ffn_dtype (the source's type does not fit)
-    down_dtype: str         # every layer's down column
+    down_dtypes: tuple      # per layer: the down column's dtype
 
 
-def plan(source, ffn: list[dict[str, dict[str, str]]]) -> NativePlan:
+def down_column(stored: str, d_model: int, step_up: bool = False) -> str:
+    """The dtype of a down column of d_model values whose source tensor is a `stored` ggml type:
+    its own k-quant (one step finer with step_up) when d_model is whole superblocks, else q8_0
+    (f16 when not whole blocks of 32)."""
+    dt = KQUANT_DOWN.get(stored)
+    if dt is not None and fits(dt, d_model):
+        return STEP_UP[dt] if step_up else dt
+    return FALLBACK if fits(FALLBACK, d_model) else "f16"
+
+
+def plan(source, ffn: list[dict[str, dict[str, str]]], step_up: bool = False) -> NativePlan:
     """The FFN dtypes of a native conversion of source (ffn: per layer {group: {part: tensor
     name}}, group "" a dense FFN's). A mixture of experts' FFN is re-quantized to q8_0 (its
-    expert tensors are written one expert at a time from f32)."""
+    expert tensors are written one expert at a time from f32). step_up: k-quant down columns
+    one type finer than the source's (down_column)."""
     if not source.stores_blocks:
         raise SourceError(f"{source.path}: a native conversion keeps a GGUF's own types; this "
                           "source has none (choose --dtype)")
     d = source.config.d_model
     if source.config.n_experts:
-        return NativePlan(FALLBACK, False, FALLBACK)
+        return NativePlan(FALLBACK, False, (FALLBACK,) * source.config.n_layers)
     types = {source.stored_type(n) for groups in ffn for p, n in groups[""].items() if p != "down"}
     dt = FROM_GGML.get(types.pop()) if len(types) == 1 else None
     copied = dt is not None and fits(dt, d)
-    return NativePlan(dt if copied else FALLBACK, copied, FALLBACK if fits(FALLBACK, d) else "f16")
+    downs = tuple(down_column(source.stored_type(g[""]["down"]), d, step_up) for g in ffn)
+    return NativePlan(dt if copied else FALLBACK, copied, downs)
 
 
 def rel_rms(got: np.ndarray, ref: np.ndarray) -> float:
@@ -85,7 +102,7 @@ def dense_tensor(source, name: str) -> tuple[np.ndarray | QTensor, dict | None]:
     return requantized(x, FALLBACK if fits(FALLBACK, shape[1]) else "f16", stored)
 
 
-def ffn_layer(source, names: dict[str, str], p: NativePlan):
+def ffn_layer(source, layer: int, names: dict[str, str], p: NativePlan):
     """(gate or None, up, down, origin) of one layer for FlashWriter.add_ffn_layer: QTensors in
     the plan's dtypes (down as its columns, (n_ff, d_model))."""
     parts, origin = {}, {}
@@ -93,7 +110,7 @@ def ffn_layer(source, names: dict[str, str], p: NativePlan):
         stored = source.stored_type(name)
         if part == "down":
             cols = np.ascontiguousarray(source.load(name).T)             # (n_ff, d_model)
-            parts[part], origin[part] = requantized(cols, p.down_dtype, stored)
+            parts[part], origin[part] = requantized(cols, p.down_dtypes[layer], stored)
         elif p.gate_up_copied:
             n_ff, d = source.tensor_shape(name)
             parts[part] = QTensor(source.load_blocks(name), p.ffn_dtype, n_ff, d)

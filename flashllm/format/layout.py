@@ -105,6 +105,12 @@ def ffn_stride(dtype: str, d_model: int, glu: bool, down_dtype: str | None = Non
     return align_up(sum(ffn_part_bytes(dtype, d_model, glu, down_dtype)), STRIDE_ALIGN)
 
 
+def layer_strides(ffn: dict) -> list[int]:
+    """Each layer's bundle stride from a manifest's ffn section: its own `stride`, else the
+    section's (every folder before per-layer down dtypes)."""
+    return [int(e.get("stride", ffn["stride"])) for e in ffn["layers"]]
+
+
 def crc32_file(f, offset: int, nbytes: int) -> int:
     """zlib.crc32 of nbytes of the open binary file f from offset, read in CRC_CHUNK pieces."""
     crc, done = 0, 0

@@ -16,7 +16,7 @@ import numpy as np
 
 from flashllm.format.layout import (NATIVE, DENSE_FILE, DENSE_HEADER, DENSE_MAGIC, DTYPE_CODES, FFN_ALIGN, FFN_FILE,
                             FFN_HEADER, FFN_MAGIC, FORMAT_VERSION, MAGIC, MANIFEST_FILE, STRIDE_ALIGN,
-                            crc32_file, ffn_part_bytes, ffn_parts, fits, ffn_weight, required_tensors, tensor_nbytes)
+                            align_up, crc32_file, ffn_part_bytes, ffn_parts, fits, ffn_weight, required_tensors, tensor_nbytes)
 from flashllm.model.config import ModelConfig
 from flashllm.errors import FormatError
 from flashllm.model.tensor import DOWN_DTYPES, QTensor, companion, row_bytes
@@ -31,14 +31,24 @@ class FfnLayout:
     glu: bool
     d_model: int
     n_ff: int                         # bundle slots per layer (ModelConfig.ffn_slots)
-    part_bytes: int                   # row_bytes(dtype, d_model): one gate/up/down part (gate/up
-                                      # only for q4_k, whose down part is a q4_1 row)
-    stride: int                       # bytes per bundle slot (parts + padding)
+    part_bytes: int                   # row_bytes(dtype, d_model): one gate / up part
+    stride: int                       # bytes per bundle slot of the widest layer (buffers that
+                                      # serve any layer); each layer's own: strides
     layer_offsets: list[int]          # byte offset of each layer's region in ffn.bin (4096-aligned)
-    layer_nbytes: int                 # n_ff * stride: bytes of bundles per layer
     layer_crc32: list[int]
     neuron_order: np.ndarray | None   # (n_layers, n_ff) int32, slot j holds neuron order[l, j]; None: j
-    down_dtype: str                   # the down column's dtype (companion(dtype) in older folders)
+    down_dtype: str                   # the manifest's down dtype (companion(dtype) in older folders)
+    strides: tuple[int, ...]          # per layer: bytes per bundle slot (parts + padding)
+    down_dtypes: tuple[str, ...]      # per layer: the down column's dtype
+
+    @property
+    def uniform(self) -> bool:
+        """Every layer has the same stride and down dtype (all folders before per-layer ones)."""
+        return len(set(self.strides)) == 1 and len(set(self.down_dtypes)) == 1
+
+    def layer_nbytes(self, layer: int) -> int:
+        """n_ff * the layer's stride: bytes of its bundles."""
+        return self.n_ff * self.strides[layer]
 
 
 def open_flash(path: Path, verify: bool = False) -> "FlashModel":
@@ -93,11 +103,11 @@ class FlashModel:
         return as_tensor(raw, t)
 
     def read_ffn_layer(self, layer: int) -> np.ndarray:
-        """Layer `layer`'s bundles read into DRAM: (n_ff, stride) uint8."""
+        """Layer `layer`'s bundles read into DRAM: (n_ff, its stride) uint8."""
         if not 0 <= layer < self.config.n_layers:
             raise FormatError(f"FFN layer {layer} out of range (model has {self.config.n_layers})")
         f = self.ffn
-        buf = np.empty((f.n_ff, f.stride), dtype=np.uint8)                       # (n_ff, stride)
+        buf = np.empty((f.n_ff, f.strides[layer]), dtype=np.uint8)               # (n_ff, stride)
         with open(f.file, "rb") as fh:
             fh.seek(f.layer_offsets[layer])
             got = fh.readinto(memoryview(buf).cast("B"))
@@ -113,7 +123,7 @@ class FlashModel:
                     raise FormatError(f"{self.dense_file}: checksum mismatch in tensor {name}")
         with open(self.ffn.file, "rb") as fh:
             for layer, (off, want) in enumerate(zip(self.ffn.layer_offsets, self.ffn.layer_crc32)):
-                if crc32_file(fh, off, self.ffn.layer_nbytes) != want:
+                if crc32_file(fh, off, self.ffn.layer_nbytes(layer)) != want:
                     raise FormatError(f"{self.ffn.file}: checksum mismatch in FFN layer {layer}")
         for entry in (self.manifest["tokenizer"], self.manifest["ffn"].get("neuron_order")):
             if entry and entry.get("file"):
@@ -308,25 +318,47 @@ def _check_ffn(path: Path, m: dict, cfg: ModelConfig) -> FfnLayout:
             raise FormatError(f"{where}: {key}={f.get(key)!r}, the config needs {value!r}")
     file = _side_file(path, f, where)      # ffn.bin, or the file a hot-first rewrite made
     stride, layer_bytes, size = (_nat(f, k, where) for k in ("stride", "layer_bytes", "nbytes"))
-    n_ff, used = cfg.ffn_slots, sum(ffn_part_bytes(dtype, cfg.d_model, cfg.glu, down))
-    if stride < used or stride % STRIDE_ALIGN or layer_bytes < n_ff * stride or layer_bytes % FFN_ALIGN:
-        raise FormatError(f"{where}: stride {stride} / layer_bytes {layer_bytes} do not fit "
-                          f"{n_ff} bundles of {used} bytes")
     layers = _get(f, "layers", list, where)
     if len(layers) != cfg.n_layers:
         raise FormatError(f"{where}: {len(layers)} layers listed, the config has {cfg.n_layers}")
+    strides, downs = _layer_strides(layers, cfg, dtype, (stride, layer_bytes, down), where)
     offsets = [_nat(e, "offset", f"{where}.layers[{i}]") for i, e in enumerate(layers)]
     crcs = [_nat(e, "crc32", f"{where}.layers[{i}]") for i, e in enumerate(layers)]
-    for i, (e, off) in enumerate(zip(layers, offsets)):
-        if e.get("nbytes") != n_ff * stride or off % FFN_ALIGN or off < FFN_ALIGN \
-                or off + layer_bytes > size or (i and off < offsets[i - 1] + layer_bytes):
+    end = FFN_ALIGN
+    for i, (e, off, s) in enumerate(zip(layers, offsets, strides)):
+        region = layer_bytes if s == stride else align_up(cfg.ffn_slots * s, FFN_ALIGN)
+        if e.get("nbytes") != cfg.ffn_slots * s or off % FFN_ALIGN or off < end \
+                or off + region > size:
             raise FormatError(f"{where}.layers[{i}]: region at {off} is misaligned, overlapping or "
                               f"outside {file.name} ({size} bytes)")
+        end = off + region
     _check_ffn_header(file, size, (DTYPE_CODES[dtype], int(cfg.glu), cfg.n_layers,
-                      cfg.d_model, n_ff, want["part_bytes"], stride, layer_bytes, size))
-    return FfnLayout(file, dtype, cfg.glu, cfg.d_model, n_ff, want["part_bytes"], stride,
-                     offsets, n_ff * stride, crcs, _read_order(path, f.get("neuron_order"), cfg),
-                     down)
+                      cfg.d_model, cfg.ffn_slots, want["part_bytes"], stride, layer_bytes, size))
+    return FfnLayout(file, dtype, cfg.glu, cfg.d_model, cfg.ffn_slots, want["part_bytes"], stride,
+                     offsets, crcs, _read_order(path, f.get("neuron_order"), cfg), down,
+                     tuple(strides), tuple(downs))
+
+
+def _layer_strides(layers: list, cfg: ModelConfig, dtype: str, top: tuple, where: str):
+    """([stride], [down dtype]) per layer: a layer entry's own `stride` / `down_dtype`, else the
+    section's (top: stride, layer_bytes, down_dtype). The widest stride is the section's."""
+    stride, layer_bytes, down = top
+    strides, downs = [], []
+    for i, e in enumerate(layers):
+        w = f"{where}.layers[{i}]"
+        s = _nat(e, "stride", w) if "stride" in e else stride
+        dd = _get(e, "down_dtype", str, w) if "down_dtype" in e else down
+        used = sum(ffn_part_bytes(dtype, cfg.d_model, cfg.glu, dd)) \
+            if dd in DOWN_DTYPES and fits(dd, cfg.d_model) else None
+        if used is None or s < used or s % STRIDE_ALIGN or s > stride:
+            raise FormatError(f"{w}: stride {s} / down_dtype {dd!r} do not fit a bundle of "
+                              f"d_model={cfg.d_model} (the widest stride is {stride})")
+        strides.append(s)
+        downs.append(dd)
+    if stride not in strides or layer_bytes < cfg.ffn_slots * stride or layer_bytes % FFN_ALIGN:
+        raise FormatError(f"{where}: stride {stride} / layer_bytes {layer_bytes} do not fit "
+                          f"{cfg.ffn_slots} bundles of the widest layer")
+    return strides, downs
 
 
 def _check_ffn_header(file: Path, size: int, want: tuple) -> None:

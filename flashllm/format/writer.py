@@ -42,20 +42,25 @@ class FlashWriter:
     """Write tensors with add_tensor, then every FFN layer in order with add_ffn_layer, then finish()."""
 
     def __init__(self, out: Path, config: ModelConfig, dtype: str, *, force: bool = False,
-                 source: dict | None = None, ffn_dtypes: tuple[str, str] | None = None) -> None:
+                 source: dict | None = None,
+                 ffn_dtypes: tuple[str, str | list[str]] | None = None) -> None:
         """dtype: the conversion's (a storage dtype, or NATIVE: every 2-D tensor comes as a
         QTensor); ffn_dtypes: (gate / up, down) of the bundles, by default (dtype,
-        companion(dtype))."""
+        companion(dtype)); down may be a list, one dtype per layer (each layer then has its own
+        stride)."""
         if dtype not in DTYPE_CODES and not (dtype == NATIVE and ffn_dtypes):
             raise FormatError(f"unknown storage dtype {dtype!r} (one of {', '.join(DTYPE_CODES)})")
-        self.ffn_dtype, self.down_dtype = ffn_dtypes or (dtype, companion(dtype))
-        for dt in (self.ffn_dtype, self.down_dtype):
+        self.ffn_dtype, down = ffn_dtypes or (dtype, companion(dtype))
+        self.downs = [down] * config.n_layers if isinstance(down, str) else list(down)
+        if len(self.downs) != config.n_layers:
+            raise FormatError(f"{len(self.downs)} down dtypes for {config.n_layers} layers")
+        for dt in (self.ffn_dtype, *self.downs):
             if not fits(dt, config.d_model):
                 raise FormatError(f"d_model={config.d_model} is not a multiple of "
                                   f"{BLOCK_SIZE.get(dt, '?')}: the FFN cannot be stored as {dt} "
                                   "(use f16 or f32)")
-        if self.down_dtype not in DOWN_DTYPES:
-            raise FormatError(f"a bundle's down column cannot be {self.down_dtype}")
+        if not set(self.downs) <= set(DOWN_DTYPES):
+            raise FormatError(f"a bundle's down column cannot be {sorted(set(self.downs))}")
         self.out, self.cfg, self.dtype, self.force = Path(out), config.validate(), dtype, force
         self.source = source or {}
         self._check_target()
@@ -65,8 +70,14 @@ class FlashWriter:
         self.orders: list[np.ndarray | None] = []
         self.tokenizer_json: str | None = None
         self.chat_template: str | None = None
-        self.stride = ffn_stride(self.ffn_dtype, config.d_model, config.glu, self.down_dtype)
+        self.strides = [ffn_stride(self.ffn_dtype, config.d_model, config.glu, dd)
+                        for dd in self.downs]                        # per layer
+        self.stride = max(self.strides)                              # the widest layer's
+        self.down_dtype = self.downs[self.strides.index(self.stride)]
         self.layer_bytes = align_up(config.ffn_slots * self.stride, FFN_ALIGN)
+        regions = [align_up(config.ffn_slots * s, FFN_ALIGN) for s in self.strides]
+        self.offsets = [FFN_ALIGN + sum(regions[:i]) for i in range(config.n_layers)]
+        self.ffn_bytes = FFN_ALIGN + sum(regions)
         self._ffn = None
         self._rows = (0, 0)            # (slots written, crc32 so far) of the layer being written
         try:
@@ -159,14 +170,16 @@ class FlashWriter:
             self._open_ffn()
         done, crc = self._rows
         bundles = self._bundles(layer, gate, up, down, order, self.cfg.ffn_slots - done)  # (n, stride)
-        offset = FFN_ALIGN + layer * self.layer_bytes
-        self._io(self._ffn, lambda f: (f.seek(offset + done * self.stride), f.write(bundles)))
+        offset, stride = self.offsets[layer], self.strides[layer]
+        self._io(self._ffn, lambda f: (f.seek(offset + done * stride), f.write(bundles)))
         done, crc = done + len(bundles), zlib.crc32(memoryview(bundles).cast("B"), crc)
         self._rows = (done, crc)
         self.state = WriterState.FFN
         if done == self.cfg.ffn_slots:
-            self._io(self._ffn, lambda f: f.write(bytes(self.layer_bytes - done * self.stride)))
-            self.layers.append({"offset": offset, "nbytes": done * self.stride, "crc32": crc,
+            pad = align_up(done * stride, FFN_ALIGN) - done * stride
+            self._io(self._ffn, lambda f: f.write(bytes(pad)))
+            own = {} if self._uniform() else {"stride": stride, "down_dtype": self.downs[layer]}
+            self.layers.append({"offset": offset, "nbytes": done * stride, "crc32": crc, **own,
                                 **({"origin": origin} if origin else {})})
             self.orders.append(order)
             self._rows = (0, 0)
@@ -190,10 +203,10 @@ class FlashWriter:
                 raise FormatError(f"layer {layer}: neuron order is not a permutation of 0..{n_ff - 1}")
         down_rows = down if isinstance(down, QTensor) else down.T       # (n_ff, d)
         rows = [gate, up, down_rows] if self.cfg.glu else [up, down_rows]
-        bundles = np.zeros((n_ff, self.stride), dtype=np.uint8)        # (n_ff, stride)
-        glu, at = self.cfg.glu, 0
-        for w, dt, pb in zip(rows, ffn_part_dtypes(self.ffn_dtype, glu, self.down_dtype),
-                             ffn_part_bytes(self.ffn_dtype, d, glu, self.down_dtype)):
+        bundles = np.zeros((n_ff, self.strides[layer]), dtype=np.uint8)  # (n_ff, stride)
+        glu, at, dd = self.cfg.glu, 0, self.downs[layer]
+        for w, dt, pb in zip(rows, ffn_part_dtypes(self.ffn_dtype, glu, dd),
+                             ffn_part_bytes(self.ffn_dtype, d, glu, dd)):
             bundles[:, at:at + pb] = _part_rows(layer, w, dt, order)  # (n_ff, pb)
             at += pb
         return bundles
@@ -203,7 +216,7 @@ class FlashWriter:
         header = FFN_HEADER.pack(FFN_MAGIC, FORMAT_VERSION, FFN_ALIGN, DTYPE_CODES[self.ffn_dtype],
                                  int(self.cfg.glu), n_layers, self.cfg.d_model, self.cfg.ffn_slots,
                                  row_bytes(self.ffn_dtype, self.cfg.d_model), self.stride,
-                                 self.layer_bytes, FFN_ALIGN + n_layers * self.layer_bytes)
+                                 self.layer_bytes, self.ffn_bytes)
         try:
             self._ffn = open(self.tmp / FFN_FILE, "wb")
         except OSError as e:
@@ -262,7 +275,7 @@ class FlashWriter:
 
     def _manifest(self, files: dict) -> dict:
         cfg, pb = self.cfg, row_bytes(self.ffn_dtype, self.cfg.d_model)
-        ffn = {"file": FFN_FILE, "nbytes": FFN_ALIGN + cfg.n_layers * self.layer_bytes,
+        ffn = {"file": FFN_FILE, "nbytes": self.ffn_bytes,
                "header_bytes": FFN_ALIGN, "alignment": FFN_ALIGN, "dtype": self.ffn_dtype,
                "down_dtype": self.down_dtype, "glu": cfg.glu,
                "parts": list(ffn_parts(cfg.glu)), "d_model": cfg.d_model, "n_ff": cfg.ffn_slots,
@@ -290,6 +303,10 @@ class FlashWriter:
             raise FormatError(f"cannot move the flash model into {self.out}: {_why(e)}") from None
 
     # ---- helpers ----------------------------------------------------------------------------
+
+    def _uniform(self) -> bool:
+        """Every layer has one stride and down dtype: the manifest's, and no per-layer fields."""
+        return len(set(self.downs)) == 1
 
     def abort(self) -> None:
         """Close the files and remove the temporary folder (safe to call more than once)."""

@@ -77,7 +77,7 @@ def plan_run(path: Path, opts: FlashOptions, n_ctx: int, process: int) -> Option
     if not plan.predictor and not opts.naive:    # the same slots every token: all rows pinned
         plan = dataclasses.replace(plan, n_pinned=plan.capacity)
     if opts.dense and plan.capacity < plan.n_ff:
-        need = plan.total - plan.cache_bytes + plan.n_layers * plan.n_ff * plan.stride
+        need = plan.total - plan.cache_bytes + plan.n_ff * plan.strides
         need_s, have = format_size(need, "MiB", up=True), format_size(plan.budget, "MiB", up=False)
         raise BudgetError(f"--dense needs {need_s} (every FFN bundle in DRAM), --dram-budget "
                           f"{opts.dram_budget} gives {have}: drop --dense to stream the FFN from "
@@ -133,7 +133,7 @@ def token_seconds(plan: BudgetPlan, load: float, predictor_bytes: int, read_ahea
     pass: the same bundles every token) the reads overlap the compute; a predicted pass
     learns what to read only at each layer, so its reads and compute add up, and its FFN
     gathers scattered rows (GATHER_COST)."""
-    ffn = plan.n_layers * plan.n_ff * plan.stride
+    ffn = plan.n_ff * plan.strides
     read = load * (1.0 - plan.cache_fraction) * ffn + plan.streamed_bytes
     touched = load * ffn * (1.0 if read_ahead else GATHER_COST) + predictor_bytes
     read_s, touch_s = read / (READ_GIB_S * 2**30), touched / (DRAM_GIB_S * 2**30)
@@ -187,7 +187,7 @@ def make_ffn(flash, opts: FlashOptions, plan: Optional[BudgetPlan], n_threads: i
         log(cost.hint)
     f = flash.ffn
     sample = np.random.default_rng(0).choice(f.n_ff, size=max(1, f.n_ff // 3), replace=False)
-    offs, lens = bundle_requests(f.layer_offsets[0], f.stride, sample)   # (k,) (k,)
+    offs, lens = bundle_requests(f.layer_offsets[0], f.strides[0], sample)   # (k,) (k,)
     threads = cost.plan(offs, lens).threads
     predictor = load_predictor(flash, n_threads) if plan.predictor else None
     reader = Reader(f.file, n_threads=threads, stage_bytes=READER_STAGE)

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flashllm.errors import FlashError
+from flashllm.format.layout import layer_strides
 from flashllm.runtime.weights import CHUNK_BYTES, aligned_offsets, attn_names
 from flashllm.units import MiB, SizeError, format_size, parse_size
 
@@ -62,7 +63,7 @@ class BudgetPlan:
     resident: dict                    # what -> bytes, everything but the neuron caches
     n_layers: int
     n_ff: int
-    stride: int
+    stride: int                       # the widest layer's bundle bytes (staging rows)
     capacity: int                     # cache rows per layer
     n_pinned: int                     # of them pinned (slots 0 .. n_pinned-1)
     staging_rows: int                 # rows of the staging buffer
@@ -71,10 +72,17 @@ class BudgetPlan:
     streamed_bytes: int = 0           # of them read per token (the embedding rows not counted)
     predictor: bool = False           # the manifest's predictor is resident (runtime's choice)
     expert_rows: int = 0              # rows (neurons) of one expert; 0: a dense FFN
+    stride_sum: int = 0               # the layers' bundle strides summed (0: n_layers * stride)
+
+    @property
+    def strides(self) -> int:
+        """Bytes of one slot in every layer: the layers' strides summed."""
+        return self.stride_sum or self.n_layers * self.stride
 
     @property
     def cache_bytes(self) -> int:
-        return self.n_layers * (self.capacity * (self.stride + ROW_MAP_BYTES) + 4 * self.n_ff)
+        return self.capacity * (self.strides + self.n_layers * ROW_MAP_BYTES) + \
+            self.n_layers * 4 * self.n_ff
 
     @property
     def total(self) -> int:
@@ -199,6 +207,7 @@ def plan_budget(manifest: dict, budget_text: str, n_ctx: int, process: int, pred
     """Keep dense weights, then size the neuron caches; BudgetError (one line) when it cannot work."""
     f = manifest["ffn"]
     n_layers, n_ff, stride = int(f["n_layers"]), int(f["n_ff"]), int(f["stride"])
+    strides = sum(layer_strides(f))                  # one slot of every layer
     budget = parse_budget(budget_text, model_bytes(manifest))
     staging_rows = min(RING_BUFFERS * n_ff, max(1, STAGING_BYTES // stride))
     resident = resident_bytes(manifest, n_ctx, process, predictor, reader_stage,
@@ -206,7 +215,7 @@ def plan_budget(manifest: dict, budget_text: str, n_ctx: int, process: int, pred
     always, groups, embed = dense_groups(manifest)
     dense_all = always + sum(b for _, b in groups) + embed[1]
     fixed = sum(resident.values()) + always + (0 if naive else 4 * n_ff * n_layers)
-    row = n_layers * (stride + ROW_MAP_BYTES)
+    row = strides + n_layers * ROW_MAP_BYTES
     full_cache = 0 if naive else n_ff * row
     _check_tokenizer_load(manifest, budget, budget_text, process)
     kept, streamed, left = dense_all, [], budget - fixed - (dense_all - always)
@@ -238,7 +247,8 @@ def plan_budget(manifest: dict, budget_text: str, n_ctx: int, process: int, pred
         "most active",)
     return BudgetPlan(budget, resident, n_layers, n_ff, stride, int(capacity), int(pins),
                       staging_rows, notes, tuple(streamed), per_token,
-                      expert_rows=int(manifest["config"]["n_ff"]) if moe else 0)
+                      expert_rows=int(manifest["config"]["n_ff"]) if moe else 0,
+                      stride_sum=strides)
 
 
 def ffn_reads(manifest: dict, full_cache: int, cache: int) -> float:

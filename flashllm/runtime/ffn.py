@@ -36,7 +36,7 @@ class DenseFfn:
                  exact: bool = False):
         cfg = flash.config
         self.dtype, self.d, self.glu, self.act = flash.ffn.dtype, cfg.d_model, cfg.glu, cfg.act
-        self.down_dtype = flash.ffn.down_dtype
+        self.down_dtypes = flash.ffn.down_dtypes                          # per layer
         self.n_threads = n_threads
         self.bundles = [np.ascontiguousarray(flash.read_ffn_layer(i))   # (n_ff, stride) uint8
                         for i in range(cfg.n_layers)]
@@ -52,7 +52,7 @@ class DenseFfn:
         kernel.ffn_bundles(self.bundles[layer], self.dtype, self.d, self.glu, self.act, h, x,
                            ids=self.ids[layer], up_bias=self.up_b[layer],
                            threshold=self.threshold[layer], n_threads=self.n_threads,
-                           exact=self.exact, down_dtype=self.down_dtype)
+                           exact=self.exact, down_dtype=self.down_dtypes[layer])
 
     def stats(self) -> dict:
         return {"ffn": "dense"}

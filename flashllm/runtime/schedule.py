@@ -7,7 +7,7 @@ head, in extents. The read-ahead reads it over and over, across layers and passe
 
     schedule = PassSchedule(buffers, ffn_chunks, ffn_request)  ffn_chunks[layer] = [(first slot, n)]
     schedule.add_dense(attention, head)                      streamed dense weights join
-    rows, counters = schedule.take(("ffn", layer, j))        rows (n, stride) of chunk j
+    rows, counters = schedule.take(("ffn", layer, j))        buffer rows holding chunk j
     ... compute ...; schedule.release()
     buf, counters = schedule.take(("attn", layer), hold=False)  bytes valid until the next take
 
@@ -30,8 +30,12 @@ FfnRequest = Callable[[int, int, int], tuple]
 class PassSchedule:
     """The schedule of a static pass over a ring of buffers (n_buf, rows, stride) uint8."""
 
-    def __init__(self, buffers: np.ndarray, ffn_chunks: list, ffn_request: FfnRequest):
+    def __init__(self, buffers: np.ndarray, ffn_chunks: list, ffn_request: FfnRequest,
+                 ffn_strides: Optional[list] = None):
+        """ffn_strides: each layer's bundle stride (default: the buffers' row); a chunk of n
+        slots fills n * its stride bytes of a buffer, take() gives whole buffer rows."""
         self.buffers, self._ffn, self._ffn_request = buffers, ffn_chunks, ffn_request
+        self._strides = ffn_strides or [buffers.shape[2]] * len(ffn_chunks)
         self._attn: dict = {}         # layer -> (reader, offsets (4,), lengths (4,), dst (4,))
         self._head: tuple = (None, [])   # (reader, [(offset, nbytes)])
         self._cursor = 0              # absolute schedule position of the next take
@@ -102,7 +106,8 @@ class PassSchedule:
                 reader, offsets, lengths, dst = self._attn[layer]
                 entries.append(Entry(("attn", layer), rows(dst[-1] + lengths[-1]), reader,
                                      offsets, lengths, dst))
-            entries += [Entry(("ffn", layer, j), n, *self._ffn_request(layer, first, n))
+            entries += [Entry(("ffn", layer, j), rows(n * self._strides[layer]),
+                              *self._ffn_request(layer, first, n))
                         for j, (first, n) in enumerate(chunks)]
         reader = self._head[0]
         entries += [Entry(("head", j), rows(nbytes), reader, np.array([offset]),

@@ -57,14 +57,16 @@ class SparseFlashFfn:
         self.threshold = manifest_thresholds(flash.manifest, cfg.n_layers)
         rows = 2 * max(1, budget_plan.staging_rows // 2)                 # two halves
         self.staging = aligned_empty(rows * f.stride).reshape(-1, f.stride)  # (rows, stride)
+        # a half of the staging buffer in bytes: layer l sees it as rows of its own stride
+        self._half_bytes = rows // 2 * f.stride
         self._ahead = None            # (layer, first chunk, half, read job) issued ahead
         cost = cost or CostModel.defaults()
         self.cost = cost
         static = getattr(predictor, "n_static", None)   # a static set: every cache row pinned
         pins = budget_plan.n_pinned if static is None else min(budget_plan.capacity, static)
         self.caches = [] if naive else [
-            NeuronCache(f.n_ff, budget_plan.capacity, f.stride, window, pins)
-            for _ in range(cfg.n_layers)]
+            NeuronCache(f.n_ff, budget_plan.capacity, f.strides[layer], window, pins)
+            for layer in range(cfg.n_layers)]
         self.rec = FlashStats("naive" if naive else "sparse", {"summary": budget_plan.summary()})
         self._token: Optional[TokenStats] = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="flashllm-read")
@@ -87,13 +89,12 @@ class SparseFlashFfn:
         first = 0 if self.naive else min(self.caches[0].n_pinned, k)
         n_buf = RING_BUFFERS if len(self.staging) >= 2 * RING_BUFFERS else 2
         step = len(self.staging) // n_buf
-        page = page_rows(self.f.stride)
-        step = step // page * page if step >= page else step   # buffers start on a page
-        chunks = [[(a, b - a) for a, b in page_chunks(self.f.layer_offsets[layer], self.f.stride,
-                                                       first, k, step)]
-                  for layer in range(n_layers)]                        # [layer][j] = (first, n)
+        step = _page_step(step, self.f.stride)                  # buffers start on a page
+        chunks = [[(a, b - a) for a, b in page_chunks(self.f.layer_offsets[layer], s, first, k,
+                                                       _page_step(step * self.f.stride // s, s))]
+                  for layer, s in enumerate(self.f.strides)]           # [layer][j] = (first, n)
         buffers = self.staging[:n_buf * step].reshape(n_buf, step, self.f.stride)  # (n_buf, step, stride)
-        reads = PassSchedule(buffers, chunks, self._static_request)
+        reads = PassSchedule(buffers, chunks, self._static_request, self.f.strides)
         return reads if reads.ring is not None else None
 
     @property
@@ -242,6 +243,7 @@ class SparseFlashFfn:
             rows, counters = self.schedule.take(key)                        # (n, stride)
             t1 = clock()
             first, n = self.schedule.chunk(key)
+            rows = as_rows(rows, n, self.f.strides[layer])                   # (n, layer's stride)
             self._compute_block(layer, rows, self._slots[first:first + n], h, x)
             self.schedule.release()
             t.add_reads(counters)
@@ -254,8 +256,9 @@ class SparseFlashFfn:
     def _static_request(self, layer: int, first: int, n: int) -> tuple:
         """The ring's FFN read of slots first .. first+n-1 (one sequential run): (reader,
         offsets (1,), lengths (1,), dst offsets (1,))."""
-        start = self.f.layer_offsets[layer] + first * self.f.stride
-        return self.reader, np.array([start]), np.array([n * self.f.stride]), np.array([0])
+        s = self.f.strides[layer]
+        return self.reader, np.array([self.f.layer_offsets[layer] + first * s]), \
+            np.array([n * s]), np.array([0])
 
     def _compute(self, layer: int, matrix: np.ndarray, rows: np.ndarray, h: np.ndarray,
                  x: np.ndarray, cache: Optional[NeuronCache] = None) -> None:
@@ -273,7 +276,7 @@ class SparseFlashFfn:
         kernel.ffn_bundles(matrix, self.f.dtype, self.d, self.glu, self.act, h, x, ids=ids,
                            up_bias=ub, n_threads=self._threads(len(rows), len(h)), rows=rows,
                            threshold=self.threshold[layer], exact=self.exact,
-                           down_dtype=self.f.down_dtype)
+                           down_dtype=self.f.down_dtypes[layer])
 
     def _threads(self, n_rows: int, T: int) -> int:
         """Threads for an FFN call over n_rows bundles of T tokens: one below SERIAL_BYTES of
@@ -287,19 +290,20 @@ class SparseFlashFfn:
         """Consecutive slots (k,) → out rows 0 .. k-1 in one sequential run (cut into the
         reader's largest reads)."""
         if len(slots):
-            start = self.f.layer_offsets[layer] + int(slots[0]) * self.f.stride
-            nbytes = np.array([len(slots) * self.f.stride])              # (1,)
+            s = self.f.strides[layer]
+            start = self.f.layer_offsets[layer] + int(slots[0]) * s
+            nbytes = np.array([len(slots) * s])                          # (1,)
             self._counted(t, self.reader.read, np.array([start]), nbytes, out.reshape(-1),
                           np.array([0]), max_gap=0, max_run=0)
 
     def _read_rows(self, layer: int, slots: np.ndarray, out: np.ndarray, rows: np.ndarray,
                    t: Optional[TokenStats]) -> None:
         """Bundles slots (k,) sorted → rows (k,) of out, merged across gaps the cost model pays."""
-        f, base = self.f, self.f.layer_offsets[layer]
-        offsets = base + slots.astype(np.int64) * f.stride               # (k,)
-        lengths = np.full(len(slots), f.stride, dtype=np.int64)          # (k,)
+        s, base = self.f.strides[layer], self.f.layer_offsets[layer]
+        offsets = base + slots.astype(np.int64) * s                      # (k,)
+        lengths = np.full(len(slots), s, dtype=np.int64)                 # (k,)
         gap, run = batch_reads(self.cost, offsets, lengths, self.reader.n_threads)
-        self._counted(t, self.reader.read_bundles, base, f.stride, slots, out, rows,
+        self._counted(t, self.reader.read_bundles, base, s, slots, out, rows,
                       max_gap=gap, max_run=run)
 
     def _counted(self, t: Optional[TokenStats], read, *args, **kwargs) -> None:
@@ -315,7 +319,7 @@ class SparseFlashFfn:
         read while chunk c computes. ahead: a layer whose first chunk (same slots) to read while
         the last chunk computes (the next layer of a prefill). fill: (matrix, slots, rows) to
         copy into the cache as they pass (consecutive chunks only)."""
-        t, step = self._token, len(self.staging) // 2
+        t, step = self._token, len(self._half(layer, 0))
         chunks = [slots[c:c + step] for c in range(0, len(slots), step)]   # each (k,)
         job, half = self._take_ahead(layer, chunks[0])
         if job is None:
@@ -331,20 +335,25 @@ class SparseFlashFfn:
                                self._pool.submit(self._read_chunk, ahead, chunks[0], 1 - half, t))
             self._compute_staged(layer, chunk, half, h, x)
             if fill is not None:
-                self._fill(fill, chunk, half)
+                self._fill(layer, fill, chunk, half)
             t.io_s += t1 - t0
             t.compute_s += clock() - t1
             t.streamed += len(chunk)
             half = 1 - half
 
-    def _fill(self, fill, chunk: np.ndarray, half: int) -> None:
+    def _fill(self, layer: int, fill, chunk: np.ndarray, half: int) -> None:
         """Copy the fill slots that lie in chunk (consecutive slots, in staging half `half`)
         into their cache rows."""
         matrix, slots, rows = fill                               # (cap, stride), (k,), (k,)
         sel = (slots >= chunk[0]) & (slots <= chunk[-1])         # (k,)
         if sel.any():
-            step = len(self.staging) // 2
-            matrix[rows[sel]] = self.staging[half * step + slots[sel] - chunk[0]]
+            matrix[rows[sel]] = self._half(layer, half)[slots[sel] - chunk[0]]
+
+    def _half(self, layer: int, half: int) -> np.ndarray:
+        """Staging half `half` (0 or 1) as rows of layer's stride: (rows, stride)."""
+        s = self.f.strides[layer]
+        flat = self.staging.reshape(-1)[half * self._half_bytes:(half + 1) * self._half_bytes]
+        return flat[:len(flat) // s * s].reshape(-1, s)
 
     def _take_ahead(self, layer: int, first: np.ndarray):
         """(the pending read of layer's first chunk, its half) if one was issued ahead, else
@@ -360,8 +369,7 @@ class SparseFlashFfn:
 
     def _read_chunk(self, layer: int, chunk: np.ndarray, half: int, t: TokenStats) -> None:
         """Slots chunk (k,) → staging half `half`: one run when they are consecutive."""
-        step = len(self.staging) // 2
-        out = self.staging[half * step:(half + 1) * step]                 # (step, stride)
+        out = self._half(layer, half)                                     # (step, stride)
         if int(chunk[-1] - chunk[0]) + 1 == len(chunk):
             self._read_seq(layer, chunk, out, t)
         else:
@@ -370,8 +378,7 @@ class SparseFlashFfn:
     def _compute_staged(self, layer: int, chunk: np.ndarray, half: int, h: np.ndarray,
                         x: np.ndarray) -> None:
         """x += FFN over staging half `half`, whose rows 0 .. k-1 hold slots chunk (k,)."""
-        step = len(self.staging) // 2
-        self._compute_block(layer, self.staging[half * step:half * step + len(chunk)], chunk, h, x)
+        self._compute_block(layer, self._half(layer, half)[:len(chunk)], chunk, h, x)
 
     def _compute_block(self, layer: int, rows: np.ndarray, slots: np.ndarray, h: np.ndarray,
                        x: np.ndarray) -> None:
@@ -382,7 +389,7 @@ class SparseFlashFfn:
         kernel.ffn_bundles(rows, self.f.dtype, self.d, self.glu, self.act, h, x, ids=ids,
                            up_bias=ub, n_threads=self._threads(len(rows), len(h)),
                            threshold=self.threshold[layer], exact=self.exact,
-                           down_dtype=self.f.down_dtype)
+                           down_dtype=self.f.down_dtypes[layer])
 
     # ---- predictor recall (check mode) -------------------------------------------------------
 
@@ -392,3 +399,15 @@ class SparseFlashFfn:
         true = exact_active(self.flash, layer, h, self.threshold[layer])   # (a,) slots
         t.true_active += len(true)
         t.true_hits += int(np.isin(true, slots, assume_unique=True).sum())
+
+
+def _page_step(step: int, stride: int) -> int:
+    """Rows of stride bytes a ring buffer of step such rows holds, cut to whole pages when
+    it holds one (buffers start on a page)."""
+    page = page_rows(stride)
+    return step // page * page if step >= page else step
+
+
+def as_rows(buf: np.ndarray, n: int, stride: int) -> np.ndarray:
+    """The first n rows of stride bytes in ring rows buf (m, ring stride) uint8: (n, stride)."""
+    return buf.reshape(-1)[:n * stride].reshape(n, stride)

@@ -75,7 +75,7 @@ def _write_ffn(flash, perm: np.ndarray, name: str) -> list[dict]:
             bundles = flash.read_ffn_layer(layer)[perm[layer]]               # (n_ff, stride) uint8
             out.seek(f.layer_offsets[layer])
             out.write(bundles.tobytes())
-            layers.append({"offset": f.layer_offsets[layer], "nbytes": f.layer_nbytes,
+            layers.append({**flash.manifest["ffn"]["layers"][layer],    # origin, own stride
                            "crc32": crc32_array(bundles)})
         out.truncate(flash.manifest["ffn"]["nbytes"])                        # trailing padding
     _sync_write(flash.path / name, write)

@@ -44,7 +44,7 @@ def main() -> None:
             for i, bundles in enumerate(layers):
                 kernel.ffn_bundles(bundles, f.dtype, cfg.d_model, cfg.glu, cfg.act, xt, y,
                                    threshold=thr[i], n_threads=args.threads,
-                                   down_dtype=f.down_dtype)
+                                   down_dtype=f.down_dtypes[i])
             best = min(best, time.perf_counter() - t0)
         cells.append(f"T={T}: {1e3 * best / len(layers):.2f}")
     print(f"{args.model.name}, {args.threads} threads, ms per layer: " + "  ".join(cells))

@@ -64,7 +64,7 @@ class SparseEval:
         if self.pred is None:
             kernel.ffn_bundles(d.bundles[layer], d.dtype, d.d, d.glu, d.act, h, x, ids=d.ids[layer],
                                up_bias=d.up_b[layer], threshold=self.act_th[layer],
-                               down_dtype=d.down_dtype)
+                               down_dtype=d.down_dtypes[layer])
             return
         hit = self.pred.score(layer, h) >= self.th[layer]                # (T, n_ff) bool
         for t in range(len(h)):
@@ -72,7 +72,7 @@ class SparseEval:
             self.loaded, self.tokens = self.loaded + rows.size, self.tokens + 1
             kernel.ffn_bundles(d.bundles[layer], d.dtype, d.d, d.glu, d.act, h[t:t + 1],
                                x[t:t + 1], ids=d.ids[layer], up_bias=d.up_b[layer], rows=rows,
-                               threshold=self.act_th[layer], down_dtype=d.down_dtype)
+                               threshold=self.act_th[layer], down_dtype=d.down_dtypes[layer])
 
     def stats(self):
         return {"ffn": "sparse-eval"}
