@@ -213,6 +213,13 @@ void fli_q4k_expand(const uint8_t *w, int64_t n, uint8_t *buf);
  * multiple of FL_QK_K), ggml's quantize_row_q*_K_ref bit for bit */
 void fli_quantize_kquant(int32_t dtype, const float *src, uint8_t *dst, int64_t n);
 
+/* kaxpy.c: y (n) += sum over r < nr (<= 4) of a[r] * rows[r], k-quant rows (q4_k, q5_k, q6_k;
+ * n a multiple of FL_QK_K): one load and store of y per superblock; dst (n) = a q6_k row
+ * dequantized, rounded as gguf-py */
+void fli_kq_axpy(int32_t dtype, const uint8_t *const *rows, const float *a, int nr, float *y,
+                 int64_t n);
+void fli_q6k_dequant(const uint8_t *row, float *dst, int64_t n);
+
 /* qk.c: q5_k / q6_k rows (n a multiple of FL_QK_K): dst (n) = dequantized row, rounded as
  * gguf-py's dequantize; row . x; y (n) += a * row (f32 x, through one superblock at a time) */
 void fli_qk_dequant(int32_t dtype, const uint8_t *row, float *dst, int64_t n);

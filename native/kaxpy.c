@@ -1,0 +1,178 @@
+/* kaxpy.c — y += sum over up to 4 k-quant rows (q4_k, q5_k, q6_k) of a_r * row_r: the FFN's
+ * down columns of a native conversion (fli_axpy / fli_axpy4 route them here), and q6_k's
+ * dequantization (fli_dequant: one row, a = 1, on zeros).
+ *
+ * One group of a superblock at a time (q6_k: 4 x 16 values sharing the byte positions of ql /
+ * qh; q4_k / q5_k: a 32-value sub-block): y's values are loaded once into registers, each row
+ * adds its values scaled by a_r times their sub-block scale, and they are stored once (the mins
+ * of q4_k / q5_k are summed per sub-block over the rows and added once). The loops are
+ * plain C over fixed 16- and 32-value runs with one scale each, which -O3 vectorizes (ggml's
+ * dequantize_row_q6_K order: four values per byte position l); a scale and a_r meet in one f32
+ * product per sub-block, so the arithmetic is dequantize-then-scale's up to that rounding. With
+ * a = 1 (fli_q6k_dequant) each value is (d * scale) * u exactly as gguf-py rounds it.
+ */
+#include "flashllm.h"
+#include "compute_internal.h"
+
+#define KQ_MAX 4 /* rows per call */
+
+/* the 4 x 16 values of byte positions l = 16g .. 16g + 15 of half h of a q6_k superblock sb,
+ * times s[k] = a * d * scale (value 128h + 32k + l, k = 0..3) */
+static inline __attribute__((always_inline)) void q6k_group(const uint8_t *sb, int h, int g,
+                                                            const float s[4], float v[4][16]) {
+    const uint8_t *l0 = sb + 64 * h + 16 * g, *l1 = l0 + 32, *hb = sb + 128 + 32 * h + 16 * g;
+    for (int i = 0; i < 16; i++) {
+        v[0][i] = s[0] * (float)(((l0[i] & 0x0F) | ((hb[i] & 3) << 4)) - 32);
+        v[1][i] = s[1] * (float)(((l1[i] & 0x0F) | (((hb[i] >> 2) & 3) << 4)) - 32);
+        v[2][i] = s[2] * (float)(((l0[i] >> 4) | (((hb[i] >> 4) & 3) << 4)) - 32);
+        v[3][i] = s[3] * (float)(((l1[i] >> 4) | (((hb[i] >> 6) & 3) << 4)) - 32);
+    }
+}
+
+/* s (4) of group (h, g) of q6_k superblock sb for coefficient a */
+static inline void q6k_scales(const uint8_t *sb, int h, int g, float a, float s[4]) {
+    const float d = fl_load_fp16(sb + 208);
+    const int8_t *sc = (const int8_t *)(sb + 192) + 8 * h + g;
+    for (int k = 0; k < 4; k++) s[k] = a * (d * sc[2 * k]);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+static inline __m512i u8x16(const uint8_t *p) {  // 16 bytes -> 16 int32 lanes
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+}
+
+/* y (256) += sum over r of a[r] * q6_k superblocks sb[r]: per group (h, g) its 4 x 16 values
+ * in 4 zmm accumulators across the rows */
+static void q6k_axpy_sb(const uint8_t *const sb[KQ_MAX], const float *a, int nr, float *y) {
+    const __m512i m4 = _mm512_set1_epi32(0x0F), m2 = _mm512_set1_epi32(3);
+    const __m512i k32 = _mm512_set1_epi32(32);
+    for (int h = 0; h < 2; h++)
+        for (int g = 0; g < 2; g++) {
+            float *o = y + 128 * h + 16 * g;
+            __m512 acc[4];
+            for (int k = 0; k < 4; k++) acc[k] = _mm512_loadu_ps(o + 32 * k);
+            for (int r = 0; r < nr; r++) {
+                float s[4];
+                q6k_scales(sb[r], h, g, a[r], s);
+                const uint8_t *l0 = sb[r] + 64 * h + 16 * g, *hb = sb[r] + 128 + 32 * h + 16 * g;
+                const __m512i L0 = u8x16(l0), L1 = u8x16(l0 + 32), HB = u8x16(hb);
+                const __m512i u[4] = {
+                    _mm512_or_si512(_mm512_and_si512(L0, m4),
+                                    _mm512_slli_epi32(_mm512_and_si512(HB, m2), 4)),
+                    _mm512_or_si512(_mm512_and_si512(L1, m4),
+                                    _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(HB, 2), m2), 4)),
+                    _mm512_or_si512(_mm512_srli_epi32(L0, 4),
+                                    _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(HB, 4), m2), 4)),
+                    _mm512_or_si512(_mm512_srli_epi32(L1, 4),
+                                    _mm512_slli_epi32(_mm512_srli_epi32(HB, 6), 4))};
+                for (int k = 0; k < 4; k++)
+                    acc[k] = _mm512_fmadd_ps(_mm512_set1_ps(s[k]),
+                                             _mm512_cvtepi32_ps(_mm512_sub_epi32(u[k], k32)), acc[k]);
+            }
+            for (int k = 0; k < 4; k++) _mm512_storeu_ps(o + 32 * k, acc[k]);
+        }
+}
+
+/* y (256) += sum over r of a[r] * q4_k / q5_k superblocks sb[r], a 32-value sub-block in two
+ * zmm accumulators across the rows; the mins summed over the rows and added once */
+static void kx_axpy_sb(int32_t dtype, const uint8_t *const sb[KQ_MAX], const float *a, int nr,
+                       float *y) {
+    float sc[KQ_MAX][8], mn[KQ_MAX][8];  // per row: d * sc_j, -(dmin * m_j)
+    for (int r = 0; r < nr; r++) fli_q4k_scales(sb[r], sc[r], mn[r]);
+    const int q5 = dtype == FL_Q5_K;
+    const __m512i m4 = _mm512_set1_epi32(0x0F), one = _mm512_set1_epi32(1);
+    for (int j = 0; j < 8; j++) {
+        const int shift = 4 * (j & 1);
+        __m512 acc0 = _mm512_loadu_ps(y + 32 * j), acc1 = _mm512_loadu_ps(y + 32 * j + 16);
+        float off = 0.0f;
+        for (int r = 0; r < nr; r++) {
+            const __m512 s = _mm512_set1_ps(a[r] * sc[r][j]);
+            const uint8_t *q = sb[r] + (q5 ? 48 : 16) + 32 * (j / 2), *qh = sb[r] + 16;
+            off += a[r] * mn[r][j];
+            __m512i u0 = _mm512_and_si512(_mm512_srli_epi32(u8x16(q), (unsigned)shift), m4);
+            __m512i u1 = _mm512_and_si512(_mm512_srli_epi32(u8x16(q + 16), (unsigned)shift), m4);
+            if (q5) {
+                u0 = _mm512_or_si512(u0, _mm512_slli_epi32(_mm512_and_si512(
+                         _mm512_srli_epi32(u8x16(qh), (unsigned)j), one), 4));
+                u1 = _mm512_or_si512(u1, _mm512_slli_epi32(_mm512_and_si512(
+                         _mm512_srli_epi32(u8x16(qh + 16), (unsigned)j), one), 4));
+            }
+            acc0 = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(u0), acc0);
+            acc1 = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(u1), acc1);
+        }
+        const __m512 vo = _mm512_set1_ps(off);
+        _mm512_storeu_ps(y + 32 * j, _mm512_add_ps(acc0, vo));
+        _mm512_storeu_ps(y + 32 * j + 16, _mm512_add_ps(acc1, vo));
+    }
+}
+#else
+/* y (256) += sum over r of a[r] * q6_k superblocks sb[r]; accumulated in registers per group */
+static void q6k_axpy_sb(const uint8_t *const sb[KQ_MAX], const float *a, int nr, float *y) {
+    for (int h = 0; h < 2; h++)
+        for (int g = 0; g < 2; g++) {
+            float *o = y + 128 * h + 16 * g, acc[4][16], v[4][16], s[4];
+            for (int k = 0; k < 4; k++)
+                for (int i = 0; i < 16; i++) acc[k][i] = o[32 * k + i];
+            for (int r = 0; r < nr; r++) {
+                q6k_scales(sb[r], h, g, a[r], s);
+                q6k_group(sb[r], h, g, s, v);
+                for (int k = 0; k < 4; k++)
+                    for (int i = 0; i < 16; i++) acc[k][i] += v[k][i];
+            }
+            for (int k = 0; k < 4; k++)
+                for (int i = 0; i < 16; i++) o[32 * k + i] = acc[k][i];
+        }
+}
+
+/* y (256) += sum over r of a[r] * q4_k / q5_k superblocks sb[r], one 32-value sub-block at a
+ * time in registers; the mins (-dmin * m_j) are summed over the rows and added once */
+static void kx_axpy_sb(int32_t dtype, const uint8_t *const sb[KQ_MAX], const float *a, int nr,
+                       float *y) {
+    float sc[KQ_MAX][8], mn[KQ_MAX][8];  // per row: d * sc_j, -(dmin * m_j)
+    for (int r = 0; r < nr; r++) fli_q4k_scales(sb[r], sc[r], mn[r]);
+    const int q5 = dtype == FL_Q5_K;
+    for (int j = 0; j < 8; j++) {
+        const int shift = 4 * (j & 1);
+        float acc[32], off = 0.0f;
+        for (int i = 0; i < 32; i++) acc[i] = y[32 * j + i];
+        for (int r = 0; r < nr; r++) {
+            const float s = a[r] * sc[r][j];
+            const uint8_t *q = sb[r] + (q5 ? 48 : 16) + 32 * (j / 2), *qh = sb[r] + 16;
+            off += a[r] * mn[r][j];
+            if (q5)
+                for (int i = 0; i < 32; i++)
+                    acc[i] += s * (float)(((q[i] >> shift) & 0x0F) | (((qh[i] >> j) & 1) << 4));
+            else
+                for (int i = 0; i < 32; i++) acc[i] += s * (float)((q[i] >> shift) & 0x0F);
+        }
+        for (int i = 0; i < 32; i++) y[32 * j + i] = acc[i] + off;
+    }
+}
+#endif
+
+void fli_kq_axpy(int32_t dtype, const uint8_t *const *rows, const float *a, int nr, float *y,
+                 int64_t n) {
+    const size_t kb = fli_kblock_bytes(dtype);
+    for (int64_t b = 0; b < n / FL_QK_K; b++, y += FL_QK_K) {
+        const uint8_t *sb[KQ_MAX];
+        for (int r = 0; r < nr; r++) sb[r] = rows[r] + b * kb;
+        if (dtype == FL_Q6_K) q6k_axpy_sb(sb, a, nr, y);
+        else kx_axpy_sb(dtype, sb, a, nr, y);
+    }
+}
+
+void fli_q6k_dequant(const uint8_t *row, float *dst, int64_t n) {
+    for (int64_t b = 0; b < n / FL_QK_K; b++) {
+        const uint8_t *sb = row + b * FL_Q6_K_BYTES;
+        for (int h = 0; h < 2; h++)
+            for (int g = 0; g < 2; g++) {
+                float v[4][16], s[4];
+                q6k_scales(sb, h, g, 1.0f, s);   // 1 * (d * scale): gguf-py's product
+                q6k_group(sb, h, g, s, v);
+                for (int k = 0; k < 4; k++)
+                    memcpy(dst + b * FL_QK_K + 128 * h + 32 * k + 16 * g, v[k], sizeof v[k]);
+            }
+    }
+}
