@@ -215,3 +215,35 @@ def test_a_folder_without_gguf_types_refuses_native(tmp_path):
     from flashllm.errors import SourceError
     with pytest.raises(SourceError, match="a native conversion keeps a GGUF's own types"):
         convert(src, tmp_path / "out", "native")
+
+
+def test_a_cached_conversion_of_an_older_recipe_is_made_again(mixed, tmp_path):
+    """`run NAME` reuses a cached native conversion only while it is what this flashllm makes:
+    one whose down columns an older flashllm wrote in q8_0 is converted again."""
+    import hashlib
+    import shutil
+    from flashllm.convert import native
+    from flashllm.convert.resolve import resolve_model
+    tmp, _, out = mixed
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert native.outdated(manifest) is None
+    gguf = (tmp / "m.gguf").read_bytes()
+    cache = tmp_path / "cache"
+    (cache / "models").mkdir(parents=True)
+    (cache / "models" / "tiny.gguf").write_bytes(gguf)
+    toml = tmp_path / "models.toml"
+    toml.write_text(f'default = "tiny"\n[models.tiny]\ndescription = "d"\narch = "llama"\n'
+                    f'default_dtype = "native"\nsize = {len(gguf)}\n'
+                    f'sha256 = "{hashlib.sha256(gguf).hexdigest()}"\n[models.tiny.source]\n'
+                    f'kind = "pypi"\npackages = ["x==1"]\nmembers = ["x/m.gguf"]\n')
+    cached = cache / "converted" / "tiny-native"
+    shutil.copytree(out, cached)
+    said = []
+    assert resolve_model("tiny", cache, toml, said.append) == cached and not said   # current
+    old = json.loads((cached / "manifest.json").read_text())
+    old["ffn"]["layers"][1]["origin"]["down"]["to"] = "q8_0"          # as an older recipe
+    (cached / "manifest.json").write_text(json.dumps(old))
+    assert "layer 1's Q4_K down columns are q8_0" in native.outdated(old)
+    assert resolve_model("tiny", cache, toml, said.append) == cached
+    assert any("converted by an older flashllm" in m for m in said)
+    assert open_flash(cached).ffn.down_dtypes == ("q6_k", "q4_k")     # made again

@@ -27,7 +27,7 @@ import numpy as np
 
 from flashllm.errors import SourceError
 from flashllm.ffi.quant import dequantize_rows, quantize_rows
-from flashllm.format.layout import fits
+from flashllm.format.layout import NATIVE, fits
 from flashllm.model.tensor import FROM_GGML, QTensor
 
 FALLBACK = "q8_0"     # the down columns, and what any type the kernel lacks becomes
@@ -118,6 +118,20 @@ def ffn_layer(source, layer: int, names: dict[str, str], p: NativePlan):
         else:
             parts[part], origin[part] = requantized(source.load(name), p.ffn_dtype, stored)
     return parts.get("gate"), parts["up"], parts["down"], origin
+
+
+def outdated(manifest: dict) -> str | None:
+    """Why a native conversion's manifest is not what this flashllm makes of the same GGUF (a
+    down column in another dtype than down_column chooses: an older recipe), or None."""
+    if manifest.get("dtype") != NATIVE or manifest["config"].get("n_experts"):
+        return None
+    d = manifest["config"]["d_model"]
+    for i, layer in enumerate(manifest["ffn"]["layers"]):
+        o = (layer.get("origin") or {}).get("down")
+        if o and o.get("to") != down_column(o["from"], d):
+            return f"layer {i}'s {o['from']} down columns are {o.get('to')}, this flashllm " \
+                   f"makes {down_column(o['from'], d)}"
+    return None
 
 
 def report(manifest: dict) -> list[str]:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import multiprocessing
 import shutil
 import sys
 from pathlib import Path
 from typing import Callable, Optional
 
+from flashllm.convert import native
 from flashllm.convert.convert import convert
 from flashllm.convert.registry import Log, load_registry, pull
 from flashllm.errors import FlashError, RegistryError
@@ -35,13 +37,16 @@ def resolve_model(model: str, cache_dir: Path, registry_path: Path, log: Log,
         raise RegistryError(f"{entry.name}: {entry.unsupported}")
     dtype = dtype or entry.default_dtype
     out = Path(cache_dir) / "converted" / f"{entry.name}-{dtype}"
-    if (out / "manifest.json").is_file():
+    if (out / "manifest.json").is_file() and not _outdated(out):
         return out
     gguf = pull(entry, cache_dir, log)
     with _locked(out.parent / f".{out.name}.lock"):      # one conversion at a time: a second
         if (out / "manifest.json").is_file():            # run waits, then uses the first's
-            return out
-        if out.exists():                                 # our own leftover, not a model
+            why = _outdated(out)
+            if why is None:
+                return out
+            log(f"{entry.name}: {out} was converted by an older flashllm ({why}): converting again")
+        if out.exists():                 # our own leftover or older conversion, not the user's
             shutil.rmtree(out) if out.is_dir() else out.unlink()
         log(f"{entry.name}: converting to {out} ({dtype}, once"
             + (", in a child process outside the DRAM budget)" if apart else ")"))
@@ -50,6 +55,15 @@ def resolve_model(model: str, cache_dir: Path, registry_path: Path, log: Log,
         else:
             convert(gguf, out, dtype, progress=_tenths(entry.name, log))
     return out
+
+
+def _outdated(out: Path) -> str | None:
+    """Why the cached conversion at out is not what this flashllm makes (native.outdated), or
+    None; an unreadable manifest is left to the reader to report."""
+    try:
+        return native.outdated(json.loads((out / "manifest.json").read_text(encoding="utf-8")))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _convert_apart(gguf: Path, out: Path, dtype: str, name: str) -> None:
