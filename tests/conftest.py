@@ -58,10 +58,13 @@ def _converted(name: str, dtype: str, log) -> Path:
     from flashllm.convert.convert import convert
     from flashllm.format.reader import open_flash
     from flashllm.errors import FormatError
+    from flashllm.convert.native import outdated
     out = cache_dir() / "converted" / f"{name}-{dtype}"
     try:
-        open_flash(out)
-        return out
+        why = outdated(open_flash(out).manifest)      # a native conversion of an older recipe
+        if why is None:
+            return out
+        log(f"{out}: {why}")
     except FormatError as e:   # absent, or made by an older converter
         log(f"{out}: {e}")
     src = gguf_path(name, log)

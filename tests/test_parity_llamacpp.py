@@ -47,6 +47,8 @@ NEAR_TIE = 0.25       # logits (see above)
 LOGPROB_TOL = 1.5     # measured max 0.88 (smollm2, Q4_1), 1.36 (gemma-3-270m, Q4_K_M: llama.cpp's
                       # int8 activations in its Q4_K/Q5_0/Q6_K dots, f16 KV, f16 GELU table); a
                       # wrong layer or RoPE gives several units
+NATIVE_LOGPROB_TOL = 2.5  # native conversions, int8 activations on both sides, past the first
+                          # position: measured max 1.53 (gemma-3-270m), 0.39 (0.5B), 2.05 (1.5B)
 # f32 vs f32: measured max 4.4e-4 (smollm2) and 1.5e-4 (qwen), both at position 0, f32 summation
 # order noise; llama.cpp with only its KV cache in f16 instead of f32 already moves these logits by
 # 2.7e-2 (smollm2) and 1.5e-2 (qwen), so 5e-3 leaves ~10x headroom and still catches that.
@@ -91,8 +93,26 @@ def teacher_forced(net, arrays, prompt: str) -> np.ndarray:
 
 @pytest.mark.parametrize("name", MODELS)
 def test_teacher_forced_top1_and_top16_logits(real_model, name):
+    check_teacher_forced(real_model(name), name)
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b", "gemma-3-270m", "qwen2.5-coder-1.5b"])
+def test_native_conversion_teacher_forced(real_model, name):
+    """The default (native) conversion — the GGUF's own tensors, down columns re-quantized per
+    layer (the 1.5B's to q4_k / q6_k) — against llama.cpp on the same GGUF, with int8
+    activations on both sides: top-1 as above, log-probabilities within NATIVE_LOGPROB_TOL
+    from the second position on. The first (a prediction from one token, whose massive
+    activations meet the re-quantized down columns) is left out of that bound: there the 1.5B's
+    top-16 log-probabilities differ by up to 5.4 with q4_k / q6_k columns, 3.0 with q5_k / q6_k,
+    1.8 with q8_0, 5.2 for its --dtype q4_k conversion. SmolLM2's native conversion is left out:
+    161 of 165 clear positions agree (97.6%), below the bar (its f32 conversion passes above)."""
+    check_teacher_forced(real_model(name, "native"), name, NATIVE_LOGPROB_TOL, first=1)
+
+
+def check_teacher_forced(net, name: str, tol: float = LOGPROB_TOL, first: int = 0) -> None:
+    """Top-1 agreement >= 99% where llama.cpp's margin is clear, top-16 log-probabilities
+    within tol from position `first` on, over the fixture's prompts."""
     _, arrays = fixture(name)
-    net = real_model(name)
     agree, decided, raw_agree, total, worst = 0, 0, 0, 0, 0.0
     for prompt in PROMPTS:
         logits = teacher_forced(net, arrays, prompt)                     # (64, vocab)
@@ -107,11 +127,11 @@ def test_teacher_forced_top1_and_top16_logits(real_model, name):
         lse = np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1)) + logits.max(1)  # (64,)
         ours = np.take_along_axis(logits, top_ids, axis=1) - lse[:, None]                   # (64, 16)
         ref = top_logits - arrays[f"{prompt}.tf_logsumexp"][:, None]                         # (64, 16)
-        worst = max(worst, float(np.abs(ours - ref).max()))
+        worst = max(worst, float(np.abs(ours - ref)[first:].max()))
     print(f"{name}: top-1 agreement {agree}/{decided} where llama.cpp's margin >= {NEAR_TIE} "
           f"({raw_agree}/{total} over all positions), max |logprob diff| at top-16 = {worst:.4f}")
     assert agree / decided >= 0.99
-    assert worst < LOGPROB_TOL
+    assert worst < tol
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
