@@ -75,3 +75,30 @@ def test_the_budget_counts_each_layers_stride(mixed):
     plan = plan_budget(man, "64MiB", 16, process=0)
     assert (plan.stride, plan.strides) == (576, 576 + 512)
     assert plan.cache_bytes == plan.capacity * (576 + 512 + 2 * ROW_MAP_BYTES) + 2 * 4 * FF
+
+
+def test_hot_first_rewrite_keeps_each_layers_stride(mixed, tmp_path):
+    """Calibration's hot-first rewrite moves each layer's slots at its own stride and keeps
+    its entry's stride, down dtype and origin: the FFN computes the same sums, by neuron id."""
+    import shutil
+    from flashllm.sparsity.reorder import rewrite_hot_first
+    folder = tmp_path / "m"
+    shutil.copytree(mixed, folder)
+    before = Model(open_flash(folder), n_threads=1, n_ctx=16, exact=True)
+    x = np.random.default_rng(5).standard_normal((3, 256)).astype(np.float32)   # (3, d)
+    want = [np.zeros_like(x) for _ in range(2)]
+    for layer in range(2):
+        before.ffn(layer, x, want[layer])
+    freq = np.random.default_rng(6).random((2, FF)).astype(np.float32)          # (2, n_ff)
+    rewrite_hot_first(open_flash(folder), freq, {})
+    flash = open_flash(folder, verify=True)
+    old = open_flash(mixed).manifest["ffn"]["layers"]
+    for layer, e in enumerate(flash.manifest["ffn"]["layers"]):
+        assert {k: e[k] for k in ("stride", "down_dtype", "origin", "offset")} == \
+            {k: old[layer][k] for k in ("stride", "down_dtype", "origin", "offset")}
+    assert flash.ffn.neuron_order is not None and flash.ffn.strides == (576, 512)
+    after = Model(flash, n_threads=1, n_ctx=16, exact=True)
+    for layer in range(2):
+        y = np.zeros_like(x)
+        after.ffn(layer, x, y)
+        np.testing.assert_allclose(y, want[layer], rtol=1e-4, atol=1e-5 * np.abs(want[layer]).max())
