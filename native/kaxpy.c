@@ -48,14 +48,20 @@ static inline __m512i u8x16(const uint8_t *p) {  // 16 bytes -> 16 int32 lanes
 static void q6k_axpy_sb(const uint8_t *const sb[KQ_MAX], const float *a, int nr, float *y) {
     const __m512i m4 = _mm512_set1_epi32(0x0F), m2 = _mm512_set1_epi32(3);
     const __m512i k32 = _mm512_set1_epi32(32);
+    float sc[KQ_MAX][16];  // per row: a_r * (d * scale_k), as q6k_scales
+    for (int r = 0; r < nr; r++) {
+        const __m512 d = _mm512_set1_ps(fl_load_fp16(sb[r] + 208));
+        const __m512 k = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sb[r] + 192))));
+        _mm512_storeu_ps(sc[r], _mm512_mul_ps(_mm512_set1_ps(a[r]), _mm512_mul_ps(d, k)));
+    }
     for (int h = 0; h < 2; h++)
         for (int g = 0; g < 2; g++) {
             float *o = y + 128 * h + 16 * g;
             __m512 acc[4];
             for (int k = 0; k < 4; k++) acc[k] = _mm512_loadu_ps(o + 32 * k);
             for (int r = 0; r < nr; r++) {
-                float s[4];
-                q6k_scales(sb[r], h, g, a[r], s);
+                const float *s = sc[r] + 8 * h + g;   // s[2k]: the scale of run k
                 const uint8_t *l0 = sb[r] + 64 * h + 16 * g, *hb = sb[r] + 128 + 32 * h + 16 * g;
                 const __m512i L0 = u8x16(l0), L1 = u8x16(l0 + 32), HB = u8x16(hb);
                 const __m512i u[4] = {
@@ -68,7 +74,7 @@ static void q6k_axpy_sb(const uint8_t *const sb[KQ_MAX], const float *a, int nr,
                     _mm512_or_si512(_mm512_srli_epi32(L1, 4),
                                     _mm512_slli_epi32(_mm512_srli_epi32(HB, 6), 4))};
                 for (int k = 0; k < 4; k++)
-                    acc[k] = _mm512_fmadd_ps(_mm512_set1_ps(s[k]),
+                    acc[k] = _mm512_fmadd_ps(_mm512_set1_ps(s[2 * k]),
                                              _mm512_cvtepi32_ps(_mm512_sub_epi32(u[k], k32)), acc[k]);
             }
             for (int k = 0; k < 4; k++) _mm512_storeu_ps(o + 32 * k, acc[k]);
@@ -79,8 +85,13 @@ static void q6k_axpy_sb(const uint8_t *const sb[KQ_MAX], const float *a, int nr,
  * zmm accumulators across the rows; the mins summed over the rows and added once */
 static void kx_axpy_sb(int32_t dtype, const uint8_t *const sb[KQ_MAX], const float *a, int nr,
                        float *y) {
-    float sc[KQ_MAX][8], mn[KQ_MAX][8];  // per row: d * sc_j, -(dmin * m_j)
-    for (int r = 0; r < nr; r++) fli_q4k_scales(sb[r], sc[r], mn[r]);
+    float sc[KQ_MAX][8], mn[KQ_MAX][8];  // per row: a_r * d * sc_j, a_r * -(dmin * m_j)
+    for (int r = 0; r < nr; r++) {
+        __m256 vs, vm;
+        fli_q4k_scales8(sb[r], &vs, &vm);
+        _mm256_storeu_ps(sc[r], _mm256_mul_ps(_mm256_set1_ps(a[r]), vs));
+        _mm256_storeu_ps(mn[r], _mm256_mul_ps(_mm256_set1_ps(a[r]), vm));
+    }
     const int q5 = dtype == FL_Q5_K;
     const __m512i m4 = _mm512_set1_epi32(0x0F), one = _mm512_set1_epi32(1);
     for (int j = 0; j < 8; j++) {
@@ -88,9 +99,9 @@ static void kx_axpy_sb(int32_t dtype, const uint8_t *const sb[KQ_MAX], const flo
         __m512 acc0 = _mm512_loadu_ps(y + 32 * j), acc1 = _mm512_loadu_ps(y + 32 * j + 16);
         float off = 0.0f;
         for (int r = 0; r < nr; r++) {
-            const __m512 s = _mm512_set1_ps(a[r] * sc[r][j]);
+            const __m512 s = _mm512_set1_ps(sc[r][j]);
             const uint8_t *q = sb[r] + (q5 ? 48 : 16) + 32 * (j / 2), *qh = sb[r] + 16;
-            off += a[r] * mn[r][j];
+            off += mn[r][j];
             __m512i u0 = _mm512_and_si512(_mm512_srli_epi32(u8x16(q), (unsigned)shift), m4);
             __m512i u1 = _mm512_and_si512(_mm512_srli_epi32(u8x16(q + 16), (unsigned)shift), m4);
             if (q5) {
@@ -164,6 +175,16 @@ void fli_kq_axpy(int32_t dtype, const uint8_t *const *rows, const float *a, int 
 }
 
 void fli_q6k_dequant(const uint8_t *row, float *dst, int64_t n) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    /* y = -0 + 1 * (d * scale) * u: the fused add to -0 returns the product, its sign kept */
+    const float one = 1.0f;
+    for (int64_t i = 0; i < n; i++) dst[i] = -0.0f;
+    for (int64_t b = 0; b < n / FL_QK_K; b++) {
+        const uint8_t *sb[KQ_MAX] = {row + b * FL_Q6_K_BYTES};
+        q6k_axpy_sb(sb, &one, 1, dst + b * FL_QK_K);
+    }
+    return;
+#endif
     for (int64_t b = 0; b < n / FL_QK_K; b++) {
         const uint8_t *sb = row + b * FL_Q6_K_BYTES;
         for (int h = 0; h < 2; h++)
