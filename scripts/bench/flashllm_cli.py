@@ -78,11 +78,16 @@ def convert_argv(fl: Flashllm, gguf: Path, out: Path, dtype: str) -> List[str]:
 
 
 def ensure_converted(fl: Flashllm, gguf: Path, out: Path, dtype: str, log) -> str:
-    """Convert gguf to out at dtype unless done already; the command, for the report."""
+    """Convert gguf to out at dtype unless done already (by this flashllm's recipe:
+    native.outdated); the command, for the report."""
+    from flashllm.convert.native import outdated
     argv = convert_argv(fl, gguf, out, dtype)
-    if not (out / "manifest.json").is_file():
-        log(f"converting {gguf.name} -> {out} ({dtype})")
-        res = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT)
+    done = (out / "manifest.json").is_file()
+    why = done and outdated(json.loads((out / "manifest.json").read_text(encoding="utf-8")))
+    if not done or why:
+        log(f"converting {gguf.name} -> {out} ({dtype})" + (f": again, {why}" if why else ""))
+        res = subprocess.run(argv + ["--force"] * bool(why), capture_output=True, text=True,
+                             cwd=ROOT)
         if res.returncode != 0:
             raise RuntimeError(f"convert failed: {res.stderr.strip()[-400:]}")
     return fl.show(argv)
@@ -93,7 +98,7 @@ def ensure_calibrated(fl: Flashllm, src: Path, log) -> tuple[Path, str]:
     calibrate` with its defaults (thresholds, hot-first order, predictor), done once."""
     out = src.with_name(src.name + "-cal")
     argv = fl.argv + ["calibrate", str(out)]
-    if not (out / ".calibrated").is_file():
+    if not (out / ".calibrated").is_file() or _bundles(out) != _bundles(src):
         log(f"calibrating {out}")
         shutil.rmtree(out, ignore_errors=True)
         shutil.copytree(src, out)
@@ -102,6 +107,14 @@ def ensure_calibrated(fl: Flashllm, src: Path, log) -> tuple[Path, str]:
             raise RuntimeError(f"calibrate failed: {res.stderr.strip()[-400:]}")
         (out / ".calibrated").write_text(res.stderr[-4000:], encoding="utf-8")
     return out, f"cp -r {src} {out} && " + fl.show(argv)
+
+
+def _bundles(model: Path) -> tuple:
+    """What a model's bundles are (dtypes, strides per layer): a calibrated copy of an older
+    conversion of src differs from src there."""
+    f = json.loads((model / "manifest.json").read_text(encoding="utf-8"))["ffn"]
+    return (f["dtype"], f.get("down_dtype"), f["stride"],
+            [(e.get("stride"), e.get("down_dtype")) for e in f["layers"]])
 
 
 def prompt_text(kind: str) -> str:
