@@ -11,11 +11,12 @@ from typing import Optional
 
 import typer
 
-from flashllm.runtime.assemble import PREDICTOR_MODES
+from flashllm.runtime.assemble import DRAFT_HEAD_ROWS, DRAFT_KINDS, PREDICTOR_MODES
 from flashllm.cli.app import (DEFAULT_THREADS, MAX_THREADS, cache_dir, choice, command, err, fail,
                               model_path)
 
 PredictorMode = choice("PredictorMode", PREDICTOR_MODES)
+DraftKind = choice("DraftKind", DRAFT_KINDS)
 
 
 @command
@@ -53,6 +54,16 @@ def run(
                               "guessed from the context in each pass (prompt lookup; as many as "
                               "pay, learned while running; 0: off). Tokens are drawn from the "
                               "same distributions; pays where the answer repeats the context."),
+    draft_kind: DraftKind = typer.Option("lookup", "--draft-kind", help="Where --draft's guesses "
+                                         "come from: lookup (the context's n-grams) or self (the "
+                                         "model's resident part under --dram-budget: its cached "
+                                         "neurons, no flash read)."),
+    draft_p_min: float = typer.Option(0.5, "--draft-p-min", min=0.0, max=1.0, help="--draft-kind "
+                                      "self: stop drafting after a guess the draft gives less "
+                                      "than this probability."),
+    draft_head_rows: int = typer.Option(DRAFT_HEAD_ROWS, "--draft-head-rows", min=1, hidden=True,
+                                        help="--draft-kind self with a streamed output head: "
+                                        "the first N token ids' rows the draft holds."),
     flash_stats: bool = typer.Option(False, "--stats", help="Per-token flash I/O, cache and latency "
                                      "table on stderr at the end."),
     check_recall: bool = typer.Option(False, "--check-recall", help="With --stats: also compute each "
@@ -79,12 +90,17 @@ def run(
         fail("give a prompt (-p/-f) or -i/--chat, not both")
     if draft < 0:
         fail(f"--draft {draft}: give the most guesses a pass may check (0: off)")
+    self_draft = draft > 0 and draft_kind.value == "self"
+    if self_draft and dram_budget is None:
+        fail("--draft-kind self drafts from the part of the model a --dram-budget keeps in DRAM: "
+             "give --dram-budget (with everything in DRAM, use --draft-kind lookup)")
     if n_predict is None:        # a chat answer may run long; 0 there means a quarter of n_ctx
         n_predict = 0 if interactive else 128
     text = None if interactive else _read_prompt(prompt, file)
     path = model_path(model, apart=dram_budget is not None)
     fopts = FlashOptions(dram_budget, window, naive, dense, check_recall, predictor.value,
-                         keep_tokenizer=interactive or not _decodes_bytes(path))
+                         keep_tokenizer=interactive or not _decodes_bytes(path),
+                         draft_rows=draft_head_rows if self_draft else 0)
     process = process_rss()
     n_ctx = ctx_size if interactive else min(ctx_size, len(text.encode()) + n_predict + 2)
     plan = plan_run(path, fopts, n_ctx, process)     # refuses before loading anything
@@ -105,10 +121,11 @@ def run(
                                     repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
                                     seed=None if seed == -1 else seed))
     try:
+        drafter = _drafter(net, sampler, draft, draft_kind.value, draft_p_min, draft_head_rows)
         if interactive:
-            _chat(flash, net, tok, sampler, system, chat_template, n_predict, as_json, draft)
+            _chat(flash, net, tok, sampler, system, chat_template, n_predict, as_json, drafter)
         else:
-            stats = _complete(net, tok, sampler, ids, n_predict, draft)
+            stats = _complete(net, tok, sampler, ids, n_predict, drafter)
             flash_json = _flash_json(ffn, weights) if flash_stats else None
             if as_json:
                 err.print(_stats_json(stats, flash_json), markup=False, soft_wrap=True,
@@ -149,10 +166,21 @@ def _prompt_ids(tok, text: str, n_predict: int, ctx_size: int) -> list[int]:
     return ids
 
 
-def _complete(net, tok, sampler, ids: list[int], n_predict: int, n_draft: int = 0):
+def _drafter(net, sampler, n_draft: int, kind: str, p_min: float, head_rows: int):
+    """The --draft guesser: None (off), prompt lookup, or the resident model (self)."""
+    from flashllm.generation.speculate import NgramDraft
+    if not n_draft:
+        return None
+    if kind == "lookup":
+        return NgramDraft(n_draft)
+    from flashllm.generation.self_draft import SelfDraft
+    from flashllm.runtime.resident import resident_model
+    return SelfDraft(resident_model(net, head_rows), sampler, n_draft, p_min)
+
+
+def _complete(net, tok, sampler, ids: list[int], n_predict: int, draft=None):
     """One-shot generation: tokens to stdout, flushed one by one; the GenStats."""
     from flashllm.generation.generate import generate
-    from flashllm.generation.speculate import NgramDraft
     detok = tok.detokenizer()
     out = sys.stdout
 
@@ -160,7 +188,6 @@ def _complete(net, tok, sampler, ids: list[int], n_predict: int, n_draft: int = 
         out.write(detok.push(token))
         out.flush()
 
-    draft = NgramDraft(n_draft) if n_draft else None
     stats = generate(net, sampler, ids, n_predict, stop_ids=tok.eos_ids, on_token=emit,
                      draft=draft)
     out.write(detok.flush() + "\n")
@@ -207,12 +234,11 @@ def _utf8(raw, what: str) -> str:
 
 
 def _chat(flash, net, tok, sampler, system: Optional[str], template_file: Optional[Path],
-          n_predict: int, as_json: bool, n_draft: int = 0) -> None:
+          n_predict: int, as_json: bool, draft=None) -> None:
     """The interactive chat of `run -i`: answers on stdout, everything else on stderr."""
     import json
     from flashllm.generation.chat import ChatSession, Interrupt, ReplIO, line_editing, repl
     from flashllm.generation.chat_template import load_template
-    from flashllm.generation.speculate import NgramDraft
     override = None
     if template_file is not None:
         try:
@@ -224,7 +250,7 @@ def _chat(flash, net, tok, sampler, system: Optional[str], template_file: Option
     eos = tok.hf.id_to_token(cfg.eos_token_ids[0]) if cfg.eos_token_ids else None
     template, origin = load_template(flash.chat_template, override, bos or "", eos or "")
     session = ChatSession(net, tok, sampler, template, system=system, n_predict=n_predict,
-                          draft=NgramDraft(n_draft) if n_draft else None)
+                          draft=draft)
     tty = sys.stdin.isatty()
     color = tty and sys.stdout.isatty() and not os.environ.get("NO_COLOR") \
         and os.environ.get("TERM") != "dumb"

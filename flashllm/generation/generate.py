@@ -20,7 +20,8 @@ class GenStats:
     n_drafted: int = 0     # draft guesses checked by those passes
     n_accepted: int = 0    # guesses kept: each is a token made without a pass of its own
     prefill_s: float = 0.0
-    decode_s: float = 0.0  # decode forward passes
+    decode_s: float = 0.0  # decode forward passes (and the drafting of their guesses)
+    draft_s: float = 0.0   # of it, drafting guesses (a self-speculative draft computes them)
     sample_s: float = 0.0  # sampler calls
     stopped: bool = False  # ended on a stop token
 
@@ -43,7 +44,8 @@ class GenStats:
         kept = self.n_accepted / self.n_drafted if self.n_drafted else 0.0
         per = (self.n_decode + self.n_accepted) / self.n_decode if self.n_decode else 0.0
         return (f"           draft = {self.n_drafted:5d} guessed, {self.n_accepted:5d} kept "
-                f"({100 * kept:.0f}%), {per:.2f} tokens per eval run")
+                f"({100 * kept:.0f}%), {per:.2f} tokens per eval run, "
+                f"{self.draft_s * 1e3:.2f} ms drafting")
 
     @property
     def prefill_tps(self) -> float:
@@ -96,9 +98,10 @@ def generate(model, sampler, prompt_ids: Sequence[int], n_predict: int,
             return stats
         room = min(limit - stats.n_gen - 1, model.n_ctx - pos - 1)
         t0 = clock()
-        new, n_guesses, forward_s = decode_pass(model, sampler, draft, history, pos, room)
+        new, n_guesses, forward_s, draft_s = decode_pass(model, sampler, draft, history, pos, room)
         stats.sample_s += clock() - t0 - forward_s
         stats.decode_s += forward_s
+        stats.draft_s += draft_s
         stats.n_decode += 1
         stats.n_drafted += n_guesses
         stats.n_accepted += len(new) - 1
@@ -108,14 +111,16 @@ def generate(model, sampler, prompt_ids: Sequence[int], n_predict: int,
 def decode_pass(model, sampler, draft, history: list, pos: int, room: int):
     """Feed history's last token at pos with up to room draft guesses (draft None: none).
 
-    Returns (tokens, n_guesses, forward seconds): the tokens the pass yields (the guesses kept,
-    then one more), ready to emit. Keys/values stay valid for the fed token and the kept guesses
-    (positions pos .. pos + len(tokens) - 1); the last token is not fed yet."""
-    guesses = draft.propose(history, room) if draft is not None else []
+    Returns (tokens, n_guesses, seconds, draft seconds): the tokens the pass yields (the guesses
+    kept, then one more), ready to emit; the seconds of the drafting and the forward pass, and of
+    the drafting alone. Keys/values stay valid for the fed token and the kept guesses (positions
+    pos .. pos + len(tokens) - 1); the last token is not fed yet."""
     t0 = time.perf_counter()
+    guesses = draft.propose(history, room, pos) if draft is not None else []
+    t1 = time.perf_counter()
     rows = model.forward(np.array(history[-1:] + guesses, dtype=np.int32), pos)  # (1+k, vocab)
-    forward_s = time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
     new = verify(sampler, rows, guesses, history)
     if draft is not None:
-        draft.observe(len(guesses), len(new) - 1, forward_s)
-    return new, len(guesses), forward_s
+        draft.observe(len(guesses), len(new) - 1, seconds)
+    return new, len(guesses), seconds, t1 - t0

@@ -114,14 +114,15 @@ class Sampler:
             return int(ids[0])
         return int(ids[self.rng.choice(len(ids), p=rest / rest.sum())])
 
+    def mode(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
+        """The most likely token the chain leaves: the penalized argmax (greedy's token)."""
+        return int(np.argmax(self._penalized(logits, history)))
+
     def distribution(self, logits: np.ndarray, history: Sequence[int] = ()):
         """The candidates left by the chain and their probabilities: (ids (n,), probs (n,)).
         Greedy (temp <= 0) leaves one candidate with probability 1."""
         prm = self.params
-        logits = np.asarray(logits, dtype=np.float32)   # (vocab,)
-        recent = self._recent(history)                  # (n_recent,)
-        if prm.repeat_penalty != 1.0 and len(recent):
-            logits = apply_repeat_penalty(logits, recent, prm.repeat_penalty)
+        logits = self._penalized(logits, history)       # (vocab,)
         if prm.temp <= 0.0:
             return np.array([int(np.argmax(logits))]), np.ones(1)
         ids = np.arange(len(logits))                    # (vocab,)
@@ -129,6 +130,14 @@ class Sampler:
         ids, cand = top_p(ids, cand, prm.top_p)
         ids, cand = min_p(ids, cand, prm.min_p)
         return ids, softmax(cand / prm.temp)
+
+    def _penalized(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
+        """logits (vocab,) as f32 with the repeat penalty of history applied (a copy if so)."""
+        logits = np.asarray(logits, dtype=np.float32)   # (vocab,)
+        recent = self._recent(history)                  # (n_recent,)
+        if self.params.repeat_penalty != 1.0 and len(recent):
+            logits = apply_repeat_penalty(logits, recent, self.params.repeat_penalty)
+        return logits
 
     def _recent(self, history: Sequence[int]) -> np.ndarray:
         n = self.params.repeat_last_n

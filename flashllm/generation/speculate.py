@@ -32,27 +32,39 @@ class DraftLength:
     With a share `a` of the guesses kept (each one reached only if the ones before it were kept),
     a pass over k guesses makes 1 + a + ... + a^k tokens and costs c1 + k·ce seconds. Both are
     learned from the passes (decayed running sums): a from the guesses each pass reached and kept,
-    c1 and ce from the pass times. Under a DRAM budget a pass is mostly the FFN's reads and a guess
+    c1 and ce from the pass times (the first ones averaged evenly, so one odd pass does not
+    decide for long). Under a DRAM budget a pass is mostly the FFN's reads and a guess
     adds only its compute (~10% of a pass on the 1.5B at 280-560 MiB), so k runs high; with all
     weights in DRAM a guess costs ~a third of a pass and only a context that repeats pays. When
     k = 0 wins, every EXPLORE-th pass still checks one guess, so a context that starts repeating
-    is noticed.
+    is noticed. With `refresh` r (a draft that always has guesses, so c1 is never seen by
+    itself), the first pass and every r-th pass after the last pass without guesses check none.
     """
 
     DECAY, EXPLORE = 0.9, 4
 
-    def __init__(self, n_max: int):
-        self.n_max = n_max
+    def __init__(self, n_max: int, refresh: int = 0):
+        self.n_max, self.refresh = n_max, refresh
         self.kept, self.reached = 1.0, 2.0          # decayed guess counts (prior a = 0.5)
         self.c1: float | None = None                # seconds of a pass without guesses
         self.ce: float | None = None                # extra seconds per guess
         self._idle = 0                              # passes since the last guess
+        self._busy = 0                              # passes since the last one without
+        self._n1 = self._ne = 0                     # pass times observed, without / with guesses
 
     @property
     def rate(self) -> float:
         return self.kept / self.reached
 
     def choose(self) -> int:
+        if self.refresh and self.n_max and (self.c1 is None or self._busy >= self.refresh):
+            self._busy = 0
+            return 0
+        k = self._best()
+        self._busy = self._busy + 1 if k else 0
+        return k
+
+    def _best(self) -> int:
         a = min(self.rate, 0.999)
         ratio = self.ce / self.c1 if self.c1 and self.ce is not None else 0.25
         best = max(range(self.n_max + 1),
@@ -67,13 +79,21 @@ class DraftLength:
         """A pass checked n_guesses, kept n_kept of them, and took seconds."""
         d = self.DECAY
         if n_guesses == 0:
-            self.c1 = seconds if self.c1 is None else d * self.c1 + (1 - d) * seconds
+            self._n1 += 1
+            self.c1 = _mean(self.c1, seconds, max(1 - d, 1 / self._n1))
             return
         self.kept = d * self.kept + n_kept
         self.reached = d * self.reached + min(n_kept + 1, n_guesses)
         if self.c1 is not None:
+            self._ne += 1
             extra = max(seconds - self.c1, 0.0) / n_guesses
-            self.ce = extra if self.ce is None else d * self.ce + (1 - d) * extra
+            self.ce = _mean(self.ce, extra, max(1 - d, 1 / self._ne))
+
+
+def _mean(mean, value: float, weight: float) -> float:
+    """A running mean moved by weight towards value (value itself when there is none yet); a
+    weight of 1/n over the first observations, then 1 - DECAY, averages the first ones evenly."""
+    return value if mean is None else mean + weight * (value - mean)
 
 
 class NgramDraft:
@@ -98,9 +118,9 @@ class NgramDraft:
     def observe(self, n_guesses: int, n_kept: int, seconds: float) -> None:
         self.length.observe(n_guesses, n_kept, seconds)
 
-    def propose(self, history: Sequence[int], room: int) -> list[int]:
+    def propose(self, history: Sequence[int], room: int, pos: int = 0) -> list[int]:
         """Up to min(room, the chosen length) tokens that followed the longest n-gram ending
-        history (none when nothing matches)."""
+        history (none when nothing matches); pos (where history's last token is fed) unused."""
         return self.lookup(history, min(room, self.length.choose()))
 
     def lookup(self, history: Sequence[int], k: int) -> list[int]:

@@ -11,12 +11,16 @@ from typing import Optional
 
 import numpy as np
 
-from flashllm.runtime.budget import BudgetError, BudgetPlan, model_bytes, plan_budget, read_manifest
+from flashllm.runtime.budget import (BudgetError, BudgetPlan, head_name, model_bytes, plan_budget,
+                                     read_manifest)
+from flashllm.runtime.resident import head_rows_bytes
 from flashllm.units import KiB, format_size
 
 READER_STAGE = 256 * KiB        # per reader thread: the largest single read (64-256 KiB is best)
 READER_THREADS = 16             # staging buffers the budget reserves for the reader pool
 PREDICTOR_MODES = ("auto", "on", "off")
+DRAFT_KINDS = ("lookup", "self")  # --draft-kind: prompt lookup, the resident model
+DRAFT_HEAD_ROWS = 16384         # a self draft's output head rows when the head streams
 READ_GIB_S = 2.0                # the auto predictor rule's device and DRAM speeds: only their
 DRAM_GIB_S = 10.0               # ratio matters (measured: docs/MEASUREMENTS.md, "Device and DRAM")
 GATHER_COST = 1.5              # a predicted pass's FFN computes scattered rows: measured ~1.5x
@@ -36,6 +40,8 @@ class FlashOptions:
     check: bool = False                   # also compute the exact mask: predictor recall
     predictor: str = "auto"               # auto: only when it is expected to pay; on; off
     keep_tokenizer: bool = False          # chat: the tokenizers object stays loaded
+    draft_rows: int = 0                   # self-speculation: output head rows its draft holds
+                                          # when the head streams (runtime/resident.py)
 
     @property
     def flash(self) -> bool:
@@ -66,6 +72,9 @@ def plan_run(path: Path, opts: FlashOptions, n_ctx: int, process: int) -> Option
                   keep_tokenizer=opts.keep_tokenizer)
     try:
         plan = plan_budget(man, text, n_ctx, process, **kwargs)
+        if opts.draft_rows and not opts.naive and head_name(man) in plan.streamed:
+            kwargs["draft"] = head_rows_bytes(man, opts.draft_rows, n_ctx)
+            plan = plan_budget(man, text, n_ctx, process, **kwargs)
     except BudgetError as e:
         least = least_budget(man, n_ctx, process, **kwargs)
         raise BudgetError(f"{e} (the least --dram-budget that works for this model and context: "
@@ -108,7 +117,8 @@ def _with_predictor(man: dict, text: str, n_ctx: int, process: int, plain: Budge
     try:
         plan = plan_budget(man, text, n_ctx, process, predictor=int(sec.get("nbytes") or 0),
                            reader_stage=READER_THREADS * READER_STAGE,
-                           keep_tokenizer=opts.keep_tokenizer)
+                           keep_tokenizer=opts.keep_tokenizer,
+                           draft=plain.resident.get("draft head", 0))
     except BudgetError:
         if force:
             raise

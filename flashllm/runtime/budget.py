@@ -157,10 +157,11 @@ def model_bytes(manifest: dict) -> int:
 
 
 def resident_bytes(manifest: dict, n_ctx: int, process: int, predictor: int,
-                   reader_stage: int, stride_rows: int, keep_tokenizer: bool = False) -> dict:
+                   reader_stage: int, stride_rows: int, keep_tokenizer: bool = False,
+                   draft: int = 0) -> dict:
     """Everything but the dense matrices and the neuron caches, by what it is. keep_tokenizer:
     the tokenizers object stays loaded (chat encodes every turn), not released for good after
-    the prompt is encoded."""
+    the prompt is encoded. draft: the self-speculative draft's head rows (runtime/resident.py)."""
     c = manifest["config"]
     kv = 2 * c["n_layers"] * n_ctx * c["n_kv_heads"] * c["head_dim"] * 2
     work = WORK_FIXED + 4 * 4 * c["vocab_size"] + reader_stage + stride_rows
@@ -168,7 +169,14 @@ def resident_bytes(manifest: dict, n_ctx: int, process: int, predictor: int,
     per_byte, fixed = (TOKENIZER_LOADED, TOKENIZER_LOADED_FIXED) if keep_tokenizer \
         else (TOKENIZER_KEPT, TOKENIZER_KEPT_FIXED)
     return {"KV cache": kv, "tokenizer": per_byte * tok + (fixed if tok else 0),
-            "process": process, "buffers": work, "predictor": predictor}
+            "process": process, "buffers": work, "predictor": predictor,
+            **({"draft head": draft} if draft else {})}
+
+
+def head_name(manifest: dict) -> str:
+    """The output head's tensor name: output.weight, or token_embd.weight when tied."""
+    names = {t["name"] for t in manifest["dense"]["tensors"]}
+    return "output.weight" if "output.weight" in names else "token_embd.weight"
 
 
 def dense_groups(manifest: dict) -> tuple[int, list[tuple[list[str], int]], tuple[list[str], int]]:
@@ -178,7 +186,7 @@ def dense_groups(manifest: dict) -> tuple[int, list[tuple[list[str], int]], tupl
     token either way (the bytes are equal, what DRAM is left goes to the neuron caches; both
     join the FFN's read-ahead schedule when its reads are static: runtime.stream_dense)."""
     tensors = {t["name"]: int(t["nbytes"]) for t in manifest["dense"]["tensors"]}
-    head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    head = head_name(manifest)
     groups = [(attn_names(i), sum(tensors[n] for n in attn_names(i)))
               for i in range(manifest["config"]["n_layers"])] + [([head], tensors[head])]
     embed = (["token_embd.weight"], tensors["token_embd.weight"]) if head == "output.weight" \
@@ -195,7 +203,7 @@ def stream_reserve(manifest: dict, n_ctx: int, streamed=None) -> int:
     layer = max(aligned_offsets(entries[n]["nbytes"] for n in attn_names(i))[1]
                 if on(attn_names(i)[0]) else 0 for i in range(manifest["config"]["n_layers"]))
     e = entries["token_embd.weight"]
-    head = entries["output.weight" if "output.weight" in entries else "token_embd.weight"]
+    head = entries[head_name(manifest)]
     chunk = min(CHUNK_BYTES, head["nbytes"]) + 64 * (head["nbytes"] // head["shape"][0])
     return 2 * layer + 2 * chunk * on(head["name"]) + n_ctx * (e["nbytes"] // e["shape"][0]) \
         * on("token_embd.weight")
@@ -203,7 +211,7 @@ def stream_reserve(manifest: dict, n_ctx: int, streamed=None) -> int:
 
 def plan_budget(manifest: dict, budget_text: str, n_ctx: int, process: int, predictor: int = 0,
                 reader_stage: int = 0, naive: bool = False, pin_fraction: float = 0.5,
-                keep_tokenizer: bool = False) -> BudgetPlan:
+                keep_tokenizer: bool = False, draft: int = 0) -> BudgetPlan:
     """Keep dense weights, then size the neuron caches; BudgetError (one line) when it cannot work."""
     f = manifest["ffn"]
     n_layers, n_ff, stride = int(f["n_layers"]), int(f["n_ff"]), int(f["stride"])
@@ -211,7 +219,7 @@ def plan_budget(manifest: dict, budget_text: str, n_ctx: int, process: int, pred
     budget = parse_budget(budget_text, model_bytes(manifest))
     staging_rows = min(RING_BUFFERS * n_ff, max(1, STAGING_BYTES // stride))
     resident = resident_bytes(manifest, n_ctx, process, predictor, reader_stage,
-                              staging_rows * stride, keep_tokenizer)
+                              staging_rows * stride, keep_tokenizer, draft)
     always, groups, embed = dense_groups(manifest)
     dense_all = always + sum(b for _, b in groups) + embed[1]
     fixed = sum(resident.values()) + always + (0 if naive else 4 * n_ff * n_layers)

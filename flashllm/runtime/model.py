@@ -17,6 +17,7 @@ where the DRAM budget cannot hold them.
 """
 from __future__ import annotations
 
+import copy
 from typing import Optional
 
 import numpy as np
@@ -64,6 +65,13 @@ class Model:
         local = inv_freq(cfg.rope_local_theta, cfg.head_dim) if cfg.rope_local_theta else glob
         self.rope_inv = [local if i in sliding else glob for i in range(cfg.n_layers)]  # (hd/2,) each
         self.attn_scale = cfg.attn_scale or cfg.head_dim ** -0.5
+
+    def sibling(self, ffn, weights) -> "Model":
+        """A model over the same config and KV cache with another FFN and dense weights (the
+        resident sub-network, runtime/resident.py): what either writes, the other reads."""
+        other = copy.copy(self)
+        other.ffn, other.w = ffn, weights
+        return other
 
     def reset(self) -> None:
         """Forget the context: clear the KV cache."""

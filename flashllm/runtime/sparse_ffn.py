@@ -151,6 +151,13 @@ class SparseFlashFfn:
         else:
             self._whole_layer(layer, h, x)
 
+    def resident(self, layer: int, h: np.ndarray, x: np.ndarray) -> None:
+        """x (T, d) += the FFN over the neurons in layer's cache only, no read and no stats: the
+        resident sub-network's FFN (runtime/resident.py)."""
+        cache = self.caches[layer] if self.caches else None
+        if cache is not None:
+            self._compute(layer, cache.matrix, self._slots[:cache.count], h, x, cache)
+
     def stats(self) -> dict:
         threads = self.reader.n_threads
         return {**self.rec.to_dict(lambda size: self.cost.gib_s(threads, max(size, 1.0))),

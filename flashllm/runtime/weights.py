@@ -132,14 +132,20 @@ class DenseWeights:
             return kernel.get_rows(self.token_embd, tokens)               # (T, embed_dim)
         t = self.flash.dense_entry("token_embd.weight")
         rows, cols = t["shape"]
-        rb = t["nbytes"] // rows
         uniq, inverse = np.unique(tokens, return_inverse=True)           # (U,) (T,)
-        buf = np.empty(len(uniq) * rb, dtype=np.uint8)                   # (U * row_bytes,)
-        self._pool.submit(self._read, t["offset"] + uniq.astype(np.int64) * rb,   # one reader
-                          np.full(len(uniq), rb), buf,                            # thread
-                          np.arange(len(uniq), dtype=np.int64) * rb).result()
-        sub = QTensor(buf.reshape(len(uniq), rb), t["dtype"], len(uniq), cols)
+        buf = np.empty((len(uniq), t["nbytes"] // rows), dtype=np.uint8)  # (U, row_bytes)
+        self.read_rows("token_embd.weight", uniq, buf)
+        sub = QTensor(buf, t["dtype"], len(uniq), cols)
         return kernel.get_rows(sub, inverse.astype(np.int32))             # (T, embed_dim)
+
+    def read_rows(self, name: str, ids: np.ndarray, out: np.ndarray) -> None:
+        """Rows ids (k,) of the streamed matrix `name` → out (k, row bytes) uint8, read from
+        dense.bin now (direct I/O, on the reader's thread; counted in the dense stats)."""
+        t = self.flash.dense_entry(name)
+        rb = t["nbytes"] // t["shape"][0]
+        ids = np.asarray(ids, dtype=np.int64)                            # (k,)
+        self._pool.submit(self._read, t["offset"] + ids * rb, np.full(len(ids), rb),
+                          out.reshape(-1), np.arange(len(ids), dtype=np.int64) * rb).result()
 
     def layer(self, i: int) -> Layer:
         """Layer i's weights; streamed matrices are valid until the next call."""

@@ -1,0 +1,82 @@
+"""Self-speculative decoding: guesses from the model's resident sub-network.
+
+Under a DRAM budget a decode pass is bound by its reads: every neuron outside the caches, and a
+streamed output head, is read each pass, and a pass over 1 + k tokens reads them once for all.
+The draft is the same model computed from DRAM alone (runtime/resident.py: each FFN over its
+cached, hottest neurons, the resident attention, the head's rows for the likely tokens): it
+reads nothing, so k guesses cost k of its (cheaper) token computations, and one full pass checks
+them (speculate.verify: the same distribution as plain decoding, the guess kept with the
+probability the sampler gives it). Unlike prompt lookup it guesses on any text.
+
+    draft = SelfDraft(resident_model(model, head_rows), sampler, n_draft, p_min)
+    generate(model, sampler, ids, n, draft=draft)
+
+Each guess is the draft's most likely token under the sampler's chain (its penalized argmax);
+drafting stops after a guess the draft itself gives less than p_min (llama.cpp's
+--draft-p-min), and the number of guesses a pass checks is learned from acceptance and pass
+times (speculate.DraftLength; one pass in REFRESH checks none, to keep the plain pass time
+known) — k = 0 when guessing does not pay.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from flashllm.generation.speculate import DraftError, DraftLength
+
+
+REFRESH = 16        # a pass without guesses every this many: the plain pass time stays known
+
+
+class SelfDraft:
+    """Guesses by running the resident model ahead of the verified text, one token at a time.
+
+    propose(history, room, pos) -> up to room guesses for positions pos + 1 ..; the resident
+    model writes keys/values at pos .. pos + k - 1, which the verifying pass overwrites.
+    observe(guesses, kept, seconds) after each pass (seconds: draft and pass together).
+    """
+
+    def __init__(self, model, sampler, n_draft: int, p_min: float = 0.0):
+        if n_draft < 0:
+            raise DraftError(f"--draft {n_draft} must be 0 (off) or positive")
+        if not 0.0 <= p_min <= 1.0:
+            raise DraftError(f"--draft-p-min {p_min} must be in [0, 1]")
+        self.model, self.sampler, self.p_min = model, sampler, p_min
+        self.length = DraftLength(n_draft, refresh=REFRESH)
+        self._seen = 0                  # history tokens already shown to the draft's head
+
+    def observe(self, n_guesses: int, n_kept: int, seconds: float) -> None:
+        self.length.observe(n_guesses, n_kept, seconds)
+
+    def propose(self, history: Sequence[int], room: int, pos: int = 0) -> list[int]:
+        """Up to min(room, the chosen length) guesses after history, whose last token is fed at
+        pos; fewer when the draft's confidence drops below p_min."""
+        self._show(history)
+        k = min(room, self.length.choose())
+        if k <= 0:
+            return []
+        context, guesses = list(history), []
+        for j in range(k):
+            logits = self.model.forward(np.array(context[-1:], np.int32), pos + j)[0]  # (vocab,)
+            token = self.sampler.mode(logits, context)
+            guesses.append(token)
+            context.append(token)
+            if self.p_min > 0.0 and _probability(logits, token) < self.p_min:
+                break
+        return guesses
+
+    def _show(self, history: Sequence[int]) -> None:
+        """The draft's head learns the tokens the context has used (their rows become held)."""
+        if self._seen > len(history):
+            self._seen = 0
+        see = getattr(self.model.w, "see", None)
+        if see is not None and self._seen < len(history):
+            see(history[self._seen:])
+        self._seen = len(history)
+
+
+def _probability(logits: np.ndarray, token: int) -> float:
+    """softmax(logits)[token] (logits (vocab,), -inf where the draft has no row)."""
+    top = float(np.max(logits))
+    return float(np.exp(logits[token] - top) / np.exp(logits - top).sum())

@@ -1,0 +1,185 @@
+"""Self-speculative decoding (--draft-kind self): the resident sub-network against a dense model
+whose uncached neurons are removed from the weights; a draft leaves no trace in the KV cache;
+greedy output equals plain decoding (tiny model, and SmolLM2 through the CLI with the FFN and the
+output head streamed); sampled tokens keep plain decoding's distribution."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from flashllm.cli import app
+from flashllm.ffi.reader import Reader
+from flashllm.format.reader import open_flash
+from flashllm.generation.generate import generate
+from flashllm.generation.sampler import Sampler, SamplerParams
+from flashllm.generation.self_draft import SelfDraft
+from flashllm.generation.speculate import DraftLength
+from flashllm.runtime import budget
+from flashllm.runtime.model import Model
+from flashllm.runtime.resident import ResidentError, resident_model
+from flashllm.runtime.weights import DenseWeights
+from flashllm.sparsity.predictor import AllSlots
+from test_generate import greedy
+from test_sparse_ffn import flash_ffn, write_model
+from tiny_sources import write_arrays
+
+MiB = 1 << 20
+CACHED = 40          # of the tiny model's 96 neurons per layer
+TEMP = 4.0           # the tiny random model's logits are far apart: a temperature spreads them
+
+
+def streamed(path, head: bool = True, n_ctx: int = 32):
+    """A Model over path: the FFN through a SparseFlashFfn whose caches pin slots 0 .. CACHED-1,
+    the output head streamed from dense.bin when head."""
+    flash, ffn = flash_ffn(path, AllSlots(open_flash(path).config.n_ff), "64MiB",
+                           staging_rows=16, capacity=CACHED, n_pinned=CACHED)
+    w = DenseWeights(flash, 1, {"output.weight"} if head else (),
+                     Reader(flash.dense_file, n_threads=1), chunk_bytes=1)
+    return Model(flash, n_threads=1, n_ctx=n_ctx, ffn=ffn, weights=w)
+
+
+def eager(model, sampler, n: int) -> SelfDraft:
+    """A self draft that checks n guesses every pass (a plain pass is known, guesses kept)."""
+    d = SelfDraft(model, sampler, n)
+    d.length.c1, d.length.ce, d.length.kept, d.length.reached = 1.0, 0.0, 9.0, 10.0
+    d.length.refresh = 0
+    return d
+
+
+def test_resident_model_is_the_model_without_its_uncached_neurons(tmp_path):
+    """Reference: the dense model of the same weights with every neuron outside the caches
+    zeroed (layer 0 stored in a random order: its cache holds order[:CACHED])."""
+    cfg, arrays, order = write_model(tmp_path / "m", True, "f32")
+    cut = {k: v.copy() for k, v in arrays.items()}
+    for layer in range(cfg.n_layers):
+        cached = order[:CACHED] if layer == 0 else np.arange(CACHED)        # neuron ids
+        gone = np.setdiff1d(np.arange(cfg.n_ff), cached)
+        cut[f"blk.{layer}.ffn_up.weight"][gone] = 0.0
+        cut[f"blk.{layer}.ffn_down.weight"][:, gone] = 0.0
+    write_arrays(tmp_path / "ref", cfg, cut, "f32")
+    ref = Model(open_flash(tmp_path / "ref"), n_threads=1, n_ctx=32)
+    tokens = np.array([1, 5, 9, 30, 2])
+    want = ref.forward(tokens, 0)                                              # (5, vocab)
+    draft = resident_model(streamed(tmp_path / "m", head=False))               # resident head
+    np.testing.assert_allclose(draft.forward(tokens, 0), want, rtol=1e-4, atol=1e-4)
+    draft = resident_model(streamed(tmp_path / "m"), head_rows=8)              # held rows
+    draft.w.see([30, 2])
+    got = draft.forward(tokens, 0)                                             # (5, vocab)
+    held = np.r_[np.arange(8), [30, 2]]
+    np.testing.assert_allclose(got[:, held], want[:, held], rtol=1e-4, atol=1e-4)
+    assert np.isneginf(np.delete(got, held, axis=1)).all()
+
+
+def test_a_resident_model_needs_caches_and_resident_attention(tmp_path):
+    write_model(tmp_path / "m", True, "f32")
+    with pytest.raises(ResidentError, match="streams from flash"):
+        resident_model(Model(open_flash(tmp_path / "m"), n_threads=1, n_ctx=16))
+    model = streamed(tmp_path / "m")
+    model.w = DenseWeights(model.w.flash, 1, {"blk.1.attn_q.weight"},
+                           Reader(model.w.flash.dense_file, n_threads=1))
+    with pytest.raises(ResidentError, match="streams 1 layers'"):
+        resident_model(model)
+
+
+class Replay:
+    """A draft proposing recorded guesses (and writing nothing anywhere)."""
+
+    def __init__(self, guesses):
+        self.guesses = list(guesses)
+
+    def propose(self, history, room, pos=0):
+        return self.guesses.pop(0)
+
+    def observe(self, *args):
+        pass
+
+
+def test_greedy_tokens_are_plain_and_a_draft_leaves_no_trace(tmp_path):
+    """Drafts that are often wrong (the resident model is a 40% FFN): the tokens are the plain
+    run's, and the KV cache is bit for bit that of a run feeding the same passes (the same
+    guesses, replayed) with no draft model writing its keys and values first."""
+    write_model(tmp_path / "m", True, "f32")
+    plain, fast, same = (streamed(tmp_path / "m") for _ in range(3))
+    a, b, c = [], [], []
+    generate(plain, greedy(), [1, 5, 9], 24, on_token=a.append)
+    draft, seen = eager(resident_model(fast, head_rows=8), greedy(), 3), []
+    propose = draft.propose
+    draft.propose = lambda *args: seen.append(propose(*args)) or seen[-1]
+    stats = generate(fast, greedy(), [1, 5, 9], 24, on_token=b.append, draft=draft)
+    assert a == b
+    assert stats.n_drafted > 0 and 0 < stats.n_accepted < stats.n_drafted  # kept and rejected
+    assert stats.draft_s > 0 and stats.n_decode + stats.n_accepted == 23
+    generate(same, greedy(), [1, 5, 9], 24, on_token=c.append, draft=Replay(seen))
+    assert c == b
+    end = 3 + 23                     # positions written: the prompt and the fed tokens
+    np.testing.assert_array_equal(fast.k_cache[:, :end], same.k_cache[:, :end])
+    np.testing.assert_array_equal(fast.v_cache[:, :end], same.v_cache[:, :end])
+
+
+def test_sampled_tokens_keep_the_distribution(tmp_path):
+    """The second token of a sampled run comes from a verified guess: over 3000 seeds its
+    frequencies match the plain model's probabilities there (whatever the draft guessed)."""
+    write_model(tmp_path / "m", True, "f32")
+    model = streamed(tmp_path / "m", n_ctx=8)
+    params = dict(temp=TEMP, top_k=0, top_p=1.0, min_p=0.0)
+    resident = resident_model(model, head_rows=40)
+    prompt, pairs = [1, 5, 9], []
+    for seed in range(3000):
+        out: list[int] = []
+        stats = generate(model, Sampler(SamplerParams(seed=seed, **params)), prompt, 3,
+                         on_token=out.append, draft=eager(resident, greedy(), 1))
+        assert stats.n_drafted == 1                     # token 2 comes from verifying a guess
+        pairs.append(out[:2])
+    first = np.bincount([a for a, _ in pairs]).argmax()  # the likeliest first token
+    counts = np.bincount([b for a, b in pairs if a == first], minlength=model.config.vocab_size)
+    ref = Model(open_flash(tmp_path / "m"), n_threads=1, n_ctx=8)
+    ref.forward(np.array(prompt), 0)
+    ids, probs = Sampler(SamplerParams(**params)).distribution(ref.forward(np.array([first]), 3)[0])
+    p = np.zeros(model.config.vocab_size)                            # (vocab,)
+    p[ids] = probs
+    assert p.max() < 0.8                                             # not one token only
+    freq = counts / counts.sum()                                     # (vocab,)
+    assert counts.sum() > 300
+    assert np.abs(freq - p).sum() / 2 < 0.06                         # total variation
+
+
+def test_draft_length_refresh_measures_a_plain_pass():
+    d = DraftLength(4, refresh=3)
+    assert d.choose() == 0                              # no plain pass time yet
+    d.observe(0, 0, 1.0)
+    picks = []
+    for _ in range(8):
+        k = d.choose()
+        picks.append(k)
+        d.observe(k, k, 1.0 + 0.01 * k)                # guesses nearly free, all kept
+    assert [k == 0 for k in picks] == [False, False, False, True] * 2
+
+
+def cli(*args, monkeypatch):
+    monkeypatch.setattr(budget, "process_rss", lambda: 100 * MiB)
+    return CliRunner().invoke(app, ["run", *args])
+
+
+@pytest.mark.realmodel
+def test_cli_self_draft_greedy_equals_plain_smollm2(monkeypatch):
+    """SmolLM2-135M under a budget that streams the FFN's uncached neurons and the (tied) head:
+    --draft 3 --draft-kind self writes the plain run's text, and says what it drafted."""
+    from conftest import _converted
+    path = str(_converted("smollm2-135m", "native", log=lambda m: None))
+    args = [path, "-p", "The capital of France is Paris. The capital of Germany is", "-n", "24",
+            "--temp", "0", "--dram-budget", "180MiB", "--draft-head-rows", "4096"]
+    plain = cli(*args, "--no-timings", monkeypatch=monkeypatch)
+    fast = cli(*args, "--draft", "3", "--draft-kind", "self", "--stats", monkeypatch=monkeypatch)
+    assert plain.exit_code == 0 and fast.exit_code == 0, fast.output
+    assert fast.stdout == plain.stdout
+    assert "draft head" in fast.stderr and "guessed" in fast.stderr and "kept" in fast.stderr
+
+
+def test_cli_refuses_a_self_draft_without_a_budget(tmp_path, monkeypatch):
+    write_model(tmp_path / "m", True, "f32")
+    r = cli(str(tmp_path / "m"), "-p", "a", "-n", "2", "--draft", "2", "--draft-kind", "self",
+            monkeypatch=monkeypatch)
+    assert r.exit_code == 1 and r.output.startswith("error: --draft-kind self drafts from")
+    bad = cli(str(tmp_path / "m"), "-p", "a", "--draft-kind", "oracle", monkeypatch=monkeypatch)
+    assert bad.exit_code == 2 and "'--draft-kind'" in bad.output
