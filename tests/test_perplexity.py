@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -101,26 +102,45 @@ GEMMA_FIXTURE = FIXTURE.with_name("gemma-3-270m.ppl.json")
 
 
 @pytest.mark.realmodel
-@pytest.mark.parametrize("fixture_name, tol", [
-    # llama.cpp on the F32 re-export of the GGUF (scripts/fixtures/make_f32_gguf.py; the same
-    # weights our f32 conversion holds, its KV cache in f16): measured ours 22.181 vs 22.186 (-0.02%)
-    ("gemma-3-270m-f32.ppl.json", 0.01),
-    # llama.cpp on the Q4_K_M GGUF itself: it rounds activations to 8 bits inside every Q4_K / Q5_0
-    # / Q6_K / Q8_0 dot product, which alone moves its perplexity from 22.186 (above) to 22.556
-    # (+1.67%); measured ours 22.181 (-1.66%), hence 2.5% here (`run`'s q8_0 conversion, whose
-    # activations are rounded to 8 bits as llama.cpp's, measured 22.358: -0.88%)
-    ("gemma-3-270m.ppl.json", 0.025),
-])
-def test_gemma3_perplexity_vs_llamacpp(real_model, fixture_name, tol):
-    """Gemma-3-270M's Q4_K_M GGUF converted at f32 against llama.cpp, same tokens."""
-    fx = json.loads(FIXTURE.with_name(fixture_name).read_text())
+def test_gemma3_f32_perplexity_vs_llamacpp_f32(real_model):
+    """Gemma-3-270M's Q4_K_M GGUF converted at f32 against llama.cpp on the F32 re-export of the
+    same GGUF (scripts/fixtures/make_f32_gguf.py: the same weights, its KV cache in f16), same
+    tokens: measured ours 22.181 vs 22.186 (-0.02%)."""
+    fx = json.loads(FIXTURE.with_name("gemma-3-270m-f32.ppl.json").read_text())
     tokens = np.array(fx["token_ids"], dtype=np.int32)                  # (n_chunks * n_ctx,)
     assert hashlib.sha256(tokens.astype("<i4").tobytes()).hexdigest() == fx["token_sha256"]
-    model = real_model("gemma-3-270m", "f32")
-    got = perplexity(model, tokens, n_ctx=fx["n_ctx"], bos_id=fx["bos_replaced"])
-    print(f"gemma-3-270m: perplexity {got.ppl:.3f} vs llama.cpp {fx['ppl']:.3f} ({fixture_name})")
+    got = perplexity(real_model("gemma-3-270m", "f32"), tokens, n_ctx=fx["n_ctx"],
+                     bos_id=fx["bos_replaced"])
+    print(f"gemma-3-270m f32: perplexity {got.ppl:.3f} vs llama.cpp f32 {fx['ppl']:.3f}")
     assert got.count == fx["count"]
-    assert got.ppl == pytest.approx(fx["ppl"], rel=tol)
+    assert got.ppl == pytest.approx(fx["ppl"], rel=0.01)
+
+
+@pytest.mark.realmodel
+@pytest.mark.parametrize("kind", ["code", "prose"])
+def test_gemma3_native_perplexity_within_1pct_of_llamacpp(kind):
+    """The conversion `flashllm run gemma-3-270m` makes (native) against llama.cpp running the
+    same Q4_K_M file at its defaults, on llama.cpp's token ids: 8 chunks of 512 (2040 scored
+    tokens), f16 KV as `run`. Measured ×0.9943 (code), ×1.0001 (prose).
+
+    llama.cpp rounds the activations of every quantized dot product to 8 bits (q8_0 / q8_K),
+    and on this model the realisation of that rounding is chaotic: a sub-ulp change upstream
+    (llama.cpp's f16 GELU table; prefill against decode) redraws it. llama.cpp on this file
+    scored token by token (its decode path) instead of in one batch gives ×0.9971 (code) and
+    ×1.0039 (prose) of its own figures here, and on the F32 re-export of the file ×0.9927 and
+    ×0.9978. The 508-token fixture above is too short for a 1% bar: there llama.cpp's decode
+    path gives ×0.9891 of its batch figure (BENCHMARKS.md, "Quality", Gemma-3-270M)."""
+    from conftest import _converted
+    fx = json.loads(FIXTURE.with_name(f"gemma-3-270m-{kind}.ppl.json").read_text())
+    tokens = np.array(fx["token_ids"], dtype=np.int32)                  # (n_chunks * n_ctx,)
+    assert hashlib.sha256(tokens.astype("<i4").tobytes()).hexdigest() == fx["token_sha256"]
+    path = _converted("gemma-3-270m", "native", log=lambda m: print(m, file=sys.stderr))
+    net = Model(open_flash(path), n_threads=1, n_ctx=fx["n_ctx"], kv_dtype="f16")
+    got = perplexity(net, tokens, n_ctx=fx["n_ctx"], bos_id=fx["bos_replaced"])
+    print(f"gemma-3-270m native, {kind}: perplexity {got.ppl:.4f} vs llama.cpp {fx['ppl']:.4f} "
+          f"(x{got.ppl / fx['ppl']:.4f})")
+    assert got.count == fx["count"] == 2040
+    assert got.ppl == pytest.approx(fx["ppl"], rel=0.01)
 
 
 @pytest.mark.realmodel
