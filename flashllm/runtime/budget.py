@@ -64,6 +64,7 @@ class BudgetPlan:
     n_layers: int
     n_ff: int
     stride: int                       # the widest layer's bundle bytes (staging rows)
+    strides: int                      # bytes of one slot in every layer: the layers' strides summed
     capacity: int                     # cache rows per layer
     n_pinned: int                     # of them pinned (slots 0 .. n_pinned-1)
     staging_rows: int                 # rows of the staging buffer
@@ -72,12 +73,6 @@ class BudgetPlan:
     streamed_bytes: int = 0           # of them read per token (the embedding rows not counted)
     predictor: bool = False           # the manifest's predictor is resident (runtime's choice)
     expert_rows: int = 0              # rows (neurons) of one expert; 0: a dense FFN
-    stride_sum: int = 0               # the layers' bundle strides summed (0: n_layers * stride)
-
-    @property
-    def strides(self) -> int:
-        """Bytes of one slot in every layer: the layers' strides summed."""
-        return self.stride_sum or self.n_layers * self.stride
 
     @property
     def cache_bytes(self) -> int:
@@ -253,10 +248,9 @@ def plan_budget(manifest: dict, budget_text: str, n_ctx: int, process: int, pred
     notes = () if hot_first or naive or moe else (
         "no hot-first neuron order (run calibrate): the caches hold the first neurons, not the "
         "most active",)
-    return BudgetPlan(budget, resident, n_layers, n_ff, stride, int(capacity), int(pins),
+    return BudgetPlan(budget, resident, n_layers, n_ff, stride, strides, int(capacity), int(pins),
                       staging_rows, notes, tuple(streamed), per_token,
-                      expert_rows=int(manifest["config"]["n_ff"]) if moe else 0,
-                      stride_sum=strides)
+                      expert_rows=int(manifest["config"]["n_ff"]) if moe else 0)
 
 
 def ffn_reads(manifest: dict, full_cache: int, cache: int) -> float:
