@@ -37,12 +37,12 @@ def resolve_model(model: str, cache_dir: Path, registry_path: Path, log: Log,
         raise RegistryError(f"{entry.name}: {entry.unsupported}")
     dtype = dtype or entry.default_dtype
     out = Path(cache_dir) / "converted" / f"{entry.name}-{dtype}"
-    if (out / "manifest.json").is_file() and not _outdated(out):
+    if (out / "manifest.json").is_file() and not conversion_outdated(out):
         return out
     gguf = pull(entry, cache_dir, log)
     with _locked(out.parent / f".{out.name}.lock"):      # one conversion at a time: a second
         if (out / "manifest.json").is_file():            # run waits, then uses the first's
-            why = _outdated(out)
+            why = conversion_outdated(out)
             if why is None:
                 return out
             log(f"{entry.name}: {out} was converted by an older flashllm ({why}): converting again")
@@ -57,9 +57,9 @@ def resolve_model(model: str, cache_dir: Path, registry_path: Path, log: Log,
     return out
 
 
-def _outdated(out: Path) -> str | None:
-    """Why the cached conversion at out is not what this flashllm makes (native.outdated), or
-    None; an unreadable manifest is left to the reader to report."""
+def conversion_outdated(out: Path) -> str | None:
+    """Why the converted folder at out is not what this flashllm makes (native.outdated), or
+    None; an absent or unreadable manifest is left to the reader to report."""
     try:
         return native.outdated(json.loads((out / "manifest.json").read_text(encoding="utf-8")))
     except (OSError, ValueError, KeyError, TypeError):

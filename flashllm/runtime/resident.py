@@ -71,8 +71,7 @@ class HeadRows:
 
     def add(self, tokens: Iterable[int]) -> None:
         """Read the rows of tokens not held yet (as many as fit)."""
-        new = np.unique(np.asarray(list(tokens) if not isinstance(tokens, np.ndarray) else tokens,
-                                   dtype=np.int64))                       # (k,)
+        new = np.unique(np.fromiter(tokens, dtype=np.int64))              # (k,)
         new = new[(new >= 0) & (new < self.vocab)]
         new = new[~self.have[new]][:len(self.data) - self.n]
         if len(new):
