@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from flashllm.format.reader import open_flash
-from flashllm.format.writer import FlashWriter, WriterState, update_manifest
+from flashllm.format.files import update_manifest
+from flashllm.format.writer import FlashWriter, WriterState
 from flashllm.format.layout import ffn_weight
 from flashllm.errors import FormatError
 from flashllm.model.tensor import QTensor

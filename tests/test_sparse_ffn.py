@@ -9,7 +9,7 @@ import pytest
 
 from flashllm.runtime.budget import plan_budget, read_manifest
 from flashllm.format.reader import open_flash
-from flashllm.format.writer import update_manifest
+from flashllm.format.files import update_manifest
 from flashllm.ffi.reader import Reader
 from flashllm.runtime.model import Model
 from flashllm.sparsity.predictor import AllSlots

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from flashllm.errors import RegistryError
+from flashllm.format.files import fsync_dir
 from flashllm.format.layout import NATIVE
 from flashllm.model.tensor import QUANTIZABLE
 
@@ -324,7 +325,7 @@ def _assemble(entry: Entry, parts: List[Tuple[Path, str]], dest: Path, log: Log)
             os.fsync(out.fileno())
         os.chmod(tmp, 0o644)  # mkstemp makes 0600; the cache is the user's, readable like pip's
         os.replace(tmp, dest)
-        _fsync_dir(dest.parent)
+        fsync_dir(dest.parent)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -345,11 +346,3 @@ def copy_member(entry: Entry, path: Path, member: str, out, h, total: int) -> in
             h.update(block)
             out.write(block)
     return total
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from flashllm import __version__
+from flashllm.format.files import fsync_dir, sweep_leftovers, sync_close, why
 from flashllm.format.reader import FlashModel
 from flashllm.format.layout import (NATIVE, DENSE_ALIGN, DENSE_FILE, DENSE_HEADER, DENSE_MAGIC, DTYPE_CODES,
                             FFN_ALIGN, FFN_FILE, FFN_HEADER, FFN_MAGIC, FORMAT_VERSION, MAGIC,
@@ -83,7 +84,7 @@ class FlashWriter:
         try:
             if not self.out.parent.exists():
                 self.out.parent.mkdir(parents=True)              # like mkdir -p
-            _sweep_leftovers(self.out)
+            sweep_leftovers(self.out)
             if self.tmp.exists():
                 shutil.rmtree(self.tmp)
             self.tmp.mkdir()
@@ -91,7 +92,7 @@ class FlashWriter:
             self._dense.write(bytes(DENSE_ALIGN))          # header, patched when the section closes
         except OSError as e:
             self.abort()
-            raise FormatError(f"cannot write the flash model to {self.out}: {_why(e)}") from None
+            raise FormatError(f"cannot write the flash model to {self.out}: {why(e)}") from None
         self.state = WriterState.OPEN
 
     def __enter__(self) -> "FlashWriter":
@@ -139,7 +140,7 @@ class FlashWriter:
             f.write(bytes(size - f.tell()))
             f.seek(0)
             f.write(header)
-            _sync_close(f)
+            sync_close(f)
         self._io(f, finish)
         self.dense_bytes = size
 
@@ -220,7 +221,7 @@ class FlashWriter:
         try:
             self._ffn = open(self.tmp / FFN_FILE, "wb")
         except OSError as e:
-            raise FormatError(f"cannot write {self.tmp / FFN_FILE}: {_why(e)}") from None
+            raise FormatError(f"cannot write {self.tmp / FFN_FILE}: {why(e)}") from None
         self._io(self._ffn, lambda f: f.write(header + bytes(FFN_ALIGN - len(header))))
 
     # ---- tokenizer, manifest, install -------------------------------------------------------
@@ -239,7 +240,7 @@ class FlashWriter:
             if shapes.get(name) != shape:
                 raise FormatError(f"finish() without tensor {name} of shape {shape} "
                                   f"(written: {shapes.get(name)})")
-        self._io(self._ffn, _sync_close)
+        self._io(self._ffn, sync_close)
         files = {"tokenizer": self._write_tokenizer(), "order": self._write_order()}
         self._write_file(MANIFEST_FILE, (json.dumps(self._manifest(files), indent=1) + "\n").encode())
         self._install()
@@ -265,11 +266,11 @@ class FlashWriter:
     def _write_file(self, name: str, data: bytes) -> dict:
         def write(f) -> None:
             f.write(data)
-            _sync_close(f)
+            sync_close(f)
         try:
             f = open(self.tmp / name, "wb")
         except OSError as e:
-            raise FormatError(f"cannot write {self.tmp / name}: {_why(e)}") from None
+            raise FormatError(f"cannot write {self.tmp / name}: {why(e)}") from None
         self._io(f, write)
         return {"file": name, "nbytes": len(data), "crc32": crc32_array(np.frombuffer(data, np.uint8))}
 
@@ -289,7 +290,7 @@ class FlashWriter:
 
     def _install(self) -> None:
         try:
-            _fsync_dir(self.tmp)
+            fsync_dir(self.tmp)
             if self.out.exists() or self.out.is_symlink():
                 self._check_target()
                 old = self.out.parent / f".{self.out.name}.old-{os.getpid()}"
@@ -298,9 +299,9 @@ class FlashWriter:
                 shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
             else:
                 os.rename(self.tmp, self.out)
-            _fsync_dir(self.out.parent)
+            fsync_dir(self.out.parent)
         except OSError as e:
-            raise FormatError(f"cannot move the flash model into {self.out}: {_why(e)}") from None
+            raise FormatError(f"cannot move the flash model into {self.out}: {why(e)}") from None
 
     # ---- helpers ----------------------------------------------------------------------------
 
@@ -342,27 +343,7 @@ class FlashWriter:
         try:
             action(f)
         except OSError as e:
-            raise FormatError(f"cannot write {f.name}: {_why(e)}") from None
-
-
-def _sweep_leftovers(out: Path) -> None:
-    """Remove the temporary folders (.NAME.tmp-PID, .NAME.old-PID) that writers of out left when
-    they were killed: those whose process is gone."""
-    for p in out.parent.glob(f".{out.name}.*-*"):
-        kind, _, pid = p.name[len(out.name) + 2:].partition("-")
-        if kind not in ("tmp", "old") or not pid.isdigit() or _alive(int(pid)):
-            continue
-        shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:        # someone else's process
-        return True
-    return True
+            raise FormatError(f"cannot write {f.name}: {why(e)}") from None
 
 
 def _part_rows(layer: int, w, dtype: str, order) -> np.ndarray:
@@ -376,44 +357,3 @@ def _part_rows(layer: int, w, dtype: str, order) -> np.ndarray:
         raise FormatError(f"layer {layer}: {dtype} FFN rows are copied from a GGUF's blocks, "
                           "not quantized from floats")
     return quantize_rows(np.ascontiguousarray(w if order is None else w[order], np.float32), dtype)
-
-
-def update_manifest(path: Path, **sections: dict) -> None:
-    """Replace the reserved manifest sections (`sparsity`, `predictor`) of the model folder at path,
-    or its `ffn` section (a hot-first rewrite), atomically (temporary file, fsync, rename). Side
-    files they name must already be complete and fsync'd in the folder."""
-    unknown = set(sections) - {"sparsity", "predictor", "ffn"}
-    if unknown:
-        raise FormatError(f"manifest sections {sorted(unknown)} cannot be updated")
-    file = Path(path) / MANIFEST_FILE
-    tmp = file.with_name(f".{MANIFEST_FILE}.tmp-{os.getpid()}")
-    try:
-        manifest = json.loads(file.read_text(encoding="utf-8"))
-        manifest.update(sections)
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(json.dumps(manifest, indent=1) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, file)
-        _fsync_dir(file.parent)
-    except (OSError, ValueError) as e:
-        tmp.unlink(missing_ok=True)
-        raise FormatError(f"cannot update {file}: {e}") from None
-
-
-def _sync_close(f) -> None:
-    f.flush()
-    os.fsync(f.fileno())
-    f.close()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _why(e: OSError) -> str:
-    return e.strerror or str(e)

@@ -13,7 +13,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from flashllm.format.reader import open_flash
-from flashllm.format.writer import update_manifest
+from flashllm.format.files import update_manifest
 from flashllm.sparsity.activations import (CalibrationError, check_criterion, default_criterion,
                                            ffn_activations, frequencies, hot_share, threshold)
 from flashllm.sparsity.predictor import save_predictor

@@ -34,7 +34,7 @@ import numpy as np
 from flashllm.ffi import kernel
 from flashllm.sparsity.activations import activation
 from flashllm.format.layout import DTYPE_CODES, MANIFEST_FILE, align_up, fits, tensor_nbytes
-from flashllm.format.writer import update_manifest
+from flashllm.format.files import update_manifest
 from flashllm.model.config import ModelConfig
 from flashllm.errors import FormatError
 from flashllm.model.tensor import QTensor

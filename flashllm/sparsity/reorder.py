@@ -16,7 +16,7 @@ from typing import Optional
 import numpy as np
 
 from flashllm.format.layout import FFN_ALIGN, crc32_array
-from flashllm.format.writer import update_manifest
+from flashllm.format.files import update_manifest
 from flashllm.errors import FormatError
 
 FFN_NAMES = ("ffn.bin", "ffn-hot.bin")
