@@ -35,7 +35,7 @@ from flashllm.runtime.ffn import bundle_ids, up_biases
 from flashllm.runtime.stats import FlashStats, TokenStats
 from flashllm.ffi.reader import aligned_empty
 from flashllm.runtime.schedule import PassSchedule
-from flashllm.storage.readahead import page_chunks, page_rows, reader_delta
+from flashllm.storage.readahead import as_rows, page_chunks, page_step, reader_delta
 
 clock = time.perf_counter
 SERIAL_BYTES = 256 << 10       # an FFN call over fewer bundle bytes (x tokens) runs on one thread
@@ -89,9 +89,9 @@ class SparseFlashFfn:
         first = 0 if self.naive else min(self.caches[0].n_pinned, k)
         n_buf = RING_BUFFERS if len(self.staging) >= 2 * RING_BUFFERS else 2
         step = len(self.staging) // n_buf
-        step = _page_step(step, self.f.stride)                  # buffers start on a page
+        step = page_step(step, self.f.stride)                  # buffers start on a page
         chunks = [[(a, b - a) for a, b in page_chunks(self.f.layer_offsets[layer], s, first, k,
-                                                       _page_step(step * self.f.stride // s, s))]
+                                                       page_step(step * self.f.stride // s, s))]
                   for layer, s in enumerate(self.f.strides)]           # [layer][j] = (first, n)
         buffers = self.staging[:n_buf * step].reshape(n_buf, step, self.f.stride)  # (n_buf, step, stride)
         reads = PassSchedule(buffers, chunks, self._static_request, self.f.strides)
@@ -407,14 +407,3 @@ class SparseFlashFfn:
         t.true_active += len(true)
         t.true_hits += int(np.isin(true, slots, assume_unique=True).sum())
 
-
-def _page_step(step: int, stride: int) -> int:
-    """Rows of stride bytes a ring buffer of step such rows holds, cut to whole pages when
-    it holds one (buffers start on a page)."""
-    page = page_rows(stride)
-    return step // page * page if step >= page else step
-
-
-def as_rows(buf: np.ndarray, n: int, stride: int) -> np.ndarray:
-    """The first n rows of stride bytes in ring rows buf (m, ring stride) uint8: (n, stride)."""
-    return buf.reshape(-1)[:n * stride].reshape(n, stride)

@@ -42,6 +42,18 @@ def page_chunks(base: int, stride: int, first: int, k: int, step: int) -> list[t
     return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
 
 
+def page_step(step: int, stride: int) -> int:
+    """Rows of stride bytes a ring buffer of step such rows holds, cut to whole pages when
+    it holds one (buffers start on a page)."""
+    page = page_rows(stride)
+    return step // page * page if step >= page else step
+
+
+def as_rows(buf: np.ndarray, n: int, stride: int) -> np.ndarray:
+    """The first n rows of stride bytes in ring rows buf (m, ring stride) uint8: (n, stride)."""
+    return buf.reshape(-1)[:n * stride].reshape(n, stride)
+
+
 def reader_delta(before, after) -> dict:
     """Counters (TokenStats fields) of the reads between two Reader.stats() snapshots."""
     b = read_counters(before)
