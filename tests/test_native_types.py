@@ -173,3 +173,20 @@ def test_every_instruction_set(isa):
             y = np.zeros((T, D), np.float32)
             assert lib.fl_ffn_bundles(layer, ffi.NULL, 0, 0.0, f32(x), T, f32(y), 0, 2) == 0
             close(y, (silu(xr @ g.T) * (xr @ u.T)) @ dn, (isa, dtype, T))
+
+
+@pytest.mark.parametrize("down", ["q4_k", "q5_k", "q6_k"])
+def test_k_quant_down_columns_in_groups_of_one_to_four(down):
+    """kaxpy.c adds up to 4 down columns at once (AVX-512: values unpacked a superblock at a
+    time, one accumulator per 16 values): every group size and tail, against gguf-py."""
+    data, (g, u, dn) = bundles_of("q4_k", down, 24, seed=11)
+    x = np.random.default_rng(5).standard_normal((1, D)).astype(np.float32)
+    for n in range(1, 10):                                                 # 2 groups + 0..3 tail
+        rows = np.arange(24 - n, 24, dtype=np.int32)[::-1].copy()          # (n,) gathered, unsorted
+        mask = np.zeros(24)
+        mask[rows] = 1
+        y = np.full((1, D), 0.25, np.float32)                              # y is added to
+        kernel.ffn_bundles(data, "q4_k", D, True, "silu", x, y, rows=rows, exact=True,
+                           down_dtype=down)
+        xr = x.astype(np.float64)
+        close(y, 0.25 + (silu(xr @ g.T) * (xr @ u.T) * mask) @ dn, (down, n))
