@@ -229,6 +229,11 @@ void fli_qk_axpy(int32_t dtype, const uint8_t *row, float a, float *y, int64_t n
  * per superblock the exact integer sums of the sub-blocks times their integer scales, then
  * d * d_x * isum - dmin * d_x * msum in f32; AVX-512 BW, AVX2 and plain C give the same bits */
 float fli_qk_qdot(int32_t dtype, const uint8_t *w, const uint8_t *x, int64_t n);
+/* out[r][t] = w[r] . x[t] for FL_QT q6_k rows and n_tok (1..FL_QT) tokens, each product
+ * fli_qk_qdot's bits; under AVX-512 BW each superblock's 6-bit values are unpacked once for all
+ * the tokens */
+void fli_q6k_tile(const uint8_t *const w[FL_QT], const uint8_t *const x[FL_QT], int32_t n_tok,
+                  int64_t n, float out[FL_QT][FL_QT]);
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define FLI_Q4K_TILE1 1

@@ -334,7 +334,11 @@ static inline __attribute__((always_inline)) void tile_dt(int32_t dtype, const u
 void fli_qdot_tile(int32_t dtype, const uint8_t *const w[FL_QT], const uint8_t *const ex[FL_QT],
                    const uint8_t *const x[FL_QT], int32_t n_tok, int64_t n,
                    float out[FL_QT][FL_QT]) {
-    if (dtype == FL_Q5_K || dtype == FL_Q6_K) {  // one row and token at a time (qk.c)
+    if (dtype == FL_Q6_K) {  // each superblock unpacked once for the tokens (qk.c)
+        fli_q6k_tile(w, x, n_tok, n, out);
+        return;
+    }
+    if (dtype == FL_Q5_K) {  // one row and token at a time (qk.c)
         for (int r = 0; r < FL_QT; r++)
             for (int t = 0; t < n_tok; t++) out[r][t] = fli_qk_qdot(dtype, w[r], x[t], n);
         return;

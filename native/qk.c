@@ -89,32 +89,57 @@ static inline int32_t hsum_i32(__m256i acc) {  // the sum of the 8 int32 lanes
 }
 #endif
 
-/* q6_k: sum over the 16 sub-blocks k of scales[k] * (u . q) (u unsigned, q the token's int8) */
-static int32_t q6k_isum(const uint8_t *sb, const int8_t *q) {
 #if defined(QK_512)
+/* a q6_k superblock unpacked once for any number of tokens: u (4 x 64 unsigned 6-bit values:
+ * values 0..63, 64..127, 128..191, 192..255), per vector the int16 scales of its int16 pair
+ * lanes (lane j of vector v: sub-block 4v + j / 8), and -32 * scales[k] (16 int16) */
+typedef struct {
+    __m512i u[4], sc[4];
+    __m256i neg32;
+} q6k_unpacked;
+
+static inline void q6k_unpack(const uint8_t *sb, q6k_unpacked *o) {
     const __m512i m4 = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(0x03);
-    const __m512i sc16 = _mm512_castsi256_si512(
-        _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(sb + 192))));  // (16) int16
+    const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(sb + 192)));
+    const __m512i sc16 = _mm512_castsi256_si512(s16);  // (16) int16
     const __m512i eighth = _mm512_srli_epi16(  // int16 lane j -> j / 8
         _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14,
                          13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 3);
-    __m512i acc = _mm512_setzero_si512();
     for (int h = 0; h < 2; h++) {
         const __m512i ql = _mm512_loadu_si512(sb + 64 * h);  // (64)
         const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(sb + 128 + 32 * h)));
         const __m512i ha = _mm512_and_si512(_mm512_srlv_epi64(qh, _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0)), m3);
         const __m512i hb = _mm512_and_si512(_mm512_srlv_epi64(qh, _mm512_set_epi64(6, 6, 6, 6, 4, 4, 4, 4)), m3);
-        const __m512i ua = _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_slli_epi16(ha, 4));
-        const __m512i ub = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
-                                           _mm512_slli_epi16(hb, 4));
-        const __m512i pa = _mm512_maddubs_epi16(ua, _mm512_loadu_si512(q + 128 * h));
-        const __m512i pb = _mm512_maddubs_epi16(ub, _mm512_loadu_si512(q + 128 * h + 64));
+        o->u[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_slli_epi16(ha, 4));
+        o->u[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
+                                          _mm512_slli_epi16(hb, 4));
         const __m512i ia = _mm512_add_epi16(eighth, _mm512_set1_epi16((short)(8 * h)));
-        const __m512i ib = _mm512_add_epi16(ia, _mm512_set1_epi16(4));
-        acc = _mm512_add_epi32(acc, _mm512_madd_epi16(pa, _mm512_permutexvar_epi16(ia, sc16)));
-        acc = _mm512_add_epi32(acc, _mm512_madd_epi16(pb, _mm512_permutexvar_epi16(ib, sc16)));
+        o->sc[2 * h] = _mm512_permutexvar_epi16(ia, sc16);
+        o->sc[2 * h + 1] = _mm512_permutexvar_epi16(_mm512_add_epi16(ia, _mm512_set1_epi16(4)), sc16);
     }
+    o->neg32 = _mm256_mullo_epi16(s16, _mm256_set1_epi16(-32));
+}
+
+/* the superblock's exact isum with one token: sum over k of scales[k] * ((u - 32) . q), q (256)
+ * the token's int8, bs (16) its sums per 16 values */
+static inline int32_t q6k_isum_u(const q6k_unpacked *o, const int8_t *q, const int16_t *bs) {
+    __m512i acc = _mm512_castsi256_si512(_mm256_madd_epi16(
+        o->neg32, _mm256_loadu_si256((const __m256i *)bs)));  // -32 * scales . sums, lanes 0..7
+    acc = _mm512_zextsi256_si512(_mm512_castsi512_si256(acc));
+    for (int v = 0; v < 4; v++)
+        acc = _mm512_add_epi32(acc, _mm512_madd_epi16(
+            _mm512_maddubs_epi16(o->u[v], _mm512_loadu_si512(q + 64 * v)), o->sc[v]));
     return _mm512_reduce_add_epi32(acc);
+}
+#endif
+
+/* q6_k: sum over the 16 sub-blocks k of scales[k] * (u . q) (u unsigned, q the token's int8) */
+static int32_t q6k_isum(const uint8_t *sb, const int8_t *q) {
+#if defined(QK_512)
+    q6k_unpacked o;
+    q6k_unpack(sb, &o);
+    const int16_t zero[16] = {0};  // no offset term here: the caller subtracts it
+    return q6k_isum_u(&o, q, zero);
 #elif defined(QK_256)
     const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(0x03);
     const int8_t *sc = (const int8_t *)(sb + 192);
@@ -187,21 +212,47 @@ static int32_t q5k_isum(const uint8_t *sb, const uint8_t sc[8], const int8_t *q)
 #endif
 }
 
-float fli_qk_qdot(int32_t dtype, const uint8_t *w, const uint8_t *x, int64_t n) {
+/* a token quantized by fli_xq_quantize for a k-quant: q (n), scales (one d per superblock in
+ * lane 0 of its first block), sums of q per 16 values */
+typedef struct {
+    const int8_t *q;
+    const float *scale;
+    const int16_t *bsum, *bsum16;
+} qk_token;
+
+static inline qk_token token_view(const uint8_t *x, int64_t n) {
     const int64_t nb = n / FL_QK;
-    const int8_t *q = (const int8_t *)x;                                    // (n)
-    const float *scale = (const float *)(x + n);                            // (nb, 8)
-    const int16_t *bsum = (const int16_t *)(scale + 3 * nb * FL_XQ_LANES);  // (nb)
-    const int16_t *bsum16 = bsum + (nb + 7) / 8 * 8;                        // (2 nb)
+    qk_token t;
+    t.q = (const int8_t *)x;                                      // (n)
+    t.scale = (const float *)(x + n);                             // (nb, 8)
+    t.bsum = (const int16_t *)(t.scale + 3 * nb * FL_XQ_LANES);   // (nb)
+    t.bsum16 = t.bsum + (nb + 7) / 8 * 8;                         // (2 nb)
+    return t;
+}
+
+/* the exact q6_k isum of superblock sbi (its bytes sb) with token t: sum over k of
+ * scales[k] * (u . q - 32 * sum of q over sub-block k) */
+static inline int32_t q6k_isum_token(const uint8_t *sb, const qk_token *t, int64_t sbi) {
+    int32_t corr = 0;  // sum over k of scales[k] * (sum of the token's q over sub-block k)
+    for (int k = 0; k < 16; k++) corr += (int8_t)sb[192 + k] * t->bsum16[16 * sbi + k];
+    return q6k_isum(sb, t->q + sbi * FL_QK_K) - 32 * corr;
+}
+
+float fli_qk_qdot(int32_t dtype, const uint8_t *w, const uint8_t *x, int64_t n) {
+    const qk_token t = token_view(x, n);
     const size_t kb = fli_kblock_bytes(dtype);
     float s = 0.0f;
     for (int64_t sbi = 0; sbi < n / FL_QK_K; sbi++) {
         const uint8_t *sb = w + sbi * kb;
-        const float dx = scale[sbi * 8 * FL_XQ_LANES];
+        const float dx = t.scale[sbi * 8 * FL_XQ_LANES];
         if (dtype == FL_Q6_K) {
-            int32_t corr = 0;  // sum over k of scales[k] * (sum of the token's q over sub-block k)
-            for (int k = 0; k < 16; k++) corr += (int8_t)sb[192 + k] * bsum16[16 * sbi + k];
-            const int32_t isum = q6k_isum(sb, q + sbi * FL_QK_K) - 32 * corr;
+#if defined(QK_512)
+            q6k_unpacked o;
+            q6k_unpack(sb, &o);
+            const int32_t isum = q6k_isum_u(&o, t.q + sbi * FL_QK_K, t.bsum16 + 16 * sbi);
+#else
+            const int32_t isum = q6k_isum_token(sb, &t, sbi);
+#endif
             s += fl_load_fp16(sb + 208) * dx * (float)isum;
             continue;
         }
@@ -210,9 +261,35 @@ float fli_qk_qdot(int32_t dtype, const uint8_t *w, const uint8_t *x, int64_t n) 
         fli_q4k_unpack(sb, u);
         memcpy(sm, u, sizeof sm);
         int32_t msum = 0;
-        for (int j = 0; j < 8; j++) msum += sm[8 + j] * bsum[8 * sbi + j];
-        s += fl_load_fp16(sb) * dx * (float)q5k_isum(sb, sm, q + sbi * FL_QK_K);
+        for (int j = 0; j < 8; j++) msum += sm[8 + j] * t.bsum[8 * sbi + j];
+        s += fl_load_fp16(sb) * dx * (float)q5k_isum(sb, sm, t.q + sbi * FL_QK_K);
         s -= fl_load_fp16(sb + 2) * dx * (float)msum;
     }
     return s;
+}
+
+void fli_q6k_tile(const uint8_t *const w[FL_QT], const uint8_t *const x[FL_QT], int32_t n_tok,
+                  int64_t n, float out[FL_QT][FL_QT]) {
+    qk_token t[FL_QT];
+    for (int j = 0; j < n_tok; j++) t[j] = token_view(x[j], n);
+    for (int r = 0; r < FL_QT; r++) {
+        float s[FL_QT] = {0.0f};
+        for (int64_t sbi = 0; sbi < n / FL_QK_K; sbi++) {
+            const uint8_t *sb = w[r] + sbi * FL_Q6_K_BYTES;
+            const float d = fl_load_fp16(sb + 208);
+#if defined(QK_512)
+            q6k_unpacked o;  // once for all the tokens
+            q6k_unpack(sb, &o);
+#endif
+            for (int j = 0; j < n_tok; j++) {
+#if defined(QK_512)
+                const int32_t isum = q6k_isum_u(&o, t[j].q + sbi * FL_QK_K, t[j].bsum16 + 16 * sbi);
+#else
+                const int32_t isum = q6k_isum_token(sb, &t[j], sbi);
+#endif
+                s[j] += d * t[j].scale[sbi * 8 * FL_XQ_LANES] * (float)isum;
+            }
+        }
+        for (int j = 0; j < n_tok; j++) out[r][j] = s[j];
+    }
 }
