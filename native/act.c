@@ -85,3 +85,13 @@ void fli_silu_mul(const float *g, const float *u, float *h, int64_t n) {
 #endif
     for (; i < n; i++) h[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
 }
+
+int32_t fl_act_mul(int32_t act, const float *g, const float *u, float *h, int64_t n) {
+    if (!u || !h || n < 0 || act < FL_ACT_SILU || act > FL_ACT_GELU_TANH) return FL_EINVAL;
+    if (g && act == FL_ACT_SILU) {
+        fli_silu_mul(g, u, h, n);
+        return FL_OK;
+    }
+    for (int64_t i = 0; i < n; i++) h[i] = g ? fli_activate(act, g[i]) * u[i] : fli_activate(act, u[i]);
+    return FL_OK;
+}

@@ -8,6 +8,7 @@
 #define FLASHLLM_SIMD_H
 
 #include <stdatomic.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -312,6 +313,18 @@ void fli_panel_gemm(int32_t dtype, const uint8_t *panel, const uint8_t *x, size_
                     int64_t n, float *out, int64_t ld);
 
 /* ---- act.c ------------------------------------------------------------------------------- */
+
+/* one FFN activation (FL_ACT_*): SiLU x*sigmoid(x); GELU the erf form; GELU_TANH the tanh
+ * approximation; ReLU */
+static inline float fli_activate(int32_t act, float v) {
+    switch (act) {
+    case FL_ACT_SILU: return v / (1.0f + expf(-v));
+    case FL_ACT_GELU: return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
+    case FL_ACT_GELU_TANH:
+        return 0.5f * v * (1.0f + tanhf(0.79788456080286536f * (v + 0.044715f * v * v * v)));
+    default: return v > 0.0f ? v : 0.0f;
+    }
+}
 
 /* h (n) = silu(g) * u = g / (1 + exp(-g)) * u, g u h (n) f32 */
 void fli_silu_mul(const float *g, const float *u, float *h, int64_t n);

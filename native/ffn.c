@@ -41,23 +41,14 @@ typedef struct {
     size_t xb;
 } ffn_args;
 
-static inline float activate(int32_t act, float v) {
-    switch (act) {
-    case FL_ACT_SILU: return v / (1.0f + expf(-v));
-    case FL_ACT_GELU: return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
-    case FL_ACT_GELU_TANH:
-        return 0.5f * v * (1.0f + tanhf(0.79788456080286536f * (v + 0.044715f * v * v * v)));
-    default: return v > 0.0f ? v : 0.0f;
-    }
-}
 
 /* acc (T, d) += h_t * down_i for bundle i, reading the quantized rows in place (T == 1) */
 static void bundle_fused(const ffn_args *a, const uint8_t *bundle, int64_t i, float *acc) {
     const uint8_t *up = bundle + (a->glu ? a->rb : 0);
     const float bias = a->up_bias ? a->up_bias[a->ids ? a->ids[i] : i] : 0.0f;
     const float u = fli_dot(a->dtype, up, a->x, a->d) + bias;
-    const float h = a->glu ? activate(a->act, fli_dot(a->dtype, bundle, a->x, a->d)) * u
-                           : activate(a->act, u);
+    const float h = a->glu ? fli_activate(a->act, fli_dot(a->dtype, bundle, a->x, a->d)) * u
+                           : fli_activate(a->act, u);
     if (h != 0.0f && fabsf(h) >= a->threshold) fli_axpy(a->ddt, up + a->rb, h, acc, a->d);
 }
 
@@ -74,8 +65,8 @@ static void bundle_tokens(const ffn_args *a, const uint8_t *bundle, int64_t i, f
     for (int64_t t = 0; t < a->T; t++) {
         const float *xt = a->x + t * d;  // (d)
         const float u = fli_dot_f32(up, xt, d) + bias;
-        const float h = a->glu ? activate(a->act, fli_dot_f32(gate, xt, d)) * u
-                               : activate(a->act, u);
+        const float h = a->glu ? fli_activate(a->act, fli_dot_f32(gate, xt, d)) * u
+                               : fli_activate(a->act, u);
         if (h != 0.0f && fabsf(h) >= a->threshold) fli_axpy_f32(h, down, acc + t * d, d);
     }
 }
@@ -83,7 +74,7 @@ static void bundle_tokens(const ffn_args *a, const uint8_t *bundle, int64_t i, f
 /* the neuron's activation from its gate and up dot products; 0 when thresholded away */
 static inline float neuron_h(const ffn_args *a, int64_t i, float g, float u) {
     u += a->up_bias ? a->up_bias[a->ids ? a->ids[i] : i] : 0.0f;
-    const float h = a->glu ? activate(a->act, g) * u : activate(a->act, u);
+    const float h = a->glu ? fli_activate(a->act, g) * u : fli_activate(a->act, u);
     return h != 0.0f && fabsf(h) >= a->threshold ? h : 0.0f;
 }
 

@@ -67,8 +67,8 @@ def convert_source(source, out: Path, dtype: str, *, force: bool = False,
             if cfg.n_experts:
                 _write_experts(source, w, layer, groups)
             elif plan:
-                gate, up, down, origin = native.ffn_layer(source, layer, groups[""], plan)
-                w.add_ffn_layer(layer, gate, up, down, origin=origin)
+                gate, up, down, origin, rows = native.ffn_layer(source, layer, groups[""], plan)
+                w.add_ffn_layer(layer, gate, up, down, origin=origin, down_rows=rows)
             else:
                 weights = {part: _ffn_part(source, name, part, dtype)
                            for part, name in groups[""].items()}   # (n_ff, d) / (d, n_ff), or QTensor

@@ -41,6 +41,7 @@ class NativePlan:
     ffn_dtype: str          # the bundles' gate / up rows
     gate_up_copied: bool    # False: re-quantized to ffn_dtype (the source's type does not fit)
     down_dtypes: tuple      # per layer: the down column's dtype
+    down_rows: bool = False  # the down matrices are also kept as the source stores them
 
 
 def down_column(stored: str, d_model: int, step_up: bool = False) -> str:
@@ -64,11 +65,19 @@ def plan(source, ffn: list[dict[str, dict[str, str]]], step_up: bool = False) ->
     d = source.config.d_model
     if source.config.n_experts:
         return NativePlan(FALLBACK, False, (FALLBACK,) * source.config.n_layers)
+    stored = [source.stored_type(g[""]["down"]) for g in ffn]
     types = {source.stored_type(n) for groups in ffn for p, n in groups[""].items() if p != "down"}
     dt = FROM_GGML.get(types.pop()) if len(types) == 1 else None
     copied = dt is not None and fits(dt, d)
-    downs = tuple(down_column(source.stored_type(g[""]["down"]), d, step_up) for g in ffn)
-    return NativePlan(dt if copied else FALLBACK, copied, downs)
+    downs = tuple(down_column(t, d, step_up) for t in stored)
+    return NativePlan(dt if copied else FALLBACK, copied, downs,
+                      keeps_rows(stored, source.config.n_ff))
+
+
+def keeps_rows(stored: list, n_ff: int) -> bool:
+    """Whether down matrices stored in these ggml types (one per layer) are kept as they are
+    (down.bin): every layer's type one the kernel has, with n_ff whole blocks of it."""
+    return all(fits(FROM_GGML.get(t, ""), n_ff) for t in stored)
 
 
 def rel_rms(got: np.ndarray, ref: np.ndarray) -> float:
@@ -103,8 +112,9 @@ def dense_tensor(source, name: str) -> tuple[np.ndarray | QTensor, dict | None]:
 
 
 def ffn_layer(source, layer: int, names: dict[str, str], p: NativePlan):
-    """(gate or None, up, down, origin) of one layer for FlashWriter.add_ffn_layer: QTensors in
-    the plan's dtypes (down as its columns, (n_ff, d_model))."""
+    """(gate or None, up, down, origin, down rows) of one layer for FlashWriter.add_ffn_layer:
+    QTensors in the plan's dtypes (down as its columns, (n_ff, d_model)), and the down matrix
+    as the source stores it (down_rows), or None."""
     parts, origin = {}, {}
     for part, name in names.items():
         stored = source.stored_type(name)
@@ -117,7 +127,12 @@ def ffn_layer(source, layer: int, names: dict[str, str], p: NativePlan):
             origin[part] = {"from": stored, "how": "copied"}
         else:
             parts[part], origin[part] = requantized(source.load(name), p.ffn_dtype, stored)
-    return parts.get("gate"), parts["up"], parts["down"], origin
+    rows = None
+    if p.down_rows:       # byte for byte: a run holding the whole FFN in DRAM multiplies these
+        d, n_ff = source.tensor_shape(names["down"])
+        rows = QTensor(source.load_blocks(names["down"]),
+                       FROM_GGML[source.stored_type(names["down"])], d, n_ff)   # (d, n_ff)
+    return parts.get("gate"), parts["up"], parts["down"], origin, rows
 
 
 def outdated(manifest: dict) -> str | None:
@@ -126,6 +141,9 @@ def outdated(manifest: dict) -> str | None:
     if manifest.get("dtype") != NATIVE or manifest["config"].get("n_experts"):
         return None
     d = manifest["config"]["d_model"]
+    stored = [(e.get("origin") or {}).get("down", {}).get("from") for e in manifest["ffn"]["layers"]]
+    if "down_rows" not in manifest and keeps_rows(stored, manifest["config"]["n_ff"]):
+        return "it lacks the GGUF's own FFN down rows (down.bin), which runs in DRAM multiply"
     for i, layer in enumerate(manifest["ffn"]["layers"]):
         o = (layer.get("origin") or {}).get("down")
         if o and o.get("to") != down_column(o["from"], d):
@@ -148,6 +166,12 @@ def report(manifest: dict) -> list[str]:
     label = {"copied": "copied byte for byte", "widened": "widened to f32"}
     lines = [f"{label[how]}: " + ", ".join(f"{n} {t}" for t, n in sorted(kept[how].items()))
              for how in kept if kept[how]]
+    rows = {}
+    for e in (manifest.get("down_rows") or {}).get("layers", []):
+        rows[e["dtype"].upper()] = rows.get(e["dtype"].upper(), 0) + 1
+    if rows:
+        lines.append("FFN down rows kept as they are (down.bin): "
+                     + ", ".join(f"{n} {t}" for t, n in sorted(rows.items())))
     for (src, dst), errs in sorted(redone.items()):
         lines.append(f"re-quantized {src} -> {dst}: {len(errs)} tensor{'s' * (len(errs) != 1)}, "
                      f"relative RMS error "

@@ -209,6 +209,22 @@ def _kv(a, name: str) -> np.ndarray:
     return a
 
 
+def act_mul(act: str, g, u, out: np.ndarray | None = None) -> np.ndarray:
+    """h = act(g) * u elementwise (g and u of one shape, f32), or act(u) when g is None: an
+    FFN's activations from its gate / up products (fl_act_mul)."""
+    k = _native()
+    if act not in ACT_CODES:
+        raise KernelError(f"unknown activation {act!r}: expected one of {', '.join(ACT_CODES)}")
+    ua = np.ascontiguousarray(u, dtype=np.float32)                         # any shape
+    ga = None if g is None else np.ascontiguousarray(g, dtype=np.float32)  # u's shape
+    if ga is not None and ga.shape != ua.shape:
+        raise KernelError(f"act_mul: g {ga.shape} and u {ua.shape} differ")
+    h = np.empty_like(ua) if out is None else _out_f32(out, "out", ua.shape)  # u's shape
+    _check(k.fl_act_mul(ACT_CODES[act], ffi.NULL if ga is None else _fptr(ga), _fptr(ua),
+                        _fptr(h), ua.size), "act_mul")
+    return h
+
+
 def ffn_bundles(bundles: np.ndarray, dtype: str, d: int, glu: bool, act: str, x, y: np.ndarray,
                 ids=None, up_bias=None, n_threads: int = 1, rows=None,
                 threshold: float = 0.0, exact: bool = False,

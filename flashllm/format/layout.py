@@ -25,6 +25,10 @@ DENSE_FILE = "dense.bin"
 FFN_FILE = "ffn.bin"
 TOKENIZER_FILE = "tokenizer.json"
 ORDER_FILE = "order.bin"
+# a native conversion's FFN down matrices as the GGUF stores them (rows of n_ff values), for runs
+# that hold the whole FFN in DRAM (runtime/ffn.py RowFfn); absent from older folders
+DOWN_FILE = "down.bin"
+DOWN_ALIGN = PAGE                # every layer's down matrix starts on a page
 
 QUANTIZED = tuple(d for d in DTYPE_CODES if BLOCK_SIZE[d] > 1)   # block-quantized dtypes
 QBLOCK = 32                      # values per quantization block

@@ -17,6 +17,8 @@ import numpy as np
 from flashllm.format.layout import (NATIVE, DENSE_FILE, DENSE_HEADER, DENSE_MAGIC, DTYPE_CODES, FFN_ALIGN, FFN_FILE,
                             FFN_HEADER, FFN_MAGIC, FORMAT_VERSION, MAGIC, MANIFEST_FILE, STRIDE_ALIGN,
                             align_up, crc32_file, ffn_part_bytes, ffn_parts, fits, ffn_weight, required_tensors, tensor_nbytes)
+from flashllm.format.checks import check_down_rows, file_size as _file_size, get as _get, nat as _nat, \
+    side_file as _side_file
 from flashllm.model.config import ModelConfig
 from flashllm.errors import FormatError
 from flashllm.model.tensor import DOWN_DTYPES, QTensor, companion, row_bytes
@@ -75,6 +77,8 @@ class FlashModel:
         self.dense_file = path / DENSE_FILE
         _check_dense_header(self.dense_file, self.manifest, self._tensors)
         self.ffn: FfnLayout = _check_ffn(path, self.manifest, self.config)
+        # per layer the down matrix's entry in down.bin (format/writer.py), or None (older folders)
+        self.down_rows: list[dict] | None = check_down_rows(path, self.manifest, self.config)
         self._tokenizer, self.chat_template = _tokenizer_entry(path, self.manifest)
 
     @property
@@ -115,6 +119,14 @@ class FlashModel:
             raise FormatError(f"{f.file}: layer {layer} truncated ({got} of {buf.nbytes} bytes)")
         return buf
 
+    def read_down_rows(self, layer: int) -> QTensor:
+        """Layer `layer`'s down matrix (d_model, n_ff) as the source stores it, read from down.bin."""
+        if self.down_rows is None:
+            raise FormatError(f"{self.path}: no down rows (converted before they were kept)")
+        t = self.down_rows[layer]
+        raw = _read_span(self.path / self.manifest["down_rows"]["file"], t["offset"], t["nbytes"])
+        return as_tensor(raw, t)                                         # (d_model, n_ff)
+
     def verify(self) -> None:
         """Check the crc32 of every dense tensor, FFN layer and side file; FormatError on mismatch."""
         with open(self.dense_file, "rb") as fh:
@@ -125,6 +137,11 @@ class FlashModel:
             for layer, (off, want) in enumerate(zip(self.ffn.layer_offsets, self.ffn.layer_crc32)):
                 if crc32_file(fh, off, self.ffn.layer_nbytes(layer)) != want:
                     raise FormatError(f"{self.ffn.file}: checksum mismatch in FFN layer {layer}")
+        if self.down_rows is not None:
+            with open(self.path / self.manifest["down_rows"]["file"], "rb") as fh:
+                for layer, t in enumerate(self.down_rows):
+                    if crc32_file(fh, t["offset"], t["nbytes"]) != t["crc32"]:
+                        raise FormatError(f"{fh.name}: checksum mismatch in layer {layer}")
         for entry in (self.manifest["tokenizer"], self.manifest["ffn"].get("neuron_order")):
             if entry and entry.get("file"):
                 with open(self.path / entry["file"], "rb") as fh:
@@ -132,23 +149,7 @@ class FlashModel:
                         raise FormatError(f"{self.path / entry['file']}: checksum mismatch")
 
 
-# ---- validation helpers ---------------------------------------------------------------------
-
-def _get(d: dict, key: str, typ: type | tuple, where: str):
-    """d[key], which must be of type typ (bool is not an int here); FormatError naming where."""
-    v = d.get(key) if isinstance(d, dict) else None
-    ok = isinstance(v, typ) and not (isinstance(v, bool) and typ in (int, (int, type(None))))
-    if not ok:
-        raise FormatError(f"{where}: field {key!r} missing or not {getattr(typ, '__name__', typ)}")
-    return v
-
-
-def _nat(d: dict, key: str, where: str) -> int:
-    v = _get(d, key, int, where)
-    if v < 0:
-        raise FormatError(f"{where}: field {key!r} is negative ({v})")
-    return v
-
+# ---- validation helpers (more in format/checks.py) ------------------------------------------
 
 def _read_manifest(path: Path) -> dict:
     try:
@@ -251,23 +252,6 @@ def _check_required(tensors: dict[str, dict], cfg: ModelConfig, where: str) -> N
         if tuple(tensors[name]["shape"]) != shape:
             raise FormatError(f"{where}: tensor {name} has shape {tensors[name]['shape']}, the config "
                               f"needs {list(shape)}")
-
-
-def _file_size(path: Path, want: int) -> None:
-    try:
-        size = path.stat().st_size
-    except OSError:
-        raise FormatError(f"{path}: missing") from None
-    if size != want:
-        raise FormatError(f"{path}: {size} bytes, the manifest says {want} (truncated or corrupt)")
-
-
-def _side_file(path: Path, entry: dict, where: str) -> Path:
-    """entry["file"]: a plain file name inside the model folder."""
-    name = _get(entry, "file", str, where)
-    if Path(name).name != name or name in ("", ".", ".."):
-        raise FormatError(f"{where}: file {name!r} is not a plain file name")
-    return path / name
 
 
 def as_tensor(raw: np.ndarray, t: dict) -> QTensor | np.ndarray:

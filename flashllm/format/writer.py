@@ -20,7 +20,7 @@ from flashllm import __version__
 from flashllm.format.files import fsync_dir, sweep_leftovers, sync_close, why
 from flashllm.format.reader import FlashModel
 from flashllm.format.layout import (NATIVE, DENSE_ALIGN, DENSE_FILE, DENSE_HEADER, DENSE_MAGIC, DTYPE_CODES,
-                            FFN_ALIGN, FFN_FILE, FFN_HEADER, FFN_MAGIC, FORMAT_VERSION, MAGIC,
+                            DOWN_ALIGN, DOWN_FILE, FFN_ALIGN, FFN_FILE, FFN_HEADER, FFN_MAGIC, FORMAT_VERSION, MAGIC,
                             MANIFEST_FILE, ORDER_FILE, TOKENIZER_FILE, align_up, crc32_array,
                             ffn_part_bytes, ffn_part_dtypes, ffn_parts, ffn_stride, ffn_weight,
                             fits, required_tensors, tensor_dtype)
@@ -80,6 +80,8 @@ class FlashWriter:
         self.offsets = [FFN_ALIGN + sum(regions[:i]) for i in range(config.n_layers)]
         self.ffn_bytes = FFN_ALIGN + sum(regions)
         self._ffn = None
+        self._down = None              # down.bin, opened by the first add_ffn_layer with down_rows
+        self.down_rows: list[dict] = []  # its per-layer entries
         self._rows = (0, 0)            # (slots written, crc32 so far) of the layer being written
         try:
             if not self.out.parent.exists():
@@ -147,16 +149,37 @@ class FlashWriter:
     # ---- FFN section ----------------------------------------------------------------------
 
     def add_ffn_layer(self, layer: int, gate: np.ndarray | None, up: np.ndarray, down: np.ndarray,
-                      order: np.ndarray | None = None, origin: dict | None = None) -> None:
+                      order: np.ndarray | None = None, origin: dict | None = None,
+                      down_rows: QTensor | None = None) -> None:
         """Write layer `layer`'s bundles: gate, up (n_ff, d_model), down (d_model, n_ff) f32; gate is
         None for non-GLU models. Any part may instead be a QTensor already in its bundle dtype
         (its bytes are copied; down's rows are the columns, (n_ff, d_model)). order (n_ff) int, a
         permutation: bundle slot j holds neuron order[j] (None: slot j holds neuron j). origin
-        (how each part was made) goes into the manifest."""
+        (how each part was made) goes into the manifest. down_rows: the down matrix (d_model,
+        n_ff) as the source stores it, written to down.bin as it is (every layer or none)."""
+        if (len(self.down_rows) != layer) if down_rows is not None else self.down_rows:
+            raise FormatError(f"FFN layer {layer}: down rows are given for every layer or none")
         self.add_ffn_rows(layer, gate, up, down, order, origin)
         if self._rows[0]:
             raise FormatError(f"FFN layer {layer}: {self._rows[0]} of {self.cfg.ffn_slots} slots "
                               f"given to add_ffn_layer (a mixture of experts: add_ffn_rows)")
+        if down_rows is not None:
+            self._add_down_rows(layer, down_rows)
+
+    def _add_down_rows(self, layer: int, w: QTensor) -> None:
+        """Append layer `layer`'s down matrix w (d_model, n_ff) to down.bin as it is, page-aligned."""
+        if (w.rows, w.cols) != (self.cfg.d_model, self.cfg.n_ff):
+            raise FormatError(f"blk.{layer}.ffn_down.weight rows have shape {(w.rows, w.cols)}, "
+                              f"expected {(self.cfg.d_model, self.cfg.n_ff)}")
+        if self._down is None:
+            try:
+                self._down = open(self.tmp / DOWN_FILE, "wb")
+            except OSError as e:
+                raise FormatError(f"cannot write {self.tmp / DOWN_FILE}: {why(e)}") from None
+        offset = align_up(self._down.tell(), DOWN_ALIGN)
+        self._io(self._down, lambda f: (f.write(bytes(offset - f.tell())), f.write(w.data)))
+        self.down_rows.append({"offset": offset, "nbytes": w.data.nbytes, "dtype": w.dtype,
+                               "shape": [w.rows, w.cols], "crc32": crc32_array(w.data)})
 
     def add_ffn_rows(self, layer: int, gate: np.ndarray | None, up: np.ndarray, down: np.ndarray,
                      order: np.ndarray | None = None, origin: dict | None = None) -> None:
@@ -240,8 +263,12 @@ class FlashWriter:
             if shapes.get(name) != shape:
                 raise FormatError(f"finish() without tensor {name} of shape {shape} "
                                   f"(written: {shapes.get(name)})")
+        if self.down_rows and len(self.down_rows) != self.cfg.n_layers:
+            raise FormatError(f"finish() with down rows of {len(self.down_rows)} of "
+                              f"{self.cfg.n_layers} layers")
         self._io(self._ffn, sync_close)
-        files = {"tokenizer": self._write_tokenizer(), "order": self._write_order()}
+        files = {"tokenizer": self._write_tokenizer(), "order": self._write_order(),
+                 "down_rows": self._close_down()}
         self._write_file(MANIFEST_FILE, (json.dumps(self._manifest(files), indent=1) + "\n").encode())
         self._install()
         self.state = WriterState.FINISHED
@@ -253,6 +280,14 @@ class FlashWriter:
             data = self.tokenizer_json.encode("utf-8")
             entry.update(self._write_file(TOKENIZER_FILE, data))
         return entry
+
+    def _close_down(self) -> dict | None:
+        """down.bin padded to a page and closed; its manifest section (None: not written)."""
+        if self._down is None:
+            return None
+        size = align_up(self._down.tell(), DOWN_ALIGN)
+        self._io(self._down, lambda f: (f.write(bytes(size - f.tell())), sync_close(f)))
+        return {"file": DOWN_FILE, "nbytes": size, "layers": self.down_rows}
 
     def _write_order(self) -> dict | None:
         if all(o is None for o in self.orders):
@@ -284,9 +319,10 @@ class FlashWriter:
                "layer_bytes": self.layer_bytes, "layers": self.layers, "neuron_order": files["order"]}
         dense = {"file": DENSE_FILE, "nbytes": self.dense_bytes, "header_bytes": DENSE_ALIGN,
                  "alignment": DENSE_ALIGN, "compression": None, "tensors": self.tensors}
+        down = {"down_rows": files["down_rows"]} if files["down_rows"] else {}
         return {"magic": MAGIC, "format_version": FORMAT_VERSION, "created_by": f"flashllm {__version__}",
                 "source": self.source, "config": cfg.to_dict(), "dtype": self.dtype, "dense": dense,
-                "ffn": ffn, "tokenizer": files["tokenizer"], "sparsity": {}, "predictor": {}}
+                "ffn": ffn, **down, "tokenizer": files["tokenizer"], "sparsity": {}, "predictor": {}}
 
     def _install(self) -> None:
         try:
@@ -311,7 +347,7 @@ class FlashWriter:
 
     def abort(self) -> None:
         """Close the files and remove the temporary folder (safe to call more than once)."""
-        for f in (getattr(self, "_dense", None), self._ffn):
+        for f in (getattr(self, "_dense", None), self._ffn, getattr(self, "_down", None)):
             if f is not None and not f.closed:
                 f.close()
         shutil.rmtree(self.tmp, ignore_errors=True)

@@ -12,6 +12,7 @@ from typing import Optional
 import numpy as np
 
 from flashllm.ffi import kernel
+from flashllm.model.tensor import QTensor
 
 
 def bundle_ids(flash, layer: int) -> Optional[np.ndarray]:
@@ -29,26 +30,60 @@ def up_biases(flash) -> list[Optional[np.ndarray]]:
             for i in range(flash.config.n_layers)]
 
 
+def gate_up_rows(flash, layer: int) -> QTensor:
+    """Layer `layer`'s gate rows then up rows (up only for a non-GLU model), each in neuron id
+    order, copied out of its bundles: (2 n_ff, d_model) (or (n_ff, d_model)) in the FFN dtype."""
+    f, ids = flash.ffn, bundle_ids(flash, layer)
+    b = flash.read_ffn_layer(layer)                                      # (n_ff, stride) uint8
+    k = 2 if f.glu else 1
+    rows = np.empty((k * f.n_ff, f.part_bytes), np.uint8)                 # (k n_ff, part_bytes)
+    for part in range(k):
+        dst = rows[part * f.n_ff:(part + 1) * f.n_ff]                     # (n_ff, part_bytes)
+        src = b[:, part * f.part_bytes:(part + 1) * f.part_bytes]         # (n_ff, part_bytes)
+        if ids is None:
+            dst[:] = src
+        else:
+            dst[ids] = src
+    return QTensor(rows, f.dtype, k * f.n_ff, f.d_model)
+
+
 class DenseFfn:
-    """Every bundle of every layer read into DRAM once; each token runs the whole FFN."""
+    """The whole FFN in DRAM; each token runs all of it. A folder with the source's own down
+    matrices (down.bin) runs as three matrix products per layer — gate and up rows (copied out
+    of the bundles) times x, the activation, the down rows times h — as llama.cpp does (`rows`);
+    otherwise (older folders, `exact`, or magnitude thresholds) over the bundles, the down
+    columns added one neuron at a time (fl_ffn_bundles)."""
 
     def __init__(self, flash, n_threads: int = 1, threshold: Optional[list[float]] = None,
                  exact: bool = False):
         cfg = flash.config
         self.dtype, self.d, self.glu, self.act = flash.ffn.dtype, cfg.d_model, cfg.glu, cfg.act
         self.down_dtypes = flash.ffn.down_dtypes                          # per layer
-        self.n_threads = n_threads
-        self.bundles = [np.ascontiguousarray(flash.read_ffn_layer(i))   # (n_ff, stride) uint8
-                        for i in range(cfg.n_layers)]
-        self.ids = [bundle_ids(flash, i) for i in range(cfg.n_layers)]  # (n_ff,) int32 or None
+        self.n_threads, self.n_ff = n_threads, cfg.n_ff
         self.up_b = up_biases(flash)                                     # (n_ff,) or None
         self.threshold = threshold or [0.0] * cfg.n_layers              # per-layer |h| cut-off
         self.exact = exact                                    # f32 instead of int8 activations
+        self.rows = flash.down_rows is not None and not exact and not any(self.threshold)
+        if self.rows:
+            self.gate_up = [gate_up_rows(flash, i) for i in range(cfg.n_layers)]  # (k n_ff, d)
+            self.down = [flash.read_down_rows(i) for i in range(cfg.n_layers)]    # (d, n_ff)
+            return
+        self.bundles = [np.ascontiguousarray(flash.read_ffn_layer(i))   # (n_ff, stride) uint8
+                        for i in range(cfg.n_layers)]
+        self.ids = [bundle_ids(flash, i) for i in range(cfg.n_layers)]  # (n_ff,) int32 or None
 
     def start_pass(self, n_tokens: int, prefill: bool) -> None:
         pass
 
     def __call__(self, layer: int, h: np.ndarray, x: np.ndarray) -> None:
+        if self.rows:
+            gu = kernel.matmul(self.gate_up[layer], h, None, self.n_threads)  # (T, k n_ff)
+            g, u = (gu[:, :self.n_ff], gu[:, self.n_ff:]) if self.glu else (None, gu)
+            if self.up_b[layer] is not None:
+                u = u + self.up_b[layer]                                  # (T, n_ff)
+            a = kernel.act_mul(self.act, g, u)                            # (T, n_ff)
+            x += kernel.matmul(self.down[layer], a, None, self.n_threads)  # (T, d)
+            return
         kernel.ffn_bundles(self.bundles[layer], self.dtype, self.d, self.glu, self.act, h, x,
                            ids=self.ids[layer], up_bias=self.up_b[layer],
                            threshold=self.threshold[layer], n_threads=self.n_threads,
