@@ -48,7 +48,7 @@ def ref_of(dtype: str, data: np.ndarray, cols: int) -> np.ndarray:
 
 def int8_of(dtype: str, x: np.ndarray) -> np.ndarray:
     """x (T, n) as the kernel's int8 activations for dtype's weights see it, f64."""
-    if dtype in ("q5_k", "q6_k"):
+    if dtype.endswith("_k"):
         return int8_x(x)
     xb = x.reshape(x.shape[0], -1, 32)                                     # (T, nb, 32)
     d = (np.abs(xb).max(-1, keepdims=True) / np.float32(127)).astype(np.float32)
@@ -152,8 +152,9 @@ def test_ffn_bundles_against_numpy(dtype, down, T):
 def test_every_instruction_set(isa):
     ffi, lib = _isa_lib(isa)
     f32 = lambda a: ffi.cast("float *", ffi.from_buffer(a))  # noqa: E731
-    for code, dtype in ((6, "q5_0"), (7, "q5_1"), (8, "q5_k"), (9, "q6_k")):
-        down = dtype if code >= 8 else "q5_1"                             # k-quant columns too
+    for code, dtype in ((5, "q4_k"), (6, "q5_0"), (7, "q5_1"), (8, "q5_k"), (9, "q6_k")):
+        kq = dtype.endswith("_k")
+        down = dtype if kq else "q5_1"                                    # k-quant columns too
         data, (g, u, dn) = bundles_of(dtype, down, 40, seed=code)
         w = np.ascontiguousarray(data[:, :row_bytes(dtype, D)])           # (40, row_bytes)
         out = np.zeros(D, np.float32)
@@ -168,7 +169,7 @@ def test_every_instruction_set(isa):
             close(y, xr @ g.T, (isa, dtype, T))
             layer = ffi.new("fl_ffn_layer *", {"bundles": ffi.from_buffer(data), "n": 40,
                                                "stride": data.shape[1], "dtype": code,
-                                               "down_dtype": max(7, code), "d": D, "glu": 1,
+                                               "down_dtype": code if kq else 7, "d": D, "glu": 1,
                                                "act": 0})
             y = np.zeros((T, D), np.float32)
             assert lib.fl_ffn_bundles(layer, ffi.NULL, 0, 0.0, f32(x), T, f32(y), 0, 2) == 0
