@@ -28,6 +28,7 @@
 #define FL_Q5_1_BYTES 24  /* f16 scale + f16 min + 32 high bits + 16 bytes of nibbles */
 #define FL_Q5_K_BYTES 176 /* Q4_K's head, 32 bytes of high bits, 128 of nibbles */
 #define FL_Q6_K_BYTES 210 /* 128 bytes of low nibbles, 64 of high 2 bits, 16 int8 scales, f16 d */
+#define FL_Q2_K_BYTES 84  /* 16 bytes of 4-bit scales / mins, 64 of 2-bit values, f16 d, dmin */
 #define FL_QT 4           /* weight rows x tokens of one int8 tile (fli_qdot_tile) */
 #define FL_XQ_LANES 8     /* f32 / int32 lanes per block in a quantized token's side arrays */
 #define FL_PR 16          /* weight rows of one int8 GEMM panel (qgemm.c) */
@@ -116,7 +117,7 @@ static inline size_t fli_block_bytes(int32_t dtype) {
 
 /* the 256-value superblock dtypes (ggml's k-quants) */
 static inline int fli_is_kquant(int32_t dtype) {
-    return dtype == FL_Q4_K || dtype == FL_Q5_K || dtype == FL_Q6_K;
+    return dtype == FL_Q4_K || dtype == FL_Q5_K || dtype == FL_Q6_K || dtype == FL_Q2_K;
 }
 
 /* the dtypes whose weights meet int8 activations (every quantized one) */
@@ -127,7 +128,10 @@ static inline int fli_is_quant(int32_t dtype) {
 
 /* bytes of one k-quant superblock */
 static inline size_t fli_kblock_bytes(int32_t dtype) {
-    return dtype == FL_Q4_K ? FL_Q4_K_BYTES : dtype == FL_Q5_K ? FL_Q5_K_BYTES : FL_Q6_K_BYTES;
+    return dtype == FL_Q4_K   ? FL_Q4_K_BYTES
+           : dtype == FL_Q5_K ? FL_Q5_K_BYTES
+           : dtype == FL_Q2_K ? FL_Q2_K_BYTES
+                              : FL_Q6_K_BYTES;
 }
 
 /* the 32 high bits of a q5_0 / q5_1 block (bit j: bit 4 of value j) */
@@ -221,12 +225,12 @@ void fli_kq_axpy(int32_t dtype, const uint8_t *const *rows, const float *a, int 
                  int64_t n);
 void fli_q6k_dequant(const uint8_t *row, float *dst, int64_t n);
 
-/* qk.c: q5_k / q6_k rows (n a multiple of FL_QK_K): dst (n) = dequantized row, rounded as
+/* qk.c: q2_k / q5_k / q6_k rows (n a multiple of FL_QK_K): dst (n) = dequantized row, rounded as
  * gguf-py's dequantize; row . x; y (n) += a * row (f32 x, through one superblock at a time) */
 void fli_qk_dequant(int32_t dtype, const uint8_t *row, float *dst, int64_t n);
 float fli_qk_dot(int32_t dtype, const uint8_t *row, const float *x, int64_t n);
 void fli_qk_axpy(int32_t dtype, const uint8_t *row, float a, float *y, int64_t n);
-/* w . x for one q5_k / q6_k row and one token quantized by fli_xq_quantize for that dtype:
+/* w . x for one q2_k / q5_k / q6_k row and one token quantized by fli_xq_quantize for that dtype:
  * per superblock the exact integer sums of the sub-blocks times their integer scales, then
  * d * d_x * isum - dmin * d_x * msum in f32; AVX-512 BW, AVX2 and plain C give the same bits */
 float fli_qk_qdot(int32_t dtype, const uint8_t *w, const uint8_t *x, int64_t n);
@@ -297,7 +301,7 @@ void fli_qdot_tile(int32_t dtype, const uint8_t *const w[FL_QT], const uint8_t *
 /* whether dtype has int8 GEMM panels (every quantized dtype but q5_k and q6_k, whose T > 1
  * products run the one-token dots per token) */
 static inline int fli_has_panel(int32_t dtype) {
-    return fli_is_quant(dtype) && dtype != FL_Q5_K && dtype != FL_Q6_K;
+    return fli_is_quant(dtype) && dtype != FL_Q5_K && dtype != FL_Q6_K && dtype != FL_Q2_K;
 }
 
 /* bytes of one panel of FL_PR rows of n values (a dtype with panels) */

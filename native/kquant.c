@@ -1,5 +1,5 @@
-/* kquant.c — quantize rows to ggml's Q4_K, Q5_K and Q6_K, by ggml's reference algorithm
- * (quantize_row_q4_K_ref / q5_K_ref / q6_K_ref: no importance matrix), bit for bit
+/* kquant.c — quantize rows to ggml's Q2_K, Q4_K, Q5_K and Q6_K, by ggml's reference algorithm
+ * (quantize_row_q2_K_ref / q4_K_ref / q5_K_ref / q6_K_ref: no importance matrix), bit for bit
  * (tests/test_kquant.py checks it against ggml_quantize_chunk of llama.cpp's library).
  *
  * Q4_K / Q5_K: each 32-value sub-block gets an asymmetric fit (scale s_j, min m_j) by a search
@@ -7,7 +7,9 @@
  * 31; the 8 scales and mins are then quantized to 6 bits against their largest (d, dmin in f16),
  * and every value is re-rounded to the stored grid. Q6_K: each 16-value sub-block gets a
  * symmetric scale (make_qx_quants, 64 levels, x^2-weighted, 18 trial steps), the 16 scales go to
- * int8 against the largest |scale| (d in f16), and the values are re-rounded.
+ * int8 against the largest |scale| (d in f16), and the values are re-rounded. Q2_K: each 16-value
+ * sub-block gets Q4_K's asymmetric fit on 4 levels (|x|-weighted, absolute errors, 16 trial
+ * steps); its scale and min go to 4 bits against the largest (d, dmin in f16).
  * The float arithmetic is ggml's, operation for operation: this file relies on the build not
  * contracting a * b + c into an FMA (-std=c11 implies -ffp-contract=off in GCC).
  */
@@ -31,9 +33,10 @@ static inline int clampi(int v, int lo, int hi) { return v < lo ? lo : v > hi ? 
 static inline float f16_round(float x) { return fl_fp16_to_fp32(fl_fp32_to_fp16(x)); }
 
 /* x (n) on levels L (n) in 0..nmax with scale s and min -*the_min: s * L - the_min, the weighted
- * least-squares fit over nstep + 1 trial steps (ggml's make_qkx2_quants); returns s */
+ * least-squares fit over nstep + 1 trial steps, each judged by its weighted squared (or, with
+ * mad, absolute) error (ggml's make_qkx2_quants); returns s */
 static float fit_qkx2(int n, int nmax, const float *x, const float *w, uint8_t *L,
-                      float *the_min, float rmin, float rdelta, int nstep) {
+                      float *the_min, float rmin, float rdelta, int nstep, int mad) {
     float min = x[0], max = x[0], sum_w = w[0], sum_x = sum_w * x[0];
     for (int i = 1; i < n; ++i) {
         if (x[i] < min) min = x[i];
@@ -51,7 +54,7 @@ static float fit_qkx2(int n, int nmax, const float *x, const float *w, uint8_t *
     for (int i = 0; i < n; ++i) {
         L[i] = (uint8_t)clampi(nearest(iscale * (x[i] - min)), 0, nmax);
         const float diff = scale * L[i] + min - x[i];
-        best += w[i] * (diff * diff);
+        best += w[i] * (mad ? fabsf(diff) : diff * diff);
     }
     uint8_t aux[32];
     for (int is = 0; is <= nstep; ++is) {
@@ -74,7 +77,7 @@ static float fit_qkx2(int n, int nmax, const float *x, const float *w, uint8_t *
         float err = 0;
         for (int i = 0; i < n; ++i) {
             const float diff = s * aux[i] + m - x[i];
-            err += w[i] * (diff * diff);
+            err += w[i] * (mad ? fabsf(diff) : diff * diff);
         }
         if (err < best) {
             memcpy(L, aux, (size_t)n);
@@ -97,7 +100,7 @@ static void kx_superblock(const float *x, int nmax, uint8_t *blk, uint8_t L[FL_Q
         for (int l = 0; l < 32; ++l) sum_x2 += xj[l] * xj[l];
         const float av = sqrtf(sum_x2 / 32);
         for (int l = 0; l < 32; ++l) w[l] = av + fabsf(xj[l]);
-        scales[j] = fit_qkx2(32, nmax, xj, w, L + 32 * j, &mins[j], rmin, 0.1f, nstep);
+        scales[j] = fit_qkx2(32, nmax, xj, w, L + 32 * j, &mins[j], rmin, 0.1f, nstep, 0);
         if (scales[j] > max_scale) max_scale = scales[j];
         if (mins[j] > max_min) max_min = mins[j];
     }
@@ -224,8 +227,41 @@ static void quantize_sb_q6_k(const float *x, uint8_t *blk) {
         }
 }
 
+/* blk: scales[16] (4-bit scale | 4-bit min << 4), qs[64] (value 32k + l of each half of 128 in
+ * bits 2k of byte l), f16 d, f16 dmin */
+static void quantize_sb_q2_k(const float *x, uint8_t *blk) {
+    uint8_t L[FL_QK_K], *sc = blk, *qs = blk + 16;
+    float scales[16], mins[16], w[16], max_scale = 0, max_min = 0;
+    for (int j = 0; j < 16; ++j) {
+        for (int l = 0; l < 16; ++l) w[l] = fabsf(x[16 * j + l]);
+        scales[j] = fit_qkx2(16, 3, x + 16 * j, w, L + 16 * j, &mins[j], -0.5f, 0.1f, 15, 1);
+        if (scales[j] > max_scale) max_scale = scales[j];
+        if (mins[j] > max_min) max_min = mins[j];
+    }
+    const float is = max_scale > 0 ? 15.f / max_scale : 0.f, im = max_min > 0 ? 15.f / max_min : 0.f;
+    for (int j = 0; j < 16; ++j)
+        sc[j] = (uint8_t)((max_scale > 0 ? nearest(is * scales[j]) : 0) |
+                          (max_min > 0 ? nearest(im * mins[j]) << 4 : 0));
+    const uint16_t d = fl_fp32_to_fp16(max_scale > 0 ? max_scale / 15.f : 0.f);
+    const uint16_t dmin = fl_fp32_to_fp16(max_min > 0 ? max_min / 15.f : 0.f);
+    memcpy(blk + 80, &d, 2);
+    memcpy(blk + 82, &dmin, 2);
+    for (int j = 0; j < 16; ++j) {
+        const float dj = fl_fp16_to_fp32(d) * (sc[j] & 0xF);
+        if (!dj) continue;
+        const float mj = fl_fp16_to_fp32(dmin) * (sc[j] >> 4);
+        for (int i = 0; i < 16; ++i)
+            L[16 * j + i] = (uint8_t)clampi(nearest((x[16 * j + i] + mj) / dj), 0, 3);
+    }
+    for (int j = 0; j < FL_QK_K; j += 128)
+        for (int l = 0; l < 32; ++l)
+            qs[j / 4 + l] = (uint8_t)(L[j + l] | (L[j + l + 32] << 2) | (L[j + l + 64] << 4) |
+                                      (L[j + l + 96] << 6));
+}
+
 void fli_quantize_kquant(int32_t dtype, const float *src, uint8_t *dst, int64_t n) {
-    void (*sb)(const float *, uint8_t *) = dtype == FL_Q4_K   ? quantize_sb_q4_k
+    void (*sb)(const float *, uint8_t *) = dtype == FL_Q2_K   ? quantize_sb_q2_k
+                                           : dtype == FL_Q4_K ? quantize_sb_q4_k
                                            : dtype == FL_Q5_K ? quantize_sb_q5_k
                                                               : quantize_sb_q6_k;
     const size_t kb = fli_kblock_bytes(dtype);

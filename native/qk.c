@@ -1,4 +1,4 @@
-/* qk.c — ggml's q5_k and q6_k rows: f32 paths (dequantize, dot, axpy) and the int8 dot of one
+/* qk.c — ggml's q2_k, q5_k and q6_k rows: f32 paths (dequantize, dot, axpy) and the int8 dot of one
  * row with one token quantized per superblock (act_quant.c, as ggml's q8_K).
  *
  * q5_k (176 bytes / 256 values): q4_k's f16 d, dmin and 12 bytes of 6-bit scales sc_j / mins m_j,
@@ -7,6 +7,10 @@
  * q6_k (210 bytes / 256 values): ql[128], qh[64], int8 scales[16], f16 d; the superblock is two
  * halves of 128 values, value v of half h is d * scales[8h + v / 16] * (u - 32), u (6 bits) a
  * nibble of ql and 2 bits of qh as in ggml's dequantize_row_q6_K (q6k_u).
+ *
+ * q2_k (84 bytes / 256 values): scales[16] (scale sc_k in the low nibble, min m_k in the high),
+ * qs[64], f16 d, f16 dmin; value 32s + l of half h (128 values) is bits 2s..2s+1 of qs[32h + l],
+ * d * sc_k * u - dmin * m_k with k its 16-value sub-block.
  *
  * Dequantization rounds as gguf-py does: (d * scale) in f32, times u (minus dmin * m for q5_k).
  * The int8 dot computes per superblock exact integers — isum = sum over sub-blocks of scale *
@@ -40,6 +44,15 @@ static inline int q5k_u(const uint8_t *sb, int j, int i) {
 
 /* dst (256) = one superblock dequantized */
 static void dequant_sb(int32_t dtype, const uint8_t *sb, float *dst) {
+    if (dtype == FL_Q2_K) {
+        const float d = fl_load_fp16(sb + 80), dmin = fl_load_fp16(sb + 82);
+        for (int v = 0; v < FL_QK_K; v++) {
+            const uint8_t sc = sb[v / 16];
+            const int u = (sb[16 + 32 * (v / 128) + v % 32] >> (2 * (v % 128 / 32))) & 3;
+            dst[v] = d * (float)(sc & 0xF) * (float)u - dmin * (float)(sc >> 4);
+        }
+        return;
+    }
     if (dtype == FL_Q6_K) {
         const float d = fl_load_fp16(sb + 208);
         for (int v = 0; v < FL_QK_K; v++) {
@@ -170,6 +183,49 @@ static int32_t q6k_isum(const uint8_t *sb, const int8_t *q) {
 #endif
 }
 
+/* q2_k: sum over the 16 sub-blocks k of sc_k * (u . q) (u in 0..3, q the token's int8) */
+static int32_t q2k_isum(const uint8_t *sb, const int8_t *q) {
+#if defined(QK_512)
+    const __m512i m3 = _mm512_set1_epi8(0x03);
+    const __m512i sc16 = _mm512_castsi256_si512(_mm256_and_si256(
+        _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)sb)), _mm256_set1_epi16(0x0F)));
+    const __m512i eighth = _mm512_srli_epi16(  // int16 lane j -> j / 8
+        _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14,
+                         13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 3);
+    __m512i acc = _mm512_setzero_si512();
+    for (int c = 0; c < 4; c++) {  // values 64c .. 64c + 63: shifts 4(c&1), +2 of qs[32(c/2) ..]
+        const __m512i qv = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(sb + 16 + 32 * (c / 2))));
+        const int s0 = 4 * (c & 1);
+        const __m512i u = _mm512_and_si512(_mm512_srlv_epi16(qv, _mm512_inserti64x4(
+            _mm512_set1_epi16((short)s0), _mm256_set1_epi16((short)(s0 + 2)), 1)), m3);
+        const __m512i p = _mm512_maddubs_epi16(u, _mm512_loadu_si512(q + 64 * c));
+        const __m512i idx = _mm512_add_epi16(eighth, _mm512_set1_epi16((short)(4 * c)));
+        acc = _mm512_add_epi32(acc, _mm512_madd_epi16(p, _mm512_permutexvar_epi16(idx, sc16)));
+    }
+    return _mm512_reduce_add_epi32(acc);
+#elif defined(QK_256)
+    const __m256i m3 = _mm256_set1_epi8(0x03);
+    __m256i acc = _mm256_setzero_si256();
+    for (int h = 0; h < 2; h++) {
+        const __m256i qv = _mm256_loadu_si256((const __m256i *)(sb + 16 + 32 * h));
+        for (int g = 0; g < 4; g++) {  // values 128h + 32g .. +31: sub-blocks 8h + 2g, + 1
+            const __m256i u = _mm256_and_si256(_mm256_srl_epi16(qv, _mm_cvtsi32_si128(2 * g)), m3);
+            const __m256i p = _mm256_maddubs_epi16(
+                u, _mm256_loadu_si256((const __m256i *)(q + 128 * h + 32 * g)));
+            const int k = 8 * h + 2 * g;
+            const __m256i s = _mm256_set_m128i(_mm_set1_epi16(sb[k + 1] & 0xF), _mm_set1_epi16(sb[k] & 0xF));
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, s));
+        }
+    }
+    return hsum_i32(acc);
+#else
+    int32_t s = 0;
+    for (int v = 0; v < FL_QK_K; v++)
+        s += (sb[v / 16] & 0xF) * ((sb[16 + 32 * (v / 128) + v % 32] >> (2 * (v % 128 / 32))) & 3) * q[v];
+    return s;
+#endif
+}
+
 /* q5_k: sum over the 8 sub-blocks j of sc[j] * (u . q); sc (8) the 6-bit scales */
 static int32_t q5k_isum(const uint8_t *sb, const uint8_t sc[8], const int8_t *q) {
 #if defined(QK_512)
@@ -245,6 +301,13 @@ float fli_qk_qdot(int32_t dtype, const uint8_t *w, const uint8_t *x, int64_t n) 
     for (int64_t sbi = 0; sbi < n / FL_QK_K; sbi++) {
         const uint8_t *sb = w + sbi * kb;
         const float dx = t.scale[sbi * 8 * FL_XQ_LANES];
+        if (dtype == FL_Q2_K) {
+            int32_t msum = 0;  // sum over k of m_k * (sum of the token's q over sub-block k)
+            for (int k = 0; k < 16; k++) msum += (sb[k] >> 4) * t.bsum16[16 * sbi + k];
+            s += fl_load_fp16(sb + 80) * dx * (float)q2k_isum(sb, t.q + sbi * FL_QK_K);
+            s -= fl_load_fp16(sb + 82) * dx * (float)msum;
+            continue;
+        }
         if (dtype == FL_Q6_K) {
 #if defined(QK_512)
             q6k_unpacked o;

@@ -1,4 +1,5 @@
-"""q5_0, q5_1, q5_k and q6_k: the ggml types a GGUF's tensors keep in a native conversion.
+"""q5_0, q5_1, q5_k and q6_k: the ggml types a GGUF's tensors keep in a native conversion; and
+q2_k, the output head sketch's type (dense rows only: no bundle holds it).
 
 The reference is gguf-py: its `dequantize` for every type (the kernel's dequantization must equal
 it bit for bit) and its `quantize` for q5_0 / q5_1 (flashllm's quantizer too). The int8 products
@@ -22,20 +23,22 @@ from test_kernel_isa import ISAS
 from test_q4_k import _isa_lib, int8_x, silu
 
 GG = {"q5_0": Q.Q5_0, "q5_1": Q.Q5_1, "q5_k": Q.Q5_K, "q6_k": Q.Q6_K, "q8_0": Q.Q8_0,
-      "q4_1": Q.Q4_1, "q4_k": Q.Q4_K}
+      "q4_1": Q.Q4_1, "q4_k": Q.Q4_K, "q2_k": Q.Q2_K}
 NEW = ["q5_0", "q5_1", "q5_k", "q6_k"]
+DENSE = NEW + ["q2_k"]          # types of rows the dense kernels (dequantize, matmul) take
+KQ = ("q2_k", "q4_k", "q5_k", "q6_k")
 D = 512
 
 
 def rows_of(dtype: str, rng, rows: int, cols: int) -> np.ndarray:
     """(rows, row_bytes) uint8 of dtype: gguf-py's quantization of random weights, or for the
     k-quants (no gguf-py quantizer) random blocks with realistic f16 scales."""
-    if dtype not in ("q4_k", "q5_k", "q6_k"):
+    if dtype not in KQ:
         w = rng.standard_normal((rows, cols)).astype(np.float32) * 0.05    # (rows, cols)
         return quantize(w, GG[dtype]).view(np.uint8).reshape(rows, -1)
     nb, bb = cols // 256, row_bytes(dtype, 256)
     blk = rng.integers(0, 256, (rows, nb, bb), dtype=np.uint8)           # (rows, nb, bb)
-    at = (208,) if dtype == "q6_k" else (0, 2)                           # d / d, dmin
+    at = {"q6_k": (208,), "q2_k": (80, 82)}.get(dtype, (0, 2))          # d / d, dmin
     for a in at:
         f = rng.uniform(2e-4, 1e-3, (rows, nb)).astype(np.float16)       # (rows, nb)
         blk[..., a:a + 2] = f.view(np.uint8).reshape(rows, nb, 2)
@@ -60,7 +63,7 @@ def close(got, ref, what=""):
     assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max(), what
 
 
-@pytest.mark.parametrize("dtype", NEW)
+@pytest.mark.parametrize("dtype", DENSE)
 def test_dequantize_equals_gguf_py_bit_for_bit(dtype):
     data = rows_of(dtype, np.random.default_rng(1), 9, D)                  # (9, row_bytes)
     got = dequantize_rows(data, dtype, D)                                  # (9, D)
@@ -82,7 +85,7 @@ def test_quantize_equals_gguf_py_bit_for_bit(dtype):
 
 
 def test_k_quant_rows_are_whole_superblocks():
-    for dtype in ("q4_k", "q5_k", "q6_k"):
+    for dtype in KQ:
         with pytest.raises(KernelError):
             quantize_rows(np.zeros((1, 288), np.float32), dtype)
         with pytest.raises(KernelError):
@@ -90,7 +93,7 @@ def test_k_quant_rows_are_whole_superblocks():
     assert row_bytes("q6_k", 1536) == 1260 and row_bytes("q5_k", 1536) == 1056
 
 
-@pytest.mark.parametrize("dtype", NEW)
+@pytest.mark.parametrize("dtype", DENSE)
 @pytest.mark.parametrize("T", [1, 2, 3, 5, 9])
 def test_matmul_int8_and_exact_against_numpy(dtype, T):
     rng = np.random.default_rng(T)
@@ -105,7 +108,7 @@ def test_matmul_int8_and_exact_against_numpy(dtype, T):
     close(kernel.matmul(QTensor(w, dtype, 37, D), x, exact=True), x.astype(np.float64) @ wref.T)
 
 
-@pytest.mark.parametrize("dtype", NEW)
+@pytest.mark.parametrize("dtype", DENSE)
 def test_int8_error_is_bounded_by_activation_rounding(dtype):
     """|int8 - exact| <= sum over blocks of d / 2 * sum |w|: the int8 path costs its rounding."""
     rng = np.random.default_rng(3)
@@ -113,7 +116,7 @@ def test_int8_error_is_bounded_by_activation_rounding(dtype):
     wref = ref_of(dtype, w, D)                                             # (64, D)
     x = (rng.standard_normal((2, D)) * np.linspace(0.1, 10, D)).astype(np.float32)
     step = np.abs(int8_of(dtype, x) - x)                                   # (2, D) <= d / 2
-    blk = 256 if dtype in ("q5_k", "q6_k") else 32
+    blk = 256 if dtype in KQ else 32
     d2 = np.abs(x).reshape(2, -1, blk).max(-1) / 127 / 2                   # (2, nb) d / 2
     assert (step.reshape(2, -1, blk).max(-1) <= d2 * (1 + 1e-6)).all()
     bound = d2 @ np.abs(wref).reshape(64, -1, blk).sum(-1).T               # (2, 64)
@@ -191,3 +194,21 @@ def test_k_quant_down_columns_in_groups_of_one_to_four(down):
                            down_dtype=down)
         xr = x.astype(np.float64)
         close(y, 0.25 + (silu(xr @ g.T) * (xr @ u.T) * mask) @ dn, (down, n))
+
+
+@pytest.mark.parametrize("isa", list(ISAS))
+def test_q2_k_rows_on_every_instruction_set(isa):
+    """q2_k dequantization and int8 matmul (qk.c's AVX-512, AVX2 and plain C sums) against
+    gguf-py's values, one build per instruction set."""
+    ffi, lib = _isa_lib(isa)
+    f32 = lambda a: ffi.cast("float *", ffi.from_buffer(a))  # noqa: E731
+    w = rows_of("q2_k", np.random.default_rng(10), 40, D)                  # (40, row_bytes)
+    ref = ref_of("q2_k", w, D)                                             # (40, D)
+    out = np.zeros(D, np.float32)
+    assert lib.fl_dequantize_row(10, ffi.from_buffer(w[3]), f32(out), D) == 0
+    np.testing.assert_array_equal(out, ref[3].astype(np.float32))
+    for T in (1, 5):
+        x = np.random.default_rng(T).standard_normal((T, D)).astype(np.float32)
+        y = np.zeros((T, 40), np.float32)
+        assert lib.fl_matmul(ffi.from_buffer(w), 10, 40, D, ffi.NULL, f32(x), T, f32(y), 0, 2) == 0
+        close(y, int8_of("q2_k", x) @ ref.T, (isa, T))
