@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from flashllm.convert import native
-from flashllm.format.layout import NATIVE, ffn_parts, ffn_weight, required_tensors
+from flashllm.convert import head_sketch, native
+from flashllm.format.layout import (NATIVE, SKETCH_NAMES, ffn_parts, ffn_weight,
+                                    required_tensors)
 from flashllm.format.writer import FlashWriter
 from flashllm.errors import FlashError, SourceError
 from flashllm.convert.sources import open_source
@@ -62,6 +63,9 @@ def convert_source(source, out: Path, dtype: str, *, force: bool = False,
                                  (source.load(name),)))
             done += nbytes[name]
             tick(done, total)
+        head = "output.weight" if "output.weight" in dense else "token_embd.weight"
+        for name, t in zip(SKETCH_NAMES, head_sketch.build(source.load(head))):
+            w.add_tensor(name, t)
         for layer in range(cfg.n_layers):
             groups = ffn[layer]
             if cfg.n_experts:

@@ -27,7 +27,7 @@ import numpy as np
 
 from flashllm.errors import SourceError
 from flashllm.ffi.quant import dequantize_rows, quantize_rows
-from flashllm.format.layout import NATIVE, fits
+from flashllm.format.layout import NATIVE, SKETCH, fits
 from flashllm.model.tensor import FROM_GGML, QTensor
 
 FALLBACK = "q8_0"     # the down columns, and what any type the kernel lacks becomes
@@ -136,9 +136,14 @@ def ffn_layer(source, layer: int, names: dict[str, str], p: NativePlan):
 
 
 def outdated(manifest: dict) -> str | None:
-    """Why a native conversion's manifest is not what this flashllm makes of the same GGUF (a
-    down column in another dtype than down_column chooses: an older recipe), or None."""
-    if manifest.get("dtype") != NATIVE or manifest["config"].get("n_experts"):
+    """Why a native conversion's manifest is not what this flashllm makes of the same GGUF (no
+    output head sketch, or a down column in another dtype than down_column chooses: an older
+    recipe), or None."""
+    if manifest.get("dtype") != NATIVE:
+        return None
+    if not any(t["name"] == SKETCH for t in manifest["dense"]["tensors"]):
+        return "it has no output head sketch"
+    if manifest["config"].get("n_experts"):
         return None
     d = manifest["config"]["d_model"]
     stored = [(e.get("origin") or {}).get("down", {}).get("from") for e in manifest["ffn"]["layers"]]

@@ -49,6 +49,9 @@ CRC_CHUNK = 16 << 20             # bytes hashed per zlib.crc32 call when streami
 
 _FFN_WEIGHT = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)(?:_(exps|shexp))?\.weight")
 ROUTER = "ffn_gate_inp.weight"    # an MoE router: kept f32, as llama.cpp never quantizes it
+SKETCH = "output_sketch.weight"   # the output head's Q2_K sketch (vocab, d_pad): convert/head_sketch.py
+SKETCH_VAR = "output_sketch.var"  # its mean squared error per superblock (vocab, d_pad / 256) f32
+SKETCH_NAMES = (SKETCH, SKETCH_VAR)
 
 
 def align_up(n: int, a: int) -> int:
