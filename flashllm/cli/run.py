@@ -64,6 +64,10 @@ def run(
     draft_head_rows: int = typer.Option(DRAFT_HEAD_ROWS, "--draft-head-rows", min=1, hidden=True,
                                         help="--draft-kind self with a streamed output head: "
                                         "the first N token ids' rows the draft holds."),
+    sparse_head: bool = typer.Option(True, "--sparse-head/--no-sparse-head", help="With "
+                                     "--dram-budget, when the output head streams: rank the "
+                                     "vocabulary with its resident sketch and read only the rows "
+                                     "the sampler can keep (greedy, top-k or min-p)."),
     flash_stats: bool = typer.Option(False, "--stats", help="Per-token flash I/O, cache and latency "
                                      "table on stderr at the end."),
     check_recall: bool = typer.Option(False, "--check-recall", help="With --stats: also compute each "
@@ -82,7 +86,9 @@ def run(
     from flashllm.runtime.budget import process_rss
     from flashllm.format.integrity import verify_on_first_load
     from flashllm.runtime.model import Model
-    from flashllm.runtime.assemble import FlashOptions, make_ffn, make_weights, plan_run, stream_dense
+    from flashllm.runtime.assemble import (FlashOptions, make_ffn, make_head, make_weights, plan_run,
+                                           stream_dense)
+    from flashllm.runtime.sparse_head import head_need
     from flashllm.generation.sampler import Sampler, SamplerParams
     from flashllm.generation.tokenizer import Tokenizer
 
@@ -98,9 +104,14 @@ def run(
         n_predict = 0 if interactive else 128
     text = None if interactive else _read_prompt(prompt, file)
     path = model_path(model, apart=dram_budget is not None)
+    params = SamplerParams(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p,
+                           repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
+                           seed=None if seed == -1 else seed)
+    need = head_need(params) if sparse_head else None
     fopts = FlashOptions(dram_budget, window, naive, dense, check_recall, predictor.value,
                          keep_tokenizer=interactive or not _decodes_bytes(path),
-                         draft_rows=draft_head_rows if self_draft else 0)
+                         draft_rows=draft_head_rows if self_draft else 0,
+                         sparse_head=need is not None)
     process = process_rss()
     n_ctx = ctx_size if interactive else min(ctx_size, len(text.encode()) + n_predict + 2)
     plan = plan_run(path, fopts, n_ctx, process)     # refuses before loading anything
@@ -115,32 +126,32 @@ def run(
         tok.release(keep_source=False)   # never encodes again; decoding needs only the table
     ffn = make_ffn(flash, fopts, plan, threads, cache_dir(), log=lambda m: err.print(m, markup=False))
     weights = make_weights(flash, plan, threads)
-    stream_dense(flash, ffn, weights)
-    net = Model(flash, n_threads=threads, n_ctx=n_ctx, ffn=ffn, weights=weights, kv_dtype="f16")
-    sampler = Sampler(SamplerParams(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p,
-                                    repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
-                                    seed=None if seed == -1 else seed))
+    head = make_head(flash, plan, weights, need, threads)
+    stream_dense(flash, ffn, weights, sparse_head=head is not None)
+    net = Model(flash, n_threads=threads, n_ctx=n_ctx, ffn=ffn, weights=weights, kv_dtype="f16",
+                head=head)
+    sampler = Sampler(params)
     try:
         drafter = _drafter(net, sampler, draft, draft_kind.value, draft_p_min, draft_head_rows)
         if interactive:
             _chat(flash, net, tok, sampler, system, chat_template, n_predict, as_json, drafter)
         else:
             stats = _complete(net, tok, sampler, ids, n_predict, drafter)
-            flash_json = _flash_json(ffn, weights) if flash_stats else None
+            flash_json = _flash_json(ffn, weights, head) if flash_stats else None
             if as_json:
                 err.print(_stats_json(stats, flash_json), markup=False, soft_wrap=True,
                           highlight=False)
             elif not no_timings:
                 err.print(stats.summary(), markup=False, soft_wrap=True)
         if flash_stats and not as_json:
-            _print_flash_stats(ffn, weights)
+            _print_flash_stats(ffn, weights, head)
     finally:                      # stop the read-ahead before the buffers go away
         for part in (ffn, weights):
             if part is not None:
                 part.close()
 
 
-def _print_flash_stats(ffn, weights) -> None:
+def _print_flash_stats(ffn, weights, head) -> None:
     """The --stats table (stderr): the FFN's per-token reads, the streamed dense weights."""
     from flashllm.runtime.stats import stats_table
     err.print(stats_table(ffn.stats()) if ffn is not None else "ffn: dense (no flash I/O)",
@@ -149,12 +160,22 @@ def _print_flash_stats(ffn, weights) -> None:
         d = weights.stats()
         err.print(f"dense weights: {len(d['dense_streamed'])} matrices streamed, "
                   f"{d['dense_bytes_read'] / 2**20:.1f} MiB read", markup=False, highlight=False)
+    if head is not None:
+        h = head.stats()
+        n = max(1, h["head_tokens"])
+        err.print(f"sparse head: {h['head_rows'] / n:.0f} rows ({h['head_pages'] * 4 / n:.0f} KiB) "
+                  f"read a token, {h['head_fallbacks']} of {h['head_tokens']} read the whole "
+                  f"head; sketch {h['head_sketch_s'] * 1e3 / n:.1f} ms, rows "
+                  f"{h['head_exact_s'] * 1e3 / n:.1f} ms a token", markup=False, highlight=False)
 
 
-def _flash_json(ffn, weights) -> dict:
-    """The --stats --json "flash" section: the FFN's counters and the streamed dense weights'."""
+def _flash_json(ffn, weights, head=None) -> dict:
+    """The --stats --json "flash" section: the FFN's counters, the streamed dense weights' and the
+    sparse head's."""
     d = ffn.stats() if ffn is not None else {"ffn": "dense"}
-    return {**d, "dense": weights.stats()} if weights is not None else d
+    if weights is not None:
+        d = {**d, "dense": {**weights.stats(), **(head.stats() if head is not None else {})}}
+    return d
 
 
 def _prompt_ids(tok, text: str, n_predict: int, ctx_size: int) -> list[int]:

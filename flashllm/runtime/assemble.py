@@ -14,6 +14,7 @@ import numpy as np
 from flashllm.runtime.budget import (BudgetError, BudgetPlan, head_name, model_bytes, plan_budget,
                                      read_manifest)
 from flashllm.runtime.resident import head_rows_bytes
+from flashllm.runtime.sparse_head import SparseHead, sketch_bytes
 from flashllm.units import KiB, format_size
 
 READER_STAGE = 256 * KiB        # per reader thread: the largest single read (64-256 KiB is best)
@@ -42,6 +43,7 @@ class FlashOptions:
     keep_tokenizer: bool = False          # chat: the tokenizers object stays loaded
     draft_rows: int = 0                   # self-speculation: output head rows its draft holds
                                           # when the head streams (runtime/resident.py)
+    sparse_head: bool = False             # the sampler allows a sparse head (runtime/sparse_head.py)
 
     @property
     def flash(self) -> bool:
@@ -69,7 +71,8 @@ def plan_run(path: Path, opts: FlashOptions, n_ctx: int, process: int) -> Option
     if opts.dram_budget is None:   # --naive alone: no limit, the whole model's worth
         text = f"{model_bytes(man) + (1 << 30)}"
     kwargs = dict(reader_stage=READER_THREADS * READER_STAGE, naive=opts.naive,
-                  keep_tokenizer=opts.keep_tokenizer)
+                  keep_tokenizer=opts.keep_tokenizer,
+                  sketch=sketch_bytes(man) if opts.sparse_head else 0)
     try:
         plan = plan_budget(man, text, n_ctx, process, **kwargs)
         if opts.draft_rows and not opts.naive and head_name(man) in plan.streamed:
@@ -118,7 +121,8 @@ def _with_predictor(man: dict, text: str, n_ctx: int, process: int, plain: Budge
         plan = plan_budget(man, text, n_ctx, process, predictor=int(sec.get("nbytes") or 0),
                            reader_stage=READER_THREADS * READER_STAGE,
                            keep_tokenizer=opts.keep_tokenizer,
-                           draft=plain.resident.get("draft head", 0))
+                           draft=plain.resident.get("draft head", 0),
+                           sketch=plain.resident.get("head sketch", 0))
     except BudgetError:
         if force:
             raise
@@ -160,19 +164,28 @@ def make_weights(flash, plan: Optional[BudgetPlan], n_threads: int):
     return DenseWeights(flash, n_threads, plan.streamed, reader)
 
 
-def stream_dense(flash, ffn, weights) -> None:
+def make_head(flash, plan: Optional[BudgetPlan], weights, need, n_threads: int):
+    """The sparse output head for Model(head=...) when the plan streams it sparsely, else None."""
+    if plan is None or not plan.sparse_head or weights is None or need is None:
+        return None
+    return SparseHead(flash, weights, need, n_threads, softcap=flash.config.final_softcap)
+
+
+def stream_dense(flash, ffn, weights, sparse_head: bool = False) -> None:
     """When the FFN reads the same bundles every pass (its read-ahead schedule), the streamed
     attention and output head join that schedule: one queue keeps the device busy (else the
-    dense weights' own reader reads them while the FFN's ring waits)."""
+    dense weights' own reader reads them while the FFN's ring waits). A sparse head reads its
+    own rows when it knows them: it stays out."""
     if ffn is None or weights is None or getattr(ffn, "schedule", None) is None:
         return
     from flashllm.ffi.reader import Reader
     layers = weights.streamed_layers()
-    if weights.head is not None and not layers:
+    whole_head = weights.head is None and not sparse_head
+    if not whole_head and not layers:
         return
     reader = Reader(flash.dense_file, n_threads=ffn.reader.n_threads, stage_bytes=READER_STAGE)
     attention = {i: (reader, *weights.attention_extents(i)) for i in layers}
-    extents = [] if weights.head is not None else weights.head_extents(ffn.schedule.buffer_bytes)
+    extents = weights.head_extents(ffn.schedule.buffer_bytes) if whole_head else []
     if ffn.stream_dense(attention, (reader, extents)):
         weights.layer_source = ffn.attention_bytes
         weights.head_source = ffn.head_chunks

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flashllm.errors import FlashError
-from flashllm.format.layout import layer_strides
+from flashllm.format.layout import SKETCH_NAMES, layer_strides
 from flashllm.runtime.weights import CHUNK_BYTES, aligned_offsets, attn_names
 from flashllm.units import MiB, SizeError, format_size, parse_size
 
@@ -49,6 +49,8 @@ RING_BUFFERS = 4               # the read-ahead ring's buffers: each holds up to
                                # chunk is a kernel call that wakes the threads)
 ROW_MAP_BYTES = 4 + 8          # per cache row: slot_of (int32) + last_use (int64)
 WORK_FIXED = 8 * MiB           # activations, attention scratch, Python objects of a forward pass
+HEAD_ROWS_READ = 2 * MiB        # a sparse head's candidate rows read a token, for planning (greedy
+                                # reads ~1 MB on the 1.5B, top-k 40 more: docs/PREDICTOR.md)
 
 
 class BudgetError(FlashError):
@@ -73,6 +75,8 @@ class BudgetPlan:
     streamed_bytes: int = 0           # of them read per token (the embedding rows not counted)
     predictor: bool = False           # the manifest's predictor is resident (runtime's choice)
     expert_rows: int = 0              # rows (neurons) of one expert; 0: a dense FFN
+    sparse_head: bool = False         # the head streams sparsely: its sketch resident, the
+                                      # candidate rows read (runtime/sparse_head.py)
 
     @property
     def cache_bytes(self) -> int:
@@ -186,7 +190,7 @@ def dense_groups(manifest: dict) -> tuple[int, list[tuple[list[str], int]], tupl
               for i in range(manifest["config"]["n_layers"])] + [([head], tensors[head])]
     embed = (["token_embd.weight"], tensors["token_embd.weight"]) if head == "output.weight" \
         else ([], 0)
-    grouped = {n for names, _ in groups for n in names} | set(embed[0])
+    grouped = {n for names, _ in groups for n in names} | set(embed[0]) | set(SKETCH_NAMES)
     return sum(v for n, v in tensors.items() if n not in grouped), groups, embed
 
 
@@ -206,8 +210,9 @@ def stream_reserve(manifest: dict, n_ctx: int, streamed=None) -> int:
 
 def plan_budget(manifest: dict, budget_text: str, n_ctx: int, process: int, predictor: int = 0,
                 reader_stage: int = 0, naive: bool = False, pin_fraction: float = 0.5,
-                keep_tokenizer: bool = False, draft: int = 0) -> BudgetPlan:
-    """Keep dense weights, then size the neuron caches; BudgetError (one line) when it cannot work."""
+                keep_tokenizer: bool = False, draft: int = 0, sketch: int = 0) -> BudgetPlan:
+    """Keep dense weights, then size the neuron caches; BudgetError (one line) when it cannot
+    work. sketch: bytes of the head's sketch when a sparse head may run (0: it may not)."""
     f = manifest["ffn"]
     n_layers, n_ff, stride = int(f["n_layers"]), int(f["n_ff"]), int(f["stride"])
     strides = sum(layer_strides(f))                  # one slot of every layer
@@ -222,6 +227,7 @@ def plan_budget(manifest: dict, budget_text: str, n_ctx: int, process: int, pred
     full_cache = 0 if naive else n_ff * row
     _check_tokenizer_load(manifest, budget, budget_text, process)
     kept, streamed, left = dense_all, [], budget - fixed - (dense_all - always)
+    sparse = False
     if left < full_cache:         # streaming what does not fit, or the embeddings, may read less
         stream = _stream_plan(manifest, n_ctx, budget - fixed, groups, embed)
         if stream is None and left < 0:
@@ -236,10 +242,16 @@ def plan_budget(manifest: dict, budget_text: str, n_ctx: int, process: int, pred
             cur = (kept - always, streamed, left)
             kept, streamed, left = _head_overlap(manifest, n_ctx, budget - fixed, groups, embed,
                                                  full_cache, cur)
+            (kept, streamed, left), sparse = _sparse_head(
+                manifest, n_ctx, budget - fixed, groups, embed, full_cache,
+                (kept, streamed, left), sketch)
             kept += always
     capacity = 0 if naive else _whole_experts(manifest, min(n_ff, left // row))
     per_token = _streamed_bytes(groups, streamed)
     resident = {"dense weights": kept, **resident}
+    if sparse:
+        per_token += HEAD_ROWS_READ - groups[-1][1]
+        resident["head sketch"] = sketch
     if streamed:
         resident["stream buffers"] = stream_reserve(manifest, n_ctx, set(streamed))
     hot_first = f.get("neuron_order") is not None
@@ -250,7 +262,8 @@ def plan_budget(manifest: dict, budget_text: str, n_ctx: int, process: int, pred
         "most active",)
     return BudgetPlan(budget, resident, n_layers, n_ff, stride, strides, int(capacity), int(pins),
                       staging_rows, notes, tuple(streamed), per_token,
-                      expert_rows=int(manifest["config"]["n_ff"]) if moe else 0)
+                      expert_rows=int(manifest["config"]["n_ff"]) if moe else 0,
+                      sparse_head=sparse)
 
 
 def ffn_reads(manifest: dict, full_cache: int, cache: int) -> float:
@@ -310,6 +323,23 @@ def _head_overlap(manifest: dict, n_ctx: int, avail: int, groups: list, embed: t
     more = _read_per_token(manifest, full_cache, alt, groups) - \
         _read_per_token(manifest, full_cache, cur, groups)
     return alt if more <= buffers else cur
+
+
+def _sparse_head(manifest: dict, n_ctx: int, avail: int, groups: list, embed: tuple,
+                 full_cache: int, cur: tuple, sketch: int) -> tuple[tuple, bool]:
+    """(cur, False), or (the plan that streams the head sparsely, True) when a token then reads
+    fewer bytes: the sketch's DRAM comes first (it saves more bytes a token than it costs in
+    caches or streamed attention), the dense groups are kept in order in what is left, and the
+    head's candidate rows (HEAD_ROWS_READ) replace the whole head's."""
+    alt = _stream_plan(manifest, n_ctx, avail - sketch, groups, embed, stream_head=True) \
+        if sketch else None
+    if alt is None:
+        return cur, False
+    sparse = ffn_reads(manifest, full_cache, alt[2]) + HEAD_ROWS_READ + \
+        _streamed_bytes(groups, alt[1]) - groups[-1][1]
+    if sparse >= _read_per_token(manifest, full_cache, cur, groups):
+        return cur, False
+    return alt, True
 
 
 def _stream_plan(manifest: dict, n_ctx: int, avail: int, groups: list, embed: tuple,

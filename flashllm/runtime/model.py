@@ -41,7 +41,7 @@ class Model:
     """A flash model made runnable: dense weights, an FFN strategy, a preallocated KV cache."""
 
     def __init__(self, flash, n_threads: int = 1, n_ctx: int = 2048, ffn=None, weights=None,
-                 exact: bool = False, kv_dtype: str = "f32"):
+                 exact: bool = False, kv_dtype: str = "f32", head=None):
         cfg = flash.config
         if n_ctx <= 0:
             raise ContextError(f"n_ctx={n_ctx} must be positive")
@@ -53,6 +53,8 @@ class Model:
             ffn = (MoeFfn if cfg.n_experts else DenseFfn)(flash, n_threads, exact=exact)
         self.ffn = ffn
         self.w = DenseWeights(flash, n_threads) if weights is None else weights
+        self.head = head        # a SparseHead (runtime/sparse_head.py) or None: the whole head
+        self.fed = np.zeros(n_ctx, dtype=np.int32)                       # (n_ctx,) token at each position
         shape = (cfg.n_layers, n_ctx, cfg.n_kv_heads, cfg.head_dim)
         if kv_dtype not in KV_DTYPES:
             raise ContextError(f"kv_dtype {kv_dtype!r}: expected one of {', '.join(KV_DTYPES)}")
@@ -70,7 +72,7 @@ class Model:
         """A model over the same config and KV cache with another FFN and dense weights (the
         resident sub-network, runtime/resident.py): what either writes, the other reads."""
         other = copy.copy(self)
-        other.ffn, other.w = ffn, weights
+        other.ffn, other.w, other.head = ffn, weights, None
         return other
 
     def reset(self) -> None:
@@ -88,6 +90,7 @@ class Model:
             raise ContextError(f"cannot run {T} tokens at position {pos0}: the context holds "
                                f"{self.n_ctx} (raise --ctx-size)")
         pos = np.arange(pos0, pos0 + T, dtype=np.int32)                  # (T,)
+        self.fed[pos0:pos0 + T] = tokens
         self.ffn.start_pass(T, prefill=last_only)
         x = self._embed(tokens, pos)                                     # (T, d_model)
         for i in range(self.config.n_layers):
@@ -111,13 +114,22 @@ class Model:
         x = self._norm(x, self.w.out_norm, self.w.out_norm_b)            # (T, d_model)
         if self.w.proj_out is not None:
             x = kernel.matmul(self.w.proj_out, x, None, self.n_threads, self.exact)  # (T, d_embed)
-        logits = self._output(x)                                         # (T, vocab)
+        logits = self._output(x, pos[-len(x):])                          # (T, vocab)
         cap = self.config.final_softcap
-        return logits if not cap else np.tanh(logits / np.float32(cap)) * np.float32(cap)
+        if not cap:
+            return logits
+        capped = np.tanh(logits / np.float32(cap)) * np.float32(cap)     # (T, vocab)
+        return capped if self.head is None else np.where(np.isneginf(logits), logits, capped)
 
-    def _output(self, x: np.ndarray) -> np.ndarray:
-        """(T, vocab) logits, resident or streamed head."""
-        return self.w.output(x, self.exact)                              # (T, vocab)
+    def _output(self, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """(T, vocab) logits of x at positions pos (T,): resident or streamed head, or the
+        sparse head's (-inf where the sampler cannot keep a token)."""
+        if self.head is None:
+            return self.w.output(x, self.exact)                          # (T, vocab)
+        n = self.head.need.recent
+        recent = [self.fed[0 if n < 0 else max(0, p + 1 - n):p + 1] if n else self.fed[:0]
+                  for p in pos]                                          # (<= n,) each
+        return self.head.logits(x, recent, self.exact)                   # (T, vocab)
 
     def _embed(self, tokens: np.ndarray, pos: np.ndarray) -> np.ndarray:
         cfg = self.config

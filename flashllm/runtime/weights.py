@@ -24,6 +24,7 @@ from typing import Iterable, Optional
 import numpy as np
 
 from flashllm.ffi import kernel
+from flashllm.ffi.quant import dequantize_rows
 from flashllm.format.reader import as_tensor
 from flashllm.model.tensor import QTensor
 from flashllm.units import PAGE
@@ -195,6 +196,21 @@ class DenseWeights:
         if chunks is not None:
             return self._output_of(chunks, x, exact)
         return self._output_of(self._own_head_chunks(), x, exact)
+
+    def head_columns(self, dims: np.ndarray) -> np.ndarray:
+        """(vocab, k) f32: the head's columns dims (k,), dequantized; a streamed head is read whole
+        once (counted in the dense stats)."""
+        t = self.flash.dense_entry(self.head_name)
+        rows, cols = t["shape"]
+        rb = t["nbytes"] // rows
+        if self.head is not None:
+            chunks = ((j, self.head.data[r:r + ROW_GROUP * 64].reshape(-1), None)
+                      for j, r in enumerate(range(0, rows, ROW_GROUP * 64)))
+        else:
+            chunks = self._own_head_chunks()
+        out = [dequantize_rows(buf.reshape(-1, rb), t["dtype"], cols)[:, dims]
+               for _, buf, _ in chunks]                                   # (n, k) each
+        return np.ascontiguousarray(np.concatenate(out))                 # (vocab, k)
 
     def head_extents(self, max_bytes: int) -> list[tuple[int, int]]:
         """The streamed head as (file offset, nbytes) pieces of whole ROW_GROUPs of rows, each

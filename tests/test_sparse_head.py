@@ -1,0 +1,137 @@
+"""The output head's sketch (convert/head_sketch.py) and the sparse head (runtime/sparse_head.py).
+
+The sketch's bytes are checked through gguf-py's Q2_K dequantization (an independent reader of the
+format) and its stored error against the error of those values. The sparse head runs on a real
+model's hidden states over held-out text: its candidates must hold the full head's argmax and
+top-k, its logits there must be the full head's bit for bit, and greedy text through the CLI must
+equal the full head's.
+"""
+import math
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
+from typer.testing import CliRunner
+
+from flashllm.cli.app import app
+from flashllm.convert.head_sketch import build
+from flashllm.format.reader import open_flash
+from flashllm.generation.sampler import SamplerParams
+from flashllm.runtime import budget
+from flashllm.runtime.model import Model
+from flashllm.runtime.sparse_head import HeadNeed, SparseHead, head_need, sketch_bytes
+from flashllm.runtime.weights import DenseWeights
+
+MiB = 1 << 20
+
+
+def test_sketch_is_q2_k_with_its_mean_squared_error():
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((300, 700)) * rng.uniform(0.01, 2, (300, 1))).astype(np.float32)
+    w[5] = 0.0                                                            # an all-zero row
+    w[6, :300] = 0.25                                                     # flat sub-blocks
+    sketch, var = build(w)
+    assert sketch.dtype == "q2_k" and (sketch.rows, sketch.cols) == (300, 768)
+    back = dequantize(sketch.data, Q.Q2_K).reshape(300, 768).astype(np.float64)  # (300, 768)
+    assert np.all(back[:, 704:] == 0) and np.all(back[5] == 0)
+    padded = np.zeros((300, 768))
+    padded[:, :700] = w
+    mse = ((back - padded) ** 2).reshape(300, 3, 256).mean(-1)            # (300, 3)
+    np.testing.assert_allclose(var.data.view(np.float32).reshape(300, 3), mse, rtol=1e-5,
+                               atol=1e-12)
+    assert np.linalg.norm(back - padded) / np.linalg.norm(padded) < 0.4   # a 2.6-bit copy
+
+
+def test_head_need_follows_the_sampler():
+    assert head_need(SamplerParams(temp=0)) == HeadNeed(1, 0.0, 0)
+    assert head_need(SamplerParams(top_k=40)) == HeadNeed(40, 0.0, 0)
+    assert head_need(SamplerParams(top_k=0, top_p=1.0, min_p=0.1)) == \
+        HeadNeed(0, -math.log(0.1), 0)
+    assert head_need(SamplerParams(top_k=0, top_p=0.9)) is None           # any token may stay
+    assert head_need(SamplerParams(top_k=0, top_p=1.0, min_p=0.0)) is None
+    assert head_need(SamplerParams(temp=0, repeat_penalty=1.1, repeat_last_n=32)).recent == 32
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from conftest import _converted
+    return open_flash(_converted("smollm2-135m", "native", log=lambda m: None))
+
+
+def hidden_and_logits(flash, n: int = 192):
+    """(x (n, d), the full head's logits (n, vocab)) over held-out code and prose."""
+    from flashllm.generation.tokenizer import Tokenizer
+    from flashllm.sparsity.calibrate import text_tokens
+    from flashllm.sparsity.corpus import builtin_text
+    tok = Tokenizer.from_flash(flash)
+    ids = np.array(sum((text_tokens(tok, builtin_text("evaluation", k, 20000).text, n // 2)
+                        for k in ("code", "prose")), []), np.int32)    # (n,)
+    net = Model(flash, n_threads=2, n_ctx=n)
+    got = []
+    real = net.w.output
+    net.w.output = lambda x, exact=False: (got.append(x.copy()), real(x, exact))[1]
+    logits = net.forward(ids, 0)                                         # (n, vocab)
+    return got[0], logits, net.w
+
+
+@pytest.mark.realmodel
+def test_candidates_hold_greedy_and_top_k_and_are_exact(smollm2):
+    x, full, weights = hidden_and_logits(smollm2)
+    head = SparseHead(smollm2, weights, HeadNeed(1), n_threads=2)
+    head.exact_dims(x[1:])              # as a run would, from hidden states past the first token
+    vocab = full.shape[1]
+    sizes = {1: [], 40: []}
+    hi, lo = head.bounds(x)                                               # (n, vocab) each
+    for k in (1, 40):
+        for t in range(len(x)):
+            cand = head.candidates(hi[t], lo[t], HeadNeed(k))
+            assert np.isin(np.argsort(-full[t])[:k], cand).all(), (k, t)
+            sizes[k].append(len(cand))
+    assert np.mean(sizes[1]) < 0.05 * vocab and np.mean(sizes[40]) < 0.4 * vocab, \
+        (np.mean(sizes[1]), np.mean(sizes[40]))
+    from flashllm.ffi.reader import Reader
+    name = "output.weight" if smollm2.has("output.weight") else "token_embd.weight"
+    streamed = DenseWeights(smollm2, 2, streamed=[name],
+                            reader=Reader(smollm2.dense_file, n_threads=4, stage_bytes=1 << 18))
+    head = SparseHead(smollm2, streamed, HeadNeed(1), n_threads=2)
+    head.exact_dims(x[1:])
+    out = head.logits(x[:3], [np.array([7, 9])] * 3, exact=False)        # (3, vocab)
+    streamed.close()
+    kept = np.isfinite(out)
+    assert kept[:, [7, 9]].all() and (out[~kept] == -np.inf).all()
+    whole = weights.output(x[:3])                                         # (3, vocab) as a pass of 3
+    np.testing.assert_array_equal(out[kept], whole[kept])                # the same rows, bit for bit
+    assert (out.argmax(1) == whole.argmax(1)).all()
+
+
+def cli(*args, monkeypatch):
+    monkeypatch.setattr(budget, "process_rss", lambda: 100 * MiB)
+    return CliRunner().invoke(app, ["run", *args])
+
+
+@pytest.mark.realmodel
+@pytest.mark.parametrize("sampling", [["--temp", "0"], ["--temp", "0.8", "--seed", "3"]])
+def test_cli_sparse_head_writes_the_full_heads_text(smollm2, sampling, monkeypatch):
+    """Under a budget that streams the (tied) head, greedy and seeded top-k sampling write the
+    same text with the sparse head as with the whole head, and --stats says what it read."""
+    args = [str(smollm2.path), "-p", "The capital of France is Paris. The capital of Germany is",
+            "-n", "24", *sampling, "--dram-budget", "180MiB"]
+    full = cli(*args, "--no-sparse-head", "--no-timings", monkeypatch=monkeypatch)
+    sparse = cli(*args, "--stats", monkeypatch=monkeypatch)
+    assert full.exit_code == 0 and sparse.exit_code == 0, sparse.output
+    assert sparse.stdout == full.stdout
+    assert "head sketch" in sparse.stderr and "sparse head:" in sparse.stderr
+
+
+def test_plan_streams_the_head_sparsely_only_when_it_reads_less(smollm2):
+    man = smollm2.manifest
+    sk = sketch_bytes(man)
+    assert sk > 0
+    tight = budget.plan_budget(man, "180MiB", 256, 100 * MiB, sketch=sk)
+    assert tight.sparse_head and tight.resident["head sketch"] == sk
+    plain = budget.plan_budget(man, "180MiB", 256, 100 * MiB)
+    assert not plain.sparse_head and "head sketch" not in plain.resident
+    assert tight.streamed_bytes < plain.streamed_bytes
+    roomy = budget.plan_budget(man, "2GiB", 256, 100 * MiB, sketch=sk)   # the head stays resident
+    assert not roomy.sparse_head and "head sketch" not in roomy.resident
