@@ -111,25 +111,27 @@ def cli(*args, monkeypatch):
 
 
 @pytest.mark.realmodel
-@pytest.mark.parametrize("sampling", [["--temp", "0"], ["--temp", "0.8", "--seed", "3"]])
-def test_cli_sparse_head_writes_the_full_heads_text(smollm2, sampling, monkeypatch):
-    """Under a budget that streams the (tied) head, greedy and seeded top-k sampling write the
-    same text with the sparse head as with the whole head, and --stats says what it read."""
+def test_cli_sparse_head_writes_the_full_heads_text(smollm2, monkeypatch):
+    """Under a budget that streams the (tied) head, greedy decoding writes the same text with the
+    sparse head as with the whole head, and --stats says what it read. (Seeded sampling is not
+    compared as text: the sketch's DRAM changes the caches, so the FFN sums in another order,
+    and top-p's cut is discontinuous in the logits; test_candidates_hold... covers top-k.)"""
     args = [str(smollm2.path), "-p", "The capital of France is Paris. The capital of Germany is",
-            "-n", "24", *sampling, "--dram-budget", "180MiB"]
-    full = cli(*args, "--no-sparse-head", "--no-timings", monkeypatch=monkeypatch)
-    sparse = cli(*args, "--stats", monkeypatch=monkeypatch)
+            "-n", "24", "--temp", "0", "--dram-budget", "180MiB"]
+    full = cli(*args, "--no-timings", monkeypatch=monkeypatch)           # the default: whole head
+    sparse = cli(*args, "--sparse-head", "--stats", monkeypatch=monkeypatch)
     assert full.exit_code == 0 and sparse.exit_code == 0, sparse.output
     assert sparse.stdout == full.stdout
     assert "head sketch" in sparse.stderr and "sparse head:" in sparse.stderr
+    assert "head sketch" not in full.stderr
 
 
 def test_plan_streams_the_head_sparsely_only_when_it_reads_less(smollm2):
     man = smollm2.manifest
     sk = sketch_bytes(man)
-    assert sk > 0
+    assert sk[0] > 0 and sk[1] > 0
     tight = budget.plan_budget(man, "180MiB", 256, 100 * MiB, sketch=sk)
-    assert tight.sparse_head and tight.resident["head sketch"] == sk
+    assert tight.sparse_head and tight.resident["head sketch"] == sk[0]
     plain = budget.plan_budget(man, "180MiB", 256, 100 * MiB)
     assert not plain.sparse_head and "head sketch" not in plain.resident
     assert tight.streamed_bytes < plain.streamed_bytes

@@ -64,10 +64,11 @@ def run(
     draft_head_rows: int = typer.Option(DRAFT_HEAD_ROWS, "--draft-head-rows", min=1, hidden=True,
                                         help="--draft-kind self with a streamed output head: "
                                         "the first N token ids' rows the draft holds."),
-    sparse_head: bool = typer.Option(True, "--sparse-head/--no-sparse-head", help="With "
-                                     "--dram-budget, when the output head streams: rank the "
-                                     "vocabulary with its resident sketch and read only the rows "
-                                     "the sampler can keep (greedy, top-k or min-p)."),
+    sparse_head: bool = typer.Option(False, "--sparse-head/--no-sparse-head", help="With "
+                                     "--dram-budget, when the output head streams: stream its "
+                                     "2.6-bit sketch instead, and read only the rows the sampler "
+                                     "can keep (greedy, top-k or min-p): fewer bytes a token, not "
+                                     "yet fewer seconds on a fast device (BENCHMARKS.md)."),
     flash_stats: bool = typer.Option(False, "--stats", help="Per-token flash I/O, cache and latency "
                                      "table on stderr at the end."),
     check_recall: bool = typer.Option(False, "--check-recall", help="With --stats: also compute each "

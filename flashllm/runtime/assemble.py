@@ -13,6 +13,7 @@ import numpy as np
 
 from flashllm.runtime.budget import (BudgetError, BudgetPlan, head_name, model_bytes, plan_budget,
                                      read_manifest)
+from flashllm.format.layout import SKETCH
 from flashllm.runtime.resident import head_rows_bytes
 from flashllm.runtime.sparse_head import SparseHead, sketch_bytes
 from flashllm.units import KiB, format_size
@@ -72,7 +73,7 @@ def plan_run(path: Path, opts: FlashOptions, n_ctx: int, process: int) -> Option
         text = f"{model_bytes(man) + (1 << 30)}"
     kwargs = dict(reader_stage=READER_THREADS * READER_STAGE, naive=opts.naive,
                   keep_tokenizer=opts.keep_tokenizer,
-                  sketch=sketch_bytes(man) if opts.sparse_head else 0)
+                  sketch=sketch_bytes(man) if opts.sparse_head else (0, 0))
     try:
         plan = plan_budget(man, text, n_ctx, process, **kwargs)
         if opts.draft_rows and not opts.naive and head_name(man) in plan.streamed:
@@ -122,7 +123,7 @@ def _with_predictor(man: dict, text: str, n_ctx: int, process: int, plain: Budge
                            reader_stage=READER_THREADS * READER_STAGE,
                            keep_tokenizer=opts.keep_tokenizer,
                            draft=plain.resident.get("draft head", 0),
-                           sketch=plain.resident.get("head sketch", 0))
+                           sketch=sketch_bytes(man) if plain.sparse_head else (0, 0))
     except BudgetError:
         if force:
             raise
@@ -174,21 +175,24 @@ def make_head(flash, plan: Optional[BudgetPlan], weights, need, n_threads: int):
 def stream_dense(flash, ffn, weights, sparse_head: bool = False) -> None:
     """When the FFN reads the same bundles every pass (its read-ahead schedule), the streamed
     attention and output head join that schedule: one queue keeps the device busy (else the
-    dense weights' own reader reads them while the FFN's ring waits). A sparse head reads its
-    own rows when it knows them: it stays out."""
+    dense weights' own reader reads them while the FFN's ring waits). With a sparse head the
+    schedule carries the head's sketch instead (its candidate rows are read when known)."""
     if ffn is None or weights is None or getattr(ffn, "schedule", None) is None:
         return
     from flashllm.ffi.reader import Reader
     layers = weights.streamed_layers()
-    whole_head = weights.head is None and not sparse_head
-    if not whole_head and not layers:
+    if weights.head is not None and not layers:
         return
     reader = Reader(flash.dense_file, n_threads=ffn.reader.n_threads, stage_bytes=READER_STAGE)
     attention = {i: (reader, *weights.attention_extents(i)) for i in layers}
-    extents = weights.head_extents(ffn.schedule.buffer_bytes) if whole_head else []
+    extents = [] if weights.head is not None else \
+        weights.head_extents(ffn.schedule.buffer_bytes, SKETCH if sparse_head else "")
     if ffn.stream_dense(attention, (reader, extents)):
         weights.layer_source = ffn.attention_bytes
-        weights.head_source = ffn.head_chunks
+        if sparse_head:                    # the schedule carries the sketch in the head's place
+            weights.sketch_source = ffn.head_chunks
+        else:
+            weights.head_source = ffn.head_chunks
     else:
         reader.close()
 

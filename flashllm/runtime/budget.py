@@ -210,9 +210,11 @@ def stream_reserve(manifest: dict, n_ctx: int, streamed=None) -> int:
 
 def plan_budget(manifest: dict, budget_text: str, n_ctx: int, process: int, predictor: int = 0,
                 reader_stage: int = 0, naive: bool = False, pin_fraction: float = 0.5,
-                keep_tokenizer: bool = False, draft: int = 0, sketch: int = 0) -> BudgetPlan:
+                keep_tokenizer: bool = False, draft: int = 0,
+                sketch: tuple[int, int] = (0, 0)) -> BudgetPlan:
     """Keep dense weights, then size the neuron caches; BudgetError (one line) when it cannot
-    work. sketch: bytes of the head's sketch when a sparse head may run (0: it may not)."""
+    work. sketch: (resident, streamed) bytes of a sparse head (sparse_head.sketch_bytes) when
+    one may run; (0, 0): it may not."""
     f = manifest["ffn"]
     n_layers, n_ff, stride = int(f["n_layers"]), int(f["n_ff"]), int(f["stride"])
     strides = sum(layer_strides(f))                  # one slot of every layer
@@ -250,8 +252,8 @@ def plan_budget(manifest: dict, budget_text: str, n_ctx: int, process: int, pred
     per_token = _streamed_bytes(groups, streamed)
     resident = {"dense weights": kept, **resident}
     if sparse:
-        per_token += HEAD_ROWS_READ - groups[-1][1]
-        resident["head sketch"] = sketch
+        per_token += sketch[1] + HEAD_ROWS_READ - groups[-1][1]
+        resident["head sketch"] = sketch[0]
     if streamed:
         resident["stream buffers"] = stream_reserve(manifest, n_ctx, set(streamed))
     hot_first = f.get("neuron_order") is not None
@@ -326,16 +328,17 @@ def _head_overlap(manifest: dict, n_ctx: int, avail: int, groups: list, embed: t
 
 
 def _sparse_head(manifest: dict, n_ctx: int, avail: int, groups: list, embed: tuple,
-                 full_cache: int, cur: tuple, sketch: int) -> tuple[tuple, bool]:
+                 full_cache: int, cur: tuple, sketch: tuple[int, int]) -> tuple[tuple, bool]:
     """(cur, False), or (the plan that streams the head sparsely, True) when a token then reads
-    fewer bytes: the sketch's DRAM comes first (it saves more bytes a token than it costs in
-    caches or streamed attention), the dense groups are kept in order in what is left, and the
-    head's candidate rows (HEAD_ROWS_READ) replace the whole head's."""
-    alt = _stream_plan(manifest, n_ctx, avail - sketch, groups, embed, stream_head=True) \
-        if sketch else None
+    fewer bytes: the head streams, its sketch (sketch[1] bytes) streams in its place through
+    the same buffers, the candidate rows (HEAD_ROWS_READ) are read, and the sketch's error table
+    and exact columns (sketch[0]) stay resident."""
+    if not sketch[1]:
+        return cur, False
+    alt = _stream_plan(manifest, n_ctx, avail - sketch[0], groups, embed, stream_head=True)
     if alt is None:
         return cur, False
-    sparse = ffn_reads(manifest, full_cache, alt[2]) + HEAD_ROWS_READ + \
+    sparse = ffn_reads(manifest, full_cache, alt[2]) + sketch[1] + HEAD_ROWS_READ + \
         _streamed_bytes(groups, alt[1]) - groups[-1][1]
     if sparse >= _read_per_token(manifest, full_cache, cur, groups):
         return cur, False

@@ -1,13 +1,16 @@
-"""The sparse output head: when the head streams, its resident sketch (convert/head_sketch.py, a Q2_K
-copy) ranks the vocabulary, and only the rows the sampler can keep are read from flash and
-multiplied exactly; every other logit is -inf.
+"""The sparse output head: when the head streams, its sketch (convert/head_sketch.py, a Q2_K copy,
+0.4x the bytes of a Q6_K head) streams in its place and ranks the vocabulary, and only the rows
+the sampler can keep are read from flash and multiplied exactly; every other logit is -inf. (A
+resident sketch would save 0.4x the head's bytes a token but take as many from the neuron
+caches, which then read them back: streamed, it takes none.)
 
 For a hidden state x the sketch's logit s_r differs from the exact one by an error whose standard
 deviation is sigma_r = sqrt(sum_b |x_b|^2 var_rb) (var: the sketch's mean squared error per
 superblock, stored with it). A few dims of x can carry most of its energy (massive activations:
 SmolLM2's largest dim holds ~46% of |x|^2), which would widen every bound; so the EXACT_DIMS dims
 largest in the first hidden state the head sees get their head columns exact (read once, from
-the whole head) and leave the sketch's sum and sigma. With z = SIGMA_Z every exact logit is taken to lie in
+the whole head) and leave the sketch's sum and sigma. With z = SIGMA_Z every exact logit is
+taken to lie in
 [s_r - z sigma_r, s_r + z sigma_r]; the candidates are the rows whose upper end reaches the k-th
 largest lower end (the top k the sampler keeps: k = 1 for greedy, top-k) or the largest lower end
 minus a margin (min-p alone), and the recent tokens a repeat penalty changes. The bound is
@@ -32,6 +35,7 @@ SIGMA_Z = 5.0          # bound width in sigmas (measured: docs/PREDICTOR.md)
 EXACT_DIMS = 16        # hidden dims whose head columns are kept exact (f32): the largest |x_j|
 MAX_READ_SHARE = 0.5   # candidate pages above this share of the head's bytes: read it whole
 PAGE = 4096
+BOUNDS_ARRAYS = 8      # (vocab,) f32 arrays alive at once while a token's bounds are computed
 
 
 @dataclass(frozen=True)
@@ -58,14 +62,16 @@ def head_need(params) -> Optional[HeadNeed]:
     return None
 
 
-def sketch_bytes(manifest: dict) -> int:
-    """DRAM the sketch and the exact columns take (0 when the conversion has no sketch)."""
+def sketch_bytes(manifest: dict) -> tuple[int, int]:
+    """(DRAM a sparse head keeps: the sketch's error table and the exact columns, bytes of the
+    sketch a token streams); (0, 0) when the conversion has no sketch."""
     tensors = {t["name"]: t for t in manifest["dense"]["tensors"]}
     if SKETCH not in tensors or SKETCH_VAR not in tensors:
-        return 0
+        return 0, 0
     vocab = tensors[SKETCH]["shape"][0]
-    return int(tensors[SKETCH]["nbytes"]) + int(tensors[SKETCH_VAR]["nbytes"]) + \
-        vocab * EXACT_DIMS * 4
+    work = BOUNDS_ARRAYS * vocab * 4                 # a decode token's (vocab,) f32 temporaries
+    return int(tensors[SKETCH_VAR]["nbytes"]) + vocab * EXACT_DIMS * 4 + work, \
+        int(tensors[SKETCH]["nbytes"])
 
 
 class SparseHead:
@@ -75,7 +81,10 @@ class SparseHead:
     def __init__(self, flash, weights, need: HeadNeed, n_threads: int, softcap: float = 0.0,
                  z: float = SIGMA_Z):
         self.w, self.need, self.n_threads, self.z, self.cap = weights, need, n_threads, z, softcap
-        self.sketch = flash.tensor(SKETCH)                                # QTensor (vocab, d_pad)
+        sk = flash.dense_entry(SKETCH)
+        self.sketch_rb, self.d_pad = sk["nbytes"] // sk["shape"][0], sk["shape"][1]
+        self.sketch = flash.tensor(SKETCH) if weights.reader is None else None  # QTensor (vocab,
+        # d_pad) in DRAM for a model without a reader; else streamed in chunks like the head
         self.var = flash.tensor(SKETCH_VAR).data.view(np.float32)        # (vocab, d_pad / 256)
         t = flash.dense_entry(weights.head_name)
         self.dtype, (self.vocab, self.cols) = t["dtype"], t["shape"]
@@ -122,11 +131,11 @@ class SparseHead:
     def bounds(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(upper, lower) (T, vocab) f32 ends of every exact logit of x (T, cols), after the
         final softcap: sketch + exact columns, +- z sigma."""
-        xp = np.zeros((len(x), self.sketch.cols), np.float32)            # (T, d_pad)
+        xp = np.zeros((len(x), self.d_pad), np.float32)                  # (T, d_pad)
         xp[:, :x.shape[1]] = x
         xk = xp[:, self.dims].copy()                                      # (T, k)
         xp[:, self.dims] = 0.0
-        s = kernel.matmul(self.sketch, xp, None, self.n_threads)         # (T, vocab)
+        s = self._sketch_logits(xp)                                       # (T, vocab)
         s += xk @ self.columns.T
         xb = (xp * xp).reshape(len(x), -1, 256).sum(axis=2)              # (T, d_pad / 256)
         dev = np.sqrt(xb @ self.var.T) * np.float32(self.z)              # (T, vocab)
@@ -134,6 +143,24 @@ class SparseHead:
         if self.cap:                                                      # tanh is monotonic
             hi, lo = (np.tanh(v / np.float32(self.cap)) * np.float32(self.cap) for v in (hi, lo))
         return hi, lo
+
+    def _sketch_logits(self, xp: np.ndarray) -> np.ndarray:
+        """(T, vocab) sketch . xp for xp (T, d_pad): resident, or chunk by chunk as the sketch
+        streams (its reads counted with the dense weights')."""
+        if self.sketch is not None:
+            return kernel.matmul(self.sketch, xp, None, self.n_threads)  # (T, vocab)
+        s = np.empty((len(xp), self.vocab), np.float32)                  # (T, vocab)
+        r0 = 0
+        for _, buf, counters in self.w.sketch_chunks(SKETCH):
+            n = len(buf) // self.sketch_rb
+            chunk = QTensor(buf.reshape(n, self.sketch_rb), "q2_k", n, self.d_pad)
+            s[:, r0:r0 + n] = kernel.matmul(chunk, xp, None, self.n_threads)  # (T, n)
+            if counters is not None:
+                self.w.count(counters)
+            r0 += n
+        if r0 != self.vocab:
+            raise RuntimeError(f"the streamed head sketch came in {r0} of its {self.vocab} rows")
+        return s
 
     def candidates(self, hi: np.ndarray, lo: np.ndarray, need: Optional[HeadNeed] = None):
         """Row ids (k,) whose exact logit may be one the sampler keeps (need, default the

@@ -25,6 +25,7 @@ import numpy as np
 
 from flashllm.ffi import kernel
 from flashllm.ffi.quant import dequantize_rows
+from flashllm.format.layout import SKETCH
 from flashllm.format.reader import as_tensor
 from flashllm.model.tensor import QTensor
 from flashllm.units import PAGE
@@ -115,13 +116,16 @@ class DenseWeights:
                        for i in range(cfg.n_layers)]
         self._layer_bufs = self._buffers(max((self._layer_span(i)[1] for i in self._stream_layers()),
                                              default=0))
-        chunk = 0 if self.head is not None else max(n for _, n in self.head_extents(chunk_bytes))
+        chunk = 0 if self.head is not None else max(
+            n for name in ("", SKETCH) if not name or flash.has(name)
+            for _, n in self.head_extents(chunk_bytes, name))            # the head's, or its sketch's
         self._head_bufs = self._buffers(chunk)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="flashllm-dense") \
             if self.streamed else None
         self._pending = None          # (layer, buffer index, future) of the prefetched layer
         self.bytes_read, self.read_seconds, self.ring_idle = 0, 0.0, 0.0
         self.head_source = None       # () -> head chunks someone else reads (head_extents), or None
+        self.sketch_source = None     # () -> the head sketch's chunks read elsewhere, or None
         self.layer_source = None      # i -> (bytes, counters) of layer i's attention read
                                       # elsewhere (attention_extents), or None
 
@@ -156,7 +160,7 @@ class DenseWeights:
         got = self.layer_source(i) if self.layer_source is not None else None
         if got is not None:
             buf, counters = got
-            self._count(counters)
+            self.count(counters)
             return self._with_matrices(L, self._views(i, buf))
         pending, self._pending = self._pending, None
         if pending is not None and pending[0] == i:
@@ -208,24 +212,37 @@ class DenseWeights:
                       for j, r in enumerate(range(0, rows, ROW_GROUP * 64)))
         else:
             chunks = self._own_head_chunks()
-        out = [dequantize_rows(buf.reshape(-1, rb), t["dtype"], cols)[:, dims]
-               for _, buf, _ in chunks]                                   # (n, k) each
-        return np.ascontiguousarray(np.concatenate(out))                 # (vocab, k)
+        out = np.empty((rows, len(dims)), np.float32)                    # (vocab, k)
+        r0 = 0
+        for _, buf, _ in chunks:
+            data = buf.reshape(-1, rb)                                   # (n, row_bytes)
+            for r in range(0, len(data), 256):   # 256 rows at a time: small temporaries under a cap
+                part = dequantize_rows(data[r:r + 256], t["dtype"], cols)  # (<= 256, cols)
+                out[r0:r0 + len(part)] = part[:, dims]
+                r0 += len(part)
+        return out
 
-    def head_extents(self, max_bytes: int) -> list[tuple[int, int]]:
-        """The streamed head as (file offset, nbytes) pieces of whole ROW_GROUPs of rows, each
-        at most max_bytes (at least one group): what head_source's chunks must hold, in order."""
-        t = self.flash.dense_entry(self.head_name)
+    def head_extents(self, max_bytes: int, name: str = "") -> list[tuple[int, int]]:
+        """The streamed head (or the matrix `name`: the head's sketch) as (file offset, nbytes)
+        pieces of whole ROW_GROUPs of rows, each at most max_bytes (at least one group): what
+        head_source's (sketch_source's) chunks must hold, in order."""
+        t = self.flash.dense_entry(name or self.head_name)
         rows = t["shape"][0]
         rb = t["nbytes"] // rows
         step = max(ROW_GROUP, max_bytes // rb // ROW_GROUP * ROW_GROUP)
         return [(t["offset"] + r0 * rb, (min(r0 + step, rows) - r0) * rb)
                 for r0 in range(0, rows, step)]
 
-    def _own_head_chunks(self):
-        """The head's extents (head_extents(chunk_bytes)) read by this object's reader into its
-        two head buffers, extent j + 1 while extent j computes; counters None (counted by _read)."""
-        extents = self.head_extents(self.chunk_bytes)
+    def sketch_chunks(self, name: str):
+        """The head sketch `name`'s chunks (as head chunks): from sketch_source, else read here."""
+        chunks = self.sketch_source() if self.sketch_source is not None else None
+        return chunks if chunks is not None else self._own_head_chunks(name)
+
+    def _own_head_chunks(self, name: str = ""):
+        """The head's (or matrix name's) extents (head_extents(chunk_bytes)) read by this object's
+        reader into its two head buffers, extent j + 1 while extent j computes; counters None
+        (counted by _read)."""
+        extents = self.head_extents(self.chunk_bytes, name)
         job = self._pool.submit(self._read, [extents[0][0]], [extents[0][1]], self._head_bufs[0], [0])
         for j, (_, nbytes) in enumerate(extents):
             job.result()
@@ -247,7 +264,7 @@ class DenseWeights:
             w = QTensor(buf.reshape(n, rb), t["dtype"], n, cols)
             logits[:, r0:r0 + n] = kernel.matmul(w, x, None, self.n_threads, exact)  # (T, n)
             if counters is not None:
-                self._count(counters)
+                self.count(counters)
             r0 += n
         if r0 != rows:
             raise RuntimeError(f"the streamed head came in {r0} of its {rows} rows")
@@ -257,7 +274,7 @@ class DenseWeights:
         return {"dense_streamed": sorted(self.streamed), "dense_bytes_read": self.bytes_read,
                 "dense_read_s": self.read_seconds, "dense_ring_idle_s": self.ring_idle}
 
-    def _count(self, counters: dict) -> None:
+    def count(self, counters: dict) -> None:
         """Counters of a read the FFN's read-ahead ring made for these weights."""
         self.bytes_read += counters["bytes_requested"]
         self.read_seconds += counters["read_s"]
