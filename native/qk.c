@@ -226,6 +226,21 @@ static int32_t q2k_isum(const uint8_t *sb, const int8_t *q) {
 #endif
 }
 
+/* q2_k: sum over the 16 sub-blocks k of m_k * (sum of the token's q over sub-block k), exact */
+static inline int32_t q2k_msum(const uint8_t *sb, const int16_t *bsum16) {
+#if defined(QK_512) || defined(QK_256)
+    const __m256i m = _mm256_srli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)sb)), 4);
+    const __m256i p = _mm256_madd_epi16(m, _mm256_loadu_si256((const __m256i *)bsum16));  // (8)
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1)));
+#else
+    int32_t s = 0;
+    for (int k = 0; k < 16; k++) s += (sb[k] >> 4) * bsum16[k];
+    return s;
+#endif
+}
+
 /* q5_k: sum over the 8 sub-blocks j of sc[j] * (u . q); sc (8) the 6-bit scales */
 static int32_t q5k_isum(const uint8_t *sb, const uint8_t sc[8], const int8_t *q) {
 #if defined(QK_512)
@@ -302,8 +317,7 @@ float fli_qk_qdot(int32_t dtype, const uint8_t *w, const uint8_t *x, int64_t n) 
         const uint8_t *sb = w + sbi * kb;
         const float dx = t.scale[sbi * 8 * FL_XQ_LANES];
         if (dtype == FL_Q2_K) {
-            int32_t msum = 0;  // sum over k of m_k * (sum of the token's q over sub-block k)
-            for (int k = 0; k < 16; k++) msum += (sb[k] >> 4) * t.bsum16[16 * sbi + k];
+            const int32_t msum = q2k_msum(sb, t.bsum16 + 16 * sbi);
             s += fl_load_fp16(sb + 80) * dx * (float)q2k_isum(sb, t.q + sbi * FL_QK_K);
             s -= fl_load_fp16(sb + 82) * dx * (float)msum;
             continue;
