@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from flashllm.errors import KernelError
-from flashllm.model.tensor import QTensor, companion, dtype_code, row_bytes
+from flashllm.model.tensor import PackedTensor, QTensor, companion, dtype_code, row_bytes
 
 from flashllm.ffi.lib import check as _check, ffi, native as _native
 
@@ -95,12 +95,26 @@ def get_rows(w: QTensor, ids) -> np.ndarray:
     return out
 
 
-def matmul(w: QTensor, x, bias=None, n_threads: int = 1, exact: bool = False) -> np.ndarray:
+def pack(w: QTensor) -> PackedTensor | None:
+    """w repacked for this build's resident matmul (fl_pack: q4_k rows 16 at a time under
+    AVX-512 VNNI), or None when the build or w has no packed layout (use w as it is)."""
+    k = _native()
+    n = k.fl_packed_bytes(w.code, w.rows, w.cols)
+    if n == 0:
+        return None
+    out = np.empty(n, np.uint8)                                               # (n,)
+    _check(k.fl_pack(w.code, ffi.from_buffer(w.data), w.rows, w.cols, ffi.from_buffer(out)),
+           "pack")
+    return PackedTensor(out, w.dtype, w.rows, w.cols)
+
+
+def matmul(w: QTensor | PackedTensor, x, bias=None, n_threads: int = 1,
+           exact: bool = False) -> np.ndarray:
     """y (T, rows) = x (T, cols) @ w^T [+ bias (rows)]; a 1-D x gives a 1-D y.
 
     Quantized weights meet x quantized to int8 per block of 32 (per 256 for the k-quants, as
     llama.cpp does; each value moves by at most its block's amax / 254) unless exact, which keeps
-    x in f32."""
+    x in f32 (a PackedTensor has no exact path)."""
     k = _native()
     xa = _as_f32(x, "x", np.ndim(x))
     x2 = xa.reshape(1, -1) if xa.ndim == 1 else xa  # (T, cols)
@@ -111,6 +125,13 @@ def matmul(w: QTensor, x, bias=None, n_threads: int = 1, exact: bool = False) ->
     if b is not None and b.shape != (w.rows,):
         raise KernelError(f"bias must have shape ({w.rows},), got {b.shape}")
     y = np.empty((x2.shape[0], w.rows), np.float32)  # (T, rows)
+    if isinstance(w, PackedTensor):
+        if exact:
+            raise KernelError("a packed weight has no exact (f32) matmul")
+        _check(k.fl_matmul_packed(ffi.from_buffer(w.data), w.code, w.rows, w.cols,
+                                  ffi.NULL if b is None else _fptr(b), _fptr(x2), x2.shape[0],
+                                  _fptr(y), _threads(n_threads)), "matmul_packed")
+        return y[0] if xa.ndim == 1 else y
     _check(k.fl_matmul(ffi.from_buffer(w.data), w.code, w.rows, w.cols,
                        ffi.NULL if b is None else _fptr(b), _fptr(x2), x2.shape[0], _fptr(y),
                        int(exact), _threads(n_threads)), "matmul")

@@ -85,3 +85,18 @@ class QTensor:
     def nbytes(self) -> int:
         """Bytes of the stored data."""
         return int(self.data.nbytes)
+
+
+@dataclass(frozen=True)
+class PackedTensor:
+    """A resident weight (rows, cols) repacked for this build's matmul (ffi/kernel.pack): its
+    values are those of the QTensor it was made from, in another order."""
+
+    data: np.ndarray  # (nbytes,) uint8
+    dtype: str
+    rows: int
+    cols: int
+
+    @property
+    def code(self) -> int:
+        return DTYPE_CODES[self.dtype]

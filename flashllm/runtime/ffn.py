@@ -50,7 +50,8 @@ def gate_up_rows(flash, layer: int) -> QTensor:
 class DenseFfn:
     """The whole FFN in DRAM; each token runs all of it. A folder with the source's own down
     matrices (down.bin) runs as three matrix products per layer — gate and up rows (copied out
-    of the bundles) times x, the activation, the down rows times h — as llama.cpp does (`rows`);
+    of the bundles) times x, the activation, the down rows times h — as llama.cpp does (`rows`;
+    q4_k matrices repacked 16 rows at a time where the build has that kernel: kernel.pack);
     otherwise (older folders, `exact`, or magnitude thresholds) over the bundles, the down
     columns added one neuron at a time (fl_ffn_bundles)."""
 
@@ -64,9 +65,10 @@ class DenseFfn:
         self.threshold = threshold or [0.0] * cfg.n_layers              # per-layer |h| cut-off
         self.exact = exact                                    # f32 instead of int8 activations
         self.rows = flash.down_rows is not None and not exact and not any(self.threshold)
-        if self.rows:
-            self.gate_up = [gate_up_rows(flash, i) for i in range(cfg.n_layers)]  # (k n_ff, d)
-            self.down = [flash.read_down_rows(i) for i in range(cfg.n_layers)]    # (d, n_ff)
+        if self.rows:      # repacked for this build's matmul where it has a packed layout
+            packed = lambda w: kernel.pack(w) or w
+            self.gate_up = [packed(gate_up_rows(flash, i)) for i in range(cfg.n_layers)]  # (k n_ff, d)
+            self.down = [packed(flash.read_down_rows(i)) for i in range(cfg.n_layers)]    # (d, n_ff)
             return
         self.bundles = [np.ascontiguousarray(flash.read_ffn_layer(i))   # (n_ff, stride) uint8
                         for i in range(cfg.n_layers)]

@@ -1,0 +1,205 @@
+/* q4kpack.c — Q4_K matrices repacked 16 rows at a time for the AVX-512 VNNI matmul of resident
+ * weights (fl_pack / fl_matmul_packed in flashllm.h), as llama.cpp's repacked q4_K_8x8 does:
+ * one broadcast of 4 activation bytes meets 4 values of 16 rows at once (one row per int32
+ * lane), where fli_q4k_tile1 multiplies the values of one row per vector and pays a shuffle for
+ * every sub-block's scale. The values are the source's, only their order changes.
+ *
+ * A group of 16 rows is n / 256 blocks of PACK_SB bytes, one per superblock s:
+ *   [0, 32)      d of the 16 rows (f16)          [32, 64)    dmin of the 16 rows (f16)
+ *   [64, 192)    sc_j of row r at 64 + 16 j + r  (the 6-bit scales, unpacked)
+ *   [192, 320)   m_{2i}, m_{2i+1} of row r at 192 + 32 i + 2 r, + 1   (mins, unpacked, paired)
+ *   [320, 2368)  nibbles: sub-blocks 2p, 2p+1 (p < 4), bytes 4k .. 4k+3 (k < 8) of row r's 32
+ *                bytes of qs at 320 + 512 p + 64 k + 4 r: low nibbles sub-block 2p, high 2p+1
+ * Per superblock and token, exactly as fli_q4k_tile1: isum_r = sum_j sc_j * (nibbles . q) and
+ * msum_r = sum_j m_j * sum(q over sub-block j) in integers, then d_r * d_x * isum_r and
+ * dmin_r * d_x * msum_r in f32 (added in another order than tile1's, so the bits may differ).
+ * Other builds have no packed layout (fl_packed_bytes returns 0): they multiply w as it is.
+ */
+#include <stdatomic.h>
+#include <stdlib.h>
+
+#include "flashllm.h"
+#include "compute_internal.h"
+
+#define PACK_R 16     /* rows per group: the int32 lanes of a zmm */
+#define PACK_SB 2368  /* bytes of one superblock of a group */
+#define PACK_T 4      /* tokens per kernel call */
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define HAS_PACK 1
+#include <immintrin.h>
+#endif
+
+size_t fl_packed_bytes(int32_t dtype, int64_t rows, int64_t cols) {
+#if defined(HAS_PACK)
+    if (dtype == FL_Q4_K && rows > 0 && rows % PACK_R == 0 && cols > 0 && cols % FL_QK_K == 0)
+        return (size_t)(rows / PACK_R) * (size_t)(cols / FL_QK_K) * PACK_SB;
+#endif
+    (void)dtype, (void)rows, (void)cols;
+    return 0;
+}
+
+/* superblock s of rows r0 .. r0+15 of w (row bytes rb) into dst (PACK_SB) */
+static void pack_sb(const uint8_t *w, size_t rb, int64_t r0, int64_t s, uint8_t *dst) {
+    for (int r = 0; r < PACK_R; r++) {
+        const uint8_t *sb = w + (size_t)(r0 + r) * rb + (size_t)s * FL_Q4_K_BYTES;
+        uint32_t u[4];
+        uint8_t q[16];  // sc_0..7, m_0..7
+        fli_q4k_unpack(sb, u);
+        memcpy(q, u, sizeof q);
+        memcpy(dst + 2 * r, sb, 2);
+        memcpy(dst + 32 + 2 * r, sb + 2, 2);
+        for (int j = 0; j < 8; j++) dst[64 + 16 * j + r] = q[j];
+        for (int i = 0; i < 4; i++) {
+            dst[192 + 32 * i + 2 * r] = q[8 + 2 * i];
+            dst[192 + 32 * i + 2 * r + 1] = q[8 + 2 * i + 1];
+        }
+        for (int p = 0; p < 4; p++)
+            for (int k = 0; k < 8; k++)
+                memcpy(dst + 320 + 512 * p + 64 * k + 4 * r, sb + 16 + 32 * p + 4 * k, 4);
+    }
+}
+
+int32_t fl_pack(int32_t dtype, const void *w, int64_t rows, int64_t cols, void *out) {
+    const size_t n = fl_packed_bytes(dtype, rows, cols);
+    if (!w || !out || n == 0) return n == 0 ? FL_EUNSUPPORTED : FL_EINVAL;
+    const size_t rb = fl_row_bytes(dtype, cols);
+    const int64_t nsb = cols / FL_QK_K;
+    for (int64_t g = 0; g < rows / PACK_R; g++)
+        for (int64_t s = 0; s < nsb; s++)
+            pack_sb((const uint8_t *)w, rb, g * PACK_R, s,
+                    (uint8_t *)out + ((size_t)g * (size_t)nsb + (size_t)s) * PACK_SB);
+    return FL_OK;
+}
+
+#if defined(HAS_PACK)
+/* the token side of one superblock: q (256), d_x, the int16 sums of q per 32 values (8) */
+typedef struct {
+    const int8_t *q;
+    const int16_t *bsum;
+    float dx;
+} tok_sb;
+
+static inline __m512i bcast4(const int8_t *p) {  // 4 bytes in every int32 lane
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+/* out[t] (16 lanes: the group's rows) += superblock blk of the group against NT tokens */
+static inline __attribute__((always_inline)) void group_sb(const uint8_t *blk, const tok_sb *x,
+                                                           int NT, __m512 out[PACK_T]) {
+    const __m512i lo4 = _mm512_set1_epi8(0x0F);
+    __m512i isum[PACK_T];
+    for (int t = 0; t < NT; t++) isum[t] = _mm512_setzero_si512();
+    for (int p = 0; p < 4; p++) {
+        __m512i a[PACK_T][2][2];  // token, sub-block 2p / 2p+1, chain (k even / odd for 1 token)
+        for (int t = 0; t < NT; t++)
+            a[t][0][0] = a[t][0][1] = a[t][1][0] = a[t][1][1] = _mm512_setzero_si512();
+        for (int k = 0; k < 8; k++) {
+            const __m512i z = _mm512_loadu_si512(blk + 320 + 512 * p + 64 * k);
+            const __m512i lo = _mm512_and_si512(z, lo4);
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(z, 4), lo4);
+            for (int t = 0; t < NT; t++) {
+                const int8_t *q = x[t].q + 64 * p + 4 * k;
+                const int c = NT == 1 ? (k & 1) : 0;  // more tokens: chains enough
+                a[t][0][c] = _mm512_dpbusd_epi32(a[t][0][c], lo, bcast4(q));
+                a[t][1][c] = _mm512_dpbusd_epi32(a[t][1][c], hi, bcast4(q + 32));
+            }
+        }
+        const __m512i s0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 64 + 32 * p)));
+        const __m512i s1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 80 + 32 * p)));
+        for (int t = 0; t < NT; t++) {
+            isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(
+                _mm512_add_epi32(a[t][0][0], a[t][0][1]), s0));
+            isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(
+                _mm512_add_epi32(a[t][1][0], a[t][1][1]), s1));
+        }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)));
+    for (int t = 0; t < NT; t++) {
+        __m512i msum = _mm512_setzero_si512();
+        for (int i = 0; i < 4; i++) {
+            const __m512i m = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 192 + 32 * i)));
+            int32_t bs;
+            memcpy(&bs, x[t].bsum + 2 * i, 4);
+            msum = _mm512_dpwssd_epi32(msum, m, _mm512_set1_epi32(bs));
+        }
+        const __m512 dx = _mm512_set1_ps(x[t].dx);
+        out[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]), _mm512_mul_ps(d, dx), out[t]);
+        out[t] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(dmin, dx), out[t]);
+    }
+}
+
+/* y[t * ld + r] (+ bias) for the 16 rows of group g and NT tokens xq (xb bytes apart) */
+static inline __attribute__((always_inline)) void group_tokens(const uint8_t *gp, int64_t n,
+                                                               const uint8_t *xq, size_t xb,
+                                                               int NT, float *y, int64_t ld,
+                                                               const float *bias) {
+    const int64_t nb = n / FL_QK;
+    __m512 out[PACK_T];
+    for (int t = 0; t < NT; t++) out[t] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < n / FL_QK_K; s++) {
+        tok_sb x[PACK_T];
+        for (int t = 0; t < NT; t++) {
+            const uint8_t *xt = xq + (size_t)t * xb;
+            const float *scale = (const float *)(xt + n);
+            x[t].q = (const int8_t *)xt + s * FL_QK_K;
+            x[t].dx = scale[s * 8 * FL_XQ_LANES];
+            x[t].bsum = (const int16_t *)(scale + 3 * nb * FL_XQ_LANES) + 8 * s;
+        }
+        if (s + 1 < n / FL_QK_K) fli_prefetch(gp + (size_t)(s + 1) * PACK_SB, PACK_SB);
+        group_sb(gp + (size_t)s * PACK_SB, x, NT, out);
+    }
+    const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+    for (int t = 0; t < NT; t++) _mm512_storeu_ps(y + t * ld, _mm512_add_ps(out[t], b));
+}
+#endif
+
+typedef struct {
+    const uint8_t *p;
+    int64_t rows, cols, T;
+    const float *bias;
+    const uint8_t *xq;
+    size_t xb;
+    float *y;           // (T, rows)
+    atomic_llong next;  // the next group to take
+} packed_job;
+
+static void packed_part(void *arg) {
+    packed_job *j = arg;
+#if defined(HAS_PACK)
+    const size_t gb = (size_t)(j->cols / FL_QK_K) * PACK_SB;
+    for (int64_t g, g1; fli_take(&j->next, j->rows / PACK_R, 4, &g, &g1);)
+        for (; g < g1; g++)
+            for (int64_t t = 0; t < j->T; t += PACK_T) {
+                const uint8_t *gp = j->p + (size_t)g * gb, *x = j->xq + (size_t)t * j->xb;
+                float *y = j->y + t * j->rows + g * PACK_R;
+                const float *b = j->bias ? j->bias + g * PACK_R : NULL;
+                switch (j->T - t < PACK_T ? j->T - t : PACK_T) {
+                case 1: group_tokens(gp, j->cols, x, j->xb, 1, y, j->rows, b); break;
+                case 2: group_tokens(gp, j->cols, x, j->xb, 2, y, j->rows, b); break;
+                case 3: group_tokens(gp, j->cols, x, j->xb, 3, y, j->rows, b); break;
+                default: group_tokens(gp, j->cols, x, j->xb, 4, y, j->rows, b); break;
+                }
+            }
+#else
+    (void)j;
+#endif
+}
+
+int32_t fl_matmul_packed(const void *p, int32_t dtype, int64_t rows, int64_t cols,
+                         const float *bias, const float *x, int64_t T, float *y,
+                         int32_t n_threads) {
+    if (!p || !x || !y || T <= 0 || n_threads < 1) return FL_EINVAL;
+    if (fl_packed_bytes(dtype, rows, cols) == 0) return FL_EUNSUPPORTED;
+    const size_t xb = (size_t)fli_xq_bytes(cols);
+    uint8_t *xq = malloc((size_t)T * xb);
+    if (!xq) return FL_ENOMEM;
+    for (int64_t t = 0; t < T; t++) fli_xq_quantize(dtype, x + t * cols, cols, xq + (size_t)t * xb);
+    packed_job j = {(const uint8_t *)p, rows, cols, T, bias, xq, xb, y, 0};
+    fli_parallel(n_threads, packed_part, &j);
+    free(xq);
+    return FL_OK;
+}
