@@ -52,7 +52,7 @@ class Model:
         if ffn is None:
             ffn = (MoeFfn if cfg.n_experts else DenseFfn)(flash, n_threads, exact=exact)
         self.ffn = ffn
-        self.w = DenseWeights(flash, n_threads) if weights is None else weights
+        self.w = DenseWeights(flash, n_threads, pack=not exact) if weights is None else weights
         self.head = head        # a SparseHead (runtime/sparse_head.py) or None: the whole head
         self.fed = np.zeros(n_ctx, dtype=np.int32)                       # (n_ctx,) token at each position
         shape = (cfg.n_layers, n_ctx, cfg.n_kv_heads, cfg.head_dim)

@@ -38,7 +38,8 @@ ROW_GROUP = 64                 # head chunks start at multiples of this many row
 
 @dataclass
 class Layer:
-    """One transformer block's attention, norms and biases. Matrices are QTensors, vectors f32."""
+    """One transformer block's attention, norms and biases. Matrices are QTensors (PackedTensors
+    when resident and packed: DenseWeights(pack=True)), vectors f32."""
     attn_norm: np.ndarray               # (d_model,)
     attn_norm_b: Optional[np.ndarray]   # (d_model,) LayerNorm models only
     wq: QTensor                         # (n_heads * hd, d_model)
@@ -98,7 +99,9 @@ class DenseWeights:
     """The dense weights of a forward pass; `streamed` names the matrices read per use."""
 
     def __init__(self, flash, n_threads: int = 1, streamed: Iterable[str] = (), reader=None,
-                 chunk_bytes: int = CHUNK_BYTES):
+                 chunk_bytes: int = CHUNK_BYTES, pack: bool = False):
+        """pack: resident attention matrices repacked for this build's matmul (kernel.pack;
+        then no exact matmul reaches them)."""
         cfg = flash.config
         self.flash, self.n_threads, self.chunk_bytes = flash, n_threads, chunk_bytes
         self.streamed = frozenset(streamed)
@@ -114,6 +117,10 @@ class DenseWeights:
         self.head = (self.token_embd if self.tied else self._resident("output.weight"))
         self.layers = [load_layer(flash, i, None if self._layer_resident(i) else [None] * 4)
                        for i in range(cfg.n_layers)]
+        if pack:
+            self.layers = [self._with_matrices(L, [kernel.pack(w) or w for w in
+                                                   (L.wq, L.wk, L.wv, L.wo)])
+                           if self._layer_resident(i) else L for i, L in enumerate(self.layers)]
         self._layer_bufs = self._buffers(max((self._layer_span(i)[1] for i in self._stream_layers()),
                                              default=0))
         chunk = 0 if self.head is not None else max(

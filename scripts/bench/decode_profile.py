@@ -87,9 +87,9 @@ def main() -> None:
     timers = Timers(net.config)
     for name in WRAPPED:
         setattr(kernel, name, timers.wrap(name, getattr(kernel, name)))
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     logits = net.forward(np.asarray(ids, np.int32), 0, last_only=True)       # (1, vocab)
-    prefill = time.perf_counter() - t0
+    prefill, prefill_cpu = time.perf_counter() - t0, time.process_time() - c0
     tok, pos = int(np.argmax(logits[-1])), len(ids)
     timers.on = True
     c0, t0 = time.process_time(), time.perf_counter()
@@ -101,13 +101,15 @@ def main() -> None:
     per = {op: 1e3 * s / n for op, s in sorted(timers.s.items(), key=lambda kv: -kv[1])}
     per["python"] = 1e3 * (total - sum(timers.s.values())) / n
     out = {"model": str(path), "threads": args.threads, "prompt_tokens": len(ids),
-           "prefill_tok_s": len(ids) / prefill, "decode_tok_s": n / total,
+           "prefill_tok_s": len(ids) / prefill,
+           "prefill_cpu_ms_per_token": 1e3 * prefill_cpu / len(ids), "decode_tok_s": n / total,
            "ms_per_token": 1e3 * total / n, "cpu_ms_per_token": 1e3 * cpu / n, "ops_ms": per,
            "calls_per_token": {op: c / n for op, c in timers.n.items()}}
     if args.json:
         print(json.dumps(out))
         return
-    print(f"{path.name}: prefill {out['prefill_tok_s']:.1f} tok/s ({len(ids)} tokens), "
+    print(f"{path.name}: prefill {out['prefill_tok_s']:.1f} tok/s ({len(ids)} tokens, "
+          f"{out['prefill_cpu_ms_per_token']:.2f} CPU ms a token), "
           f"decode {out['decode_tok_s']:.2f} tok/s = {out['ms_per_token']:.2f} ms/token "
           f"({out['cpu_ms_per_token']:.2f} ms of CPU time, all threads)")
     for op, ms in per.items():
