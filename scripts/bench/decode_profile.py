@@ -6,7 +6,8 @@ MODEL: a converted folder (or a models.toml name already converted in the user c
 Loads the model as `flashllm run MODEL` does without a budget (every weight resident, f16 KV
 cache), prefills a prompt, then decodes --tokens tokens greedily while every call into the
 compute kernel (flashllm/ffi/kernel.py) is timed and charged to an op: the attention's q / k / v
-/ o matmuls, attention itself, the FFN, the output head, norms, RoPE, embeddings. What the
+/ o matmuls, attention itself, the FFN (its gate+up and down matmuls and activation when it
+multiplies rows, else its bundles), the output head, norms, RoPE, embeddings. What the
 decode loop spends outside those calls is "python" (numpy adds, KV cache writes, the loop,
 sampling's argmax). Prints ms per token per op and tok/s, and the process's CPU time per token
 (with one thread, what a token costs whatever else runs: a loaded machine stretches the wall
@@ -25,24 +26,30 @@ import numpy as np
 from flashllm.ffi import kernel
 from flashllm.format.reader import open_flash
 from flashllm.generation.tokenizer import Tokenizer
+from flashllm.runtime.ffn import DenseFfn
 from flashllm.runtime.model import Model
 
-WRAPPED = ("matmul", "ffn_bundles", "attention", "rmsnorm", "layernorm", "rope", "get_rows")
+WRAPPED = ("matmul", "ffn_bundles", "attention", "rmsnorm", "layernorm", "rope", "get_rows",
+           "act_mul")
 
 
 class Timers:
     """Seconds per op, charged by wrappers around the kernel functions the model calls."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, clock=time.perf_counter):
+        self.clock = clock      # perf_counter (wall), or thread_time (CPU: --threads 1 only)
         self.s = defaultdict(float)
         self.n = defaultdict(int)
         self.cfg = cfg
         self.on = False
+        self.in_ffn = False     # inside DenseFfn.__call__: its matmuls are the FFN's
 
     def op_of(self, name: str, args) -> str:
         if name != "matmul":
-            return "ffn" if name == "ffn_bundles" else name
+            return {"ffn_bundles": "ffn (bundles)", "act_mul": "ffn act"}.get(name, name)
         rows, cfg = args[0].rows, self.cfg
+        if self.in_ffn:
+            return "ffn down" if rows == cfg.d_model else "ffn gate+up"
         if rows == cfg.vocab_size:
             return "head"
         return {cfg.n_heads * cfg.head_dim: "attn_q/o", cfg.n_kv_heads * cfg.head_dim: "attn_k/v",
@@ -52,12 +59,29 @@ class Timers:
         def timed(*args, **kw):
             if not self.on:
                 return fn(*args, **kw)
-            t0 = time.perf_counter()
+            t0 = self.clock()
             out = fn(*args, **kw)
             op = self.op_of(name, args)
-            self.s[op] += time.perf_counter() - t0
+            self.s[op] += self.clock() - t0
             self.n[op] += 1
             return out
+        return timed
+
+
+    def wrap_ffn(self, call):
+        """DenseFfn.__call__ charged to "ffn (python)" beyond its kernel calls."""
+        def timed(ffn, *args):
+            if not self.on:
+                return call(ffn, *args)
+            before = sum(self.s.values())
+            t0 = self.clock()
+            self.in_ffn = True
+            try:
+                return call(ffn, *args)
+            finally:
+                self.in_ffn = False
+                inner = sum(self.s.values()) - before
+                self.s["ffn (python)"] += self.clock() - t0 - inner
         return timed
 
 
@@ -72,6 +96,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt", type=Path, help="a text file (default: 64 copies of one token)")
+    ap.add_argument("--cpu", action="store_true", help="charge each op its thread CPU time "
+                    "instead of wall time (with --threads 1: the kernel runs on that thread)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     path = args.model
@@ -84,9 +110,10 @@ def main() -> None:
     else:
         ids = [100] * 64
     net = load(path, args.threads, len(ids) + args.tokens + 1)
-    timers = Timers(net.config)
+    timers = Timers(net.config, time.thread_time if args.cpu else time.perf_counter)
     for name in WRAPPED:
         setattr(kernel, name, timers.wrap(name, getattr(kernel, name)))
+    DenseFfn.__call__ = timers.wrap_ffn(DenseFfn.__call__)
     c0, t0 = time.process_time(), time.perf_counter()
     logits = net.forward(np.asarray(ids, np.int32), 0, last_only=True)       # (1, vocab)
     prefill, prefill_cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -99,7 +126,7 @@ def main() -> None:
     total, cpu = time.perf_counter() - t0, time.process_time() - c0
     n = args.tokens
     per = {op: 1e3 * s / n for op, s in sorted(timers.s.items(), key=lambda kv: -kv[1])}
-    per["python"] = 1e3 * (total - sum(timers.s.values())) / n
+    per["python"] = 1e3 * ((cpu if args.cpu else total) - sum(timers.s.values())) / n
     out = {"model": str(path), "threads": args.threads, "prompt_tokens": len(ids),
            "prefill_tok_s": len(ids) / prefill,
            "prefill_cpu_ms_per_token": 1e3 * prefill_cpu / len(ids), "decode_tok_s": n / total,
