@@ -51,8 +51,8 @@ TYPES = {"token_embd.weight": Q.Q6_K, "output.weight": Q.BF16, "attn_q": Q.Q5_0,
          "ffn_gate": Q.Q5_K, "ffn_up": Q.Q5_K, "down0": Q.Q6_K, "down1": Q.Q4_K}
 
 
-def write_mixed_gguf(path: Path, rng) -> dict:
-    """A 2-layer llama GGUF whose tensors are in every type of TYPES; returns the stored arrays."""
+def write_mixed_gguf(path: Path, rng, types: dict = TYPES) -> dict:
+    """A 2-layer llama GGUF whose tensors are in every type of types; returns the stored arrays."""
     w = gguf.GGUFWriter(str(path), "llama")
     for add, v in ((w.add_block_count, 2), (w.add_context_length, 64), (w.add_embedding_length, D),
                    (w.add_feed_forward_length, FF), (w.add_head_count, HEADS),
@@ -71,7 +71,7 @@ def write_mixed_gguf(path: Path, rng) -> dict:
         kind = name.split(".")[-2] if name.startswith("blk.") else name
         kind = f"down{name.split('.')[1]}" if kind == "ffn_down" else \
             f"attn_v{name.split('.')[1]}" if kind == "attn_v" else kind
-        qtype = Q.F32 if len(shape) == 1 else TYPES[kind]
+        qtype = Q.F32 if len(shape) == 1 else types[kind]
         data = (np.ones(shape, np.float32) if len(shape) == 1 else stored_rows(rng, qtype, shape))
         w.add_tensor(name, data, raw_dtype=None if qtype == Q.F32 else qtype)
         stored[name] = (qtype, data)

@@ -14,7 +14,9 @@ from flashllm.format.reader import open_flash
 from flashllm.runtime.budget import ROW_MAP_BYTES, plan_budget, read_manifest
 from flashllm.runtime.model import Model
 from flashllm.sparsity.predictor import AllSlots
-from test_convert_native import FF, write_mixed_gguf
+from gguf import GGMLQuantizationType as Q
+
+from test_convert_native import FF, TYPES, write_mixed_gguf
 from test_sparse_ffn import Recorded, flash_ffn, greedy
 
 
@@ -24,6 +26,18 @@ def mixed(tmp_path_factory):
     write_mixed_gguf(tmp / "m.gguf", np.random.default_rng(7))
     out = convert(tmp / "m.gguf", tmp / "native", None)
     assert open_flash(out).ffn.strides == (576, 512)                    # q6_k, q4_k columns
+    return out
+
+
+@pytest.fixture(scope="module")
+def rising(tmp_path_factory):
+    """The layers the other way round: the wider stride second (a prefill reading the next
+    layer's first chunk ahead must size it by that layer's stride)."""
+    tmp = tmp_path_factory.mktemp("rising")
+    write_mixed_gguf(tmp / "m.gguf", np.random.default_rng(7),
+                     {**TYPES, "down0": Q.Q4_K, "down1": Q.Q6_K})
+    out = convert(tmp / "m.gguf", tmp / "native", None)
+    assert open_flash(out).ffn.strides == (512, 576)
     return out
 
 
@@ -44,9 +58,11 @@ def test_static_ring_gives_the_dense_logits(mixed, capacity, pinned):
     assert t["bytes_requested"] == (FF - pinned) * (576 + 512)          # each layer its stride
 
 
-def test_predicted_decode_and_streamed_prefill_give_the_dense_ffn(mixed):
+@pytest.mark.parametrize("folder", ["mixed", "rising"])
+def test_predicted_decode_and_streamed_prefill_give_the_dense_ffn(folder, request):
     """Random predicted sets through small caches (hits, evictions, overflow streamed), and a
     prefill streamed through the staging halves, each layer seen at its own stride."""
+    mixed = request.getfixturevalue(folder)
     flash, ffn = flash_ffn(mixed, Recorded(FF, seed=4), "64MiB", exact=True, staging_rows=30)
     ffn.caches = [type(c)(FF, 60, c.stride, 2, 20) for c in ffn.caches]
     for layer, cache in enumerate(ffn.caches):

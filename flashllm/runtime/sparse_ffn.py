@@ -337,9 +337,10 @@ class SparseFlashFfn:
             t1 = clock()
             if i + 1 < len(chunks):
                 job = self._pool.submit(self._read_chunk, layer, chunks[i + 1], 1 - half, t)
-            elif ahead is not None:
-                self._ahead = (ahead, chunks[0], 1 - half,
-                               self._pool.submit(self._read_chunk, ahead, chunks[0], 1 - half, t))
+            elif ahead is not None:       # its first chunk, as many rows as its stride fits
+                first = chunks[0][:len(self._half(ahead, 0))]
+                self._ahead = (ahead, first, 1 - half,
+                               self._pool.submit(self._read_chunk, ahead, first, 1 - half, t))
             self._compute_staged(layer, chunk, half, h, x)
             if fill is not None:
                 self._fill(layer, fill, chunk, half)
