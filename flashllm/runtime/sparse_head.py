@@ -81,8 +81,7 @@ class SparseHead:
     def __init__(self, flash, weights, need: HeadNeed, n_threads: int, softcap: float = 0.0,
                  z: float = SIGMA_Z):
         self.w, self.need, self.n_threads, self.z, self.cap = weights, need, n_threads, z, softcap
-        sk = flash.dense_entry(SKETCH)
-        self.sketch_rb, self.d_pad = sk["nbytes"] // sk["shape"][0], sk["shape"][1]
+        self.d_pad = flash.dense_entry(SKETCH)["shape"][1]
         self.sketch = flash.tensor(SKETCH) if weights.reader is None else None  # QTensor (vocab,
         # d_pad) in DRAM for a model without a reader; else streamed in chunks like the head
         var = flash.tensor(SKETCH_VAR).data.view(np.float32)             # (vocab, d_pad / 256)
@@ -149,22 +148,11 @@ class SparseHead:
         return hi, lo
 
     def _sketch_logits(self, xp: np.ndarray) -> np.ndarray:
-        """(T, vocab) sketch . xp for xp (T, d_pad): resident, or chunk by chunk as the sketch
-        streams (its reads counted with the dense weights')."""
+        """(T, vocab) sketch . xp for xp (T, d_pad): resident, or streamed chunk by chunk by the
+        dense weights (which count its reads)."""
         if self.sketch is not None:
             return kernel.matmul(self.sketch, xp, None, self.n_threads)  # (T, vocab)
-        s = np.empty((len(xp), self.vocab), np.float32)                  # (T, vocab)
-        r0 = 0
-        for _, buf, counters in self.w.sketch_chunks(SKETCH):
-            n = len(buf) // self.sketch_rb
-            chunk = QTensor(buf.reshape(n, self.sketch_rb), "q2_k", n, self.d_pad)
-            s[:, r0:r0 + n] = kernel.matmul(chunk, xp, None, self.n_threads)  # (T, n)
-            if counters is not None:
-                self.w.count(counters)
-            r0 += n
-        if r0 != self.vocab:
-            raise RuntimeError(f"the streamed head sketch came in {r0} of its {self.vocab} rows")
-        return s
+        return self.w.sketch_output(xp)                                   # (T, vocab)
 
     def candidates(self, hi: np.ndarray, lo: np.ndarray, need: Optional[HeadNeed] = None):
         """Row ids (k,) whose exact logit may be one the sampler keeps (need, default the
@@ -190,11 +178,3 @@ class SparseHead:
                 "head_fallbacks": self.fallbacks, "head_sketch_s": self.sketch_s,
                 "head_exact_s": self.exact_s}
 
-
-def pad_check(flash) -> bool:
-    """True when the conversion's sketch fits its head (a sparse head can run)."""
-    if not flash.has(SKETCH) or not flash.has(SKETCH_VAR):
-        return False
-    head = "output.weight" if flash.has("output.weight") else "token_embd.weight"
-    rows, cols = flash.dense_entry(head)["shape"]
-    return flash.dense_entry(SKETCH)["shape"] == [rows, -(-cols // 256) * 256]

@@ -240,10 +240,11 @@ class DenseWeights:
         return [(t["offset"] + r0 * rb, (min(r0 + step, rows) - r0) * rb)
                 for r0 in range(0, rows, step)]
 
-    def sketch_chunks(self, name: str):
-        """The head sketch `name`'s chunks (as head chunks): from sketch_source, else read here."""
+    def sketch_output(self, x: np.ndarray) -> np.ndarray:
+        """(T, vocab) logits of x (T, d_pad) by the head's streamed sketch (SKETCH): its chunks
+        from sketch_source, else read here."""
         chunks = self.sketch_source() if self.sketch_source is not None else None
-        return chunks if chunks is not None else self._own_head_chunks(name)
+        return self._output_of(chunks or self._own_head_chunks(SKETCH), x, False, SKETCH)
 
     def _own_head_chunks(self, name: str = ""):
         """The head's (or matrix name's) extents (head_extents(chunk_bytes)) read by this object's
@@ -258,10 +259,10 @@ class DenseWeights:
                 job = self._pool.submit(self._read, [off], [nb], self._head_bufs[(j + 1) % 2], [0])
             yield j, self._head_bufs[j % 2][:nbytes], None
 
-    def _output_of(self, chunks, x: np.ndarray, exact: bool) -> np.ndarray:
-        """(T, vocab) logits from head chunks: (extent index, bytes (nbytes,), read counters or
-        None when already counted) over head_extents in order."""
-        t = self.flash.dense_entry(self.head_name)
+    def _output_of(self, chunks, x: np.ndarray, exact: bool, name: str = "") -> np.ndarray:
+        """(T, vocab) logits from head (or matrix name's) chunks: (extent index, bytes (nbytes,),
+        read counters or None when already counted) over head_extents in order."""
+        t = self.flash.dense_entry(name or self.head_name)
         rows, cols = t["shape"]
         rb = t["nbytes"] // rows
         logits = np.empty((len(x), rows), dtype=np.float32)               # (T, vocab)

@@ -16,6 +16,7 @@ import numpy as np
 from gguf.constants import GGMLQuantizationType
 from gguf.quants import dequantize
 
+from flashllm.convert.head_sketch import q2k_rows
 from flashllm.format.reader import open_flash
 from flashllm.generation.tokenizer import Tokenizer
 from flashllm.runtime.model import Model
@@ -57,21 +58,11 @@ def groupwise(w: np.ndarray, bits: int, group: int) -> tuple[np.ndarray, np.ndar
 
 
 def kquant2(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
-    """Q2_K-like: 2-bit values in sub-blocks of 16 with a 4-bit scale and min each, relative to
-    an f16 scale and min per 256 (2.625 bits a weight); (sketch (n, d), error^2 per 256 (n, d/256),
-    bytes)."""
-    n, d = w.shape
-    g = w.reshape(n, d // 16, 16).astype(np.float64)                     # (n, S, 16)
-    lo = np.minimum(g.min(axis=2, keepdims=True), 0)                     # (n, S, 1)
-    sc = (g.max(axis=2, keepdims=True) - lo) / 3 + 1e-12                 # (n, S, 1)
-    sb = lambda v: v.reshape(n, d // 256, 16)                            # noqa: E731
-    dmax = sb(sc).max(axis=2, keepdims=True) / 15 + 1e-12                # (n, B, 1)
-    mmax = sb(-lo).max(axis=2, keepdims=True) / 15 + 1e-12               # (n, B, 1)
-    scq = (np.maximum(np.round(sb(sc) / dmax), 1) * dmax).reshape(n, d // 16, 1)
-    loq = (-np.round(sb(-lo) / mmax) * mmax).reshape(n, d // 16, 1)
-    q = np.clip(np.round((g - loq) / scq), 0, 3) * scq + loq             # (n, S, 16)
-    e2 = ((q - g) ** 2).reshape(n, d // 256, 256).sum(axis=2)            # (n, B)
-    return q.reshape(n, d).astype(np.float32), e2, n * d * 21 // 64
+    """The runtime's Q2_K sketch (convert/head_sketch.q2k_rows): (its values as gguf-py reads them
+    (n, d), error^2 per 256 (n, d/256), bytes)."""
+    data, var = q2k_rows(w)
+    back = dequantize(data, GGMLQuantizationType.Q2_K).reshape(w.shape).astype(np.float32)
+    return back, var * 256, data.nbytes
 
 
 def lowrank(w: np.ndarray, basis: np.ndarray, r: int, bits: int):
