@@ -81,6 +81,22 @@ def test_qwen15_under_the_issue_caps(cap, streams, kept):
     assert plan.streamed_bytes == sum(nb[n] for n in plan.streamed if n != "token_embd.weight")
 
 
+def test_the_process_is_counted_in_whole_steps_so_a_plan_repeats():
+    """The process's resident bytes move by a few hundred KiB from run to run; counted in whole
+    PROCESS_STEPs they plan the same caches (a cache a few neurons larger sums the FFN in another
+    order: --temp 0 would not repeat). Without the step, 300 KiB more is fewer cache rows."""
+    step = budget.PROCESS_STEP
+    rss = budget.process_rss()
+    assert rss % step == 0 and rss >= budget.process_rss(step=1) - step // 4 > 0
+    man = json.loads(Q15.read_text())
+    raw = [40 * MiB + 100 * 1024, 40 * MiB + 400 * 1024]                 # two runs' measures
+    plans = [plan_budget(man, "560MiB", 512, -(-r // step) * step, reader_stage=4 * MiB)
+             for r in raw]
+    assert plans[0].capacity == plans[1].capacity
+    unrounded = [plan_budget(man, "560MiB", 512, r, reader_stage=4 * MiB) for r in raw]
+    assert unrounded[0].capacity > unrounded[1].capacity
+
+
 def test_a_head_that_fits_streams_when_the_caches_take_its_dram():
     """Tied 1.5B: with DRAM for every dense matrix and a few MiB over, the head (125 MiB a token)
     streams and the caches grow by what it frees less its two chunk buffers: a token reads the

@@ -3,7 +3,8 @@ streamed, the neuron caches sized from what remains, and a one-line refusal befo
 loaded when the budget cannot work.
 
 Resident at run time (all counted against --dram-budget):
-    process         the Python process before the model (interpreter, numpy, cffi): measured
+    process         the Python process before the model (interpreter, numpy, cffi): measured,
+                    counted in whole PROCESS_STEPs so that a plan repeats from run to run
     tokenizer       a one-shot run, after release(keep_source=False): the id -> bytes table and
                     the heap the `tokenizers` object leaves (no JSON text, no word cache),
                     counted as TOKENIZER_KEPT x the JSON + TOKENIZER_KEPT_FIXED. While it loads,
@@ -43,6 +44,7 @@ TOKENIZER_KEPT_FIXED = 2 * MiB  # of tokenizer.json, + these
 TOKENIZER_LOAD = 28            # peak bytes while the tokenizers object loads, per JSON byte
 TOKENIZER_LOADED = 14          # resident bytes of a loaded (heap-trimmed) tokenizer per JSON byte,
 TOKENIZER_LOADED_FIXED = 4 * MiB  # + these
+PROCESS_STEP = 8 * MiB          # the process is counted in whole steps (process_rss)
 STAGING_BYTES = 16 * MiB       # the sparse FFN's staging buffer: prefill halves, the decode read-ahead ring
 RING_BUFFERS = 4               # the read-ahead ring's buffers: each holds up to a whole layer's bundles
                                # (a small model then takes one chunk per layer, not four: every
@@ -133,13 +135,17 @@ def parse_budget(text: str, model_bytes: int) -> int:
                           f"percentage of the model (e.g. 50%)") from None
 
 
-def process_rss() -> int:
-    """Resident bytes of this process now (Linux /proc; 0 where unavailable)."""
+def process_rss(step: int = PROCESS_STEP) -> int:
+    """Resident bytes of this process now (Linux /proc; 0 where unavailable), rounded up to a
+    whole `step`: the measure moves by a few hundred KiB from run to run, and a plan that moved
+    with it would size the caches a few neurons differently, so the FFN would sum in another
+    order and `--temp 0` would not repeat its text."""
     try:
         pages = int(Path("/proc/self/statm").read_text().split()[1])
-        return pages * os.sysconf("SC_PAGE_SIZE")            # the OS's page, not the I/O PAGE
+        rss = pages * os.sysconf("SC_PAGE_SIZE")             # the OS's page, not the I/O PAGE
     except (OSError, IndexError, ValueError):
         return 0
+    return -(-rss // step) * step
 
 
 def read_manifest(path: Path) -> dict:
