@@ -96,6 +96,16 @@ def test_run_json_flash_summary():
     assert cells["recall"] == "–" and cells["split"] == "3.0 / 1.0 / 7.0 / 0.0"
 
 
+def test_draft_passes_read_per_token_made():
+    """A run that verified draft guesses: 10 passes made 16 tokens, each pass read 8 MB, so a
+    token made read 5 MB."""
+    line = ('{"n_prompt": 64, "prefill_s": 1.0, "n_decode": 16, "decode_s": 2.0, "n_accepted": 6, '
+            '"flash": {"summary": {"io_bytes_per_token": 8e6, "reads_per_token": 32.0, '
+            '"decode_tokens": 10}}}')
+    cells = stats.stat_cells(flashllm_cli.parse_run(line + "\n"))
+    assert (cells["mb_tok"], cells["reads_tok"]) == ("5.0", "20")
+
+
 def test_portable_paths(tmp_path):
     cache, root = tmp_path / "cache", tmp_path / "repo"
     text = (f"flashllm run {cache}/converted/m-q4_1 -f {root}/build/bench/p.txt -o {Path.home()}/out "

@@ -46,8 +46,10 @@ MiB = 1 << 20
 # the GGUF's own Q4_K / Q6_K tensors, down columns re-quantized; BENCHMARKS.md "## Quality"), as
 # `flashllm run NAME` makes it; SmolLM2 at q4_1, which re-quantizes its Q4_1 blocks exactly.
 MODELS = {"qwen2.5-coder-1.5b": ("qwen2.5-coder-1.5b.gguf", "native"),
+          "qwen2.5-coder-0.5b": ("qwen2.5-coder-0.5b.gguf", "native"),
           "smollm2-135m": ("smollm2-135m.gguf", "q4_1")}
-QWEN_CAPS = [None, 560 * MiB, 280 * MiB]          # issue 4/5: unlimited / 560 MiB / 280 MiB
+CAPS = {"qwen2.5-coder-1.5b": [560 * MiB, 280 * MiB],     # issues 4/5/15: 560 MiB / 280 MiB
+        "qwen2.5-coder-0.5b": [280 * MiB]}                # issue 14: the 0.5B in RAM, and one cap
 
 
 def log(msg: str) -> None:
@@ -191,11 +193,11 @@ def probe_floor(fl: Flashllm, model: Path, prompt: Path, n_gen: int) -> Optional
 
 
 def flash_caps(name: str, floor: Optional[int], ffn_bytes: int) -> List[tuple]:
-    """(cap bytes or None, label) per budget of this model: Qwen 1.5B the issue's caps; SmolLM2
-    (fits in any of those) flashllm's floor + 50% / 25% of the FFN."""
+    """(cap bytes or None, label) per budget of this model: the Qwens the issues' caps (CAPS);
+    SmolLM2 (fits in any of those) flashllm's floor + 50% / 25% of the FFN."""
     caps = [(None, "none")]
-    if name == "qwen2.5-coder-1.5b":
-        return caps + [(c, f"{c // MiB} MiB") for c in QWEN_CAPS if c]
+    if name in CAPS:
+        return caps + [(c, f"{c // MiB} MiB") for c in CAPS[name]]
     fractions = [0.5, 0.25]
     if floor:
         caps += [(floor + int(f * ffn_bytes), f"{(floor + int(f * ffn_bytes)) // MiB} MiB "
@@ -203,8 +205,10 @@ def flash_caps(name: str, floor: Optional[int], ffn_bytes: int) -> List[tuple]:
     return caps
 
 
-def contenders(budget: Optional[str], fits: bool, opts: Dict[str, bool]) -> List[tuple]:
-    """(label, extra run options, missing option or None) for one cap."""
+def contenders(budget: Optional[str], fits: bool, opts: Dict[str, bool],
+               reads_less: bool = False) -> List[tuple]:
+    """(label, extra run options, missing option or None) for one cap; reads_less: also the
+    options that cut a capped run's bytes a token (the sparse head, self-drafting)."""
     stats = ["--stats"] if opts["--stats"] else []
     b = ["--dram-budget", budget or "16GiB"]  # unlimited: more than the model needs
 
@@ -213,6 +217,12 @@ def contenders(budget: Optional[str], fits: bool, opts: Dict[str, bool]) -> List
 
     rows = [("flashllm sparse", b + stats, missing("--dram-budget")),
             ("flashllm --naive", b + ["--naive"] + stats, missing("--dram-budget", "--naive"))]
+    if budget and reads_less:           # issue 15: what cuts the bytes a token reads, each alone
+        rows += [("flashllm --sparse-head", b + ["--sparse-head"] + stats,
+                  missing("--dram-budget", "--sparse-head")),
+                 ("flashllm --draft 6 --draft-kind self",
+                  b + ["--draft", "6", "--draft-kind", "self"] + stats,
+                  missing("--dram-budget", "--draft-kind"))]
     if fits:
         dense = ["--dense"] if opts["--dense"] else []
         rows.append(("flashllm dense" + (" --dense" if dense else " (default run)"), dense, None))
@@ -224,7 +234,7 @@ PROBE_CHUNK, PROBE_S = 256 * 1024, 4.0   # the bracketing read probes of each ca
 
 def flash_rows(args, fl: Flashllm, opts: Dict[str, bool]) -> tuple:
     rows, notes = [], []
-    names = ["smollm2-135m"] if args.quick else ["qwen2.5-coder-1.5b", "smollm2-135m"]
+    names = ["smollm2-135m"] if args.quick else list(MODELS)
     n_gen = 32 if args.quick else 128
     threads = 8                  # reads in flight of the first probe; then the last run's
     for name in names:
@@ -248,7 +258,7 @@ def flash_rows(args, fl: Flashllm, opts: Dict[str, bool]) -> tuple:
             base = {"model": name, "cap": cap, "cap_label": label}
             rows += llamacpp_refs(base, gguf, n_gen, cap, args.timeout)
             fits = cap is None or cap > 2 * size
-            for contender, extra, missing in contenders(budget, fits, opts):
+            for contender, extra, missing in contenders(budget, fits, opts, name in CAPS):
                 if missing:
                     rows.append({**base, "contender": contender,
                                  "error": f"not available yet (no `run {missing}`)"})

@@ -20,7 +20,8 @@ from scripts.bench.cgroup_run import CgroupUnavailable, run_capped
 ROOT = Path(__file__).resolve().parents[2]    # the repository: every command runs from here
 TIMING = re.compile(r"(prompt eval|eval) time\s*=\s*([0-9.]+) ms /\s*(\d+) (?:tokens|runs)")
 # the options of `flashllm run` a benchmark row may need
-RUN_OPTIONS = ("--json", "--stats", "--dram-budget", "--naive", "--dense", "--window")
+RUN_OPTIONS = ("--json", "--stats", "--dram-budget", "--naive", "--dense", "--window",
+               "--sparse-head", "--draft-kind")
 
 
 @dataclass

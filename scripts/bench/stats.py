@@ -80,6 +80,12 @@ def stat_cells(parsed: dict, probe: Optional[float] = None) -> Dict[str, str]:
     the device's GiB/s measured right before and after the run (read_probe.py)."""
     flat = flatten(parsed)
     val = {c: find(flat, frags) for c, (frags, _, _) in COLUMNS.items()}
+    # the FFN figures are per decode pass; a pass that verifies draft guesses makes several
+    # tokens: bytes and reads a token made are the pass's x passes / tokens
+    passes_made, made = find(flat, ("decode_tokens",)), find(flat, ("n_decode",))
+    if passes_made and made:
+        for c in ("mb_tok", "reads_tok"):
+            val[c] = None if val[c] is None else val[c] * passes_made / made
 
     def cell(c: str) -> str:
         v = val[c]
