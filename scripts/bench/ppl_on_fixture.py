@@ -1,10 +1,11 @@
 """flashllm's perplexity on the exact token ids of a llama.cpp perplexity fixture.
 
-Run:  python -m scripts.bench.ppl_on_fixture MODEL FIXTURE [--sparsity S]
+Run:  python -m scripts.bench.ppl_on_fixture MODEL FIXTURE [--sparsity S | --calibrated]
 FIXTURE: made by scripts/fixtures/make_llamacpp_ppl_fixture.py (llama.cpp's tokens, chunking and
 PPL). Scores the same ids with flashllm.generation.perplexity (llama.cpp's definition, the
 fixture's BOS replacement), dense or with the layer thresholds `flashllm perplexity --sparsity S`
-uses, and prints one JSON line with both perplexities and their ratio: a comparison on identical
+uses, or (--calibrated) the thresholds `flashllm calibrate` stored in the manifest, which every
+`run --dram-budget` of that model applies; and prints one JSON line with both perplexities and their ratio: a comparison on identical
 tokens, which `flashllm perplexity FILE` (its own tokenizer over its own text) cannot promise.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from flashllm.format.reader import open_flash
+from flashllm.sparsity.activations import manifest_thresholds
 from flashllm.sparsity.calibrate import text_tokens, thresholds_for
 from flashllm.sparsity.corpus import builtin_text
 from flashllm.runtime.ffn import DenseFfn
@@ -31,6 +33,8 @@ def main() -> None:
     ap.add_argument("model", type=Path)
     ap.add_argument("fixture", type=Path)
     ap.add_argument("--sparsity", type=float, default=None)
+    ap.add_argument("--calibrated", action="store_true",
+                    help="the manifest's thresholds (what a --dram-budget run applies)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     fx = json.loads(args.fixture.read_text())
@@ -45,10 +49,14 @@ def main() -> None:
         ffn = DenseFfn(flash, args.threads, threshold=thresholds_for(
             flash, args.sparsity, cal, lambda: Model(flash, n_threads=args.threads, n_ctx=512), 512,
             args.threads, lambda m: print(m, file=sys.stderr)))
+    if args.calibrated:
+        ffn = DenseFfn(flash, args.threads,
+                       threshold=manifest_thresholds(flash.manifest, flash.config.n_layers))
     net = Model(flash, n_threads=args.threads, n_ctx=fx["n_ctx"], ffn=ffn, kv_dtype="f16")  # as `run`
     got = perplexity(net, tokens, n_ctx=fx["n_ctx"], bos_id=fx["bos_replaced"],
                      on_chunk=lambda i, n, p: print(f"[{i}/{n}] {p:.4f}", file=sys.stderr, flush=True))
-    print(json.dumps({"model": str(args.model), "sparsity": args.sparsity, **got.to_dict(),
+    print(json.dumps({"model": str(args.model), "sparsity": args.sparsity,
+                      "calibrated": args.calibrated, **got.to_dict(),
                       "llama_cpp_ppl": fx["ppl"], "ratio": got.ppl / fx["ppl"]}))
 
 
