@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import codecs
 import json
-import ctypes
 from typing import Sequence
 
 import numpy as np
@@ -17,6 +16,7 @@ from tokenizers import decoders
 from tokenizers import Tokenizer as HFTokenizer
 
 from flashllm.errors import FlashError, FormatError
+from flashllm.heap import trim_heap
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -106,14 +106,6 @@ class Detokenizer:
         text = self._tok.decode(self._ids[self._prefix:])
         self._ids, self._prefix, self._read = [], 0, 0
         return text[len(seen):]
-
-
-def trim_heap() -> None:
-    """Give freed heap pages back to the OS (glibc malloc_trim); a no-op elsewhere."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def decodes_bytes(tokenizer_json: str) -> bool:

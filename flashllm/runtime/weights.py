@@ -24,6 +24,7 @@ from typing import Iterable, Optional
 import numpy as np
 
 from flashllm.ffi import kernel
+from flashllm.heap import trim_heap
 from flashllm.ffi.quant import dequantize_rows
 from flashllm.format.layout import SKETCH
 from flashllm.format.reader import as_tensor
@@ -115,12 +116,7 @@ class DenseWeights:
         self.out_norm_b = _opt(flash, "output_norm.bias")                # (d_model,)
         self.token_embd = self._resident("token_embd.weight")            # QTensor (vocab, embed_dim)
         self.head = (self.token_embd if self.tied else self._resident("output.weight"))
-        self.layers = [load_layer(flash, i, None if self._layer_resident(i) else [None] * 4)
-                       for i in range(cfg.n_layers)]
-        if pack:
-            self.layers = [self._with_matrices(L, [kernel.pack(w) or w for w in
-                                                   (L.wq, L.wk, L.wv, L.wo)])
-                           if self._layer_resident(i) else L for i, L in enumerate(self.layers)]
+        self.layers = [self._load_layer(i, pack) for i in range(cfg.n_layers)]
         self._layer_bufs = self._buffers(max((self._layer_span(i)[1] for i in self._stream_layers()),
                                              default=0))
         chunk = 0 if self.head is not None else max(
@@ -135,6 +131,18 @@ class DenseWeights:
         self.sketch_source = None     # () -> the head sketch's chunks read elsewhere, or None
         self.layer_source = None      # i -> (bytes, counters) of layer i's attention read
                                       # elsewhere (attention_extents), or None
+
+    def _load_layer(self, i: int, pack: bool) -> Layer:
+        """Layer i: its resident matrices read (and packed: the read copies freed and their heap
+        pages returned at once, or they would stay resident where no plan counts them)."""
+        if not self._layer_resident(i):
+            return load_layer(self.flash, i, [None] * 4)
+        L = load_layer(self.flash, i)
+        if not pack:
+            return L
+        L = self._with_matrices(L, [kernel.pack(w) or w for w in (L.wq, L.wk, L.wv, L.wo)])
+        trim_heap()
+        return L
 
     # ---- what the forward pass asks ---------------------------------------------------------
 
