@@ -97,13 +97,14 @@ def test_run_json_flash_summary():
 
 
 def test_draft_passes_read_per_token_made():
-    """A run that verified draft guesses: 10 passes made 16 tokens, each pass read 8 MB, so a
-    token made read 5 MB."""
-    line = ('{"n_prompt": 64, "prefill_s": 1.0, "n_decode": 16, "decode_s": 2.0, "n_accepted": 6, '
+    """A run that verified draft guesses: 10 decode passes kept 6 guesses (16 tokens after the
+    prefill's), each pass read 8 MB of FFN, so a token made read 5 MB; the 34 MB of dense
+    weights read over the prefill and the passes are 2 MB for each of the 17 tokens."""
+    line = ('{"n_prompt": 64, "prefill_s": 1.0, "n_decode": 10, "decode_s": 2.0, "n_accepted": 6, '
             '"flash": {"summary": {"io_bytes_per_token": 8e6, "reads_per_token": 32.0, '
-            '"decode_tokens": 10}}}')
+            '"decode_tokens": 10}, "dense": {"dense_bytes_read": 34e6}}}')
     cells = stats.stat_cells(flashllm_cli.parse_run(line + "\n"))
-    assert (cells["mb_tok"], cells["reads_tok"]) == ("5.0", "20")
+    assert (cells["mb_tok"], cells["reads_tok"]) == ("5.0 + 2", "20")
 
 
 def test_portable_paths(tmp_path):

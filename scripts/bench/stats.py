@@ -80,12 +80,13 @@ def stat_cells(parsed: dict, probe: Optional[float] = None) -> Dict[str, str]:
     the device's GiB/s measured right before and after the run (read_probe.py)."""
     flat = flatten(parsed)
     val = {c: find(flat, frags) for c, (frags, _, _) in COLUMNS.items()}
-    # the FFN figures are per decode pass; a pass that verifies draft guesses makes several
-    # tokens: bytes and reads a token made are the pass's x passes / tokens
-    passes_made, made = find(flat, ("decode_tokens",)), find(flat, ("n_decode",))
-    if passes_made and made:
+    # the FFN figures are per decode pass (n_decode passes); a pass that verifies draft guesses
+    # makes 1 + the guesses it keeps (n_accepted in all): per token made, x passes / tokens
+    passes = find(flat, ("n_decode",)) or 0
+    made = passes + (find(flat, ("n_accepted",)) or 0)
+    if passes and made:
         for c in ("mb_tok", "reads_tok"):
-            val[c] = None if val[c] is None else val[c] * passes_made / made
+            val[c] = None if val[c] is None else val[c] * passes / made
 
     def cell(c: str) -> str:
         v = val[c]
@@ -95,13 +96,13 @@ def stat_cells(parsed: dict, probe: Optional[float] = None) -> Dict[str, str]:
     if probe and val["gib_run"]:
         gibs += f" [{probe:.2f}: {val['gib_run'] / probe:.2f}]"
     dense = find(flat, ("dense_bytes_read",))         # over the prefill and every decode pass
-    passes = (find(flat, ("n_decode",)) or 0) + 1
+    tokens = made + 1                                 # tokens made, the prefill's included
     tps, per_tok = find(flat, ("decode_tps",)), val["mb_tok"]
     if tps and per_tok:            # the whole decode: every byte a token reads x tokens/s
-        gibs += f" / {(per_tok + (dense or 0) / passes) * tps / 2**30:.2f}"
+        gibs += f" / {(per_tok + (dense or 0) / tokens) * tps / 2**30:.2f}"
     rp = "–" if val["recall"] is None else f"{cell('recall')} / {cell('precision')}"
     split = "–" if val["io_ms"] is None else \
         f"{cell('io_ms')} / {cell('mm_ms')} / {cell('compute_ms')} / {cell('pred_ms')}"
-    mb_tok = cell("mb_tok") + (f" + {dense / passes * 1e-6:.0f}" if dense else "")
+    mb_tok = cell("mb_tok") + (f" + {dense / tokens * 1e-6:.0f}" if dense else "")
     return {"mb_tok": mb_tok, "reads_tok": cell("reads_tok"), "avg_read_kib": cell("avg_read_kib"),
             "gibs": gibs, "hit": cell("hit"), "recall": rp, "split": split}
