@@ -95,6 +95,12 @@ def get_rows(w: QTensor, ids) -> np.ndarray:
     return out
 
 
+def packed_nbytes(dtype: str, rows: int, cols: int) -> int:
+    """Bytes of a (rows, cols) `dtype` matrix repacked by pack(); 0 when this build has no packed
+    layout for it (it stays as it is)."""
+    return int(_native().fl_packed_bytes(dtype_code(dtype), rows, cols))
+
+
 def pack(w: QTensor) -> PackedTensor | None:
     """w repacked for this build's resident matmul (fl_pack: q4_k rows 16 at a time under
     AVX-512 VNNI), or None when the build or w has no packed layout (use w as it is)."""

@@ -205,6 +205,11 @@ def make_ffn(flash, opts: FlashOptions, plan: Optional[BudgetPlan], n_threads: i
         return None
     if flash.config.n_experts:
         return make_expert_ffn(flash, opts, plan, n_threads, cache_dir, log)
+    if holds_ffn_rows(flash, opts, plan):
+        from flashllm.runtime.ffn import DenseFfn
+        log("the budget holds the whole FFN: it runs as with no budget (the GGUF's own rows, "
+            "every neuron, nothing read)")
+        return DenseFfn(flash, n_threads, summary=plan.summary())
     from flashllm.storage.costmodel import CostModel, bundle_requests
     from flashllm.ffi.reader import Reader
     from flashllm.sparsity.predictor import AllSlots, load_predictor
@@ -223,6 +228,30 @@ def make_ffn(flash, opts: FlashOptions, plan: Optional[BudgetPlan], n_threads: i
         log(note)
     return SparseFlashFfn(flash, predictor or AllSlots(f.n_ff), plan, reader, n_threads=n_threads,
                           window=window, naive=opts.naive, cost=cost, check=opts.check)
+
+
+def holds_ffn_rows(flash, opts: FlashOptions, plan: Optional[BudgetPlan]) -> bool:
+    """True when the plan caches every neuron of every layer and the FFN's row form (runtime/
+    ffn.py DenseFfn: gate/up rows, the GGUF's down rows; what a run with no budget multiplies)
+    fits the same DRAM (the caches' and the staging buffers' bytes, less one layer's bundles
+    for its load): the same FFN with nothing to read is computed the fast way, exactly (a
+    calibration's thresholds only save reads). Not with --naive, --check or a predictor."""
+    if plan is None or opts.naive or opts.check or plan.predictor or flash.down_rows is None \
+            or plan.capacity < plan.n_ff:
+        return False
+    from flashllm.ffi import kernel
+    f = flash.ffn
+    k = 2 if f.glu else 1
+    gate_up = [kernel.packed_nbytes(f.dtype, k * f.n_ff, f.d_model) or k * f.n_ff * f.part_bytes
+               for _ in f.strides]
+    down = [kernel.packed_nbytes(t["dtype"], f.d_model, f.n_ff) or int(t["nbytes"])
+            for t in flash.down_rows]
+    need = sum(gate_up) + sum(down)
+    room = plan.budget - plan.total + plan.cache_bytes + plan.staging_rows * plan.stride
+    # a layer's load: its bundles, its gate/up rows copied out and packed; the dense weights
+    # load after the FFN (make_ffn before make_weights / Model), so their DRAM is still free
+    load = max(f.strides) * f.n_ff + 2 * max(gate_up)
+    return need <= room and load <= room - need + plan.resident.get("dense weights", 0)
 
 
 def make_expert_ffn(flash, opts: FlashOptions, plan: BudgetPlan, n_threads: int, cache_dir: Path,

@@ -56,8 +56,10 @@ class DenseFfn:
     columns added one neuron at a time (fl_ffn_bundles)."""
 
     def __init__(self, flash, n_threads: int = 1, threshold: Optional[list[float]] = None,
-                 exact: bool = False):
+                 exact: bool = False, summary: str = ""):
+        """summary: the DRAM plan of a budget that holds the whole FFN (for stats())."""
         cfg = flash.config
+        self.summary = summary
         self.dtype, self.d, self.glu, self.act = flash.ffn.dtype, cfg.d_model, cfg.glu, cfg.act
         self.down_dtypes = flash.ffn.down_dtypes                          # per layer
         self.n_threads, self.n_ff = n_threads, cfg.n_ff
@@ -92,4 +94,8 @@ class DenseFfn:
                            exact=self.exact, down_dtype=self.down_dtypes[layer])
 
     def stats(self) -> dict:
-        return {"ffn": "dense"}
+        return {"ffn": "dense", "plan": {"summary": self.summary}} if self.summary else \
+            {"ffn": "dense"}
+
+    def close(self) -> None:
+        pass

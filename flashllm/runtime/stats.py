@@ -146,7 +146,9 @@ def stats_table(d: dict) -> str:
     head = (f"{'tok':>4} {'kind':>7} {'MB read':>8} {'reads':>6} {'avg KiB':>8} {'GiB/s':>6} "
             f"{'prof':>5} {'hit%':>5} {'io ms':>7} {'mm ms':>6} {'comp ms':>8} {'pred ms':>7} "
             f"{'recall':>6}")
-    lines = [f"flash FFN ({d['ffn']}): {d['plan'].get('summary', '')}", head]
+    lines = [f"flash FFN ({d['ffn']}): {d.get('plan', {}).get('summary', '')}", head]
+    if "tokens" not in d:                 # the whole FFN resident (DenseFfn): nothing read
+        return lines[0] + "\nevery neuron in DRAM: no FFN reads"
     for i, t in enumerate(d["tokens"]):
         lines.append(_row(str(i), t))
     if d["decode_mean"]:
