@@ -235,9 +235,10 @@ def holds_ffn_rows(flash, opts: FlashOptions, plan: Optional[BudgetPlan]) -> boo
     ffn.py DenseFfn: gate/up rows, the GGUF's down rows; what a run with no budget multiplies)
     fits the same DRAM (the caches' and the staging buffers' bytes, less one layer's bundles
     for its load): the same FFN with nothing to read is computed the fast way, exactly (a
-    calibration's thresholds only save reads). Not with --naive, --check or a predictor."""
-    if plan is None or opts.naive or opts.check or plan.predictor or flash.down_rows is None \
-            or plan.capacity < plan.n_ff:
+    calibration's thresholds only save reads). Not with --naive, --check, a predictor or a
+    self-draft (it drafts from the neuron caches)."""
+    if plan is None or opts.naive or opts.check or opts.draft_rows or plan.predictor \
+            or flash.down_rows is None or plan.capacity < plan.n_ff:
         return False
     from flashllm.ffi import kernel
     f = flash.ffn
