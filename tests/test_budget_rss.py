@@ -42,3 +42,14 @@ def test_peak_rss_within_the_budget(budget, ffn):
     if ffn == "dense":
         assert "every neuron in DRAM: no FFN reads" in err
         assert text == run()[0]                                          # as with no budget
+
+
+@pytest.mark.realmodel
+def test_self_drafting_keeps_the_caches_when_the_budget_holds_the_whole_ffn():
+    """--draft-kind self drafts from the neuron caches: with a budget that holds every neuron the
+    run keeps the caches' path (a DenseFfn has none) and completes. (Its text is not compared
+    with the rows path's: the bundles' re-quantized down columns sum differently.)"""
+    text, err, _ = run("--dram-budget", "1200MiB", "--draft", "2", "--draft-kind", "self",
+                       "--stats")
+    assert "flash FFN (sparse): DRAM budget 1200 MiB" in err
+    assert "draft =" in err and text.strip()
