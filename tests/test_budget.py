@@ -268,7 +268,7 @@ def test_a_chat_counts_the_tokenizer_it_keeps(tmp_path):
 def anon_rss() -> int:
     """Anonymous resident bytes of this process once garbage and free heap pages are gone."""
     import gc
-    from flashllm.heap import trim_heap
+    from flashllm.ffi.heap import trim_heap
     gc.collect()
     trim_heap()
     line = next(x for x in Path("/proc/self/status").read_text().splitlines()

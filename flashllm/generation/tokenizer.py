@@ -16,7 +16,7 @@ from tokenizers import decoders
 from tokenizers import Tokenizer as HFTokenizer
 
 from flashllm.errors import FlashError, FormatError
-from flashllm.heap import trim_heap
+from flashllm.ffi.heap import trim_heap
 
 
 def _byte_decoder() -> dict[str, int]:

@@ -24,7 +24,7 @@ from typing import Iterable, Optional
 import numpy as np
 
 from flashllm.ffi import kernel
-from flashllm.heap import trim_heap
+from flashllm.ffi.heap import trim_heap
 from flashllm.ffi.quant import dequantize_rows
 from flashllm.format.layout import SKETCH
 from flashllm.format.reader import as_tensor

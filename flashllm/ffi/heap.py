@@ -1,4 +1,4 @@
-"""The process heap: give freed pages back to the OS.
+"""The process heap: give freed pages back to the OS (libc, through ctypes: not the kernel).
 
 glibc serves large allocations from mmap until one is freed, then raises its threshold and serves
 the next ones from the heap, which keeps freed pages: loading a model (a tensor read, packed into
