@@ -217,12 +217,15 @@ def contenders(budget: Optional[str], fits: bool, opts: Dict[str, bool],
 
     rows = [("flashllm sparse", b + stats, missing("--dram-budget")),
             ("flashllm --naive", b + ["--naive"] + stats, missing("--dram-budget", "--naive"))]
-    if budget and reads_less:           # issue 15: what cuts the bytes a token reads, each alone
+    if budget and reads_less:           # issue 15: what cuts the bytes a token reads, alone and together
         rows += [("flashllm --sparse-head", b + ["--sparse-head"] + stats,
                   missing("--dram-budget", "--sparse-head")),
                  ("flashllm --draft 6 --draft-kind self",
                   b + ["--draft", "6", "--draft-kind", "self"] + stats,
-                  missing("--dram-budget", "--draft-kind"))]
+                  missing("--dram-budget", "--draft-kind")),
+                 ("flashllm --sparse-head --draft 6 --draft-kind self",
+                  b + ["--sparse-head", "--draft", "6", "--draft-kind", "self"] + stats,
+                  missing("--dram-budget", "--sparse-head", "--draft-kind"))]
     if fits:
         dense = ["--dense"] if opts["--dense"] else []
         rows.append(("flashllm dense" + (" --dense" if dense else " (default run)"), dense, None))

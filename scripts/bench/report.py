@@ -105,7 +105,7 @@ def flash_section(info: Dict[str, str], rows: List[dict], load: tuple, notes: Li
            "one run per cell, cold (no warm-up) except llama.cpp uncapped (one warm-up run first: the "
            "in-RAM figure). flashllm: the model converted at the dtype shown, a "
            "64-token code prompt, greedy; under the Qwens' caps also `--sparse-head` and "
-           "`--draft 6 --draft-kind self` (issue 15), each alone. llama.cpp: the source GGUF; "
+           "`--draft 6 --draft-kind self` (issue 15), each alone and together. llama.cpp: the source GGUF; "
            "uncapped as its users run it (weights repacked for its CPU kernels), its OpenMP threads "
            "passive and spinning (default), the faster the ratio's reference; capped, mmap with "
            "use_extra_bufts off (file-backed: a repacked copy is anonymous memory the cap would "
