@@ -245,6 +245,13 @@ void fli_q6k_tile(const uint8_t *const w[FL_QT], const uint8_t *const x[FL_QT], 
 /* out[r] = w[r] . x for FL_QT Q4_K rows and one token x quantized by fli_xq_quantize for q4_k
  * (n a multiple of FL_QK_K): fli_qdot_tile's n_tok == 1 in integer superblock sums */
 void fli_q4k_tile1(const uint8_t *const w[FL_QT], const uint8_t *x, int64_t n, float out[FL_QT]);
+
+/* 4 activation bytes in every int32 lane: what the packed kernels' vpdpbusd meets */
+static inline __m512i fli_bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
 #endif
 
 /* f32 dot of two contiguous vectors (n) */
@@ -274,6 +281,14 @@ void fli_down_f32(const float *h, int64_t ldh, const float *down, int64_t K, int
  * bytes per 8 blocks), then int16 sum(q) per 16 values (k-quants only; 32 bytes per 8 blocks),
  * the vector layout of qdot.c.
  * The correction depends on the weight dtype, so quantize for the dtype the buffer will meet. */
+/* q6kpack.c: Q6_K rows packed 16 at a time (AVX-512 VNNI builds; else 0 bytes): the bytes, the
+ * packing, and y (NT <= 4 tokens, ld floats apart) [+ bias] for one group of 16 rows gp against
+ * tokens xq (xb bytes apart) quantized by fli_xq_quantize for q6_k */
+size_t fli_q6k_packed_bytes(int64_t rows, int64_t cols);
+int32_t fli_q6k_pack(const uint8_t *w, int64_t rows, int64_t cols, uint8_t *out);  // out may be w
+void fli_q6k_group(const uint8_t *gp, int64_t n, const uint8_t *xq, size_t xb, int NT, float *y,
+                   int64_t ld, const float *bias);
+
 int64_t fli_xq_bytes(int64_t n);
 
 /* buf (fli_xq_bytes(n)) = x (n) quantized per block of 32: d = amax / 127, q = nearest-even(x/d);

@@ -1,5 +1,5 @@
 /* q4kpack.c — Q4_K matrices repacked 16 rows at a time for the AVX-512 VNNI matmul of resident
- * weights (fl_pack / fl_matmul_packed in flashllm.h), as llama.cpp's repacked q4_K_8x8 does:
+ * weights (fl_pack / fl_matmul_packed in flashllm.h; Q6_K's layout and kernel: q6kpack.c), as llama.cpp's repacked q4_K_8x8 does:
  * one broadcast of 4 activation bytes meets 4 values of 16 rows at once (one row per int32
  * lane), where fli_q4k_tile1 multiplies the values of one row per vector and pays a shuffle for
  * every sub-block's scale. The values are the source's, only their order changes.
@@ -31,6 +31,7 @@
 #endif
 
 size_t fl_packed_bytes(int32_t dtype, int64_t rows, int64_t cols) {
+    if (dtype == FL_Q6_K) return fli_q6k_packed_bytes(rows, cols);  // q6kpack.c
 #if defined(HAS_PACK)
     if (dtype == FL_Q4_K && rows > 0 && rows % PACK_R == 0 && cols > 0 && cols % FL_QK_K == 0)
         return (size_t)(rows / PACK_R) * (size_t)(cols / FL_QK_K) * PACK_SB;
@@ -63,6 +64,7 @@ static void pack_sb(const uint8_t *w, size_t rb, int64_t r0, int64_t s, uint8_t 
 int32_t fl_pack(int32_t dtype, const void *w, int64_t rows, int64_t cols, void *out) {
     const size_t n = fl_packed_bytes(dtype, rows, cols);
     if (!w || !out || n == 0) return n == 0 ? FL_EUNSUPPORTED : FL_EINVAL;
+    if (dtype == FL_Q6_K) return fli_q6k_pack((const uint8_t *)w, rows, cols, (uint8_t *)out);
     const size_t rb = fl_row_bytes(dtype, cols);
     const int64_t nsb = cols / FL_QK_K;
     for (int64_t g = 0; g < rows / PACK_R; g++)
@@ -79,12 +81,6 @@ typedef struct {
     const int16_t *bsum;
     float dx;
 } tok_sb;
-
-static inline __m512i bcast4(const int8_t *p) {  // 4 bytes in every int32 lane
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm512_set1_epi32(v);
-}
 
 /* out[t] (16 lanes: the group's rows) += superblock blk of the group against NT tokens */
 static inline __attribute__((always_inline)) void group_sb(const uint8_t *blk, const tok_sb *x,
@@ -103,8 +99,8 @@ static inline __attribute__((always_inline)) void group_sb(const uint8_t *blk, c
             for (int t = 0; t < NT; t++) {
                 const int8_t *q = x[t].q + 64 * p + 4 * k;
                 const int c = NT == 1 ? (k & 1) : 0;  // more tokens: chains enough
-                a[t][0][c] = _mm512_dpbusd_epi32(a[t][0][c], lo, bcast4(q));
-                a[t][1][c] = _mm512_dpbusd_epi32(a[t][1][c], hi, bcast4(q + 32));
+                a[t][0][c] = _mm512_dpbusd_epi32(a[t][0][c], lo, fli_bcast4(q));
+                a[t][1][c] = _mm512_dpbusd_epi32(a[t][1][c], hi, fli_bcast4(q + 32));
             }
         }
         const __m512i s0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 64 + 32 * p)));
@@ -159,6 +155,7 @@ static inline __attribute__((always_inline)) void group_tokens(const uint8_t *gp
 
 typedef struct {
     const uint8_t *p;
+    int32_t dtype;
     int64_t rows, cols, T;
     const float *bias;
     const uint8_t *xq;
@@ -170,14 +167,20 @@ typedef struct {
 static void packed_part(void *arg) {
     packed_job *j = arg;
 #if defined(HAS_PACK)
-    const size_t gb = (size_t)(j->cols / FL_QK_K) * PACK_SB;
+    const int q6 = j->dtype == FL_Q6_K;
+    const size_t gb = fl_packed_bytes(j->dtype, PACK_R, j->cols);  // one group of 16 rows
     for (int64_t g, g1; fli_take(&j->next, j->rows / PACK_R, 4, &g, &g1);)
         for (; g < g1; g++)
             for (int64_t t = 0; t < j->T; t += PACK_T) {
                 const uint8_t *gp = j->p + (size_t)g * gb, *x = j->xq + (size_t)t * j->xb;
                 float *y = j->y + t * j->rows + g * PACK_R;
                 const float *b = j->bias ? j->bias + g * PACK_R : NULL;
-                switch (j->T - t < PACK_T ? j->T - t : PACK_T) {
+                const int nt = j->T - t < PACK_T ? (int)(j->T - t) : PACK_T;
+                if (q6) {
+                    fli_q6k_group(gp, j->cols, x, j->xb, nt, y, j->rows, b);
+                    continue;
+                }
+                switch (nt) {
                 case 1: group_tokens(gp, j->cols, x, j->xb, 1, y, j->rows, b); break;
                 case 2: group_tokens(gp, j->cols, x, j->xb, 2, y, j->rows, b); break;
                 case 3: group_tokens(gp, j->cols, x, j->xb, 3, y, j->rows, b); break;
@@ -198,7 +201,7 @@ int32_t fl_matmul_packed(const void *p, int32_t dtype, int64_t rows, int64_t col
     uint8_t *xq = malloc((size_t)T * xb);
     if (!xq) return FL_ENOMEM;
     for (int64_t t = 0; t < T; t++) fli_xq_quantize(dtype, x + t * cols, cols, xq + (size_t)t * xb);
-    packed_job j = {(const uint8_t *)p, rows, cols, T, bias, xq, xb, y, 0};
+    packed_job j = {(const uint8_t *)p, dtype, rows, cols, T, bias, xq, xb, y, 0};
     fli_parallel(n_threads, packed_part, &j);
     free(xq);
     return FL_OK;

@@ -1,5 +1,5 @@
-"""Resident q4_k weights repacked 16 rows at a time (native/q4kpack.c, kernel.pack): the packed
-matmul against gguf-py's dequantization of the same Q4_K bytes, on activations rounded to int8
+"""Resident q4_k and q6_k weights repacked 16 rows at a time (native/q4kpack.c, q6kpack.c,
+kernel.pack): the packed matmul against gguf-py's dequantization of the same bytes, on activations rounded to int8
 as the kernel rounds them (per 256 values: llama.cpp's q8_K), up to f32 sums; and against the
 unpacked matmul of the same weight."""
 import numpy as np
@@ -16,11 +16,15 @@ from test_down_rows import int8
 ROWS, COLS = 48, 512
 
 
-@pytest.fixture(scope="module")
-def weight():
-    data = k_rows(np.random.default_rng(5), Q.Q4_K, ROWS, COLS)             # (ROWS, 288) uint8
-    w = QTensor(np.ascontiguousarray(data), "q4_k", ROWS, COLS)
-    ref = dequantize(data, Q.Q4_K).reshape(ROWS, COLS).astype(np.float64)  # (ROWS, COLS)
+GROUP_SB = {"q4_k": 2368, "q6_k": 3360}   # bytes of a superblock of 16 packed rows
+
+
+@pytest.fixture(scope="module", params=[(Q.Q4_K, "q4_k"), (Q.Q6_K, "q6_k")], ids=["q4_k", "q6_k"])
+def weight(request):
+    qtype, name = request.param
+    data = k_rows(np.random.default_rng(5), qtype, ROWS, COLS)              # (ROWS, row bytes) uint8
+    w = QTensor(np.ascontiguousarray(data), name, ROWS, COLS)
+    ref = dequantize(data, qtype).reshape(ROWS, COLS).astype(np.float64)   # (ROWS, COLS)
     return w, ref, kernel.pack(w)
 
 
@@ -28,8 +32,9 @@ def test_the_packed_values_are_the_weights(weight):
     w, _, p = weight
     if p is None:
         pytest.skip("this build has no packed layout (AVX-512 VNNI)")
-    assert p.data.size == ROWS // 16 * COLS // 256 * 2368                  # +2.8% over 144 / 256
-    assert (p.dtype, p.rows, p.cols) == ("q4_k", ROWS, COLS)
+    # q4_k +2.8% over 144 / 256 (scales unpacked), q6_k the rows' own 210 bytes a superblock
+    assert p.data.size == ROWS // 16 * COLS // 256 * GROUP_SB[w.dtype]
+    assert (p.dtype, p.rows, p.cols) == (w.dtype, ROWS, COLS)
 
 
 @pytest.mark.parametrize("T,threads", [(1, 1), (1, 2), (3, 2), (4, 1), (9, 2)])
@@ -60,3 +65,16 @@ def test_a_packed_weight_has_no_exact_path(weight):
         pytest.skip("this build has no packed layout (AVX-512 VNNI)")
     with pytest.raises(KernelError, match="no exact"):
         kernel.matmul(p, np.zeros((1, COLS), np.float32), exact=True)
+
+
+def test_q6_k_packs_in_place_to_the_same_bytes():
+    """A q6_k layout is as large as its rows: packed over them (no second copy of a large head),
+    it is the layout a separate array gets, and w's array now holds it."""
+    data = k_rows(np.random.default_rng(9), Q.Q6_K, ROWS, COLS)             # (ROWS, 210 * COLS / 256)
+    apart = kernel.pack(QTensor(data.copy(), "q6_k", ROWS, COLS))
+    if apart is None:
+        pytest.skip("this build has no packed layout (AVX-512 VNNI)")
+    w = QTensor(data, "q6_k", ROWS, COLS)
+    got = kernel.pack(w, in_place=True)
+    assert np.shares_memory(got.data, data)
+    np.testing.assert_array_equal(got.data.reshape(-1), apart.data.reshape(-1))

@@ -101,14 +101,19 @@ def packed_nbytes(dtype: str, rows: int, cols: int) -> int:
     return int(_native().fl_packed_bytes(dtype_code(dtype), rows, cols))
 
 
-def pack(w: QTensor) -> PackedTensor | None:
-    """w repacked for this build's resident matmul (fl_pack: q4_k rows 16 at a time under
-    AVX-512 VNNI), or None when the build or w has no packed layout (use w as it is)."""
+def pack(w: QTensor, in_place: bool = False) -> PackedTensor | None:
+    """w repacked for this build's resident matmul (fl_pack: q4_k and q6_k rows 16 at a time
+    under AVX-512 VNNI), or None when the build or w has no packed layout (use w as it is).
+    in_place: a layout of w's own size (q6_k) is written over w's bytes (w is then spent), so
+    packing a large matrix takes no second copy; other layouts get a new array."""
     k = _native()
     n = k.fl_packed_bytes(w.code, w.rows, w.cols)
     if n == 0:
         return None
-    out = np.empty(n, np.uint8)                                               # (n,)
+    if in_place and n == w.data.nbytes and w.data.flags.writeable:
+        out = w.data.reshape(-1)                                              # (n,) w's bytes
+    else:
+        out = np.empty(n, np.uint8)                                           # (n,)
     _check(k.fl_pack(w.code, ffi.from_buffer(w.data), w.rows, w.cols, ffi.from_buffer(out)),
            "pack")
     return PackedTensor(out, w.dtype, w.rows, w.cols)

@@ -68,7 +68,7 @@ class DenseFfn:
         self.exact = exact                                    # f32 instead of int8 activations
         self.rows = flash.down_rows is not None and not exact and not any(self.threshold)
         if self.rows:      # repacked for this build's matmul where it has a packed layout
-            packed = lambda w: kernel.pack(w) or w
+            packed = lambda w: kernel.pack(w, in_place=True) or w
             self.gate_up = [packed(gate_up_rows(flash, i)) for i in range(cfg.n_layers)]  # (k n_ff, d)
             self.down = [packed(flash.read_down_rows(i)) for i in range(cfg.n_layers)]    # (d, n_ff)
             return

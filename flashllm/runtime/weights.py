@@ -116,6 +116,8 @@ class DenseWeights:
         self.out_norm_b = _opt(flash, "output_norm.bias")                # (d_model,)
         self.token_embd = self._resident("token_embd.weight")            # QTensor (vocab, embed_dim)
         self.head = (self.token_embd if self.tied else self._resident("output.weight"))
+        if pack and not self.tied and self.head is not None:   # q6_k in place: no second copy
+            self.head = kernel.pack(self.head, in_place=True) or self.head
         self.layers = [self._load_layer(i, pack) for i in range(cfg.n_layers)]
         self._layer_bufs = self._buffers(max((self._layer_span(i)[1] for i in self._stream_layers()),
                                              default=0))
@@ -140,7 +142,8 @@ class DenseWeights:
         L = load_layer(self.flash, i)
         if not pack:
             return L
-        L = self._with_matrices(L, [kernel.pack(w) or w for w in (L.wq, L.wk, L.wv, L.wo)])
+        L = self._with_matrices(L, [kernel.pack(w, in_place=True) or w
+                                    for w in (L.wq, L.wk, L.wv, L.wo)])
         trim_heap()
         return L
 

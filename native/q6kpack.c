@@ -1,0 +1,161 @@
+/* q6kpack.c — Q6_K matrices repacked 16 rows at a time for the AVX-512 VNNI matmul of resident
+ * weights (q4kpack.c's layout idea for Q6_K: one broadcast of 4 activation bytes meets 4 values
+ * of 16 rows, one row per int32 lane). The 6-bit values stay 6-bit (the same bytes as the
+ * source's, in another order); they are put together in registers.
+ *
+ * A group of 16 rows is n / 256 blocks of Q6_PACK_SB bytes, one per superblock s:
+ *   [0, 32)      d of the 16 rows (f16)
+ *   [32, 288)    scale j (int8) of row r at 32 + 16 j + r (j < 16: the sub-blocks of 16 values)
+ *   [288, 3360)  for half c < 2 and k < 8 (values 128c + 4k .. +3 and their +32, +64, +96):
+ *                at 288 + 192 (8c + k): ql[64c + 4k ..+3] of the 16 rows (4 bytes each), then
+ *                ql[64c + 32 + 4k ..+3], then qh[32c + 4k ..+3]
+ * A value v = 128c + 32g + l (g < 4, l < 32) is (ql nibble | 2 bits of qh << 4) - 32, as ggml's
+ * dequantize_row_q6_K; per superblock and token isum_r = sum_j sc_rj * (u . q - 32 sum_j(q)) in
+ * integers, then d_r * d_x * isum_r in f32 (the unpacked path adds in another order, so the
+ * bits may differ). 16 x 210 bytes: no larger than the rows.
+ */
+#include <stdlib.h>
+
+#include "flashllm.h"
+#include "compute_internal.h"
+
+#define Q6_R 16
+#define Q6_PACK_SB 3360
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define HAS_Q6_PACK 1
+#include <immintrin.h>
+#endif
+
+size_t fli_q6k_packed_bytes(int64_t rows, int64_t cols) {
+#if defined(HAS_Q6_PACK)
+    if (rows > 0 && rows % Q6_R == 0 && cols > 0 && cols % FL_QK_K == 0)
+        return (size_t)(rows / Q6_R) * (size_t)(cols / FL_QK_K) * Q6_PACK_SB;
+#endif
+    (void)rows, (void)cols;
+    return 0;
+}
+
+/* superblock s of rows r0 .. r0+15 of w (row bytes rb) into dst (Q6_PACK_SB) */
+static void pack_sb(const uint8_t *w, size_t rb, int64_t r0, int64_t s, uint8_t *dst) {
+    for (int r = 0; r < Q6_R; r++) {
+        const uint8_t *sb = w + (size_t)(r0 + r) * rb + (size_t)s * FL_Q6_K_BYTES;
+        memcpy(dst + 2 * r, sb + 208, 2);
+        for (int j = 0; j < 16; j++) dst[32 + 16 * j + r] = sb[192 + j];
+        for (int c = 0; c < 2; c++)
+            for (int k = 0; k < 8; k++) {
+                uint8_t *o = dst + 288 + 192 * (8 * c + k) + 4 * r;
+                memcpy(o, sb + 64 * c + 4 * k, 4);
+                memcpy(o + 64, sb + 64 * c + 32 + 4 * k, 4);
+                memcpy(o + 128, sb + 128 + 32 * c + 4 * k, 4);
+            }
+    }
+}
+
+/* out may be w itself: a group's packed bytes take exactly its 16 rows' place, so each group is
+ * copied aside first (no second copy of the matrix while a large head is packed) */
+int32_t fli_q6k_pack(const uint8_t *w, int64_t rows, int64_t cols, uint8_t *out) {
+    const size_t rb = fl_row_bytes(FL_Q6_K, cols), gb = Q6_R * rb;
+    const int64_t nsb = cols / FL_QK_K;
+    uint8_t *tmp = w == out ? malloc(gb) : NULL;
+    if (w == out && !tmp) return FL_ENOMEM;
+    for (int64_t g = 0; g < rows / Q6_R; g++) {
+        const uint8_t *src = w;
+        int64_t r0 = g * Q6_R;
+        if (tmp) {
+            memcpy(tmp, w + (size_t)g * gb, gb);
+            src = tmp, r0 = 0;
+        }
+        for (int64_t s = 0; s < nsb; s++)
+            pack_sb(src, rb, r0, s, out + ((size_t)g * (size_t)nsb + (size_t)s) * Q6_PACK_SB);
+    }
+    free(tmp);
+    return FL_OK;
+}
+
+#if defined(HAS_Q6_PACK)
+typedef struct {  // the token side of one superblock
+    const int8_t *q;        // (256)
+    const int16_t *bsum16;  // (16) sums of q per sub-block
+    float dx;
+} tok6;
+
+/* out[t] (16 lanes: the group's rows) += superblock blk of the group against NT tokens */
+static inline __attribute__((always_inline)) void group_sb6(const uint8_t *blk, const tok6 *x,
+                                                            int NT, __m512 out[4]) {
+    const __m512i lo4 = _mm512_set1_epi8(0x0F), hi2 = _mm512_set1_epi8(0x30);
+    __m512i isum[4];
+    for (int t = 0; t < NT; t++) isum[t] = _mm512_setzero_si512();
+    for (int c = 0; c < 2; c++)
+        for (int h = 0; h < 2; h++) {  // k in 4h .. 4h + 3: sub-blocks 8c + 2g + h
+            __m512i acc[4][4];         // token, g
+            for (int t = 0; t < NT; t++)
+                for (int g = 0; g < 4; g++) acc[t][g] = _mm512_setzero_si512();
+            for (int k = 4 * h; k < 4 * h + 4; k++) {
+                const uint8_t *p = blk + 288 + 192 * (8 * c + k);
+                const __m512i a = _mm512_loadu_si512(p), b = _mm512_loadu_si512(p + 64);
+                const __m512i qh = _mm512_loadu_si512(p + 128);
+                const __m512i u[4] = {
+                    _mm512_or_si512(_mm512_and_si512(a, lo4), _mm512_and_si512(_mm512_slli_epi16(qh, 4), hi2)),
+                    _mm512_or_si512(_mm512_and_si512(b, lo4), _mm512_and_si512(_mm512_slli_epi16(qh, 2), hi2)),
+                    _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(a, 4), lo4), _mm512_and_si512(qh, hi2)),
+                    _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(b, 4), lo4),
+                                    _mm512_and_si512(_mm512_srli_epi16(qh, 2), hi2))};
+                for (int t = 0; t < NT; t++) {
+                    const int8_t *q = x[t].q + 128 * c + 4 * k;
+                    for (int g = 0; g < 4; g++)
+                        acc[t][g] = _mm512_dpbusd_epi32(acc[t][g], u[g], fli_bcast4(q + 32 * g));
+                }
+            }
+            for (int g = 0; g < 4; g++) {
+                const int j = 8 * c + 2 * g + h;
+                const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * j)));
+                for (int t = 0; t < NT; t++) {
+                    const __m512i v = _mm512_sub_epi32(acc[t][g], _mm512_set1_epi32(32 * x[t].bsum16[j]));
+                    isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(v, sc));
+                }
+            }
+        }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+    for (int t = 0; t < NT; t++)
+        out[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]), _mm512_mul_ps(d, _mm512_set1_ps(x[t].dx)),
+                                 out[t]);
+}
+
+static inline __attribute__((always_inline)) void group6(const uint8_t *gp, int64_t n,
+                                                         const uint8_t *xq, size_t xb, int NT,
+                                                         float *y, int64_t ld, const float *bias) {
+    const int64_t nb = n / FL_QK;
+    __m512 out[4];
+    for (int t = 0; t < NT; t++) out[t] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < n / FL_QK_K; s++) {
+        tok6 x[4];
+        for (int t = 0; t < NT; t++) {
+            const uint8_t *xt = xq + (size_t)t * xb;
+            const float *scale = (const float *)(xt + n);
+            const int16_t *bsum = (const int16_t *)(scale + 3 * nb * FL_XQ_LANES);
+            x[t].q = (const int8_t *)xt + s * FL_QK_K;
+            x[t].dx = scale[s * 8 * FL_XQ_LANES];
+            x[t].bsum16 = bsum + (nb + 7) / 8 * 8 + 16 * s;
+        }
+        if (s + 1 < n / FL_QK_K) fli_prefetch(gp + (size_t)(s + 1) * Q6_PACK_SB, Q6_PACK_SB);
+        group_sb6(gp + (size_t)s * Q6_PACK_SB, x, NT, out);
+    }
+    const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+    for (int t = 0; t < NT; t++) _mm512_storeu_ps(y + t * ld, _mm512_add_ps(out[t], b));
+}
+#endif
+
+void fli_q6k_group(const uint8_t *gp, int64_t n, const uint8_t *xq, size_t xb, int NT, float *y,
+                   int64_t ld, const float *bias) {
+#if defined(HAS_Q6_PACK)
+    switch (NT) {
+    case 1: group6(gp, n, xq, xb, 1, y, ld, bias); break;
+    case 2: group6(gp, n, xq, xb, 2, y, ld, bias); break;
+    case 3: group6(gp, n, xq, xb, 3, y, ld, bias); break;
+    default: group6(gp, n, xq, xb, 4, y, ld, bias); break;
+    }
+#else
+    (void)gp, (void)n, (void)xq, (void)xb, (void)NT, (void)y, (void)ld, (void)bias;
+#endif
+}
