@@ -48,6 +48,9 @@ FIXTURES = Path(__file__).parent / "fixtures" / "llamacpp"
 MODELS = ["smollm2-135m", "qwen2.5-coder-0.5b", "gemma-3-270m"]
 PROMPTS = ["prose", "code", "chat"]
 NEAR_TIE = 0.25       # logits (see above)
+NATIVE_NEAR_TIE = 0.5  # the native conversions' int8 runs: llama.cpp's own int8 logits move with
+                       # the CPU's kernels — on an AVX2-only EPYC its SmolLM2 fixture position
+                       # "code" 63 (margin 0.31 on the AVX-512 machine that made it) flips by 0.46
 LOGPROB_TOL = 1.5     # measured max 0.88 (smollm2, Q4_1), 1.36 (gemma-3-270m, Q4_K_M: llama.cpp's
                       # int8 activations in its Q4_K/Q5_0/Q6_K dots, f16 KV, f16 GELU table); a
                       # wrong layer or RoPE gives several units
@@ -110,11 +113,16 @@ def test_native_conversion_teacher_forced(real_model, name):
     top-16 log-probabilities differ by up to 5.4 with q4_k / q6_k columns, 3.0 with q5_k / q6_k,
     1.8 with q8_0, 5.2 for its --dtype q4_k conversion. SmolLM2 (its down columns re-quantized
     to q8_0) agreed on 161 of 165 clear positions before a dense run multiplied the GGUF's own
-    down rows (down.bin); with them 164 of 165 (99.4%)."""
-    check_teacher_forced(real_model(name, "native"), name, NATIVE_LOGPROB_TOL, first=1)
+    down rows (down.bin); with them 164 of 165 (99.4%) on an AVX-512 machine. On an AVX2-only
+    one llama.cpp itself agrees with the fixture at 164 of 165 and flashllm at 163 (the other:
+    "chat" 50, llama.cpp's margin 0.61 there, 0.50 on that machine, flashllm's -0.12, the f32
+    conversion's 0.39); hence NATIVE_NEAR_TIE: 138 of 139 there."""
+    check_teacher_forced(real_model(name, "native"), name, NATIVE_LOGPROB_TOL, first=1,
+                         near_tie=NATIVE_NEAR_TIE)
 
 
-def check_teacher_forced(net, name: str, tol: float = LOGPROB_TOL, first: int = 0) -> None:
+def check_teacher_forced(net, name: str, tol: float = LOGPROB_TOL, first: int = 0,
+                         near_tie: float = NEAR_TIE) -> None:
     """Top-1 agreement >= 99% where llama.cpp's margin is clear, top-16 log-probabilities
     within tol from position `first` on, over the fixture's prompts."""
     _, arrays = fixture(name)
@@ -124,7 +132,7 @@ def check_teacher_forced(net, name: str, tol: float = LOGPROB_TOL, first: int = 
         top_ids = arrays[f"{prompt}.tf_top_ids"]                         # (64, 16)
         top_logits = arrays[f"{prompt}.tf_top_logits"]                   # (64, 16)
         same = logits.argmax(axis=1) == top_ids[:, 0]                    # (64,) bool
-        clear = top_logits[:, 0] - top_logits[:, 1] >= NEAR_TIE          # (64,) bool
+        clear = top_logits[:, 0] - top_logits[:, 1] >= near_tie          # (64,) bool
         agree += int((same & clear).sum())
         decided += int(clear.sum())
         raw_agree += int(same.sum())
@@ -133,7 +141,7 @@ def check_teacher_forced(net, name: str, tol: float = LOGPROB_TOL, first: int = 
         ours = np.take_along_axis(logits, top_ids, axis=1) - lse[:, None]                   # (64, 16)
         ref = top_logits - arrays[f"{prompt}.tf_logsumexp"][:, None]                         # (64, 16)
         worst = max(worst, float(np.abs(ours - ref)[first:].max()))
-    print(f"{name}: top-1 agreement {agree}/{decided} where llama.cpp's margin >= {NEAR_TIE} "
+    print(f"{name}: top-1 agreement {agree}/{decided} where llama.cpp's margin >= {near_tie} "
           f"({raw_agree}/{total} over all positions), max |logprob diff| at top-16 = {worst:.4f}")
     assert agree / decided >= 0.99
     assert worst < tol
