@@ -240,11 +240,16 @@ float fli_qk_qdot(int32_t dtype, const uint8_t *w, const uint8_t *x, int64_t n);
 void fli_q6k_tile(const uint8_t *const w[FL_QT], const uint8_t *const x[FL_QT], int32_t n_tok,
                   int64_t n, float out[FL_QT][FL_QT]);
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)) || \
+    (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #define FLI_Q4K_TILE1 1
 /* out[r] = w[r] . x for FL_QT Q4_K rows and one token x quantized by fli_xq_quantize for q4_k
- * (n a multiple of FL_QK_K): fli_qdot_tile's n_tok == 1 in integer superblock sums */
+ * (n a multiple of FL_QK_K): fli_qdot_tile's n_tok == 1 in integer superblock sums (q4k.c:
+ * AVX-512 VNNI or AVX2) */
 void fli_q4k_tile1(const uint8_t *const w[FL_QT], const uint8_t *x, int64_t n, float out[FL_QT]);
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 
 /* 4 activation bytes in every int32 lane: what the packed kernels' vpdpbusd meets */
 static inline __m512i fli_bcast4(const int8_t *p) {

@@ -1,5 +1,5 @@
 /* q4k.c — ggml Q4_K rows: f32 paths (the exact / f32-x paths of q4_k bundles' gate and up rows)
- * and, under AVX-512 VNNI, the int8 dot of 4 rows and one token (fli_q4k_tile1).
+ * and, under AVX-512 VNNI or AVX2, the int8 dot of 4 rows and one token (fli_q4k_tile1).
  *
  * A superblock of 256 values is 144 bytes: f16 d, f16 dmin, 12 bytes of packed 6-bit sub-block
  * scales sc_j and mins m_j, then 128 nibble bytes; value i of sub-block j (32 values) is
@@ -156,5 +156,58 @@ void fli_q4k_tile1(const uint8_t *const w[FL_QT], const uint8_t *x, int64_t n, f
     for (int r = 0; r < FL_QT; r++)
         out[r] = _mm512_reduce_add_ps(acc[r]) + ((m[4 * r] + m[4 * r + 1]) +
                                                  (m[4 * r + 2] + m[4 * r + 3]));
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+/* AVX2: the same integer superblock sums 32 bytes at a time. Per row and superblock the 6-bit
+ * scales unpack once (fli_q4k_unpack); each 32 nibble bytes give two sub-blocks (low nibbles
+ * 2k, high 2k + 1), each maddubs against its 32 token bytes and madd by its int16 scale into
+ * one int32 sum; one convert and FMA by d * d_x per row and superblock. The mins meet the
+ * token's 8 sub-block sums in one madd, converted and FMA'd by -dmin * d_x. */
+static inline __m256i q4k_row_sum(const uint8_t *qs, __m256i scv, const int8_t *qx) {
+    const __m256i lo = _mm256_set1_epi8(0x0F);
+    __m256i p = _mm256_setzero_si256();
+    for (int k = 0; k < 4; k++) {  // sub-blocks 2k (low nibbles) and 2k + 1 (high)
+        const __m256i z = _mm256_loadu_si256((const __m256i *)(qs + 32 * k));
+        const __m256i pl = _mm256_maddubs_epi16(_mm256_and_si256(z, lo),
+                                                _mm256_loadu_si256((const __m256i *)(qx + 64 * k)));
+        const __m256i ph = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(z, 4), lo),
+                                                _mm256_loadu_si256((const __m256i *)(qx + 64 * k + 32)));
+        const __m256i sl = _mm256_shuffle_epi8(scv, _mm256_set1_epi16((short)(0x8000 | (2 * k))));
+        const __m256i sh = _mm256_shuffle_epi8(scv, _mm256_set1_epi16((short)(0x8000 | (2 * k + 1))));
+        p = _mm256_add_epi32(p, _mm256_add_epi32(_mm256_madd_epi16(pl, sl), _mm256_madd_epi16(ph, sh)));
+    }
+    return p;
+}
+
+void fli_q4k_tile1(const uint8_t *const w[FL_QT], const uint8_t *x, int64_t n, float out[FL_QT]) {
+    const int64_t nb = n / FL_QK;
+    const int8_t *q = (const int8_t *)x;                                       // (n)
+    const float *scale = (const float *)(x + n);                               // (nb, 8)
+    const int16_t *bsum = (const int16_t *)(scale + 3 * nb * FL_XQ_LANES);     // (nb)
+    __m256 acc[FL_QT];
+    __m128 macc[FL_QT];  // row r's min terms, 4 lanes
+    for (int r = 0; r < FL_QT; r++) acc[r] = _mm256_setzero_ps(), macc[r] = _mm_setzero_ps();
+    for (int64_t s = 0; s < n / FL_QK_K; s++) {
+        const int8_t *qx = q + s * FL_QK_K;                                    // (256)
+        const float dx = scale[s * 8 * FL_XQ_LANES];
+        const __m128i bs = _mm_loadu_si128((const __m128i *)(bsum + 8 * s));  // (8) int16
+        for (int r = 0; r < FL_QT; r++) {
+            const uint8_t *sb = w[r] + (size_t)s * FL_Q4_K_BYTES;
+            uint32_t u[4];
+            fli_q4k_unpack(sb, u);
+            const __m128i scm = _mm_setr_epi32((int)u[0], (int)u[1], (int)u[2], (int)u[3]);
+            const __m128i mp = _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_srli_si128(scm, 8)), bs);
+            macc[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(mp), _mm_set1_ps(-fl_load_fp16(sb + 2) * dx),
+                                   macc[r]);
+            const __m256i p = q4k_row_sum(sb + 16, _mm256_broadcastsi128_si256(scm), qx);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(fl_load_fp16(sb) * dx),
+                                     acc[r]);
+        }
+    }
+    for (int r = 0; r < FL_QT; r++) {
+        const __m128 m = _mm_add_ps(macc[r], _mm_movehl_ps(macc[r], macc[r]));
+        out[r] = fli_hsum256(acc[r]) + (_mm_cvtss_f32(m) + _mm_cvtss_f32(_mm_shuffle_ps(m, m, 1)));
+    }
 }
 #endif
