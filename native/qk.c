@@ -146,39 +146,50 @@ static inline int32_t q6k_isum_u(const q6k_unpacked *o, const int8_t *q, const i
 }
 #endif
 
-/* q6_k: sum over the 16 sub-blocks k of scales[k] * (u . q) (u unsigned, q the token's int8) */
-static int32_t q6k_isum(const uint8_t *sb, const int8_t *q) {
+/* q6_k: the exact isum of superblock sb with a token: sum over the 16 sub-blocks k of
+ * scales[k] * (u . q - 32 * bs[k]), u unsigned, q (256) the token's int8, bs (16) its sums per
+ * 16 values */
+static int32_t q6k_isum(const uint8_t *sb, const int8_t *q, const int16_t *bs) {
 #if defined(QK_512)
     q6k_unpacked o;
     q6k_unpack(sb, &o);
-    const int16_t zero[16] = {0};  // no offset term here: the caller subtracts it
-    return q6k_isum_u(&o, q, zero);
+    return q6k_isum_u(&o, q, bs);
 #elif defined(QK_256)
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(0x03);
-    const int8_t *sc = (const int8_t *)(sb + 192);
-    __m256i acc = _mm256_setzero_si256();
-    for (int h = 0; h < 2; h++)
-        for (int g = 0; g < 4; g++) {  // values 128h + 32g .. +31: sub-blocks 8h + 2g, + 1
-            const __m256i ql = _mm256_loadu_si256((const __m256i *)(sb + 64 * h + 32 * (g & 1)));
-            const __m256i qh = _mm256_loadu_si256((const __m256i *)(sb + 128 + 32 * h));
-            const __m256i lo = g < 2 ? _mm256_and_si256(ql, m4)
-                                     : _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4);
-            const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * g)), m3);
-            const __m256i u = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    const __m128i sc8 = _mm_loadu_si128((const __m128i *)(sb + 192));  // (16) int8 scales
+    __m256i acc = _mm256_madd_epi16(  // -32 * scales . bs: the offset of u, in the same sum
+        _mm256_mullo_epi16(_mm256_cvtepi8_epi16(sc8), _mm256_set1_epi16(-32)),
+        _mm256_loadu_si256((const __m256i *)bs));
+    for (int h = 0; h < 2; h++) {  // values 128h + 32g .. +31 (group g): sub-blocks 8h + 2g, + 1
+        const __m256i qa = _mm256_loadu_si256((const __m256i *)(sb + 64 * h));
+        const __m256i qb = _mm256_loadu_si256((const __m256i *)(sb + 64 * h + 32));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(sb + 128 + 32 * h));
+        const __m256i u[4] = {  // group g: a nibble of qa / qb, bits 2g, 2g + 1 of qh as bits 4, 5
+            _mm256_or_si256(_mm256_and_si256(qa, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30)),
+            _mm256_or_si256(_mm256_and_si256(qb, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qa, 4), m4), _mm256_and_si256(qh, m30)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qb, 4), m4),
+                            _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30))};
+        for (int g = 0; g < 4; g++) {
+            const char k = (char)(8 * h + 2 * g);  // [scales[k] x8 | scales[k + 1] x8] as int16
+            const __m128i pick = _mm_setr_epi8(k, k, k, k, k, k, k, k, (char)(k + 1), (char)(k + 1),
+                                               (char)(k + 1), (char)(k + 1), (char)(k + 1),
+                                               (char)(k + 1), (char)(k + 1), (char)(k + 1));
+            const __m256i sc = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, pick));
             const __m256i p = _mm256_maddubs_epi16(
-                u, _mm256_loadu_si256((const __m256i *)(q + 128 * h + 32 * g)));
-            const int k = 8 * h + 2 * g;
-            const __m256i s = _mm256_set_m128i(_mm_set1_epi16(sc[k + 1]), _mm_set1_epi16(sc[k]));
-            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, s));
+                u[g], _mm256_loadu_si256((const __m256i *)(q + 128 * h + 32 * g)));
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, sc));
         }
+    }
     return hsum_i32(acc);
 #else
     int32_t s = 0;
     for (int k = 0; k < 16; k++) {
         int32_t t = 0;
-        for (int i = 0; i < 16; i++) t += q6k_u(sb, 16 * k + i) * q[16 * k + i];
+        for (int i = 0; i < 16; i++) t += (q6k_u(sb, 16 * k + i) - 32) * q[16 * k + i];
         s += (int8_t)sb[192 + k] * t;
     }
+    (void)bs;
     return s;
 #endif
 }
@@ -301,12 +312,9 @@ static inline qk_token token_view(const uint8_t *x, int64_t n) {
     return t;
 }
 
-/* the exact q6_k isum of superblock sbi (its bytes sb) with token t: sum over k of
- * scales[k] * (u . q - 32 * sum of q over sub-block k) */
+/* the exact q6_k isum of superblock sbi (its bytes sb) with token t */
 static inline int32_t q6k_isum_token(const uint8_t *sb, const qk_token *t, int64_t sbi) {
-    int32_t corr = 0;  // sum over k of scales[k] * (sum of the token's q over sub-block k)
-    for (int k = 0; k < 16; k++) corr += (int8_t)sb[192 + k] * t->bsum16[16 * sbi + k];
-    return q6k_isum(sb, t->q + sbi * FL_QK_K) - 32 * corr;
+    return q6k_isum(sb, t->q + sbi * FL_QK_K, t->bsum16 + 16 * sbi);
 }
 
 float fli_qk_qdot(int32_t dtype, const uint8_t *w, const uint8_t *x, int64_t n) {
