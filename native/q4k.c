@@ -164,6 +164,7 @@ void fli_q4k_tile1(const uint8_t *const w[FL_QT], const uint8_t *x, int64_t n, f
  * 2k, high 2k + 1), each maddubs against its 32 token bytes and madd by its int16 scale into
  * one int32 sum; one convert and FMA by d * d_x per row and superblock. The mins meet the
  * token's 8 sub-block sums in one madd, converted and FMA'd by -dmin * d_x. */
+#define Q4K_AHEAD 8  /* rows ahead whose superblock is prefetched: measured 4, 8, 16 alike, 0 slower */
 static inline __m256i q4k_row_sum(const uint8_t *qs, __m256i scv, const int8_t *qx) {
     const __m256i lo = _mm256_set1_epi8(0x0F);
     __m256i p = _mm256_setzero_si256();
@@ -185,6 +186,7 @@ void fli_q4k_tile1(const uint8_t *const w[FL_QT], const uint8_t *x, int64_t n, f
     const int8_t *q = (const int8_t *)x;                                       // (n)
     const float *scale = (const float *)(x + n);                               // (nb, 8)
     const int16_t *bsum = (const int16_t *)(scale + 3 * nb * FL_XQ_LANES);     // (nb)
+    const size_t rb = (size_t)(n / FL_QK_K) * FL_Q4_K_BYTES;
     __m256 acc[FL_QT];
     __m128 macc[FL_QT];  // row r's min terms, 4 lanes
     for (int r = 0; r < FL_QT; r++) acc[r] = _mm256_setzero_ps(), macc[r] = _mm_setzero_ps();
@@ -194,6 +196,7 @@ void fli_q4k_tile1(const uint8_t *const w[FL_QT], const uint8_t *x, int64_t n, f
         const __m128i bs = _mm_loadu_si128((const __m128i *)(bsum + 8 * s));  // (8) int16
         for (int r = 0; r < FL_QT; r++) {
             const uint8_t *sb = w[r] + (size_t)s * FL_Q4_K_BYTES;
+            fli_prefetch(sb + Q4K_AHEAD * rb, FL_Q4_K_BYTES);  // the rows Q4K_AHEAD on, if contiguous
             uint32_t u[4];
             fli_q4k_unpack(sb, u);
             const __m128i scm = _mm_setr_epi32((int)u[0], (int)u[1], (int)u[2], (int)u[3]);
