@@ -286,11 +286,17 @@ void fli_down_f32(const float *h, int64_t ldh, const float *down, int64_t K, int
  * bytes per 8 blocks), then int16 sum(q) per 16 values (k-quants only; 32 bytes per 8 blocks),
  * the vector layout of qdot.c.
  * The correction depends on the weight dtype, so quantize for the dtype the buffer will meet. */
-/* q6kpack.c: Q6_K rows packed 16 at a time (AVX-512 VNNI builds; else 0 bytes): the bytes, the
- * packing, and y (NT <= 4 tokens, ld floats apart) [+ bias] for one group of 16 rows gp against
- * tokens xq (xb bytes apart) quantized by fli_xq_quantize for q6_k */
-size_t fli_q6k_packed_bytes(int64_t rows, int64_t cols);
-int32_t fli_q6k_pack(const uint8_t *w, int64_t rows, int64_t cols, uint8_t *out);  // out may be w
+/* Packed layouts of 16 rows (pack.c dispatches; AVX-512 VNNI builds, else 0 bytes): the bytes of
+ * one group of 16 rows of cols values (0: no layout for dtype / cols), the packing of rows 0..15
+ * of w (row bytes rb) into dst, and y (NT <= 4 tokens, ld floats apart) [+ bias] for one group gp
+ * against tokens xq (xb bytes apart) quantized by fli_xq_quantize for the dtype.
+ * q4kpack.c: Q4_K; q6kpack.c: Q6_K */
+size_t fli_q4k_group_bytes(int64_t cols);
+void fli_q4k_pack_group(const uint8_t *w, size_t rb, int64_t cols, uint8_t *dst);
+void fli_q4k_group(const uint8_t *gp, int64_t n, const uint8_t *xq, size_t xb, int NT, float *y,
+                   int64_t ld, const float *bias);
+size_t fli_q6k_group_bytes(int64_t cols);
+void fli_q6k_pack_group(const uint8_t *w, size_t rb, int64_t cols, uint8_t *dst);
 void fli_q6k_group(const uint8_t *gp, int64_t n, const uint8_t *xq, size_t xb, int NT, float *y,
                    int64_t ld, const float *bias);
 

@@ -1,5 +1,5 @@
 /* q4kpack.c — Q4_K matrices repacked 16 rows at a time for the AVX-512 VNNI matmul of resident
- * weights (fl_pack / fl_matmul_packed in flashllm.h; Q6_K's layout and kernel: q6kpack.c), as llama.cpp's repacked q4_K_8x8 does:
+ * weights (fl_pack / fl_matmul_packed in flashllm.h, dispatched by pack.c), as llama.cpp's repacked q4_K_8x8 does:
  * one broadcast of 4 activation bytes meets 4 values of 16 rows at once (one row per int32
  * lane), where fli_q4k_tile1 multiplies the values of one row per vector and pays a shuffle for
  * every sub-block's scale. The values are the source's, only their order changes.
@@ -13,30 +13,25 @@
  * Per superblock and token, exactly as fli_q4k_tile1: isum_r = sum_j sc_j * (nibbles . q) and
  * msum_r = sum_j m_j * sum(q over sub-block j) in integers, then d_r * d_x * isum_r and
  * dmin_r * d_x * msum_r in f32 (added in another order than tile1's, so the bits may differ).
- * Other builds have no packed layout (fl_packed_bytes returns 0): they multiply w as it is.
+ * Other builds have no packed layout (group bytes 0): they multiply w as it is.
  */
-#include <stdatomic.h>
-#include <stdlib.h>
-
 #include "flashllm.h"
 #include "compute_internal.h"
 
 #define PACK_R 16     /* rows per group: the int32 lanes of a zmm */
 #define PACK_SB 2368  /* bytes of one superblock of a group */
-#define PACK_T 4      /* tokens per kernel call */
+#define PACK_T 4      /* tokens per kernel call at most */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define HAS_PACK 1
 #include <immintrin.h>
 #endif
 
-size_t fl_packed_bytes(int32_t dtype, int64_t rows, int64_t cols) {
-    if (dtype == FL_Q6_K) return fli_q6k_packed_bytes(rows, cols);  // q6kpack.c
+size_t fli_q4k_group_bytes(int64_t cols) {
 #if defined(HAS_PACK)
-    if (dtype == FL_Q4_K && rows > 0 && rows % PACK_R == 0 && cols > 0 && cols % FL_QK_K == 0)
-        return (size_t)(rows / PACK_R) * (size_t)(cols / FL_QK_K) * PACK_SB;
+    if (cols > 0 && cols % FL_QK_K == 0) return (size_t)(cols / FL_QK_K) * PACK_SB;
 #endif
-    (void)dtype, (void)rows, (void)cols;
+    (void)cols;
     return 0;
 }
 
@@ -61,17 +56,8 @@ static void pack_sb(const uint8_t *w, size_t rb, int64_t r0, int64_t s, uint8_t 
     }
 }
 
-int32_t fl_pack(int32_t dtype, const void *w, int64_t rows, int64_t cols, void *out) {
-    const size_t n = fl_packed_bytes(dtype, rows, cols);
-    if (!w || !out || n == 0) return n == 0 ? FL_EUNSUPPORTED : FL_EINVAL;
-    if (dtype == FL_Q6_K) return fli_q6k_pack((const uint8_t *)w, rows, cols, (uint8_t *)out);
-    const size_t rb = fl_row_bytes(dtype, cols);
-    const int64_t nsb = cols / FL_QK_K;
-    for (int64_t g = 0; g < rows / PACK_R; g++)
-        for (int64_t s = 0; s < nsb; s++)
-            pack_sb((const uint8_t *)w, rb, g * PACK_R, s,
-                    (uint8_t *)out + ((size_t)g * (size_t)nsb + (size_t)s) * PACK_SB);
-    return FL_OK;
+void fli_q4k_pack_group(const uint8_t *w, size_t rb, int64_t cols, uint8_t *dst) {
+    for (int64_t s = 0; s < cols / FL_QK_K; s++) pack_sb(w, rb, 0, s, dst + (size_t)s * PACK_SB);
 }
 
 #if defined(HAS_PACK)
@@ -153,56 +139,16 @@ static inline __attribute__((always_inline)) void group_tokens(const uint8_t *gp
 }
 #endif
 
-typedef struct {
-    const uint8_t *p;
-    int32_t dtype;
-    int64_t rows, cols, T;
-    const float *bias;
-    const uint8_t *xq;
-    size_t xb;
-    float *y;           // (T, rows)
-    atomic_llong next;  // the next group to take
-} packed_job;
-
-static void packed_part(void *arg) {
-    packed_job *j = arg;
+void fli_q4k_group(const uint8_t *gp, int64_t n, const uint8_t *xq, size_t xb, int NT, float *y,
+                   int64_t ld, const float *bias) {
 #if defined(HAS_PACK)
-    const int q6 = j->dtype == FL_Q6_K;
-    const size_t gb = fl_packed_bytes(j->dtype, PACK_R, j->cols);  // one group of 16 rows
-    for (int64_t g, g1; fli_take(&j->next, j->rows / PACK_R, 4, &g, &g1);)
-        for (; g < g1; g++)
-            for (int64_t t = 0; t < j->T; t += PACK_T) {
-                const uint8_t *gp = j->p + (size_t)g * gb, *x = j->xq + (size_t)t * j->xb;
-                float *y = j->y + t * j->rows + g * PACK_R;
-                const float *b = j->bias ? j->bias + g * PACK_R : NULL;
-                const int nt = j->T - t < PACK_T ? (int)(j->T - t) : PACK_T;
-                if (q6) {
-                    fli_q6k_group(gp, j->cols, x, j->xb, nt, y, j->rows, b);
-                    continue;
-                }
-                switch (nt) {
-                case 1: group_tokens(gp, j->cols, x, j->xb, 1, y, j->rows, b); break;
-                case 2: group_tokens(gp, j->cols, x, j->xb, 2, y, j->rows, b); break;
-                case 3: group_tokens(gp, j->cols, x, j->xb, 3, y, j->rows, b); break;
-                default: group_tokens(gp, j->cols, x, j->xb, 4, y, j->rows, b); break;
-                }
-            }
+    switch (NT) {
+    case 1: group_tokens(gp, n, xq, xb, 1, y, ld, bias); break;
+    case 2: group_tokens(gp, n, xq, xb, 2, y, ld, bias); break;
+    case 3: group_tokens(gp, n, xq, xb, 3, y, ld, bias); break;
+    default: group_tokens(gp, n, xq, xb, 4, y, ld, bias); break;
+    }
 #else
-    (void)j;
+    (void)gp, (void)n, (void)xq, (void)xb, (void)NT, (void)y, (void)ld, (void)bias;
 #endif
-}
-
-int32_t fl_matmul_packed(const void *p, int32_t dtype, int64_t rows, int64_t cols,
-                         const float *bias, const float *x, int64_t T, float *y,
-                         int32_t n_threads) {
-    if (!p || !x || !y || T <= 0 || n_threads < 1) return FL_EINVAL;
-    if (fl_packed_bytes(dtype, rows, cols) == 0) return FL_EUNSUPPORTED;
-    const size_t xb = (size_t)fli_xq_bytes(cols);
-    uint8_t *xq = malloc((size_t)T * xb);
-    if (!xq) return FL_ENOMEM;
-    for (int64_t t = 0; t < T; t++) fli_xq_quantize(dtype, x + t * cols, cols, xq + (size_t)t * xb);
-    packed_job j = {(const uint8_t *)p, dtype, rows, cols, T, bias, xq, xb, y, 0};
-    fli_parallel(n_threads, packed_part, &j);
-    free(xq);
-    return FL_OK;
 }

@@ -14,8 +14,6 @@
  * integers, then d_r * d_x * isum_r in f32 (the unpacked path adds in another order, so the
  * bits may differ). 16 x 210 bytes: no larger than the rows.
  */
-#include <stdlib.h>
-
 #include "flashllm.h"
 #include "compute_internal.h"
 
@@ -27,12 +25,11 @@
 #include <immintrin.h>
 #endif
 
-size_t fli_q6k_packed_bytes(int64_t rows, int64_t cols) {
+size_t fli_q6k_group_bytes(int64_t cols) {
 #if defined(HAS_Q6_PACK)
-    if (rows > 0 && rows % Q6_R == 0 && cols > 0 && cols % FL_QK_K == 0)
-        return (size_t)(rows / Q6_R) * (size_t)(cols / FL_QK_K) * Q6_PACK_SB;
+    if (cols > 0 && cols % FL_QK_K == 0) return (size_t)(cols / FL_QK_K) * Q6_PACK_SB;
 #endif
-    (void)rows, (void)cols;
+    (void)cols;
     return 0;
 }
 
@@ -52,25 +49,8 @@ static void pack_sb(const uint8_t *w, size_t rb, int64_t r0, int64_t s, uint8_t 
     }
 }
 
-/* out may be w itself: a group's packed bytes take exactly its 16 rows' place, so each group is
- * copied aside first (no second copy of the matrix while a large head is packed) */
-int32_t fli_q6k_pack(const uint8_t *w, int64_t rows, int64_t cols, uint8_t *out) {
-    const size_t rb = fl_row_bytes(FL_Q6_K, cols), gb = Q6_R * rb;
-    const int64_t nsb = cols / FL_QK_K;
-    uint8_t *tmp = w == out ? malloc(gb) : NULL;
-    if (w == out && !tmp) return FL_ENOMEM;
-    for (int64_t g = 0; g < rows / Q6_R; g++) {
-        const uint8_t *src = w;
-        int64_t r0 = g * Q6_R;
-        if (tmp) {
-            memcpy(tmp, w + (size_t)g * gb, gb);
-            src = tmp, r0 = 0;
-        }
-        for (int64_t s = 0; s < nsb; s++)
-            pack_sb(src, rb, r0, s, out + ((size_t)g * (size_t)nsb + (size_t)s) * Q6_PACK_SB);
-    }
-    free(tmp);
-    return FL_OK;
+void fli_q6k_pack_group(const uint8_t *w, size_t rb, int64_t cols, uint8_t *dst) {
+    for (int64_t s = 0; s < cols / FL_QK_K; s++) pack_sb(w, rb, 0, s, dst + (size_t)s * Q6_PACK_SB);
 }
 
 #if defined(HAS_Q6_PACK)

@@ -1,0 +1,103 @@
+/* pack.c — resident matrices repacked 16 rows at a time (fl_packed_bytes, fl_pack,
+ * fl_matmul_packed in flashllm.h): which dtypes have a packed layout, the loop over groups of 16
+ * rows, and the threads over groups. Each layout and its kernel live in their own file:
+ * q4kpack.c (Q4_K), q6kpack.c (Q6_K). All of them put one row in each
+ * int32 lane of a zmm, so one broadcast of 4 int8 activations meets 4 values of 16 rows in one
+ * vpdpbusd (AVX-512 VNNI builds only; elsewhere fl_packed_bytes is 0 and w is used as it is).
+ */
+#include <stdatomic.h>
+#include <stdlib.h>
+
+#include "flashllm.h"
+#include "compute_internal.h"
+
+#define PACK_R 16 /* rows per group: the int32 lanes of a zmm */
+#define PACK_T 4  /* tokens per kernel call */
+
+/* bytes of one packed group of 16 rows of cols values, 0 when dtype or cols has no layout here */
+static size_t group_bytes(int32_t dtype, int64_t cols) {
+    switch (dtype) {
+    case FL_Q4_K: return fli_q4k_group_bytes(cols);
+    case FL_Q6_K: return fli_q6k_group_bytes(cols);
+    default: return 0;
+    }
+}
+
+size_t fl_packed_bytes(int32_t dtype, int64_t rows, int64_t cols) {
+    if (rows <= 0 || rows % PACK_R != 0 || cols <= 0) return 0;
+    return (size_t)(rows / PACK_R) * group_bytes(dtype, cols);
+}
+
+/* rows 0..15 of src (row bytes rb) packed into dst (group_bytes) */
+static void pack_group(int32_t dtype, const uint8_t *src, size_t rb, int64_t cols, uint8_t *dst) {
+    if (dtype == FL_Q4_K)
+        fli_q4k_pack_group(src, rb, cols, dst);
+    else
+        fli_q6k_pack_group(src, rb, cols, dst);
+}
+
+/* out may be w when the layout is as large as the rows (q6_k): each group is copied
+ * aside first, so packing a large head in place takes no second copy of it */
+int32_t fl_pack(int32_t dtype, const void *w, int64_t rows, int64_t cols, void *out) {
+    const size_t n = fl_packed_bytes(dtype, rows, cols);
+    if (!w || !out || n == 0) return n == 0 ? FL_EUNSUPPORTED : FL_EINVAL;
+    const size_t rb = fl_row_bytes(dtype, cols), gb = group_bytes(dtype, cols);
+    if (w == out && gb != PACK_R * rb) return FL_EINVAL;
+    uint8_t *tmp = w == out ? malloc(gb) : NULL;
+    if (w == out && !tmp) return FL_ENOMEM;
+    for (int64_t g = 0; g < rows / PACK_R; g++) {
+        const uint8_t *src = (const uint8_t *)w + (size_t)g * PACK_R * rb;
+        if (tmp) src = memcpy(tmp, src, gb);
+        pack_group(dtype, src, rb, cols, (uint8_t *)out + (size_t)g * gb);
+    }
+    free(tmp);
+    return FL_OK;
+}
+
+typedef struct {
+    const uint8_t *p;
+    int32_t dtype;
+    int64_t rows, cols, T;
+    const float *bias;
+    const uint8_t *xq;
+    size_t xb;
+    float *y;           // (T, rows)
+    atomic_llong next;  // the next group to take
+} packed_job;
+
+/* y (NT tokens, ld floats apart) [+ bias] of one group gp against tokens x (xb bytes apart) */
+static void group_tokens(int32_t dtype, const uint8_t *gp, int64_t n, const uint8_t *x,
+                         size_t xb, int nt, float *y, int64_t ld, const float *b) {
+    if (dtype == FL_Q4_K)
+        fli_q4k_group(gp, n, x, xb, nt, y, ld, b);
+    else
+        fli_q6k_group(gp, n, x, xb, nt, y, ld, b);
+}
+
+static void packed_part(void *arg) {
+    packed_job *j = arg;
+    const size_t gb = group_bytes(j->dtype, j->cols);
+    for (int64_t g, g1; fli_take(&j->next, j->rows / PACK_R, 4, &g, &g1);)
+        for (; g < g1; g++)
+            for (int64_t t = 0; t < j->T; t += PACK_T) {
+                const int nt = j->T - t < PACK_T ? (int)(j->T - t) : PACK_T;
+                group_tokens(j->dtype, j->p + (size_t)g * gb, j->cols, j->xq + (size_t)t * j->xb,
+                             j->xb, nt, j->y + t * j->rows + g * PACK_R, j->rows,
+                             j->bias ? j->bias + g * PACK_R : NULL);
+            }
+}
+
+int32_t fl_matmul_packed(const void *p, int32_t dtype, int64_t rows, int64_t cols,
+                         const float *bias, const float *x, int64_t T, float *y,
+                         int32_t n_threads) {
+    if (!p || !x || !y || T <= 0 || n_threads < 1) return FL_EINVAL;
+    if (fl_packed_bytes(dtype, rows, cols) == 0) return FL_EUNSUPPORTED;
+    const size_t xb = (size_t)fli_xq_bytes(cols);
+    uint8_t *xq = malloc((size_t)T * xb);
+    if (!xq) return FL_ENOMEM;
+    for (int64_t t = 0; t < T; t++) fli_xq_quantize(dtype, x + t * cols, cols, xq + (size_t)t * xb);
+    packed_job j = {(const uint8_t *)p, dtype, rows, cols, T, bias, xq, xb, y, 0};
+    fli_parallel(n_threads, packed_part, &j);
+    free(xq);
+    return FL_OK;
+}
