@@ -290,7 +290,7 @@ void fli_down_f32(const float *h, int64_t ldh, const float *down, int64_t K, int
  * one group of 16 rows of cols values (0: no layout for dtype / cols), the packing of rows 0..15
  * of w (row bytes rb) into dst, and y (NT <= 4 tokens, ld floats apart) [+ bias] for one group gp
  * against tokens xq (xb bytes apart) quantized by fli_xq_quantize for the dtype.
- * q4kpack.c: Q4_K; q6kpack.c: Q6_K */
+ * q4kpack.c: Q4_K; q6kpack.c: Q6_K; q0pack.c: Q8_0 and Q5_0 */
 size_t fli_q4k_group_bytes(int64_t cols);
 void fli_q4k_pack_group(const uint8_t *w, size_t rb, int64_t cols, uint8_t *dst);
 void fli_q4k_group(const uint8_t *gp, int64_t n, const uint8_t *xq, size_t xb, int NT, float *y,
@@ -299,6 +299,10 @@ size_t fli_q6k_group_bytes(int64_t cols);
 void fli_q6k_pack_group(const uint8_t *w, size_t rb, int64_t cols, uint8_t *dst);
 void fli_q6k_group(const uint8_t *gp, int64_t n, const uint8_t *xq, size_t xb, int NT, float *y,
                    int64_t ld, const float *bias);
+size_t fli_q0_group_bytes(int32_t dtype, int64_t cols);
+void fli_q0_pack_group(int32_t dtype, const uint8_t *w, size_t rb, int64_t cols, uint8_t *dst);
+void fli_q0_group(int32_t dtype, const uint8_t *gp, int64_t n, const uint8_t *xq, size_t xb,
+                  int NT, float *y, int64_t ld, const float *bias);
 
 int64_t fli_xq_bytes(int64_t n);
 

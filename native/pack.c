@@ -1,7 +1,7 @@
 /* pack.c — resident matrices repacked 16 rows at a time (fl_packed_bytes, fl_pack,
  * fl_matmul_packed in flashllm.h): which dtypes have a packed layout, the loop over groups of 16
  * rows, and the threads over groups. Each layout and its kernel live in their own file:
- * q4kpack.c (Q4_K), q6kpack.c (Q6_K). All of them put one row in each
+ * q4kpack.c (Q4_K), q6kpack.c (Q6_K), q0pack.c (Q8_0, Q5_0). All of them put one row in each
  * int32 lane of a zmm, so one broadcast of 4 int8 activations meets 4 values of 16 rows in one
  * vpdpbusd (AVX-512 VNNI builds only; elsewhere fl_packed_bytes is 0 and w is used as it is).
  */
@@ -19,6 +19,8 @@ static size_t group_bytes(int32_t dtype, int64_t cols) {
     switch (dtype) {
     case FL_Q4_K: return fli_q4k_group_bytes(cols);
     case FL_Q6_K: return fli_q6k_group_bytes(cols);
+    case FL_Q8_0:
+    case FL_Q5_0: return fli_q0_group_bytes(dtype, cols);
     default: return 0;
     }
 }
@@ -32,11 +34,13 @@ size_t fl_packed_bytes(int32_t dtype, int64_t rows, int64_t cols) {
 static void pack_group(int32_t dtype, const uint8_t *src, size_t rb, int64_t cols, uint8_t *dst) {
     if (dtype == FL_Q4_K)
         fli_q4k_pack_group(src, rb, cols, dst);
-    else
+    else if (dtype == FL_Q6_K)
         fli_q6k_pack_group(src, rb, cols, dst);
+    else
+        fli_q0_pack_group(dtype, src, rb, cols, dst);
 }
 
-/* out may be w when the layout is as large as the rows (q6_k): each group is copied
+/* out may be w when the layout is as large as the rows (q6_k, q8_0, q5_0): each group is copied
  * aside first, so packing a large head in place takes no second copy of it */
 int32_t fl_pack(int32_t dtype, const void *w, int64_t rows, int64_t cols, void *out) {
     const size_t n = fl_packed_bytes(dtype, rows, cols);
@@ -70,8 +74,10 @@ static void group_tokens(int32_t dtype, const uint8_t *gp, int64_t n, const uint
                          size_t xb, int nt, float *y, int64_t ld, const float *b) {
     if (dtype == FL_Q4_K)
         fli_q4k_group(gp, n, x, xb, nt, y, ld, b);
-    else
+    else if (dtype == FL_Q6_K)
         fli_q6k_group(gp, n, x, xb, nt, y, ld, b);
+    else
+        fli_q0_group(dtype, gp, n, x, xb, nt, y, ld, b);
 }
 
 static void packed_part(void *arg) {

@@ -54,12 +54,12 @@ def test_a_corrupt_down_file_fails_verification(mixed, tmp_path):
         open_flash(bad, verify=True)
 
 
-def int8(x: np.ndarray) -> np.ndarray:
-    """x (T, n) rounded as the kernel's activations: per 256 values d = amax / 127 (f32),
-    q = nearest-even(x * (1 / d)), back to d * q."""
+def int8(x: np.ndarray, block: int = 256) -> np.ndarray:
+    """x (T, n) rounded as the kernel's activations: per `block` values (256 for k-quant weights,
+    32 for the others) d = amax / 127 (f32), q = nearest-even(x * (1 / d)), back to d * q."""
     T, n = x.shape
-    b = x.astype(np.float32).reshape(T, n // 256, 256)                     # (T, n/256, 256)
-    d = np.abs(b).max(axis=2, keepdims=True) / np.float32(127)             # (T, n/256, 1)
+    b = x.astype(np.float32).reshape(T, n // block, block)                 # (T, n/block, block)
+    d = np.abs(b).max(axis=2, keepdims=True) / np.float32(127)             # (T, n/block, 1)
     inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
     return (np.rint(b * inv) * d.astype(np.float64)).reshape(T, n)         # (T, n)
 

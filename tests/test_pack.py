@@ -1,7 +1,8 @@
-"""Resident q4_k and q6_k weights repacked 16 rows at a time (native/q4kpack.c, q6kpack.c,
-kernel.pack): the packed matmul against gguf-py's dequantization of the same bytes, on activations rounded to int8
-as the kernel rounds them (per 256 values: llama.cpp's q8_K), up to f32 sums; and against the
-unpacked matmul of the same weight."""
+"""Resident q4_k, q6_k, q8_0 and q5_0 weights repacked 16 rows at a time (native/pack.c and the
+layouts of q4kpack.c, q6kpack.c, q0pack.c; kernel.pack): the packed matmul against gguf-py's
+dequantization of the same bytes, on activations rounded to int8 as the kernel rounds them (per
+256 values for the k-quants: llama.cpp's q8_K; per 32 for q8_0 / q5_0: its q8_0), up to f32
+sums; and against the unpacked matmul of the same weight."""
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
@@ -15,24 +16,46 @@ from test_down_rows import int8
 
 ROWS, COLS = 48, 512
 
+# bytes of 256 values of 16 packed rows: q4_k +2.8% over 16 x 144 (scales unpacked); q6_k, q8_0,
+# q5_0 the rows' own 16 x 210, 16 x 8 x 34, 16 x 8 x 22
+GROUP_SB = {"q4_k": 2368, "q6_k": 3360, "q8_0": 4352, "q5_0": 2816}
+TYPES = {"q4_k": Q.Q4_K, "q6_k": Q.Q6_K, "q8_0": Q.Q8_0, "q5_0": Q.Q5_0}
+BLOCK = {Q.Q8_0: 34, Q.Q5_0: 22}          # bytes of a block of 32 (f16 d first)
 
-GROUP_SB = {"q4_k": 2368, "q6_k": 3360}   # bytes of a superblock of 16 packed rows
+
+def rows_of(rng, qtype, rows: int, cols: int) -> np.ndarray:
+    """(rows, row bytes) uint8: random blocks (every value and qh bit pattern) with realistic f16
+    scales."""
+    if qtype not in BLOCK:
+        return k_rows(rng, qtype, rows, cols)
+    blk = rng.integers(0, 256, (rows, cols // 32, BLOCK[qtype]), dtype=np.uint8)
+    d = rng.uniform(2e-4, 1e-3, (rows, cols // 32)).astype(np.float16)
+    blk[..., :2] = d.view(np.uint8).reshape(rows, -1, 2)
+    return blk.reshape(rows, -1)
 
 
-@pytest.fixture(scope="module", params=[(Q.Q4_K, "q4_k"), (Q.Q6_K, "q6_k")], ids=["q4_k", "q6_k"])
+def reference(data: np.ndarray, qtype, rows: int, cols: int) -> np.ndarray:
+    """(rows, cols) float64: gguf-py's dequantization of the rows."""
+    return dequantize(data, qtype).reshape(rows, cols).astype(np.float64)
+
+
+def act_block(name: str) -> int:
+    """The values per activation scale the kernel uses against a `name` weight."""
+    return 256 if name.endswith("_k") else 32
+
+
+@pytest.fixture(scope="module", params=list(TYPES))
 def weight(request):
-    qtype, name = request.param
-    data = k_rows(np.random.default_rng(5), qtype, ROWS, COLS)              # (ROWS, row bytes) uint8
+    name = request.param
+    data = rows_of(np.random.default_rng(5), TYPES[name], ROWS, COLS)      # (ROWS, row bytes) uint8
     w = QTensor(np.ascontiguousarray(data), name, ROWS, COLS)
-    ref = dequantize(data, qtype).reshape(ROWS, COLS).astype(np.float64)   # (ROWS, COLS)
-    return w, ref, kernel.pack(w)
+    return w, reference(data, TYPES[name], ROWS, COLS), kernel.pack(w)
 
 
 def test_the_packed_values_are_the_weights(weight):
     w, _, p = weight
     if p is None:
         pytest.skip("this build has no packed layout (AVX-512 VNNI)")
-    # q4_k +2.8% over 144 / 256 (scales unpacked), q6_k the rows' own 210 bytes a superblock
     assert p.data.size == ROWS // 16 * COLS // 256 * GROUP_SB[w.dtype]
     assert (p.dtype, p.rows, p.cols) == (w.dtype, ROWS, COLS)
 
@@ -46,17 +69,33 @@ def test_packed_matmul_against_gguf_py(weight, T, threads):
     x = rng.standard_normal((T, COLS)).astype(np.float32)                  # (T, COLS)
     bias = rng.standard_normal(ROWS).astype(np.float32)                    # (ROWS,)
     y = kernel.matmul(p, x, bias, threads)                                 # (T, ROWS)
-    want = int8(x) @ ref.T + bias                                          # (T, ROWS) f64
+    want = int8(x, act_block(w.dtype)) @ ref.T + bias                      # (T, ROWS) f64
     assert np.abs(y - want).max() <= 1e-5 * np.abs(want).max()
     plain = kernel.matmul(w, x, bias, threads)                             # the unpacked path
     assert np.abs(y - plain).max() <= 1e-5 * np.abs(plain).max()
 
 
+@pytest.mark.parametrize("T,threads", [(1, 1), (2, 2), (5, 1)])
+@pytest.mark.parametrize("name", ["q8_0", "q5_0"])
+def test_an_odd_number_of_blocks(name, T, threads):
+    """7 blocks of 32 a row: the values of a group no longer start on a cache line."""
+    rows, cols = 32, 224
+    data = rows_of(np.random.default_rng(11), TYPES[name], rows, cols)     # (rows, row bytes)
+    p = kernel.pack(QTensor(data, name, rows, cols))
+    if p is None:
+        pytest.skip("this build has no packed layout (AVX-512 VNNI)")
+    x = np.random.default_rng(T).standard_normal((T, cols)).astype(np.float32)  # (T, cols)
+    want = int8(x, 32) @ reference(data, TYPES[name], rows, cols).T      # (T, rows) f64
+    y = kernel.matmul(p, x, None, threads)                                 # (T, rows)
+    assert np.abs(y - want).max() <= 1e-5 * np.abs(want).max()
+
+
 def test_shapes_without_a_packed_layout_are_refused():
     other = QTensor(np.zeros((20, 144), np.uint8), "q4_k", 20, 256)        # rows not 16k
     assert kernel.pack(other) is None
-    q8 = QTensor(np.zeros((16, 34 * 8), np.uint8), "q8_0", 16, 256)
-    assert kernel.pack(q8) is None
+    for name, bb in (("q8_0", 34), ("q5_0", 22), ("q4_0", 18)):            # q4_0: no layout
+        rows = 20 if name != "q4_0" else 16
+        assert kernel.pack(QTensor(np.zeros((rows, bb * 8), np.uint8), name, rows, 256)) is None
 
 
 def test_a_packed_weight_has_no_exact_path(weight):
@@ -67,14 +106,15 @@ def test_a_packed_weight_has_no_exact_path(weight):
         kernel.matmul(p, np.zeros((1, COLS), np.float32), exact=True)
 
 
-def test_q6_k_packs_in_place_to_the_same_bytes():
-    """A q6_k layout is as large as its rows: packed over them (no second copy of a large head),
-    it is the layout a separate array gets, and w's array now holds it."""
-    data = k_rows(np.random.default_rng(9), Q.Q6_K, ROWS, COLS)             # (ROWS, 210 * COLS / 256)
-    apart = kernel.pack(QTensor(data.copy(), "q6_k", ROWS, COLS))
+@pytest.mark.parametrize("name", ["q6_k", "q8_0", "q5_0"])
+def test_packs_in_place_to_the_same_bytes(name):
+    """A q6_k, q8_0 or q5_0 layout is as large as its rows: packed over them (no second copy of a
+    large head), it is the layout a separate array gets, and w's array now holds it."""
+    data = rows_of(np.random.default_rng(9), TYPES[name], ROWS, COLS)      # (ROWS, row bytes)
+    apart = kernel.pack(QTensor(data.copy(), name, ROWS, COLS))
     if apart is None:
         pytest.skip("this build has no packed layout (AVX-512 VNNI)")
-    w = QTensor(data, "q6_k", ROWS, COLS)
+    w = QTensor(data, name, ROWS, COLS)
     got = kernel.pack(w, in_place=True)
     assert np.shares_memory(got.data, data)
     np.testing.assert_array_equal(got.data.reshape(-1), apart.data.reshape(-1))

@@ -116,7 +116,7 @@ class DenseWeights:
         self.out_norm_b = _opt(flash, "output_norm.bias")                # (d_model,)
         self.token_embd = self._resident("token_embd.weight")            # QTensor (vocab, embed_dim)
         self.head = (self.token_embd if self.tied else self._resident("output.weight"))
-        if pack and not self.tied and self.head is not None:   # q6_k in place: no second copy
+        if pack and not self.tied and self.head is not None:   # q6_k / q8_0 in place: no 2nd copy
             self.head = kernel.pack(self.head, in_place=True) or self.head
         self.layers = [self._load_layer(i, pack) for i in range(cfg.n_layers)]
         self._layer_bufs = self._buffers(max((self._layer_span(i)[1] for i in self._stream_layers()),
