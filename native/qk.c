@@ -353,14 +353,17 @@ float fli_qk_qdot(int32_t dtype, const uint8_t *w, const uint8_t *x, int64_t n) 
     return s;
 }
 
+#define Q6K_AHEAD 8  /* rows ahead whose superblock is prefetched (from DRAM the tile waits) */
 void fli_q6k_tile(const uint8_t *const w[FL_QT], const uint8_t *const x[FL_QT], int32_t n_tok,
                   int64_t n, float out[FL_QT][FL_QT]) {
+    const size_t rb = (size_t)(n / FL_QK_K) * FL_Q6_K_BYTES;
     qk_token t[FL_QT];
     for (int j = 0; j < n_tok; j++) t[j] = token_view(x[j], n);
     for (int r = 0; r < FL_QT; r++) {
         float s[FL_QT] = {0.0f};
         for (int64_t sbi = 0; sbi < n / FL_QK_K; sbi++) {
             const uint8_t *sb = w[r] + sbi * FL_Q6_K_BYTES;
+            fli_prefetch(sb + Q6K_AHEAD * rb, FL_Q6_K_BYTES);  // Q6K_AHEAD rows on, if contiguous
             const float d = fl_load_fp16(sb + 208);
 #if defined(QK_512)
             q6k_unpacked o;  // once for all the tokens
