@@ -240,16 +240,11 @@ float fli_qk_qdot(int32_t dtype, const uint8_t *w, const uint8_t *x, int64_t n);
 void fli_q6k_tile(const uint8_t *const w[FL_QT], const uint8_t *const x[FL_QT], int32_t n_tok,
                   int64_t n, float out[FL_QT][FL_QT]);
 
-#if (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)) || \
-    (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define FLI_Q4K_TILE1 1
 /* out[r] = w[r] . x for FL_QT Q4_K rows and one token x quantized by fli_xq_quantize for q4_k
- * (n a multiple of FL_QK_K): fli_qdot_tile's n_tok == 1 in integer superblock sums (q4k.c:
- * AVX-512 VNNI or AVX2) */
+ * (n a multiple of FL_QK_K): fli_qdot_tile's n_tok == 1 in integer superblock sums (q4k.c) */
 void fli_q4k_tile1(const uint8_t *const w[FL_QT], const uint8_t *x, int64_t n, float out[FL_QT]);
-#endif
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 
 /* 4 activation bytes in every int32 lane: what the packed kernels' vpdpbusd meets */
 static inline __m512i fli_bcast4(const int8_t *p) {
@@ -257,6 +252,14 @@ static inline __m512i fli_bcast4(const int8_t *p) {
     memcpy(&v, p, 4);
     return _mm512_set1_epi32(v);
 }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define FLI_Q4K_TILEN 1
+/* out[r][t] = w[r] . x[t] for FL_QT Q4_K rows and n_tok (1..FL_QT) tokens quantized by
+ * fli_xq_quantize for q4_k (n a multiple of FL_QK_K), in integer superblock sums, each row's
+ * superblock unpacked once for the tokens (q4k.c): fli_qdot_tile's q4_k tiles, and prefill's
+ * (no panels: fli_has_panel) */
+void fli_q4k_tile(const uint8_t *const w[FL_QT], const uint8_t *const x[FL_QT], int32_t n_tok,
+                  int64_t n, float out[FL_QT][FL_QT]);
 #endif
 
 /* f32 dot of two contiguous vectors (n) */
@@ -328,9 +331,13 @@ void fli_qdot_tile(int32_t dtype, const uint8_t *const w[FL_QT], const uint8_t *
 
 /* ---- qgemm.c: the int8 GEMM of prefill over panels of FL_PR weight rows ------------------ */
 
-/* whether dtype has int8 GEMM panels (every quantized dtype but q5_k and q6_k, whose T > 1
- * products run the one-token dots per token) */
+/* whether dtype has int8 GEMM panels (every quantized dtype but q2_k, q5_k and q6_k, whose
+ * T > 1 products run the one-token dots per token, and under AVX2 q4_k, whose tiles of
+ * FL_QT tokens are faster) */
 static inline int fli_has_panel(int32_t dtype) {
+#if defined(FLI_Q4K_TILEN)  /* AVX2: q4_k's integer tiles beat its expanded panels */
+    if (dtype == FL_Q4_K) return 0;
+#endif
     return fli_is_quant(dtype) && dtype != FL_Q5_K && dtype != FL_Q6_K && dtype != FL_Q2_K;
 }
 

@@ -159,58 +159,85 @@ void fli_q4k_tile1(const uint8_t *const w[FL_QT], const uint8_t *x, int64_t n, f
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
-/* AVX2: the same integer superblock sums 32 bytes at a time. Per row and superblock the 6-bit
- * scales unpack once (fli_q4k_unpack); each 32 nibble bytes give two sub-blocks (low nibbles
- * 2k, high 2k + 1), each maddubs against its 32 token bytes and madd by its int16 scale into
- * one int32 sum; one convert and FMA by d * d_x per row and superblock. The mins meet the
- * token's 8 sub-block sums in one madd, converted and FMA'd by -dmin * d_x. */
+/* AVX2: the same integer superblock sums 32 bytes at a time, for 1..FL_QT tokens. Per row and
+ * superblock the 6-bit scales unpack once (fli_q4k_unpack) and each 32 nibble bytes once, for
+ * every token: two sub-blocks (low nibbles 2k, high 2k + 1), each maddubs against the token's
+ * 32 bytes and madd by its int16 scale into one int32 sum; one convert and FMA by d * d_x per
+ * row, token and superblock. The mins meet each token's 8 sub-block sums in one madd. */
 #define Q4K_AHEAD 8  /* rows ahead whose superblock is prefetched: measured 4, 8, 16 alike, 0 slower */
-static inline __m256i q4k_row_sum(const uint8_t *qs, __m256i scv, const int8_t *qx) {
+
+typedef struct {  // one token's side of superblock s
+    const int8_t *q;  // (256)
+    __m128i bs;       // (8) int16 sums per sub-block
+    float dx;
+} q4k_tok;
+
+static inline __attribute__((always_inline)) void q4k_row(const uint8_t *sb, const q4k_tok *t,
+                                                          int NT, __m256 acc[FL_QT],
+                                                          __m128 macc[FL_QT]) {
     const __m256i lo = _mm256_set1_epi8(0x0F);
-    __m256i p = _mm256_setzero_si256();
+    uint32_t u[4];
+    fli_q4k_unpack(sb, u);
+    const __m128i scm = _mm_setr_epi32((int)u[0], (int)u[1], (int)u[2], (int)u[3]);
+    const __m128i m16 = _mm_cvtepu8_epi16(_mm_srli_si128(scm, 8));  // (8) mins
+    const __m256i scv = _mm256_broadcastsi128_si256(scm);
+    const float d = fl_load_fp16(sb), dmin = fl_load_fp16(sb + 2);
+    __m256i p[FL_QT];
+    for (int j = 0; j < NT; j++) p[j] = _mm256_setzero_si256();
     for (int k = 0; k < 4; k++) {  // sub-blocks 2k (low nibbles) and 2k + 1 (high)
-        const __m256i z = _mm256_loadu_si256((const __m256i *)(qs + 32 * k));
-        const __m256i pl = _mm256_maddubs_epi16(_mm256_and_si256(z, lo),
-                                                _mm256_loadu_si256((const __m256i *)(qx + 64 * k)));
-        const __m256i ph = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(z, 4), lo),
-                                                _mm256_loadu_si256((const __m256i *)(qx + 64 * k + 32)));
+        const __m256i z = _mm256_loadu_si256((const __m256i *)(sb + 16 + 32 * k));
+        const __m256i vl = _mm256_and_si256(z, lo), vh = _mm256_and_si256(_mm256_srli_epi16(z, 4), lo);
         const __m256i sl = _mm256_shuffle_epi8(scv, _mm256_set1_epi16((short)(0x8000 | (2 * k))));
         const __m256i sh = _mm256_shuffle_epi8(scv, _mm256_set1_epi16((short)(0x8000 | (2 * k + 1))));
-        p = _mm256_add_epi32(p, _mm256_add_epi32(_mm256_madd_epi16(pl, sl), _mm256_madd_epi16(ph, sh)));
-    }
-    return p;
-}
-
-void fli_q4k_tile1(const uint8_t *const w[FL_QT], const uint8_t *x, int64_t n, float out[FL_QT]) {
-    const int64_t nb = n / FL_QK;
-    const int8_t *q = (const int8_t *)x;                                       // (n)
-    const float *scale = (const float *)(x + n);                               // (nb, 8)
-    const int16_t *bsum = (const int16_t *)(scale + 3 * nb * FL_XQ_LANES);     // (nb)
-    const size_t rb = (size_t)(n / FL_QK_K) * FL_Q4_K_BYTES;
-    __m256 acc[FL_QT];
-    __m128 macc[FL_QT];  // row r's min terms, 4 lanes
-    for (int r = 0; r < FL_QT; r++) acc[r] = _mm256_setzero_ps(), macc[r] = _mm_setzero_ps();
-    for (int64_t s = 0; s < n / FL_QK_K; s++) {
-        const int8_t *qx = q + s * FL_QK_K;                                    // (256)
-        const float dx = scale[s * 8 * FL_XQ_LANES];
-        const __m128i bs = _mm_loadu_si128((const __m128i *)(bsum + 8 * s));  // (8) int16
-        for (int r = 0; r < FL_QT; r++) {
-            const uint8_t *sb = w[r] + (size_t)s * FL_Q4_K_BYTES;
-            fli_prefetch(sb + Q4K_AHEAD * rb, FL_Q4_K_BYTES);  // the rows Q4K_AHEAD on, if contiguous
-            uint32_t u[4];
-            fli_q4k_unpack(sb, u);
-            const __m128i scm = _mm_setr_epi32((int)u[0], (int)u[1], (int)u[2], (int)u[3]);
-            const __m128i mp = _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_srli_si128(scm, 8)), bs);
-            macc[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(mp), _mm_set1_ps(-fl_load_fp16(sb + 2) * dx),
-                                   macc[r]);
-            const __m256i p = q4k_row_sum(sb + 16, _mm256_broadcastsi128_si256(scm), qx);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(fl_load_fp16(sb) * dx),
-                                     acc[r]);
+        for (int j = 0; j < NT; j++) {
+            const __m256i pl = _mm256_maddubs_epi16(vl, _mm256_loadu_si256((const __m256i *)(t[j].q + 64 * k)));
+            const __m256i ph = _mm256_maddubs_epi16(vh, _mm256_loadu_si256((const __m256i *)(t[j].q + 64 * k + 32)));
+            p[j] = _mm256_add_epi32(p[j], _mm256_add_epi32(_mm256_madd_epi16(pl, sl), _mm256_madd_epi16(ph, sh)));
         }
     }
+    for (int j = 0; j < NT; j++) {
+        macc[j] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(m16, t[j].bs)),
+                               _mm_set1_ps(-dmin * t[j].dx), macc[j]);
+        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[j]), _mm256_set1_ps(d * t[j].dx), acc[j]);
+    }
+}
+
+static inline __attribute__((always_inline)) void q4k_tile(const uint8_t *const w[FL_QT],
+                                                           const uint8_t *const x[FL_QT], int NT,
+                                                           int64_t n, float out[FL_QT][FL_QT]) {
+    const int64_t nb = n / FL_QK;
+    const size_t rb = (size_t)(n / FL_QK_K) * FL_Q4_K_BYTES;
     for (int r = 0; r < FL_QT; r++) {
-        const __m128 m = _mm_add_ps(macc[r], _mm_movehl_ps(macc[r], macc[r]));
-        out[r] = fli_hsum256(acc[r]) + (_mm_cvtss_f32(m) + _mm_cvtss_f32(_mm_shuffle_ps(m, m, 1)));
+        __m256 acc[FL_QT];
+        __m128 macc[FL_QT];  // the min terms, 4 lanes
+        for (int j = 0; j < NT; j++) acc[j] = _mm256_setzero_ps(), macc[j] = _mm_setzero_ps();
+        for (int64_t s = 0; s < n / FL_QK_K; s++) {
+            q4k_tok t[FL_QT];
+            for (int j = 0; j < NT; j++) {
+                const float *scale = (const float *)(x[j] + n);                           // (nb, 8)
+                const int16_t *bsum = (const int16_t *)(scale + 3 * nb * FL_XQ_LANES);   // (nb)
+                t[j].q = (const int8_t *)x[j] + s * FL_QK_K;
+                t[j].bs = _mm_loadu_si128((const __m128i *)(bsum + 8 * s));
+                t[j].dx = scale[s * 8 * FL_XQ_LANES];
+            }
+            const uint8_t *sb = w[r] + (size_t)s * FL_Q4_K_BYTES;
+            fli_prefetch(sb + Q4K_AHEAD * rb, FL_Q4_K_BYTES);  // the rows Q4K_AHEAD on, if contiguous
+            q4k_row(sb, t, NT, acc, macc);
+        }
+        for (int j = 0; j < NT; j++) {
+            const __m128 m = _mm_add_ps(macc[j], _mm_movehl_ps(macc[j], macc[j]));
+            out[r][j] = fli_hsum256(acc[j]) + (_mm_cvtss_f32(m) + _mm_cvtss_f32(_mm_shuffle_ps(m, m, 1)));
+        }
+    }
+}
+
+void fli_q4k_tile(const uint8_t *const w[FL_QT], const uint8_t *const x[FL_QT], int32_t n_tok,
+                  int64_t n, float out[FL_QT][FL_QT]) {
+    switch (n_tok) {
+    case 1: q4k_tile(w, x, 1, n, out); break;
+    case 2: q4k_tile(w, x, 2, n, out); break;
+    case 3: q4k_tile(w, x, 3, n, out); break;
+    default: q4k_tile(w, x, 4, n, out); break;
     }
 }
 #endif

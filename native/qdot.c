@@ -346,6 +346,12 @@ void fli_qdot_tile(int32_t dtype, const uint8_t *const w[FL_QT], const uint8_t *
     xq_view xv[FL_QT];
     for (int t = 0; t < FL_QT; t++) xv[t] = view(x[t], n);
     const int64_t nb = n / FL_QK;
+#ifdef FLI_Q4K_TILEN
+    if (dtype == FL_Q4_K && n % FL_QK_K == 0) {
+        fli_q4k_tile(w, x, n_tok, n, out);
+        return;
+    }
+#endif
 #ifdef FLI_Q4K_TILE1
     if (n_tok == 1 && dtype == FL_Q4_K && n % FL_QK_K == 0) {
         float o[FL_QT];
