@@ -94,105 +94,21 @@ void fli_qk_axpy(int32_t dtype, const uint8_t *row, float a, float *y, int64_t n
 
 /* ---- int8: the exact integer sum of one superblock ---------------------------------------- */
 
-#if defined(QK_256)
-static inline int32_t hsum_i32(__m256i acc) {  // the sum of the 8 int32 lanes
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-    return _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1)));
-}
-#endif
+#include "q6k_simd.h"
 
-#if defined(QK_512)
-/* a q6_k superblock unpacked once for any number of tokens: u (4 x 64 unsigned 6-bit values:
- * values 0..63, 64..127, 128..191, 192..255), per vector the int16 scales of its int16 pair
- * lanes (lane j of vector v: sub-block 4v + j / 8), and -32 * scales[k] (16 int16) */
-typedef struct {
-    __m512i u[4], sc[4];
-    __m256i neg32;
-} q6k_unpacked;
-
-static inline void q6k_unpack(const uint8_t *sb, q6k_unpacked *o) {
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(0x03);
-    const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(sb + 192)));
-    const __m512i sc16 = _mm512_castsi256_si512(s16);  // (16) int16
-    const __m512i eighth = _mm512_srli_epi16(  // int16 lane j -> j / 8
-        _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14,
-                         13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 3);
-    for (int h = 0; h < 2; h++) {
-        const __m512i ql = _mm512_loadu_si512(sb + 64 * h);  // (64)
-        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(sb + 128 + 32 * h)));
-        const __m512i ha = _mm512_and_si512(_mm512_srlv_epi64(qh, _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0)), m3);
-        const __m512i hb = _mm512_and_si512(_mm512_srlv_epi64(qh, _mm512_set_epi64(6, 6, 6, 6, 4, 4, 4, 4)), m3);
-        o->u[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_slli_epi16(ha, 4));
-        o->u[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
-                                          _mm512_slli_epi16(hb, 4));
-        const __m512i ia = _mm512_add_epi16(eighth, _mm512_set1_epi16((short)(8 * h)));
-        o->sc[2 * h] = _mm512_permutexvar_epi16(ia, sc16);
-        o->sc[2 * h + 1] = _mm512_permutexvar_epi16(_mm512_add_epi16(ia, _mm512_set1_epi16(4)), sc16);
-    }
-    o->neg32 = _mm256_mullo_epi16(s16, _mm256_set1_epi16(-32));
-}
-
-/* the superblock's exact isum with one token: sum over k of scales[k] * ((u - 32) . q), q (256)
- * the token's int8, bs (16) its sums per 16 values */
-static inline int32_t q6k_isum_u(const q6k_unpacked *o, const int8_t *q, const int16_t *bs) {
-    __m512i acc = _mm512_castsi256_si512(_mm256_madd_epi16(
-        o->neg32, _mm256_loadu_si256((const __m256i *)bs)));  // -32 * scales . sums, lanes 0..7
-    acc = _mm512_zextsi256_si512(_mm512_castsi512_si256(acc));
-    for (int v = 0; v < 4; v++)
-        acc = _mm512_add_epi32(acc, _mm512_madd_epi16(
-            _mm512_maddubs_epi16(o->u[v], _mm512_loadu_si512(q + 64 * v)), o->sc[v]));
-    return _mm512_reduce_add_epi32(acc);
-}
-#endif
-
-/* q6_k: the exact isum of superblock sb with a token: sum over the 16 sub-blocks k of
- * scales[k] * (u . q - 32 * bs[k]), u unsigned, q (256) the token's int8, bs (16) its sums per
- * 16 values */
-static int32_t q6k_isum(const uint8_t *sb, const int8_t *q, const int16_t *bs) {
-#if defined(QK_512)
-    q6k_unpacked o;
-    q6k_unpack(sb, &o);
-    return q6k_isum_u(&o, q, bs);
-#elif defined(QK_256)
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
-    const __m128i sc8 = _mm_loadu_si128((const __m128i *)(sb + 192));  // (16) int8 scales
-    __m256i acc = _mm256_madd_epi16(  // -32 * scales . bs: the offset of u, in the same sum
-        _mm256_mullo_epi16(_mm256_cvtepi8_epi16(sc8), _mm256_set1_epi16(-32)),
-        _mm256_loadu_si256((const __m256i *)bs));
-    for (int h = 0; h < 2; h++) {  // values 128h + 32g .. +31 (group g): sub-blocks 8h + 2g, + 1
-        const __m256i qa = _mm256_loadu_si256((const __m256i *)(sb + 64 * h));
-        const __m256i qb = _mm256_loadu_si256((const __m256i *)(sb + 64 * h + 32));
-        const __m256i qh = _mm256_loadu_si256((const __m256i *)(sb + 128 + 32 * h));
-        const __m256i u[4] = {  // group g: a nibble of qa / qb, bits 2g, 2g + 1 of qh as bits 4, 5
-            _mm256_or_si256(_mm256_and_si256(qa, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30)),
-            _mm256_or_si256(_mm256_and_si256(qb, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30)),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qa, 4), m4), _mm256_and_si256(qh, m30)),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qb, 4), m4),
-                            _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30))};
-        for (int g = 0; g < 4; g++) {
-            const char k = (char)(8 * h + 2 * g);  // [scales[k] x8 | scales[k + 1] x8] as int16
-            const __m128i pick = _mm_setr_epi8(k, k, k, k, k, k, k, k, (char)(k + 1), (char)(k + 1),
-                                               (char)(k + 1), (char)(k + 1), (char)(k + 1),
-                                               (char)(k + 1), (char)(k + 1), (char)(k + 1));
-            const __m256i sc = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, pick));
-            const __m256i p = _mm256_maddubs_epi16(
-                u[g], _mm256_loadu_si256((const __m256i *)(q + 128 * h + 32 * g)));
-            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, sc));
-        }
-    }
-    return hsum_i32(acc);
-#else
+#if !defined(QK_512) && !defined(QK_256)
+/* q6_k in plain C: the exact isum of superblock sb with a token, sum over the 16 sub-blocks k
+ * of scales[k] * ((u - 32) . q), q (256) the token's int8 (the vector builds: q6k_isum_u) */
+static int32_t q6k_isum(const uint8_t *sb, const int8_t *q) {
     int32_t s = 0;
     for (int k = 0; k < 16; k++) {
         int32_t t = 0;
         for (int i = 0; i < 16; i++) t += (q6k_u(sb, 16 * k + i) - 32) * q[16 * k + i];
         s += (int8_t)sb[192 + k] * t;
     }
-    (void)bs;
     return s;
-#endif
 }
+#endif
 
 /* q2_k: sum over the 16 sub-blocks k of sc_k * (u . q) (u in 0..3, q the token's int8) */
 static int32_t q2k_isum(const uint8_t *sb, const int8_t *q) {
@@ -314,7 +230,15 @@ static inline qk_token token_view(const uint8_t *x, int64_t n) {
 
 /* the exact q6_k isum of superblock sbi (its bytes sb) with token t */
 static inline int32_t q6k_isum_token(const uint8_t *sb, const qk_token *t, int64_t sbi) {
-    return q6k_isum(sb, t->q + sbi * FL_QK_K, t->bsum16 + 16 * sbi);
+#if defined(QK_256)
+    return q6k_isum1(sb, t->q + sbi * FL_QK_K, t->bsum16 + 16 * sbi);
+#elif defined(QK_512)
+    q6k_unpacked o;
+    q6k_unpack(sb, &o);
+    return q6k_isum_u(&o, t->q + sbi * FL_QK_K, t->bsum16 + 16 * sbi);
+#else
+    return q6k_isum(sb, t->q + sbi * FL_QK_K);
+#endif
 }
 
 float fli_qk_qdot(int32_t dtype, const uint8_t *w, const uint8_t *x, int64_t n) {
@@ -331,14 +255,7 @@ float fli_qk_qdot(int32_t dtype, const uint8_t *w, const uint8_t *x, int64_t n) 
             continue;
         }
         if (dtype == FL_Q6_K) {
-#if defined(QK_512)
-            q6k_unpacked o;
-            q6k_unpack(sb, &o);
-            const int32_t isum = q6k_isum_u(&o, t.q + sbi * FL_QK_K, t.bsum16 + 16 * sbi);
-#else
-            const int32_t isum = q6k_isum_token(sb, &t, sbi);
-#endif
-            s += fl_load_fp16(sb + 208) * dx * (float)isum;
+            s += fl_load_fp16(sb + 208) * dx * (float)q6k_isum_token(sb, &t, sbi);
             continue;
         }
         uint32_t u[4];
@@ -365,12 +282,18 @@ void fli_q6k_tile(const uint8_t *const w[FL_QT], const uint8_t *const x[FL_QT], 
             const uint8_t *sb = w[r] + sbi * FL_Q6_K_BYTES;
             fli_prefetch(sb + Q6K_AHEAD * rb, FL_Q6_K_BYTES);  // Q6K_AHEAD rows on, if contiguous
             const float d = fl_load_fp16(sb + 208);
-#if defined(QK_512)
+#if defined(QK_256)
+            if (n_tok == 1) {  // the fused form: nothing to share
+                s[0] += d * t[0].scale[sbi * 8 * FL_XQ_LANES] * (float)q6k_isum_token(sb, &t[0], sbi);
+                continue;
+            }
+#endif
+#if defined(QK_512) || defined(QK_256)
             q6k_unpacked o;  // once for all the tokens
             q6k_unpack(sb, &o);
 #endif
             for (int j = 0; j < n_tok; j++) {
-#if defined(QK_512)
+#if defined(QK_512) || defined(QK_256)
                 const int32_t isum = q6k_isum_u(&o, t[j].q + sbi * FL_QK_K, t[j].bsum16 + 16 * sbi);
 #else
                 const int32_t isum = q6k_isum_token(sb, &t[j], sbi);
