@@ -172,11 +172,29 @@ def test_cli_self_draft_greedy_equals_plain_smollm2(monkeypatch):
             "--no-sparse-head"]   # (both plans stream the whole head: the test of the sparse head
                                   # is test_sparse_head.py; plans whose caches differ may sum the
                                   # FFN in another order and part at a near-tie)
-    plain = cli(*args, "--no-timings", monkeypatch=monkeypatch)
+    plain = cli(*args, "--draft", "0", "--stats", monkeypatch=monkeypatch)
     fast = cli(*args, "--draft", "3", "--draft-kind", "self", "--stats", monkeypatch=monkeypatch)
     assert plain.exit_code == 0 and fast.exit_code == 0, fast.output
     assert fast.stdout == plain.stdout
     assert "draft head" in fast.stderr and "guessed" in fast.stderr and "kept" in fast.stderr
+    assert "draft head" not in plain.stderr and "guessed" not in plain.stderr
+    auto = cli(*args, "--stats", monkeypatch=monkeypatch)      # the default under this budget
+    assert auto.exit_code == 0 and auto.stdout == plain.stdout, auto.output
+    assert "draft head" in auto.stderr and "guessed" in auto.stderr
+
+
+@pytest.mark.realmodel
+def test_cli_drafts_by_default_only_where_the_ffn_streams(monkeypatch):
+    """Without --draft a run drafts from the resident model only under a budget whose caches
+    hold part of the FFN: not without a budget, not with --naive, not when every neuron is
+    cached (the draft would be the model)."""
+    from conftest import _converted
+    path = str(_converted("smollm2-135m", "native", log=lambda m: None))
+    args = [path, "-p", "The capital of France is", "-n", "12", "--temp", "0", "--stats"]
+    for extra in ([], ["--dram-budget", "180MiB", "--naive"], ["--dram-budget", "2GiB"]):
+        r = cli(*args, *extra, monkeypatch=monkeypatch)
+        assert r.exit_code == 0, r.output
+        assert "guessed" not in r.stderr and "draft head" not in r.stderr, (extra, r.stderr)
 
 
 def test_cli_refuses_a_self_draft_without_a_budget(tmp_path, monkeypatch):

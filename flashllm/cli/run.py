@@ -11,7 +11,7 @@ from typing import Optional
 
 import typer
 
-from flashllm.runtime.assemble import DRAFT_HEAD_ROWS, DRAFT_KINDS, PREDICTOR_MODES
+from flashllm.runtime.assemble import AUTO_DRAFT, DRAFT_HEAD_ROWS, DRAFT_KINDS, PREDICTOR_MODES
 from flashllm.cli.app import (DEFAULT_THREADS, MAX_THREADS, cache_dir, choice, command, err, fail,
                               model_path)
 
@@ -50,14 +50,20 @@ def run(
     predictor: PredictorMode = typer.Option("auto", "--predictor", help="With --dram-budget: use the model's "
                                   "predictor (from calibrate): auto (when it is expected to make "
                                   "tokens faster within the budget), on, or off."),
-    draft: int = typer.Option(0, "--draft", min=0, help="Speculative decoding: check up to N tokens "
-                              "guessed from the context in each pass (prompt lookup; as many as "
-                              "pay, learned while running; 0: off). Tokens are drawn from the "
-                              "same distributions; pays where the answer repeats the context."),
-    draft_kind: DraftKind = typer.Option("lookup", "--draft-kind", help="Where --draft's guesses "
-                                         "come from: lookup (the context's n-grams) or self (the "
-                                         "model's resident part under --dram-budget: its cached "
-                                         "neurons, no flash read)."),
+    draft: Optional[int] = typer.Option(None, "--draft", min=0, help="Speculative decoding: "
+                                        "check up to N guessed tokens in each pass (as many as "
+                                        "pay, learned while running; 0: off). Tokens are drawn "
+                                        "from the same distributions. Default: under "
+                                        f"--dram-budget, when the FFN streams, {AUTO_DRAFT} "
+                                        "guesses of the model's resident part (--draft-kind "
+                                        "self); else off."),
+    draft_kind: Optional[DraftKind] = typer.Option(None, "--draft-kind", help="Where --draft's "
+                                                   "guesses come from: lookup (the context's "
+                                                   "n-grams; the default with --draft N; pays "
+                                                   "where the answer repeats the context) or self "
+                                                   "(the model's resident part under "
+                                                   "--dram-budget: its cached neurons, no flash "
+                                                   "read)."),
     draft_p_min: float = typer.Option(0.5, "--draft-p-min", min=0.0, max=1.0, help="--draft-kind "
                                       "self: stop drafting after a guess the draft gives less "
                                       "than this probability."),
@@ -95,9 +101,11 @@ def run(
 
     if interactive and (prompt is not None or file is not None):
         fail("give a prompt (-p/-f) or -i/--chat, not both")
-    if draft < 0:
-        fail(f"--draft {draft}: give the most guesses a pass may check (0: off)")
-    self_draft = draft > 0 and draft_kind.value == "self"
+    auto_draft = draft is None and draft_kind is None and dram_budget is not None \
+        and not (naive or dense)
+    kind = draft_kind.value if draft_kind is not None else "lookup"
+    draft = draft if draft is not None else AUTO_DRAFT if draft_kind is not None else 0
+    self_draft = draft > 0 and kind == "self"
     if self_draft and dram_budget is None:
         fail("--draft-kind self drafts from the part of the model a --dram-budget keeps in DRAM: "
              "give --dram-budget (with everything in DRAM, use --draft-kind lookup)")
@@ -123,6 +131,10 @@ def run(
     if not interactive:          # one-shot: the KV cache holds the prompt and the tokens to make
         n_ctx = len(ids) + n_predict
         plan = plan and plan_run(path, fopts, n_ctx, process)
+    if auto_draft:
+        fopts, plan, self_draft = _auto_self_draft(path, flash, fopts, plan, n_ctx, process,
+                                                   draft_head_rows)
+        draft, kind = (AUTO_DRAFT, "self") if self_draft else (0, kind)
     if plan is not None and not interactive:
         tok.release(keep_source=False)   # never encodes again; decoding needs only the table
     ffn = make_ffn(flash, fopts, plan, threads, cache_dir(), log=lambda m: err.print(m, markup=False))
@@ -133,7 +145,7 @@ def run(
                 head=head)
     sampler = Sampler(params)
     try:
-        drafter = _drafter(net, sampler, draft, draft_kind.value, draft_p_min, draft_head_rows)
+        drafter = _drafter(net, sampler, draft, kind, draft_p_min, draft_head_rows)
         if interactive:
             _chat(flash, net, tok, sampler, system, chat_template, n_predict, as_json, drafter)
         else:
@@ -198,6 +210,22 @@ def _drafter(net, sampler, n_draft: int, kind: str, p_min: float, head_rows: int
     from flashllm.generation.self_draft import SelfDraft
     from flashllm.runtime.resident import resident_model
     return SelfDraft(resident_model(net, head_rows), sampler, n_draft, p_min)
+
+
+def _auto_self_draft(path, flash, fopts, plan, n_ctx: int, process: int, rows: int):
+    """(options, plan, on) of a run without --draft under a budget: the plan with a self draft's
+    head rows when the draft is expected to pay (assemble.drafts_by_default) and they fit the
+    budget, else the plain plan, undrafted."""
+    import dataclasses
+    from flashllm.runtime.assemble import drafts_by_default, plan_run
+    from flashllm.runtime.budget import BudgetError
+    if not drafts_by_default(flash, fopts, plan):
+        return fopts, plan, False
+    drafted = dataclasses.replace(fopts, draft_rows=rows)
+    try:
+        return drafted, plan_run(path, drafted, n_ctx, process), True
+    except BudgetError:                  # the head rows do not fit: plain decoding
+        return fopts, plan, False
 
 
 def _complete(net, tok, sampler, ids: list[int], n_predict: int, draft=None):

@@ -23,6 +23,7 @@ READER_THREADS = 16             # staging buffers the budget reserves for the re
 PREDICTOR_MODES = ("auto", "on", "off")
 DRAFT_KINDS = ("lookup", "self")  # --draft-kind: prompt lookup, the resident model
 DRAFT_HEAD_ROWS = 16384         # a self draft's output head rows when the head streams
+AUTO_DRAFT = 6                  # guesses a pass may check when `run` drafts by default (self)
 READ_GIB_S = 2.0                # the auto predictor rule's device and DRAM speeds: only their
 DRAM_GIB_S = 10.0               # ratio matters (measured: docs/MEASUREMENTS.md, "Device and DRAM")
 GATHER_COST = 1.5              # a predicted pass's FFN computes scattered rows: measured ~1.5x
@@ -153,6 +154,19 @@ def token_seconds(plan: BudgetPlan, load: float, predictor_bytes: int, read_ahea
     touched = load * ffn * (1.0 if read_ahead else GATHER_COST) + predictor_bytes
     read_s, touch_s = read / (READ_GIB_S * 2**30), touched / (DRAM_GIB_S * 2**30)
     return max(read_s, touch_s) if read_ahead else read_s + touch_s
+
+
+def drafts_by_default(flash, opts: FlashOptions, plain: Optional[BudgetPlan]) -> bool:
+    """Whether `run` without --draft drafts from the resident model (--draft-kind self): when
+    `plain`, the plan without a draft, streams the FFN of a dense-FFN model from caches that
+    hold some but not all of its neurons (with all of them the draft would be the model), with
+    every layer's attention resident (what the draft computes from) and no predictor. The
+    guesses a pass checks are learned from acceptance (speculate.DraftLength: none when they do
+    not pay); measured: BENCHMARKS.md."""
+    if plain is None or opts.naive or opts.dense or opts.check or plain.predictor \
+            or flash.config.n_experts or not 0 < plain.capacity < plain.n_ff:
+        return False
+    return not any(n.startswith("blk.") for n in plain.streamed)
 
 
 def make_weights(flash, plan: Optional[BudgetPlan], n_threads: int):

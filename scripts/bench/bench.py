@@ -7,7 +7,7 @@ Dense decode (issue 2): SmolLM2-135M converted at f16 / q8_0 / q4_0 / q4_1, `fla
 prefill tok/s (median of 3), next to llama.cpp on the same GGUF with both OMP wait policies (the
 faster is the reference).
 Flash inference (issues 4/5): Qwen2.5-Coder-1.5B and SmolLM2-135M under cgroup-v1 memory caps, cold
-cache, flashllm sparse / --naive / dense and llama.cpp; the rows whose `flashllm run` option does
+cache, flashllm (default) / --naive / dense and llama.cpp; the rows whose `flashllm run` option does
 not exist yet say "not available yet". --quick: SmolLM2 only, 32 tokens, one run each.
 Each capped flashllm row is bracketed by two 4-s read probes (read_probe.py) so its read rate
 can be set against the device's rate of those minutes.
@@ -208,24 +208,22 @@ def flash_caps(name: str, floor: Optional[int], ffn_bytes: int) -> List[tuple]:
 def contenders(budget: Optional[str], fits: bool, opts: Dict[str, bool],
                reads_less: bool = False) -> List[tuple]:
     """(label, extra run options, missing option or None) for one cap; reads_less: also the
-    options that cut a capped run's bytes a token (the sparse head, self-drafting)."""
+    options that change a capped run's bytes a token (the sparse head; `--draft 0` turns off
+    the self-drafting a run under a budget does by default)."""
     stats = ["--stats"] if opts["--stats"] else []
     b = ["--dram-budget", budget or "16GiB"]  # unlimited: more than the model needs
 
     def missing(*names: str) -> Optional[str]:
         return next((n for n in names if not opts[n]), None)
 
-    rows = [("flashllm sparse", b + stats, missing("--dram-budget")),
+    rows = [("flashllm (default)", b + stats, missing("--dram-budget")),
             ("flashllm --naive", b + ["--naive"] + stats, missing("--dram-budget", "--naive"))]
-    if budget and reads_less:           # issue 15: what cuts the bytes a token reads, alone and together
-        rows += [("flashllm --sparse-head", b + ["--sparse-head"] + stats,
+    if budget and reads_less:           # issue 15: the default's self-draft off, the sparse head on
+        rows += [("flashllm --draft 0", b + ["--draft", "0"] + stats, missing("--dram-budget")),
+                 ("flashllm --sparse-head", b + ["--sparse-head"] + stats,
                   missing("--dram-budget", "--sparse-head")),
-                 ("flashllm --draft 6 --draft-kind self",
-                  b + ["--draft", "6", "--draft-kind", "self"] + stats,
-                  missing("--dram-budget", "--draft-kind")),
-                 ("flashllm --sparse-head --draft 6 --draft-kind self",
-                  b + ["--sparse-head", "--draft", "6", "--draft-kind", "self"] + stats,
-                  missing("--dram-budget", "--sparse-head", "--draft-kind"))]
+                 ("flashllm --sparse-head --draft 0", b + ["--sparse-head", "--draft", "0"] + stats,
+                  missing("--dram-budget", "--sparse-head"))]
     if fits:
         dense = ["--dense"] if opts["--dense"] else []
         rows.append(("flashllm dense" + (" --dense" if dense else " (default run)"), dense, None))
