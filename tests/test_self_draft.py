@@ -204,3 +204,32 @@ def test_cli_refuses_a_self_draft_without_a_budget(tmp_path, monkeypatch):
     assert r.exit_code == 1 and r.output.startswith("error: --draft-kind self drafts from")
     bad = cli(str(tmp_path / "m"), "-p", "a", "--draft-kind", "oracle", monkeypatch=monkeypatch)
     assert bad.exit_code == 2 and "'--draft-kind'" in bad.output
+
+
+@pytest.mark.realmodel
+def test_cli_default_keeps_plain_decoding_where_the_draft_would_stream_attention(monkeypatch):
+    """A budget where the plain plan keeps every attention layer in DRAM but the draft's head rows
+    would push some out (the resident model then cannot run): the default decodes plainly."""
+    import dataclasses
+    from conftest import _converted
+    from flashllm.runtime.assemble import DRAFT_HEAD_ROWS, FlashOptions, plan_run
+    path = _converted("smollm2-135m", "native", log=lambda m: None)
+    plain_opts = FlashOptions(dram_budget="")
+    tight = None
+    for mib in range(110, 260, 2):
+        opts = dataclasses.replace(plain_opts, dram_budget=f"{mib}MiB")
+        try:
+            plain = plan_run(path, opts, 64, 100 * MiB)
+            drafted = plan_run(path, dataclasses.replace(opts, draft_rows=DRAFT_HEAD_ROWS), 64,
+                               100 * MiB)
+        except budget.BudgetError:
+            continue
+        blk = lambda p: any(n.startswith("blk.") for n in p.streamed)   # noqa: E731
+        if not blk(plain) and blk(drafted) and 0 < plain.capacity < plain.n_ff:
+            tight = mib
+            break
+    assert tight is not None, "no budget where the draft's rows push attention out"
+    r = cli(str(path), "-p", "The capital of France is", "-n", "6", "--temp", "0",
+            "--dram-budget", f"{tight}MiB", "--stats", monkeypatch=monkeypatch)
+    assert r.exit_code == 0, r.output
+    assert "draft head" not in r.stderr and "guessed" not in r.stderr

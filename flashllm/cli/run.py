@@ -214,8 +214,9 @@ def _drafter(net, sampler, n_draft: int, kind: str, p_min: float, head_rows: int
 
 def _auto_self_draft(path, flash, fopts, plan, n_ctx: int, process: int, rows: int):
     """(options, plan, on) of a run without --draft under a budget: the plan with a self draft's
-    head rows when the draft is expected to pay (assemble.drafts_by_default) and they fit the
-    budget, else the plain plan, undrafted."""
+    head rows when the draft is expected to pay (assemble.drafts_by_default) and the plan with
+    its rows still does (they fit, and leave every attention layer and some neurons in DRAM),
+    else the plain plan, undrafted."""
     import dataclasses
     from flashllm.runtime.assemble import drafts_by_default, plan_run
     from flashllm.runtime.budget import BudgetError
@@ -223,9 +224,12 @@ def _auto_self_draft(path, flash, fopts, plan, n_ctx: int, process: int, rows: i
         return fopts, plan, False
     drafted = dataclasses.replace(fopts, draft_rows=rows)
     try:
-        return drafted, plan_run(path, drafted, n_ctx, process), True
+        with_rows = plan_run(path, drafted, n_ctx, process)
     except BudgetError:                  # the head rows do not fit: plain decoding
         return fopts, plan, False
+    if not drafts_by_default(flash, drafted, with_rows):   # they pushed attention out of DRAM
+        return fopts, plan, False
+    return drafted, with_rows, True
 
 
 def _complete(net, tok, sampler, ids: list[int], n_predict: int, draft=None):
