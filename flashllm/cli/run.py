@@ -56,7 +56,7 @@ def run(
                                         "from the same distributions. Default: under "
                                         f"--dram-budget, when the FFN streams, {AUTO_DRAFT} "
                                         "guesses of the model's resident part (--draft-kind "
-                                        "self); else off."),
+                                        "self) in a one-shot run; else off."),
     draft_kind: Optional[DraftKind] = typer.Option(None, "--draft-kind", help="Where --draft's "
                                                    "guesses come from: lookup (the context's "
                                                    "n-grams; the default with --draft N; pays "
@@ -102,7 +102,7 @@ def run(
     if interactive and (prompt is not None or file is not None):
         fail("give a prompt (-p/-f) or -i/--chat, not both")
     auto_draft = draft is None and draft_kind is None and dram_budget is not None \
-        and not (naive or dense)
+        and not (naive or dense or interactive)   # measured on one-shot runs only (BENCHMARKS.md)
     kind = draft_kind.value if draft_kind is not None else "lookup"
     draft = draft if draft is not None else AUTO_DRAFT if draft_kind is not None else 0
     self_draft = draft > 0 and kind == "self"
