@@ -170,6 +170,20 @@ static inline void fli_q4k_scales(const uint8_t *sb, float sc[8], float mn[8]) {
 }
 
 #if defined(__AVX2__) && defined(__F16C__)
+/* Q6_K superblock sb, half h (values 128h ..): u[g] (32 bytes) the unsigned 6-bit values
+ * 128h + 32g .. +31 — a nibble of ql (low for g < 2) and bits 2g, 2g + 1 of qh as bits 4, 5 */
+static inline void fli_q6k_half(const uint8_t *sb, int h, __m256i u[4]) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    const __m256i qa = _mm256_loadu_si256((const __m256i *)(sb + 64 * h));
+    const __m256i qb = _mm256_loadu_si256((const __m256i *)(sb + 64 * h + 32));
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(sb + 128 + 32 * h));
+    u[0] = _mm256_or_si256(_mm256_and_si256(qa, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
+    u[1] = _mm256_or_si256(_mm256_and_si256(qb, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
+    u[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qa, 4), m4), _mm256_and_si256(qh, m30));
+    u[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qb, 4), m4),
+                           _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
+}
+
 /* Q4_K superblock sb: *sc (8) = d * sc_j, *mn (8) = -dmin * m_j (fli_q4k_scales in vectors) */
 static inline void fli_q4k_scales8(const uint8_t *sb, __m256 *sc, __m256 *mn) {
     uint32_t u[4];

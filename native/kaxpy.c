@@ -177,18 +177,10 @@ static void kx_axpy_sb(int32_t dtype, const uint8_t *const sb[KQ_MAX], const flo
 
 /* AVX2: q6k_values with 32-byte vectors: runs k = 0..3 of half h, 32 values each */
 static inline void q6k_values(const uint8_t *sb, int8_t *u) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
     const __m256i k32 = _mm256_set1_epi8(32);
     for (int h = 0; h < 2; h++) {
-        const __m256i l0 = _mm256_loadu_si256((const __m256i *)(sb + 64 * h));
-        const __m256i l1 = _mm256_loadu_si256((const __m256i *)(sb + 64 * h + 32));
-        const __m256i qh = _mm256_loadu_si256((const __m256i *)(sb + 128 + 32 * h));
-        const __m256i v[4] = {
-            _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30)),
-            _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30)),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(qh, m30)),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                            _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30))};
+        __m256i v[4];
+        fli_q6k_half(sb, h, v);
         for (int k = 0; k < 4; k++)
             _mm256_storeu_si256((__m256i *)(u + 128 * h + 32 * k), _mm256_sub_epi8(v[k], k32));
     }

@@ -207,6 +207,12 @@ static inline __attribute__((always_inline)) void q4k_tile(const uint8_t *const 
                                                            int64_t n, float out[FL_QT][FL_QT]) {
     const int64_t nb = n / FL_QK;
     const size_t rb = (size_t)(n / FL_QK_K) * FL_Q4_K_BYTES;
+    const float *scale[FL_QT];    // token j's (nb, 8) scale lanes
+    const int16_t *bsum[FL_QT];   // token j's (nb) sums per sub-block
+    for (int j = 0; j < NT; j++) {
+        scale[j] = (const float *)(x[j] + n);
+        bsum[j] = (const int16_t *)(scale[j] + 3 * nb * FL_XQ_LANES);
+    }
     for (int r = 0; r < FL_QT; r++) {
         __m256 acc[FL_QT];
         __m128 macc[FL_QT];  // the min terms, 4 lanes
@@ -214,11 +220,9 @@ static inline __attribute__((always_inline)) void q4k_tile(const uint8_t *const 
         for (int64_t s = 0; s < n / FL_QK_K; s++) {
             q4k_tok t[FL_QT];
             for (int j = 0; j < NT; j++) {
-                const float *scale = (const float *)(x[j] + n);                           // (nb, 8)
-                const int16_t *bsum = (const int16_t *)(scale + 3 * nb * FL_XQ_LANES);   // (nb)
                 t[j].q = (const int8_t *)x[j] + s * FL_QK_K;
-                t[j].bs = _mm_loadu_si128((const __m128i *)(bsum + 8 * s));
-                t[j].dx = scale[s * 8 * FL_XQ_LANES];
+                t[j].bs = _mm_loadu_si128((const __m128i *)(bsum[j] + 8 * s));
+                t[j].dx = scale[j][s * 8 * FL_XQ_LANES];
             }
             const uint8_t *sb = w[r] + (size_t)s * FL_Q4_K_BYTES;
             fli_prefetch(sb + Q4K_AHEAD * rb, FL_Q4_K_BYTES);  // the rows Q4K_AHEAD on, if contiguous

@@ -59,33 +59,32 @@ static inline int32_t q6k_isum_u(const q6k_unpacked *o, const int8_t *q, const i
 
 #if defined(QK_256)
 /* a q6_k superblock unpacked once for any number of tokens (AVX2): u[4h + g] the unsigned 6-bit
- * values 128h + 32g .. +31, sc[4h + g] the int16 scales of their two sub-blocks (lanes 0..7:
- * sub-block 8h + 2g, 8..15: the next), neg32 (16) -32 * scales */
+ * values 128h + 32g .. +31 (fli_q6k_half), sc[4h + g] the int16 scales of their two sub-blocks,
+ * neg32 (16) -32 * scales */
 typedef struct {
     __m256i u[8], sc[8], neg32;
 } q6k_unpacked;
 
+/* [scales[k] x8 | scales[k + 1] x8] as int16, from the 16 int8 scales sc8 (k = 8h + 2g: the
+ * sub-blocks of values 128h + 32g .. +31) */
+static inline __m256i q6k_pair_scales(__m128i sc8, int k) {
+    const char a = (char)k, b = (char)(k + 1);
+    return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, _mm_setr_epi8(a, a, a, a, a, a, a, a, b, b, b,
+                                                                    b, b, b, b, b)));
+}
+
+/* -32 * scales . bs: the offset of u against a token's sums per 16 values bs (16) */
+static inline __m256i q6k_offset(__m128i sc8, const int16_t *bs) {
+    return _mm256_madd_epi16(_mm256_mullo_epi16(_mm256_cvtepi8_epi16(sc8), _mm256_set1_epi16(-32)),
+                             _mm256_loadu_si256((const __m256i *)bs));
+}
+
 static inline void q6k_unpack(const uint8_t *sb, q6k_unpacked *o) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
     const __m128i sc8 = _mm_loadu_si128((const __m128i *)(sb + 192));  // (16) int8 scales
     o->neg32 = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(sc8), _mm256_set1_epi16(-32));
-    for (int h = 0; h < 2; h++) {  // group g: a nibble of qa / qb, bits 2g, 2g + 1 of qh as bits 4, 5
-        const __m256i qa = _mm256_loadu_si256((const __m256i *)(sb + 64 * h));
-        const __m256i qb = _mm256_loadu_si256((const __m256i *)(sb + 64 * h + 32));
-        const __m256i qh = _mm256_loadu_si256((const __m256i *)(sb + 128 + 32 * h));
-        __m256i *u = o->u + 4 * h;
-        u[0] = _mm256_or_si256(_mm256_and_si256(qa, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
-        u[1] = _mm256_or_si256(_mm256_and_si256(qb, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
-        u[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qa, 4), m4), _mm256_and_si256(qh, m30));
-        u[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qb, 4), m4),
-                               _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
-        for (int g = 0; g < 4; g++) {
-            const char k = (char)(8 * h + 2 * g);  // [scales[k] x8 | scales[k + 1] x8] as int16
-            const __m128i pick = _mm_setr_epi8(k, k, k, k, k, k, k, k, (char)(k + 1), (char)(k + 1),
-                                               (char)(k + 1), (char)(k + 1), (char)(k + 1),
-                                               (char)(k + 1), (char)(k + 1), (char)(k + 1));
-            o->sc[4 * h + g] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, pick));
-        }
+    for (int h = 0; h < 2; h++) {
+        fli_q6k_half(sb, h, o->u + 4 * h);
+        for (int g = 0; g < 4; g++) o->sc[4 * h + g] = q6k_pair_scales(sc8, 8 * h + 2 * g);
     }
 }
 
@@ -98,33 +97,18 @@ static inline int32_t q6k_isum_u(const q6k_unpacked *o, const int8_t *q, const i
             _mm256_maddubs_epi16(o->u[v], _mm256_loadu_si256((const __m256i *)(q + 32 * v))), o->sc[v]));
     return hsum_i32(acc);
 }
-#endif
 
-#if defined(QK_256)
 /* q6k_isum_u of one token without keeping the unpacked superblock (faster for one token) */
 static int32_t q6k_isum1(const uint8_t *sb, const int8_t *q, const int16_t *bs) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
     const __m128i sc8 = _mm_loadu_si128((const __m128i *)(sb + 192));  // (16) int8 scales
-    __m256i acc = _mm256_madd_epi16(_mm256_mullo_epi16(_mm256_cvtepi8_epi16(sc8), _mm256_set1_epi16(-32)),
-                                    _mm256_loadu_si256((const __m256i *)bs));
+    __m256i acc = q6k_offset(sc8, bs);
     for (int h = 0; h < 2; h++) {
-        const __m256i qa = _mm256_loadu_si256((const __m256i *)(sb + 64 * h));
-        const __m256i qb = _mm256_loadu_si256((const __m256i *)(sb + 64 * h + 32));
-        const __m256i qh = _mm256_loadu_si256((const __m256i *)(sb + 128 + 32 * h));
-        const __m256i u[4] = {  // as q6k_unpack
-            _mm256_or_si256(_mm256_and_si256(qa, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30)),
-            _mm256_or_si256(_mm256_and_si256(qb, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30)),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qa, 4), m4), _mm256_and_si256(qh, m30)),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qb, 4), m4),
-                            _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30))};
+        __m256i u[4];
+        fli_q6k_half(sb, h, u);
         for (int g = 0; g < 4; g++) {
-            const char k = (char)(8 * h + 2 * g);
-            const __m128i pick = _mm_setr_epi8(k, k, k, k, k, k, k, k, (char)(k + 1), (char)(k + 1),
-                                               (char)(k + 1), (char)(k + 1), (char)(k + 1),
-                                               (char)(k + 1), (char)(k + 1), (char)(k + 1));
             const __m256i p = _mm256_maddubs_epi16(
                 u[g], _mm256_loadu_si256((const __m256i *)(q + 128 * h + 32 * g)));
-            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, pick))));
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, q6k_pair_scales(sc8, 8 * h + 2 * g)));
         }
     }
     return hsum_i32(acc);
