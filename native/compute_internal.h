@@ -384,26 +384,8 @@ static inline float fli_activate(int32_t act, float v) {
 /* h (n) = silu(g) * u = g / (1 + exp(-g)) * u, g u h (n) f32 */
 void fli_silu_mul(const float *g, const float *u, float *h, int64_t n);
 
-/* ---- pool.c: the worker threads ------------------------------------------------------------ */
-
-/* a parallel section's work, run by every thread taking part; it takes its work in chunks
- * (fli_take) from a counter in ctx, so the result cannot depend on how many threads ran it */
-typedef void (*fli_task)(void *ctx);
-
-/* fn(ctx) on up to n_threads threads at once (the calling thread one of them), returning when
- * every one that took part has finished; per-thread state lives on a task's stack or heap */
-void fli_parallel(int32_t n_threads, fli_task fn, void *ctx);
-
 #pragma GCC visibility pop
 
-/* the next chunk [*lo, *hi) of n items, chunk at a time from *next; 0 when none is left */
-static inline int fli_take(atomic_llong *next, int64_t n, int64_t chunk, int64_t *lo,
-                           int64_t *hi) {
-    const int64_t i = atomic_fetch_add(next, chunk);
-    if (i >= n) return 0;
-    *lo = i;
-    *hi = i + chunk < n ? i + chunk : n;
-    return 1;
-}
+#include "pool_internal.h"
 
 #endif /* FLASHLLM_SIMD_H */

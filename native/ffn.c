@@ -4,7 +4,8 @@
  * Face "gelu"); GELU_TANH the tanh approximation 0.5*x*(1+tanh(sqrt(2/pi)*(x+0.044715*x^3)))
  * (Hugging Face "gelu_pytorch_tanh" / "gelu_new", Gemma's GeGLU); ReLU. The bundles are cut into a number of chunks that depends on the work alone
  * (never on the thread count, so results are the same bits on any number of threads); threads
- * take chunks as they come free, each chunk accumulates into its own (T, d) partial, and the
+ * take chunks from a contiguous part each (fli_split), then from the others' parts, each chunk
+ * accumulates into its own (T, d) partial, and the
  * partials are then summed into y in chunk order, split over y's elements.
  */
 #include <math.h>
@@ -275,11 +276,13 @@ typedef struct {
     int64_t n, stride, n_chunks, len;  // len = T * d
     float *partial;                    // (n_chunks, T, d)
     float *y;                          // (T, d)
-    atomic_llong next, next_sum;       // the next chunk to compute, the next floats to sum
+    fli_split split;                   // the chunks, a contiguous part per thread
+    atomic_llong next_sum;             // the next floats to sum
     atomic_int failed;
 } ffn_job;
 
-/* chunks taken as threads come free, each into its own partial */
+/* chunks taken a contiguous part per thread (the others' when it is done), each into its own
+ * partial */
 static void chunks_part(void *p) {
     ffn_job *j = p;
     const size_t ns = scratch_floats(j->a);
@@ -288,7 +291,8 @@ static void chunks_part(void *p) {
         atomic_store(&j->failed, 1);
         return;
     }
-    for (int64_t c, c1; fli_take(&j->next, j->n_chunks, 1, &c, &c1);)
+    int mine = -1;
+    for (int64_t c, c1; fli_split_take(&j->split, &mine, 1, &c, &c1);)
         bundle_range(j->a, j->bundles, j->stride, j->n * c / j->n_chunks,
                      j->n * (c + 1) / j->n_chunks, j->partial + (size_t)c * (size_t)j->len,
                      scratch);
@@ -307,15 +311,18 @@ static void sum_part(void *p) {
         }
 }
 
-/* the bundles cut into n_chunks ranges handed to the threads as they come free (a thread slowed
- * by another process does less), one partial (T, d) per chunk summed into y in chunk order, so
+/* the bundles cut into n_chunks ranges, a contiguous part of them per thread and the rest to
+ * whichever is free (a thread slowed by another process does less), one partial (T, d) per
+ * chunk summed into y in chunk order, so
  * the result does not depend on which thread took which chunk */
 static int32_t ffn_parallel(const ffn_args *a, const uint8_t *bundles, int64_t n, int64_t stride,
                             float *y, int32_t n_threads, int64_t n_chunks) {
     const int64_t len = a->T * a->d;
     float *partial = calloc((size_t)n_chunks * (size_t)len, sizeof(float));  // (n_chunks, T, d)
     if (!partial) return FL_ENOMEM;
-    ffn_job j = {a, bundles, n, stride, n_chunks, len, partial, y, 0, 0, 0};
+    ffn_job j = {.a = a, .bundles = bundles, .n = n, .stride = stride, .n_chunks = n_chunks,
+                 .len = len, .partial = partial, .y = y};
+    fli_split_init(&j.split, n_chunks, n_threads);
     fli_parallel(n_threads, chunks_part, &j);
     if (!atomic_load(&j.failed)) fli_parallel(n_threads, sum_part, &j);
     free(partial);

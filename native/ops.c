@@ -3,9 +3,10 @@
  * matmul: f32 / f16 weights (and quantized ones when `exact`) run in f32 on dequantized values;
  * quantized weights otherwise meet int8-quantized activations (qdot.c, qk.c), as in llama.cpp.
  *
- * Threads (pool.c) take the work in chunks as they come free: output rows (matvec), weight tiles
- * (matmuls), (token, head) pairs (attention); each thread allocates its own scratch and frees it
- * before its part ends.
+ * Threads (pool.c) take the work in chunks: output rows (matvec) and int8 weight tiles from a
+ * contiguous part each (fli_split: one forward stream of weights per core), f32 tiles and
+ * (token, head) pairs (attention) as they come free; each thread allocates its own scratch and
+ * frees it before its part ends.
  */
 #include <math.h>
 #include <stdatomic.h>
@@ -26,14 +27,15 @@ typedef struct {
     int64_t rows, cols;
     const float *bias, *x;  // (rows) or NULL, (cols)
     float *y;               // (rows)
-    atomic_llong next;      // the next row to take
+    fli_split split;        // the rows, a contiguous part per thread
 } matvec_job;
 
 static void matvec_part(void *p) {
     matvec_job *j = p;
     const size_t end = (size_t)j->rows * j->rb;
     const int64_t chunk = j->rows / 64 > MATVEC_CHUNK ? j->rows / 64 : MATVEC_CHUNK;
-    for (int64_t r0, r1; fli_take(&j->next, j->rows, chunk, &r0, &r1);)
+    int mine = -1;
+    for (int64_t r0, r1; fli_split_take(&j->split, &mine, chunk, &r0, &r1);)
         for (int64_t r = r0; r < r1; r++) {
             const uint8_t *row = j->w + (size_t)r * j->rb;
             if ((size_t)r * j->rb + PREFETCH_BYTES + j->rb <= end)
@@ -48,7 +50,9 @@ static void matvec_part(void *p) {
  * q8_0 x1.6, f32/f16 unchanged). */
 static void matvec(const uint8_t *w, int32_t dtype, size_t rb, int64_t rows, int64_t cols,
                    const float *bias, const float *x, float *y, int32_t n_threads) {
-    matvec_job j = {w, dtype, rb, rows, cols, bias, x, y, 0};
+    matvec_job j = {.w = w, .dtype = dtype, .rb = rb, .rows = rows, .cols = cols, .bias = bias,
+                    .x = x, .y = y};
+    fli_split_init(&j.split, rows, n_threads);
     fli_parallel(n_threads, matvec_part, &j);
 }
 
@@ -152,7 +156,8 @@ typedef struct {
     const float *bias, *x;  // (rows) or NULL, (T, cols)
     float *y;               // (T, rows)
     uint8_t *xq;            // (T, xb)
-    atomic_llong next_token, next;  // the next token to quantize, the next tile to take
+    atomic_llong next_token;  // the next token to quantize
+    fli_split split;          // the tiles, a contiguous part per thread
     atomic_int failed;
 } matmul_q_job;
 
@@ -162,20 +167,23 @@ static void quantize_part(void *p) {
         fli_xq_quantize(j->dtype, j->x + k * j->cols, j->cols, j->xq + (size_t)k * j->xb);
 }
 
-/* tiles taken in chunks as threads come free (balanced when a core is shared) */
+/* T tokens meet FL_PR-row panels of dtype (else FL_QT-row int8 tiles) */
+static int uses_panels(int32_t dtype, int64_t T) { return T > FL_QT && fli_has_panel(dtype); }
+
+/* tiles taken in chunks, a contiguous part per thread (the others' when it is done) */
 static void qtiles_part(void *p) {
     matmul_q_job *j = p;
     const int64_t T = j->T;
-    const int panels = T > FL_QT && fli_has_panel(j->dtype);  // else tiles of FL_QT tokens
+    const int panels = uses_panels(j->dtype, T);  // else tiles of FL_QT tokens
     const int64_t step = panels ? FL_PR : FL_QT, chunk = panels ? 1 : QT_CHUNK;
-    const int64_t n_tiles = (j->rows + step - 1) / step;
     uint8_t *pan = panels ? malloc(fli_panel_bytes(j->cols) + FL_PR * (size_t)T * sizeof(float))
                           : NULL;
     if (panels && !pan) {
         atomic_store(&j->failed, 1);
         return;
     }
-    for (int64_t c, c1; fli_take(&j->next, n_tiles, chunk, &c, &c1);)
+    int mine = -1;
+    for (int64_t c, c1; fli_split_take(&j->split, &mine, chunk, &c, &c1);)
         for (int64_t i = c; i < c1; i++) {
             for (int64_t t = 0; !panels && t < T; t += FL_QT)
                 qtile_rows(j->w, j->dtype, j->rb, i * step, j->rows, j->cols, j->bias,
@@ -195,8 +203,11 @@ static int32_t matmul_q(const uint8_t *w, int32_t dtype, size_t rb, int64_t rows
                         const float *bias, const float *x, int64_t T, float *y,
                         int32_t n_threads) {
     const size_t xb = (size_t)fli_xq_bytes(cols);
-    matmul_q_job j = {w, dtype, rb, xb, rows, cols, T, bias, x, y, malloc((size_t)T * xb), 0, 0, 0};
+    matmul_q_job j = {.w = w, .dtype = dtype, .rb = rb, .xb = xb, .rows = rows, .cols = cols,
+                      .T = T, .bias = bias, .x = x, .y = y, .xq = malloc((size_t)T * xb)};
     if (!j.xq) return FL_ENOMEM;
+    const int64_t step = uses_panels(dtype, T) ? FL_PR : FL_QT;
+    fli_split_init(&j.split, (rows + step - 1) / step, n_threads);
     if (T == 1) quantize_part(&j);
     else fli_parallel(n_threads, quantize_part, &j);
     fli_parallel(n_threads, qtiles_part, &j);

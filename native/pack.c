@@ -66,7 +66,7 @@ typedef struct {
     const uint8_t *xq;
     size_t xb;
     float *y;           // (T, rows)
-    atomic_llong next;  // the next group to take
+    fli_split split;    // the groups, a contiguous part per thread
 } packed_job;
 
 /* y (NT tokens, ld floats apart) [+ bias] of one group gp against tokens x (xb bytes apart) */
@@ -83,7 +83,8 @@ static void group_tokens(int32_t dtype, const uint8_t *gp, int64_t n, const uint
 static void packed_part(void *arg) {
     packed_job *j = arg;
     const size_t gb = group_bytes(j->dtype, j->cols);
-    for (int64_t g, g1; fli_take(&j->next, j->rows / PACK_R, 4, &g, &g1);)
+    int mine = -1;
+    for (int64_t g, g1; fli_split_take(&j->split, &mine, 4, &g, &g1);)
         for (; g < g1; g++)
             for (int64_t t = 0; t < j->T; t += PACK_T) {
                 const int nt = j->T - t < PACK_T ? (int)(j->T - t) : PACK_T;
@@ -102,7 +103,9 @@ int32_t fl_matmul_packed(const void *p, int32_t dtype, int64_t rows, int64_t col
     uint8_t *xq = malloc((size_t)T * xb);
     if (!xq) return FL_ENOMEM;
     for (int64_t t = 0; t < T; t++) fli_xq_quantize(dtype, x + t * cols, cols, xq + (size_t)t * xb);
-    packed_job j = {(const uint8_t *)p, dtype, rows, cols, T, bias, xq, xb, y, 0};
+    packed_job j = {.p = p, .dtype = dtype, .rows = rows, .cols = cols, .T = T, .bias = bias,
+                    .xq = xq, .xb = xb, .y = y};
+    fli_split_init(&j.split, rows / PACK_R, n_threads);
     fli_parallel(n_threads, packed_part, &j);
     free(xq);
     return FL_OK;

@@ -8,7 +8,8 @@
  *
  * Here an idle worker spins for SPIN_NS (yielding the core between looks), long enough to bridge
  * the Python between two kernel calls, then sleeps until the next section. A section's work is
- * taken in chunks from a shared counter (fli_take), so it never waits for a worker that is not
+ * taken in chunks (fli_take from a shared counter, or fli_split's contiguous part per thread,
+ * stolen from by the others when they are done), so it never waits for a worker that is not
  * running: the caller opens n_threads - 1 places, works, then closes the places; a worker that
  * did not take one by then stays out, and the caller waits only for those that did.
  *
