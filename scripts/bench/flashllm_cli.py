@@ -10,7 +10,6 @@ import json
 import re
 import shutil
 import subprocess
-import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
@@ -119,11 +118,10 @@ def _bundles(model: Path) -> tuple:
 
 
 def prompt_text(kind: str) -> str:
-    """Real text present on every machine: stdlib source (code) or pydoc topics (prose)."""
-    if kind == "code":
-        return (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text(encoding="utf-8")
-    from pydoc_data.topics import topics
-    return topics["while"]
+    """Real text present on every machine that no calibration saw: the opening of the evaluation
+    split (sparsity/corpus.py), stdlib source (heapq.py first) or pydoc topics ("assignment")."""
+    from flashllm.sparsity.corpus import builtin_text
+    return builtin_text("evaluation", kind, max_chars=40000).text
 
 
 def make_prompt(model: Path, n_tokens: int, kind: str, out: Path) -> int:

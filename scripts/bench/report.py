@@ -71,7 +71,8 @@ def run_line(info: Dict[str, str], load_start: str, load_end: str) -> str:
 def dense_section(info: Dict[str, str], rows: List[dict], load: tuple, notes: List[str]) -> str:
     out = ["## Dense decode", "", run_line(info, *load), "",
            "SmolLM2-135M, all weights in DRAM, 2 threads, warm page cache. flashllm: `flashllm "
-           "run` on a 64-token code prompt (textwrap.py's opening, exactly 64 tokens with BOS), "
+           "run` on a 64-token code prompt (the opening of the evaluation split, heapq.py: "
+           "text no calibration saw, exactly 64 tokens with BOS), "
            f"greedy, decode = tokens after the first (\"eval time\" line), median of {info['reps']} "
            "runs. flashllm's C kernel keeps its own worker threads (native/pool.c: they spin "
            "100 µs after a kernel call, then sleep), so no OpenMP setting applies to it. llama.cpp: "
