@@ -2,11 +2,11 @@
  *
  * Activations: SiLU x*sigmoid(x); GELU is the exact erf form 0.5*x*(1+erf(x/sqrt(2))) (Hugging
  * Face "gelu"); GELU_TANH the tanh approximation 0.5*x*(1+tanh(sqrt(2/pi)*(x+0.044715*x^3)))
- * (Hugging Face "gelu_pytorch_tanh" / "gelu_new", Gemma's GeGLU); ReLU. The bundles are cut into a number of chunks that depends on the work alone
- * (never on the thread count, so results are the same bits on any number of threads); threads
- * take chunks from a contiguous part each (fli_split), then from the others' parts, each chunk
- * accumulates into its own (T, d) partial, and the
- * partials are then summed into y in chunk order, split over y's elements.
+ * (Hugging Face "gelu_pytorch_tanh" / "gelu_new", Gemma's GeGLU); ReLU. The bundles are cut
+ * into a number of chunks that depends on the work alone (never on the thread count, so results
+ * are the same bits on any number of threads); threads take chunks from a contiguous part each
+ * (fli_split), then from the others' parts, each chunk accumulates into its own (T, d) partial,
+ * and the partials are then summed into y in chunk order, split over y's elements.
  */
 #include <math.h>
 #include <stdatomic.h>
@@ -281,8 +281,7 @@ typedef struct {
     atomic_int failed;
 } ffn_job;
 
-/* chunks taken a contiguous part per thread (the others' when it is done), each into its own
- * partial */
+/* chunks taken a contiguous part per thread (then the others'), each into its own partial */
 static void chunks_part(void *p) {
     ffn_job *j = p;
     const size_t ns = scratch_floats(j->a);
@@ -313,8 +312,7 @@ static void sum_part(void *p) {
 
 /* the bundles cut into n_chunks ranges, a contiguous part of them per thread and the rest to
  * whichever is free (a thread slowed by another process does less), one partial (T, d) per
- * chunk summed into y in chunk order, so
- * the result does not depend on which thread took which chunk */
+ * chunk summed into y in chunk order: the result does not depend on who took which chunk */
 static int32_t ffn_parallel(const ffn_args *a, const uint8_t *bundles, int64_t n, int64_t stride,
                             float *y, int32_t n_threads, int64_t n_chunks) {
     const int64_t len = a->T * a->d;

@@ -10,7 +10,7 @@
 #pragma GCC visibility push(hidden)
 
 /* a parallel section's work, run by every thread taking part; it takes its work in chunks
- * (fli_take) from a counter in ctx, so the result cannot depend on how many threads ran it */
+ * (fli_take or fli_split, state in ctx), so the result cannot depend on how many threads ran it */
 typedef void (*fli_task)(void *ctx);
 
 /* fn(ctx) on up to n_threads threads at once (the calling thread one of them), returning when
