@@ -223,7 +223,7 @@ static inline __attribute__((always_inline)) void group0(int Q8, const uint8_t *
     for (int t = 0; t < NT; t++) out[t] = v_fzero();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *v = vals + (size_t)b * vb;
-        if (b + 1 < nb) fli_prefetch(v + vb, vb);
+        fli_prefetch(v + 2 * vb, vb);  // two blocks on, across groups (the next follows)
         vi acc[4][Q0_CHAINS];
         const int8_t *q[4];
         for (int t = 0; t < NT; t++) {  // AVX2's q8_0 sums are signed: no correction

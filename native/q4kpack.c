@@ -131,7 +131,9 @@ static inline __attribute__((always_inline)) void group_tokens(const uint8_t *gp
             x[t].dx = scale[s * 8 * FL_XQ_LANES];
             x[t].bsum = (const int16_t *)(scale + 3 * nb * FL_XQ_LANES) + 8 * s;
         }
-        if (s + 1 < n / FL_QK_K) fli_prefetch(gp + (size_t)(s + 1) * PACK_SB, PACK_SB);
+        // half a superblock on and across groups: the next group follows in memory, and a
+        // prefetch stopped at the group's end left the stream to stall (docs/MEASUREMENTS.md)
+        fli_prefetch(gp + (size_t)s * PACK_SB + PACK_SB / 2, PACK_SB);
         group_sb(gp + (size_t)s * PACK_SB, x, NT, out);
     }
     const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();

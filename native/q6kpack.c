@@ -118,7 +118,9 @@ static inline __attribute__((always_inline)) void group6(const uint8_t *gp, int6
             x[t].dx = scale[s * 8 * FL_XQ_LANES];
             x[t].bsum16 = bsum + (nb + 7) / 8 * 8 + 16 * s;
         }
-        if (s + 1 < n / FL_QK_K) fli_prefetch(gp + (size_t)(s + 1) * Q6_PACK_SB, Q6_PACK_SB);
+        // half a superblock on and across groups: the next group follows in memory, and a
+        // prefetch stopped at the group's end left the stream to stall (docs/MEASUREMENTS.md)
+        fli_prefetch(gp + (size_t)s * Q6_PACK_SB + Q6_PACK_SB / 2, Q6_PACK_SB);
         group_sb6(gp + (size_t)s * Q6_PACK_SB, x, NT, out);
     }
     const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
