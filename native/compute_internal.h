@@ -28,6 +28,7 @@
 #define FL_Q5_1_BYTES 24  /* f16 scale + f16 min + 32 high bits + 16 bytes of nibbles */
 #define FL_Q5_K_BYTES 176 /* Q4_K's head, 32 bytes of high bits, 128 of nibbles */
 #define FL_Q6_K_BYTES 210 /* 128 bytes of low nibbles, 64 of high 2 bits, 16 int8 scales, f16 d */
+#define FL_Q3_K_BYTES 110 /* 32 bytes of high bits, 64 of 2-bit values, 12 of 6-bit scales, f16 d */
 #define FL_Q2_K_BYTES 84  /* 16 bytes of 4-bit scales / mins, 64 of 2-bit values, f16 d, dmin */
 #define FL_QT 4           /* weight rows x tokens of one int8 tile (fli_qdot_tile) */
 #define FL_XQ_LANES 8     /* f32 / int32 lanes per block in a quantized token's side arrays */
@@ -117,7 +118,8 @@ static inline size_t fli_block_bytes(int32_t dtype) {
 
 /* the 256-value superblock dtypes (ggml's k-quants) */
 static inline int fli_is_kquant(int32_t dtype) {
-    return dtype == FL_Q4_K || dtype == FL_Q5_K || dtype == FL_Q6_K || dtype == FL_Q2_K;
+    return dtype == FL_Q4_K || dtype == FL_Q5_K || dtype == FL_Q6_K || dtype == FL_Q2_K ||
+           dtype == FL_Q3_K;
 }
 
 /* the dtypes whose weights meet int8 activations (every quantized one) */
@@ -131,6 +133,7 @@ static inline size_t fli_kblock_bytes(int32_t dtype) {
     return dtype == FL_Q4_K   ? FL_Q4_K_BYTES
            : dtype == FL_Q5_K ? FL_Q5_K_BYTES
            : dtype == FL_Q2_K ? FL_Q2_K_BYTES
+           : dtype == FL_Q3_K ? FL_Q3_K_BYTES
                               : FL_Q6_K_BYTES;
 }
 
@@ -239,15 +242,20 @@ void fli_kq_axpy(int32_t dtype, const uint8_t *const *rows, const float *a, int 
                  int64_t n);
 void fli_q6k_dequant(const uint8_t *row, float *dst, int64_t n);
 
-/* qk.c: q2_k / q5_k / q6_k rows (n a multiple of FL_QK_K): dst (n) = dequantized row, rounded as
+/* qk.c: q2_k / q3_k / q5_k / q6_k rows (n a multiple of FL_QK_K): dst (n) = dequantized row, rounded as
  * gguf-py's dequantize; row . x; y (n) += a * row (f32 x, through one superblock at a time) */
 void fli_qk_dequant(int32_t dtype, const uint8_t *row, float *dst, int64_t n);
 float fli_qk_dot(int32_t dtype, const uint8_t *row, const float *x, int64_t n);
 void fli_qk_axpy(int32_t dtype, const uint8_t *row, float a, float *y, int64_t n);
-/* w . x for one q2_k / q5_k / q6_k row and one token quantized by fli_xq_quantize for that dtype:
+/* w . x for one q2_k / q3_k / q5_k / q6_k row and one token quantized by fli_xq_quantize for that dtype:
  * per superblock the exact integer sums of the sub-blocks times their integer scales, then
  * d * d_x * isum - dmin * d_x * msum in f32; AVX-512 BW, AVX2 and plain C give the same bits */
 float fli_qk_qdot(int32_t dtype, const uint8_t *w, const uint8_t *x, int64_t n);
+/* q3k.c: dst (256) = q3_k superblock sb dequantized as gguf-py; the exact integer sum over its
+ * 16 sub-blocks of (scale - 32) * ((u - 4) . q) with a token's int8 q (256) and its sums per 16
+ * values bsum16 (16) */
+void fli_q3k_dequant_sb(const uint8_t *sb, float *dst);
+int32_t fli_q3k_isum(const uint8_t *sb, const int8_t *q, const int16_t *bsum16);
 /* out[r][t] = w[r] . x[t] for FL_QT q6_k rows and n_tok (1..FL_QT) tokens, each product
  * fli_qk_qdot's bits; under AVX-512 BW each superblock's 6-bit values are unpacked once for all
  * the tokens */
@@ -352,7 +360,8 @@ static inline int fli_has_panel(int32_t dtype) {
 #if defined(FLI_Q4K_TILEN)  /* AVX2: q4_k's integer tiles beat its expanded panels */
     if (dtype == FL_Q4_K) return 0;
 #endif
-    return fli_is_quant(dtype) && dtype != FL_Q5_K && dtype != FL_Q6_K && dtype != FL_Q2_K;
+    return fli_is_quant(dtype) && dtype != FL_Q5_K && dtype != FL_Q6_K && dtype != FL_Q2_K &&
+           dtype != FL_Q3_K;
 }
 
 /* bytes of one panel of FL_PR rows of n values (a dtype with panels) */

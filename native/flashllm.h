@@ -50,7 +50,8 @@ enum {
 /* storage dtypes (values are part of the on-disk format, see docs/FORMAT.md) */
 enum {
     FL_F32 = 0, FL_F16 = 1, FL_Q8_0 = 2, FL_Q4_0 = 3, FL_Q4_1 = 4, FL_Q4_K = 5,
-    FL_Q5_0 = 6, FL_Q5_1 = 7, FL_Q5_K = 8, FL_Q6_K = 9, FL_Q2_K = 10
+    FL_Q5_0 = 6, FL_Q5_1 = 7, FL_Q5_K = 8, FL_Q6_K = 9, FL_Q2_K = 10,
+    FL_Q3_K = 11
 };
 
 /* FFN activations */

@@ -338,7 +338,7 @@ void fli_qdot_tile(int32_t dtype, const uint8_t *const w[FL_QT], const uint8_t *
         fli_q6k_tile(w, x, n_tok, n, out);
         return;
     }
-    if (dtype == FL_Q2_K || dtype == FL_Q5_K) {  // one row and token at a time (qk.c)
+    if (dtype == FL_Q2_K || dtype == FL_Q3_K || dtype == FL_Q5_K) {  // a row and token at a time
         for (int r = 0; r < FL_QT; r++)
             for (int t = 0; t < n_tok; t++) out[r][t] = fli_qk_qdot(dtype, w[r], x[t], n);
         return;
@@ -368,7 +368,8 @@ void fli_qdot_tile(int32_t dtype, const uint8_t *const w[FL_QT], const uint8_t *
 }
 
 float fli_qdot(int32_t dtype, const uint8_t *w, const uint8_t *x, int64_t n) {
-    if (dtype == FL_Q2_K || dtype == FL_Q5_K || dtype == FL_Q6_K) return fli_qk_qdot(dtype, w, x, n);
+    if (dtype == FL_Q2_K || dtype == FL_Q3_K || dtype == FL_Q5_K || dtype == FL_Q6_K)
+        return fli_qk_qdot(dtype, w, x, n);  // qk.c
     float out[FL_QT][FL_QT];
     const xq_view xv = view(x, n);
     tile_dt(dtype, &w, NULL, 0, 1, &xv, 1, n / FL_QK, out);

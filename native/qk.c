@@ -44,6 +44,10 @@ static inline int q5k_u(const uint8_t *sb, int j, int i) {
 
 /* dst (256) = one superblock dequantized */
 static void dequant_sb(int32_t dtype, const uint8_t *sb, float *dst) {
+    if (dtype == FL_Q3_K) {
+        fli_q3k_dequant_sb(sb, dst);  // q3k.c
+        return;
+    }
     if (dtype == FL_Q2_K) {
         const float d = fl_load_fp16(sb + 80), dmin = fl_load_fp16(sb + 82);
         for (int v = 0; v < FL_QK_K; v++) {
@@ -256,6 +260,11 @@ float fli_qk_qdot(int32_t dtype, const uint8_t *w, const uint8_t *x, int64_t n) 
         }
         if (dtype == FL_Q6_K) {
             s += fl_load_fp16(sb + 208) * dx * (float)q6k_isum_token(sb, &t, sbi);
+            continue;
+        }
+        if (dtype == FL_Q3_K) {
+            const int32_t isum = fli_q3k_isum(sb, t.q + sbi * FL_QK_K, t.bsum16 + 16 * sbi);
+            s += fl_load_fp16(sb + 108) * dx * (float)isum;
             continue;
         }
         uint32_t u[4];

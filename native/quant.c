@@ -25,6 +25,7 @@ size_t fl_row_bytes(int32_t dtype, int64_t n) {
     case FL_Q5_K: return n % FL_QK_K ? 0 : (size_t)(n / FL_QK_K) * FL_Q5_K_BYTES;
     case FL_Q6_K: return n % FL_QK_K ? 0 : (size_t)(n / FL_QK_K) * FL_Q6_K_BYTES;
     case FL_Q2_K: return n % FL_QK_K ? 0 : (size_t)(n / FL_QK_K) * FL_Q2_K_BYTES;
+    case FL_Q3_K: return n % FL_QK_K ? 0 : (size_t)(n / FL_QK_K) * FL_Q3_K_BYTES;
     default: return 0;
     }
 }

@@ -86,6 +86,7 @@ float fli_dot(int32_t dtype, const uint8_t *row, const float *x, int64_t n) {
     case FL_Q5_0: return dot_blocks(FL_Q5_0, row, x, n);
     case FL_Q5_1: return dot_blocks(FL_Q5_1, row, x, n);
     case FL_Q2_K:
+    case FL_Q3_K:
     case FL_Q5_K:
     case FL_Q6_K: return fli_qk_dot(dtype, row, x, n);
     default: return dot_blocks(FL_Q4_0, row, x, n);
@@ -125,7 +126,8 @@ void fli_axpy(int32_t dtype, const uint8_t *row, float a, float *y, int64_t n) {
     case FL_Q4_K:
     case FL_Q5_K:
     case FL_Q6_K: fli_kq_axpy(dtype, &row, &a, 1, y, n); break;  // kaxpy.c
-    case FL_Q2_K: fli_qk_axpy(dtype, row, a, y, n); break;
+    case FL_Q2_K:
+    case FL_Q3_K: fli_qk_axpy(dtype, row, a, y, n); break;
     default: axpy_blocks(FL_Q4_0, row, a, y, n); break;
     }
 }
@@ -158,6 +160,7 @@ void fli_dequant(int32_t dtype, const uint8_t *row, float *dst, int64_t n) {
     case FL_Q5_0: dequant_blocks(FL_Q5_0, row, dst, n); break;
     case FL_Q5_1: dequant_blocks(FL_Q5_1, row, dst, n); break;
     case FL_Q2_K:
+    case FL_Q3_K:
     case FL_Q5_K: fli_qk_dequant(dtype, row, dst, n); break;
     case FL_Q6_K: fli_q6k_dequant(row, dst, n); break;  // kaxpy.c
     default: dequant_blocks(FL_Q4_0, row, dst, n); break;
@@ -220,6 +223,7 @@ void fli_axpy4(int32_t dtype, const uint8_t *const rows[FL_QT], const float a[FL
     case FL_Q5_K:
     case FL_Q6_K: fli_kq_axpy(dtype, rows, a, FL_QT, y, n); break;  // kaxpy.c
     case FL_Q2_K:
+    case FL_Q3_K:
         for (int r = 0; r < FL_QT; r++) fli_qk_axpy(dtype, rows[r], a[r], y, n);
         break;
     default: axpy4_blocks(FL_Q4_0, rows, a, y, n); break;

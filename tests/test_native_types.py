@@ -1,5 +1,5 @@
-"""q5_0, q5_1, q5_k and q6_k: the ggml types a GGUF's tensors keep in a native conversion; and
-q2_k, the output head sketch's type (dense rows only: no bundle holds it).
+"""q5_0, q5_1, q5_k, q6_k, q2_k and q3_k: the ggml types a GGUF's tensors keep in a native
+conversion (q2_k is also the output head sketch's type).
 
 The reference is gguf-py: its `dequantize` for every type (the kernel's dequantization must equal
 it bit for bit) and its `quantize` for q5_0 / q5_1 (flashllm's quantizer too). The int8 products
@@ -23,10 +23,11 @@ from test_kernel_isa import ISAS
 from test_q4_k import _isa_lib, int8_x, silu
 
 GG = {"q5_0": Q.Q5_0, "q5_1": Q.Q5_1, "q5_k": Q.Q5_K, "q6_k": Q.Q6_K, "q8_0": Q.Q8_0,
-      "q4_1": Q.Q4_1, "q4_k": Q.Q4_K, "q2_k": Q.Q2_K}
+      "q4_1": Q.Q4_1, "q4_k": Q.Q4_K, "q2_k": Q.Q2_K, "q3_k": Q.Q3_K}
 NEW = ["q5_0", "q5_1", "q5_k", "q6_k"]
-DENSE = NEW + ["q2_k"]          # types of rows the dense kernels (dequantize, matmul) take
-KQ = ("q2_k", "q4_k", "q5_k", "q6_k")
+DENSE = NEW + ["q2_k", "q3_k"]  # types of rows the dense kernels (dequantize, matmul) take
+BUNDLED = NEW + ["q2_k", "q3_k"]  # types of gate / up rows in bundles
+KQ = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
 D = 512
 
 
@@ -38,7 +39,7 @@ def rows_of(dtype: str, rng, rows: int, cols: int) -> np.ndarray:
         return quantize(w, GG[dtype]).view(np.uint8).reshape(rows, -1)
     nb, bb = cols // 256, row_bytes(dtype, 256)
     blk = rng.integers(0, 256, (rows, nb, bb), dtype=np.uint8)           # (rows, nb, bb)
-    at = {"q6_k": (208,), "q2_k": (80, 82)}.get(dtype, (0, 2))          # d / d, dmin
+    at = {"q6_k": (208,), "q2_k": (80, 82), "q3_k": (108,)}.get(dtype, (0, 2))          # d / d, dmin
     for a in at:
         f = rng.uniform(2e-4, 1e-3, (rows, nb)).astype(np.float16)       # (rows, nb)
         blk[..., a:a + 2] = f.view(np.uint8).reshape(rows, nb, 2)
@@ -135,7 +136,7 @@ def bundles_of(dtype: str, down: str, n: int, seed: int):
     return data, (ref_of(dtype, g, D), ref_of(dtype, u, D), ref_of(down, dn, D))
 
 
-@pytest.mark.parametrize("dtype", NEW)
+@pytest.mark.parametrize("dtype", BUNDLED)
 @pytest.mark.parametrize("down", ["q8_0", "q5_1", "q4_k", "q5_k", "q6_k"])
 @pytest.mark.parametrize("T", [1, 3, 13])
 def test_ffn_bundles_against_numpy(dtype, down, T):
@@ -197,18 +198,20 @@ def test_k_quant_down_columns_in_groups_of_one_to_four(down):
 
 
 @pytest.mark.parametrize("isa", list(ISAS))
-def test_q2_k_rows_on_every_instruction_set(isa):
-    """q2_k dequantization and int8 matmul (qk.c's AVX-512, AVX2 and plain C sums) against
-    gguf-py's values, one build per instruction set."""
+@pytest.mark.parametrize("dtype, code", [("q2_k", 10), ("q3_k", 11)])
+def test_q2_k_q3_k_rows_on_every_instruction_set(isa, dtype, code):
+    """q2_k / q3_k dequantization and int8 matmul (qk.c's and q3k.c's AVX-512, AVX2 and plain C
+    sums) against gguf-py's values, one build per instruction set."""
     ffi, lib = _isa_lib(isa)
     f32 = lambda a: ffi.cast("float *", ffi.from_buffer(a))  # noqa: E731
-    w = rows_of("q2_k", np.random.default_rng(10), 40, D)                  # (40, row_bytes)
-    ref = ref_of("q2_k", w, D)                                             # (40, D)
+    w = rows_of(dtype, np.random.default_rng(10), 40, D)                   # (40, row_bytes)
+    ref = ref_of(dtype, w, D)                                              # (40, D)
     out = np.zeros(D, np.float32)
-    assert lib.fl_dequantize_row(10, ffi.from_buffer(w[3]), f32(out), D) == 0
+    assert lib.fl_dequantize_row(code, ffi.from_buffer(w[3]), f32(out), D) == 0
     np.testing.assert_array_equal(out, ref[3].astype(np.float32))
     for T in (1, 5):
         x = np.random.default_rng(T).standard_normal((T, D)).astype(np.float32)
         y = np.zeros((T, 40), np.float32)
-        assert lib.fl_matmul(ffi.from_buffer(w), 10, 40, D, ffi.NULL, f32(x), T, f32(y), 0, 2) == 0
-        close(y, int8_of("q2_k", x) @ ref.T, (isa, T))
+        assert lib.fl_matmul(ffi.from_buffer(w), code, 40, D, ffi.NULL, f32(x), T, f32(y), 0,
+                             2) == 0
+        close(y, int8_of(dtype, x) @ ref.T, (isa, T))

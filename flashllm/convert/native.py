@@ -3,8 +3,8 @@ stays in its own ggml type, byte for byte, where the kernel has that type; what 
 re-quantized, and how each tensor was made is recorded in the manifest (`origin`).
 
 - Dense 2-D tensors (attention, embeddings, output head): copied (F32, F16, Q8_0, Q4_0, Q4_1,
-  Q5_0, Q5_1, Q4_K, Q5_K, Q6_K); BF16 is widened to f32 (exact); any other type is re-quantized
-  to q8_0 (f16 when a row is not whole blocks of 32).
+  Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K); BF16 is widened to f32 (exact); any other type
+  (IQ*, TQ*) is re-quantized to q8_0 (f16 when a row is not whole blocks of 32).
 - FFN gate / up rows are the source's rows: copied when every layer stores both in one type the
   kernel has and d_model is whole blocks of it; else re-quantized to q8_0.
 - FFN down columns cut across the source's row blocks, so they are always re-quantized, per

@@ -9,17 +9,19 @@ from flashllm.errors import KernelError
 
 # values are part of the on-disk format (native/flashllm.h, FL_F32 ..)
 DTYPE_CODES = {"f32": 0, "f16": 1, "q8_0": 2, "q4_0": 3, "q4_1": 4, "q4_k": 5, "q5_0": 6,
-               "q5_1": 7, "q5_k": 8, "q6_k": 9, "q2_k": 10}
+               "q5_1": 7, "q5_k": 8, "q6_k": 9, "q2_k": 10, "q3_k": 11}
 DTYPES = tuple(DTYPE_CODES)      # every storage dtype, in code order
 BLOCK_SIZE = {"f32": 1, "f16": 1, "q8_0": 32, "q4_0": 32, "q4_1": 32, "q4_k": 256, "q5_0": 32,
-              "q5_1": 32, "q5_k": 256, "q6_k": 256, "q2_k": 256}
+              "q5_1": 32, "q5_k": 256, "q6_k": 256, "q2_k": 256,
+              "q3_k": 256}
 BLOCK_BYTES = {"f32": 4, "f16": 2, "q8_0": 34, "q4_0": 18, "q4_1": 20, "q4_k": 144, "q5_0": 22,
-               "q5_1": 24, "q5_k": 176, "q6_k": 210, "q2_k": 84}
-# the ggml type of each storage dtype (GGUF tensors in these types are copied byte for byte);
-# q2_k is only the output head's sketch (runtime/sparse_head.py): a GGUF's Q2_K tensors are not
-# kept as they are yet (the bundled FFN has no q2_k path)
+               "q5_1": 24, "q5_k": 176, "q6_k": 210, "q2_k": 84,
+               "q3_k": 110}
+# the ggml type of each storage dtype (GGUF tensors in these types are copied byte for byte;
+# q2_k is also the output head's sketch, runtime/sparse_head.py)
 GGML_TYPE = {"f32": "F32", "f16": "F16", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1",
-             "q4_k": "Q4_K", "q5_0": "Q5_0", "q5_1": "Q5_1", "q5_k": "Q5_K", "q6_k": "Q6_K"}
+             "q4_k": "Q4_K", "q5_0": "Q5_0", "q5_1": "Q5_1", "q5_k": "Q5_K", "q6_k": "Q6_K",
+             "q2_k": "Q2_K", "q3_k": "Q3_K"}
 FROM_GGML = {v: k for k, v in GGML_TYPE.items()}
 # what a conversion's --dtype can quantize floats to (its k-quant rows are copied from a GGUF)
 QUANTIZABLE = ("f32", "f16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
