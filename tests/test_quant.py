@@ -65,7 +65,7 @@ def test_row_bytes_values():
 
 @pytest.mark.parametrize("call", [
     lambda: row_bytes("q4_0", 33),
-    lambda: row_bytes("q3_k", 256),
+    lambda: row_bytes("iq2_xs", 256),
     lambda: quantize_rows(np.zeros((2, 48), np.float32), "q8_0"),
     lambda: quantize_rows(np.zeros(64, np.float32), "q8_0"),
     lambda: dequantize_rows(np.zeros((2, 35), np.uint8), "q8_0", 32),
