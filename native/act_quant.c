@@ -70,9 +70,7 @@ static inline float quantize_block(const float *xb, float amax0, int8_t *q, int3
                                          _mm256_packs_epi32(w[2], w[3]));
     _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(
                                           p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-    *sum = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1)));
+    *sum = fli_hsum256_i32(acc);
 #else
     int32_t s = 0;
     for (int j = 0; j < FL_QK; j++) {

@@ -87,6 +87,12 @@ static inline float fli_hsum256(__m256 a) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
+/* the sum of the 8 int32 lanes of a */
+static inline int32_t fli_hsum256_i32(__m256i a) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
 #endif
 
 static inline float fl_load_fp16(const uint8_t *p) {

@@ -11,11 +11,7 @@
  * gguf-py's dequantize (the product d * scale in f32 first).
  */
 #include "flashllm.h"
-#include "compute_internal.h"
-
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
+#include "compute_internal.h"  // (and <immintrin.h> under AVX2)
 
 /* the 16 signed scales sc_k - 32 of superblock sb (as ggml: four 32-bit words, low nibbles of
  * bytes 0..7 then their high nibbles, each with its 2 top bits from bytes 8..11) */
@@ -72,10 +68,7 @@ int32_t fli_q3k_isum(const uint8_t *sb, const int8_t *q, const int16_t *bsum16) 
             acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, s));
         }
     }
-    acc = _mm256_sub_epi32(acc, _mm256_slli_epi32(off, 2));
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-    return _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1)));
+    return fli_hsum256_i32(_mm256_sub_epi32(acc, _mm256_slli_epi32(off, 2)));
 #else
     int32_t s = 0;
     for (int k = 0; k < 16; k++) {

@@ -5,14 +5,6 @@
 #ifndef FLASHLLM_Q6K_SIMD_H
 #define FLASHLLM_Q6K_SIMD_H
 
-#if defined(QK_256)
-static inline int32_t hsum_i32(__m256i acc) {  // the sum of the 8 int32 lanes
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-    return _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1)));
-}
-#endif
-
 #if defined(QK_512)
 /* a q6_k superblock unpacked once for any number of tokens: u (4 x 64 unsigned 6-bit values:
  * values 0..63, 64..127, 128..191, 192..255), per vector the int16 scales of its int16 pair
@@ -95,7 +87,7 @@ static inline int32_t q6k_isum_u(const q6k_unpacked *o, const int8_t *q, const i
     for (int v = 0; v < 8; v++)
         acc = _mm256_add_epi32(acc, _mm256_madd_epi16(
             _mm256_maddubs_epi16(o->u[v], _mm256_loadu_si256((const __m256i *)(q + 32 * v))), o->sc[v]));
-    return hsum_i32(acc);
+    return fli_hsum256_i32(acc);
 }
 
 /* q6k_isum_u of one token without keeping the unpacked superblock (faster for one token) */
@@ -111,7 +103,7 @@ static int32_t q6k_isum1(const uint8_t *sb, const int8_t *q, const int16_t *bs) 
             acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, q6k_pair_scales(sc8, 8 * h + 2 * g)));
         }
     }
-    return hsum_i32(acc);
+    return fli_hsum256_i32(acc);
 }
 #endif
 

@@ -148,7 +148,7 @@ static int32_t q2k_isum(const uint8_t *sb, const int8_t *q) {
             acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, s));
         }
     }
-    return hsum_i32(acc);
+    return fli_hsum256_i32(acc);
 #else
     int32_t s = 0;
     for (int v = 0; v < FL_QK_K; v++)
@@ -161,10 +161,7 @@ static int32_t q2k_isum(const uint8_t *sb, const int8_t *q) {
 static inline int32_t q2k_msum(const uint8_t *sb, const int16_t *bsum16) {
 #if defined(QK_512) || defined(QK_256)
     const __m256i m = _mm256_srli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)sb)), 4);
-    const __m256i p = _mm256_madd_epi16(m, _mm256_loadu_si256((const __m256i *)bsum16));  // (8)
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-    return _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1)));
+    return fli_hsum256_i32(_mm256_madd_epi16(m, _mm256_loadu_si256((const __m256i *)bsum16)));
 #else
     int32_t s = 0;
     for (int k = 0; k < 16; k++) s += (sb[k] >> 4) * bsum16[k];
@@ -202,7 +199,7 @@ static int32_t q5k_isum(const uint8_t *sb, const uint8_t sc[8], const int8_t *q)
         const __m256i p = _mm256_maddubs_epi16(u, _mm256_loadu_si256((const __m256i *)(q + 32 * j)));
         acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(sc[j])));
     }
-    return hsum_i32(acc);
+    return fli_hsum256_i32(acc);
 #else
     int32_t s = 0;
     for (int j = 0; j < 8; j++) {
