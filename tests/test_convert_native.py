@@ -151,6 +151,17 @@ def test_down_columns_are_ggml_s_own_quantization(mixed):
                                       ggml_quantize(cols, dd))
 
 
+def logits_against_f32(gguf_path: Path, out: Path, tmp: Path):
+    """(native exact, f32 conversion's, native int8) logits (6, 40) each of the same tokens: the
+    f32 conversion holds every value exactly as the source (gguf-py's dequantize)."""
+    f32 = convert(gguf_path, tmp / "f32", "f32")
+    tokens = np.array([1, 17, 5, 39, 22, 8], np.int32)                    # (6,)
+    a, ref = (Model(open_flash(p), n_threads=2, n_ctx=16, exact=True).forward(tokens, 0)
+              for p in (out, f32))                                        # (6, 40) each
+    c = Model(open_flash(out), n_threads=2, n_ctx=16).forward(tokens, 0)  # int8 activations
+    return a, ref, c
+
+
 def test_the_model_computes_what_the_source_does(mixed):
     """Logits of the native folder and of an f32 conversion (every value exactly the source's)
     of the same GGUF, both in f32 arithmetic: they differ by the down columns' re-rounding
@@ -158,13 +169,9 @@ def test_the_model_computes_what_the_source_does(mixed):
     same file's q8_0 conversion 1.3e-1, the native one with attn_q / attn_k blocks left in
     llama.cpp's row order 2.1e-1)."""
     tmp, _, out = mixed
-    f32 = convert(tmp / "m.gguf", tmp / "f32", "f32")
-    tokens = np.array([1, 17, 5, 39, 22, 8], np.int32)                    # (6,)
-    a, b = (Model(open_flash(p), n_threads=2, n_ctx=16, exact=True).forward(tokens, 0)
-            for p in (out, f32))                                          # (6, 40) each
+    a, b, c = logits_against_f32(tmp / "m.gguf", out, tmp)
     assert np.abs(a - b).max() <= 5e-2 * np.abs(b).max()
     assert np.abs(a - b).max() > 0                                        # down really re-rounded
-    c = Model(open_flash(out), n_threads=2, n_ctx=16).forward(tokens, 0)  # int8 activations
     assert np.abs(c - b).max() <= 1.5e-1 * np.abs(b).max()  # 1.0e-1 (8.2e-2 before attn_output's
     # Q2_K rows were kept: their activations are rounded per 256 values, as ggml's q8_K); q8_0's 1.5e-1
 
@@ -193,12 +200,8 @@ def test_a_q2_k_q3_k_model_keeps_its_types(tmp_path):
     got = flash.tensor("blk.0.attn_output.weight")
     assert got.dtype == "q3_k"
     np.testing.assert_array_equal(got.data, stored["blk.0.attn_output.weight"][1])
-    f32 = convert(tmp_path / "m.gguf", tmp_path / "f32", "f32")
-    tokens = np.array([1, 17, 5, 39, 22, 8], np.int32)                    # (6,)
-    a, ref = (Model(open_flash(p), n_threads=2, n_ctx=16, exact=True).forward(tokens, 0)
-              for p in (out, f32))                                        # (6, 40) each
+    a, ref, c = logits_against_f32(tmp_path / "m.gguf", out, tmp_path)
     assert 0 < np.abs(a - ref).max() <= 5e-2 * np.abs(ref).max()
-    c = Model(open_flash(out), n_threads=2, n_ctx=16).forward(tokens, 0)  # int8 activations
     assert np.abs(c - ref).max() <= 1e-1 * np.abs(ref).max()
 
 
