@@ -1,5 +1,6 @@
-"""Calibration statistics against transformers (FFN inputs, exact activations) and numpy
-(thresholds, frequencies); hot-first rewrite against the model before reordering."""
+"""Calibration statistics against transformers (FFN inputs, exact activations, the neurons'
+contributions) and numpy (thresholds, frequencies); hot-first rewrite against the model before
+reordering."""
 from __future__ import annotations
 
 import numpy as np
@@ -148,6 +149,21 @@ def _reference_freq(hf, thresholds, criterion):
     return np.stack(out)
 
 
+def _reference_contribution(hf):
+    """(L, n_ff) per neuron id E|h| * ||down column|| from transformers' activations and
+    weights."""
+    import torch
+    out = []
+    for layer, h in enumerate(_reference_inputs(hf, TOKENS, N_CTX)):
+        with torch.no_grad():
+            a = _mlps(hf)[layer][1](torch.from_numpy(h)).numpy()             # (N, n_ff)
+        down = hf.model.decoder.layers[layer].fc2 if hasattr(hf.model, "decoder") \
+            else hf.model.layers[layer].mlp.down_proj
+        norms = np.linalg.norm(down.weight.detach().numpy(), axis=0)         # (n_ff,)
+        out.append(np.abs(a).mean(0) * norms)
+    return np.stack(out)
+
+
 def _logits_match(hf, path, tokens):
     import torch
     from flashllm.runtime.model import Model
@@ -169,7 +185,12 @@ def test_calibrate_writes_thresholds_and_a_hot_first_order(tiny, tmp_path, name)
             ["manifest.json", "dense.bin", "tokenizer.json", flash.ffn.file.name,
              flash.manifest["ffn"]["neuron_order"]["file"], sec["frequency"]["file"]])
         order, freq = flash.ffn.neuron_order, _frequency(flash)                # (L, n_ff) each
-        assert np.all(np.diff(freq, axis=1) <= 0)                              # hottest first
+        if name == "opt":                                                      # ReLU: by frequency
+            assert sec["order_by"] == "frequency" and np.all(np.diff(freq, axis=1) <= 0)
+        else:                                                                  # GLU: contribution
+            assert sec["order_by"] == "contribution"
+            c = np.take_along_axis(_reference_contribution(hf), order, axis=1)  # (L, n_ff) by slot
+            assert np.all(np.diff(c, axis=1) <= 1e-4 * c.max())               # largest first
         ref = _reference_freq(hf, sec["thresholds"], sec["criterion"])        # by neuron id
         np.testing.assert_allclose(freq, np.take_along_axis(ref, order, axis=1), atol=1.5 / len(TOKENS))
         if sec["criterion"] != "relu":

@@ -117,5 +117,6 @@ def calibrate(
     shares = section["frequency"]["hot20_share"]
     err.print(f"calibrated {flash.path}: {section['criterion']} target {sparsity}, sparsity "
               f"{sum(section['achieved']) / len(shares):.3f} on {len(ids)} tokens, hottest 20% carry "
-              f"{sum(shares) / len(shares):.2f} of activations, hot-first {section['hot_first']}",
+              f"{sum(shares) / len(shares):.2f} of activations, "
+              + (f"hot-first by {section['order_by']}" if section["hot_first"] else "order kept"),
               markup=False, soft_wrap=True)

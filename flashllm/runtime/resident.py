@@ -1,9 +1,9 @@
 """The resident sub-network: the model computed from what is in DRAM alone — the draft of
 self-speculative decoding (generation/self_draft.py).
 
-Under a DRAM budget the neuron caches hold the hottest neurons of every layer (hot-first order
-after `calibrate`), the attention stays resident, and the output head either stays resident or
-streams. The resident model is the same Model (same KV cache) with
+Under a DRAM budget the neuron caches hold each layer's neurons of largest contribution (hot-first
+order after `calibrate`), the attention stays resident, and the output head either stays resident
+or streams. The resident model is the same Model (same KV cache) with
 
     FFN      each layer's cached neurons only (SparseFlashFfn.resident): no read
     head     the resident head; or, when it streams, its rows for a candidate set of tokens

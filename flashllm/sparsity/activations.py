@@ -21,6 +21,7 @@ import numpy as np
 
 from flashllm.errors import FlashError
 from flashllm.ffi.quant import dequantize_rows
+from flashllm.model.tensor import row_bytes
 
 CRITERIA = ("glu_product", "gate", "relu", "magnitude")
 
@@ -157,6 +158,24 @@ def hot_share(freq: np.ndarray, top: float = 0.2) -> float:
     f = np.sort(np.asarray(freq, np.float64))[::-1]                # (n_ff,)
     total = f.sum()
     return float(f[:max(1, int(round(top * f.size)))].sum() / total) if total > 0 else 0.0
+
+
+def down_norms(flash, layer: int, n_threads: int = 1, chunk: int = 2048) -> np.ndarray:
+    """(n_ff,) f32 the L2 norm of each slot's down column (dequantized chunk slots at a time)."""
+    cfg, f = flash.config, flash.ffn
+    bundles = flash.read_ffn_layer(layer)                         # (n_ff, stride) uint8
+    off, ddt = (2 if cfg.glu else 1) * f.part_bytes, f.down_dtypes[layer]
+    cols = bundles[:, off:off + row_bytes(ddt, cfg.d_model)]      # (n_ff, down bytes)
+    return np.concatenate([np.linalg.norm(dequantize_rows(np.ascontiguousarray(cols[i:i + chunk]),
+                                                          ddt, cfg.d_model, n_threads), axis=1)
+                           for i in range(0, len(cols), chunk)]).astype(np.float32)
+
+
+def contribution(magnitudes: np.ndarray, norms: np.ndarray) -> np.ndarray:
+    """(n_ff,) f64 each slot's expected contribution to its layer's output, E_t |h_t| * ||down||,
+    from |h| (N, n_ff) over calibration tokens and the down columns' norms (n_ff,): the order
+    the caches hold neurons in (what dropping a neuron costs a token that does without it)."""
+    return magnitudes.mean(axis=0, dtype=np.float64) * norms
 
 
 def manifest_thresholds(manifest: dict, n_layers: int) -> list[float]:

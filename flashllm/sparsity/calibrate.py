@@ -14,8 +14,9 @@ import numpy as np
 
 from flashllm.format.reader import open_flash
 from flashllm.format.files import update_manifest
-from flashllm.sparsity.activations import (CalibrationError, check_criterion, default_criterion,
-                                           ffn_activations, frequencies, hot_share, threshold)
+from flashllm.sparsity.activations import (CalibrationError, check_criterion, contribution,
+                                           default_criterion, down_norms, ffn_activations,
+                                           ffn_weights, frequencies, hot_share, threshold)
 from flashllm.sparsity.predictor import save_predictor
 from flashllm.sparsity.reorder import rewrite_hot_first, write_frequency
 from flashllm.sparsity.train import DEFAULT_OPTIONS, train_predictor
@@ -80,21 +81,38 @@ def collect_ffn_inputs(model, tokens: Sequence[int], n_ctx: int = 512,
 
 
 def layer_statistics(flash, inputs, sparsity: float, criterion: str, n_threads: int = 1,
-                     log: Callable[[str], None] = lambda m: None):
+                     log: Callable[[str], None] = lambda m: None, contributions: bool = False):
     """Per layer from its FFN inputs (N, d_model): threshold, per-slot frequency, achieved
-    sparsity. Returns (thresholds [L], freq (L, n_ff) f64, achieved [L])."""
+    sparsity, and (contributions) each slot's E|h| * ||down|| (activations.contribution).
+    Returns (thresholds [L], freq (L, n_ff) f64, achieved [L], contribution (L, n_ff) f64 or
+    None)."""
     check_criterion(flash.config, criterion)
-    thresholds, freqs, achieved = [], [], []
+    thresholds, freqs, achieved, contrib = [], [], [], []
     for layer, h in enumerate(inputs):
-        scores = ffn_activations(flash, layer, h, criterion, n_threads=n_threads)  # (N, n_ff)
+        w = ffn_weights(flash, layer, n_threads)
+        scores = ffn_activations(flash, layer, h, criterion, weights=w)            # (N, n_ff)
         t = 0.0 if criterion == "relu" else threshold(scores, sparsity)
         freq = frequencies(scores, t, criterion)                                    # (n_ff,)
         thresholds.append(t)
         freqs.append(freq)
         achieved.append(1.0 - float(freq.mean()))
+        if contributions:     # every criterion but gate scores |h| itself
+            mag = ffn_activations(flash, layer, h, "glu_product", weights=w) \
+                if criterion == "gate" else scores                                  # (N, n_ff)
+            contrib.append(contribution(mag, down_norms(flash, layer, n_threads)))
         log(f"layer {layer}: threshold {t:.4g}, sparsity {achieved[-1]:.3f}, "
             f"hottest 20% carry {hot_share(freq):.2f}")
-    return thresholds, np.stack(freqs), achieved
+    return thresholds, np.stack(freqs), achieved, np.stack(contrib) if contributions else None
+
+
+def order_by(cfg) -> str:
+    """What the hot-first rewrite sorts a layer's neurons by, the most important first (the
+    caches hold each layer's first slots). A GLU model: each neuron's expected contribution
+    E|h| * ||down|| (activations.contribution) — about half its neurons pass the threshold on
+    any token, so frequency hardly ranks them, and what the caches hold is chiefly the draft of
+    self-speculation (docs/PREDICTOR.md, "Which neurons the draft should hold"). A ReLU model:
+    the frequency of being active, what a predictor's cache hits follow."""
+    return "contribution" if cfg.glu else "frequency"
 
 
 def calibrate_model(flash, model, tokens: Sequence[int], text: dict, sparsity: float,
@@ -111,7 +129,10 @@ def calibrate_model(flash, model, tokens: Sequence[int], text: dict, sparsity: f
     criterion = criterion or default_criterion(flash.config)
     check_criterion(flash.config, criterion)
     inputs = collect_ffn_inputs(model, tokens, n_ctx=n_ctx)
-    thresholds, freq, achieved = layer_statistics(flash, inputs, sparsity, criterion, n_threads, log)
+    by = order_by(flash.config)
+    thresholds, freq, achieved, contrib = layer_statistics(
+        flash, inputs, sparsity, criterion, n_threads, log,
+        contributions=reorder and by == "contribution")
     ids = np.asarray(tokens, dtype="<i4")                          # (N,)
     section = {"criterion": criterion, "target": sparsity, "thresholds": thresholds,
                "achieved": achieved,
@@ -120,9 +141,12 @@ def calibrate_model(flash, model, tokens: Sequence[int], text: dict, sparsity: f
                "hot_first": False,
                "frequency": {"hot20_share": [hot_share(f) for f in freq],
                              "never_active": [int((f == 0).sum()) for f in freq]}}
-    if reorder:
-        section = rewrite_hot_first(flash, freq, section)
+    if reorder:   # the caches hold each layer's first slots
+        section = rewrite_hot_first(flash, freq, {**section, "order_by": by}, key=contrib)
     else:
+        prev = flash.manifest.get("sparsity", {}).get("order_by")
+        if prev and flash.ffn.neuron_order is not None:     # an earlier rewrite's order stays
+            section["order_by"] = prev
         old = (flash.manifest.get("sparsity", {}).get("frequency") or {}).get("file")
         section["frequency"].update(write_frequency(flash.path, freq, old))
         update_manifest(flash.path, sparsity=section)

@@ -1,5 +1,6 @@
-"""Hot-first FFN layout: neurons sorted by calibration frequency, so the hot ones sit together
-(pinned and read in larger merged chunks), and the per-slot frequency file the runtime pins from.
+"""Hot-first FFN layout: neurons sorted by a calibration key (calibrate's: each neuron's expected
+contribution E|h| * ||down||), so the ones the caches hold sit together (pinned and read in
+larger merged chunks), and the per-slot frequency file (in the new slot order).
 
 A rewrite never touches the files the manifest names: the reordered FFN file, order file and
 frequency file go under the other name of each pair below (temporary name, fsync, rename), the
@@ -24,9 +25,10 @@ ORDER_NAMES = ("order.bin", "order-hot.bin")
 FREQ_NAMES = ("frequency.bin", "frequency-hot.bin")
 
 
-def hot_first_permutation(freq: np.ndarray) -> np.ndarray:
-    """(n_layers, n_ff) int32: row l lists layer l's slots by frequency, highest first (stable)."""
-    return np.argsort(-np.asarray(freq), axis=1, kind="stable").astype(np.int32)
+def hot_first_permutation(key: np.ndarray) -> np.ndarray:
+    """(n_layers, n_ff) int32: row l lists layer l's slots by key (n_layers, n_ff), highest first
+    (stable)."""
+    return np.argsort(-np.asarray(key), axis=1, kind="stable").astype(np.int32)
 
 
 def _other(current: Optional[str], names: tuple[str, str]) -> str:
@@ -82,13 +84,14 @@ def _write_ffn(flash, perm: np.ndarray, name: str) -> list[dict]:
     return layers
 
 
-def rewrite_hot_first(flash, freq: np.ndarray, sparsity: dict) -> dict:
-    """Reorder every layer's slots by freq (n_layers, n_ff) (per current slot, highest first),
-    write the new FFN, order and frequency files, switch the manifest (ffn + sparsity sections,
-    sparsity gets hot_first and the frequency entry), remove the old files. Returns the new
-    sparsity section."""
+def rewrite_hot_first(flash, freq: np.ndarray, sparsity: dict,
+                      key: Optional[np.ndarray] = None) -> dict:
+    """Reorder every layer's slots by key (n_layers, n_ff) (per current slot, highest first;
+    default freq), write the new FFN, order and frequency (freq, n_layers x n_ff, in the new slot
+    order) files, switch the manifest (ffn + sparsity sections, sparsity gets hot_first and the
+    frequency entry), remove the old files. Returns the new sparsity section."""
     path, man = flash.path, flash.manifest
-    perm = hot_first_permutation(freq)                                       # (n_layers, n_ff)
+    perm = hot_first_permutation(freq if key is None else key)               # (n_layers, n_ff)
     old_order = flash.ffn.neuron_order
     order = perm if old_order is None else np.take_along_axis(old_order, perm, axis=1)
     order = np.ascontiguousarray(order, dtype="<i4")                         # (n_layers, n_ff)

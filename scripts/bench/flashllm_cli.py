@@ -98,7 +98,8 @@ def ensure_calibrated(fl: Flashllm, src: Path, log) -> tuple[Path, str]:
     calibrate` with its defaults (thresholds, hot-first order, predictor), done once."""
     out = src.with_name(src.name + "-cal")
     argv = fl.argv + ["calibrate", str(out)]
-    if not (out / ".calibrated").is_file() or _bundles(out) != _bundles(src):
+    if not (out / ".calibrated").is_file() or _bundles(out) != _bundles(src) or \
+            _order_by(out) is None:
         log(f"calibrating {out}")
         shutil.rmtree(out, ignore_errors=True)
         shutil.copytree(src, out)
@@ -107,6 +108,13 @@ def ensure_calibrated(fl: Flashllm, src: Path, log) -> tuple[Path, str]:
             raise RuntimeError(f"calibrate failed: {res.stderr.strip()[-400:]}")
         (out / ".calibrated").write_text(res.stderr[-4000:], encoding="utf-8")
     return out, f"cp -r {src} {out} && " + fl.show(argv)
+
+
+def _order_by(model: Path):
+    """The key of a calibrated copy's hot-first order (None: calibrated before session 15, by
+    frequency whatever the model)."""
+    man = json.loads((model / "manifest.json").read_text(encoding="utf-8"))
+    return (man.get("sparsity") or {}).get("order_by")
 
 
 def _bundles(model: Path) -> tuple:

@@ -1,11 +1,11 @@
 """Which neurons make the best draft (issue 15, self-speculation): the resident sub-network holds
-the first n_hot slots of each layer (hot-first order: calibration frequency of |h| >= threshold).
-On a SwiGLU model about half the neurons pass the threshold on any token, so frequency barely
+the first n_hot slots of each layer (the hot-first order; before session 15 by calibration
+frequency of |h| >= threshold, since then by contribution on GLU models). On a SwiGLU model about half the neurons pass the threshold on any token, so frequency barely
 ranks them; a neuron's expected contribution to the layer's output, E|h_i| * ||down_i||, might.
 This measures, teacher-forced over held-out text, how often the draft's argmax (the FFN over a
 chosen n_hot neurons per layer, everything else exact) equals the whole model's, for the
-resident set chosen by frequency (the slot order) and by contribution (measured on the
-calibration tokens).
+resident set chosen by frequency (the model's frequency file) and by contribution (measured
+here on the calibration tokens).
 
     python -m scripts.studies.draft_order $FLASHLLM_CACHE/converted/qwen2.5-coder-1.5b-native-cal \\
         --hot 0.5,0.25 --positions 256
@@ -22,13 +22,12 @@ from pathlib import Path
 import numpy as np
 
 from flashllm.ffi import kernel
-from flashllm.ffi.quant import dequantize_rows
 from flashllm.format.reader import open_flash
 from flashllm.generation.tokenizer import Tokenizer
-from flashllm.model.tensor import row_bytes
 from flashllm.runtime.ffn import DenseFfn, bundle_ids
 from flashllm.runtime.model import Model
-from flashllm.sparsity.activations import ffn_activations, manifest_thresholds
+from flashllm.sparsity.activations import (contribution, down_norms, ffn_activations,
+                                           manifest_thresholds)
 from flashllm.sparsity.calibrate import collect_ffn_inputs, text_tokens
 from flashllm.sparsity.corpus import builtin_text
 
@@ -54,19 +53,10 @@ class SubsetFfn:
         return {}
 
 
-def contribution(flash, inputs, crit: str) -> np.ndarray:
+def contributions(flash, inputs, crit: str) -> np.ndarray:
     """(L, n_ff) E_t |h_ti| * ||down_i|| per slot over the calibration inputs."""
-    f, cfg = flash.ffn, flash.config
-    out = []
-    for i, h in enumerate(inputs):
-        scores = ffn_activations(flash, i, h, crit, n_threads=2)          # (N, n_ff) |h|
-        b = flash.read_ffn_layer(i)                                        # (n_ff, stride)
-        off = (2 if cfg.glu else 1) * f.part_bytes
-        ddt = f.down_dtypes[i]
-        down = dequantize_rows(np.ascontiguousarray(b[:, off:off + row_bytes(ddt, cfg.d_model)]),
-                               ddt, cfg.d_model, 2)                        # (n_ff, d_model)
-        out.append(scores.mean(axis=0) * np.linalg.norm(down, axis=1))
-    return np.stack(out)
+    return np.stack([contribution(ffn_activations(flash, i, h, crit, n_threads=2),  # (N, n_ff)
+                                  down_norms(flash, i, 2)) for i, h in enumerate(inputs)])
 
 
 def main() -> None:
@@ -84,18 +74,21 @@ def main() -> None:
     tok = Tokenizer.from_flash(flash)
     cal = text_tokens(tok, builtin_text("calibration", "code").text, a.calibration_tokens)
     dense = Model(flash, n_threads=a.threads, n_ctx=512, ffn=DenseFfn(flash, a.threads))
-    score = contribution(flash, collect_ffn_inputs(dense, cal), crit)     # (L, n_ff)
+    score = contributions(flash, collect_ffn_inputs(dense, cal), crit)     # (L, n_ff)
+    e = flash.manifest["sparsity"]["frequency"]
+    freq = np.fromfile(a.model / e["file"], "<f4").reshape(cfg.n_layers, cfg.n_ff)  # (L, n_ff)
     layers = [np.ascontiguousarray(flash.read_ffn_layer(i)) for i in range(cfg.n_layers)]
     sub = SubsetFfn(flash, layers, thr, a.threads)
     n = a.positions // 2
     texts = [text_tokens(tok, builtin_text("evaluation", k).text, n) for k in ("code", "prose")]
     for share in (float(s) for s in a.hot.split(",")):
         k = int(share * cfg.n_ff)
-        orders = {"frequency": [np.arange(k, dtype=np.int32)] * cfg.n_layers,
+        top = [np.sort(np.argsort(-v, kind="stable")[:k]).astype(np.int32) for v in freq]
+        orders = {"frequency": top,
                   "contribution": [np.sort(np.argsort(-s)[:k]).astype(np.int32) for s in score]}
         for name, rows in orders.items():
             sub.rows = rows
-            overlap = np.mean([np.isin(r, np.arange(k)).mean() for r in rows])
+            overlap = np.mean([np.isin(r, f).mean() for r, f in zip(rows, top)])
             agree = []
             for ids in texts:
                 model = Model(flash, n_threads=a.threads, n_ctx=n, ffn=DenseFfn(flash, a.threads))
