@@ -6,7 +6,8 @@ file-backed pages) against the budget, on the real 1.5B native conversion, whose
 attention is repacked on load (AVX-512 VNNI): the read copies the packed ones replace once stayed
 on the heap, 80 MiB that no plan counted (1220 MiB at --dram-budget 1200MiB). At 1200 MiB the
 plan caches every neuron, and the FFN runs as llama.cpp's row products over the GGUF's own rows
-(runtime/assemble.py holds_ffn_rows): the text of a run without a budget, token for token."""
+(runtime/assemble.py holds_ffn_rows): the text of a run without a budget, token for token. At
+560 MiB (head streamed) a pass of several tokens gives each the logits of feeding it alone."""
 import subprocess
 import sys
 
@@ -53,3 +54,36 @@ def test_self_drafting_keeps_the_caches_when_the_budget_holds_the_whole_ffn():
                        "--stats")
     assert "flash FFN (sparse): DRAM budget 1200 MiB" in err
     assert "draft =" in err and text.strip()
+
+
+@pytest.mark.realmodel
+def test_a_pass_gives_each_token_its_own_logits_under_a_budget():
+    """At 560 MiB the 1.5B's FFN and output head stream and its attention stays resident, packed
+    as without a budget (runtime/assemble.py make_weights): a pass over 6 tokens gives each the
+    logits that feeding it alone gives, bit for bit, so a greedy text with self-drafting does not
+    depend on how many guesses each pass checked (it did when the attention stayed unpacked: the
+    q4_k products of a multi-token tile round otherwise)."""
+    import numpy as np
+    from flashllm.cli.app import cache_dir
+    from flashllm.format.reader import open_flash
+    from flashllm.runtime.assemble import FlashOptions, make_ffn, make_weights, plan_run, \
+        stream_dense
+    from flashllm.runtime.model import Model
+    path = _converted("qwen2.5-coder-1.5b", "native", log=lambda m: print(m, file=sys.stderr))
+    opts = FlashOptions(dram_budget="560MiB", draft_rows=16384)
+    plan = plan_run(path, opts, 32, 100 * MiB)
+    assert "output.weight" in plan.streamed
+    flash = open_flash(path)
+    ffn = make_ffn(flash, opts, plan, 2, cache_dir(), log=lambda m: None)
+    weights = make_weights(flash, plan, 2)
+    stream_dense(flash, ffn, weights)
+    net = Model(flash, n_threads=2, n_ctx=32, ffn=ffn, weights=weights, kv_dtype="f16")
+    try:
+        ids = np.array([785, 1156, 315, 279, 1565, 374, 264, 26618, 8500, 30, 576, 4226, 374,
+                        429, 432, 1035], np.int32)                                # (16,)
+        net.forward(ids[:10], 0)
+        alone = np.stack([net.forward(ids[j:j + 1], j)[0] for j in range(10, 16)])  # (6, vocab)
+        together = net.forward(ids[10:16], 10)                                  # (6, vocab)
+        np.testing.assert_array_equal(together, alone)
+    finally:
+        ffn.close()

@@ -170,13 +170,16 @@ def drafts_by_default(flash, opts: FlashOptions, plain: Optional[BudgetPlan]) ->
 
 
 def make_weights(flash, plan: Optional[BudgetPlan], n_threads: int):
-    """The dense weights for Model(weights=...): None (all resident) unless the plan streams some."""
+    """The dense weights for Model(weights=...): None (all resident) unless the plan streams some.
+    The resident matrices are packed as a run without a budget packs them (the plan counts the
+    packed bytes: budget.dense_groups): the same kernels, whose products do not depend on how
+    many tokens a pass holds, so a verifying pass gives each token what decoding it alone does."""
     if plan is None or not plan.streamed:
         return None
     from flashllm.runtime.weights import DenseWeights
     from flashllm.ffi.reader import Reader
     reader = Reader(flash.dense_file, n_threads=READER_THREADS, stage_bytes=READER_STAGE)
-    return DenseWeights(flash, n_threads, plan.streamed, reader)
+    return DenseWeights(flash, n_threads, plan.streamed, reader, pack=True)
 
 
 def make_head(flash, plan: Optional[BudgetPlan], weights, need, n_threads: int):

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flashllm.errors import FlashError
+from flashllm.ffi import kernel
 from flashllm.format.layout import SKETCH_NAMES, layer_strides
 from flashllm.runtime.weights import CHUNK_BYTES, aligned_offsets, attn_names
 from flashllm.units import MiB, SizeError, format_size, parse_size
@@ -184,14 +185,26 @@ def head_name(manifest: dict) -> str:
     return "output.weight" if "output.weight" in names else "token_embd.weight"
 
 
+def packed_nbytes(entry: dict) -> int:
+    """DRAM of a resident matrix (manifest entry) that DenseWeights(pack=True) repacks for this
+    build's matmul: its bytes, or more (q4_k's packed layout is ~3% larger)."""
+    shape = entry["shape"]
+    packed = kernel.packed_nbytes(entry["dtype"], shape[0], shape[1]) if len(shape) == 2 else 0
+    return max(int(entry["nbytes"]), int(packed))
+
+
 def dense_groups(manifest: dict) -> tuple[int, list[tuple[list[str], int]], tuple[list[str], int]]:
     """(bytes always resident, [(names, bytes)] kept while the budget lasts in this order, the
     embeddings (names, bytes) kept last): vectors and small matrices; each layer's attention,
     then the output head; token_embd (the head too when tied). What does not fit is read every
     token either way (the bytes are equal, what DRAM is left goes to the neuron caches; both
     join the FFN's read-ahead schedule when its reads are static: runtime.stream_dense)."""
-    tensors = {t["name"]: int(t["nbytes"]) for t in manifest["dense"]["tensors"]}
+    entries = {t["name"]: t for t in manifest["dense"]["tensors"]}
+    tensors = {n: int(t["nbytes"]) for n, t in entries.items()}
     head = head_name(manifest)
+    packs = [n for i in range(manifest["config"]["n_layers"]) for n in attn_names(i)] + \
+        (["output.weight"] if head == "output.weight" else [])    # what DenseWeights(pack) packs
+    tensors.update({n: packed_nbytes(entries[n]) for n in packs if n in entries})
     groups = [(attn_names(i), sum(tensors[n] for n in attn_names(i)))
               for i in range(manifest["config"]["n_layers"])] + [([head], tensors[head])]
     embed = (["token_embd.weight"], tensors["token_embd.weight"]) if head == "output.weight" \
