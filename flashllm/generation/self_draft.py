@@ -3,8 +3,8 @@
 Under a DRAM budget a decode pass is bound by its reads: every neuron outside the caches, and a
 streamed output head, is read each pass, and a pass over 1 + k tokens reads them once for all.
 The draft is the same model computed from DRAM alone (runtime/resident.py: each FFN over its
-cached neurons, the largest contributions, the resident attention, the head's rows for the likely tokens): it
-reads nothing, so k guesses cost k of its (cheaper) token computations, and one full pass checks
+cached neurons — those of largest contribution —, the resident attention, the head's rows for
+the likely tokens): it reads nothing, so k guesses cost k of its (cheaper) token computations, and one full pass checks
 them (speculate.verify: the same distribution as plain decoding, the guess kept with the
 probability the sampler gives it). Unlike prompt lookup it guesses on any text.
 

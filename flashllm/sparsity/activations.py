@@ -55,10 +55,13 @@ class FfnWeights:
     act: str
 
 
-def ffn_weights(flash, layer: int, n_threads: int = 1) -> FfnWeights:
-    """Gate/up rows of layer's bundles (flash.read_ffn_layer), dequantized, in slot order."""
+def ffn_weights(flash, layer: int, n_threads: int = 1,
+                bundles: Optional[np.ndarray] = None) -> FfnWeights:
+    """Gate/up rows of layer's bundles (flash.read_ffn_layer unless given), dequantized, in slot
+    order."""
     cfg, f = flash.config, flash.ffn
-    bundles = flash.read_ffn_layer(layer)                         # (n_ff, stride) uint8
+    if bundles is None:
+        bundles = flash.read_ffn_layer(layer)                     # (n_ff, stride) uint8
     pb = f.part_bytes
     parts = [dequantize_rows(bundles[:, k * pb:(k + 1) * pb], f.dtype, f.d_model, n_threads)
              for k in range(2 if cfg.glu else 1)]                 # each (n_ff, d_model)
@@ -160,10 +163,13 @@ def hot_share(freq: np.ndarray, top: float = 0.2) -> float:
     return float(f[:max(1, int(round(top * f.size)))].sum() / total) if total > 0 else 0.0
 
 
-def down_norms(flash, layer: int, n_threads: int = 1, chunk: int = 2048) -> np.ndarray:
-    """(n_ff,) f32 the L2 norm of each slot's down column (dequantized chunk slots at a time)."""
+def down_norms(flash, layer: int, n_threads: int = 1, bundles: Optional[np.ndarray] = None,
+               chunk: int = 2048) -> np.ndarray:
+    """(n_ff,) f32 the L2 norm of each slot's down column (dequantized chunk slots at a time),
+    from the layer's bundles (flash.read_ffn_layer unless given)."""
     cfg, f = flash.config, flash.ffn
-    bundles = flash.read_ffn_layer(layer)                         # (n_ff, stride) uint8
+    if bundles is None:
+        bundles = flash.read_ffn_layer(layer)                     # (n_ff, stride) uint8
     off, ddt = (2 if cfg.glu else 1) * f.part_bytes, f.down_dtypes[layer]
     cols = bundles[:, off:off + row_bytes(ddt, cfg.d_model)]      # (n_ff, down bytes)
     return np.concatenate([np.linalg.norm(dequantize_rows(np.ascontiguousarray(cols[i:i + chunk]),

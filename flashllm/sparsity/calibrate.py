@@ -89,7 +89,8 @@ def layer_statistics(flash, inputs, sparsity: float, criterion: str, n_threads: 
     check_criterion(flash.config, criterion)
     thresholds, freqs, achieved, contrib = [], [], [], []
     for layer, h in enumerate(inputs):
-        w = ffn_weights(flash, layer, n_threads)
+        bundles = flash.read_ffn_layer(layer)                                       # (n_ff, stride)
+        w = ffn_weights(flash, layer, n_threads, bundles)
         scores = ffn_activations(flash, layer, h, criterion, weights=w)            # (N, n_ff)
         t = 0.0 if criterion == "relu" else threshold(scores, sparsity)
         freq = frequencies(scores, t, criterion)                                    # (n_ff,)
@@ -99,7 +100,7 @@ def layer_statistics(flash, inputs, sparsity: float, criterion: str, n_threads: 
         if contributions:     # every criterion but gate scores |h| itself
             mag = ffn_activations(flash, layer, h, "glu_product", weights=w) \
                 if criterion == "gate" else scores                                  # (N, n_ff)
-            contrib.append(contribution(mag, down_norms(flash, layer, n_threads)))
+            contrib.append(contribution(mag, down_norms(flash, layer, n_threads, bundles)))
         log(f"layer {layer}: threshold {t:.4g}, sparsity {achieved[-1]:.3f}, "
             f"hottest 20% carry {hot_share(freq):.2f}")
     return thresholds, np.stack(freqs), achieved, np.stack(contrib) if contributions else None

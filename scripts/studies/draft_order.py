@@ -1,7 +1,8 @@
 """Which neurons make the best draft (issue 15, self-speculation): the resident sub-network holds
 the first n_hot slots of each layer (the hot-first order; before session 15 by calibration
-frequency of |h| >= threshold, since then by contribution on GLU models). On a SwiGLU model about half the neurons pass the threshold on any token, so frequency barely
-ranks them; a neuron's expected contribution to the layer's output, E|h_i| * ||down_i||, might.
+frequency of |h| >= threshold, since then by contribution on GLU models). On a SwiGLU model
+about half the neurons pass the threshold on any token, so frequency barely ranks them; a
+neuron's expected contribution to the layer's output, E|h_i| * ||down_i||, might.
 This measures, teacher-forced over held-out text, how often the draft's argmax (the FFN over a
 chosen n_hot neurons per layer, everything else exact) equals the whole model's, for the
 resident set chosen by frequency (the model's frequency file) and by contribution (measured
@@ -53,10 +54,11 @@ class SubsetFfn:
         return {}
 
 
-def contributions(flash, inputs, crit: str) -> np.ndarray:
+def contributions(flash, inputs, crit: str, n_threads: int) -> np.ndarray:
     """(L, n_ff) E_t |h_ti| * ||down_i|| per slot over the calibration inputs."""
-    return np.stack([contribution(ffn_activations(flash, i, h, crit, n_threads=2),  # (N, n_ff)
-                                  down_norms(flash, i, 2)) for i, h in enumerate(inputs)])
+    return np.stack([contribution(ffn_activations(flash, i, h, crit, n_threads=n_threads),
+                                  down_norms(flash, i, n_threads))
+                     for i, h in enumerate(inputs)])
 
 
 def main() -> None:
@@ -74,7 +76,7 @@ def main() -> None:
     tok = Tokenizer.from_flash(flash)
     cal = text_tokens(tok, builtin_text("calibration", "code").text, a.calibration_tokens)
     dense = Model(flash, n_threads=a.threads, n_ctx=512, ffn=DenseFfn(flash, a.threads))
-    score = contributions(flash, collect_ffn_inputs(dense, cal), crit)     # (L, n_ff)
+    score = contributions(flash, collect_ffn_inputs(dense, cal), crit, a.threads)     # (L, n_ff)
     e = flash.manifest["sparsity"]["frequency"]
     freq = np.fromfile(a.model / e["file"], "<f4").reshape(cfg.n_layers, cfg.n_ff)  # (L, n_ff)
     layers = [np.ascontiguousarray(flash.read_ffn_layer(i)) for i in range(cfg.n_layers)]
