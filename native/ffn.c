@@ -21,7 +21,7 @@
 #define CHUNKS_LARGE 4 /* above it (prefill): each chunk has a (T, d) partial */
 #define PARTIAL_FLOATS (1 << 18)
 #define PREFETCH_BUNDLES 2 /* bundles ahead of the one being computed */
-#define PREFETCH_GROUPS 1  /* int8 paths: groups of FL_QT bundles ahead */
+#define PREFETCH_GROUPS 3  /* int8 paths: groups of FL_QT bundles ahead (prefetch_l2) */
 #define DOWN_K FL_PR       /* neurons per f32 down GEMM when T > 1 (a multiple of FL_QT) */
 #define SMALL_T 10         /* up to this many tokens: per-token arithmetic (range_qs); more: GEMM
                             * panels (range_qp), faster from ~11 tokens on real q4_k layers */
@@ -79,6 +79,12 @@ static inline float neuron_h(const ffn_args *a, int64_t i, float g, float u) {
     return h != 0.0f && fabsf(h) >= a->threshold ? h : 0.0f;
 }
 
+/* n bytes at p into L2: a bundle's gate and up rows (its down column is read only if kept);
+ * prefetched into L1, the stream was no faster than with none (docs/KERNELS.md) */
+static inline void prefetch_l2(const uint8_t *p, size_t n) {
+    for (size_t off = 0; off < n; off += 64) __builtin_prefetch(p + off, 0, 1);
+}
+
 /* one group of up to FL_QT bundles (rows j .. j+nr-1 of the call): bundle row ids, gate and up
  * row pointers (a short group repeats its first bundle) */
 typedef struct {
@@ -98,7 +104,7 @@ static void group_at(const ffn_args *a, const uint8_t *bundles, int64_t stride, 
     }
     const int64_t ahead = j + FL_QT * PREFETCH_GROUPS;
     for (int64_t k = ahead; k < ahead + FL_QT && k < j1; k++)
-        fli_prefetch(bundles + (a->rows ? a->rows[k] : k) * stride, (size_t)stride);
+        prefetch_l2(bundles + (a->rows ? a->rows[k] : k) * stride, (size_t)(a->glu ? 2 : 1) * a->rb);
 }
 
 /* h (FL_QT, T) of a group for tokens t .. t+nt-1 from int8 tiles (column stride ld); ex: NULL
