@@ -185,6 +185,13 @@ int32_t fl_ffn_bundles(const fl_ffn_layer *layer, const int32_t *rows, int64_t n
  * from its gate / up products (act.c; SiLU vectorized, ~1 ulp from libm's expf). */
 int32_t fl_act_mul(int32_t act, const float *g, const float *u, float *h, int64_t n);
 
+/* The ends of n logits known to within a bound (the sparse output head): for each row r,
+ * dev = z * sqrt(sum_b e[b] * var[b][r]) + slack, hi[r] = s[r] + dev, lo[r] = s[r] - dev.
+ * s (n) estimates, var (nb, n) f16 error variances per block of the input, e (nb) the input's
+ * energy per block (vec.c). */
+int32_t fl_logit_bounds(const float *s, const uint16_t *var, const float *e, int64_t nb,
+                        int64_t n, float z, float slack, float *hi, float *lo);
+
 /* ====================================================================================== */
 /* PART 2 — I/O: the direct-I/O reader and the read-ahead (internal header: io_internal.h)  */
 /* ====================================================================================== */

@@ -20,6 +20,8 @@ static inline vf vload_h(const uint8_t *p) {
 static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+static inline vf vsqrt(vf a) { return _mm512_sqrt_ps(a); }
 static inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
 static inline void load_q8(const uint8_t *qs, vf v[2]) {
     v[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)qs)));
@@ -61,6 +63,8 @@ static inline vf vload_h(const uint8_t *p) {
 static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+static inline vf vsqrt(vf a) { return _mm256_sqrt_ps(a); }
 static inline float vsum(vf a) { return fli_hsum256(a); }
 static inline vf cvt8(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)); }
 static inline void load_q8(const uint8_t *qs, vf v[4]) {
@@ -115,6 +119,8 @@ static inline vf vload_h(const uint8_t *p) { return fl_load_fp16(p); }
 static inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
 static inline vf vmul(vf a, vf b) { return a * b; }
 static inline vf vadd(vf a, vf b) { return a + b; }
+static inline vf vsub(vf a, vf b) { return a - b; }
+static inline vf vsqrt(vf a) { return sqrtf(a); }
 static inline float vsum(vf a) { return a; }
 static inline void load_q8(const uint8_t *qs, vf v[32]) {
     for (int j = 0; j < 32; j++) v[j] = (float)(int8_t)qs[j];

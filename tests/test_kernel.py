@@ -92,6 +92,20 @@ def test_rmsnorm_and_layernorm():
     _close(y, rms)
 
 
+@pytest.mark.parametrize("n", [1, 37, 256, 1001])
+def test_logit_bounds_against_float64(n):
+    """s +- (z sqrt(e @ var) + slack) with var in f16, over a tail that is no whole vector."""
+    s = _rng(4).standard_normal(n).astype(np.float32)  # (n,)
+    var = (_rng(5).random((3, n)) * 1e-3).astype(np.float16)  # (3, n)
+    e = _rng(6).random(3).astype(np.float32) * 50  # (3,)
+    dev = 4.0 * np.sqrt(e.astype(np.float64) @ var.astype(np.float64)) + 0.25  # (n,)
+    hi, lo = kernel.logit_bounds(s, var, e, 4.0, 0.25)
+    _close(hi, s + dev)
+    _close(lo, s - dev)
+    with pytest.raises(KernelError):
+        kernel.logit_bounds(s, var.astype(np.float32), e, 4.0)
+
+
 def _rope_ref(x: np.ndarray, pos: np.ndarray, inv: np.ndarray) -> np.ndarray:
     """Hugging Face rotate_half RoPE on the first n_rot = 2 * len(inv) values of every head, f64."""
     half = len(inv)

@@ -258,6 +258,22 @@ def act_mul(act: str, g, u, out: np.ndarray | None = None) -> np.ndarray:
     return h
 
 
+def logit_bounds(s: np.ndarray, var: np.ndarray, e: np.ndarray, z: float,
+                 slack: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    """(hi, lo) (n,) f32 = s +- (z sqrt(e @ var) + slack) for estimates s (n,) f32, error
+    variances var (nb, n) f16 and energies e (nb,) (fl_logit_bounds: one pass, no temporaries)."""
+    k = _native()
+    sa = _as_f32(s, "s", 1)                                               # (n,)
+    ea = _as_f32(e, "e", 1)                                               # (nb,)
+    if var.dtype != np.float16 or var.shape != (len(ea), len(sa)) or not var.flags.c_contiguous:
+        raise KernelError(f"logit_bounds: var must be C-contiguous f16 ({len(ea)}, {len(sa)}), "
+                          f"got {var.dtype} {var.shape}")
+    hi, lo = np.empty_like(sa), np.empty_like(sa)                         # (n,) each
+    _check(k.fl_logit_bounds(_fptr(sa), ffi.from_buffer("uint16_t[]", var), _fptr(ea), len(ea),
+                             len(sa), z, slack, _fptr(hi), _fptr(lo)), "logit_bounds")
+    return hi, lo
+
+
 def ffn_bundles(bundles: np.ndarray, dtype: str, d: int, glu: bool, act: str, x, y: np.ndarray,
                 ids=None, up_bias=None, n_threads: int = 1, rows=None,
                 threshold: float = 0.0, exact: bool = False,
