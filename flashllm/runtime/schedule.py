@@ -37,7 +37,7 @@ class PassSchedule:
         self.buffers, self._ffn, self._ffn_request = buffers, ffn_chunks, ffn_request
         self._strides = ffn_strides or [buffers.shape[2]] * len(ffn_chunks)
         self._attn: dict = {}         # layer -> (reader, offsets (4,), lengths (4,), dst (4,))
-        self._head: tuple = (None, [])   # (reader, [(offset, nbytes)])
+        self._head: tuple = (None, [])   # (reader, [(offset, nbytes, lead)])
         self._cursor = 0              # absolute schedule position of the next take
         self._held = False            # the last take is released by the next one
         self.ring = self._build()
@@ -49,7 +49,8 @@ class PassSchedule:
     def add_dense(self, attention: dict, head: tuple) -> None:
         """Streamed dense weights join the schedule: attention {layer: (reader, offsets,
         lengths, dst offsets)} (one entry before the layer's FFN chunks) and head (reader,
-        [(offset, nbytes)]) after the last layer; each piece must fit one buffer."""
+        [(offset, nbytes, lead)]: DenseWeights.head_extents) after the last layer; each piece
+        must fit one buffer."""
         self._close_ring()
         self._attn, self._head = dict(attention), (head[0], list(head[1]))
         self.ring = self._build()
@@ -112,6 +113,6 @@ class PassSchedule:
         reader = self._head[0]
         entries += [Entry(("head", j), rows(nbytes), reader, np.array([offset]),
                           np.array([nbytes]), np.array([0]))
-                    for j, (offset, nbytes) in enumerate(self._head[1])]
+                    for j, (offset, nbytes, _) in enumerate(self._head[1])]
         self._pos = {e.key: p for p, e in enumerate(entries)}
         return ReadAhead(self.buffers, entries) if entries else None

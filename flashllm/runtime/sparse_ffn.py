@@ -104,12 +104,12 @@ class SparseFlashFfn:
 
     def stream_dense(self, attention: dict, head: tuple) -> bool:
         """Streamed dense weights join the static pass's schedule (runtime/schedule.py): attention
-        {layer: (reader, offsets, lengths, dst offsets)}, head (reader, [(offset, nbytes)]).
+        {layer: (reader, offsets, lengths, dst offsets)}, head (reader, [(offset, nbytes, lead)]).
         False (nothing changes) without a schedule or when a piece does not fit a buffer."""
         if self.schedule is None:
             return False
         sizes = [int(d[-1] + n[-1]) for _, _, n, d in attention.values()] + \
-            [int(n) for _, n in head[1]]
+            [int(n) for _, n, _ in head[1]]
         if not sizes or max(sizes) > self.schedule.buffer_bytes:
             return False
         self.schedule.add_dense(attention, head)
@@ -131,10 +131,12 @@ class SparseFlashFfn:
         return self._take_head()
 
     def _take_head(self):
-        for j, (_, nbytes) in enumerate(self.schedule.head_extents):
+        for j, (_, nbytes, lead) in enumerate(self.schedule.head_extents):
             rows, counters = self.schedule.take(("head", j))                # (n, stride)
+            counters = {**counters, "bytes_requested": counters["bytes_requested"] - lead}  # as
+            # the reader's own rounding to pages, the lead is not counted
             try:
-                yield j, rows.reshape(-1)[:nbytes], counters
+                yield j, rows.reshape(-1)[lead:nbytes], counters
             finally:
                 self.schedule.release()
 
@@ -251,7 +253,7 @@ class SparseFlashFfn:
             t1 = clock()
             first, n = self.schedule.chunk(key)
             rows = as_rows(rows, n, self.f.strides[layer])                   # (n, layer's stride)
-            self._compute_block(layer, rows, self._slots[first:first + n], h, x)
+            self._bundles(layer, rows, self._slots[first:first + n], h, x)
             self.schedule.release()
             t.add_reads(counters)
             t.io_s += t1 - t0
@@ -273,15 +275,22 @@ class SparseFlashFfn:
         (or slot i without a cache)."""
         if len(rows) == 0:
             return
-        ub, ids = self.up_b[layer], None
+        slots = None                                             # (n,) slot of each row
+        if self.up_b[layer] is not None:
+            slots = np.maximum(cache.slot_of[:len(matrix)], 0) if cache is not None else \
+                np.arange(len(matrix), dtype=np.int32)
+        self._bundles(layer, matrix, slots, h, x, rows)
+
+    def _bundles(self, layer: int, matrix: np.ndarray, slots: Optional[np.ndarray],
+                 h: np.ndarray, x: np.ndarray, rows: Optional[np.ndarray] = None) -> None:
+        """x (T, d) += FFN over the bundles matrix (n, stride), or its rows (k,) when given;
+        slots (n,): the slot each row holds (needed for an up bias only)."""
+        ub, ids, order = self.up_b[layer], None, self.ids[layer]
         if ub is not None:
-            slots = cache.slot_of[:len(matrix)] if cache is not None else \
-                np.arange(len(matrix), dtype=np.int32)           # (n,) slot of each row
-            slots = np.maximum(slots, 0)
-            order = self.ids[layer]
             ids = order[slots] if order is not None else slots   # (n,) neuron id of each row
+        n = len(matrix) if rows is None else len(rows)
         kernel.ffn_bundles(matrix, self.f.dtype, self.d, self.glu, self.act, h, x, ids=ids,
-                           up_bias=ub, n_threads=self._threads(len(rows), len(h)), rows=rows,
+                           up_bias=ub, n_threads=self._threads(n, len(h)), rows=rows,
                            threshold=self.threshold[layer], exact=self.exact,
                            down_dtype=self.f.down_dtypes[layer])
 
@@ -386,18 +395,7 @@ class SparseFlashFfn:
     def _compute_staged(self, layer: int, chunk: np.ndarray, half: int, h: np.ndarray,
                         x: np.ndarray) -> None:
         """x += FFN over staging half `half`, whose rows 0 .. k-1 hold slots chunk (k,)."""
-        self._compute_block(layer, self._half(layer, half)[:len(chunk)], chunk, h, x)
-
-    def _compute_block(self, layer: int, rows: np.ndarray, slots: np.ndarray, h: np.ndarray,
-                       x: np.ndarray) -> None:
-        """x += FFN over bundle rows (k, stride) holding slots (k,)."""
-        ub, ids, order = self.up_b[layer], None, self.ids[layer]
-        if ub is not None:
-            ids = order[slots] if order is not None else slots   # (k,) neuron ids
-        kernel.ffn_bundles(rows, self.f.dtype, self.d, self.glu, self.act, h, x, ids=ids,
-                           up_bias=ub, n_threads=self._threads(len(rows), len(h)),
-                           threshold=self.threshold[layer], exact=self.exact,
-                           down_dtype=self.f.down_dtypes[layer])
+        self._bundles(layer, self._half(layer, half)[:len(chunk)], chunk, h, x)
 
     # ---- predictor recall (check mode) -------------------------------------------------------
 

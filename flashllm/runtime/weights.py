@@ -123,7 +123,7 @@ class DenseWeights:
                                              default=0))
         chunk = 0 if self.head is not None else max(
             n for name in ("", SKETCH) if not name or flash.has(name)
-            for _, n in self.head_extents(chunk_bytes, name))            # the head's, or its sketch's
+            for _, n, _ in self.head_extents(chunk_bytes, name))         # the head's, or its sketch's
         self._head_bufs = self._buffers(chunk)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="flashllm-dense") \
             if self.streamed else None
@@ -225,8 +225,10 @@ class DenseWeights:
         t = self.flash.dense_entry(self.head_name)
         rows, cols = t["shape"]
         rb = t["nbytes"] // rows
-        if self.head is not None:
-            chunks = ((j, self.head.data[r:r + ROW_GROUP * 64].reshape(-1), None)
+        if self.head is not None:              # its rows as on file (a packed head's are not)
+            whole = self.head.data if isinstance(self.head, QTensor) else \
+                self.flash.tensor(self.head_name).data                  # (vocab, row bytes)
+            chunks = ((j, whole[r:r + ROW_GROUP * 64].reshape(-1), None)
                       for j, r in enumerate(range(0, rows, ROW_GROUP * 64)))
         else:
             chunks = self._own_head_chunks()
@@ -238,18 +240,27 @@ class DenseWeights:
                 part = dequantize_rows(data[r:r + 256], t["dtype"], cols)  # (<= 256, cols)
                 out[r0:r0 + len(part)] = part[:, dims]
                 r0 += len(part)
+        if r0 != rows:
+            raise RuntimeError(f"the head's columns came from {r0} of its {rows} rows")
         return out
 
-    def head_extents(self, max_bytes: int, name: str = "") -> list[tuple[int, int]]:
-        """The streamed head (or the matrix `name`: the head's sketch) as (file offset, nbytes)
-        pieces of whole ROW_GROUPs of rows, each at most max_bytes (at least one group): what
-        head_source's (sketch_source's) chunks must hold, in order."""
+    def head_extents(self, max_bytes: int, name: str = "") -> list[tuple[int, int, int]]:
+        """The streamed head (or the matrix `name`: the head's sketch) as (file offset, nbytes,
+        lead) pieces, in order: each reads nbytes <= max_bytes from a page-aligned offset, and
+        its whole ROW_GROUPs of rows (at least one) are bytes [lead, nbytes) of what it read.
+        (Aligned, a piece lands in its buffer by direct I/O page for page instead of through the
+        reader's staging copy, which competes for the cores.)"""
         t = self.flash.dense_entry(name or self.head_name)
         rows = t["shape"][0]
         rb = t["nbytes"] // rows
-        step = max(ROW_GROUP, max_bytes // rb // ROW_GROUP * ROW_GROUP)
-        return [(t["offset"] + r0 * rb, (min(r0 + step, rows) - r0) * rb)
-                for r0 in range(0, rows, step)]
+        out, r0 = [], 0
+        while r0 < rows:
+            start = t["offset"] + r0 * rb
+            lead = start % PAGE
+            step = max(ROW_GROUP, (max_bytes - lead) // rb // ROW_GROUP * ROW_GROUP)
+            out.append((start - lead, lead + (min(r0 + step, rows) - r0) * rb, lead))
+            r0 += step
+        return out
 
     def sketch_output(self, x: np.ndarray) -> np.ndarray:
         """(T, vocab) logits of x (T, d_pad) by the head's streamed sketch (SKETCH): its chunks
@@ -262,13 +273,15 @@ class DenseWeights:
         reader into its two head buffers, extent j + 1 while extent j computes; counters None
         (counted by _read)."""
         extents = self.head_extents(self.chunk_bytes, name)
-        job = self._pool.submit(self._read, [extents[0][0]], [extents[0][1]], self._head_bufs[0], [0])
-        for j, (_, nbytes) in enumerate(extents):
+        off, nb, lead = extents[0]
+        job = self._pool.submit(self._read, [off], [nb], self._head_bufs[0], [0], lead)
+        for j, (_, nbytes, lead) in enumerate(extents):
             job.result()
             if j + 1 < len(extents):
-                off, nb = extents[j + 1]
-                job = self._pool.submit(self._read, [off], [nb], self._head_bufs[(j + 1) % 2], [0])
-            yield j, self._head_bufs[j % 2][:nbytes], None
+                off, nb, lead1 = extents[j + 1]
+                job = self._pool.submit(self._read, [off], [nb], self._head_bufs[(j + 1) % 2], [0],
+                                        lead1)
+            yield j, self._head_bufs[j % 2][lead:nbytes], None
 
     def _output_of(self, chunks, x: np.ndarray, exact: bool, name: str = "") -> np.ndarray:
         """(T, vocab) logits from head (or matrix name's) chunks: (extent index, bytes (nbytes,),
@@ -324,13 +337,14 @@ class DenseWeights:
         from flashllm.ffi.reader import aligned_empty
         return [aligned_empty(-(-nbytes // PAGE) * PAGE) for _ in range(2)] if nbytes else []
 
-    def _read(self, offsets, lengths, dst: np.ndarray, dst_offsets) -> None:
-        """One batch of reads; only ever called on the pool's single thread."""
+    def _read(self, offsets, lengths, dst: np.ndarray, dst_offsets, padding: int = 0) -> None:
+        """One batch of reads; only ever called on the pool's single thread. padding: bytes read
+        only to align (not counted, as the reader's own rounding to pages is not)."""
         t0 = time.perf_counter()
         self.reader.read(np.asarray(offsets, np.int64), np.asarray(lengths, np.int64), dst,
                          np.asarray(dst_offsets, np.int64))
         self.read_seconds += time.perf_counter() - t0
-        self.bytes_read += int(np.sum(lengths))
+        self.bytes_read += int(np.sum(lengths)) - padding
 
     def _read_layer(self, i: int, k: int) -> None:
         offsets, lengths, dst = self.attention_extents(i)
