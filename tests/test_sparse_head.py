@@ -118,17 +118,19 @@ def test_cli_sparse_head_writes_the_full_heads_text(smollm2, monkeypatch):
     and top-p's cut is discontinuous in the logits; test_candidates_hold... covers top-k.)"""
     args = [str(smollm2.path), "-p", "The capital of France is Paris. The capital of Germany is",
             "-n", "24", "--temp", "0", "--dram-budget", "180MiB"]
-    full = cli(*args, "--no-timings", monkeypatch=monkeypatch)           # the default: whole head
+    full = cli(*args, "--no-sparse-head", "--no-timings", monkeypatch=monkeypatch)
     sparse = cli(*args, "--sparse-head", "--stats", monkeypatch=monkeypatch)
+    auto = cli(*args, "--stats", monkeypatch=monkeypatch)   # uncalibrated: nothing measured
     assert full.exit_code == 0 and sparse.exit_code == 0, sparse.output
     assert sparse.stdout == full.stdout
     assert "head sketch" in sparse.stderr and "sparse head:" in sparse.stderr
-    assert "head sketch" not in full.stderr
+    assert "head sketch" not in full.stderr and "head sketch" not in auto.stderr
 
 
 def test_plan_streams_the_head_sparsely_only_when_it_reads_less(smollm2):
     man = smollm2.manifest
-    sk = sketch_bytes(man)
+    assert sketch_bytes(man) == (0, 0)               # uncalibrated: planned only when forced
+    sk = sketch_bytes(man, forced=True)
     assert sk[0] > 0 and sk[1] > 0
     tight = budget.plan_budget(man, "180MiB", 256, 100 * MiB, sketch=sk)
     assert tight.sparse_head and tight.resident["head sketch"] == sk[0]
@@ -137,3 +139,44 @@ def test_plan_streams_the_head_sparsely_only_when_it_reads_less(smollm2):
     assert tight.streamed_bytes < plain.streamed_bytes
     roomy = budget.plan_budget(man, "2GiB", 256, 100 * MiB, sketch=sk)   # the head stays resident
     assert not roomy.sparse_head and "head sketch" not in roomy.resident
+
+
+def test_planned_reads_are_what_calibration_measured(smollm2):
+    """The planner's bytes a token: the sketch plus the candidate rows calibration measured for
+    a sampler keeping as many logits or fewer; nothing measured for it: no sparse head unless
+    forced (then HEAD_ROWS_READ)."""
+    from flashllm.runtime.sparse_head import HEAD_ROWS_READ
+    man = smollm2.manifest
+    sketch = smollm2.dense_entry("output_sketch.weight")["nbytes"]
+    forced = sketch_bytes(man, forced=True)
+    assert forced[1] == sketch + HEAD_ROWS_READ
+    measured = {**man, "sparsity": {**man.get("sparsity", {}), "head": {
+        "greedy": {"bytes": 1000}, "top40": {"bytes": 90000}}}}
+    assert sketch_bytes(measured, top=1) == (forced[0], sketch + 1000)
+    assert sketch_bytes(measured, top=20)[1] == sketch + 90000       # top-40 bounds top-20's
+    assert sketch_bytes(measured, top=50) == (0, 0)                  # not measured
+    assert sketch_bytes(measured, top=0) == (0, 0)                   # min-p: not measured
+    assert sketch_bytes(measured, 4096, top=1)[0] == forced[0] + 1000  # staging the rows fill
+    assert sketch_bytes(measured, 4096, top=40)[0] == forced[0] + 4096
+
+
+@pytest.mark.realmodel
+def test_measured_reads_follow_the_candidates(smollm2):
+    """measure_reads counts, per position, the pages of the rows bounds_of leaves (or the whole
+    head past MAX_READ_SHARE): recounted here from the candidates of the same bounds."""
+    from flashllm.runtime.sparse_head import MAX_READ_SHARE, PAGE, measure_reads
+    x, _, weights = hidden_and_logits(smollm2, 64)
+    got = measure_reads(smollm2, weights, x, 2)
+    head = SparseHead(smollm2, weights, HeadNeed(1), n_threads=2)
+    head.exact_dims(x[32:33])
+    hi, lo = head.bounds(x)
+    for k, key in ((1, "greedy"), (40, "top40")):
+        rows, spent = [], []
+        for t in range(len(x)):
+            cand = head.candidates(hi[t], lo[t], HeadNeed(k))
+            b = head.pages_of(cand) * PAGE
+            rows.append(len(cand))
+            spent.append(head.head_bytes if b > MAX_READ_SHARE * head.head_bytes else b)
+        assert got[key]["rows"] == round(float(np.mean(rows)), 1)
+        assert got[key]["bytes"] == int(np.mean(spent))
+    assert got["positions"] == 64 and got["top40"]["rows"] >= got["greedy"]["rows"] >= 1

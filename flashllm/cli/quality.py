@@ -77,6 +77,9 @@ def perplexity(
         print(result.summary())
 
 
+HEAD_POSITIONS = 256    # calibration positions a sparse head's reads are measured on
+
+
 @command
 def calibrate(
     model: str = typer.Argument(..., help="Converted model folder, or a models.toml name."),
@@ -97,6 +100,7 @@ def calibrate(
     """Per-layer sparsity thresholds, neuron frequencies, hot-first FFN rewrite, predictor."""
     from flashllm.format.reader import open_flash
     from flashllm.runtime.model import Model
+    from flashllm.format.files import update_manifest
     from flashllm.sparsity.calibrate import calibrate_model, text_tokens
     from flashllm.sparsity.train import DEFAULT_KIND
     from flashllm.generation.tokenizer import Tokenizer
@@ -111,12 +115,33 @@ def calibrate(
     ids = text_tokens(Tokenizer.from_flash(flash), source.text, tokens)
     log = lambda m: err.print(m, markup=False, soft_wrap=True)
     net = Model(flash, n_threads=threads, n_ctx=ctx)
+    head = _head_reads(flash, net, ids[:min(HEAD_POSITIONS, ctx)], threads, log)
     section = calibrate_model(flash, net, ids, source.description, sparsity, criterion, n_ctx=ctx,
                               reorder=reorder, n_threads=threads, log=log,
                               predictor=None if predictor == "none" else predictor)
+    if head:
+        section = {**section, "head": head}
+        update_manifest(flash.path, sparsity=section)
     shares = section["frequency"]["hot20_share"]
     err.print(f"calibrated {flash.path}: {section['criterion']} target {sparsity}, sparsity "
               f"{sum(section['achieved']) / len(shares):.3f} on {len(ids)} tokens, hottest 20% carry "
               f"{sum(shares) / len(shares):.2f} of activations, "
               + (f"hot-first by {section['order_by']}" if section["hot_first"] else "order kept"),
               markup=False, soft_wrap=True)
+
+
+def _head_reads(flash, net, ids, threads: int, log) -> Optional[dict]:
+    """What a sparse output head would read a token on the calibration text (the planner weighs
+    it: runtime/sparse_head.sketch_bytes); None without a head sketch. Measured before the
+    hot-first rewrite replaces the FFN file the dense model reads."""
+    from flashllm.format.layout import SKETCH
+    from flashllm.runtime.sparse_head import measure_reads
+    from flashllm.sparsity.calibrate import final_hidden
+    if not flash.has(SKETCH):
+        return None
+    x = final_hidden(net, ids)                                           # (n, d_model)
+    head = measure_reads(flash, net.w, x, threads)
+    g, k = head["greedy"], head["top40"]
+    log(f"sparse head, {len(x)} positions: greedy reads {g['rows']:.0f} rows a token "
+        f"({g['fallbacks']:.0%} the whole head), top-40 {k['rows']:.0f} ({k['fallbacks']:.0%})")
+    return head

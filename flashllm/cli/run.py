@@ -70,11 +70,12 @@ def run(
     draft_head_rows: int = typer.Option(DRAFT_HEAD_ROWS, "--draft-head-rows", min=1, hidden=True,
                                         help="--draft-kind self with a streamed output head: "
                                         "the first N token ids' rows the draft holds."),
-    sparse_head: bool = typer.Option(False, "--sparse-head/--no-sparse-head", help="With "
-                                     "--dram-budget, when the output head streams: stream its "
-                                     "2.6-bit sketch instead, and read only the rows the sampler "
-                                     "can keep (greedy, top-k or min-p): fewer bytes a token, not "
-                                     "yet fewer seconds on a fast device (BENCHMARKS.md)."),
+    sparse_head: Optional[bool] = typer.Option(
+        None, "--sparse-head/--no-sparse-head", show_default=False, help="With --dram-budget, "
+        "when the output head streams: stream its 2.6-bit sketch instead and read only the rows "
+        "the sampler can keep (greedy, top-k or min-p). Default: when `flashllm calibrate` "
+        "measured that a token then reads fewer bytes; --sparse-head: whenever the plan reads "
+        "fewer; --no-sparse-head: never."),
     flash_stats: bool = typer.Option(False, "--stats", help="Per-token flash I/O, cache and latency "
                                      "table on stderr at the end."),
     check_recall: bool = typer.Option(False, "--check-recall", help="With --stats: also compute each "
@@ -116,11 +117,12 @@ def run(
     params = SamplerParams(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p,
                            repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
                            seed=None if seed == -1 else seed)
-    need = head_need(params) if sparse_head else None
+    need = head_need(params) if sparse_head is not False else None
     fopts = FlashOptions(dram_budget, window, naive, dense, check_recall, predictor.value,
                          keep_tokenizer=interactive or not _decodes_bytes(path),
                          draft_rows=draft_head_rows if self_draft else 0,
-                         sparse_head=need is not None)
+                         sparse_head="off" if need is None else "on" if sparse_head else "auto",
+                         head_top=need.top if need is not None else 1)
     process = process_rss()
     n_ctx = ctx_size if interactive else min(ctx_size, len(text.encode()) + n_predict + 2)
     plan = plan_run(path, fopts, n_ctx, process)     # refuses before loading anything

@@ -20,6 +20,8 @@ from flashllm.units import KiB, format_size
 
 READER_STAGE = 256 * KiB        # per reader thread: the largest single read (64-256 KiB is best)
 READER_THREADS = 16             # staging buffers the budget reserves for the reader pool
+ROWS_STAGING = READER_THREADS * READER_STAGE   # the dense weights' reader's staging, which a
+                                # sparse head's candidate rows fill (make_dense: its reader)
 PREDICTOR_MODES = ("auto", "on", "off")
 DRAFT_KINDS = ("lookup", "self")  # --draft-kind: prompt lookup, the resident model
 DRAFT_HEAD_ROWS = 16384         # a self draft's output head rows when the head streams
@@ -45,7 +47,10 @@ class FlashOptions:
     keep_tokenizer: bool = False          # chat: the tokenizers object stays loaded
     draft_rows: int = 0                   # self-speculation: output head rows its draft holds
                                           # when the head streams (runtime/resident.py)
-    sparse_head: bool = False             # the sampler allows a sparse head (runtime/sparse_head.py)
+    sparse_head: str = "off"              # the output head read sparsely when it streams
+                                          # (runtime/sparse_head.py): off; auto, when calibration
+                                          # measured that a token then reads less; on
+    head_top: int = 1                     # the sampler keeps its top k logits (0: by margin)
 
     @property
     def flash(self) -> bool:
@@ -74,7 +79,7 @@ def plan_run(path: Path, opts: FlashOptions, n_ctx: int, process: int) -> Option
         text = f"{model_bytes(man) + (1 << 30)}"
     kwargs = dict(reader_stage=READER_THREADS * READER_STAGE, naive=opts.naive,
                   keep_tokenizer=opts.keep_tokenizer,
-                  sketch=sketch_bytes(man) if opts.sparse_head else (0, 0))
+                  sketch=_sketch(man, opts))
     try:
         plan = plan_budget(man, text, n_ctx, process, **kwargs)
         if opts.draft_rows and not opts.naive and head_name(man) in plan.streamed:
@@ -97,6 +102,13 @@ def plan_run(path: Path, opts: FlashOptions, n_ctx: int, process: int) -> Option
                           f"{opts.dram_budget} gives {have}: drop --dense to stream the FFN from "
                           f"flash")
     return plan
+
+
+def _sketch(man: dict, opts: FlashOptions) -> tuple[int, int]:
+    """What a sparse head would keep and read (sparse_head.sketch_bytes) for the planner."""
+    if opts.sparse_head == "off":
+        return 0, 0
+    return sketch_bytes(man, ROWS_STAGING, opts.head_top, forced=opts.sparse_head == "on")
 
 
 def least_budget(man: dict, n_ctx: int, process: int, **kwargs) -> int:
@@ -124,7 +136,7 @@ def _with_predictor(man: dict, text: str, n_ctx: int, process: int, plain: Budge
                            reader_stage=READER_THREADS * READER_STAGE,
                            keep_tokenizer=opts.keep_tokenizer,
                            draft=plain.resident.get("draft head", 0),
-                           sketch=sketch_bytes(man) if plain.sparse_head else (0, 0))
+                           sketch=_sketch(man, opts) if plain.sparse_head else (0, 0))
     except BudgetError:
         if force:
             raise

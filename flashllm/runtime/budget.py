@@ -52,8 +52,6 @@ RING_BUFFERS = 4               # the read-ahead ring's buffers: each holds up to
                                # chunk is a kernel call that wakes the threads)
 ROW_MAP_BYTES = 4 + 8          # per cache row: slot_of (int32) + last_use (int64)
 WORK_FIXED = 8 * MiB           # activations, attention scratch, Python objects of a forward pass
-HEAD_ROWS_READ = 2 * MiB        # a sparse head's candidate rows read a token, for planning (greedy
-                                # reads ~1 MB on the 1.5B, top-k 40 more: docs/PREDICTOR.md)
 
 
 class BudgetError(FlashError):
@@ -232,8 +230,8 @@ def plan_budget(manifest: dict, budget_text: str, n_ctx: int, process: int, pred
                 keep_tokenizer: bool = False, draft: int = 0,
                 sketch: tuple[int, int] = (0, 0)) -> BudgetPlan:
     """Keep dense weights, then size the neuron caches; BudgetError (one line) when it cannot
-    work. sketch: (resident, streamed) bytes of a sparse head (sparse_head.sketch_bytes) when
-    one may run; (0, 0): it may not."""
+    work. sketch: (resident bytes, bytes read a token) of a sparse head (sparse_head.sketch_bytes)
+    when one may run; (0, 0): it may not."""
     f = manifest["ffn"]
     n_layers, n_ff, stride = int(f["n_layers"]), int(f["n_ff"]), int(f["stride"])
     strides = sum(layer_strides(f))                  # one slot of every layer
@@ -271,7 +269,7 @@ def plan_budget(manifest: dict, budget_text: str, n_ctx: int, process: int, pred
     per_token = _streamed_bytes(groups, streamed)
     resident = {"dense weights": kept, **resident}
     if sparse:
-        per_token += sketch[1] + HEAD_ROWS_READ - groups[-1][1]
+        per_token += sketch[1] - groups[-1][1]
         resident["head sketch"] = sketch[0]
     if streamed:
         resident["stream buffers"] = stream_reserve(manifest, n_ctx, set(streamed))
@@ -349,15 +347,15 @@ def _head_overlap(manifest: dict, n_ctx: int, avail: int, groups: list, embed: t
 def _sparse_head(manifest: dict, n_ctx: int, avail: int, groups: list, embed: tuple,
                  full_cache: int, cur: tuple, sketch: tuple[int, int]) -> tuple[tuple, bool]:
     """(cur, False), or (the plan that streams the head sparsely, True) when a token then reads
-    fewer bytes: the head streams, its sketch (sketch[1] bytes) streams in its place through
-    the same buffers, the candidate rows (HEAD_ROWS_READ) are read, and the sketch's error table
-    and exact columns (sketch[0]) stay resident."""
+    fewer bytes: the head streams, its sketch streams in its place through the same buffers, the
+    candidate rows are read (sketch[1]: both, a token), and the sketch's error table and exact
+    columns (sketch[0]) stay resident."""
     if not sketch[1]:
         return cur, False
     alt = _stream_plan(manifest, n_ctx, avail - sketch[0], groups, embed, stream_head=True)
     if alt is None:
         return cur, False
-    sparse = ffn_reads(manifest, full_cache, alt[2]) + sketch[1] + HEAD_ROWS_READ + \
+    sparse = ffn_reads(manifest, full_cache, alt[2]) + sketch[1] + \
         _streamed_bytes(groups, alt[1]) - groups[-1][1]
     if sparse >= _read_per_token(manifest, full_cache, cur, groups):
         return cur, False

@@ -6,15 +6,16 @@ caches, which then read them back: streamed, it takes none.)
 
 For a hidden state x the sketch's logit s_r differs from the exact one by an error whose standard
 deviation is sigma_r = sqrt(sum_b |x_b|^2 var_rb) (var: the sketch's mean squared error per
-superblock, stored with it). A few dims of x can carry most of its energy (massive activations:
-SmolLM2's largest dim holds ~46% of |x|^2), which would widen every bound; so the EXACT_DIMS dims
-largest in the first hidden state the head sees get their head columns exact (read once, from
-the whole head) and leave the sketch's sum and sigma. With z = SIGMA_Z every exact logit is
-taken to lie in
-[s_r - z sigma_r, s_r + z sigma_r]; the candidates are the rows whose upper end reaches the k-th
-largest lower end (the top k the sampler keeps: k = 1 for greedy, top-k) or the largest lower end
-minus a margin (min-p alone), and the recent tokens a repeat penalty changes. The bound is
-statistical, not a proof: docs/PREDICTOR.md ("The sparse output head") measures how often it holds.
+superblock, stored with it; held here in f16, scaled, rounded up). A few dims of x can carry much
+of its energy (massive activations: SmolLM2's largest dim holds ~46% of |x|^2), which would widen
+every bound; so the dims of the first hidden state the head sees that hold at least EXACT_SHARE
+of its energy (at most EXACT_DIMS) get their head columns in f16 (read once, from the whole head)
+and leave the sketch's sum and sigma; the worst case of those columns' f16 rounding widens the
+bound. With z = SIGMA_Z every exact logit is taken to lie in [s_r - z sigma_r, s_r + z sigma_r]
+(fl_logit_bounds); the candidates are the rows whose upper end reaches the k-th largest lower end
+(the top k the sampler keeps: k = 1 for greedy, top-k) or the largest lower end minus a margin
+(min-p alone), and the recent tokens a repeat penalty changes. The bound is statistical, not a
+proof: docs/PREDICTOR.md ("The sparse output head") measures how often it holds.
 A token whose candidates would cost more than MAX_READ_SHARE of the head's bytes reads the whole
 head (a fallback, counted). Perplexity never uses this (its model has no sparse head).
 """
@@ -28,14 +29,22 @@ from typing import Optional
 import numpy as np
 
 from flashllm.ffi import kernel
+from flashllm.ffi.heap import trim_heap
 from flashllm.format.layout import SKETCH, SKETCH_VAR
 from flashllm.model.tensor import QTensor
 
 SIGMA_Z = 5.0          # bound width in sigmas (measured: docs/PREDICTOR.md)
-EXACT_DIMS = 16        # hidden dims whose head columns are kept exact (f32): the largest |x_j|
+EXACT_DIMS = 8         # at most this many hidden dims get their head columns in f16 ...
+EXACT_SHARE = 0.01     # ... each holding at least this share of the first hidden state's |x|^2
+F16_EPS = 2.0 ** -11   # f16 rounding: |w16 - w| <= F16_EPS |w| + F16_TINY
+F16_TINY = 2.0 ** -25
 MAX_READ_SHARE = 0.5   # candidate pages above this share of the head's bytes: read it whole
 PAGE = 4096
-BOUNDS_ARRAYS = 8      # (vocab,) f32 arrays alive at once while a token's bounds are computed
+HEAD_ROWS_READ = 2 << 20   # candidate rows a token reads, planned for a head calibration has not
+                           # measured (greedy reads ~1 MB on the 1.5B, top-k 40 more)
+MEASURED_TOPS = (1, 40)    # the samplers calibration measures: greedy, and `run`'s default top-k
+BOUNDS_ARRAYS = 4      # (vocab,) arrays alive while a position's candidates are found:
+                       # its upper and lower ends, the partition's copy, the mask
 
 
 @dataclass(frozen=True)
@@ -62,16 +71,56 @@ def head_need(params) -> Optional[HeadNeed]:
     return None
 
 
-def sketch_bytes(manifest: dict) -> tuple[int, int]:
-    """(DRAM a sparse head keeps: the sketch's error table and the exact columns, bytes of the
-    sketch a token streams); (0, 0) when the conversion has no sketch."""
+def sketch_bytes(manifest: dict, staging: int = 0, top: int = 1,
+                 forced: bool = False) -> tuple[int, int]:
+    """(DRAM a sparse head keeps: the sketch's error table, the exact columns, a position's
+    temporaries and as much of `staging`, the reader's staging memory, as its candidate rows
+    fill (a row is no whole page; unmeasured: all); bytes a token reads: the sketch, then the candidate rows or, for a
+    fallback, the whole head), for a sampler keeping the `top` largest logits (0: by margin).
+    The rows are what calibration measured (measure_reads); unmeasured, a head is planned only
+    when forced, at HEAD_ROWS_READ. (0, 0): no sparse head."""
     tensors = {t["name"]: t for t in manifest["dense"]["tensors"]}
     if SKETCH not in tensors or SKETCH_VAR not in tensors:
         return 0, 0
+    measured = (manifest.get("sparsity") or {}).get("head") or {}
+    k = min((k for k in MEASURED_TOPS if k >= top > 0), default=0)    # a measured k as large
+    rows = measured.get("greedy" if k == 1 else f"top{k}", {}).get("bytes")
+    if rows is None and not forced:
+        return 0, 0
     vocab = tensors[SKETCH]["shape"][0]
-    work = BOUNDS_ARRAYS * vocab * 4                 # a decode token's (vocab,) f32 temporaries
-    return int(tensors[SKETCH_VAR]["nbytes"]) + vocab * EXACT_DIMS * 4 + work, \
-        int(tensors[SKETCH]["nbytes"])
+    work = BOUNDS_ARRAYS * vocab * 4                 # a position's (vocab,) f32 temporaries
+    var = int(tensors[SKETCH_VAR]["nbytes"]) // 2    # the error table, f32 on file, f16 here
+    fill = staging if rows is None else min(staging, int(rows))
+    rows = HEAD_ROWS_READ if rows is None else int(rows)
+    return var + vocab * EXACT_DIMS * 2 + work + fill, int(tensors[SKETCH]["nbytes"]) + rows
+
+
+def measure_reads(flash, weights, x: np.ndarray, n_threads: int = 1,
+                  tops=MEASURED_TOPS) -> dict:
+    """What a sparse head's candidates read a position on hidden states x (n, cols) (final,
+    normalized: calibration text), for samplers keeping the top k of each of `tops`: {"greedy"
+    or "top<k>": {"rows": mean candidate rows, "fallbacks": share of positions that read the
+    whole head, "bytes": mean bytes read}} (the planner's estimate: sketch_bytes). weights: a
+    dense model's DenseWeights (no reader: the sketch is read whole). The exact dims come from
+    the middle position, as a run takes them from one."""
+    head = SparseHead(flash, weights, HeadNeed(1), n_threads)
+    head.exact_dims(x[len(x) // 2:len(x) // 2 + 1])
+    seen = {k: [] for k in tops}                        # k -> [(rows, bytes)] per position
+    for s0 in range(0, len(x), 32):                     # (32, vocab) bounds at a time
+        hi, lo = head.bounds(x[s0:s0 + 32])
+        for t in range(len(hi)):
+            for k in tops:
+                cand = head.candidates(hi[t], lo[t], HeadNeed(k))
+                pages = head.pages_of(cand) * PAGE
+                seen[k].append((len(cand), head.head_bytes
+                                if pages > MAX_READ_SHARE * head.head_bytes else pages))
+    out = {}
+    for k, v in seen.items():
+        a = np.array(v, np.float64)                                       # (n, 2)
+        out["greedy" if k == 1 else f"top{k}"] = {
+            "rows": round(float(a[:, 0].mean()), 1), "bytes": int(a[:, 1].mean()),
+            "fallbacks": round(float((a[:, 1] == head.head_bytes).mean()), 4)}
+    return {"positions": len(x), **out}
 
 
 class SparseHead:
@@ -85,13 +134,18 @@ class SparseHead:
         self.sketch = flash.tensor(SKETCH) if weights.reader is None else None  # QTensor (vocab,
         # d_pad) in DRAM for a model without a reader; else streamed in chunks like the head
         var = flash.tensor(SKETCH_VAR).data.view(np.float32)             # (vocab, d_pad / 256)
-        self.var_t = np.ascontiguousarray(var.T)                          # (d_pad / 256, vocab)
+        peak = float(var.max(initial=0.0))        # f16 keeps 11 bits from 2^-14 to 2^15: scale
+        self.var_scale = 2.0 ** (14 - math.ceil(math.log2(peak))) if peak > 0 else 1.0  # into it
+        self.var_t = _f16_up(var.T * np.float32(self.var_scale))         # (d_pad / 256, vocab)
+        del var
+        trim_heap()
         t = flash.dense_entry(weights.head_name)
         self.dtype, (self.vocab, self.cols) = t["dtype"], t["shape"]
         self.row_bytes, self.offset = t["nbytes"] // self.vocab, t["offset"]
         self.head_bytes = t["nbytes"]
         self.dims = None           # (k,) the hidden dims whose columns are exact, from the first x
-        self.columns = None        # (vocab, k) f32 those columns of the head
+        self.columns = None        # (k, vocab) f16 those columns of the head
+        self.col_max = None        # (k,) f32 the largest |value| of each
         self.tokens = self.rows = self.pages = self.fallbacks = 0
         self.sketch_s = self.exact_s = 0.0
 
@@ -102,50 +156,74 @@ class SparseHead:
         if self.dims is None:
             self.exact_dims(x)
         t0 = time.perf_counter()
-        hi, lo = self.bounds(x)                                           # (T, vocab) each
-        cand = np.unique(np.concatenate([self.candidates(hi[t], lo[t]) for t in range(T)]
-                                        + [np.asarray(r, np.int64) for r in recent]))  # (k,)
+        s, xb, slack = self.estimate(x)                    # (T, vocab) (T, d_pad / 256) (T,)
+        cand = np.unique(np.concatenate(
+            [self.candidates(*self.bounds_of(s[t], xb[t], slack[t])) for t in range(T)]
+            + [np.asarray(r, np.int64) for r in recent]))                 # (k,)
         self.sketch_s += time.perf_counter() - t0
         self.tokens += T
         pages = self.pages_of(cand)
         if pages * PAGE > MAX_READ_SHARE * self.head_bytes or len(cand) == 0:
             self.fallbacks += T
+            del s
             return self.w.output(x, exact)                               # (T, vocab)
         t1 = time.perf_counter()
         buf = np.empty((len(cand), self.row_bytes), np.uint8)            # (k, row_bytes)
         self.w.read_rows(self.w.head_name, cand, buf)
         rows = QTensor(buf, self.dtype, len(cand), self.cols)
-        out = np.full((T, self.vocab), -np.inf, np.float32)              # (T, vocab)
-        out[:, cand] = kernel.matmul(rows, x, None, self.n_threads, exact)  # (T, k)
+        s.fill(-np.inf)                                   # the sketch's array becomes the logits
+        s[:, cand] = kernel.matmul(rows, x, None, self.n_threads, exact)  # (T, k)
         self.exact_s += time.perf_counter() - t1
         self.rows, self.pages = self.rows + len(cand), self.pages + pages
-        return out
+        return s
 
-    def exact_dims(self, x: np.ndarray) -> None:
-        """Choose the dims where hidden states x (T, cols) have the most energy and read their
-        head columns (a run: the prompt's last position)."""
+    def exact_dims(self, x: np.ndarray, most: int = EXACT_DIMS, share: float = EXACT_SHARE):
+        """Choose the dims that hold at least `share` of hidden states x's (T, cols) energy (a
+        run: the prompt's last position), at most `most`, and read their head columns."""
         energy = (x.astype(np.float64) ** 2).sum(axis=0)                 # (cols,)
-        self.dims = np.sort(np.argsort(-energy)[:min(EXACT_DIMS, len(energy))])  # (k,)
-        self.columns = self.w.head_columns(self.dims)                    # (vocab, k)
+        top = np.argsort(-energy)[:min(most, len(energy))]               # (most,)
+        self.dims = np.sort(top[energy[top] >= share * energy.sum()])    # (k,)
+        cols = self.w.head_columns(self.dims)                            # (vocab, k) f32
+        self.columns = np.ascontiguousarray(cols.T.astype(np.float16))   # (k, vocab)
+        self.col_max = np.abs(cols).max(axis=0) if len(self.dims) else np.zeros(0, np.float32)
+        del cols
+        trim_heap()                         # the read's temporaries: no plan counts them
 
-    def bounds(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(upper, lower) (T, vocab) f32 ends of every exact logit of x (T, cols), after the
-        final softcap: sketch + exact columns, +- z sigma."""
+    def estimate(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For x (T, cols): the sketch's logits with the exact dims' columns added (T, vocab),
+        each position's energy per superblock left to the sketch (T, d_pad / 256), and the
+        worst case of the f16 columns' rounding (T,)."""
         xp = np.zeros((len(x), self.d_pad), np.float32)                  # (T, d_pad)
         xp[:, :x.shape[1]] = x
         xk = xp[:, self.dims].copy()                                      # (T, k)
         xp[:, self.dims] = 0.0
         s = self._sketch_logits(xp)                                       # (T, vocab)
-        s += xk @ self.columns.T
+        for j in range(len(self.dims)):                  # k axpys: no (vocab, k) f32 temporary
+            s += xk[:, j:j + 1] * self.columns[j].astype(np.float32)
         xb = (xp * xp).reshape(len(x), -1, 256).sum(axis=2)              # (T, d_pad / 256)
-        dev = np.zeros((len(x), self.vocab), np.float32)                  # (T, vocab)
-        for b in range(xb.shape[1]):      # a few axpys: numpy's skinny matmul is ~10x slower
-            dev += xb[:, b:b + 1] * self.var_t[b]
-        dev = np.sqrt(dev) * np.float32(self.z)                           # (T, vocab)
-        hi, lo = s + dev, s - dev
+        xb /= np.float32(self.var_scale)                  # var_t holds var * var_scale
+        slack = np.abs(xk) @ (self.col_max * F16_EPS + F16_TINY)         # (T,)
+        return s, xb, slack.astype(np.float32)
+
+    def bounds_of(self, s: np.ndarray, xb: np.ndarray,
+                  slack: float) -> tuple[np.ndarray, np.ndarray]:
+        """(upper, lower) (vocab,) f32 ends of one position's exact logits, after the final
+        softcap, from its estimate s (vocab,), energies xb (d_pad / 256,) and f16 slack: s +-
+        (z sigma + slack)."""
+        hi, lo = kernel.logit_bounds(s, self.var_t, xb, self.z, slack)    # (vocab,) each
         if self.cap:                                                      # tanh is monotonic
-            hi, lo = (np.tanh(v / np.float32(self.cap)) * np.float32(self.cap) for v in (hi, lo))
+            for v in (hi, lo):
+                v /= np.float32(self.cap)
+                np.tanh(v, out=v)
+                v *= np.float32(self.cap)
         return hi, lo
+
+    def bounds(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(upper, lower) (T, vocab) f32 ends of every exact logit of x (T, cols): bounds_of
+        every position (studies and tests; a run takes one position at a time)."""
+        s, xb, slack = self.estimate(x)
+        ends = [self.bounds_of(s[t], xb[t], slack[t]) for t in range(len(x))]
+        return np.stack([e[0] for e in ends]), np.stack([e[1] for e in ends])
 
     def _sketch_logits(self, xp: np.ndarray) -> np.ndarray:
         """(T, vocab) sketch . xp for xp (T, d_pad): resident, or streamed chunk by chunk by the
@@ -178,3 +256,10 @@ class SparseHead:
                 "head_fallbacks": self.fallbacks, "head_sketch_s": self.sketch_s,
                 "head_exact_s": self.exact_s}
 
+
+def _f16_up(a: np.ndarray) -> np.ndarray:
+    """a (any shape, f32 >= 0) as f16, each value rounded up (a bound stays a bound)."""
+    h = np.ascontiguousarray(a, dtype=np.float16)
+    low = h.astype(np.float32) < a
+    h[low] = np.nextafter(h[low], np.float16(np.inf))
+    return h

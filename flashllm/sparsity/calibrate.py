@@ -4,6 +4,8 @@ hot-first rewrite and a trained predictor, written into the model folder.
 The caller hands in the runnable model (flashllm.runtime.model.Model over the folder); its FFN
 strategy is wrapped for the run by a recording strategy that gives each layer's normalized FFN
 input h (T, d_model) to a callback. The activation math is in flashllm.sparsity.activations.
+final_hidden gives the output head's inputs, on which `flashllm calibrate` measures what a
+sparse output head would read (runtime/sparse_head.measure_reads).
 """
 from __future__ import annotations
 
@@ -114,6 +116,20 @@ def order_by(cfg) -> str:
     self-speculation (docs/PREDICTOR.md, "Which neurons the draft should hold"). A ReLU model:
     the frequency of being active, what a predictor's cache hits follow."""
     return "contribution" if cfg.glu else "frequency"
+
+
+def final_hidden(model, tokens: Sequence[int]) -> np.ndarray:
+    """(n, d) the output head's inputs (normalized final hidden states) of tokens (n,), run
+    from an empty context by the dense model (its logits are not made)."""
+    got, real = [], model.w.output
+    model.w.output = lambda x, exact=False: (got.append(x.copy()), real(x[:1], exact))[1]
+    try:
+        model.reset()
+        model.forward(np.asarray(tokens, dtype=np.int32), 0)
+    finally:
+        model.w.output = real
+        model.reset()
+    return np.concatenate(got)                                           # (n, d)
 
 
 def calibrate_model(flash, model, tokens: Sequence[int], text: dict, sparsity: float,

@@ -208,8 +208,8 @@ def flash_caps(name: str, floor: Optional[int], ffn_bytes: int) -> List[tuple]:
 def contenders(budget: Optional[str], fits: bool, opts: Dict[str, bool],
                reads_less: bool = False) -> List[tuple]:
     """(label, extra run options, missing option or None) for one cap; reads_less: also the
-    options that change a capped run's bytes a token (the sparse head; `--draft 0` turns off
-    the self-drafting a run under a budget does by default)."""
+    options that change a capped run's bytes a token (`--no-sparse-head` streams the whole
+    output head, `--draft 0` turns off the self-drafting a run under a budget does by default)."""
     stats = ["--stats"] if opts["--stats"] else []
     b = ["--dram-budget", budget or "16GiB"]  # unlimited: more than the model needs
 
@@ -218,11 +218,12 @@ def contenders(budget: Optional[str], fits: bool, opts: Dict[str, bool],
 
     rows = [("flashllm (default)", b + stats, missing("--dram-budget")),
             ("flashllm --naive", b + ["--naive"] + stats, missing("--dram-budget", "--naive"))]
-    if budget and reads_less:           # issue 15: the default's self-draft off, the sparse head on
+    if budget and reads_less:           # issue 15: the default's self-draft and sparse head off
         rows += [("flashllm --draft 0", b + ["--draft", "0"] + stats, missing("--dram-budget")),
-                 ("flashllm --sparse-head", b + ["--sparse-head"] + stats,
+                 ("flashllm --no-sparse-head", b + ["--no-sparse-head"] + stats,
                   missing("--dram-budget", "--sparse-head")),
-                 ("flashllm --sparse-head --draft 0", b + ["--sparse-head", "--draft", "0"] + stats,
+                 ("flashllm --no-sparse-head --draft 0",
+                  b + ["--no-sparse-head", "--draft", "0"] + stats,
                   missing("--dram-budget", "--sparse-head"))]
     if fits:
         dense = ["--dense"] if opts["--dense"] else []

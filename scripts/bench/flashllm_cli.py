@@ -99,7 +99,7 @@ def ensure_calibrated(fl: Flashllm, src: Path, log) -> tuple[Path, str]:
     out = src.with_name(src.name + "-cal")
     argv = fl.argv + ["calibrate", str(out)]
     if not (out / ".calibrated").is_file() or _bundles(out) != _bundles(src) or \
-            _order_by(out) is None:
+            any(_sparsity(out).get(k) is None for k in ("order_by", "head")):
         log(f"calibrating {out}")
         shutil.rmtree(out, ignore_errors=True)
         shutil.copytree(src, out)
@@ -110,11 +110,12 @@ def ensure_calibrated(fl: Flashllm, src: Path, log) -> tuple[Path, str]:
     return out, f"cp -r {src} {out} && " + fl.show(argv)
 
 
-def _order_by(model: Path):
-    """The key of a calibrated copy's hot-first order (None: calibrated before session 15, by
-    frequency whatever the model)."""
+def _sparsity(model: Path) -> dict:
+    """A calibrated copy's sparsity section: its order_by (the hot-first key; None when
+    calibrated before session 15, by frequency whatever the model) and head (what a sparse head
+    reads; None before session 17)."""
     man = json.loads((model / "manifest.json").read_text(encoding="utf-8"))
-    return (man.get("sparsity") or {}).get("order_by")
+    return man.get("sparsity") or {}
 
 
 def _bundles(model: Path) -> tuple:
