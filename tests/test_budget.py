@@ -320,6 +320,20 @@ def test_run_refuses_an_unknown_predictor_mode_at_parse_time(tiny):  # noqa: F81
     assert r.exit_code == 2 and "'maybe' is not one of 'auto', 'on', 'off'" in said
 
 
+def test_a_converted_folder_imports_no_converter(tiny):  # noqa: F811
+    """A run under a budget measures its own size to plan: resolving a converted folder must not
+    import the converters (gguf-py and the sources: ~12 MiB the plan would count as process and
+    take from the neuron caches)."""
+    import subprocess
+    import sys
+    heavy = ("gguf", "flashllm.convert.convert", "flashllm.convert.native")
+    code = ("import sys; from flashllm.cli.app import model_path; model_path(sys.argv[1]); "
+            f"print([m for m in {heavy!r} if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code, str(tiny[0].path)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout, out.stderr)
+
+
 def _peak_of_run(path, budget: str) -> tuple[int, int, str]:
     """(exit code, peak resident KiB, stderr) of `flashllm run` under --dram-budget, the peak
     from the process's own getrusage, taken by a parent that runs nothing else."""

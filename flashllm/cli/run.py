@@ -123,6 +123,7 @@ def run(
                          draft_rows=draft_head_rows if self_draft else 0,
                          sparse_head="off" if need is None else "on" if sparse_head else "auto",
                          head_top=need.top if need is not None else 1)
+    _load_code()
     process = process_rss()
     n_ctx = ctx_size if interactive else min(ctx_size, len(text.encode()) + n_predict + 2)
     plan = plan_run(path, fopts, n_ctx, process)     # refuses before loading anything
@@ -249,6 +250,16 @@ def _complete(net, tok, sampler, ids: list[int], n_predict: int, draft=None):
     out.write(detok.flush() + "\n")
     out.flush()
     return stats
+
+
+def _load_code() -> None:
+    """Import the code a run loads once it has started (the FFN strategies, generation, numpy's
+    random and masked arrays: ~4.5 MiB), so the process size a --dram-budget plan measures
+    already holds it."""
+    import numpy.ma  # noqa: F401
+    import numpy.random  # noqa: F401
+    import flashllm.generation.generate  # noqa: F401
+    import flashllm.runtime.sparse_ffn  # noqa: F401
 
 
 def _decodes_bytes(path: Path) -> bool:

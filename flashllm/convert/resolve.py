@@ -11,8 +11,6 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional
 
-from flashllm.convert import native
-from flashllm.convert.convert import convert
 from flashllm.convert.registry import Log, load_registry, pull
 from flashllm.errors import FlashError, RegistryError
 
@@ -53,6 +51,7 @@ def resolve_model(model: str, cache_dir: Path, registry_path: Path, log: Log,
         if apart:
             _convert_apart(gguf, out, dtype, entry.name)
         else:
+            from flashllm.convert.convert import convert
             convert(gguf, out, dtype, progress=_tenths(entry.name, log))
     return out
 
@@ -60,6 +59,7 @@ def resolve_model(model: str, cache_dir: Path, registry_path: Path, log: Log,
 def conversion_outdated(out: Path) -> str | None:
     """Why the converted folder at out is not what this flashllm makes (native.outdated), or
     None; an absent or unreadable manifest is left to the reader to report."""
+    from flashllm.convert import native
     try:
         return native.outdated(json.loads((out / "manifest.json").read_text(encoding="utf-8")))
     except (OSError, ValueError, KeyError, TypeError):
@@ -92,6 +92,7 @@ def _convert_child(gguf: str, out: str, dtype: str, name: str, send) -> None:
     """The child of _convert_apart: converts, logging progress to stderr, and says how it ended."""
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
+    from flashllm.convert.convert import convert
     try:
         convert(Path(gguf), Path(out), dtype, progress=_tenths(name, log))
         send.send(None)
