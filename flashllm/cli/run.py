@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -14,6 +15,7 @@ import typer
 from flashllm.runtime.assemble import AUTO_DRAFT, DRAFT_HEAD_ROWS, DRAFT_KINDS, PREDICTOR_MODES
 from flashllm.cli.app import (DEFAULT_THREADS, MAX_THREADS, cache_dir, choice, command, err, fail,
                               model_path)
+from flashllm.cli.prompt_io import read_line, read_prompt, read_tty
 
 PredictorMode = choice("PredictorMode", PREDICTOR_MODES)
 DraftKind = choice("DraftKind", DRAFT_KINDS)
@@ -90,29 +92,17 @@ def run(
                                  "(instead of the text lines)."),
 ) -> None:
     """Generate text from a prompt (tokens stream to stdout as they are made), or chat (-i)."""
-    from flashllm.format.reader import open_flash
-    from flashllm.runtime.budget import process_rss
-    from flashllm.format.integrity import verify_on_first_load
-    from flashllm.runtime.model import Model
-    from flashllm.runtime.assemble import (FlashOptions, make_ffn, make_head, make_weights, plan_run,
-                                           stream_dense)
+    from flashllm.runtime.assemble import FlashOptions
     from flashllm.runtime.sparse_head import head_need
     from flashllm.generation.sampler import Sampler, SamplerParams
-    from flashllm.generation.tokenizer import Tokenizer
 
     if interactive and (prompt is not None or file is not None):
         fail("give a prompt (-p/-f) or -i/--chat, not both")
-    auto_draft = draft is None and draft_kind is None and dram_budget is not None \
-        and not (naive or dense or interactive)   # measured on one-shot runs only (BENCHMARKS.md)
-    kind = draft_kind.value if draft_kind is not None else "lookup"
-    draft = draft if draft is not None else AUTO_DRAFT if draft_kind is not None else 0
-    self_draft = draft > 0 and kind == "self"
-    if self_draft and dram_budget is None:
-        fail("--draft-kind self drafts from the part of the model a --dram-budget keeps in DRAM: "
-             "give --dram-budget (with everything in DRAM, use --draft-kind lookup)")
+    drafting = _Drafting.asked(draft, draft_kind, dram_budget is not None,
+                               auto=not (naive or dense or interactive))
     if n_predict is None:        # a chat answer may run long; 0 there means a quarter of n_ctx
         n_predict = 0 if interactive else 128
-    text = None if interactive else _read_prompt(prompt, file)
+    text = None if interactive else read_prompt(prompt, file)
     path = model_path(model, apart=dram_budget is not None)
     params = SamplerParams(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p,
                            repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
@@ -120,25 +110,99 @@ def run(
     need = head_need(params) if sparse_head is not False else None
     fopts = FlashOptions(dram_budget, window, naive, dense, check_recall, predictor.value,
                          keep_tokenizer=interactive or not _decodes_bytes(path),
-                         draft_rows=draft_head_rows if self_draft else 0,
+                         draft_rows=draft_head_rows if drafting.self else 0,
                          sparse_head="off" if need is None else "on" if sparse_head else "auto",
                          head_top=need.top if need is not None else 1)
+    n_ctx = ctx_size if interactive else min(ctx_size, len(text.encode()) + n_predict + 2)
+    parts = _assemble(path, fopts, need, threads, n_ctx, drafting, draft_head_rows,
+                      None if interactive else (text, n_predict, ctx_size))
+    sampler = Sampler(params)
+    try:
+        drafter = _drafter(parts.net, sampler, parts.drafting, draft_p_min, draft_head_rows)
+        if interactive:
+            _chat(parts.flash, parts.net, parts.tok, sampler, system, chat_template, n_predict,
+                  as_json, drafter)
+        else:
+            stats = _complete(parts.net, parts.tok, sampler, parts.ids, n_predict, drafter)
+            _report(stats, parts, flash_stats, as_json, no_timings)
+        if flash_stats and not as_json:
+            _print_flash_stats(parts.ffn, parts.weights, parts.head)
+    finally:                      # stop the read-ahead before the buffers go away
+        parts.close()
+
+
+@dataclass(frozen=True)
+class _Drafting:
+    """What drafts a run's guesses: n guesses at most (0: none) of kind "lookup" or "self";
+    auto: the run decides once its plan is known (a one-shot run under a budget, no --draft)."""
+
+    n: int
+    kind: str
+    auto: bool = False
+
+    @property
+    def self(self) -> bool:
+        return self.n > 0 and self.kind == "self"
+
+    @classmethod
+    def asked(cls, draft: Optional[int], kind, budget: bool, auto: bool) -> "_Drafting":
+        """From --draft / --draft-kind (kind None: not given); refuses a self draft without a
+        budget. Auto only under a budget, never for --naive, --dense or a chat (measured on
+        one-shot runs only: BENCHMARKS.md)."""
+        name = kind.value if kind is not None else "lookup"
+        n = draft if draft is not None else AUTO_DRAFT if kind is not None else 0
+        if n > 0 and name == "self" and not budget:
+            fail("--draft-kind self drafts from the part of the model a --dram-budget keeps in "
+                 "DRAM: give --dram-budget (with everything in DRAM, use --draft-kind lookup)")
+        return cls(n, name, auto and budget and draft is None and kind is None)
+
+
+@dataclass
+class _Parts:
+    """A run's model, assembled: what it reads from, its tokenizer and prompt ids (None in a
+    chat), the network and the flash parts to close, and the drafting the plan settled."""
+
+    flash: object
+    tok: object
+    ids: Optional[list]
+    net: object
+    ffn: object
+    weights: object
+    head: object
+    drafting: _Drafting
+
+    def close(self) -> None:
+        for part in (self.ffn, self.weights):
+            if part is not None:
+                part.close()
+
+
+def _assemble(path: Path, fopts, need, threads: int, n_ctx: int, drafting: _Drafting,
+              head_rows: int, one_shot: Optional[tuple]) -> _Parts:
+    """Plan (refusing a budget before anything loads), open, tokenize a one-shot prompt
+    (one_shot: (text, n_predict, ctx_size); None: a chat) and build the network."""
+    from flashllm.format.integrity import verify_on_first_load
+    from flashllm.format.reader import open_flash
+    from flashllm.generation.tokenizer import Tokenizer
+    from flashllm.runtime.assemble import make_ffn, make_head, make_weights, plan_run, stream_dense
+    from flashllm.runtime.budget import process_rss
+    from flashllm.runtime.model import Model
     _load_code()
     process = process_rss()
-    n_ctx = ctx_size if interactive else min(ctx_size, len(text.encode()) + n_predict + 2)
     plan = plan_run(path, fopts, n_ctx, process)     # refuses before loading anything
     flash = open_flash(path)
     verify_on_first_load(flash)
-    tok = Tokenizer.from_flash(flash, word_cache=interactive)   # one-shot: encodes once
-    ids = None if interactive else _prompt_ids(tok, text, n_predict, ctx_size)
-    if not interactive:          # one-shot: the KV cache holds the prompt and the tokens to make
+    tok = Tokenizer.from_flash(flash, word_cache=one_shot is None)   # one-shot: encodes once
+    ids = None
+    if one_shot is not None:     # the KV cache holds the prompt and the tokens to make
+        text, n_predict, ctx_size = one_shot
+        ids = _prompt_ids(tok, text, n_predict, ctx_size)
         n_ctx = len(ids) + n_predict
         plan = plan and plan_run(path, fopts, n_ctx, process)
-    if auto_draft:
-        fopts, plan, self_draft = _auto_self_draft(path, flash, fopts, plan, n_ctx, process,
-                                                   draft_head_rows)
-        draft, kind = (AUTO_DRAFT, "self") if self_draft else (0, kind)
-    if plan is not None and not interactive:
+    if drafting.auto:
+        fopts, plan, on = _auto_self_draft(path, flash, fopts, plan, n_ctx, process, head_rows)
+        drafting = _Drafting(AUTO_DRAFT, "self") if on else _Drafting(0, drafting.kind)
+    if plan is not None and one_shot is not None:
         tok.release(keep_source=False)   # never encodes again; decoding needs only the table
     ffn = make_ffn(flash, fopts, plan, threads, cache_dir(), log=lambda m: err.print(m, markup=False))
     weights = make_weights(flash, plan, threads)
@@ -146,25 +210,17 @@ def run(
     stream_dense(flash, ffn, weights, sparse_head=head is not None)
     net = Model(flash, n_threads=threads, n_ctx=n_ctx, ffn=ffn, weights=weights, kv_dtype="f16",
                 head=head)
-    sampler = Sampler(params)
-    try:
-        drafter = _drafter(net, sampler, draft, kind, draft_p_min, draft_head_rows)
-        if interactive:
-            _chat(flash, net, tok, sampler, system, chat_template, n_predict, as_json, drafter)
-        else:
-            stats = _complete(net, tok, sampler, ids, n_predict, drafter)
-            flash_json = _flash_json(ffn, weights, head) if flash_stats else None
-            if as_json:
-                err.print(_stats_json(stats, flash_json), markup=False, soft_wrap=True,
-                          highlight=False)
-            elif not no_timings:
-                err.print(stats.summary(), markup=False, soft_wrap=True)
-        if flash_stats and not as_json:
-            _print_flash_stats(ffn, weights, head)
-    finally:                      # stop the read-ahead before the buffers go away
-        for part in (ffn, weights):
-            if part is not None:
-                part.close()
+    return _Parts(flash, tok, ids, net, ffn, weights, head, drafting)
+
+
+def _report(stats, parts: _Parts, flash_stats: bool, as_json: bool, no_timings: bool) -> None:
+    """A one-shot run's timings on stderr: the llama.cpp-style lines, or one JSON object (with
+    the flash counters under --stats)."""
+    flash_json = _flash_json(parts.ffn, parts.weights, parts.head) if flash_stats else None
+    if as_json:
+        err.print(_stats_json(stats, flash_json), markup=False, soft_wrap=True, highlight=False)
+    elif not no_timings:
+        err.print(stats.summary(), markup=False, soft_wrap=True)
 
 
 def _print_flash_stats(ffn, weights, head) -> None:
@@ -203,16 +259,16 @@ def _prompt_ids(tok, text: str, n_predict: int, ctx_size: int) -> list[int]:
     return ids
 
 
-def _drafter(net, sampler, n_draft: int, kind: str, p_min: float, head_rows: int):
+def _drafter(net, sampler, drafting: _Drafting, p_min: float, head_rows: int):
     """The --draft guesser: None (off), prompt lookup, or the resident model (self)."""
     from flashllm.generation.speculate import NgramDraft
-    if not n_draft:
+    if not drafting.n:
         return None
-    if kind == "lookup":
-        return NgramDraft(n_draft)
+    if drafting.kind == "lookup":
+        return NgramDraft(drafting.n)
     from flashllm.generation.self_draft import SelfDraft
     from flashllm.runtime.resident import resident_model
-    return SelfDraft(resident_model(net, head_rows), sampler, n_draft, p_min)
+    return SelfDraft(resident_model(net, head_rows), sampler, drafting.n, p_min)
 
 
 def _auto_self_draft(path, flash, fopts, plan, n_ctx: int, process: int, rows: int):
@@ -273,33 +329,6 @@ def _decodes_bytes(path: Path) -> bool:
         return False
 
 
-def _read_prompt(prompt: Optional[str], file: Optional[Path]) -> str:
-    if prompt is not None and file is not None:
-        fail("give the prompt with -p or -f, not both")
-    if file is not None and str(file) != "-":
-        try:
-            return _utf8(file.read_bytes(), f"prompt file {file}")
-        except OSError as e:
-            fail(f"cannot read prompt file {file}: {e.strerror or e}")
-    if prompt == "-" or file is not None or (prompt is None and not sys.stdin.isatty()):
-        return _utf8(sys.stdin.buffer.read(), "the prompt on stdin")
-    if prompt is None:
-        fail("no prompt: give -p TEXT, -f FILE, or pipe text to stdin")
-    return _utf8(prompt, "the -p prompt")
-
-
-def _utf8(raw, what: str) -> str:
-    """raw (bytes, or a str whose undecodable bytes Python kept as surrogates: argv, a TTY) as
-    UTF-8 text; bytes that are not UTF-8 become U+FFFD, with one warning line on stderr."""
-    data = raw.encode("utf-8", "surrogateescape") if isinstance(raw, str) else raw
-    text = data.decode("utf-8", "replace")
-    bad = text.count("\ufffd") - data.count("\ufffd".encode())
-    if bad:
-        err.print(f"warning: {what} is not valid UTF-8: {bad} invalid byte sequence(s) replaced "
-                  "with U+FFFD", markup=False, soft_wrap=True)
-    return text
-
-
 def _chat(flash, net, tok, sampler, system: Optional[str], template_file: Optional[Path],
           n_predict: int, as_json: bool, draft=None) -> None:
     """The interactive chat of `run -i`: answers on stdout, everything else on stderr."""
@@ -326,7 +355,7 @@ def _chat(flash, net, tok, sampler, system: Optional[str], template_file: Option
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    io = ReplIO(read=_read_tty if tty else _read_line, write=write,
+    io = ReplIO(read=read_tty if tty else read_line, write=write,
                 note=lambda m: err.print(m, markup=False, soft_wrap=True), color=color)
     err.print(f"chat template: {origin}; context {net.n_ctx} tokens", markup=False)
     with line_editing(cache_dir() / "chat_history" if tty else None):
@@ -334,19 +363,6 @@ def _chat(flash, net, tok, sampler, system: Optional[str], template_file: Option
     if as_json:
         err.print(json.dumps({"turns": [t.to_dict() for t in session.turns]}), markup=False,
                   soft_wrap=True, highlight=False)
-
-
-def _read_line(prompt: str) -> str:
-    """input() for a non-TTY stdin: no prompt echo (stdout carries answers only)."""
-    line = sys.stdin.buffer.readline()
-    if not line:
-        raise EOFError
-    return _utf8(line, "this message")
-
-
-def _read_tty(prompt: str) -> str:
-    """input() on a terminal, its bytes made valid UTF-8."""
-    return _utf8(input(prompt), "this message")
 
 
 def _stats_json(stats, flash: Optional[dict] = None) -> str:
