@@ -273,6 +273,9 @@ void fli_q6k_tile(const uint8_t *const w[FL_QT], const uint8_t *const x[FL_QT], 
 /* out[r] = w[r] . x for FL_QT Q4_K rows and one token x quantized by fli_xq_quantize for q4_k
  * (n a multiple of FL_QK_K): fli_qdot_tile's n_tok == 1 in integer superblock sums (q4k.c) */
 void fli_q4k_tile1(const uint8_t *const w[FL_QT], const uint8_t *x, int64_t n, float out[FL_QT]);
+/* out[r][t] for 2..FL_QT tokens, each bit for bit fli_q4k_tile1's (superblocks unpacked once) */
+void fli_q4k_tilen(const uint8_t *const w[FL_QT], const uint8_t *const x[FL_QT], int32_t n_tok,
+                   int64_t n, float out[FL_QT][FL_QT]);
 
 /* 4 activation bytes in every int32 lane: what the packed kernels' vpdpbusd meets */
 static inline __m512i fli_bcast4(const int8_t *p) {

@@ -158,10 +158,16 @@ static void range_qs(const ffn_args *a, const uint8_t *bundles, int64_t stride, 
     float hq[SMALL_T][FL_QT];
     int nq[SMALL_T] = {0};
     group g;
+#ifdef FLI_Q4K_TILE1  /* tokens one tile takes at once, each as alone (fli_q4k_tilen), evenly */
+    const int64_t tiles = (T + FL_QT - 1) / FL_QT;
+    const int64_t step = a->dtype == FL_Q4_K && d % FL_QK_K == 0 ? (T + tiles - 1) / tiles : 1;
+#else
+    const int64_t step = 1;
+#endif
     for (int64_t j = j0; j < j1; j += FL_QT) {
         group_at(a, bundles, stride, j, j1, &g);
         for (int64_t t = 0; t < T; t++) {
-            group_h(a, &g, t, 1, h, T, NULL);
+            if (t % step == 0) group_h(a, &g, t, T - t < step ? T - t : step, h, T, NULL);
             for (int k = 0; k < g.nr; k++) {
                 if (h[k * T + t] == 0.0f) continue;
                 down[t][nq[t]] = g.up[k] + a->rb;

@@ -92,19 +92,34 @@ static inline __m512i pick16(int b0, int b1) {
     return _mm512_mask_blend_epi64(0xF0, lo, _mm512_set1_epi16((short)(0x8000 | b1)));
 }
 
+/* one row's nibbles of superblock qs (128 bytes) as v (4) in the sub-block order [0 | 2], [1 | 3],
+ * [4 | 6], [5 | 7], and its int16 scales sc (4) of the same sub-blocks; u: the row's sc / m
+ * bytes in every lane */
+static inline void row_parts(const uint8_t *qs, __m512i u, __m512i v[4], __m512i sc[4]) {
+    const __m512i lo = _mm512_set1_epi8(0x0F);
+    const __m512i z0 = _mm512_loadu_si512(qs), z1 = _mm512_loadu_si512(qs + 64);
+    v[0] = _mm512_and_si512(z0, lo);
+    v[1] = _mm512_and_si512(_mm512_srli_epi16(z0, 4), lo);
+    v[2] = _mm512_and_si512(z1, lo);
+    v[3] = _mm512_and_si512(_mm512_srli_epi16(z1, 4), lo);
+    const int sb[4][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}};
+    for (int k = 0; k < 4; k++) sc[k] = _mm512_shuffle_epi8(u, pick16(sb[k][0], sb[k][1]));
+}
+
+/* the int32 lanes of sum_j sc_j * (nibbles_j . q_j) for one row (row_parts) and one token's
+ * q x (4) in the same sub-block order: exact integers, whatever the order */
+static inline __m512i row_dot(const __m512i v[4], const __m512i sc[4], const __m512i x[4]) {
+    __m512i p = _mm512_setzero_si512();
+    for (int k = 0; k < 4; k++) p = _mm512_dpwssd_epi32(p, _mm512_maddubs_epi16(v[k], x[k]), sc[k]);
+    return p;
+}
+
 /* one row's int32 sum over superblock qs (128 nibble bytes) of sc_j * (nibbles . q) per lane;
  * u: the row's sc / m bytes in every lane, x[4]: the token's q in the same sub-block order */
 static inline __m512i row_sum(const uint8_t *qs, __m512i u, const __m512i x[4]) {
-    const __m512i lo = _mm512_set1_epi8(0x0F);
-    const __m512i z0 = _mm512_loadu_si512(qs), z1 = _mm512_loadu_si512(qs + 64);
-    const __m512i v[4] = {_mm512_and_si512(z0, lo), _mm512_and_si512(_mm512_srli_epi16(z0, 4), lo),
-                          _mm512_and_si512(z1, lo), _mm512_and_si512(_mm512_srli_epi16(z1, 4), lo)};
-    const int sb[4][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}};
-    __m512i p = _mm512_setzero_si512();
-    for (int k = 0; k < 4; k++)
-        p = _mm512_dpwssd_epi32(p, _mm512_maddubs_epi16(v[k], x[k]),
-                                _mm512_shuffle_epi8(u, pick16(sb[k][0], sb[k][1])));
-    return p;
+    __m512i v[4], sc[4];
+    row_parts(qs, u, v, sc);
+    return row_dot(v, sc, x);
 }
 
 /* xv (4) = the q of one superblock (256) as sub-blocks [0 | 2], [1 | 3], [4 | 6], [5 | 7] */
@@ -114,6 +129,12 @@ static inline void token_sb(const int8_t *qx, __m512i xv[4]) {
         xv[k] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p)),
                                    _mm256_loadu_si256((const __m256i *)(p + 64)), 1);
     }
+}
+
+/* row r's sc / m bytes (lane r of unpack4's u) in every 128-bit lane */
+static inline __m512i row_lane(__m512i u, int r) {
+    return _mm512_permutexvar_epi64(
+        _mm512_add_epi64(_mm512_set1_epi64(2 * r), _mm512_set4_epi64(1, 0, 1, 0)), u);
 }
 
 void fli_q4k_tile1(const uint8_t *const w[FL_QT], const uint8_t *x, int64_t n, float out[FL_QT]) {
@@ -145,9 +166,7 @@ void fli_q4k_tile1(const uint8_t *const w[FL_QT], const uint8_t *x, int64_t n, f
         const __m512i mins = _mm512_shuffle_epi8(u, m_of);  // (FL_QT, 8) int16 m_j
         macc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(mins, bs)), dm, macc);
         for (int r = 0; r < FL_QT; r++) {
-            const __m512i ur = _mm512_permutexvar_epi64(  // row r's lane in every lane
-                _mm512_add_epi64(_mm512_set1_epi64(2 * r), _mm512_set4_epi64(1, 0, 1, 0)), u);
-            const __m512i p = row_sum(w[r] + s * FL_Q4_K_BYTES + 16, ur, xv);
+            const __m512i p = row_sum(w[r] + s * FL_Q4_K_BYTES + 16, row_lane(u, r), xv);
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(dd[4 * r]), acc[r]);
         }
     }
@@ -156,6 +175,58 @@ void fli_q4k_tile1(const uint8_t *const w[FL_QT], const uint8_t *x, int64_t n, f
     for (int r = 0; r < FL_QT; r++)
         out[r] = _mm512_reduce_add_ps(acc[r]) + ((m[4 * r] + m[4 * r + 1]) +
                                                  (m[4 * r + 2] + m[4 * r + 3]));
+}
+
+
+/* fli_q4k_tile1's arithmetic for 2..FL_QT tokens, each superblock's scales and nibbles unpacked
+ * once for all of them: out[r][t] is bit for bit fli_q4k_tile1(w, x[t]) (a pass over draft
+ * guesses gives each token its one-token numbers); acc, macc: per token, as tile1's */
+void fli_q4k_tilen(const uint8_t *const w[FL_QT], const uint8_t *const x[FL_QT], int32_t n_tok,
+                   int64_t n, float out[FL_QT][FL_QT]) {
+    const int64_t nb = n / FL_QK;
+    const __m512i idx_d = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0x00180018, 0x00180018,
+                                           0x00100010, 0x00100010, 0x00080008, 0x00080008, 0, 0);
+    const __m512i idx_m = _mm512_add_epi16(idx_d, _mm512_set1_epi16(1));
+    const __m512i m_of = _mm512_set4_epi32((int)0x800F800E, (int)0x800D800C, (int)0x800B800A,
+                                           (int)0x80098008);
+    __m512 acc[FL_QT][FL_QT], macc[FL_QT];  // (row, token), (token): tile1's acc and macc
+    for (int t = 0; t < FL_QT; t++) {
+        macc[t] = _mm512_setzero_ps();
+        for (int r = 0; r < FL_QT; r++) acc[r][t] = _mm512_setzero_ps();
+    }
+    for (int64_t s = 0; s < n / FL_QK_K; s++) {
+        const __m512i head = head4(w, (size_t)s * FL_Q4_K_BYTES);
+        const __m512i u = unpack4(head);
+        const __m512 d = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(idx_d, head)));
+        const __m512 m = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(idx_m, head)));
+        const __m512i mins = _mm512_shuffle_epi8(u, m_of);
+        __m512i xv[FL_QT][4];
+        float dd[FL_QT][16];  // per token, lanes 4r .. 4r+3: d of row r * dx
+        for (int t = 0; t < n_tok; t++) {
+            const float *scale = (const float *)(x[t] + n);                        // (nb, 8)
+            const int16_t *bsum = (const int16_t *)(scale + 3 * nb * FL_XQ_LANES);  // (nb)
+            const float dx = scale[s * 8 * FL_XQ_LANES];
+            token_sb((const int8_t *)x[t] + s * FL_QK_K, xv[t]);
+            _mm512_storeu_ps(dd[t], _mm512_mul_ps(d, _mm512_set1_ps(dx)));
+            const __m512i bs = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(bsum + 8 * s)));
+            macc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(mins, bs)),
+                                      _mm512_mul_ps(m, _mm512_set1_ps(-dx)), macc[t]);
+        }
+        for (int r = 0; r < FL_QT; r++) {
+            __m512i v[4], sc[4];
+            row_parts(w[r] + s * FL_Q4_K_BYTES + 16, row_lane(u, r), v, sc);
+            for (int t = 0; t < n_tok; t++)
+                acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(row_dot(v, sc, xv[t])),
+                                            _mm512_set1_ps(dd[t][4 * r]), acc[r][t]);
+        }
+    }
+    for (int t = 0; t < n_tok; t++) {
+        float mt[16];  // (FL_QT, 4)
+        _mm512_storeu_ps(mt, macc[t]);
+        for (int r = 0; r < FL_QT; r++)
+            out[r][t] = _mm512_reduce_add_ps(acc[r][t]) + ((mt[4 * r] + mt[4 * r + 1]) +
+                                                           (mt[4 * r + 2] + mt[4 * r + 3]));
+    }
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>

@@ -353,7 +353,11 @@ void fli_qdot_tile(int32_t dtype, const uint8_t *const w[FL_QT], const uint8_t *
     }
 #endif
 #ifdef FLI_Q4K_TILE1
-    if (n_tok == 1 && dtype == FL_Q4_K && n % FL_QK_K == 0) {
+    if (dtype == FL_Q4_K && n % FL_QK_K == 0) {  // every token as it would be alone
+        if (n_tok > 1) {
+            fli_q4k_tilen(w, x, n_tok, n, out);
+            return;
+        }
         float o[FL_QT];
         fli_q4k_tile1(w, x[0], n, o);
         for (int r = 0; r < FL_QT; r++) out[r][0] = o[r];

@@ -92,3 +92,38 @@ def test_a_few_tokens_through_matmul_are_each_computed_as_one(dtype):
         one = np.stack([kernel.matmul(w, x[t:t + 1], None, 2)[0] for t in range(T)])
         np.testing.assert_array_equal(kernel.matmul(w, x[:T], None, 2), one)
 
+
+
+def _q4k_bundles(n: int, d: int, seed: int) -> np.ndarray:
+    """(n, stride) q4_k bundles [gate | up | down] of random rows (native/kquant.c quantizer)."""
+    from flashllm.ffi.quant import quantize_rows
+    rng = _rng(seed)
+    return np.ascontiguousarray(np.concatenate(
+        [quantize_rows(rng.standard_normal((n, d)).astype(np.float32), "q4_k")
+         for _ in range(3)], 1))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_q4_k_tokens_at_once_are_each_computed_as_one(threads):
+    """Q4_K (the default conversion's gate / up): a pass over T <= 10 tokens shares each
+    superblock's unpacking among up to 4 of them (AVX-512 VNNI: fli_q4k_tilen) and still gives
+    each token, bit for bit, its one-token numbers — in the FFN and in an unpacked matmul."""
+    d, n = 512, 70
+    data = _q4k_bundles(n, d, seed=31)
+    rng = _rng(32)
+    x = (rng.standard_normal((7, d)) / np.sqrt(d)).astype(np.float32)  # (7, d)
+    rows = rng.choice(n, 53, replace=False).astype(np.int32)  # (53,)
+    for T in (2, 3, 4, 5, 7):
+        one = np.zeros((T, d), np.float32)
+        for t in range(T):
+            kernel.ffn_bundles(data, "q4_k", d, True, "silu", x[t:t + 1], one[t:t + 1], rows=rows,
+                               threshold=0.01, n_threads=threads, down_dtype="q4_k")
+        many = np.zeros((T, d), np.float32)
+        kernel.ffn_bundles(data, "q4_k", d, True, "silu", x[:T], many, rows=rows, threshold=0.01,
+                           n_threads=threads, down_dtype="q4_k")
+        np.testing.assert_array_equal(many, one)
+    from flashllm.model.tensor import QTensor
+    w = QTensor(np.ascontiguousarray(data[:, :data.shape[1] // 3]), "q4_k", n, d)  # (n, d)
+    for T in (2, 3, 4):
+        single = np.stack([kernel.matmul(w, x[t:t + 1], None, threads)[0] for t in range(T)])
+        np.testing.assert_array_equal(kernel.matmul(w, x[:T], None, threads), single)

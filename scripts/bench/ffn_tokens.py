@@ -2,8 +2,10 @@
 draft guesses costs (the per-token path for T <= 10, GEMM panels beyond).
 
 Run:  python -m scripts.bench.ffn_tokens [MODEL] [--tokens 1,2,3,4,5,6,8,9,12] [--threads 2]
+      [--layers K] [--rows N]
 Every layer of MODEL (a converted folder; default the bench's calibrated Qwen2.5-Coder-1.5B q4_k)
-is read into DRAM and cycled (28 layers of 23 MB: beyond the caches, as in decode), x is random
+is read into DRAM and cycled (28 layers of 23 MB: beyond the caches, as in decode; --layers K:
+the first K only; --rows N: each layer's first N bundles, as a neuron cache's), x is random
 (T, d_model) * 0.5, the layers' calibrated thresholds apply; each T prints the best of 4 sweeps
 in ms per layer.
 """
@@ -28,10 +30,14 @@ def main() -> None:
     ap.add_argument("model", type=Path, nargs="?", default=cache_dir() / DEFAULT)
     ap.add_argument("--tokens", default="1,2,3,4,5,6,8,9,12")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=0, help="cycle the first K layers (0: all)")
+    ap.add_argument("--rows", type=int, default=0, help="each layer's first N bundles (0: all)")
     args = ap.parse_args()
     flash = open_flash(args.model)
     cfg, f = flash.config, flash.ffn
-    layers = [np.ascontiguousarray(flash.read_ffn_layer(i)) for i in range(cfg.n_layers)]
+    rows = args.rows or None
+    layers = [np.ascontiguousarray(flash.read_ffn_layer(i)[:rows])         # (N, stride) each
+              for i in range(args.layers or cfg.n_layers)]
     thr = manifest_thresholds(flash.manifest, cfg.n_layers)
     x = np.random.default_rng(0).standard_normal((64, cfg.d_model)).astype(np.float32) * 0.5
     cells = []
