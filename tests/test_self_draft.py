@@ -82,6 +82,44 @@ def test_a_resident_model_needs_caches_and_resident_attention(tmp_path):
         resident_model(model)
 
 
+class Hints:
+    """An n-gram source that foresees given tokens (a wrong one among them where asked)."""
+
+    def __init__(self, tokens):
+        self.tokens = list(tokens)
+
+    def lookup(self, history, k, tail=()):
+        return self.tokens[len(tail):len(tail) + k]
+
+
+def test_hinted_guesses_are_the_token_by_token_drafts(tmp_path):
+    """Where the context's n-grams foresee the draft's guesses, one resident pass computes them:
+    the same guesses as a token-by-token draft, in one pass when the hint is right, and the
+    same guesses again when it is wrong from some token on (the rows after it are dropped)."""
+    write_model(tmp_path / "m", True, "f32")
+    resident = resident_model(streamed(tmp_path / "m", head=False, n_ctx=64))
+    calls = []
+    forward = resident.forward
+    resident.forward = lambda ids, pos: calls.append(len(ids)) or forward(ids, pos)
+    for end in (4, 9, 17):
+        history = [(3 * i + 1) % 40 for i in range(end)]
+        plain = eager(resident, greedy(), 5)
+        plain.hints = None
+        calls.clear()
+        want = plain.propose(history, 5, end - 1)
+        assert len(want) == 5 and calls == [1] * 5
+        for wrong in (None, 0, 2):
+            hinted = eager(resident, greedy(), 5)
+            hint = list(want)
+            if wrong is not None:
+                hint[wrong] = (hint[wrong] + 1) % 40
+            hinted.hints = Hints(hint)
+            calls.clear()
+            assert hinted.propose(history, 5, end - 1) == want
+            # one pass over [last] + 4 hinted tokens; a wrong one costs a second (the hint after it)
+            assert calls[0] == 5 and len(calls) == (1 if wrong is None else 2)
+
+
 class Replay:
     """A draft proposing recorded guesses (and writing nothing anywhere)."""
 

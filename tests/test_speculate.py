@@ -59,6 +59,17 @@ def test_the_index_grows_with_the_history():
     assert d.lookup([3, 1, 4, 1], 2) == [4, 1]   # a shorter history: rebuilt, "1" before 4
 
 
+def test_lookup_after_a_tail_of_guesses():
+    """The n-gram ending history + tail (guesses not yet verified) is looked up in history's
+    index; the tail itself is not indexed, so the next history finds the index unchanged."""
+    d = NgramDraft(8)
+    h = [5, 1, 2, 3, 9, 1, 2, 4, 7, 0]
+    assert d.lookup(h, 3, [1, 2]) == [4, 7, 0]        # "0 1 2" unseen: "1 2" last before 4
+    assert d.lookup(h, 2, [9]) == [1, 2]              # "0 9" unseen: "9" before 1
+    assert d.lookup(h, 2, [8]) == []
+    assert d.lookup(h + [3], 2) == [9, 1]             # an extension of h: "0 3" unseen, "3"
+
+
 def test_draft_length_follows_acceptance_and_cost():
     cheap = DraftLength(8)
     for _ in range(20):                       # passes that keep every guess, guesses nearly free

@@ -23,10 +23,11 @@ from typing import Sequence
 
 import numpy as np
 
-from flashllm.generation.speculate import DraftError, DraftLength
+from flashllm.generation.speculate import DraftError, DraftLength, NgramDraft
 
 
 REFRESH = 16        # a pass without guesses every this many: the plain pass time stays known
+HINT_NGRAM = 3      # an n-gram of the context this long foresees the draft's next guesses
 
 
 class SelfDraft:
@@ -37,7 +38,7 @@ class SelfDraft:
     observe(guesses, kept, seconds) after each pass (seconds: draft and pass together).
     """
 
-    def __init__(self, model, sampler, n_draft: int, p_min: float = 0.0):
+    def __init__(self, model, sampler, n_draft: int, p_min: float = 0.0, hints: bool = True):
         if n_draft < 0:
             raise DraftError(f"--draft {n_draft} must be 0 (off) or positive")
         if not 0.0 <= p_min <= 1.0:
@@ -45,26 +46,43 @@ class SelfDraft:
         self.model, self.sampler, self.p_min = model, sampler, p_min
         self.length = DraftLength(n_draft, refresh=REFRESH)
         self._seen = 0                  # history tokens already shown to the draft's head
+        # the context's n-grams foresee some of the draft's guesses: those are computed at once
+        self.hints = NgramDraft(n_draft, HINT_NGRAM, HINT_NGRAM) if hints and n_draft else None
 
     def observe(self, n_guesses: int, n_kept: int, seconds: float) -> None:
         self.length.observe(n_guesses, n_kept, seconds)
 
     def propose(self, history: Sequence[int], room: int, pos: int = 0) -> list[int]:
         """Up to min(room, the chosen length) guesses after history, whose last token is fed at
-        pos; fewer when the draft's confidence drops below p_min."""
+        pos; fewer when the draft's confidence drops below p_min.
+
+        Where the context's n-grams foresee the next guesses (a hint), the draft computes them
+        in one pass over [last token] + hint: row j is the draft's logits after hint[:j], so its
+        guess is the one a token-by-token draft makes as long as each hint token before it was
+        the draft's own guess; the rows after the first that differs are dropped."""
         self._show(history)
         k = min(room, self.length.choose())
         if k <= 0:
             return []
         context, guesses = list(history), []
-        for j in range(k):
-            logits = self.model.forward(np.array(context[-1:], np.int32), pos + j)[0]  # (vocab,)
-            token = self.sampler.mode(logits, context)
-            guesses.append(token)
-            context.append(token)
-            if self.p_min > 0.0 and _probability(logits, token) < self.p_min:
-                break
+        while len(guesses) < k:
+            hint = self.hints.lookup(history, k - len(guesses) - 1, context[len(history):]) \
+                if self.hints is not None else []
+            rows = self.model.forward(np.array(context[-1:] + hint, np.int32),
+                                      pos + len(guesses))                # (1 + len(hint), vocab)
+            for j, logits in enumerate(rows):
+                if self._take(logits, context, guesses) or len(guesses) >= k:
+                    return guesses
+                if j < len(hint) and guesses[-1] != hint[j]:
+                    break
         return guesses
+
+    def _take(self, logits: np.ndarray, context: list, guesses: list) -> bool:
+        """Append the draft's guess from logits (vocab,); True when the draft doubts it."""
+        token = self.sampler.mode(logits, context)
+        guesses.append(token)
+        context.append(token)
+        return self.p_min > 0.0 and _probability(logits, token) < self.p_min
 
     def _show(self, history: Sequence[int]) -> None:
         """The draft's head learns the tokens the context has used (their rows become held)."""

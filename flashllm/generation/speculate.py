@@ -123,15 +123,15 @@ class NgramDraft:
         history (none when nothing matches); pos (where history's last token is fed) unused."""
         return self.lookup(history, min(room, self.length.choose()))
 
-    def lookup(self, history: Sequence[int], k: int) -> list[int]:
-        """Up to k tokens after the latest earlier occurrence of history's longest final n-gram
-        (indexes what history adds to the last one first)."""
+    def lookup(self, history: Sequence[int], k: int, tail: Sequence[int] = ()) -> list[int]:
+        """Up to k tokens after the latest earlier occurrence of the longest final n-gram of
+        history + tail (history is indexed first, from where the last call left; tail is not)."""
         self._index(history)
         if k <= 0:
             return []
-        size = len(history)
-        for n in range(min(self.max_n, size - 1), self.min_n - 1, -1):
-            start = self._after[n].get(tuple(history[size - n:]))
+        text = list(history[-self.max_n:]) + [int(t) for t in tail]
+        for n in range(min(self.max_n, len(history) + len(tail) - 1), self.min_n - 1, -1):
+            start = self._after[n].get(tuple(text[len(text) - n:]))
             if start is not None:
                 return [int(t) for t in history[start:start + k]]
         return []
