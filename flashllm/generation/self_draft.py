@@ -31,7 +31,8 @@ HINT_NGRAM = 3      # an n-gram of the context this long foresees the draft's ne
 
 
 class SelfDraft:
-    """Guesses by running the resident model ahead of the verified text, one token at a time.
+    """Guesses by running the resident model ahead of the verified text, one token at a time,
+    or several in one pass where the context's n-grams foresee them (propose).
 
     propose(history, room, pos) -> up to room guesses for positions pos + 1 ..; the resident
     model writes keys/values at pos .. pos + k - 1, which the verifying pass overwrites.
