@@ -131,6 +131,18 @@ static inline void token_sb(const int8_t *qx, __m512i xv[4]) {
     }
 }
 
+/* permutexvar_epi16 control: each row's f16 d (the superblock head's first half-word) into lanes
+ * 4r .. 4r+3 (add 1 for its dmin) */
+static inline __m512i d_lanes(void) {
+    return _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0x00180018, 0x00180018, 0x00100010,
+                            0x00100010, 0x00080008, 0x00080008, 0, 0);
+}
+
+/* pshufb control: bytes 8 .. 15 of each 128-bit lane (unpack4's m_0..7) to int16 lanes */
+static inline __m512i m_lanes(void) {
+    return _mm512_set4_epi32((int)0x800F800E, (int)0x800D800C, (int)0x800B800A, (int)0x80098008);
+}
+
 /* row r's sc / m bytes (lane r of unpack4's u) in every 128-bit lane */
 static inline __m512i row_lane(__m512i u, int r) {
     return _mm512_permutexvar_epi64(
@@ -142,11 +154,8 @@ void fli_q4k_tile1(const uint8_t *const w[FL_QT], const uint8_t *x, int64_t n, f
     const int8_t *q = (const int8_t *)x;                                       // (n)
     const float *scale = (const float *)(x + n);                               // (nb, 8)
     const int16_t *bsum = (const int16_t *)(scale + 3 * nb * FL_XQ_LANES);     // (nb)
-    const __m512i idx_d = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0x00180018, 0x00180018,
-                                           0x00100010, 0x00100010, 0x00080008, 0x00080008, 0, 0);
-    const __m512i idx_m = _mm512_add_epi16(idx_d, _mm512_set1_epi16(1));
-    const __m512i m_of = _mm512_set4_epi32((int)0x800F800E, (int)0x800D800C, (int)0x800B800A,
-                                           (int)0x80098008);  // bytes 8 .. 15 to int16 lanes
+    const __m512i idx_d = d_lanes(), idx_m = _mm512_add_epi16(idx_d, _mm512_set1_epi16(1));
+    const __m512i m_of = m_lanes();
     __m512 acc[FL_QT], macc = _mm512_setzero_ps();  // macc: lanes 4r .. 4r+3 of row r's min terms
     for (int r = 0; r < FL_QT; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t s = 0; s < n / FL_QK_K; s++) {
@@ -184,11 +193,8 @@ void fli_q4k_tile1(const uint8_t *const w[FL_QT], const uint8_t *x, int64_t n, f
 void fli_q4k_tilen(const uint8_t *const w[FL_QT], const uint8_t *const x[FL_QT], int32_t n_tok,
                    int64_t n, float out[FL_QT][FL_QT]) {
     const int64_t nb = n / FL_QK;
-    const __m512i idx_d = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0x00180018, 0x00180018,
-                                           0x00100010, 0x00100010, 0x00080008, 0x00080008, 0, 0);
-    const __m512i idx_m = _mm512_add_epi16(idx_d, _mm512_set1_epi16(1));
-    const __m512i m_of = _mm512_set4_epi32((int)0x800F800E, (int)0x800D800C, (int)0x800B800A,
-                                           (int)0x80098008);
+    const __m512i idx_d = d_lanes(), idx_m = _mm512_add_epi16(idx_d, _mm512_set1_epi16(1));
+    const __m512i m_of = m_lanes();
     __m512 acc[FL_QT][FL_QT], macc[FL_QT];  // (row, token), (token): tile1's acc and macc
     for (int t = 0; t < FL_QT; t++) {
         macc[t] = _mm512_setzero_ps();
