@@ -110,7 +110,7 @@ def run(
     need = head_need(params) if sparse_head is not False else None
     fopts = FlashOptions(dram_budget, window, naive, dense, check_recall, predictor.value,
                          keep_tokenizer=interactive or not _decodes_bytes(path),
-                         draft_rows=draft_head_rows if drafting.self else 0,
+                         draft_rows=draft_head_rows if drafting.is_self else 0,
                          sparse_head="off" if need is None else "on" if sparse_head else "auto",
                          head_top=need.top if need is not None else 1)
     n_ctx = ctx_size if interactive else min(ctx_size, len(text.encode()) + n_predict + 2)
@@ -141,7 +141,7 @@ class _Drafting:
     auto: bool = False
 
     @property
-    def self(self) -> bool:
+    def is_self(self) -> bool:
         return self.n > 0 and self.kind == "self"
 
     @classmethod

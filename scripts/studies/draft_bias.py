@@ -36,8 +36,10 @@ OUTLIER = 4.0      # inputs this many times the median norm are left out of the 
 class CompensatedFfn(SubsetFfn):
     """The FFN over the first n_hot slots, plus bias[layer] (d,) and h @ maps[layer] (d, d)."""
 
-    bias: list = []
-    maps: list = []
+    def __init__(self, flash, layers, thresholds, n_threads: int):
+        super().__init__(flash, layers, thresholds, n_threads)
+        self.bias: list = []                  # per layer (d,), or none
+        self.maps: list = []                  # per layer (d, d), or none
 
     def __call__(self, layer: int, h: np.ndarray, x: np.ndarray) -> None:
         super().__call__(layer, h, x)
@@ -50,7 +52,7 @@ class CompensatedFfn(SubsetFfn):
 def cold_outputs(sub: SubsetFfn, layer: int, h: np.ndarray, n_ff: int, k: int) -> np.ndarray:
     """(N, d) what the slots k.. add to the layer's output for inputs h (N, d)."""
     out = np.zeros_like(h)                                                  # (N, d)
-    sub.rows = [np.arange(k, n_ff, dtype=np.int32)] * (layer + 1)
+    sub.rows = [np.arange(k, n_ff, dtype=np.int32)] * len(sub.layers)
     for s in range(0, len(h), 256):
         sub(layer, h[s:s + 256], out[s:s + 256])
     return out
