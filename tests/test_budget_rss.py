@@ -62,7 +62,7 @@ def test_a_pass_gives_each_token_its_own_logits_under_a_budget():
     as without a budget (runtime/assemble.py make_weights): a pass over 6 tokens gives each the
     logits that feeding it alone gives, bit for bit, so a greedy text with self-drafting does not
     depend on how many guesses each pass checked (it did when the attention stayed unpacked: the
-    q4_k products of a multi-token tile round otherwise)."""
+    q4_k products of a multi-token tile round otherwise); nor do the siblings of a pass."""
     import numpy as np
     from flashllm.cli.app import cache_dir
     from flashllm.format.reader import open_flash
@@ -85,5 +85,11 @@ def test_a_pass_gives_each_token_its_own_logits_under_a_budget():
         alone = np.stack([net.forward(ids[j:j + 1], j)[0] for j in range(10, 16)])  # (6, vocab)
         together = net.forward(ids[10:16], 10)                                  # (6, vocab)
         np.testing.assert_array_equal(together, alone)
+        # siblings (the runner-up of guesses 1 and 3) get the logits of feeding them alone there
+        sibs = {3: 1000, 1: 2000}                          # chain index: token, last first
+        rows = net.forward(np.r_[ids[10:16], list(sibs.values())], 10, siblings=list(sibs))
+        np.testing.assert_array_equal(rows[:6], together)
+        for s, (j, token) in enumerate(sibs.items()):      # slot 10 + j only: j = 1 after 3
+            np.testing.assert_array_equal(rows[6 + s], net.forward(np.array([token]), 10 + j)[0])
     finally:
         ffn.close()

@@ -13,7 +13,7 @@ from flashllm.ffi.reader import Reader
 from flashllm.format.reader import open_flash
 from flashllm.generation.generate import generate
 from flashllm.generation.sampler import Sampler, SamplerParams
-from flashllm.generation.self_draft import SelfDraft
+from flashllm.generation.self_draft import SIBLING_EXPLORE, SelfDraft
 from flashllm.generation.speculate import DraftLength
 from flashllm.runtime import budget
 from flashllm.runtime.model import Model
@@ -82,6 +82,52 @@ def test_a_resident_model_needs_caches_and_resident_attention(tmp_path):
         resident_model(model)
 
 
+def test_a_sibling_is_the_chain_with_it_in_its_guess_place(tmp_path):
+    """A pass with siblings (Model.forward): each sibling's logits are those of a pass of as
+    many tokens with the sibling in the chain in its guess's place, the chain's rows are
+    unchanged (bit for bit), and keep_sibling leaves the cache as that pass would. (This f32
+    model's kernels round a token by where it sits in a tile of tokens, so a sibling, last in
+    its pass, matches to rounding; the packed k-quant products do not: test_budget_rss.py.)"""
+    write_model(tmp_path / "m", True, "f32")
+    model, ref = streamed(tmp_path / "m"), streamed(tmp_path / "m")
+    for m in (model, ref):
+        m.forward(np.array([1, 5, 9, 30]), 0)
+    chain, sibs = [2, 17, 8, 11], {1: 25, 2: 6}          # sibling of chain token j: {j: token}
+    rows = model.forward(np.array(chain + list(sibs.values())), 4, siblings=list(sibs))
+    k, v = ref.k_cache.copy(), ref.v_cache.copy()
+    plain = ref.forward(np.array(chain + [3, 3]), 4)                              # (6, vocab)
+    np.testing.assert_array_equal(rows[:4], plain[:4])
+    for s, (j, token) in enumerate(sibs.items()):
+        ref.k_cache[:], ref.v_cache[:] = k, v
+        alt = chain[:j] + [token]
+        want = ref.forward(np.array(alt + [3] * (6 - len(alt))), 4)               # (6, vocab)
+        np.testing.assert_allclose(rows[4 + s], want[j], rtol=1e-5, atol=1e-5)
+    model.keep_sibling(1, 4 + 2)                       # sibling 1 (token 6) at position 6
+    np.testing.assert_allclose(model.k_cache[:, :7], ref.k_cache[:, :7], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(model.v_cache[:, :7], ref.v_cache[:, :7], rtol=1e-5, atol=1e-5)
+    assert not np.array_equal(model.k_cache[:, 6], k[:, 6])          # not the chain's token
+    assert model.fed[6] == 6
+
+
+def test_siblings_stop_while_few_are_taken(tmp_path):
+    """A draft proposes siblings while enough of them are taken; when few are, only one pass
+    in SIBLING_EXPLORE checks them (so a text where they start to pay is noticed)."""
+    write_model(tmp_path / "m", True, "f32")
+    resident = resident_model(streamed(tmp_path / "m", head=False, n_ctx=64))
+    d = eager(resident, Sampler(SamplerParams(temp=TEMP, seed=1)), 2)
+    d.hints = None
+    history = [1, 5, 9, 30]
+    with_sib = [bool(d.propose(history, 2, 3).siblings) for _ in range(4)]
+    assert all(with_sib)                               # TEMP spreads the draft's probabilities
+    for _ in range(40):
+        d.observe(2, 0, 1.0, (2, 0))                   # none taken
+    with_sib = [bool(d.propose(history, 2, 3).siblings) for _ in range(2 * SIBLING_EXPLORE)]
+    assert sum(with_sib) == 2
+    for _ in range(40):
+        d.observe(2, 1, 1.0, (2, 1))                   # half taken
+    assert d.propose(history, 2, 3).siblings
+
+
 class Hints:
     """An n-gram source that foresees given tokens (a wrong one among them where asked)."""
 
@@ -147,6 +193,7 @@ def test_greedy_tokens_are_plain_and_a_draft_leaves_no_trace(tmp_path):
     stats = generate(fast, greedy(), [1, 5, 9], 24, on_token=b.append, draft=draft)
     assert a == b
     assert stats.n_drafted > 0 and 0 < stats.n_accepted < stats.n_drafted  # kept and rejected
+    assert stats.n_sibling_kept > 0                    # a guess's runner-up made a token
     assert stats.draft_s > 0 and stats.n_decode + stats.n_accepted == 23
     generate(same, greedy(), [1, 5, 9], 24, on_token=c.append, draft=Replay(seen))
     assert c == b

@@ -13,7 +13,7 @@ from flashllm.cli import app
 from flashllm.generation.generate import generate
 from flashllm.runtime.model import Model
 from flashllm.generation.sampler import Sampler, SamplerParams
-from flashllm.generation.speculate import DraftError, DraftLength, NgramDraft, verify
+from flashllm.generation.speculate import DraftError, DraftLength, NgramDraft, verify, verify_tree
 from test_chat import tiny  # noqa: F401  (the tiny converted model fixture)
 from test_generate import ScriptedModel, greedy
 
@@ -103,6 +103,30 @@ def test_verify_keeps_guesses_up_to_the_first_miss():
     rows[[0, 1, 2, 3], [7, 8, 30, 31]] = 10.0
     assert verify(greedy(), rows, [7, 8, 9], [1]) == [7, 8, 30]
     assert verify(greedy(), rows[:3], [7, 8], [1]) == [7, 8, 30]        # all kept: one more
+
+
+def test_verify_tree_takes_a_sibling_where_its_guess_fails():
+    rows = np.zeros((6, 50), np.float32)            # (1 + 3 guesses + 2 siblings, vocab)
+    rows[[0, 1, 2, 3, 4, 5], [7, 40, 30, 31, 44, 45]] = 10.0
+    # guess 1 (8) fails where the model wants 40: its sibling 40 is taken, its row (5) yields 45
+    assert verify_tree(greedy(), rows, [7, 8, 9], {0: 3, 1: 40}, [1]) == ([7, 40, 45], 1)
+    # a sibling that is not the model's token changes nothing
+    assert verify_tree(greedy(), rows, [7, 8, 9], {1: 41}, [1]) == ([7, 40], None)
+    # a sibling of a guess that is kept is never looked at
+    assert verify_tree(greedy(), rows, [7, 40, 9], {0: 3}, [1]) == ([7, 40, 30], None)
+
+
+def test_verify_tree_keeps_the_distribution():
+    """Sampled: the first token is distributed as sample() draws it, whatever the guess and its
+    sibling; a sibling is taken exactly when that token is the sibling."""
+    s = Sampler(SamplerParams(temp=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=3))
+    rows = np.log(np.array([[0.5, 0.3, 0.15, 0.05]] * 3, dtype=np.float32))  # (1 + 1 + 1, 4)
+    n = 30000
+    for guess, sib in ((0, 1), (2, 0), (3, 2)):
+        outs = [verify_tree(s, rows, [guess], {0: sib}, []) for _ in range(n)]
+        counts = np.bincount([o[0][0] for o in outs], minlength=4)
+        np.testing.assert_allclose(counts / n, [0.5, 0.3, 0.15, 0.05], atol=0.01)
+        assert all((kept is not None) == (toks[0] == sib) for toks, kept in outs)
 
 
 @pytest.mark.parametrize("n_predict, stops", [(25, ()), (7, ()), (40, (12,))])

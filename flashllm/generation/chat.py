@@ -144,7 +144,7 @@ class ChatSession:
                 stats.stop = "context"
             else:
                 left = self.n_predict - stats.n_gen if self.n_predict >= 0 else n_ctx
-                new, n_guesses, seconds, _ = decode_pass(self.model, self.sampler, self.draft,
+                new, n_guesses, seconds, _, _ = decode_pass(self.model, self.sampler, self.draft,
                                                       context, pos, min(left - 1, n_ctx - pos - 1))
                 stats.decode_s += seconds
                 stats.n_drafted += n_guesses

@@ -9,7 +9,7 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
-from flashllm.generation.speculate import verify
+from flashllm.generation.speculate import verify_tree
 
 
 @dataclass
@@ -19,6 +19,8 @@ class GenStats:
     n_decode: int = 0      # decode forward passes (one fed token, plus any draft guesses)
     n_drafted: int = 0     # draft guesses checked by those passes
     n_accepted: int = 0    # guesses kept: each is a token made without a pass of its own
+    n_siblings: int = 0    # siblings checked (a guess's runner-up, speculate.Guesses)
+    n_sibling_kept: int = 0  # of them taken where their guess was not
     prefill_s: float = 0.0
     decode_s: float = 0.0  # decode forward passes (and the drafting of their guesses)
     draft_s: float = 0.0   # of it, drafting guesses (a self-speculative draft computes them)
@@ -43,8 +45,10 @@ class GenStats:
     def draft_line(self) -> str:
         kept = self.n_accepted / self.n_drafted if self.n_drafted else 0.0
         per = (self.n_decode + self.n_accepted) / self.n_decode if self.n_decode else 0.0
+        sib = f", {self.n_sibling_kept} of {self.n_siblings} siblings taken" \
+            if self.n_siblings else ""
         return (f"           draft = {self.n_drafted:5d} guessed, {self.n_accepted:5d} kept "
-                f"({100 * kept:.0f}%), {per:.2f} tokens per eval run, "
+                f"({100 * kept:.0f}%){sib}, {per:.2f} tokens per eval run, "
                 f"{self.draft_s * 1e3:.2f} ms drafting")
 
     @property
@@ -98,7 +102,10 @@ def generate(model, sampler, prompt_ids: Sequence[int], n_predict: int,
             return stats
         room = min(limit - stats.n_gen - 1, model.n_ctx - pos - 1)
         t0 = clock()
-        new, n_guesses, forward_s, draft_s = decode_pass(model, sampler, draft, history, pos, room)
+        new, n_guesses, forward_s, draft_s, sib = decode_pass(model, sampler, draft, history, pos,
+                                                              room)
+        stats.n_siblings += sib[0]
+        stats.n_sibling_kept += sib[1]
         stats.sample_s += clock() - t0 - forward_s
         stats.decode_s += forward_s
         stats.draft_s += draft_s
@@ -111,16 +118,24 @@ def generate(model, sampler, prompt_ids: Sequence[int], n_predict: int,
 def decode_pass(model, sampler, draft, history: list, pos: int, room: int):
     """Feed history's last token at pos with up to room draft guesses (draft None: none).
 
-    Returns (tokens, n_guesses, seconds, draft seconds): the tokens the pass yields (the guesses
-    kept, then one more), ready to emit; the seconds of the drafting and the forward pass, and of
-    the drafting alone. Keys/values stay valid for the fed token and the kept guesses (positions
-    pos .. pos + len(tokens) - 1); the last token is not fed yet."""
+    Returns (tokens, n_guesses, seconds, draft seconds, (siblings, kept)): the tokens the pass
+    yields (the guesses kept, then one more), ready to emit; the seconds of the drafting and the
+    forward pass, and of the drafting alone; the siblings checked and whether one was taken.
+    Keys/values stay valid for the fed token and the kept guesses (positions pos .. pos +
+    len(tokens) - 1; a taken sibling's among them); the last token is not fed yet."""
     t0 = time.perf_counter()
     guesses = draft.propose(history, room, pos) if draft is not None else []
+    sib = getattr(guesses, "siblings", {})                # {guess index: token}
     t1 = time.perf_counter()
-    rows = model.forward(np.array(history[-1:] + guesses, dtype=np.int32), pos)  # (1+k, vocab)
+    order = sorted(sib)
+    tokens = np.array(history[-1:] + list(guesses) + [sib[j] for j in order], dtype=np.int32)
+    rows = model.forward(tokens, pos, **({"siblings": [1 + j for j in order]} if order else {}))
+    # rows (1 + k + S, vocab): after the fed token, each guess, each sibling
     seconds = time.perf_counter() - t0
-    new = verify(sampler, rows, guesses, history)
+    new, kept = verify_tree(sampler, rows, guesses, sib, history)
+    if kept is not None:                  # the sibling of guess j stands at pos + 1 + j
+        model.keep_sibling(kept, pos + 1 + order[kept])
+    sib_seen = (len(sib), int(kept is not None))
     if draft is not None:
-        draft.observe(len(guesses), len(new) - 1, seconds)
-    return new, len(guesses), seconds, t1 - t0
+        draft.observe(len(guesses), len(new) - 1, seconds, sib_seen)
+    return new, len(guesses), seconds, t1 - t0, sib_seen

@@ -118,6 +118,13 @@ class Sampler:
         """The most likely token the chain leaves: the penalized argmax (greedy's token)."""
         return int(np.argmax(self._penalized(logits, history)))
 
+    def modes(self, logits: np.ndarray, history: Sequence[int] = ()) -> tuple[int, int]:
+        """The two most likely tokens the chain leaves: mode's, then the next (penalized)."""
+        pen = np.array(self._penalized(logits, history), dtype=np.float32)  # (vocab,) a copy
+        first = int(np.argmax(pen))
+        pen[first] = -np.inf
+        return first, int(np.argmax(pen))
+
     def distribution(self, logits: np.ndarray, history: Sequence[int] = ()):
         """The candidates left by the chain and their probabilities: (ids (n,), probs (n,)).
         Greedy (temp <= 0) leaves one candidate with probability 1."""

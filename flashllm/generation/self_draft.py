@@ -15,7 +15,10 @@ Each guess is the draft's most likely token under the sampler's chain (its penal
 drafting stops after a guess the draft itself gives less than p_min (llama.cpp's
 --draft-p-min), and the number of guesses a pass checks is learned from acceptance and pass
 times (speculate.DraftLength; one pass in REFRESH checks none, to keep the plain pass time
-known) — k = 0 when guessing does not pay.
+known) — k = 0 when guessing does not pay. The first SIBLINGS guesses may bring the draft's
+runner-up along (speculate.Guesses.siblings): the pass computes it beside the chain, and where
+the model takes it instead of the guess it makes one token more (Model.forward's siblings) —
+while enough of them are taken to pay for their compute (SIBLING_RATE_MIN).
 """
 from __future__ import annotations
 
@@ -23,11 +26,17 @@ from typing import Sequence
 
 import numpy as np
 
-from flashllm.generation.speculate import DraftError, DraftLength, NgramDraft
+from flashllm.generation.speculate import DraftError, DraftLength, Guesses, NgramDraft
 
 
 REFRESH = 16        # a pass without guesses every this many: the plain pass time stays known
 HINT_NGRAM = 3      # an n-gram of the context this long foresees the draft's next guesses
+SIBLINGS = 2        # the first this many guesses may bring their runner-up as a sibling ...
+SIBLING_P_MIN = 0.1  # ... when the draft gives it at least this probability, ...
+SIBLING_RATE_MIN = 0.12  # ... while at least this share of the siblings checked is taken (a
+                         # sibling costs a token's compute in the pass, ~1/8 of the token it makes)
+SIBLING_EXPLORE = 8  # below that share, one pass in this many still checks them
+SIBLING_DECAY = 0.9  # the share is a decayed running one
 
 
 class SelfDraft:
@@ -39,19 +48,35 @@ class SelfDraft:
     observe(guesses, kept, seconds) after each pass (seconds: draft and pass together).
     """
 
-    def __init__(self, model, sampler, n_draft: int, p_min: float = 0.0, hints: bool = True):
+    def __init__(self, model, sampler, n_draft: int, p_min: float = 0.0, hints: bool = True,
+                 siblings: int = SIBLINGS):
         if n_draft < 0:
             raise DraftError(f"--draft {n_draft} must be 0 (off) or positive")
         if not 0.0 <= p_min <= 1.0:
             raise DraftError(f"--draft-p-min {p_min} must be in [0, 1]")
-        self.model, self.sampler, self.p_min = model, sampler, p_min
+        self.model, self.sampler, self.p_min, self.siblings = model, sampler, p_min, siblings
         self.length = DraftLength(n_draft, refresh=REFRESH)
+        self.sib_checked, self.sib_taken, self._sib_idle = 4.0, 1.0, 0  # prior share 0.25
         self._seen = 0                  # history tokens already shown to the draft's head
         # the context's n-grams foresee some of the draft's guesses: those are computed at once
         self.hints = NgramDraft(n_draft, HINT_NGRAM, HINT_NGRAM) if hints and n_draft else None
 
-    def observe(self, n_guesses: int, n_kept: int, seconds: float) -> None:
+    def observe(self, n_guesses: int, n_kept: int, seconds: float,
+                siblings: tuple[int, int] = (0, 0)) -> None:
+        """After a pass: its guesses, the tokens it made past the first, its seconds, and
+        (siblings checked, taken)."""
         self.length.observe(n_guesses, n_kept, seconds)
+        if siblings[0]:
+            self.sib_checked = SIBLING_DECAY * self.sib_checked + siblings[0]
+            self.sib_taken = SIBLING_DECAY * self.sib_taken + siblings[1]
+
+    def _sibling_room(self) -> int:
+        """How many guesses of this pass may bring a sibling: none while too few are taken,
+        but in one pass of SIBLING_EXPLORE, so a text where they start to pay is noticed."""
+        if self.sib_taken >= SIBLING_RATE_MIN * self.sib_checked:
+            return self.siblings
+        self._sib_idle = (self._sib_idle + 1) % SIBLING_EXPLORE
+        return self.siblings if self._sib_idle == 0 else 0
 
     def propose(self, history: Sequence[int], room: int, pos: int = 0) -> list[int]:
         """Up to min(room, the chosen length) guesses after history, whose last token is fed at
@@ -64,23 +89,28 @@ class SelfDraft:
         self._show(history)
         k = min(room, self.length.choose())
         if k <= 0:
-            return []
-        context, guesses = list(history), []
+            return Guesses()
+        context, guesses = list(history), Guesses()
+        n_sib = self._sibling_room()
         while len(guesses) < k:
             hint = self.hints.lookup(history, k - len(guesses) - 1, context[len(history):]) \
                 if self.hints is not None else []
             rows = self.model.forward(np.array(context[-1:] + hint, np.int32),
                                       pos + len(guesses))                # (1 + len(hint), vocab)
             for j, logits in enumerate(rows):
-                if self._take(logits, context, guesses) or len(guesses) >= k:
+                if self._take(logits, context, guesses, n_sib) or len(guesses) >= k:
                     return guesses
                 if j < len(hint) and guesses[-1] != hint[j]:
                     break
         return guesses
 
-    def _take(self, logits: np.ndarray, context: list, guesses: list) -> bool:
-        """Append the draft's guess from logits (vocab,); True when the draft doubts it."""
-        token = self.sampler.mode(logits, context)
+    def _take(self, logits: np.ndarray, context: list, guesses: Guesses, n_sib: int) -> bool:
+        """Append the draft's guess from logits (vocab,), and its runner-up as the guess's
+        sibling where the draft finds it likely enough (among the first n_sib guesses); True
+        when the draft doubts the guess."""
+        token, second = self.sampler.modes(logits, context)
+        if len(guesses) < n_sib and _probability(logits, second) >= SIBLING_P_MIN:
+            guesses.siblings[len(guesses)] = second
         guesses.append(token)
         context.append(token)
         return self.p_min > 0.0 and _probability(logits, token) < self.p_min

@@ -115,7 +115,7 @@ class NgramDraft:
         # _after[n][ngram] = index of the token after the ngram's latest occurrence
         self._after: list[dict] = [{} for _ in range(max_ngram + 1)]
 
-    def observe(self, n_guesses: int, n_kept: int, seconds: float) -> None:
+    def observe(self, n_guesses: int, n_kept: int, seconds: float, siblings=(0, 0)) -> None:
         self.length.observe(n_guesses, n_kept, seconds)
 
     def propose(self, history: Sequence[int], room: int, pos: int = 0) -> list[int]:
@@ -149,19 +149,44 @@ class NgramDraft:
                 self._after[n][tuple(seen[i - n:i])] = i
 
 
+class Guesses(list):
+    """A draft's guesses (a list of token ids), and for some of them a sibling: siblings[j] is
+    the token the draft ranked next after guess j, checked in the same pass in case the model
+    takes it instead (Model.forward's siblings; a tree of one chain and leaves)."""
+
+    def __init__(self, tokens=(), siblings: dict | None = None):
+        super().__init__(tokens)
+        self.siblings: dict[int, int] = dict(siblings or {})
+
+
 def verify(sampler, rows: np.ndarray, guesses: Sequence[int], history: Sequence[int]) -> list[int]:
     """The tokens a pass over [fed token] + guesses yields: the guesses kept, then one more.
 
     rows (1 + k, vocab): logits after the fed token and after each guess; history ends with the
     fed token. Every returned token is distributed as sampler.sample would draw it there.
     """
+    return verify_tree(sampler, rows, guesses, {}, history)[0]
+
+
+def verify_tree(sampler, rows: np.ndarray, guesses: Sequence[int], siblings: dict,
+                history: Sequence[int]) -> tuple[list[int], int | None]:
+    """verify, with siblings {j: token} checked where guess j is not kept: rows (1 + k + S,
+    vocab), the S sibling rows last in the order of sorted j. Returns the tokens and the index
+    of the sibling kept (None: none). The token drawn where guess j fails is distributed as
+    without siblings (sample_given); when it is guess j's sibling, the sibling's row yields one
+    token more."""
     context = list(history)
     out: list[int] = []
+    row_of = {j: len(guesses) + 1 + s for s, j in enumerate(sorted(siblings))}
     for j, guess in enumerate(guesses):
         token = sampler.sample_given(rows[j], context, int(guess))
         out.append(token)
-        if token != guess:
-            return out
         context.append(token)
+        if token == guess:
+            continue
+        if j in siblings and token == siblings[j]:
+            out.append(sampler.sample(rows[row_of[j]], context))
+            return out, row_of[j] - len(guesses) - 1
+        return out, None
     out.append(sampler.sample(rows[len(guesses)], context))
-    return out
+    return out, None

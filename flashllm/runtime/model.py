@@ -18,7 +18,7 @@ where the DRAM budget cannot hold them.
 from __future__ import annotations
 
 import copy
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -80,23 +80,34 @@ class Model:
         self.k_cache.fill(0.0)
         self.v_cache.fill(0.0)
 
-    def forward(self, tokens, pos0: int, last_only: bool = False) -> np.ndarray:
+    def forward(self, tokens, pos0: int, last_only: bool = False,
+                siblings: Sequence[int] = ()) -> np.ndarray:
         """logits (T, vocab) f32 for tokens (T,) at positions pos0 .. pos0+T-1; (1, vocab) for
         the last position only when last_only (a prompt's prefill: the FFN's stats count the pass
-        as prefill, any other as decode). Keys/values of those positions enter the cache."""
+        as prefill, any other as decode). Keys/values of those positions enter the cache.
+
+        siblings (S,): the last S tokens are alternatives, not a continuation: token T - S + s
+        stands at position pos0 + siblings[s] (1 <= siblings[s] < T - S) in place of the chain's
+        token there, after the chain's tokens before it. Its logits are the ones a pass with it
+        in the chain would give, bit for bit (each query attends to exactly those keys, in the
+        same order); its keys and values stay aside until keep_sibling puts them in the cache."""
         tokens = np.ascontiguousarray(tokens, dtype=np.int32).reshape(-1)  # (T,)
-        T = len(tokens)
-        if T == 0 or pos0 < 0 or pos0 + T > self.n_ctx:
-            raise ContextError(f"cannot run {T} tokens at position {pos0}: the context holds "
+        sib = np.asarray(siblings, dtype=np.int32).reshape(-1)           # (S,)
+        T, n = len(tokens), len(tokens) - len(sib)
+        if n <= 0 or pos0 < 0 or pos0 + n > self.n_ctx:
+            raise ContextError(f"cannot run {n} tokens at position {pos0}: the context holds "
                                f"{self.n_ctx} (raise --ctx-size)")
-        pos = np.arange(pos0, pos0 + T, dtype=np.int32)                  # (T,)
-        self.fed[pos0:pos0 + T] = tokens
+        if len(sib) and (last_only or sib.min() < 1 or sib.max() >= n):
+            raise ContextError(f"siblings {sib.tolist()} must stand at chain positions 1..{n - 1}")
+        pos = np.concatenate([np.arange(pos0, pos0 + n, dtype=np.int32), pos0 + sib])  # (T,)
+        self.fed[pos0:pos0 + n] = tokens[:n]
+        self._sibling_kv(tokens[n:])
         self.ffn.start_pass(T, prefill=last_only)
         x = self._embed(tokens, pos)                                     # (T, d_model)
         for i in range(self.config.n_layers):
             layer = self.w.layer(i)
             h = self._norm(x, layer.attn_norm, layer.attn_norm_b)        # (T, d_model)
-            a = self._attention(i, layer, h, pos, pos0)                  # (T, d_model)
+            a = self._attention(i, layer, h, pos, n)                     # (T, d_model)
             if layer.post_attn_norm is not None:                         # sandwich norm
                 a = self._norm(a, layer.post_attn_norm, None)            # (T, d_model)
             x += a
@@ -114,21 +125,36 @@ class Model:
         x = self._norm(x, self.w.out_norm, self.w.out_norm_b)            # (T, d_model)
         if self.w.proj_out is not None:
             x = kernel.matmul(self.w.proj_out, x, None, self.n_threads, self.exact)  # (T, d_embed)
-        logits = self._output(x, pos[-len(x):])                          # (T, vocab)
+        logits = self._output(x, pos[-len(x):], tokens[-len(x):])        # (T, vocab)
         cap = self.config.final_softcap
         if not cap:
             return logits
         capped = np.tanh(logits / np.float32(cap)) * np.float32(cap)     # (T, vocab)
         return capped if self.head is None else np.where(np.isneginf(logits), logits, capped)
 
-    def _output(self, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
-        """(T, vocab) logits of x at positions pos (T,): resident or streamed head, or the
-        sparse head's (-inf where the sampler cannot keep a token)."""
+    def keep_sibling(self, s: int, pos: int) -> None:
+        """Sibling s of the last pass becomes the context's token at pos (its position there):
+        its keys and values enter the cache."""
+        self.k_cache[:, pos] = self._sib_k[:, s]
+        self.v_cache[:, pos] = self._sib_v[:, s]
+        self.fed[pos] = self._sib_tokens[s]
+
+    def _sibling_kv(self, tokens: np.ndarray) -> None:
+        """Room for the keys and values of a pass's sibling tokens (S,)."""
+        cfg = self.config
+        self._sib_tokens = tokens.copy()                                 # (S,)
+        shape = (cfg.n_layers, len(tokens), cfg.n_kv_heads, cfg.head_dim)
+        self._sib_k = np.zeros(shape, self.k_cache.dtype)                # (n_layers, S, n_kv, hd)
+        self._sib_v = np.zeros(shape, self.v_cache.dtype)                # (n_layers, S, n_kv, hd)
+
+    def _output(self, x: np.ndarray, pos: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """(T, vocab) logits of x at positions pos (T,) fed tokens (T,): resident or streamed
+        head, or the sparse head's (-inf where the sampler cannot keep a token)."""
         if self.head is None:
             return self.w.output(x, self.exact)                          # (T, vocab)
         n = self.head.need.recent
-        recent = [self.fed[0 if n < 0 else max(0, p + 1 - n):p + 1] if n else self.fed[:0]
-                  for p in pos]                                          # (<= n,) each
+        recent = [np.append(self.fed[0 if n < 0 else max(0, p + 1 - n):p], t) if n
+                  else self.fed[:0] for p, t in zip(pos, tokens)]        # (<= n,) each
         return self.head.logits(x, recent, self.exact)                   # (T, vocab)
 
     def _embed(self, tokens: np.ndarray, pos: np.ndarray) -> np.ndarray:
@@ -149,7 +175,9 @@ class Model:
             return kernel.rmsnorm(x, w, self.config.norm_eps)            # (T, d_model)
         return kernel.layernorm(x, w, b, self.config.norm_eps)           # (T, d_model)
 
-    def _attention(self, i: int, L: Layer, h: np.ndarray, pos: np.ndarray, pos0: int):
+    def _attention(self, i: int, L: Layer, h: np.ndarray, pos: np.ndarray, n: int):
+        """Layer i's attention of h (T, d_model): the first n tokens a chain from pos[0], the
+        rest siblings (forward)."""
         cfg, nt, ex = self.config, self.n_threads, self.exact
         T, hd = len(h), cfg.head_dim
         q = kernel.matmul(L.wq, h, L.bq, nt, ex)                          # (T, n_heads * hd)
@@ -165,10 +193,20 @@ class Model:
         if cfg.pos == "rope":
             kernel.rope(q, pos, self.rope_inv[i])
             kernel.rope(k, pos, self.rope_inv[i])
-        self.k_cache[i, pos0:pos0 + T] = k
-        self.v_cache[i, pos0:pos0 + T] = v
-        o = kernel.attention(q, self.k_cache[i], self.v_cache[i], pos0, self.attn_scale,
-                             n_threads=nt, window=self.windows[i])        # (T, n_heads * hd)
+        pos0 = int(pos[0])
+        self.k_cache[i, pos0:pos0 + n] = k[:n]
+        self.v_cache[i, pos0:pos0 + n] = v[:n]
+        o = np.empty((T, cfg.n_heads * hd), np.float32)                  # (T, n_heads * hd)
+        o[:n] = kernel.attention(q[:n], self.k_cache[i], self.v_cache[i], pos0, self.attn_scale,
+                                 n_threads=nt, window=self.windows[i])
+        for s in range(n, T):       # a sibling: its keys in its position's slot for one query
+            p, kc, vc = int(pos[s]), self.k_cache[i], self.v_cache[i]
+            chain_k, chain_v = kc[p].copy(), vc[p].copy()                 # (n_kv, hd) each
+            kc[p], vc[p] = k[s], v[s]
+            self._sib_k[i, s - n], self._sib_v[i, s - n] = kc[p], vc[p]
+            o[s] = kernel.attention(q[s:s + 1], kc, vc, p, self.attn_scale, n_threads=nt,
+                                    window=self.windows[i])[0]
+            kc[p], vc[p] = chain_k, chain_v
         return kernel.matmul(L.wo, o, L.bo, nt, ex)                       # (T, d_model)
 
     def _head_norm(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
