@@ -1,0 +1,182 @@
+/* ffn_quant.c — ffn.c's quantized range paths: the gate and up rows of a group of bundles meet
+ * x quantized to int8 (ffn.c's quantize_x) in int8 tiles (fli_qdot_tile) for up to SMALL_T
+ * tokens, or in int8 GEMM panels (qgemm.c) for more (dtypes with panels: fl_ffn_bundles runs the
+ * others SMALL_T tokens at a time); the kept neurons' down columns are added in f32. ffn.c's
+ * bundle_range picks the path; ffn_internal.h holds what the two files share.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "flashllm.h"
+#include "ffn_internal.h"
+
+#define PREFETCH_GROUPS 3  /* int8 paths: groups of FL_QT bundles ahead (prefetch_l2) */
+
+/* the neuron's activation from its gate and up dot products; 0 when thresholded away */
+static inline float neuron_h(const ffn_args *a, int64_t i, float g, float u) {
+    u += a->up_bias ? a->up_bias[a->ids ? a->ids[i] : i] : 0.0f;
+    const float h = a->glu ? fli_activate(a->act, g) * u : fli_activate(a->act, u);
+    return h != 0.0f && fabsf(h) >= a->threshold ? h : 0.0f;
+}
+
+/* n bytes at p into L2: a bundle's gate and up rows (its down column is read only if kept);
+ * prefetched into L1, the stream was no faster than with none (docs/KERNELS.md) */
+static inline void prefetch_l2(const uint8_t *p, size_t n) {
+    for (size_t off = 0; off < n; off += 64) __builtin_prefetch(p + off, 0, 1);
+}
+
+/* one group of up to FL_QT bundles (rows j .. j+nr-1 of the call): bundle row ids, gate and up
+ * row pointers (a short group repeats its first bundle) */
+typedef struct {
+    int64_t id[FL_QT];
+    const uint8_t *gate[FL_QT], *up[FL_QT];
+    int nr;
+} group;
+
+static void group_at(const ffn_args *a, const uint8_t *bundles, int64_t stride, int64_t j,
+                     int64_t j1, group *g) {
+    g->nr = j1 - j < FL_QT ? (int)(j1 - j) : FL_QT;
+    for (int k = 0; k < FL_QT; k++) {
+        const int64_t jj = j + (k < g->nr ? k : 0);
+        g->id[k] = a->rows ? a->rows[jj] : jj;
+        g->gate[k] = bundles + g->id[k] * stride;
+        g->up[k] = g->gate[k] + (a->glu ? a->rb : 0);
+    }
+    const int64_t ahead = j + FL_QT * PREFETCH_GROUPS;
+    for (int64_t k = ahead; k < ahead + FL_QT && k < j1; k++)
+        prefetch_l2(bundles + (a->rows ? a->rows[k] : k) * stride, (size_t)(a->glu ? 2 : 1) * a->rb);
+}
+
+/* h (FL_QT, T) of a group for tokens t .. t+nt-1 from int8 tiles (column stride ld); ex: NULL
+ * or the group's gate and up rows expanded by fli_wx_expand (2, FL_QT, xb) */
+static void group_h(const ffn_args *a, const group *g, int64_t t, int64_t nt, float *h,
+                    int64_t ld, const uint8_t *ex) {
+    const uint8_t *xt[FL_QT], *eg[FL_QT], *eu[FL_QT];
+    for (int64_t j = 0; j < FL_QT; j++) {
+        xt[j] = a->xq + (size_t)(t + (j < nt ? j : 0)) * a->xb;
+        eg[j] = ex ? ex + j * a->xb : NULL;
+        eu[j] = ex ? ex + (FL_QT + j) * a->xb : NULL;
+    }
+    float go[FL_QT][FL_QT] = {{0}}, uo[FL_QT][FL_QT];
+    fli_qdot_tile(a->dtype, g->up, ex ? eu : NULL, xt, (int32_t)nt, a->d, uo);
+    if (a->glu) fli_qdot_tile(a->dtype, g->gate, ex ? eg : NULL, xt, (int32_t)nt, a->d, go);
+    for (int k = 0; k < FL_QT; k++)
+        for (int64_t j = 0; j < nt; j++)
+            h[k * ld + t + j] = k < g->nr ? neuron_h(a, g->id[k], go[k][j], uo[k][j]) : 0.0f;
+}
+
+/* T == 1, quantized: int8 gate/up tiles; the kept neurons queue up for fused 4-row down axpys */
+void fli_ffn_range_q1(const ffn_args *a, const uint8_t *bundles, int64_t stride, int64_t j0,
+                      int64_t j1, float *acc) {
+    const uint8_t *down[FL_QT];
+    float hq[FL_QT], h[FL_QT];
+    int nq = 0;
+    group g;
+    for (int64_t j = j0; j < j1; j += FL_QT) {
+        group_at(a, bundles, stride, j, j1, &g);
+        group_h(a, &g, 0, 1, h, 1, NULL);
+        for (int k = 0; k < g.nr; k++) {
+            if (h[k] == 0.0f) continue;
+            down[nq] = g.up[k] + a->rb;
+            hq[nq++] = h[k];
+            if (nq == FL_QT) {
+                fli_axpy4(a->ddt, down, hq, acc, a->d);
+                nq = 0;
+            }
+        }
+    }
+    for (int k = 0; k < nq; k++) fli_axpy(a->ddt, down[k], hq[k], acc, a->d);
+}
+
+/* 1 < T <= SMALL_T, quantized (a decode pass with draft guesses): per token exactly
+ * fli_ffn_range_q1's arithmetic — the same tiles, each token's own queue of kept neurons and its
+ * fused 4-row down axpys — with each group's rows read from memory once for all T tokens;
+ * h: scratch (FL_QT, T) */
+void fli_ffn_range_qs(const ffn_args *a, const uint8_t *bundles, int64_t stride, int64_t j0,
+                      int64_t j1, float *acc, float *h) {
+    const int64_t T = a->T, d = a->d;
+    const uint8_t *down[SMALL_T][FL_QT];
+    float hq[SMALL_T][FL_QT];
+    int nq[SMALL_T] = {0};
+    group g;
+#ifdef FLI_Q4K_TILE1  /* tokens one tile takes at once, each as alone (fli_q4k_tilen), evenly */
+    const int64_t tiles = (T + FL_QT - 1) / FL_QT;
+    const int64_t step = a->dtype == FL_Q4_K && d % FL_QK_K == 0 ? (T + tiles - 1) / tiles : 1;
+#else
+    const int64_t step = 1;
+#endif
+    for (int64_t j = j0; j < j1; j += FL_QT) {
+        group_at(a, bundles, stride, j, j1, &g);
+        for (int64_t t = 0; t < T; t++) {
+            if (t % step == 0) group_h(a, &g, t, T - t < step ? T - t : step, h, T, NULL);
+            for (int k = 0; k < g.nr; k++) {
+                if (h[k * T + t] == 0.0f) continue;
+                down[t][nq[t]] = g.up[k] + a->rb;
+                hq[t][nq[t]++] = h[k * T + t];
+                if (nq[t] == FL_QT) {
+                    fli_axpy4(a->ddt, down[t], hq[t], acc + t * d, d);
+                    nq[t] = 0;
+                }
+            }
+        }
+    }
+    for (int64_t t = 0; t < T; t++)
+        for (int k = 0; k < nq[t]; k++) fli_axpy(a->ddt, down[t][k], hq[t][k], acc + t * d, d);
+}
+
+/* the gate and up rows of bundles j .. j+nr-1 (nr <= FL_PR) packed into two int8 GEMM panels
+ * (qgemm.c) that meet all T tokens: h (FL_PR, T), their down columns
+ * dequantized into down (FL_PR, d); gu (2, FL_PR, T) and pan (2, panel bytes) scratch */
+static void panel_h(const ffn_args *a, const uint8_t *bundles, int64_t stride, int64_t j,
+                    int nr, float *h, float *down, float *gu, uint8_t *pan) {
+    const int64_t T = a->T, d = a->d;
+    const size_t pb = fli_panel_bytes(d);
+    const uint8_t *gate[FL_PR], *up[FL_PR];
+    int64_t id[FL_PR];
+    for (int k = 0; k < FL_PR; k++) {
+        id[k] = a->rows ? a->rows[j + (k < nr ? k : 0)] : j + (k < nr ? k : 0);
+        gate[k] = bundles + id[k] * stride;
+        up[k] = gate[k] + (a->glu ? a->rb : 0);
+    }
+    float *go = gu, *uo = gu + FL_PR * T;  // (FL_PR, T) each
+    fli_panel_pack(a->dtype, up, d, pan);
+    fli_panel_gemm(a->dtype, pan, a->xq, a->xb, T, d, uo, T);
+    if (a->glu) {
+        fli_panel_pack(a->dtype, gate, d, pan + pb);
+        fli_panel_gemm(a->dtype, pan + pb, a->xq, a->xb, T, d, go, T);
+    }
+    if (a->glu && a->act == FL_ACT_SILU && !a->up_bias) {  // vectorized (act.c)
+        fli_silu_mul(go, uo, h, FL_PR * T);
+        for (int64_t i = 0; i < FL_PR * T; i++)
+            if (i >= nr * T || !(fabsf(h[i]) >= a->threshold)) h[i] = 0.0f;
+    } else {
+        for (int k = 0; k < FL_PR; k++)
+            for (int64_t t = 0; t < T; t++)
+                h[k * T + t] = k < nr ? neuron_h(a, id[k], a->glu ? go[k * T + t] : 0.0f,
+                                                 uo[k * T + t])
+                                      : 0.0f;
+    }
+    for (int k = 0; k < FL_PR; k++) {
+        if (k < nr) fli_dequant(a->ddt, up[k] + a->rb, down + k * d, d);
+        else memset(down + k * d, 0, (size_t)d * sizeof(float));
+    }
+}
+
+/* T > SMALL_T, quantized: h (DOWN_K, T) and the dequantized down columns (DOWN_K, d) of DOWN_K
+ * neurons from DOWN_K / FL_PR panels (panel_h), then one f32 GEMM into acc. scratch: h, down,
+ * gate / up outputs (2, FL_PR, T), then the two panels */
+void fli_ffn_range_qp(const ffn_args *a, const uint8_t *bundles, int64_t stride, int64_t j0,
+                      int64_t j1, float *acc, float *scratch) {
+    const int64_t T = a->T, d = a->d;
+    float *h = scratch, *down = h + DOWN_K * T, *gu = down + DOWN_K * d;
+    uint8_t *pan = (uint8_t *)(gu + 2 * FL_PR * T);
+    for (int64_t j = j0; j < j1;) {
+        int64_t K = 0;
+        for (; K < DOWN_K && j < j1; K += FL_PR) {
+            const int nr = j1 - j < FL_PR ? (int)(j1 - j) : FL_PR;
+            panel_h(a, bundles, stride, j, nr, h + K * T, down + K * d, gu, pan);
+            j += nr;
+        }
+        fli_down_f32(h, T, down, K, d, acc, T);
+    }
+}
