@@ -19,6 +19,7 @@
  */
 #include "flashllm.h"
 #include "compute_internal.h"
+#include "kblock_internal.h"
 
 #define KQ_MAX 4 /* rows per call */
 

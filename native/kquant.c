@@ -17,6 +17,7 @@
 
 #include "flashllm.h"
 #include "compute_internal.h"
+#include "kblock_internal.h"
 
 #define GROUP_EPS 1e-15f /* ggml's GROUP_MAX_EPS: a q6_k superblock with smaller scales is zero */
 

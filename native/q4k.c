@@ -10,6 +10,7 @@
  */
 #include "flashllm.h"
 #include "compute_internal.h"
+#include "kblock_internal.h"
 
 void fli_q4k_dequant(const uint8_t *row, float *dst, int64_t n) {
     float sc[8], mn[8];

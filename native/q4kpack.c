@@ -17,6 +17,7 @@
  */
 #include "flashllm.h"
 #include "compute_internal.h"
+#include "kblock_internal.h"
 
 #define PACK_R 16     /* rows per group: the int32 lanes of a zmm */
 #define PACK_SB 2368  /* bytes of one superblock of a group */

@@ -20,6 +20,7 @@
  */
 #include "flashllm.h"
 #include "compute_internal.h"
+#include "kblock_internal.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>

@@ -19,6 +19,7 @@
  */
 #include "flashllm.h"
 #include "compute_internal.h"
+#include "kblock_internal.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
