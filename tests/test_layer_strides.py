@@ -66,7 +66,7 @@ def test_predicted_decode_and_streamed_prefill_give_the_dense_ffn(folder, reques
     flash, ffn = flash_ffn(mixed, Recorded(FF, seed=4), "64MiB", exact=True, staging_rows=30)
     ffn.caches = [type(c)(FF, 60, c.stride, 2, 20) for c in ffn.caches]
     for layer, cache in enumerate(ffn.caches):
-        ffn._read_seq(layer, cache.pin(), cache.matrix, None)
+        ffn.reads.read_seq(layer, cache.pin(), cache.matrix, None)
     dense = Model(open_flash(mixed), n_threads=1, n_ctx=16, exact=True).ffn
     rng = np.random.default_rng(0)
     for i in range(8):

@@ -30,12 +30,13 @@ from flashllm.ffi import kernel
 from flashllm.runtime.budget import RING_BUFFERS, BudgetPlan
 from flashllm.sparsity.activations import exact_active, manifest_thresholds
 from flashllm.runtime.neuron_cache import NeuronCache
-from flashllm.storage.costmodel import CostModel, batch_reads
+from flashllm.storage.costmodel import CostModel
 from flashllm.runtime.ffn import bundle_ids, up_biases
+from flashllm.runtime.ffn_reads import FfnReads
 from flashllm.runtime.stats import FlashStats, TokenStats
 from flashllm.ffi.reader import aligned_empty
 from flashllm.runtime.schedule import PassSchedule
-from flashllm.storage.readahead import as_rows, page_chunks, page_step, reader_delta
+from flashllm.storage.readahead import as_rows, page_chunks, page_step
 
 clock = time.perf_counter
 SERIAL_BYTES = 256 << 10       # an FFN call over fewer bundle bytes (x tokens) runs on one thread
@@ -62,6 +63,7 @@ class SparseFlashFfn:
         self._ahead = None            # (layer, first chunk, half, read job) issued ahead
         cost = cost or CostModel.defaults()
         self.cost = cost
+        self.reads = FfnReads(f, reader, cost)   # ffn.bin -> rows, counted in a token's stats
         static = getattr(predictor, "n_static", None)   # a static set: every cache row pinned
         pins = budget_plan.n_pinned if static is None else min(budget_plan.capacity, static)
         self.caches = [] if naive else [
@@ -71,7 +73,7 @@ class SparseFlashFfn:
         self._token: Optional[TokenStats] = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="flashllm-read")
         for layer, cache in enumerate(self.caches):
-            self._read_seq(layer, cache.pin(), cache.matrix, None)
+            self.reads.read_seq(layer, cache.pin(), cache.matrix, None)
         self._slots = np.arange(f.n_ff, dtype=np.int32)    # (n_ff,) sliced per chunk: no arange per token
         self.schedule = self._make_schedule(cfg.n_layers)
 
@@ -212,7 +214,7 @@ class SparseFlashFfn:
         rows_new = cache.insert(miss)                            # (k,) rows for miss[:k]
         fit, over = miss[:len(rows_new)], miss[len(rows_new):]   # (k,) cached, (m-k,) streamed
         t2 = clock()
-        job = self._pool.submit(self._read_rows, layer, fit, cache.matrix, rows_new, t) \
+        job = self._pool.submit(self.reads.read_rows, layer, fit, cache.matrix, rows_new, t) \
             if len(fit) else None
         waited = 0.0              # without overlap: the read finishes before the hits compute
         if job is not None and not self.overlap:
@@ -301,34 +303,6 @@ class SparseFlashFfn:
 
     # ---- reads -------------------------------------------------------------------------------
 
-    def _read_seq(self, layer: int, slots: np.ndarray, out: np.ndarray,
-                  t: Optional[TokenStats]) -> None:
-        """Consecutive slots (k,) → out rows 0 .. k-1 in one sequential run (cut into the
-        reader's largest reads)."""
-        if len(slots):
-            s = self.f.strides[layer]
-            start = self.f.layer_offsets[layer] + int(slots[0]) * s
-            nbytes = np.array([len(slots) * s])                          # (1,)
-            self._counted(t, self.reader.read, np.array([start]), nbytes, out.reshape(-1),
-                          np.array([0]), max_gap=0, max_run=0)
-
-    def _read_rows(self, layer: int, slots: np.ndarray, out: np.ndarray, rows: np.ndarray,
-                   t: Optional[TokenStats]) -> None:
-        """Bundles slots (k,) sorted → rows (k,) of out, merged across gaps the cost model pays."""
-        s, base = self.f.strides[layer], self.f.layer_offsets[layer]
-        offsets = base + slots.astype(np.int64) * s                      # (k,)
-        lengths = np.full(len(slots), s, dtype=np.int64)                 # (k,)
-        gap, run = batch_reads(self.cost, offsets, lengths, self.reader.n_threads)
-        self._counted(t, self.reader.read_bundles, base, s, slots, out, rows,
-                      max_gap=gap, max_run=run)
-
-    def _counted(self, t: Optional[TokenStats], read, *args, **kwargs) -> None:
-        """read(*args, **kwargs), its reader counters added to t."""
-        before = self.reader.stats()
-        read(*args, **kwargs)
-        if t is not None:
-            t.add_reads(reader_delta(before, self.reader.stats()))
-
     def _stream(self, layer: int, slots: np.ndarray, h: np.ndarray, x: np.ndarray,
                  ahead: Optional[int] = None, fill=None) -> None:
         """x += FFN over slots (m,) read through the staging buffer's two halves: chunk c+1 is
@@ -388,9 +362,9 @@ class SparseFlashFfn:
         """Slots chunk (k,) → staging half `half`: one run when they are consecutive."""
         out = self._half(layer, half)                                     # (step, stride)
         if int(chunk[-1] - chunk[0]) + 1 == len(chunk):
-            self._read_seq(layer, chunk, out, t)
+            self.reads.read_seq(layer, chunk, out, t)
         else:
-            self._read_rows(layer, chunk, out, np.arange(len(chunk), dtype=np.int32), t)
+            self.reads.read_rows(layer, chunk, out, np.arange(len(chunk), dtype=np.int32), t)
 
     def _compute_staged(self, layer: int, chunk: np.ndarray, half: int, h: np.ndarray,
                         x: np.ndarray) -> None:
