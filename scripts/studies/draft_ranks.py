@@ -10,7 +10,8 @@ Teacher-forced over the built-in evaluation split (code, then prose; calibration
 the whole model runs each text first (its argmax and keys/values kept); at each position the
 draft (each FFN over its first n_hot slots in the hot-first order, everything else exact, the
 whole output head) reads the model's keys and values of the earlier positions, and the model's
-own are put back after it.
+own are put back after it. --head sketch: the draft's logits from the head's Q2_K sketch
+(convert/head_sketch.py) instead of the head, as a draft holding sketch rows would rank them.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from flashllm.ffi import kernel
+from flashllm.format.layout import SKETCH
 from flashllm.format.reader import open_flash
 from flashllm.generation.tokenizer import Tokenizer
 from flashllm.runtime.ffn import DenseFfn
@@ -31,13 +34,29 @@ from scripts.studies.draft_order import SubsetFfn
 BANDS = (0.0, 0.3, 0.5, 0.75, 0.9, 1.01)     # the draft's probability of its first token
 
 
-def ranks(flash, sub, ids: list[int], n_threads: int) -> tuple[np.ndarray, np.ndarray]:
+class SketchHead:
+    """Dense weights whose output head is the Q2_K sketch (the rest: `w`'s)."""
+
+    def __init__(self, w, sketch):
+        self.w, self.sketch = w, sketch
+
+    def __getattr__(self, name):
+        return getattr(self.w, name)
+
+    def output(self, x: np.ndarray, exact: bool = False) -> np.ndarray:
+        xp = np.zeros((len(x), self.sketch.cols), np.float32)                      # (T, d_pad)
+        xp[:, :x.shape[1]] = x
+        return kernel.matmul(self.sketch, xp, None, self.w.n_threads)             # (T, vocab)
+
+
+def ranks(flash, sub, ids: list[int], n_threads: int,
+          sketch: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Per position of ids: the model's token's rank among the draft's logits (n,) int, and the
     draft's probability of its own first token (n,) f64."""
     model = Model(flash, n_threads=n_threads, n_ctx=len(ids), ffn=DenseFfn(flash, n_threads))
     want = np.argmax(model.forward(np.array(ids, np.int32), 0), axis=1)             # (n,)
     k, v = model.k_cache.copy(), model.v_cache.copy()
-    draft = model.sibling(sub, model.w)
+    draft = model.sibling(sub, SketchHead(model.w, flash.tensor(SKETCH)) if sketch else model.w)
     rank, p1 = np.zeros(len(ids), np.int64), np.zeros(len(ids))                    # (n,) each
     for pos, t in enumerate(ids):
         logits = draft.forward(np.array([t], np.int32), pos)[0].astype(np.float64)  # (vocab,)
@@ -66,6 +85,7 @@ def main() -> None:
     ap.add_argument("--hot", type=float, default=0.49, help="share of each layer's neurons")
     ap.add_argument("--positions", type=int, default=384, help="half code, half prose")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--head", choices=("exact", "sketch"), default="exact")
     a = ap.parse_args()
     flash = open_flash(a.model)
     cfg = flash.config
@@ -76,7 +96,7 @@ def main() -> None:
     tok = Tokenizer.from_flash(flash)
     for kind in ("code", "prose"):
         ids = text_tokens(tok, builtin_text("evaluation", kind).text, a.positions // 2)
-        report(kind, *ranks(flash, sub, ids, a.threads))
+        report(kind, *ranks(flash, sub, ids, a.threads, a.head == "sketch"))
 
 
 if __name__ == "__main__":

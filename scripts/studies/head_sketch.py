@@ -57,6 +57,23 @@ def groupwise(w: np.ndarray, bits: int, group: int) -> tuple[np.ndarray, np.ndar
     return q.reshape(n, d).astype(np.float32), e2, n * d * bits // 8 + n * (d // group) * 4
 
 
+def signs(w: np.ndarray, group: int, ternary: bool = False) -> tuple[np.ndarray, np.ndarray, int]:
+    """(dequantized (n, d), error^2 per 256 (n, d/256), bytes) of a sub-2-bit copy: per group an f16
+    mean m and scale a, each weight m +- a (sign bits; ternary: 0 too, for |w - m| under 0.7 of
+    the group's mean |w - m|, stored as 2 bits)."""
+    n, d = w.shape
+    g = w.reshape(n, d // group, group)                                  # (n, G, group)
+    m = g.mean(axis=2, keepdims=True)                                    # (n, G, 1)
+    r = g - m                                                            # (n, G, group)
+    keep = np.abs(r) > 0.7 * np.abs(r).mean(axis=2, keepdims=True) if ternary else \
+        np.ones(r.shape, bool)                                           # (n, G, group)
+    a = (np.abs(r) * keep).sum(axis=2, keepdims=True) / np.maximum(keep.sum(axis=2, keepdims=True), 1)
+    q = m + a * np.sign(r) * keep                                        # (n, G, group)
+    e2 = ((q - g) ** 2).reshape(n, d // 256, 256).sum(axis=2)            # (n, d/256)
+    bits = 2 if ternary else 1
+    return q.reshape(n, d).astype(np.float32), e2, n * d * bits // 8 + n * (d // group) * 4
+
+
 def kquant2(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
     """The runtime's Q2_K sketch (convert/head_sketch.q2k_rows): (its values as gguf-py reads them
     (n, d), error^2 per 256 (n, d/256), bytes)."""
@@ -124,6 +141,12 @@ def main() -> None:
         q, e2, nb = groupwise(w, bits, group)
         sig = np.sqrt(xn2.reshape(len(x), -1, group).sum(axis=2) @ (e2 / group).T) + 1e-9
         print(json.dumps(evaluate(f"q{bits}g{group}", x @ q.T, exact, sig, nb)), flush=True)
+    xb = xn2.reshape(len(x), -1, 256).sum(axis=2)                        # (T, d/256)
+    for name, (q, e2, nb) in (("sign_g256", signs(w, 256)), ("sign_g32", signs(w, 32)),
+                              ("ternary_g32", signs(w, 32, ternary=True))):
+        sig = np.sqrt(xb @ (e2 / 256).T) + 1e-9                          # (T, vocab)
+        print(json.dumps(evaluate(name, x @ q.T, exact, sig, nb)), flush=True)
+        del q, e2, sig
     if len(x):
         return
     _, vw = np.linalg.eigh(w.T.astype(np.float64) @ w)                   # (d, d) ascending
