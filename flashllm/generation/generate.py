@@ -129,7 +129,7 @@ def decode_pass(model, sampler, draft, history: list, pos: int, room: int):
     t1 = time.perf_counter()
     order = sorted(sib)
     tokens = np.array(history[-1:] + list(guesses) + [sib[j] for j in order], dtype=np.int32)
-    rows = model.forward(tokens, pos, **({"siblings": [1 + j for j in order]} if order else {}))
+    rows = model.forward(tokens, pos, siblings=[1 + j for j in order])
     # rows (1 + k + S, vocab): after the fed token, each guess, each sibling
     seconds = time.perf_counter() - t0
     new, kept = verify_tree(sampler, rows, guesses, sib, history)

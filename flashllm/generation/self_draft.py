@@ -109,11 +109,12 @@ class SelfDraft:
         sibling where the draft finds it likely enough (among the first n_sib guesses); True
         when the draft doubts the guess."""
         token, second = self.sampler.modes(logits, context)
-        if len(guesses) < n_sib and _probability(logits, second) >= SIBLING_P_MIN:
+        p_token, p_second = _probabilities(logits, (token, second))
+        if len(guesses) < n_sib and p_second >= SIBLING_P_MIN:
             guesses.siblings[len(guesses)] = second
         guesses.append(token)
         context.append(token)
-        return self.p_min > 0.0 and _probability(logits, token) < self.p_min
+        return self.p_min > 0.0 and p_token < self.p_min
 
     def _show(self, history: Sequence[int]) -> None:
         """The draft's head learns the tokens the context has used (their rows become held)."""
@@ -125,7 +126,9 @@ class SelfDraft:
         self._seen = len(history)
 
 
-def _probability(logits: np.ndarray, token: int) -> float:
-    """softmax(logits)[token] (logits (vocab,), -inf where the draft has no row)."""
+def _probabilities(logits: np.ndarray, tokens: Sequence[int]) -> list[float]:
+    """softmax(logits)[tokens] (logits (vocab,), -inf where the draft has no row): one pass over
+    the vocabulary for all of them."""
     top = float(np.max(logits))
-    return float(np.exp(logits[token] - top) / np.exp(logits - top).sum())
+    total = np.exp(logits - top).sum()
+    return [float(np.exp(logits[t] - top) / total) for t in tokens]
