@@ -52,22 +52,23 @@ class SketchHead:
 def ranks(flash, sub, ids: list[int], n_threads: int,
           sketch: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Per position of ids: the model's token's rank among the draft's logits (n,) int, and the
-    draft's probability of its own first token (n,) f64."""
+    draft's probabilities of its own first and second tokens (n, 2) f64."""
     model = Model(flash, n_threads=n_threads, n_ctx=len(ids), ffn=DenseFfn(flash, n_threads))
     want = np.argmax(model.forward(np.array(ids, np.int32), 0), axis=1)             # (n,)
     k, v = model.k_cache.copy(), model.v_cache.copy()
     draft = model.sibling(sub, SketchHead(model.w, flash.tensor(SKETCH)) if sketch else model.w)
-    rank, p1 = np.zeros(len(ids), np.int64), np.zeros(len(ids))                    # (n,) each
+    rank, p12 = np.zeros(len(ids), np.int64), np.zeros((len(ids), 2))             # (n,) (n, 2)
     for pos, t in enumerate(ids):
         logits = draft.forward(np.array([t], np.int32), pos)[0].astype(np.float64)  # (vocab,)
         rank[pos] = int((logits > logits[want[pos]]).sum())
         e = np.exp(logits - logits.max())
-        p1[pos] = 1.0 / e.sum()
+        p12[pos] = np.sort(e)[-2:][::-1] / e.sum()
         model.k_cache[:, pos], model.v_cache[:, pos] = k[:, pos], v[:, pos]
-    return rank, p1
+    return rank, p12
 
 
-def report(kind: str, rank: np.ndarray, p1: np.ndarray) -> None:
+def report(kind: str, rank: np.ndarray, p12: np.ndarray) -> None:
+    p1 = p12[:, 0]
     print(f"{kind}: {len(rank)} positions; the model's token is the draft's first "
           f"{(rank < 1).mean():.2f}, in its first two {(rank < 2).mean():.2f}, "
           f"three {(rank < 3).mean():.2f}")
@@ -88,15 +89,27 @@ def main() -> None:
     ap.add_argument("--head", choices=("exact", "sketch"), default="exact")
     a = ap.parse_args()
     flash = open_flash(a.model)
+    sub = draft_ffn(flash, a.hot, a.threads)
+    for kind, ids in held_out(flash, a.positions):
+        report(kind, *ranks(flash, sub, ids, a.threads, a.head == "sketch"))
+
+
+def draft_ffn(flash, hot: float, n_threads: int) -> SubsetFfn:
+    """The draft's FFN: each layer over its first hot * n_ff slots (hot-first order), every
+    layer's bundles read into DRAM, the calibrated thresholds."""
     cfg = flash.config
     sub = SubsetFfn(flash, [np.ascontiguousarray(flash.read_ffn_layer(i))
                             for i in range(cfg.n_layers)],
-                    manifest_thresholds(flash.manifest, cfg.n_layers), a.threads)
-    sub.rows = [np.arange(int(a.hot * cfg.n_ff), dtype=np.int32)] * cfg.n_layers
+                    manifest_thresholds(flash.manifest, cfg.n_layers), n_threads)
+    sub.rows = [np.arange(int(hot * cfg.n_ff), dtype=np.int32)] * cfg.n_layers
+    return sub
+
+
+def held_out(flash, positions: int) -> list[tuple[str, list[int]]]:
+    """[(kind, token ids)] of the evaluation split's code and prose, positions // 2 each."""
     tok = Tokenizer.from_flash(flash)
-    for kind in ("code", "prose"):
-        ids = text_tokens(tok, builtin_text("evaluation", kind).text, a.positions // 2)
-        report(kind, *ranks(flash, sub, ids, a.threads, a.head == "sketch"))
+    return [(kind, text_tokens(tok, builtin_text("evaluation", kind).text, positions // 2))
+            for kind in ("code", "prose")]
 
 
 if __name__ == "__main__":
