@@ -12,15 +12,13 @@
 #include <math.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "flashllm.h"
 #include "ffn_internal.h"
 
-#define MIN_BUNDLES_PER_CHUNK 32
-#define CHUNKS_SMALL 8 /* work units of a call while T * d <= PARTIAL_FLOATS (decode): dynamic
-                        * balance over up to 8 threads, and under load */
-#define CHUNKS_LARGE 4 /* above it (prefill): each chunk has a (T, d) partial */
-#define PARTIAL_FLOATS (1 << 18)
+#define FFN_BLOCK FL_FFN_BLOCK /* bundles a partial sums (flashllm.h), folded in order */
+#define FOLD_FLOATS (1 << 18)  /* partial floats computed before a fold: the blocks' window */
 #define PREFETCH_BUNDLES 2 /* bundles ahead of the one being computed */
 #define SUM_CHUNK 512      /* floats of y per work unit of the partials' sum */
 
@@ -84,30 +82,21 @@ static void bundle_range(const ffn_args *a, const uint8_t *bundles, int64_t stri
     }
 }
 
-/* one thread over every bundle, straight into y */
-static int32_t ffn_serial(const ffn_args *a, const uint8_t *bundles, int64_t n, int64_t stride,
-                          float *y) {
-    const size_t ns = scratch_floats(a);
-    float *scratch = ns ? malloc(ns * sizeof(float)) : NULL;
-    if (ns && !scratch) return FL_ENOMEM;
-    bundle_range(a, bundles, stride, 0, n, y, scratch);
-    free(scratch);
-    return FL_OK;
-}
-
 typedef struct {
     const ffn_args *a;
     const uint8_t *bundles;
-    int64_t n, stride, n_chunks, len;  // len = T * d
-    float *partial;                    // (n_chunks, T, d)
+    int64_t n, stride, len;            // len = T * d
+    int64_t b0, nb;                    // this window: blocks b0 .. b0 + nb - 1
+    float *partial;                    // (nb, T, d)
     float *y;                          // (T, d)
-    fli_split split;                   // the chunks, a contiguous part per thread
-    atomic_llong next_sum;             // the next floats to sum
+    fli_split split;                   // the window's blocks, a contiguous part per thread
+    atomic_llong next_sum;             // the next floats of y to fold
     atomic_int failed;
 } ffn_job;
 
-/* chunks taken a contiguous part per thread (then the others'), each into its own partial */
-static void chunks_part(void *p) {
+/* the window's blocks taken a contiguous part per thread (then the others'), each into its own
+ * zeroed partial: a block's sum starts empty, whoever computes it */
+static void blocks_part(void *p) {
     ffn_job *j = p;
     const size_t ns = scratch_floats(j->a);
     float *scratch = ns ? malloc(ns * sizeof(float)) : NULL;
@@ -116,40 +105,56 @@ static void chunks_part(void *p) {
         return;
     }
     int mine = -1;
-    for (int64_t c, c1; fli_split_take(&j->split, &mine, 1, &c, &c1);)
-        bundle_range(j->a, j->bundles, j->stride, j->n * c / j->n_chunks,
-                     j->n * (c + 1) / j->n_chunks, j->partial + (size_t)c * (size_t)j->len,
-                     scratch);
+    for (int64_t c, c1; fli_split_take(&j->split, &mine, 1, &c, &c1);) {
+        const int64_t i0 = (j->b0 + c) * FFN_BLOCK;
+        const int64_t i1 = i0 + FFN_BLOCK < j->n ? i0 + FFN_BLOCK : j->n;
+        float *part = j->partial + (size_t)c * (size_t)j->len;  // (T, d)
+        memset(part, 0, (size_t)j->len * sizeof(float));
+        bundle_range(j->a, j->bundles, j->stride, i0, i1, part, scratch);
+    }
     free(scratch);
 }
 
-/* y += the partials summed in chunk order, y's elements split over the threads */
-static void sum_part(void *p) {
+/* y = ((y + partial_0) + partial_1) + ..., element by element (a partial at a time over a run
+ * of y: the same additions in the same order, vectorized), y's elements split over the threads */
+static void fold_part(void *p) {
     ffn_job *j = p;
-    for (int64_t k0, k1; fli_take(&j->next_sum, j->len, SUM_CHUNK, &k0, &k1);)
-        for (int64_t k = k0; k < k1; k++) {
-            float s = 0.0f;
-            for (int64_t c = 0; c < j->n_chunks; c++)
-                s += j->partial[(size_t)c * (size_t)j->len + k];
-            j->y[k] += s;
+    for (int64_t k0, k1; fli_take(&j->next_sum, j->len, SUM_CHUNK, &k0, &k1);) {
+        float *y = j->y + k0;
+        for (int64_t c = 0; c < j->nb; c++) {
+            const float *part = j->partial + (size_t)c * (size_t)j->len + k0;  // (k1 - k0)
+            for (int64_t k = 0; k < k1 - k0; k++) y[k] += part[k];
         }
+    }
 }
 
-/* the bundles cut into n_chunks ranges, a contiguous part of them per thread and the rest to
- * whichever is free (a thread slowed by another process does less), one partial (T, d) per
- * chunk summed into y in chunk order: the result does not depend on who took which chunk */
-static int32_t ffn_parallel(const ffn_args *a, const uint8_t *bundles, int64_t n, int64_t stride,
-                            float *y, int32_t n_threads, int64_t n_chunks) {
-    const int64_t len = a->T * a->d;
-    float *partial = calloc((size_t)n_chunks * (size_t)len, sizeof(float));  // (n_chunks, T, d)
+/* y (T, d) += the FFN over n bundles as a left fold of blocks of FFN_BLOCK bundles in order,
+ * each block's partial computed from zero: the bits depend on the blocks only, never on
+ * n_threads — and a caller that cuts a layer's bundles into calls at multiples of FFN_BLOCK
+ * (the neuron caches and the read-ahead chunks of a static pass) gets the bits of one call over
+ * the whole layer, so a run's text does not depend on its budget's plan. Blocks are computed in
+ * windows of at most FOLD_FLOATS partial floats (a long prompt's partials stay small). */
+static int32_t ffn_blocks(const ffn_args *a, const uint8_t *bundles, int64_t n, int64_t stride,
+                          float *y, int32_t n_threads) {
+    const int64_t len = a->T * a->d, blocks = (n + FFN_BLOCK - 1) / FFN_BLOCK;
+    if (blocks == 0) return FL_OK;
+    int64_t w = FOLD_FLOATS / len;
+    w = w < 1 ? 1 : w > blocks ? blocks : w;
+    float *partial = malloc((size_t)w * (size_t)len * sizeof(float));  // (w, T, d)
     if (!partial) return FL_ENOMEM;
-    ffn_job j = {.a = a, .bundles = bundles, .n = n, .stride = stride, .n_chunks = n_chunks,
-                 .len = len, .partial = partial, .y = y};
-    fli_split_init(&j.split, n_chunks, n_threads);
-    fli_parallel(n_threads, chunks_part, &j);
-    if (!atomic_load(&j.failed)) fli_parallel(n_threads, sum_part, &j);
+    int32_t status = FL_OK;
+    for (int64_t b0 = 0; b0 < blocks && status == FL_OK; b0 += w) {
+        const int64_t nb = blocks - b0 < w ? blocks - b0 : w;
+        const int32_t nt = nb < n_threads ? (int32_t)nb : n_threads;
+        ffn_job j = {.a = a, .bundles = bundles, .n = n, .stride = stride, .len = len, .b0 = b0,
+                     .nb = nb, .partial = partial, .y = y};
+        fli_split_init(&j.split, nb, nt);
+        fli_parallel(nt, blocks_part, &j);
+        if (atomic_load(&j.failed)) status = FL_ENOMEM;
+        else fli_parallel(len >= 2 * SUM_CHUNK ? n_threads : 1, fold_part, &j);
+    }
     free(partial);
-    return atomic_load(&j.failed) ? FL_ENOMEM : FL_OK;
+    return status;
 }
 
 /* every index in [0, bound) (NULL is fine) */
@@ -197,14 +202,7 @@ static int32_t ffn_checked(const fl_ffn_layer *layer, const int32_t *rows, int64
     const ffn_args a = {d,   T,    rb,             dtype, glu != 0,  act, ddt,
                         ids, rows, layer->up_bias, x,     threshold, xq,  (size_t)fli_xq_bytes(d)};
     if (rows) n = n_rows;
-    /* The chunks, and so the grouping of the sum, depend on the work only, never on n_threads:
-     * the same call gives the same bits on any number of threads. */
-    const int64_t useful = n / MIN_BUNDLES_PER_CHUNK;
-    const int64_t want = T * d <= PARTIAL_FLOATS ? CHUNKS_SMALL : CHUNKS_LARGE;  // partials' DRAM
-    const int64_t chunks = want < useful ? want : (useful > 1 ? useful : 1);
-    const int32_t nt = chunks < n_threads ? (int32_t)chunks : n_threads;
-    status = chunks == 1 ? ffn_serial(&a, bundles, n, stride, y)
-                         : ffn_parallel(&a, bundles, n, stride, y, nt, chunks);
+    status = ffn_blocks(&a, bundles, n, stride, y, n_threads);
     free(xq);
     return status;
 }

@@ -177,6 +177,11 @@ typedef struct {
     const float *up_bias;    /* (n_ff) up bias by neuron id, or NULL */
 } fl_ffn_layer;
 
+/* y gets the sum as a left fold, in order, of partials over FL_FFN_BLOCK consecutive rows (each
+ * from zero): two calls over rows [0, k) and [k, n) with k a multiple of FL_FFN_BLOCK give y the
+ * bits of one call over [0, n), on any number of threads. */
+enum { FL_FFN_BLOCK = 64 };
+
 int32_t fl_ffn_bundles(const fl_ffn_layer *layer, const int32_t *rows, int64_t n_rows,
                        float threshold, const float *x, int64_t T, float *y, int32_t exact,
                        int32_t n_threads);

@@ -40,8 +40,33 @@ def test_sections_give_the_same_numbers_on_any_thread_count(T):
     for threads in (2, 5):
         y = np.zeros((T, 256), np.float32)                                      # (T, 256)
         kernel.ffn_bundles(b, "q4_0", 256, True, "silu", x, y, n_threads=threads)
-        np.testing.assert_allclose(y, y1, rtol=1e-5,    # chunks sum in another grouping
-                                   atol=1e-5 * float(np.abs(y1).max()))
+        np.testing.assert_array_equal(y, y1)
+
+
+@pytest.mark.parametrize("T", [1, 3, 12, 40])
+@pytest.mark.parametrize("threshold", [0.0, 0.5])
+def test_a_layer_cut_at_blocks_sums_as_one_call(T, threshold):
+    """Calls over a layer's rows cut at multiples of ffn_block() (a neuron cache's rows, then the
+    read-ahead's chunks) give y the bits of one call over them all, on any number of threads:
+    the text of a run then does not depend on the size of its caches."""
+    block, n = kernel.ffn_block(), 700
+    b = _bundles(n, 256, 3)                                                      # (n, stride)
+    x = np.random.default_rng(4).standard_normal((T, 256)).astype(np.float32)   # (T, 256)
+    y0 = np.random.default_rng(5).standard_normal((T, 256)).astype(np.float32)  # the residual
+    one = y0.copy()
+    kernel.ffn_bundles(b, "q4_0", 256, True, "silu", x, one, n_threads=2, threshold=threshold)
+    for cuts, threads in (([block], 1), ([3 * block, 5 * block], 2), ([block, 2 * block], 3)):
+        y = y0.copy()
+        for lo, hi in zip([0, *cuts], [*cuts, n]):
+            kernel.ffn_bundles(np.ascontiguousarray(b[lo:hi]), "q4_0", 256, True, "silu", x, y,
+                               n_threads=threads, threshold=threshold)
+        np.testing.assert_array_equal(y, one)
+        rows = np.arange(n, dtype=np.int32)           # the same through rows (a cache's matrix)
+        y = y0.copy()
+        for lo, hi in zip([0, *cuts], [*cuts, n]):
+            kernel.ffn_bundles(b, "q4_0", 256, True, "silu", x, y, n_threads=threads,
+                               rows=rows[lo:hi], threshold=threshold)
+        np.testing.assert_array_equal(y, one)
 
 
 def test_sections_from_many_python_threads_at_once():

@@ -255,8 +255,7 @@ def test_cli_self_draft_greedy_equals_plain_smollm2(monkeypatch):
     args = [path, "-p", "The capital of France is Paris. The capital of Germany is", "-n", "24",
             "--temp", "0", "--dram-budget", "180MiB", "--draft-head-rows", "4096",
             "--no-sparse-head"]   # (both plans stream the whole head: the test of the sparse head
-                                  # is test_sparse_head.py; plans whose caches differ may sum the
-                                  # FFN in another order and part at a near-tie)
+                                  # is test_sparse_head.py)
     plain = cli(*args, "--draft", "0", "--stats", monkeypatch=monkeypatch)
     fast = cli(*args, "--draft", "3", "--draft-kind", "self", "--stats", monkeypatch=monkeypatch)
     assert plain.exit_code == 0 and fast.exit_code == 0, fast.output

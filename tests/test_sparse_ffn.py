@@ -13,7 +13,8 @@ from flashllm.format.files import update_manifest
 from flashllm.ffi.reader import Reader
 from flashllm.runtime.model import Model
 from flashllm.sparsity.predictor import AllSlots
-from flashllm.storage.readahead import page_chunks
+from flashllm.ffi import kernel
+from flashllm.storage.readahead import block_step, page_chunks
 from flashllm.runtime.sparse_ffn import SparseFlashFfn
 from tiny_sources import ref_dequant, ref_rows, tiny_arrays, tiny_config, write_arrays
 
@@ -262,3 +263,44 @@ def test_ring_chunks_start_on_pages_so_reads_land_in_place(tmp_path):
         assert all(0 < b - a <= 40 for a, b in chunks)
         assert all((f.layer_offsets[layer] + a * f.stride) % 4096 == 0 for a, _ in chunks[1:])
     ffn.close()
+
+
+@pytest.mark.parametrize("stride", [3008, 2800, 1728, 1000, 8192])
+def test_ring_chunks_start_on_the_kernels_blocks(stride):
+    """The caches hold whole blocks of the FFN kernel's sums (budget._cache_rows); the read-ahead's
+    chunks after them start on such blocks too, so each layer's FFN is cut where the kernel's
+    sums are and a run's text does not depend on its plan (a ring buffer of 1400 rows; strides
+    whose page repeats every 1..512 rows)."""
+    block = kernel.ffn_block()
+    for first in (0, block, 69 * block):
+        step = block_step(1400, stride, block)
+        assert 0 < step <= 1400 and step % block == 0
+        chunks = page_chunks(0, stride, first, 8960, step)
+        assert chunks[0][0] == first and chunks[-1][1] == 8960
+        assert all(a % block == 0 and 0 < b - a <= step for a, b in chunks)
+
+
+def test_a_static_pass_sums_the_same_bits_whatever_the_caches_hold(tmp_path):
+    """A pass over every neuron (no predictor) gives the residual the same bits whether the
+    cache holds none of a layer's bundles (all read through the ring) or its first block: the
+    FFN kernel folds whole blocks in order, and the caches and ring chunks cut the layer on
+    them. (Cut elsewhere, the sum's grouping followed the cut, and calibrated thresholds then
+    turned that last bit into another greedy text.)"""
+    cfg, _, _ = write_model(tmp_path / "m", True, "q8_0")
+    block = kernel.ffn_block()
+    assert cfg.n_ff > block
+    rng = np.random.default_rng(7)
+    h = rng.standard_normal((3, cfg.d_model)).astype(np.float32)                # (3, d)
+    x0 = rng.standard_normal((3, cfg.d_model)).astype(np.float32)               # the residual
+    out = []
+    for cap in (0, block):
+        _, ffn = flash_ffn(tmp_path / "m", AllSlots(cfg.n_ff), "64MiB", capacity=cap,
+                           n_pinned=cap)
+        x = x0.copy()
+        for _ in range(2):                                                       # two passes
+            ffn.start_pass(3, prefill=False)
+            for layer in range(cfg.n_layers):
+                ffn(layer, h, x)
+        ffn.close()
+        out.append(x)
+    np.testing.assert_array_equal(out[0], out[1])

@@ -274,6 +274,12 @@ def logit_bounds(s: np.ndarray, var: np.ndarray, e: np.ndarray, z: float,
     return hi, lo
 
 
+def ffn_block() -> int:
+    """Bundle rows one partial sum of ffn_bundles covers (flashllm.h FL_FFN_BLOCK): calls that cut
+    a layer's rows at multiples of it give the bits of one call over them all."""
+    return int(_native().FL_FFN_BLOCK)
+
+
 def ffn_bundles(bundles: np.ndarray, dtype: str, d: int, glu: bool, act: str, x, y: np.ndarray,
                 ids=None, up_bias=None, n_threads: int = 1, rows=None,
                 threshold: float = 0.0, exact: bool = False,

@@ -25,7 +25,7 @@ Resident at run time (all counted against --dram-budget):
 A dense byte kept saves one byte read per token; a cache byte saves less (only its hits), and an
 embedding row costs one small read per token: hence that order. A mixture of experts' cache byte
 saves only the routed share, n_experts_used / n_experts of it per token (ffn_reads): its output
-head is worth keeping over the caches, and its caches hold whole experts (_whole_experts).
+head is worth keeping over the caches, and its caches hold whole experts (_cache_rows).
 """
 from __future__ import annotations
 
@@ -265,7 +265,7 @@ def plan_budget(manifest: dict, budget_text: str, n_ctx: int, process: int, pred
                 manifest, n_ctx, budget - fixed, groups, embed, full_cache,
                 (kept, streamed, left), sketch)
             kept += always
-    capacity = 0 if naive else _whole_experts(manifest, min(n_ff, left // row))
+    capacity = 0 if naive else _cache_rows(manifest, min(n_ff, left // row))
     per_token = _streamed_bytes(groups, streamed)
     resident = {"dense weights": kept, **resident}
     if sparse:
@@ -299,12 +299,14 @@ def ffn_reads(manifest: dict, full_cache: int, cache: int) -> float:
     return min(miss, experts) * c["n_experts_used"] / c["n_experts"] + max(0, miss - experts)
 
 
-def _whole_experts(manifest: dict, rows: int) -> int:
-    """Cache rows per layer a mixture of experts uses of `rows`: the shared expert's, then whole
-    experts of n_ff rows (the rest would sit idle); rows unchanged for a dense FFN."""
+def _cache_rows(manifest: dict, rows: int) -> int:
+    """Cache rows per layer to use of `rows`: a mixture of experts the shared expert's, then whole
+    experts of n_ff rows (the rest would sit idle); a dense FFN all or whole blocks of the FFN
+    kernel's sums (kernel.ffn_block), so a run's text does not depend on its caches' size."""
     c = manifest["config"]
     if not c.get("n_experts"):
-        return rows
+        block = kernel.ffn_block()
+        return rows if rows >= int(c["n_ff"]) else rows // block * block
     shared, n = int(c.get("n_ff_shared") or 0), int(c["n_ff"])
     return rows if rows < shared else shared + (rows - shared) // n * n
 

@@ -36,7 +36,7 @@ from flashllm.runtime.ffn_reads import FfnReads
 from flashllm.runtime.stats import FlashStats, TokenStats
 from flashllm.ffi.reader import aligned_empty
 from flashllm.runtime.schedule import PassSchedule
-from flashllm.storage.readahead import as_rows, page_chunks, page_step
+from flashllm.storage.readahead import as_rows, block_step, page_chunks, page_step
 
 clock = time.perf_counter
 SERIAL_BYTES = 256 << 10       # an FFN call over fewer bundle bytes (x tokens) runs on one thread
@@ -92,8 +92,10 @@ class SparseFlashFfn:
         n_buf = RING_BUFFERS if len(self.staging) >= 2 * RING_BUFFERS else 2
         step = len(self.staging) // n_buf
         step = page_step(step, self.f.stride)                  # buffers start on a page
+        block = kernel.ffn_block()              # chunks start where the kernel's sums do
         chunks = [[(a, b - a) for a, b in page_chunks(self.f.layer_offsets[layer], s, first, k,
-                                                       page_step(step * self.f.stride // s, s))]
+                                                       block_step(step * self.f.stride // s, s,
+                                                                  block))]
                   for layer, s in enumerate(self.f.strides)]           # [layer][j] = (first, n)
         buffers = self.staging[:n_buf * step].reshape(n_buf, step, self.f.stride)  # (n_buf, step, stride)
         reads = PassSchedule(buffers, chunks, self._static_request, self.f.strides)

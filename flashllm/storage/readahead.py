@@ -49,6 +49,16 @@ def page_step(step: int, stride: int) -> int:
     return step // page * page if step >= page else step
 
 
+def block_step(step: int, stride: int, block: int) -> int:
+    """page_step's rows, cut further to whole blocks of `block` rows (the FFN kernel's sums,
+    kernel.ffn_block) when they hold one unit of both: the chunks then start where those sums
+    do (page_chunks from a first row on a block)."""
+    page = page_rows(stride)
+    unit = page * block // math.gcd(page, block)
+    rows = page_step(step, stride)
+    return rows // unit * unit if rows >= unit else rows
+
+
 def as_rows(buf: np.ndarray, n: int, stride: int) -> np.ndarray:
     """The first n rows of stride bytes in ring rows buf (m, ring stride) uint8: (n, stride)."""
     return buf.reshape(-1)[:n * stride].reshape(n, stride)
