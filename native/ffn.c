@@ -17,7 +17,6 @@
 #include "flashllm.h"
 #include "ffn_internal.h"
 
-#define FFN_BLOCK FL_FFN_BLOCK /* bundles a partial sums (flashllm.h), folded in order */
 #define FOLD_FLOATS (1 << 18)  /* partial floats computed before a fold: the blocks' window */
 #define PREFETCH_BUNDLES 2 /* bundles ahead of the one being computed */
 #define SUM_CHUNK 512      /* floats of y per work unit of the partials' sum */
@@ -106,8 +105,8 @@ static void blocks_part(void *p) {
     }
     int mine = -1;
     for (int64_t c, c1; fli_split_take(&j->split, &mine, 1, &c, &c1);) {
-        const int64_t i0 = (j->b0 + c) * FFN_BLOCK;
-        const int64_t i1 = i0 + FFN_BLOCK < j->n ? i0 + FFN_BLOCK : j->n;
+        const int64_t i0 = (j->b0 + c) * FL_FFN_BLOCK;
+        const int64_t i1 = i0 + FL_FFN_BLOCK < j->n ? i0 + FL_FFN_BLOCK : j->n;
         float *part = j->partial + (size_t)c * (size_t)j->len;  // (T, d)
         memset(part, 0, (size_t)j->len * sizeof(float));
         bundle_range(j->a, j->bundles, j->stride, i0, i1, part, scratch);
@@ -128,15 +127,15 @@ static void fold_part(void *p) {
     }
 }
 
-/* y (T, d) += the FFN over n bundles as a left fold of blocks of FFN_BLOCK bundles in order,
+/* y (T, d) += the FFN over n bundles as a left fold of blocks of FL_FFN_BLOCK bundles in order,
  * each block's partial computed from zero: the bits depend on the blocks only, never on
- * n_threads — and a caller that cuts a layer's bundles into calls at multiples of FFN_BLOCK
+ * n_threads — and a caller that cuts a layer's bundles into calls at multiples of FL_FFN_BLOCK
  * (the neuron caches and the read-ahead chunks of a static pass) gets the bits of one call over
  * the whole layer, so a run's text does not depend on its budget's plan. Blocks are computed in
  * windows of at most FOLD_FLOATS partial floats (a long prompt's partials stay small). */
 static int32_t ffn_blocks(const ffn_args *a, const uint8_t *bundles, int64_t n, int64_t stride,
                           float *y, int32_t n_threads) {
-    const int64_t len = a->T * a->d, blocks = (n + FFN_BLOCK - 1) / FFN_BLOCK;
+    const int64_t len = a->T * a->d, blocks = (n + FL_FFN_BLOCK - 1) / FL_FFN_BLOCK;
     if (blocks == 0) return FL_OK;
     int64_t w = FOLD_FLOATS / len;
     w = w < 1 ? 1 : w > blocks ? blocks : w;

@@ -62,7 +62,7 @@ def ranks(flash, sub, ids: list[int], n_threads: int,
         logits = draft.forward(np.array([t], np.int32), pos)[0].astype(np.float64)  # (vocab,)
         rank[pos] = int((logits > logits[want[pos]]).sum())
         e = np.exp(logits - logits.max())
-        p12[pos] = np.sort(e)[-2:][::-1] / e.sum()
+        p12[pos] = np.sort(np.partition(e, -2)[-2:])[::-1] / e.sum()     # top two, no full sort
         model.k_cache[:, pos], model.v_cache[:, pos] = k[:, pos], v[:, pos]
     return rank, p12
 

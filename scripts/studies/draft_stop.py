@@ -25,8 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
+from flashllm.generation.self_draft import SIBLING_P_MIN, SIBLINGS
+
 BANDS = np.array([0.0, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.01])
-SIB_P_MIN, N_SIB = 0.1, 2
 
 
 def band_acceptance(rank: np.ndarray, p12: np.ndarray) -> np.ndarray:
@@ -57,9 +58,9 @@ def replay(rank, p12, rule: str, value: float, costs, accept=None) -> tuple[floa
         m = 0
         while m < k and rank[i + m] == 0:
             m += 1
-        sibs = sum(1 for j in range(min(k, N_SIB)) if p12[i + j, 1] >= SIB_P_MIN)
+        sibs = sum(1 for j in range(min(k, SIBLINGS)) if p12[i + j, 1] >= SIBLING_P_MIN)
         made = m + 1
-        if m < k and m < N_SIB and p12[i + m, 1] >= SIB_P_MIN and rank[i + m] == 1:
+        if m < k and m < SIBLINGS and p12[i + m, 1] >= SIBLING_P_MIN and rank[i + m] == 1:
             made += 1
         tokens, passes = tokens + made, passes + 1
         seconds += c1 + ce * (k + sibs) + d * k
@@ -77,9 +78,12 @@ def main() -> None:
     ap.add_argument("--cache", type=Path, help="an .npz of the ranks: made once, then read")
     a = ap.parse_args()
     costs = tuple(float(c) for c in a.costs.split(","))
-    data = _ranks(a) if a.cache is None or not a.cache.exists() else dict(np.load(a.cache))
-    if a.cache is not None and not a.cache.exists():
-        np.savez(a.cache, **data)
+    if a.cache is not None and a.cache.exists():
+        data = dict(np.load(a.cache))
+    else:
+        data = _ranks(a)
+        if a.cache is not None:
+            np.savez(a.cache, **data)
     for kind, other in (("code", "prose"), ("prose", "code")):
         rank, p12 = data[f"{kind}_rank"], data[f"{kind}_p"]
         accept = band_acceptance(data[f"{other}_rank"], data[f"{other}_p"])
