@@ -47,19 +47,25 @@ static void group_at(const ffn_args *a, const uint8_t *bundles, int64_t stride, 
         prefetch_l2(bundles + (a->rows ? a->rows[k] : k) * stride, (size_t)(a->glu ? 2 : 1) * a->rb);
 }
 
-/* h (FL_QT, T) of a group for tokens t .. t+nt-1 from int8 tiles (column stride ld); ex: NULL
- * or the group's gate and up rows expanded by fli_wx_expand (2, FL_QT, xb) */
+/* h (FL_QT, T) of a group for tokens t .. t+nt-1 from int8 tiles (column stride ld). A GLU
+ * bundle's up row follows its gate row, so a tile takes the rows of half the group in memory
+ * order (gate 0, up 0, gate 1, up 1): one forward stream, where four gate rows and then four up
+ * rows went back over the same bundles (1.2-1.4x faster from DRAM on Zen 3, docs/KERNELS.md).
+ * A row's result does not depend on the rows beside it in a tile. */
 static void group_h(const ffn_args *a, const group *g, int64_t t, int64_t nt, float *h,
-                    int64_t ld, const uint8_t *ex) {
-    const uint8_t *xt[FL_QT], *eg[FL_QT], *eu[FL_QT];
-    for (int64_t j = 0; j < FL_QT; j++) {
-        xt[j] = a->xq + (size_t)(t + (j < nt ? j : 0)) * a->xb;
-        eg[j] = ex ? ex + j * a->xb : NULL;
-        eu[j] = ex ? ex + (FL_QT + j) * a->xb : NULL;
-    }
+                    int64_t ld) {
+    const uint8_t *xt[FL_QT];
+    for (int64_t j = 0; j < FL_QT; j++) xt[j] = a->xq + (size_t)(t + (j < nt ? j : 0)) * a->xb;
     float go[FL_QT][FL_QT] = {{0}}, uo[FL_QT][FL_QT];
-    fli_qdot_tile(a->dtype, g->up, ex ? eu : NULL, xt, (int32_t)nt, a->d, uo);
-    if (a->glu) fli_qdot_tile(a->dtype, g->gate, ex ? eg : NULL, xt, (int32_t)nt, a->d, go);
+    if (!a->glu) fli_qdot_tile(a->dtype, g->up, NULL, xt, (int32_t)nt, a->d, uo);
+    for (int b = 0; a->glu && b < FL_QT; b += FL_QT / 2) {  // bundles b .. b + FL_QT/2 - 1
+        const uint8_t *w[FL_QT];
+        float o[FL_QT][FL_QT];  // (row, token): rows 2k, 2k + 1 = bundle b + k's gate, up
+        for (int k = 0; k < FL_QT / 2; k++) w[2 * k] = g->gate[b + k], w[2 * k + 1] = g->up[b + k];
+        fli_qdot_tile(a->dtype, w, NULL, xt, (int32_t)nt, a->d, o);
+        for (int k = 0; k < FL_QT / 2; k++)
+            for (int64_t j = 0; j < nt; j++) go[b + k][j] = o[2 * k][j], uo[b + k][j] = o[2 * k + 1][j];
+    }
     for (int k = 0; k < FL_QT; k++)
         for (int64_t j = 0; j < nt; j++)
             h[k * ld + t + j] = k < g->nr ? neuron_h(a, g->id[k], go[k][j], uo[k][j]) : 0.0f;
@@ -74,7 +80,7 @@ void fli_ffn_range_q1(const ffn_args *a, const uint8_t *bundles, int64_t stride,
     group g;
     for (int64_t j = j0; j < j1; j += FL_QT) {
         group_at(a, bundles, stride, j, j1, &g);
-        group_h(a, &g, 0, 1, h, 1, NULL);
+        group_h(a, &g, 0, 1, h, 1);
         for (int k = 0; k < g.nr; k++) {
             if (h[k] == 0.0f) continue;
             down[nq] = g.up[k] + a->rb;
@@ -108,7 +114,7 @@ void fli_ffn_range_qs(const ffn_args *a, const uint8_t *bundles, int64_t stride,
     for (int64_t j = j0; j < j1; j += FL_QT) {
         group_at(a, bundles, stride, j, j1, &g);
         for (int64_t t = 0; t < T; t++) {
-            if (t % step == 0) group_h(a, &g, t, T - t < step ? T - t : step, h, T, NULL);
+            if (t % step == 0) group_h(a, &g, t, T - t < step ? T - t : step, h, T);
             for (int k = 0; k < g.nr; k++) {
                 if (h[k * T + t] == 0.0f) continue;
                 down[t][nq[t]] = g.up[k] + a->rb;
