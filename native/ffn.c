@@ -21,25 +21,27 @@
 #define PREFETCH_BUNDLES 2 /* bundles ahead of the one being computed */
 #define SUM_CHUNK 512      /* floats of y per work unit of the partials' sum */
 
-/* acc (T, d) += h_t * down_i for bundle i, reading the quantized rows in place (T == 1) */
-static void bundle_fused(const ffn_args *a, const uint8_t *bundle, int64_t i, float *acc) {
+/* acc (T, d) += h_t * down_i for bundle i (its down column at down), reading the quantized rows
+ * in place (T == 1) */
+static void bundle_fused(const ffn_args *a, const uint8_t *bundle, const uint8_t *down, int64_t i,
+                         float *acc) {
     const uint8_t *up = bundle + (a->glu ? a->rb : 0);
     const float bias = a->up_bias ? a->up_bias[a->ids ? a->ids[i] : i] : 0.0f;
     const float u = fli_dot(a->dtype, up, a->x, a->d) + bias;
     const float h = a->glu ? fli_activate(a->act, fli_dot(a->dtype, bundle, a->x, a->d)) * u
                            : fli_activate(a->act, u);
-    if (h != 0.0f && fabsf(h) >= a->threshold) fli_axpy(a->ddt, up + a->rb, h, acc, a->d);
+    if (h != 0.0f && fabsf(h) >= a->threshold) fli_axpy(a->ddt, down, h, acc, a->d);
 }
 
 /* the same for T > 1 tokens: the bundle is dequantized once into scratch (3, d) */
-static void bundle_tokens(const ffn_args *a, const uint8_t *bundle, int64_t i, float *acc,
-                          float *scratch) {
+static void bundle_tokens(const ffn_args *a, const uint8_t *bundle, const uint8_t *down_q,
+                          int64_t i, float *acc, float *scratch) {
     const int64_t d = a->d;
     float *gate = scratch, *up = scratch + d, *down = scratch + 2 * d;  // (d) each
     if (a->glu) fli_dequant(a->dtype, bundle, gate, d);
     const uint8_t *up_q = bundle + (a->glu ? a->rb : 0);
     fli_dequant(a->dtype, up_q, up, d);
-    fli_dequant(a->ddt, up_q + a->rb, down, d);
+    fli_dequant(a->ddt, down_q, down, d);
     const float bias = a->up_bias ? a->up_bias[a->ids ? a->ids[i] : i] : 0.0f;
     for (int64_t t = 0; t < a->T; t++) {
         const float *xt = a->x + t * d;  // (d)
@@ -76,8 +78,9 @@ static void bundle_range(const ffn_args *a, const uint8_t *bundles, int64_t stri
             fli_prefetch(bundles + ahead * stride, (size_t)stride);
         }
         const int64_t i = a->rows ? a->rows[j] : j;
-        if (scratch) bundle_tokens(a, bundles + i * stride, i, acc, scratch);
-        else bundle_fused(a, bundles + i * stride, i, acc);
+        const uint8_t *down = fli_down_of(a, bundles, stride, i);
+        if (scratch) bundle_tokens(a, bundles + i * stride, down, i, acc, scratch);
+        else bundle_fused(a, bundles + i * stride, down, i, acc);
     }
 }
 
@@ -180,6 +183,14 @@ static int down_dtype_ok(int32_t ddt) {
     return ddt >= FL_F32 && ddt <= FL_Q6_K;
 }
 
+/* the gate / up rows (rb bytes each) fit the stride, and the down column (rd) its bundle or
+ * its own array's stride */
+static int parts_fit(const fl_ffn_layer *layer, size_t rb, size_t rd) {
+    const int64_t rows = (int64_t)rb * (layer->glu ? 2 : 1);
+    if (!layer->down) return layer->stride >= rows + (int64_t)rd;
+    return layer->stride >= rows && layer->down_stride >= (int64_t)rd;
+}
+
 static int32_t ffn_checked(const fl_ffn_layer *layer, const int32_t *rows, int64_t n_rows,
                            float threshold, const float *x, int64_t T, float *y, int32_t exact,
                            int32_t n_threads) {
@@ -191,7 +202,7 @@ static int32_t ffn_checked(const fl_ffn_layer *layer, const int32_t *rows, int64
     const int32_t ddt = layer->down_dtype;
     const size_t rb = fl_row_bytes(dtype, d), rd = fl_row_bytes(ddt, d);
     if (rb == 0 || rd == 0 || !down_dtype_ok(ddt) || d <= 0 || n < 0 ||
-        stride < (int64_t)(rb * (glu ? 2 : 1) + rd) || n_threads < 1 || act < FL_ACT_SILU ||
+        !parts_fit(layer, rb, rd) || n_threads < 1 || act < FL_ACT_SILU ||
         act > FL_ACT_GELU_TANH || !indices_ok(ids, n, INT32_MAX) || !indices_ok(rows, n_rows, n) ||
         n_rows < 0 || !(threshold >= 0.0f) || (n > 0 && !bundles))
         return FL_EINVAL;
@@ -199,7 +210,8 @@ static int32_t ffn_checked(const fl_ffn_layer *layer, const int32_t *rows, int64
     uint8_t *xq = quantize_x(dtype, exact, x, T, d, &status);
     if (status != FL_OK) return status;
     const ffn_args a = {d,   T,    rb,             dtype, glu != 0,  act, ddt,
-                        ids, rows, layer->up_bias, x,     threshold, xq,  (size_t)fli_xq_bytes(d)};
+                        ids, rows, layer->up_bias, x,     threshold, xq,  (size_t)fli_xq_bytes(d),
+                        layer->down, layer->down_stride};
     if (rows) n = n_rows;
     status = ffn_blocks(&a, bundles, n, stride, y, n_threads);
     free(xq);

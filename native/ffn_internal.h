@@ -27,7 +27,15 @@ typedef struct {
     float threshold;  // |h| below it contributes nothing
     const uint8_t *xq;  // (T, xb) x quantized to int8 (qdot.c), NULL: the f32 paths
     size_t xb;
+    const uint8_t *down;  // (n, down_stride) the down columns apart, or NULL: after the up row
+    int64_t down_stride;
 } ffn_args;
+
+/* the down column of bundle row i (bundles of stride bytes) */
+static inline const uint8_t *fli_down_of(const ffn_args *a, const uint8_t *bundles, int64_t stride,
+                                         int64_t i) {
+    return a->down ? a->down + i * a->down_stride : bundles + i * stride + (a->glu ? 2 : 1) * a->rb;
+}
 
 /* ---- ffn_quant.c: acc (T, d) += the FFN over bundles j0 .. j1-1 (rows[j] when rows are
  * given) with x quantized (a->xq), by T: 1, up to SMALL_T, more (scratch: scratch_floats) ---- */

@@ -29,7 +29,7 @@ static inline void prefetch_l2(const uint8_t *p, size_t n) {
  * row pointers (a short group repeats its first bundle) */
 typedef struct {
     int64_t id[FL_QT];
-    const uint8_t *gate[FL_QT], *up[FL_QT];
+    const uint8_t *gate[FL_QT], *up[FL_QT], *down[FL_QT];
     int nr;
 } group;
 
@@ -41,10 +41,14 @@ static void group_at(const ffn_args *a, const uint8_t *bundles, int64_t stride, 
         g->id[k] = a->rows ? a->rows[jj] : jj;
         g->gate[k] = bundles + g->id[k] * stride;
         g->up[k] = g->gate[k] + (a->glu ? a->rb : 0);
+        g->down[k] = fli_down_of(a, bundles, stride, g->id[k]);
     }
     const int64_t ahead = j + FL_QT * PREFETCH_GROUPS;
-    for (int64_t k = ahead; k < ahead + FL_QT && k < j1; k++)
-        prefetch_l2(bundles + (a->rows ? a->rows[k] : k) * stride, (size_t)(a->glu ? 2 : 1) * a->rb);
+    for (int64_t k = ahead; k < ahead + FL_QT && k < j1; k++) {
+        const int64_t i = a->rows ? a->rows[k] : k;
+        prefetch_l2(bundles + i * stride, (size_t)(a->glu ? 2 : 1) * a->rb);
+        if (a->down) prefetch_l2(a->down + i * a->down_stride, (size_t)a->down_stride);
+    }
 }
 
 /* h (FL_QT, T) of a group for tokens t .. t+nt-1 from int8 tiles (column stride ld). A GLU
@@ -83,7 +87,7 @@ void fli_ffn_range_q1(const ffn_args *a, const uint8_t *bundles, int64_t stride,
         group_h(a, &g, 0, 1, h, 1);
         for (int k = 0; k < g.nr; k++) {
             if (h[k] == 0.0f) continue;
-            down[nq] = g.up[k] + a->rb;
+            down[nq] = g.down[k];
             hq[nq++] = h[k];
             if (nq == FL_QT) {
                 fli_axpy4(a->ddt, down, hq, acc, a->d);
@@ -117,7 +121,7 @@ void fli_ffn_range_qs(const ffn_args *a, const uint8_t *bundles, int64_t stride,
             if (t % step == 0) group_h(a, &g, t, T - t < step ? T - t : step, h, T);
             for (int k = 0; k < g.nr; k++) {
                 if (h[k * T + t] == 0.0f) continue;
-                down[t][nq[t]] = g.up[k] + a->rb;
+                down[t][nq[t]] = g.down[k];
                 hq[t][nq[t]++] = h[k * T + t];
                 if (nq[t] == FL_QT) {
                     fli_axpy4(a->ddt, down[t], hq[t], acc + t * d, d);
@@ -163,7 +167,7 @@ static void panel_h(const ffn_args *a, const uint8_t *bundles, int64_t stride, i
                                       : 0.0f;
     }
     for (int k = 0; k < FL_PR; k++) {
-        if (k < nr) fli_dequant(a->ddt, up[k] + a->rb, down + k * d, d);
+        if (k < nr) fli_dequant(a->ddt, fli_down_of(a, bundles, stride, id[k]), down + k * d, d);
         else memset(down + k * d, 0, (size_t)d * sizeof(float));
     }
 }

@@ -159,7 +159,8 @@ int32_t fl_attention(const float *q, const void *k_cache, const void *v_cache, i
  *   non-glu: a_i = act(up_i . x_t + up_bias[id_i])
  * and a term with |a_i| < threshold is dropped (magnitude sparsity; 0 keeps every term).
  * The layer's bundles and their layout are described by an fl_ffn_layer (ids index up_bias
- * only); rows (n_rows) the bundle rows to use, each in [0, n) (rows == NULL uses all n rows in
+ * only); with `down` given, a bundle holds [gate | up] (or [up]) and row i's down column is
+ * row i of `down` (a resident cache kept as two streams: the same arithmetic, the same bits); rows (n_rows) the bundle rows to use, each in [0, n) (rows == NULL uses all n rows in
  * order, n_rows is then ignored);
  * x (T, d); y (T, d) is accumulated into (the caller zeroes it or passes the residual).
  * Quantized gate / up rows: gate_i . x and up_i . x use int8-quantized x as fl_matmul does
@@ -175,6 +176,8 @@ typedef struct {
     int32_t act;             /* FL_ACT_*: GELU is erf's, GELU_TANH the tanh approximation */
     const int32_t *ids;      /* (n) neuron id of each bundle, or NULL: bundle i is neuron i */
     const float *up_bias;    /* (n_ff) up bias by neuron id, or NULL */
+    const uint8_t *down;     /* (n, down_stride) the down columns apart, or NULL: in the bundle */
+    int64_t down_stride;     /* bytes per down column when down is given */
 } fl_ffn_layer;
 
 /* y gets the sum as a left fold, in order, of partials over FL_FFN_BLOCK consecutive rows (each

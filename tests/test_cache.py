@@ -121,3 +121,23 @@ def test_pinned_rows_cannot_be_removed_and_bad_sizes_are_refused():
 def test_matrix_is_aligned_for_direct_io():
     cache = NeuronCache(100, 33, 96, 2)
     assert cache.matrix.ctypes.data % 4096 == 0 and cache.matrix.shape == (33, 96)
+
+
+def test_split_keeps_each_rows_head_and_tail_apart_in_the_same_memory():
+    rng = np.random.default_rng(0)
+    cache = NeuronCache(10, 6, 96, 2, 6)
+    rows = rng.integers(0, 256, (6, 96), dtype=np.uint8)                 # (6, 96)
+    cache.matrix[cache.pin()] = rows
+    before = cache.nbytes
+    cache.split(40)
+    assert cache.matrix.shape == (6, 40) and cache.down.shape == (6, 56)
+    np.testing.assert_array_equal(cache.matrix, rows[:, :40])
+    np.testing.assert_array_equal(cache.down, rows[:, 40:])
+    assert cache.nbytes == before and cache.matrix.flags.c_contiguous and cache.down.flags.c_contiguous
+    assert np.shares_memory(cache.matrix, cache._memory) and np.shares_memory(cache.down, cache._memory)
+    with pytest.raises(CacheError, match="split"):
+        cache.split(40)                                                   # once only
+    part = NeuronCache(10, 6, 96, 2, 3)                                   # rows left to insert
+    part.pin()
+    with pytest.raises(CacheError, match="split"):
+        part.split(40)

@@ -11,7 +11,9 @@ and exact, is tests/test_kernel.py's test_ffn_bundles_matches_numpy.)
 import numpy as np
 import pytest
 
+from flashllm.errors import KernelError
 from flashllm.ffi import kernel
+from flashllm.model.tensor import row_bytes
 from test_kernel import _act, _bundles, _close, _qtensor, _quantize_x, _rng, _thresholded
 
 QDTYPES = ["q4_0", "q4_1", "q8_0"]
@@ -127,3 +129,36 @@ def test_q4_k_tokens_at_once_are_each_computed_as_one(threads):
     for T in (2, 3, 4):
         single = np.stack([kernel.matmul(w, x[t:t + 1], None, threads)[0] for t in range(T)])
         np.testing.assert_array_equal(kernel.matmul(w, x[:T], None, threads), single)
+
+
+@pytest.mark.parametrize("dtype", ["q4_k", "q8_0", "q4_1", "f32"])
+@pytest.mark.parametrize("glu", [True, False])
+def test_down_columns_apart_give_the_bundles_bits(dtype, glu):
+    """A resident cache keeps its gate / up rows apart from its down columns (NeuronCache.split):
+    the FFN over the two arrays is the bundles' FFN bit for bit — every path (1, a few and many
+    tokens, int8 and f32 x, a subset of rows, thresholds, threads)."""
+    d, n = 256, 150
+    rb = row_bytes(dtype, d)
+    if dtype == "q4_k":                       # [gate | up | down], or [up | down]
+        data = np.ascontiguousarray(_q4k_bundles(n, d, seed=41)[:, 0 if glu else rb:])
+    else:
+        data, _ = _bundles(n, d, dtype, glu, pad=4, seed=41)                 # (n, stride)
+    k = (2 if glu else 1) * rb
+    head, down = np.ascontiguousarray(data[:, :k]), np.ascontiguousarray(data[:, k:])
+    rng = _rng(42)
+    rows = np.sort(rng.choice(n, 90, replace=False)).astype(np.int32)        # (90,)
+    for T in (1, 3, 12):
+        x = (rng.standard_normal((T, d)) / np.sqrt(d)).astype(np.float32)    # (T, d)
+        for sel, exact, threads in ((None, False, 1), (rows, False, 2), (rows, True, 2)):
+            kw = dict(rows=sel, threshold=0.02, exact=exact, n_threads=threads, down_dtype=dtype)
+            whole = kernel.ffn_bundles(data, dtype, d, glu, "silu", x, np.zeros_like(x), **kw)
+            apart = kernel.ffn_bundles(head, dtype, d, glu, "silu", x, np.zeros_like(x),
+                                       down=down, **kw)
+            assert np.any(whole != 0)
+            np.testing.assert_array_equal(apart, whole)
+    with pytest.raises(KernelError, match="down must be"):
+        kernel.ffn_bundles(head, dtype, d, glu, "silu", x, np.zeros_like(x), down=down[:-1],
+                           down_dtype=dtype)
+    with pytest.raises(KernelError, match="below"):
+        kernel.ffn_bundles(head, dtype, d, glu, "silu", x, np.zeros_like(x),
+                           down=down[:, :8].copy(), down_dtype=dtype)

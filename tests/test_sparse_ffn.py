@@ -285,7 +285,8 @@ def test_a_static_pass_sums_the_same_bits_whatever_the_caches_hold(tmp_path):
     cache holds none of a layer's bundles (all read through the ring) or its first block: the
     FFN kernel folds whole blocks in order, and the caches and ring chunks cut the layer on
     them. (Cut elsewhere, the sum's grouping followed the cut, and calibrated thresholds then
-    turned that last bit into another greedy text.)"""
+    turned that last bit into another greedy text.) A cache of pinned rows holds its gate / up
+    rows apart from its down columns (NeuronCache.split): the same bits too."""
     cfg, _, _ = write_model(tmp_path / "m", True, "q8_0")
     block = kernel.ffn_block()
     assert cfg.n_ff > block
@@ -296,6 +297,7 @@ def test_a_static_pass_sums_the_same_bits_whatever_the_caches_hold(tmp_path):
     for cap in (0, block):
         _, ffn = flash_ffn(tmp_path / "m", AllSlots(cfg.n_ff), "64MiB", capacity=cap,
                            n_pinned=cap)
+        assert all((c.down is not None) == (cap > 0) for c in ffn.caches)
         x = x0.copy()
         for _ in range(2):                                                       # two passes
             ffn.start_pass(3, prefill=False)

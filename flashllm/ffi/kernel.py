@@ -280,11 +280,29 @@ def ffn_block() -> int:
     return int(_native().FL_FFN_BLOCK)
 
 
+def _check_parts(n: int, stride: int, dtype: str, down_dtype: str, d: int, glu: bool,
+                 down: np.ndarray | None) -> None:
+    """Bundles of `stride` bytes hold the gate / up rows and, without `down`, the down column."""
+    rows, col = (2 if glu else 1) * row_bytes(dtype, d), row_bytes(down_dtype, d)
+    if down is None and stride < rows + col:
+        raise KernelError(f"bundle stride {stride} is below the {dtype} bundle of {d} values "
+                          f"({rows + col} bytes)")
+    if down is None:
+        return
+    if not isinstance(down, np.ndarray) or down.dtype != np.uint8 or down.ndim != 2 \
+            or not down.flags.c_contiguous or len(down) != n:
+        raise KernelError(f"down must be a C-contiguous ({n}, stride) uint8 array")
+    if stride < rows or down.shape[1] < col:
+        raise KernelError(f"strides {stride} / {down.shape[1]} are below the {dtype} rows "
+                          f"({rows} bytes) / the {down_dtype} column ({col})")
+
+
 def ffn_bundles(bundles: np.ndarray, dtype: str, d: int, glu: bool, act: str, x, y: np.ndarray,
                 ids=None, up_bias=None, n_threads: int = 1, rows=None,
                 threshold: float = 0.0, exact: bool = False,
-                down_dtype: str | None = None) -> np.ndarray:
-    """y (T, d) += the FFN over bundles (n, stride) [gate | up | down] (see flashllm.h).
+                down_dtype: str | None = None, down: np.ndarray | None = None) -> np.ndarray:
+    """y (T, d) += the FFN over bundles (n, stride) [gate | up | down] (see flashllm.h), or
+    [gate | up] with the down columns apart in down (n, down stride) (the same bits).
 
     rows (m,) picks the bundle rows to use (default: all); a term whose |activation| is below
     threshold is dropped (magnitude sparsity). Quantized bundles take gate and up dot products
@@ -302,10 +320,7 @@ def ffn_bundles(bundles: np.ndarray, dtype: str, d: int, glu: bool, act: str, x,
         raise KernelError("bundles must be a C-contiguous (n, stride) uint8 array")
     n, stride = bundles.shape
     down_dtype = companion(dtype) if down_dtype is None else down_dtype
-    used = (2 if glu else 1) * row_bytes(dtype, d) + row_bytes(down_dtype, d)
-    if stride < used:
-        raise KernelError(f"bundle stride {stride} is below the {dtype} bundle of {d} values "
-                          f"({used} bytes)")
+    _check_parts(n, stride, dtype, down_dtype, d, glu, down)
     xa = _as_f32(x, "x", 2)  # (T, d)
     if xa.shape[1] != d:
         raise KernelError(f"x must be (T, {d}), got {xa.shape}")
@@ -323,7 +338,9 @@ def ffn_bundles(bundles: np.ndarray, dtype: str, d: int, glu: bool, act: str, x,
         "bundles": ffi.from_buffer(bundles), "n": n, "stride": stride, "dtype": dtype_code(dtype),
         "down_dtype": dtype_code(down_dtype), "d": d, "glu": int(glu), "act": ACT_CODES[act],
         "ids": ffi.NULL if idx is None else ffi.from_buffer("int32_t[]", idx),
-        "up_bias": ffi.NULL if ba is None else _fptr(ba)})
+        "up_bias": ffi.NULL if ba is None else _fptr(ba),
+        "down": ffi.NULL if down is None else ffi.from_buffer(down),
+        "down_stride": 0 if down is None else down.shape[1]})
     _check(k.fl_ffn_bundles(layer, ffi.NULL if sel is None else ffi.from_buffer("int32_t[]", sel),
                             0 if sel is None else sel.size, float(threshold),
                             _fptr(xa), xa.shape[0], _fptr(y), int(exact), _threads(n_threads)),

@@ -9,6 +9,7 @@ last-use token index per row drives eviction:
     lookup(slots)  -> (rows of the hits, slots missing)     marks the hits used now
     insert(slots)  -> rows for a prefix of slots            the caller reads the bundles into them
     rows_of(slots) -> their rows (-1: not cached)           remove() moves rows: ask again after it
+    split(k)                                                a full, all-pinned cache: see below
 
 insert appends; when the matrix is full it first evicts rows not used in the last `window`
 tokens (oldest first), then, while capacity still falls short, rows not used by the current
@@ -18,6 +19,11 @@ in 0 .. count-1 and both maps stay exact. Rows of the current token are never ev
 then the matrix cannot take every slot, insert returns rows for the first slots only and the
 caller streams the rest (slots are sorted, so with hot-first order the hotter ones are cached).
 Everything is vectorised numpy: no per-neuron Python on the hot path.
+
+A cache whose rows never change (every row pinned and read: a static pass's) can be split(k):
+the same memory then holds each row's first k bytes (gate | up) as `matrix` (capacity, k) and
+the rest (the down column) as `down` (capacity, stride - k). The FFN kernel reads the rows as two
+forward streams instead of one with a down column between every two rows (docs/KERNELS.md).
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ from flashllm.errors import FlashError
 from flashllm.ffi.reader import aligned_empty
 
 NEVER = np.iinfo(np.int64).min // 2     # last-use value of a row that was never used
+CHUNK_ROWS = 64                         # rows split() moves at a time
 
 
 class CacheError(FlashError):
@@ -42,7 +49,9 @@ class NeuronCache:
                              f"{n_slots} slots of {stride} bytes with a window of {window}")
         self.n_slots, self.capacity, self.stride, self.window = n_slots, capacity, stride, window
         self.n_pinned = n_pinned
-        self.matrix = aligned_empty(max(capacity, 1) * stride).reshape(-1, stride)  # (capacity, stride)
+        self._memory = aligned_empty(max(capacity, 1) * stride)               # (capacity * stride,)
+        self.matrix = self._memory.reshape(-1, stride)                        # (capacity, stride)
+        self.down: np.ndarray | None = None    # after split(): (capacity, stride - k) down columns
         self.row_of = np.full(n_slots, -1, dtype=np.int32)      # (n_slots,) row of a slot or -1
         self.slot_of = np.full(max(capacity, 1), -1, dtype=np.int32)  # (capacity,) slot of a row
         self.last_use = np.full(max(capacity, 1), NEVER, dtype=np.int64)  # (capacity,) token index
@@ -54,7 +63,7 @@ class NeuronCache:
     @property
     def nbytes(self) -> int:
         """Resident bytes: the matrix and the maps."""
-        return self.matrix.nbytes + self.row_of.nbytes + self.slot_of.nbytes + self.last_use.nbytes
+        return self._memory.nbytes + self.row_of.nbytes + self.slot_of.nbytes + self.last_use.nbytes
 
     def pin(self) -> np.ndarray:
         """Claim rows 0 .. n_pinned-1 for slots 0 .. n_pinned-1 (call once, on an empty cache);
@@ -66,6 +75,23 @@ class NeuronCache:
         self.slot_of[:self.n_pinned] = slots
         self.count = self.n_pinned
         return slots
+
+    def split(self, k: int) -> None:
+        """Hold each row's first k bytes in `matrix` (capacity, k) and the rest in `down`
+        (capacity, stride - k), in the same memory (a copy of the down columns is all it
+        allocates, for the call). Only for a cache whose every row is pinned and filled."""
+        cap = len(self.matrix)
+        if self.down is not None or not 0 < k < self.stride or \
+                not self.n_pinned == self.count == self.capacity == cap:
+            raise CacheError(f"split({k}) needs a full cache of pinned rows of {self.stride} bytes")
+        tail = self.stride - k
+        down = np.empty((cap, tail), np.uint8)                           # (capacity, tail)
+        down[:] = self.matrix[:, k:]
+        heads = self._memory[:cap * k].reshape(cap, k)                   # (capacity, k)
+        for r in range(0, cap, CHUNK_ROWS):   # row r's head moves to r * k <= r * stride: a
+            heads[r:r + CHUNK_ROWS] = self.matrix[r:r + CHUNK_ROWS, :k]  # chunk never overlaps a later one's source
+        self._memory[cap * k:].reshape(cap, tail)[:] = down
+        self.matrix, self.down = heads, self._memory[cap * k:].reshape(cap, tail)
 
     def next_token(self) -> None:
         """Start the next token: rows used from now on count as used by it."""

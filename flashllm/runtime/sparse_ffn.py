@@ -74,6 +74,8 @@ class SparseFlashFfn:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="flashllm-read")
         for layer, cache in enumerate(self.caches):
             self.reads.read_seq(layer, cache.pin(), cache.matrix, None)
+            if static is not None and 0 < pins == cache.capacity:   # rows that never change:
+                cache.split((2 if f.glu else 1) * f.part_bytes)      # gate / up apart from down
         self._slots = np.arange(f.n_ff, dtype=np.int32)    # (n_ff,) sliced per chunk: no arange per token
         self.schedule = self._make_schedule(cfg.n_layers)
 
@@ -283,12 +285,14 @@ class SparseFlashFfn:
         if self.up_b[layer] is not None:
             slots = np.maximum(cache.slot_of[:len(matrix)], 0) if cache is not None else \
                 np.arange(len(matrix), dtype=np.int32)
-        self._bundles(layer, matrix, slots, h, x, rows)
+        self._bundles(layer, matrix, slots, h, x, rows, None if cache is None else cache.down)
 
     def _bundles(self, layer: int, matrix: np.ndarray, slots: Optional[np.ndarray],
-                 h: np.ndarray, x: np.ndarray, rows: Optional[np.ndarray] = None) -> None:
+                 h: np.ndarray, x: np.ndarray, rows: Optional[np.ndarray] = None,
+                 down: Optional[np.ndarray] = None) -> None:
         """x (T, d) += FFN over the bundles matrix (n, stride), or its rows (k,) when given;
-        slots (n,): the slot each row holds (needed for an up bias only)."""
+        slots (n,): the slot each row holds (needed for an up bias only); down (n, its
+        stride): the down columns when the matrix holds gate / up only (NeuronCache.split)."""
         ub, ids, order = self.up_b[layer], None, self.ids[layer]
         if ub is not None:
             ids = order[slots] if order is not None else slots   # (n,) neuron id of each row
@@ -296,7 +300,7 @@ class SparseFlashFfn:
         kernel.ffn_bundles(matrix, self.f.dtype, self.d, self.glu, self.act, h, x, ids=ids,
                            up_bias=ub, n_threads=self._threads(n, len(h)), rows=rows,
                            threshold=self.threshold[layer], exact=self.exact,
-                           down_dtype=self.f.down_dtypes[layer])
+                           down_dtype=self.f.down_dtypes[layer], down=down)
 
     def _threads(self, n_rows: int, T: int) -> int:
         """Threads for an FFN call over n_rows bundles of T tokens: one below SERIAL_BYTES of

@@ -2,10 +2,11 @@
 draft guesses costs (the per-token path for T <= 10, GEMM panels beyond).
 
 Run:  python -m scripts.bench.ffn_tokens [MODEL] [--tokens 1,2,3,4,5,6,8,9,12] [--threads 2]
-      [--layers K] [--rows N]
+      [--layers K] [--rows N] [--apart]
 Every layer of MODEL (a converted folder; default the bench's calibrated Qwen2.5-Coder-1.5B q4_k)
 is read into DRAM and cycled (28 layers of 23 MB: beyond the caches, as in decode; --layers K:
-the first K only; --rows N: each layer's first N bundles, as a neuron cache's), x is random
+the first K only; --rows N: each layer's first N bundles, as a neuron cache's; --apart: gate / up
+rows and down columns in two arrays, as a split cache holds them), x is random
 (T, d_model) * 0.5, the layers' calibrated thresholds apply; each T prints the best of 4 sweeps
 in ms per layer.
 """
@@ -32,12 +33,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--layers", type=int, default=0, help="cycle the first K layers (0: all)")
     ap.add_argument("--rows", type=int, default=0, help="each layer's first N bundles (0: all)")
+    ap.add_argument("--apart", action="store_true", help="down columns apart (NeuronCache.split)")
     args = ap.parse_args()
     flash = open_flash(args.model)
     cfg, f = flash.config, flash.ffn
     rows = args.rows or None
     layers = [np.ascontiguousarray(flash.read_ffn_layer(i)[:rows])         # (N, stride) each
               for i in range(args.layers or cfg.n_layers)]
+    k = (2 if cfg.glu else 1) * f.part_bytes
+    downs = [np.ascontiguousarray(b[:, k:]) if args.apart else None for b in layers]  # (N, tail)
+    if args.apart:
+        layers = [np.ascontiguousarray(b[:, :k]) for b in layers]         # (N, k) each
     thr = manifest_thresholds(flash.manifest, cfg.n_layers)
     x = np.random.default_rng(0).standard_normal((64, cfg.d_model)).astype(np.float32) * 0.5
     cells = []
@@ -50,10 +56,11 @@ def main() -> None:
             for i, bundles in enumerate(layers):
                 kernel.ffn_bundles(bundles, f.dtype, cfg.d_model, cfg.glu, cfg.act, xt, y,
                                    threshold=thr[i], n_threads=args.threads,
-                                   down_dtype=f.down_dtypes[i])
+                                   down_dtype=f.down_dtypes[i], down=downs[i])
             best = min(best, time.perf_counter() - t0)
         cells.append(f"T={T}: {1e3 * best / len(layers):.2f}")
-    print(f"{args.model.name}, {args.threads} threads, ms per layer: " + "  ".join(cells))
+    form = ", down apart" if args.apart else ""
+    print(f"{args.model.name}{form}, {args.threads} threads, ms per layer: " + "  ".join(cells))
 
 
 if __name__ == "__main__":
