@@ -125,12 +125,12 @@ def test_matrix_is_aligned_for_direct_io():
 
 def test_split_keeps_each_rows_head_and_tail_apart_in_the_same_memory():
     rng = np.random.default_rng(0)
-    cache = NeuronCache(10, 6, 96, 2, 6)
-    rows = rng.integers(0, 256, (6, 96), dtype=np.uint8)                 # (6, 96)
+    cache = NeuronCache(300, 200, 96, 2, 200)                             # rows moved in chunks
+    rows = rng.integers(0, 256, (200, 96), dtype=np.uint8)               # (200, 96)
     cache.matrix[cache.pin()] = rows
     before = cache.nbytes
     cache.split(40)
-    assert cache.matrix.shape == (6, 40) and cache.down.shape == (6, 56)
+    assert cache.matrix.shape == (200, 40) and cache.down.shape == (200, 56)
     np.testing.assert_array_equal(cache.matrix, rows[:, :40])
     np.testing.assert_array_equal(cache.down, rows[:, 40:])
     assert cache.nbytes == before and cache.matrix.flags.c_contiguous and cache.down.flags.c_contiguous

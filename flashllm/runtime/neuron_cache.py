@@ -85,11 +85,12 @@ class NeuronCache:
                 not self.n_pinned == self.count == self.capacity == cap:
             raise CacheError(f"split({k}) needs a full cache of pinned rows of {self.stride} bytes")
         tail = self.stride - k
-        down = np.empty((cap, tail), np.uint8)                           # (capacity, tail)
-        down[:] = self.matrix[:, k:]
+        down = self.matrix[:, k:].copy()                                  # (capacity, tail)
         heads = self._memory[:cap * k].reshape(cap, k)                   # (capacity, k)
-        for r in range(0, cap, CHUNK_ROWS):   # row r's head moves to r * k <= r * stride: a
-            heads[r:r + CHUNK_ROWS] = self.matrix[r:r + CHUNK_ROWS, :k]  # chunk never overlaps a later one's source
+        # row r's head moves to r * k <= r * stride: a chunk never writes over a later chunk's
+        # rows (numpy buffers the overlap within one)
+        for r in range(0, cap, CHUNK_ROWS):
+            heads[r:r + CHUNK_ROWS] = self.matrix[r:r + CHUNK_ROWS, :k]
         self._memory[cap * k:].reshape(cap, tail)[:] = down
         self.matrix, self.down = heads, self._memory[cap * k:].reshape(cap, tail)
 
