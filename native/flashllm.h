@@ -160,8 +160,9 @@ int32_t fl_attention(const float *q, const void *k_cache, const void *v_cache, i
  * and a term with |a_i| < threshold is dropped (magnitude sparsity; 0 keeps every term).
  * The layer's bundles and their layout are described by an fl_ffn_layer (ids index up_bias
  * only); with `down` given, a bundle holds [gate | up] (or [up]) and row i's down column is
- * row i of `down` (a resident cache kept as two streams: the same arithmetic, the same bits); rows (n_rows) the bundle rows to use, each in [0, n) (rows == NULL uses all n rows in
- * order, n_rows is then ignored);
+ * row i of `down` (a resident cache kept as two streams: the same arithmetic, the same bits);
+ * rows (n_rows) the bundle rows to use, each in [0, n) (rows == NULL uses all n rows in order,
+ * n_rows is then ignored);
  * x (T, d); y (T, d) is accumulated into (the caller zeroes it or passes the residual).
  * Quantized gate / up rows: gate_i . x and up_i . x use int8-quantized x as fl_matmul does
  * unless exact != 0; the down columns are always applied in f32. */

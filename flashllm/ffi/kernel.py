@@ -284,10 +284,10 @@ def _check_parts(n: int, stride: int, dtype: str, down_dtype: str, d: int, glu: 
                  down: np.ndarray | None) -> None:
     """Bundles of `stride` bytes hold the gate / up rows and, without `down`, the down column."""
     rows, col = (2 if glu else 1) * row_bytes(dtype, d), row_bytes(down_dtype, d)
-    if down is None and stride < rows + col:
-        raise KernelError(f"bundle stride {stride} is below the {dtype} bundle of {d} values "
-                          f"({rows + col} bytes)")
     if down is None:
+        if stride < rows + col:
+            raise KernelError(f"bundle stride {stride} is below the {dtype} bundle of {d} "
+                              f"values ({rows + col} bytes)")
         return
     if not isinstance(down, np.ndarray) or down.dtype != np.uint8 or down.ndim != 2 \
             or not down.flags.c_contiguous or len(down) != n:

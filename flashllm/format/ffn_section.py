@@ -37,6 +37,11 @@ class FfnLayout:
     down_dtypes: tuple[str, ...]      # per layer: the down column's dtype
 
     @property
+    def down_offset(self) -> int:
+        """Bytes of a bundle before its down column: the gate and up rows (up only, no GLU)."""
+        return (2 if self.glu else 1) * self.part_bytes
+
+    @property
     def uniform(self) -> bool:
         """Every layer has the same stride and down dtype (all folders before per-layer ones)."""
         return len(set(self.strides)) == 1 and len(set(self.down_dtypes)) == 1

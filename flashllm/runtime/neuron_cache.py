@@ -84,15 +84,14 @@ class NeuronCache:
         if self.down is not None or not 0 < k < self.stride or \
                 not self.n_pinned == self.count == self.capacity == cap:
             raise CacheError(f"split({k}) needs a full cache of pinned rows of {self.stride} bytes")
-        tail = self.stride - k
-        down = self.matrix[:, k:].copy()                                  # (capacity, tail)
+        tails = self.matrix[:, k:].copy()                                 # (capacity, stride - k)
         heads = self._memory[:cap * k].reshape(cap, k)                   # (capacity, k)
         # row r's head moves to r * k <= r * stride: a chunk never writes over a later chunk's
         # rows (numpy buffers the overlap within one)
         for r in range(0, cap, CHUNK_ROWS):
             heads[r:r + CHUNK_ROWS] = self.matrix[r:r + CHUNK_ROWS, :k]
-        self._memory[cap * k:].reshape(cap, tail)[:] = down
-        self.matrix, self.down = heads, self._memory[cap * k:].reshape(cap, tail)
+        self.matrix, self.down = heads, self._memory[cap * k:].reshape(tails.shape)
+        self.down[:] = tails
 
     def next_token(self) -> None:
         """Start the next token: rows used from now on count as used by it."""

@@ -75,7 +75,7 @@ class SparseFlashFfn:
         for layer, cache in enumerate(self.caches):
             self.reads.read_seq(layer, cache.pin(), cache.matrix, None)
             if static is not None and 0 < pins == cache.capacity:   # rows that never change:
-                cache.split((2 if f.glu else 1) * f.part_bytes)      # gate / up apart from down
+                cache.split(f.down_offset)                           # gate / up apart from down
         self._slots = np.arange(f.n_ff, dtype=np.int32)    # (n_ff,) sliced per chunk: no arange per token
         self.schedule = self._make_schedule(cfg.n_layers)
 

@@ -170,7 +170,7 @@ def down_norms(flash, layer: int, n_threads: int = 1, bundles: Optional[np.ndarr
     cfg, f = flash.config, flash.ffn
     if bundles is None:
         bundles = flash.read_ffn_layer(layer)                     # (n_ff, stride) uint8
-    off, ddt = (2 if cfg.glu else 1) * f.part_bytes, f.down_dtypes[layer]
+    off, ddt = f.down_offset, f.down_dtypes[layer]
     cols = bundles[:, off:off + row_bytes(ddt, cfg.d_model)]      # (n_ff, down bytes)
     return np.concatenate([np.linalg.norm(dequantize_rows(np.ascontiguousarray(cols[i:i + chunk]),
                                                           ddt, cfg.d_model, n_threads), axis=1)

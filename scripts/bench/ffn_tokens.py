@@ -40,7 +40,7 @@ def main() -> None:
     rows = args.rows or None
     layers = [np.ascontiguousarray(flash.read_ffn_layer(i)[:rows])         # (N, stride) each
               for i in range(args.layers or cfg.n_layers)]
-    k = (2 if cfg.glu else 1) * f.part_bytes
+    k = f.down_offset
     downs = [np.ascontiguousarray(b[:, k:]) if args.apart else None for b in layers]  # (N, tail)
     if args.apart:
         layers = [np.ascontiguousarray(b[:, :k]) for b in layers]         # (N, k) each
