@@ -1,8 +1,11 @@
 """The benchmark harness: the cgroup-v1 cap runner against the kernel's own accounting, and the
-parsers of `flashllm run`'s timings and --stats table against hand-written llama.cpp-style text."""
+parsers of `flashllm run`'s timings and --stats table against hand-written llama.cpp-style text,
+the read probe's idle-priority spinners."""
 from __future__ import annotations
 
+import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -113,3 +116,21 @@ def test_portable_paths(tmp_path):
             f"--other /x{root}/kept")
     assert report.portable(text, cache, root) == (
         f"flashllm run $FLASHLLM_CACHE/converted/m-q4_1 -f build/bench/p.txt -o ~/out --other /x{root}/kept")
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="no SCHED_IDLE on this platform")
+def test_read_probe_spinners_run_at_idle_priority_and_stop():
+    from scripts.bench.read_probe import spinners
+    procs = spinners(2)
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(
+                os.sched_getscheduler(p.pid) != os.SCHED_IDLE for p in procs):
+            time.sleep(0.05)
+        assert [os.sched_getscheduler(p.pid) for p in procs] == [os.SCHED_IDLE] * 2
+        assert all(p.poll() is None for p in procs)             # still spinning
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert all(p.poll() is not None for p in procs)
