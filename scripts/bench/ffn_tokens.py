@@ -73,13 +73,13 @@ def main() -> None:
         xs = [x] * len(layers)                              # (64, d_model), every layer
     cells = []
     for T in ts:
+        xts = [np.ascontiguousarray(x[:T]) for x in xs]     # per layer (T, d_model)
         y = np.zeros((T, cfg.d_model), np.float32)          # (T, d_model)
         best = float("inf")
         for _ in range(4):
             t0 = time.perf_counter()
             for i, bundles in enumerate(layers):
-                xt = np.ascontiguousarray(xs[i][:T])        # (T, d_model)
-                kernel.ffn_bundles(bundles, f.dtype, cfg.d_model, cfg.glu, cfg.act, xt, y,
+                kernel.ffn_bundles(bundles, f.dtype, cfg.d_model, cfg.glu, cfg.act, xts[i], y,
                                    threshold=thr[i], n_threads=args.threads,
                                    down_dtype=f.down_dtypes[i], down=downs[i])
             best = min(best, time.perf_counter() - t0)

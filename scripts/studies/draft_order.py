@@ -45,9 +45,13 @@ class SubsetFfn:
         pass
 
     def __call__(self, layer: int, h: np.ndarray, x: np.ndarray) -> None:
+        self.add(layer, h, x, self.rows[layer])
+
+    def add(self, layer: int, h: np.ndarray, x: np.ndarray, rows: np.ndarray) -> None:
+        """x (T, d) += the FFN over slots rows (k,) of layer for inputs h (T, d)."""
         f, cfg = self.flash.ffn, self.flash.config
         kernel.ffn_bundles(self.layers[layer], f.dtype, cfg.d_model, cfg.glu, cfg.act, h, x,
-                           ids=self.ids[layer], n_threads=self.n_threads, rows=self.rows[layer],
+                           ids=self.ids[layer], n_threads=self.n_threads, rows=rows,
                            threshold=self.thr[layer], down_dtype=f.down_dtypes[layer])
 
     def stats(self) -> dict:
