@@ -313,6 +313,16 @@ static inline int fli_has_panel(int32_t dtype) {
            dtype != FL_Q3_K;
 }
 
+/* whether fli_qdot_tile gives each of 2..FL_QT tokens the bits of its one-token product for
+ * rows of n values of dtype (the k-quant tiles that unpack a superblock once and keep each
+ * token's sums apart), so that a pass over a few tokens may take them in one tile */
+static inline int fli_tile_exact(int32_t dtype, int64_t n) {
+#if defined(FLI_Q4K_TILEN) || defined(FLI_Q4K_TILE1)
+    if (dtype == FL_Q4_K) return n % FL_QK_K == 0;
+#endif
+    return dtype == FL_Q6_K && n % FL_QK_K == 0;
+}
+
 /* bytes of one panel of FL_PR rows of n values (a dtype with panels) */
 size_t fli_panel_bytes(int64_t n);
 

@@ -100,8 +100,9 @@ void fli_ffn_range_q1(const ffn_args *a, const uint8_t *bundles, int64_t stride,
 
 /* 1 < T <= SMALL_T, quantized (a decode pass with draft guesses): per token exactly
  * fli_ffn_range_q1's arithmetic — the same tiles, each token's own queue of kept neurons and its
- * fused 4-row down axpys — with each group's rows read from memory once for all T tokens;
- * h: scratch (FL_QT, T) */
+ * fused 4-row down axpys — with each group's rows read from memory once for all T tokens, and
+ * unpacked once for up to FL_QT of them where the tile keeps each token's bits (q4_k, q6_k:
+ * fli_tile_exact); h: scratch (FL_QT, T) */
 void fli_ffn_range_qs(const ffn_args *a, const uint8_t *bundles, int64_t stride, int64_t j0,
                       int64_t j1, float *acc, float *h) {
     const int64_t T = a->T, d = a->d;
@@ -109,12 +110,8 @@ void fli_ffn_range_qs(const ffn_args *a, const uint8_t *bundles, int64_t stride,
     float hq[SMALL_T][FL_QT];
     int nq[SMALL_T] = {0};
     group g;
-#ifdef FLI_Q4K_TILE1  /* tokens one tile takes at once, each as alone (fli_q4k_tilen), evenly */
-    const int64_t tiles = (T + FL_QT - 1) / FL_QT;
-    const int64_t step = a->dtype == FL_Q4_K && d % FL_QK_K == 0 ? (T + tiles - 1) / tiles : 1;
-#else
-    const int64_t step = 1;
-#endif
+    const int64_t tiles = (T + FL_QT - 1) / FL_QT;  /* tokens a tile takes at once, evenly */
+    const int64_t step = fli_tile_exact(a->dtype, d) ? (T + tiles - 1) / tiles : 1;
     for (int64_t j = j0; j < j1; j += FL_QT) {
         group_at(a, bundles, stride, j, j1, &g);
         for (int64_t t = 0; t < T; t++) {

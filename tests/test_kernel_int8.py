@@ -96,36 +96,38 @@ def test_a_few_tokens_through_matmul_are_each_computed_as_one(dtype):
 
 
 
-def _q4k_bundles(n: int, d: int, seed: int) -> np.ndarray:
-    """(n, stride) q4_k bundles [gate | up | down] of random rows (native/kquant.c quantizer)."""
+def _kq_bundles(n: int, d: int, seed: int, dtype: str = "q4_k") -> np.ndarray:
+    """(n, stride) k-quant bundles [gate | up | down] of random rows (native/kquant.c quantizer)."""
     from flashllm.ffi.quant import quantize_rows
     rng = _rng(seed)
     return np.ascontiguousarray(np.concatenate(
-        [quantize_rows(rng.standard_normal((n, d)).astype(np.float32), "q4_k")
+        [quantize_rows(rng.standard_normal((n, d)).astype(np.float32), dtype)
          for _ in range(3)], 1))
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_q4_k_tokens_at_once_are_each_computed_as_one(threads):
-    """Q4_K (the default conversion's gate / up): a pass over T <= 10 tokens shares each
-    superblock's unpacking among up to 4 of them (AVX-512 VNNI: fli_q4k_tilen) and still gives
-    each token, bit for bit, its one-token numbers — in the FFN and in an unpacked matmul."""
+@pytest.mark.parametrize("dtype", ["q4_k", "q6_k"])
+def test_k_quant_tokens_at_once_are_each_computed_as_one(dtype, threads):
+    """Q4_K and Q6_K (a native conversion's gate / up): a pass over T <= 10 tokens shares each
+    superblock's unpacking among up to 4 of them (fli_q4k_tile, fli_q4k_tilen, fli_q6k_tile:
+    ffn_quant.c's range_qs takes them in one tile) and still gives each token, bit for bit,
+    its one-token numbers — in the FFN and in an unpacked matmul."""
     d, n = 512, 70
-    data = _q4k_bundles(n, d, seed=31)
+    data = _kq_bundles(n, d, seed=31, dtype=dtype)
     rng = _rng(32)
     x = (rng.standard_normal((7, d)) / np.sqrt(d)).astype(np.float32)  # (7, d)
     rows = rng.choice(n, 53, replace=False).astype(np.int32)  # (53,)
     for T in (2, 3, 4, 5, 7):
         one = np.zeros((T, d), np.float32)
         for t in range(T):
-            kernel.ffn_bundles(data, "q4_k", d, True, "silu", x[t:t + 1], one[t:t + 1], rows=rows,
-                               threshold=0.01, n_threads=threads, down_dtype="q4_k")
+            kernel.ffn_bundles(data, dtype, d, True, "silu", x[t:t + 1], one[t:t + 1], rows=rows,
+                               threshold=0.01, n_threads=threads, down_dtype=dtype)
         many = np.zeros((T, d), np.float32)
-        kernel.ffn_bundles(data, "q4_k", d, True, "silu", x[:T], many, rows=rows, threshold=0.01,
-                           n_threads=threads, down_dtype="q4_k")
+        kernel.ffn_bundles(data, dtype, d, True, "silu", x[:T], many, rows=rows, threshold=0.01,
+                           n_threads=threads, down_dtype=dtype)
         np.testing.assert_array_equal(many, one)
     from flashllm.model.tensor import QTensor
-    w = QTensor(np.ascontiguousarray(data[:, :data.shape[1] // 3]), "q4_k", n, d)  # (n, d)
+    w = QTensor(np.ascontiguousarray(data[:, :data.shape[1] // 3]), dtype, n, d)  # (n, d)
     for T in (2, 3, 4):
         single = np.stack([kernel.matmul(w, x[t:t + 1], None, threads)[0] for t in range(T)])
         np.testing.assert_array_equal(kernel.matmul(w, x[:T], None, threads), single)
@@ -140,7 +142,7 @@ def test_down_columns_apart_give_the_bundles_bits(dtype, glu):
     d, n = 256, 150
     rb = row_bytes(dtype, d)
     if dtype == "q4_k":                       # [gate | up | down], or [up | down]
-        data = np.ascontiguousarray(_q4k_bundles(n, d, seed=41)[:, 0 if glu else rb:])
+        data = np.ascontiguousarray(_kq_bundles(n, d, seed=41)[:, 0 if glu else rb:])
     else:
         data, _ = _bundles(n, d, dtype, glu, pad=4, seed=41)                 # (n, stride)
     k = (2 if glu else 1) * rb
