@@ -207,6 +207,10 @@ int32_t fli_q3k_isum(const uint8_t *sb, const int8_t *q, const int16_t *bsum16);
  * the tokens */
 void fli_q6k_tile(const uint8_t *const w[FL_QT], const uint8_t *const x[FL_QT], int32_t n_tok,
                   int64_t n, float out[FL_QT][FL_QT]);
+/* the same for q2_k rows (the output head's sketch): each product fli_qk_qdot's bits, each
+ * superblock's 2-bit values and scales unpacked once for all the tokens under AVX2 */
+void fli_q2k_tile(const uint8_t *const w[FL_QT], const uint8_t *const x[FL_QT], int32_t n_tok,
+                  int64_t n, float out[FL_QT][FL_QT]);
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define FLI_Q4K_TILE1 1
@@ -320,7 +324,7 @@ static inline int fli_tile_exact(int32_t dtype, int64_t n) {
 #if defined(FLI_Q4K_TILEN) || defined(FLI_Q4K_TILE1)
     if (dtype == FL_Q4_K) return n % FL_QK_K == 0;
 #endif
-    return dtype == FL_Q6_K && n % FL_QK_K == 0;
+    return (dtype == FL_Q6_K || dtype == FL_Q2_K) && n % FL_QK_K == 0;
 }
 
 /* bytes of one panel of FL_PR rows of n values (a dtype with panels) */

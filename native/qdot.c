@@ -339,7 +339,11 @@ void fli_qdot_tile(int32_t dtype, const uint8_t *const w[FL_QT], const uint8_t *
         fli_q6k_tile(w, x, n_tok, n, out);
         return;
     }
-    if (dtype == FL_Q2_K || dtype == FL_Q3_K || dtype == FL_Q5_K) {  // a row and token at a time
+    if (dtype == FL_Q2_K) {  // each superblock unpacked once for the tokens (qk.c)
+        fli_q2k_tile(w, x, n_tok, n, out);
+        return;
+    }
+    if (dtype == FL_Q3_K || dtype == FL_Q5_K) {  // a row and token at a time
         for (int r = 0; r < FL_QT; r++)
             for (int t = 0; t < n_tok; t++) out[r][t] = fli_qk_qdot(dtype, w[r], x[t], n);
         return;

@@ -277,6 +277,75 @@ float fli_qk_qdot(int32_t dtype, const uint8_t *w, const uint8_t *x, int64_t n) 
     return s;
 }
 
+/* the parts of q2_k superblock sb every token meets (q2k_isum's AVX2 loop, unpacked once): the
+ * 2-bit values of runs 32i .. 32i + 31 and their sub-blocks' scales (low lanes 2i, high 2i + 1),
+ * the mins as int16 */
+typedef struct {
+#if defined(QK_256)
+    __m256i u[8], sc[8], m;
+#endif
+    const uint8_t *sb;
+} q2k_parts;
+
+static inline void q2k_unpack(const uint8_t *sb, q2k_parts *o) {
+    o->sb = sb;
+#if defined(QK_256)
+    const __m256i m3 = _mm256_set1_epi8(0x03);
+    for (int h = 0; h < 2; h++) {
+        const __m256i qv = _mm256_loadu_si256((const __m256i *)(sb + 16 + 32 * h));
+        for (int g = 0; g < 4; g++) {
+            const int k = 8 * h + 2 * g;
+            o->u[4 * h + g] = _mm256_and_si256(_mm256_srl_epi16(qv, _mm_cvtsi32_si128(2 * g)), m3);
+            o->sc[4 * h + g] = _mm256_set_m128i(_mm_set1_epi16(sb[k + 1] & 0xF), _mm_set1_epi16(sb[k] & 0xF));
+        }
+    }
+    o->m = _mm256_srli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)sb)), 4);
+#endif
+}
+
+/* q2k_isum and q2k_msum of unpacked parts o with a token's int8 q (256) and sums bsum16 (16) */
+static inline void q2k_sums(const q2k_parts *o, const int8_t *q, const int16_t *bsum16,
+                            int32_t *isum, int32_t *msum) {
+#if defined(QK_256)
+    __m256i acc = _mm256_setzero_si256();
+    for (int i = 0; i < 8; i++) {
+        const __m256i p = _mm256_maddubs_epi16(o->u[i], _mm256_loadu_si256((const __m256i *)(q + 32 * i)));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, o->sc[i]));
+    }
+    *isum = fli_hsum256_i32(acc);
+    *msum = fli_hsum256_i32(_mm256_madd_epi16(o->m, _mm256_loadu_si256((const __m256i *)bsum16)));
+#else
+    *isum = q2k_isum(o->sb, q);
+    *msum = q2k_msum(o->sb, bsum16);
+#endif
+}
+
+#define Q2K_AHEAD 8  /* rows ahead whose superblock is prefetched (the head's sketch streams) */
+void fli_q2k_tile(const uint8_t *const w[FL_QT], const uint8_t *const x[FL_QT], int32_t n_tok,
+                  int64_t n, float out[FL_QT][FL_QT]) {
+    const size_t rb = (size_t)(n / FL_QK_K) * FL_Q2_K_BYTES;
+    qk_token t[FL_QT];
+    for (int j = 0; j < n_tok; j++) t[j] = token_view(x[j], n);
+    for (int r = 0; r < FL_QT; r++) {
+        float s[FL_QT] = {0.0f};
+        for (int64_t sbi = 0; sbi < n / FL_QK_K; sbi++) {
+            const uint8_t *sb = w[r] + sbi * FL_Q2_K_BYTES;
+            fli_prefetch(sb + Q2K_AHEAD * rb, FL_Q2_K_BYTES);  // Q2K_AHEAD rows on, if contiguous
+            const float d = fl_load_fp16(sb + 80), dmin = fl_load_fp16(sb + 82);
+            q2k_parts o;  // once for all the tokens
+            q2k_unpack(sb, &o);
+            for (int j = 0; j < n_tok; j++) {  // fli_qk_qdot's expressions, term for term
+                const float dx = t[j].scale[sbi * 8 * FL_XQ_LANES];
+                int32_t isum, msum;
+                q2k_sums(&o, t[j].q + sbi * FL_QK_K, t[j].bsum16 + 16 * sbi, &isum, &msum);
+                s[j] += d * dx * (float)isum;
+                s[j] -= dmin * dx * (float)msum;
+            }
+        }
+        for (int j = 0; j < n_tok; j++) out[r][j] = s[j];
+    }
+}
+
 #define Q6K_AHEAD 8  /* rows ahead whose superblock is prefetched (from DRAM the tile waits) */
 void fli_q6k_tile(const uint8_t *const w[FL_QT], const uint8_t *const x[FL_QT], int32_t n_tok,
                   int64_t n, float out[FL_QT][FL_QT]) {

@@ -133,6 +133,23 @@ def test_k_quant_tokens_at_once_are_each_computed_as_one(dtype, threads):
         np.testing.assert_array_equal(kernel.matmul(w, x[:T], None, threads), single)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_q2_k_tokens_at_once_are_each_computed_as_one(threads):
+    """Q2_K (the output head's sketch, which a pass over T tokens multiplies by all of them):
+    fli_q2k_tile unpacks each superblock once for up to 4 tokens and gives each, bit for bit,
+    its one-token product."""
+    from flashllm.ffi.quant import quantize_rows
+    from flashllm.model.tensor import QTensor
+    n, d = 37, 768
+    rng = _rng(33)
+    w = QTensor(quantize_rows(rng.standard_normal((n, d)).astype(np.float32), "q2_k"),
+                "q2_k", n, d)                                                # (n, d)
+    x = rng.standard_normal((4, d)).astype(np.float32)                       # (4, d)
+    for T in (2, 3, 4):
+        single = np.stack([kernel.matmul(w, x[t:t + 1], None, threads)[0] for t in range(T)])
+        np.testing.assert_array_equal(kernel.matmul(w, x[:T], None, threads), single)
+
+
 @pytest.mark.parametrize("dtype", ["q4_k", "q8_0", "q4_1", "f32"])
 @pytest.mark.parametrize("glu", [True, False])
 def test_down_columns_apart_give_the_bundles_bits(dtype, glu):
