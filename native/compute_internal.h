@@ -306,9 +306,9 @@ void fli_qdot_tile(int32_t dtype, const uint8_t *const w[FL_QT], const uint8_t *
 
 /* ---- qgemm.c: the int8 GEMM of prefill over panels of FL_PR weight rows ------------------ */
 
-/* whether dtype has int8 GEMM panels (every quantized dtype but q2_k, q5_k and q6_k, whose
- * T > 1 products run the one-token dots per token, and under AVX2 q4_k, whose tiles of
- * FL_QT tokens are faster) */
+/* whether dtype has int8 GEMM panels (every quantized dtype but the k-quants q2_k, q3_k, q5_k
+ * and q6_k, whose T > 1 products run their tiles of FL_QT tokens (q2_k, q6_k) or the one-token
+ * dots per token, and under AVX2 q4_k, whose tiles of FL_QT tokens are faster) */
 static inline int fli_has_panel(int32_t dtype) {
 #if defined(FLI_Q4K_TILEN)  /* AVX2: q4_k's integer tiles beat its expanded panels */
     if (dtype == FL_Q4_K) return 0;
