@@ -115,6 +115,37 @@ static int32_t q6k_isum(const uint8_t *sb, const int8_t *q) {
 }
 #endif
 
+#if defined(QK_256)
+/* q2_k superblock sb unpacked (AVX2; once for all the tokens a tile meets): the 2-bit values of
+ * runs 32i .. 32i + 31 (i = 4h + g: shift 2g of qs[32h ..]) and their sub-blocks' scales (low
+ * lanes 8h + 2g, high lanes the next) */
+typedef struct {
+    __m256i u[8], sc[8];
+} q2k_unpacked;
+
+static inline void q2k_unpack(const uint8_t *sb, q2k_unpacked *o) {
+    const __m256i m3 = _mm256_set1_epi8(0x03);
+    for (int h = 0; h < 2; h++) {
+        const __m256i qv = _mm256_loadu_si256((const __m256i *)(sb + 16 + 32 * h));
+        for (int g = 0; g < 4; g++) {
+            const int k = 8 * h + 2 * g;
+            o->u[4 * h + g] = _mm256_and_si256(_mm256_srl_epi16(qv, _mm_cvtsi32_si128(2 * g)), m3);
+            o->sc[4 * h + g] = _mm256_set_m128i(_mm_set1_epi16(sb[k + 1] & 0xF), _mm_set1_epi16(sb[k] & 0xF));
+        }
+    }
+}
+
+/* q2k_isum of an unpacked superblock o with a token's int8 q (256) */
+static inline int32_t q2k_isum_u(const q2k_unpacked *o, const int8_t *q) {
+    __m256i acc = _mm256_setzero_si256();
+    for (int i = 0; i < 8; i++) {
+        const __m256i p = _mm256_maddubs_epi16(o->u[i], _mm256_loadu_si256((const __m256i *)(q + 32 * i)));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, o->sc[i]));
+    }
+    return fli_hsum256_i32(acc);
+}
+#endif
+
 /* q2_k: sum over the 16 sub-blocks k of sc_k * (u . q) (u in 0..3, q the token's int8) */
 static int32_t q2k_isum(const uint8_t *sb, const int8_t *q) {
 #if defined(QK_512)
@@ -136,20 +167,9 @@ static int32_t q2k_isum(const uint8_t *sb, const int8_t *q) {
     }
     return _mm512_reduce_add_epi32(acc);
 #elif defined(QK_256)
-    const __m256i m3 = _mm256_set1_epi8(0x03);
-    __m256i acc = _mm256_setzero_si256();
-    for (int h = 0; h < 2; h++) {
-        const __m256i qv = _mm256_loadu_si256((const __m256i *)(sb + 16 + 32 * h));
-        for (int g = 0; g < 4; g++) {  // values 128h + 32g .. +31: sub-blocks 8h + 2g, + 1
-            const __m256i u = _mm256_and_si256(_mm256_srl_epi16(qv, _mm_cvtsi32_si128(2 * g)), m3);
-            const __m256i p = _mm256_maddubs_epi16(
-                u, _mm256_loadu_si256((const __m256i *)(q + 128 * h + 32 * g)));
-            const int k = 8 * h + 2 * g;
-            const __m256i s = _mm256_set_m128i(_mm_set1_epi16(sb[k + 1] & 0xF), _mm_set1_epi16(sb[k] & 0xF));
-            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, s));
-        }
-    }
-    return fli_hsum256_i32(acc);
+    q2k_unpacked o;
+    q2k_unpack(sb, &o);
+    return q2k_isum_u(&o, q);
 #else
     int32_t s = 0;
     for (int v = 0; v < FL_QK_K; v++)
@@ -277,49 +297,6 @@ float fli_qk_qdot(int32_t dtype, const uint8_t *w, const uint8_t *x, int64_t n) 
     return s;
 }
 
-/* the parts of q2_k superblock sb every token meets (q2k_isum's AVX2 loop, unpacked once): the
- * 2-bit values of runs 32i .. 32i + 31 and their sub-blocks' scales (low lanes 2i, high 2i + 1),
- * the mins as int16 */
-typedef struct {
-#if defined(QK_256)
-    __m256i u[8], sc[8], m;
-#endif
-    const uint8_t *sb;
-} q2k_parts;
-
-static inline void q2k_unpack(const uint8_t *sb, q2k_parts *o) {
-    o->sb = sb;
-#if defined(QK_256)
-    const __m256i m3 = _mm256_set1_epi8(0x03);
-    for (int h = 0; h < 2; h++) {
-        const __m256i qv = _mm256_loadu_si256((const __m256i *)(sb + 16 + 32 * h));
-        for (int g = 0; g < 4; g++) {
-            const int k = 8 * h + 2 * g;
-            o->u[4 * h + g] = _mm256_and_si256(_mm256_srl_epi16(qv, _mm_cvtsi32_si128(2 * g)), m3);
-            o->sc[4 * h + g] = _mm256_set_m128i(_mm_set1_epi16(sb[k + 1] & 0xF), _mm_set1_epi16(sb[k] & 0xF));
-        }
-    }
-    o->m = _mm256_srli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)sb)), 4);
-#endif
-}
-
-/* q2k_isum and q2k_msum of unpacked parts o with a token's int8 q (256) and sums bsum16 (16) */
-static inline void q2k_sums(const q2k_parts *o, const int8_t *q, const int16_t *bsum16,
-                            int32_t *isum, int32_t *msum) {
-#if defined(QK_256)
-    __m256i acc = _mm256_setzero_si256();
-    for (int i = 0; i < 8; i++) {
-        const __m256i p = _mm256_maddubs_epi16(o->u[i], _mm256_loadu_si256((const __m256i *)(q + 32 * i)));
-        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, o->sc[i]));
-    }
-    *isum = fli_hsum256_i32(acc);
-    *msum = fli_hsum256_i32(_mm256_madd_epi16(o->m, _mm256_loadu_si256((const __m256i *)bsum16)));
-#else
-    *isum = q2k_isum(o->sb, q);
-    *msum = q2k_msum(o->sb, bsum16);
-#endif
-}
-
 #define Q2K_AHEAD 8  /* rows ahead whose superblock is prefetched (the head's sketch streams) */
 void fli_q2k_tile(const uint8_t *const w[FL_QT], const uint8_t *const x[FL_QT], int32_t n_tok,
                   int64_t n, float out[FL_QT][FL_QT]) {
@@ -332,12 +309,18 @@ void fli_q2k_tile(const uint8_t *const w[FL_QT], const uint8_t *const x[FL_QT], 
             const uint8_t *sb = w[r] + sbi * FL_Q2_K_BYTES;
             fli_prefetch(sb + Q2K_AHEAD * rb, FL_Q2_K_BYTES);  // Q2K_AHEAD rows on, if contiguous
             const float d = fl_load_fp16(sb + 80), dmin = fl_load_fp16(sb + 82);
-            q2k_parts o;  // once for all the tokens
+#if defined(QK_256)
+            q2k_unpacked o;  // once for all the tokens
             q2k_unpack(sb, &o);
+#endif
             for (int j = 0; j < n_tok; j++) {  // fli_qk_qdot's expressions, term for term
                 const float dx = t[j].scale[sbi * 8 * FL_XQ_LANES];
-                int32_t isum, msum;
-                q2k_sums(&o, t[j].q + sbi * FL_QK_K, t[j].bsum16 + 16 * sbi, &isum, &msum);
+                const int32_t msum = q2k_msum(sb, t[j].bsum16 + 16 * sbi);
+#if defined(QK_256)
+                const int32_t isum = q2k_isum_u(&o, t[j].q + sbi * FL_QK_K);
+#else
+                const int32_t isum = q2k_isum(sb, t[j].q + sbi * FL_QK_K);
+#endif
                 s[j] += d * dx * (float)isum;
                 s[j] -= dmin * dx * (float)msum;
             }
