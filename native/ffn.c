@@ -211,7 +211,7 @@ static int32_t ffn_checked(const fl_ffn_layer *layer, const int32_t *rows, int64
     if (status != FL_OK) return status;
     const ffn_args a = {d,   T,    rb,             dtype, glu != 0,  act, ddt,
                         ids, rows, layer->up_bias, x,     threshold, xq,  (size_t)fli_xq_bytes(d),
-                        layer->down, layer->down_stride};
+                        layer->down, layer->down_stride, rd};
     if (rows) n = n_rows;
     status = ffn_blocks(&a, bundles, n, stride, y, n_threads);
     free(xq);

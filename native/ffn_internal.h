@@ -29,6 +29,7 @@ typedef struct {
     size_t xb;
     const uint8_t *down;  // (n, down_stride) the down columns apart, or NULL: after the up row
     int64_t down_stride;
+    size_t down_bytes;  // bytes of one down column (fl_row_bytes(ddt, d))
 } ffn_args;
 
 /* the down column of bundle row i (bundles of stride bytes) */

@@ -25,6 +25,11 @@ static inline void prefetch_l2(const uint8_t *p, size_t n) {
     for (size_t off = 0; off < n; off += 64) __builtin_prefetch(p + off, 0, 1);
 }
 
+/* n bytes at p into L1: a kept down column, shortly before its axpy */
+static inline void prefetch_l1(const uint8_t *p, size_t n) {
+    for (size_t off = 0; off < n; off += 64) __builtin_prefetch(p + off, 0, 3);
+}
+
 /* one group of up to FL_QT bundles (rows j .. j+nr-1 of the call): bundle row ids, gate and up
  * row pointers (a short group repeats its first bundle) */
 typedef struct {
@@ -47,7 +52,6 @@ static void group_at(const ffn_args *a, const uint8_t *bundles, int64_t stride, 
     for (int64_t k = ahead; k < ahead + FL_QT && k < j1; k++) {
         const int64_t i = a->rows ? a->rows[k] : k;
         prefetch_l2(bundles + i * stride, (size_t)(a->glu ? 2 : 1) * a->rb);
-        if (a->down) prefetch_l2(a->down + i * a->down_stride, (size_t)a->down_stride);
     }
 }
 
@@ -75,27 +79,50 @@ static void group_h(const ffn_args *a, const group *g, int64_t t, int64_t nt, fl
             h[k * ld + t + j] = k < g->nr ? neuron_h(a, g->id[k], go[k][j], uo[k][j]) : 0.0f;
 }
 
+/* a kept neuron's down column joins a queue of up to 2 FL_QT: it is prefetched as it comes, and
+ * the older FL_QT go in one fused 4-row axpy when the queue is full — the same groups of 4 in
+ * the same order as adding each group the moment it forms, one group later, so its columns have
+ * arrived (a prefetch of every column of the groups ahead, kept or not, read twice the bytes) */
+typedef struct {
+    const uint8_t *down[2 * FL_QT];
+    float h[2 * FL_QT];
+    int n;
+} down_queue;
+
+static inline void queue_push(const ffn_args *a, down_queue *q, const uint8_t *down, float h,
+                              float *acc) {
+    prefetch_l1(down, a->down_bytes);
+    q->down[q->n] = down;
+    q->h[q->n++] = h;
+    if (q->n == 2 * FL_QT) {
+        fli_axpy4(a->ddt, q->down, q->h, acc, a->d);
+        memcpy(q->down, q->down + FL_QT, FL_QT * sizeof q->down[0]);
+        memcpy(q->h, q->h + FL_QT, FL_QT * sizeof q->h[0]);
+        q->n = FL_QT;
+    }
+}
+
+/* the queue's rest: a group of 4 if there is one, then one column at a time */
+static inline void queue_flush(const ffn_args *a, down_queue *q, float *acc) {
+    int k = 0;
+    if (q->n >= FL_QT) fli_axpy4(a->ddt, q->down, q->h, acc, a->d), k = FL_QT;
+    for (; k < q->n; k++) fli_axpy(a->ddt, q->down[k], q->h[k], acc, a->d);
+    q->n = 0;
+}
+
 /* T == 1, quantized: int8 gate/up tiles; the kept neurons queue up for fused 4-row down axpys */
 void fli_ffn_range_q1(const ffn_args *a, const uint8_t *bundles, int64_t stride, int64_t j0,
                       int64_t j1, float *acc) {
-    const uint8_t *down[FL_QT];
-    float hq[FL_QT], h[FL_QT];
-    int nq = 0;
+    float h[FL_QT];
+    down_queue q = {.n = 0};
     group g;
     for (int64_t j = j0; j < j1; j += FL_QT) {
         group_at(a, bundles, stride, j, j1, &g);
         group_h(a, &g, 0, 1, h, 1);
-        for (int k = 0; k < g.nr; k++) {
-            if (h[k] == 0.0f) continue;
-            down[nq] = g.down[k];
-            hq[nq++] = h[k];
-            if (nq == FL_QT) {
-                fli_axpy4(a->ddt, down, hq, acc, a->d);
-                nq = 0;
-            }
-        }
+        for (int k = 0; k < g.nr; k++)
+            if (h[k] != 0.0f) queue_push(a, &q, g.down[k], h[k], acc);
     }
-    for (int k = 0; k < nq; k++) fli_axpy(a->ddt, down[k], hq[k], acc, a->d);
+    queue_flush(a, &q, acc);
 }
 
 /* 1 < T <= SMALL_T, quantized (a decode pass with draft guesses): per token exactly
@@ -106,9 +133,8 @@ void fli_ffn_range_q1(const ffn_args *a, const uint8_t *bundles, int64_t stride,
 void fli_ffn_range_qs(const ffn_args *a, const uint8_t *bundles, int64_t stride, int64_t j0,
                       int64_t j1, float *acc, float *h) {
     const int64_t T = a->T, d = a->d;
-    const uint8_t *down[SMALL_T][FL_QT];
-    float hq[SMALL_T][FL_QT];
-    int nq[SMALL_T] = {0};
+    down_queue q[SMALL_T];
+    for (int64_t t = 0; t < T; t++) q[t].n = 0;
     group g;
     const int64_t tiles = (T + FL_QT - 1) / FL_QT;  /* tokens a tile takes at once, evenly */
     const int64_t step = fli_tile_exact(a->dtype, d) ? (T + tiles - 1) / tiles : 1;
@@ -116,19 +142,11 @@ void fli_ffn_range_qs(const ffn_args *a, const uint8_t *bundles, int64_t stride,
         group_at(a, bundles, stride, j, j1, &g);
         for (int64_t t = 0; t < T; t++) {
             if (t % step == 0) group_h(a, &g, t, T - t < step ? T - t : step, h, T);
-            for (int k = 0; k < g.nr; k++) {
-                if (h[k * T + t] == 0.0f) continue;
-                down[t][nq[t]] = g.down[k];
-                hq[t][nq[t]++] = h[k * T + t];
-                if (nq[t] == FL_QT) {
-                    fli_axpy4(a->ddt, down[t], hq[t], acc + t * d, d);
-                    nq[t] = 0;
-                }
-            }
+            for (int k = 0; k < g.nr; k++)
+                if (h[k * T + t] != 0.0f) queue_push(a, &q[t], g.down[k], h[k * T + t], acc + t * d);
         }
     }
-    for (int64_t t = 0; t < T; t++)
-        for (int k = 0; k < nq[t]; k++) fli_axpy(a->ddt, down[t][k], hq[t][k], acc + t * d, d);
+    for (int64_t t = 0; t < T; t++) queue_flush(a, &q[t], acc + t * d);
 }
 
 /* the gate and up rows of bundles j .. j+nr-1 (nr <= FL_PR) packed into two int8 GEMM panels
