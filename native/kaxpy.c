@@ -191,9 +191,13 @@ static inline void q6k_values(const uint8_t *sb, int8_t *u) {
 static void q6k_axpy_sb(const uint8_t *const sb[KQ_MAX], const float *a, int nr, float *y) {
     float sc[KQ_MAX][16];  // per row: a_r * (d * scale_k)
     int8_t u[KQ_MAX][256] __attribute__((aligned(32)));
-    for (int r = 0; r < nr; r++) {
-        const float d = fl_load_fp16(sb[r] + 208);
-        for (int k = 0; k < 16; k++) sc[r][k] = a[r] * (d * (float)((const int8_t *)(sb[r] + 192))[k]);
+    for (int r = 0; r < nr; r++) {  // 8 scales at a time: the scalar loop took ~1/5 of a row
+        const __m256 d = _mm256_set1_ps(fl_load_fp16(sb[r] + 208)), ar = _mm256_set1_ps(a[r]);
+        for (int c = 0; c < 2; c++) {
+            const __m256 k = _mm256_cvtepi32_ps(
+                _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sb[r] + 192 + 8 * c))));
+            _mm256_storeu_ps(sc[r] + 8 * c, _mm256_mul_ps(ar, _mm256_mul_ps(d, k)));
+        }
         q6k_values(sb[r], u[r]);
     }
     for (int p = 0; p < 4; p++) {
