@@ -14,7 +14,7 @@ import numpy as np
 from flashllm.runtime.budget import (BudgetError, BudgetPlan, head_name, model_bytes, plan_budget,
                                      read_manifest)
 from flashllm.format.layout import SKETCH
-from flashllm.runtime.resident import head_rows_bytes
+from flashllm.runtime.resident import carries, carry_bytes, head_rows_bytes
 from flashllm.runtime.sparse_head import SparseHead, sketch_bytes
 from flashllm.units import KiB, format_size
 
@@ -82,9 +82,8 @@ def plan_run(path: Path, opts: FlashOptions, n_ctx: int, process: int) -> Option
                   sketch=_sketch(man, opts))
     try:
         plan = plan_budget(man, text, n_ctx, process, **kwargs)
-        if opts.draft_rows and not opts.naive and head_name(man) in plan.streamed:
-            kwargs["draft"] = head_rows_bytes(man, opts.draft_rows, n_ctx)
-            plan = plan_budget(man, text, n_ctx, process, **kwargs)
+        if opts.draft_rows and not opts.naive:
+            plan = _with_draft(man, text, n_ctx, process, plan, opts.draft_rows, kwargs)
     except BudgetError as e:
         least = least_budget(man, n_ctx, process, **kwargs)
         raise BudgetError(f"{e} (the least --dram-budget that works for this model and context: "
@@ -125,6 +124,18 @@ def least_budget(man: dict, n_ctx: int, process: int, **kwargs) -> int:
     return hi
 
 
+def _with_draft(man: dict, text: str, n_ctx: int, process: int, plan, rows: int, kwargs: dict):
+    """The plan with a self draft's DRAM in kwargs["draft"]: its head rows when the head streams,
+    then the cold output it borrows where the caches hold enough to lend it (resident.carries)."""
+    if head_name(man) in plan.streamed:
+        kwargs["draft"] = head_rows_bytes(man, rows, n_ctx)
+        plan = plan_budget(man, text, n_ctx, process, **kwargs)
+    if not man["config"].get("n_experts") and carries(plan.capacity, plan.n_ff):
+        kwargs["draft"] = kwargs.get("draft", 0) + carry_bytes(man)
+        plan = plan_budget(man, text, n_ctx, process, **kwargs)
+    return plan
+
+
 def _with_predictor(man: dict, text: str, n_ctx: int, process: int, plain: BudgetPlan,
                     opts: FlashOptions) -> BudgetPlan:
     """The plan with the manifest's predictor resident when forced (--predictor on), or when it
@@ -135,7 +146,7 @@ def _with_predictor(man: dict, text: str, n_ctx: int, process: int, plain: Budge
         plan = plan_budget(man, text, n_ctx, process, predictor=int(sec.get("nbytes") or 0),
                            reader_stage=READER_THREADS * READER_STAGE,
                            keep_tokenizer=opts.keep_tokenizer,
-                           draft=plain.resident.get("draft head", 0),
+                           draft=plain.resident.get("draft", 0),
                            sketch=_sketch(man, opts) if plain.sparse_head else (0, 0))
     except BudgetError:
         if force:

@@ -119,7 +119,7 @@ class ExpertFlashFfn:
 
     # ---- the strategy seam -------------------------------------------------------------------
 
-    def start_pass(self, n_tokens: int, prefill: bool) -> None:
+    def start_pass(self, n_tokens: int, prefill: bool, pos0: int = 0) -> None:
         self._token = self.rec.start("prefill" if prefill else "decode", n_tokens)
 
     def __call__(self, layer: int, h: np.ndarray, x: np.ndarray) -> None:

@@ -1,7 +1,7 @@
 """FFN strategies: how a layer's feed-forward network is computed from its bundles.
 
-The model calls `ffn.start_pass(T, prefill)` once per forward pass, then `ffn(layer, h, x)` per
-layer: x (T, d_model) += FFN(h), h (T, d_model) the normalized FFN input (the model adds the down
+The model calls `ffn.start_pass(T, prefill, pos0)` once per forward pass (its tokens stand at
+positions pos0 ..), then `ffn(layer, h, x)` per layer: x (T, d_model) += FFN(h), h (T, d_model) the normalized FFN input (the model adds the down
 bias afterwards). prefill says the pass evaluates a prompt; a decode pass feeds one sampled token
 and any draft guesses (flashllm/generation/speculate.py). A strategy also reports `stats()` for --stats.
 """
@@ -77,7 +77,7 @@ class DenseFfn:
                         for i in range(cfg.n_layers)]
         self.ids = [bundle_ids(flash, i) for i in range(cfg.n_layers)]  # (n_ff,) int32 or None
 
-    def start_pass(self, n_tokens: int, prefill: bool) -> None:
+    def start_pass(self, n_tokens: int, prefill: bool, pos0: int = 0) -> None:
         pass
 
     def __call__(self, layer: int, h: np.ndarray, x: np.ndarray) -> None:

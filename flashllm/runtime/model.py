@@ -102,7 +102,7 @@ class Model:
         pos = np.concatenate([np.arange(pos0, pos0 + n, dtype=np.int32), pos0 + sib])  # (T,)
         self.fed[pos0:pos0 + n] = tokens[:n]
         self._sibling_kv(tokens[n:])
-        self.ffn.start_pass(T, prefill=last_only)
+        self.ffn.start_pass(T, prefill=last_only, pos0=pos0)
         x = self._embed(tokens, pos)                                     # (T, d_model)
         for i in range(self.config.n_layers):
             layer = self.w.layer(i)

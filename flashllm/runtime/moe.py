@@ -90,7 +90,7 @@ class MoeFfn:
         self.bundles = [np.ascontiguousarray(flash.read_ffn_layer(i))   # (slots, stride) uint8
                         for i in range(cfg.n_layers)]
 
-    def start_pass(self, n_tokens: int, prefill: bool) -> None:
+    def start_pass(self, n_tokens: int, prefill: bool, pos0: int = 0) -> None:
         pass
 
     def __call__(self, layer: int, h: np.ndarray, x: np.ndarray) -> None:

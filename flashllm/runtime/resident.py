@@ -12,7 +12,10 @@ or streams. The resident model is the same Model (same KV cache) with
              into DRAM; the other tokens' logits are -inf
 
 so a draft token reads nothing from flash (but its embedding row when the embeddings stream,
-and the head row of a token the context meets for the first time). Its keys and values enter
+and the head row of a token the context meets for the first time). Where the caches hold at
+least CARRY_MIN_SHARE of each layer's neurons, the draft's FFN also adds a share of what the
+other (cold) neurons added at the latest verified position (ColdCarry), fitted per layer from
+the verifying passes (docs/PREDICTOR.md, "Borrowing the previous position's cold output"). Its keys and values enter
 the shared KV cache at speculative positions; the verifying pass writes those positions again,
 so a rejected guess leaves nothing behind (the cache holds each position's last write, and
 attention reads only positions up to its own).
@@ -33,17 +36,90 @@ class ResidentError(FlashError):
     """A model whose resident part cannot make a draft (streamed attention, no caches)."""
 
 
+CARRY_MIN_SHARE = 0.4   # a draft borrows where the caches hold at least this share of a layer
+CARRY_ROWS = 8          # a verifying pass's first rows kept: its fed token and up to 7 guesses
+CARRY_DECAY = 0.95      # the running sums alpha is fitted from forget this much a pass
+CARRY_MIN_PAIRS = 8     # ... and lend nothing before they hold this many pairs of positions
+CARRY_GAIN, CARRY_MAX = 2.0, 0.5   # alpha = the fit times CARRY_GAIN, at most CARRY_MAX
+
+
+class ColdCarry:
+    """What each layer's cold neurons (those outside its cache) added at a verifying pass's
+    positions, lent to the draft.
+
+    The SparseFlashFfn records, per layer of a static pass, x after all its neurons minus x after
+    the cached ones: a decode pass's first CARRY_ROWS rows (positions pos0 ..; sibling rows come
+    after the chain's and are never asked for), a prefill's last row. The draft's FFN at position
+    q adds alpha[layer] times the row of the latest recorded position before q (the verified
+    token that precedes it; for later guesses the last verified one). alpha is each layer's
+    least-squares fit of a position's cold output on the position's before (decayed sums over
+    the pairs the passes record, clipped to [0, 1]): a model or a cache split whose adjacent
+    cold outputs are not alike lends nothing. A pass's rows count once its last layer has
+    recorded them.
+    """
+
+    def __init__(self, n_layers: int, d: int):
+        self.rows = np.zeros((n_layers, CARRY_ROWS, d), np.float32)    # (n_layers, ROWS, d)
+        self.first, self.n = 0, 0        # position of rows[:, 0]; rows valid (0: none)
+        self.xy = np.zeros(n_layers)     # (n_layers,) decayed sums of <before, after> ...
+        self.xx = np.zeros(n_layers)     # (n_layers,) ... and of |before|^2
+        self.pairs = np.zeros(n_layers)  # (n_layers,) decayed count of pairs
+        self.alpha = np.zeros(n_layers, np.float32)                      # (n_layers,)
+        self._pending = (0, 0, False)    # the pass being recorded: (first, n, prefill)
+
+    @staticmethod
+    def nbytes(n_layers: int, d: int) -> int:
+        return n_layers * CARRY_ROWS * d * 4
+
+    def start_pass(self, n_tokens: int, prefill: bool, pos0: int) -> None:
+        self._pending = (pos0 + n_tokens - 1, 1, True) if prefill else \
+            (pos0, min(n_tokens, CARRY_ROWS), False)
+
+    def record(self, layer: int, x: np.ndarray, x_hot: np.ndarray) -> None:
+        """x (T, d) after the layer's whole FFN, x_hot (T, d) after its cached neurons."""
+        first, n, prefill = self._pending
+        cold = x[-1:] - x_hot[-1:] if prefill else x[:n] - x_hot[:n]     # (n, d)
+        if not prefill:
+            self._fit(layer, first, cold)
+        self.rows[layer, :n] = cold
+        if layer == len(self.rows) - 1:
+            self.first, self.n = first, n
+
+    def _fit(self, layer: int, first: int, cold: np.ndarray) -> None:
+        """Add the pass's pairs of adjacent positions (the kept row before its first, then its
+        own rows) to layer's sums and refit its alpha."""
+        held = self.first <= first - 1 < self.first + self.n
+        before = np.concatenate([self.rows[layer, first - 1 - self.first:first - self.first]
+                                 if held else cold[:0], cold[:-1]])        # (m, d)
+        after = cold[len(cold) - len(before):]                             # (m, d)
+        self.xy[layer] = CARRY_DECAY * self.xy[layer] + float(np.sum(before * after))
+        self.xx[layer] = CARRY_DECAY * self.xx[layer] + float(np.sum(before * before))
+        self.pairs[layer] = CARRY_DECAY * self.pairs[layer] + len(before)
+        fit = self.xy[layer] / self.xx[layer] if self.xx[layer] > 0 else 0.0
+        self.alpha[layer] = min(max(CARRY_GAIN * fit, 0.0), CARRY_MAX) \
+            if self.pairs[layer] >= CARRY_MIN_PAIRS else 0.0
+
+    def lend(self, layer: int, q: int, x: np.ndarray) -> None:
+        """x (T, d) += alpha * the cold output recorded latest before position q (none: none)."""
+        if self.n and q > self.first and self.alpha[layer] > 0:
+            x += self.alpha[layer] * self.rows[layer, min(q - 1 - self.first, self.n - 1)]
+
+
 class ResidentFfn:
-    """The FFN strategy of the resident model: each layer over its neuron cache's rows only."""
+    """The FFN strategy of the resident model: each layer over its neuron cache's rows only,
+    plus what a ColdCarry lends."""
 
-    def __init__(self, sparse):
+    def __init__(self, sparse, carry: Optional[ColdCarry] = None):
         self.sparse = sparse          # a SparseFlashFfn (its caches and kernel arguments)
+        self.carry, self.pos0 = carry, 0
 
-    def start_pass(self, n_tokens: int, prefill: bool) -> None:
-        pass
+    def start_pass(self, n_tokens: int, prefill: bool, pos0: int = 0) -> None:
+        self.pos0 = pos0
 
     def __call__(self, layer: int, h: np.ndarray, x: np.ndarray) -> None:
         self.sparse.resident(layer, h, x)                                # x (T, d) += FFN(h)
+        if self.carry is not None:
+            self.carry.lend(layer, self.pos0, x)
 
     def stats(self) -> dict:
         return {}
@@ -138,4 +214,25 @@ def resident_model(model, head_rows: int = 0):
                             "(--dram-budget) with neuron caches")
     w = model.w
     rows = HeadRows(w, head_rows, model.n_ctx) if w.head is None else None
-    return model.sibling(ResidentFfn(sparse), ResidentWeights(w, rows))
+    return model.sibling(ResidentFfn(sparse, _carry(sparse)), ResidentWeights(w, rows))
+
+
+def carries(cached: int, n_ff: int) -> bool:
+    """Whether a draft over caches of `cached` of a layer's n_ff neurons borrows cold output."""
+    return n_ff > cached >= CARRY_MIN_SHARE * n_ff
+
+
+def carry_bytes(manifest: dict) -> int:
+    """DRAM of a ColdCarry of the manifest's model."""
+    c = manifest["config"]
+    return ColdCarry.nbytes(c["n_layers"], c["d_model"])
+
+
+def _carry(sparse) -> Optional[ColdCarry]:
+    """A ColdCarry recording sparse's static passes, where its caches hold CARRY_MIN_SHARE of
+    every layer's neurons (below it the lent output misleads the draft: PREDICTOR.md)."""
+    if sparse.naive or sparse.schedule is None or \
+            not carries(min(c.n_pinned for c in sparse.caches), sparse.f.n_ff):
+        return None
+    sparse.carry = ColdCarry(len(sparse.caches), sparse.d)
+    return sparse.carry

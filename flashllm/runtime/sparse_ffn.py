@@ -71,6 +71,7 @@ class SparseFlashFfn:
             for layer in range(cfg.n_layers)]
         self.rec = FlashStats("naive" if naive else "sparse", {"summary": budget_plan.summary()})
         self._token: Optional[TokenStats] = None
+        self.carry = None             # a ColdCarry (runtime/resident.py) a self draft borrows from
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="flashllm-read")
         for layer, cache in enumerate(self.caches):
             self.reads.read_seq(layer, cache.pin(), cache.matrix, None)
@@ -148,8 +149,10 @@ class SparseFlashFfn:
 
     # ---- the strategy seam -------------------------------------------------------------------
 
-    def start_pass(self, n_tokens: int, prefill: bool) -> None:
+    def start_pass(self, n_tokens: int, prefill: bool, pos0: int = 0) -> None:
         self._token = self.rec.start("prefill" if prefill else "decode", n_tokens)
+        if self.carry is not None:
+            self.carry.start_pass(n_tokens, prefill, pos0)
 
     def __call__(self, layer: int, h: np.ndarray, x: np.ndarray) -> None:
         if self._static_slots() is not None:
@@ -253,6 +256,7 @@ class SparseFlashFfn:
         t.compute_s += clock() - t0
         t.active += self._static_slots()
         t.hits += pinned
+        x_hot = None if self.carry is None else x.copy()                  # (T, d) cached rows' sum
         for key in ([] if self.schedule is None else self.schedule.ffn_keys(layer)):
             t0 = clock()
             rows, counters = self.schedule.take(key)                        # (n, stride)
@@ -265,6 +269,8 @@ class SparseFlashFfn:
             t.io_s += t1 - t0
             t.compute_s += clock() - t1
             t.streamed += n
+        if x_hot is not None:
+            self.carry.record(layer, x, x_hot)
         if self.check and len(h) == 1:
             self._check_recall(layer, h, self._slots[:self._static_slots()], t)
 

@@ -31,8 +31,8 @@ class RecordingFfn:
         self.inner = inner
         self.on_input = on_input
 
-    def start_pass(self, n_tokens: int, prefill: bool) -> None:
-        self.inner.start_pass(n_tokens, prefill)
+    def start_pass(self, n_tokens: int, prefill: bool, pos0: int = 0) -> None:
+        self.inner.start_pass(n_tokens, prefill, pos0)
 
     def __call__(self, layer: int, h: np.ndarray, x: np.ndarray) -> None:
         self.on_input(layer, h)

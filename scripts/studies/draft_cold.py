@@ -41,7 +41,7 @@ class Strategy:
         self.sub, self.hot, self.cold, self.source, self.alpha = sub, hot, cold, source, alpha
         self.kept: dict = {}                         # layer -> (d,) cold output, last position
 
-    def start_pass(self, n_tokens: int, prefill: bool) -> None:
+    def start_pass(self, n_tokens: int, prefill: bool, pos0: int = 0) -> None:
         pass
 
     def stats(self) -> dict:

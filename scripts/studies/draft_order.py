@@ -41,7 +41,7 @@ class SubsetFfn:
         self.rows: list[np.ndarray] = []                                   # per layer (n_hot,)
         self.ids = [bundle_ids(flash, i) for i in range(flash.config.n_layers)]
 
-    def start_pass(self, n_tokens: int, prefill: bool) -> None:
+    def start_pass(self, n_tokens: int, prefill: bool, pos0: int = 0) -> None:
         pass
 
     def __call__(self, layer: int, h: np.ndarray, x: np.ndarray) -> None:
