@@ -14,7 +14,10 @@ thresholds, the FFN as a budgeted run computes it), and the draft's argmax is ch
 model's. Both use the whole output head, so only the FFN differs.
 
     python -m scripts.studies.draft_cold $FLASHLLM_CACHE/converted/qwen2.5-coder-1.5b-native-cal \\
-        --hot 4416 --positions 256 --alphas 0,0.5,1
+        --hot 4416 --positions 256 --alphas 0,0.5,1,fit
+
+An alpha of `fit` lends what the runtime lends (runtime/resident.ColdCarry: each layer's share
+fitted from the positions the whole model has computed so far).
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import numpy as np
 from flashllm.format.reader import open_flash
 from flashllm.generation.tokenizer import Tokenizer
 from flashllm.runtime.model import Model
+from flashllm.runtime.resident import ColdCarry
 from flashllm.sparsity.activations import manifest_thresholds
 from flashllm.sparsity.calibrate import text_tokens
 from flashllm.sparsity.corpus import builtin_text
@@ -37,12 +41,16 @@ class Strategy:
     layer's cold output at the last position; or (draft) the hot slots plus alpha times the
     output `source` kept."""
 
-    def __init__(self, sub: SubsetFfn, hot, cold=None, source=None, alpha: float = 0.0):
+    def __init__(self, sub: SubsetFfn, hot, cold=None, source=None, alpha: float = 0.0,
+                 carry: ColdCarry | None = None):
         self.sub, self.hot, self.cold, self.source, self.alpha = sub, hot, cold, source, alpha
         self.kept: dict = {}                         # layer -> (d,) cold output, last position
+        self.carry, self.pos0 = carry, 0             # alpha "fit": the runtime's ColdCarry
 
     def start_pass(self, n_tokens: int, prefill: bool, pos0: int = 0) -> None:
-        pass
+        self.pos0 = pos0
+        if self.carry is not None and self.cold is not None:
+            self.carry.start_pass(n_tokens, prefill, pos0)
 
     def stats(self) -> dict:
         return {}
@@ -50,18 +58,24 @@ class Strategy:
     def __call__(self, layer: int, h: np.ndarray, x: np.ndarray) -> None:
         self.sub.add(layer, h, x, self.hot)
         if self.cold is not None:
-            before = x[-1].copy()                                         # (d,)
+            before = x.copy()                                             # (T, d)
             self.sub.add(layer, h, x, self.cold)
-            self.kept[layer] = x[-1] - before
+            self.kept[layer] = x[-1] - before[-1]
+            if self.carry is not None:
+                self.carry.record(layer, x, before)
+        elif self.carry is not None:
+            self.carry.lend(layer, self.pos0, x)
         elif self.alpha and layer in self.source.kept:
             x += self.alpha * self.source.kept[layer]                     # (T, d)
 
 
-def agreement(flash, sub: SubsetFfn, hot, cold, ids: list, alpha: float) -> int:
-    """Positions of ids where the draft's argmax is the whole model's."""
-    full = Strategy(sub, hot, cold)
+def agreement(flash, sub: SubsetFfn, hot, cold, ids: list, alpha) -> int:
+    """Positions of ids where the draft's argmax is the whole model's (alpha: a float, or "fit")."""
+    carry = ColdCarry(flash.config.n_layers, flash.config.d_model) if alpha == "fit" else None
+    full = Strategy(sub, hot, cold, carry=carry)
     model = Model(flash, n_threads=sub.n_threads, n_ctx=len(ids), ffn=full)
-    draft = model.sibling(Strategy(sub, hot, source=full, alpha=alpha), model.w)
+    draft = model.sibling(Strategy(sub, hot, source=full, alpha=0.0 if carry else alpha,
+                                   carry=carry), model.w)
     hits = 0
     for pos, t in enumerate(ids):
         d = draft.forward(np.array([t], np.int32), pos)[0]                # (vocab,)
@@ -86,9 +100,9 @@ def main() -> None:
     hot, cold = np.arange(a.hot, dtype=np.int32), np.arange(a.hot, cfg.n_ff, dtype=np.int32)
     tok, n = Tokenizer.from_flash(flash), a.positions // 2
     texts = [text_tokens(tok, builtin_text("evaluation", k).text, n) for k in ("code", "prose")]
-    for alpha in (float(s) for s in a.alphas.split(",")):
+    for alpha in (s if s == "fit" else float(s) for s in a.alphas.split(",")):
         hits = [agreement(flash, sub, hot, cold, ids, alpha) for ids in texts]
-        print(f"hot {a.hot} of {cfg.n_ff}, previous x {alpha:g}: draft = model on code "
+        print(f"hot {a.hot} of {cfg.n_ff}, previous x {alpha}: draft = model on code "
               f"{hits[0]}/{n}, prose {hits[1]}/{n}", flush=True)
 
 
