@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flashllm.runtime.resident import CARRY_GAIN, CARRY_MAX, CARRY_MIN_PAIRS, ColdCarry, carries
+from flashllm.runtime.resident import CARRY_MAX, CARRY_MIN_PAIRS, ColdCarry, carries
 from flashllm.sparsity.predictor import AllSlots
 from test_sparse_ffn import flash_ffn, neuron_ids, reference_ffn, write_model
 
@@ -51,7 +51,7 @@ def _feed(carry: ColdCarry, rows: np.ndarray, per_pass: int) -> None:
             carry.record(layer, cold, np.zeros_like(cold))
 
 
-@pytest.mark.parametrize("rho", [0.0, 0.15, 0.6])
+@pytest.mark.parametrize("rho", [0.0, 0.3, 0.8])
 def test_a_layer_lends_the_share_its_adjacent_positions_fit(rho):
     rng = np.random.default_rng(1)
     n, d = 399, 64                                # passes of 3: the last holds n - 3 .. n - 1
@@ -64,7 +64,7 @@ def test_a_layer_lends_the_share_its_adjacent_positions_fit(rho):
     assert not carry.alpha.any()
     _feed(carry, rows, 3)
     assert carry.pairs.min() >= CARRY_MIN_PAIRS
-    np.testing.assert_allclose(carry.alpha, min(CARRY_GAIN * rho, CARRY_MAX), atol=0.12)
+    np.testing.assert_allclose(carry.alpha, min(rho, CARRY_MAX), atol=0.08)
     x = np.zeros((2, d), np.float32)              # a draft pass at positions n, n + 1
     carry.lend(1, n, x)
     np.testing.assert_allclose(x, np.broadcast_to(carry.alpha[1] * rows[-1], (2, d)), rtol=1e-6)

@@ -40,7 +40,7 @@ CARRY_MIN_SHARE = 0.4   # a draft borrows where the caches hold at least this sh
 CARRY_ROWS = 8          # a verifying pass's first rows kept: its fed token and up to 7 guesses
 CARRY_DECAY = 0.95      # the running sums alpha is fitted from forget this much a pass
 CARRY_MIN_PAIRS = 8     # ... and lend nothing before they hold this many pairs of positions
-CARRY_GAIN, CARRY_MAX = 2.0, 0.5   # alpha = the fit times CARRY_GAIN, at most CARRY_MAX
+CARRY_MAX = 0.5         # alpha = the fit, at most this (a whole previous output misleads)
 
 
 class ColdCarry:
@@ -53,8 +53,8 @@ class ColdCarry:
     q adds alpha[layer] times the row of the latest recorded position before q (the verified
     token that precedes it; for later guesses the last verified one). alpha is each layer's
     least-squares fit of a position's cold output on the position's before (decayed sums over
-    the pairs the passes record, clipped to [0, 1]): a model or a cache split whose adjacent
-    cold outputs are not alike lends nothing. A pass's rows count once its last layer has
+    the pairs the passes record, clipped to [0, CARRY_MAX]): a model or a cache split whose
+    adjacent cold outputs are not alike lends nothing. A pass's rows count once its last layer has
     recorded them.
     """
 
@@ -96,7 +96,7 @@ class ColdCarry:
         self.xx[layer] = CARRY_DECAY * self.xx[layer] + float(np.sum(before * before))
         self.pairs[layer] = CARRY_DECAY * self.pairs[layer] + len(before)
         fit = self.xy[layer] / self.xx[layer] if self.xx[layer] > 0 else 0.0
-        self.alpha[layer] = min(max(CARRY_GAIN * fit, 0.0), CARRY_MAX) \
+        self.alpha[layer] = min(max(fit, 0.0), CARRY_MAX) \
             if self.pairs[layer] >= CARRY_MIN_PAIRS else 0.0
 
     def lend(self, layer: int, q: int, x: np.ndarray) -> None:
