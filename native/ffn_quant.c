@@ -143,7 +143,8 @@ void fli_ffn_range_qs(const ffn_args *a, const uint8_t *bundles, int64_t stride,
         for (int64_t t = 0; t < T; t++) {
             if (t % step == 0) group_h(a, &g, t, T - t < step ? T - t : step, h, T);
             for (int k = 0; k < g.nr; k++)
-                if (h[k * T + t] != 0.0f) queue_push(a, &q[t], g.down[k], h[k * T + t], acc + t * d);
+                if (h[k * T + t] != 0.0f)
+                    queue_push(a, &q[t], g.down[k], h[k * T + t], acc + t * d);
         }
     }
     for (int64_t t = 0; t < T; t++) queue_flush(a, &q[t], acc + t * d);

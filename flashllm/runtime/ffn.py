@@ -1,9 +1,10 @@
 """FFN strategies: how a layer's feed-forward network is computed from its bundles.
 
 The model calls `ffn.start_pass(T, prefill, pos0)` once per forward pass (its tokens stand at
-positions pos0 ..), then `ffn(layer, h, x)` per layer: x (T, d_model) += FFN(h), h (T, d_model) the normalized FFN input (the model adds the down
-bias afterwards). prefill says the pass evaluates a prompt; a decode pass feeds one sampled token
-and any draft guesses (flashllm/generation/speculate.py). A strategy also reports `stats()` for --stats.
+positions pos0 ..), then `ffn(layer, h, x)` per layer: x (T, d_model) += FFN(h), h (T, d_model)
+the normalized FFN input (the model adds the down bias afterwards). prefill says the pass
+evaluates a prompt; a decode pass feeds one sampled token and any draft guesses
+(flashllm/generation/speculate.py). A strategy also reports `stats()` for --stats.
 """
 from __future__ import annotations
 
