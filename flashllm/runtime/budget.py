@@ -165,8 +165,7 @@ def resident_bytes(manifest: dict, n_ctx: int, process: int, predictor: int,
                    draft: int = 0) -> dict:
     """Everything but the dense matrices and the neuron caches, by what it is. keep_tokenizer:
     the tokenizers object stays loaded (chat encodes every turn), not released for good after
-    the prompt is encoded. draft: the self-speculative draft's head rows and the cold output it
-    borrows (runtime/resident.py)."""
+    the prompt is encoded. draft: the self draft's head rows and borrowed rows (resident.py)."""
     c = manifest["config"]
     kv = 2 * c["n_layers"] * n_ctx * c["n_kv_heads"] * c["head_dim"] * 2
     work = WORK_FIXED + 4 * 4 * c["vocab_size"] + reader_stage + stride_rows
