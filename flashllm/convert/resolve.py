@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
-import multiprocessing
 import shutil
 import sys
 from pathlib import Path
@@ -68,6 +67,7 @@ def conversion_outdated(out: Path) -> str | None:
 
 def _convert_apart(gguf: Path, out: Path, dtype: str, name: str) -> None:
     """convert() in a spawned child process; its error (a FlashError's line) is raised here."""
+    import multiprocessing   # ~1 MiB a run that only reads would count in its --dram-budget
     ctx = multiprocessing.get_context("spawn")
     receive, send = ctx.Pipe(duplex=False)
     child = ctx.Process(target=_convert_child, args=(str(gguf), str(out), dtype, name, send),

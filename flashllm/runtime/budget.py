@@ -51,7 +51,7 @@ RING_BUFFERS = 4               # the read-ahead ring's buffers: each holds up to
                                # (a small model then takes one chunk per layer, not four: every
                                # chunk is a kernel call that wakes the threads)
 ROW_MAP_BYTES = 4 + 8          # per cache row: slot_of (int32) + last_use (int64)
-WORK_FIXED = 8 * MiB           # activations, attention scratch, Python objects of a forward pass
+WORK_FIXED = 10 * MiB          # activations, attention scratch, Python objects of a forward pass
 
 
 class BudgetError(FlashError):

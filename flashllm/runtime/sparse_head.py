@@ -183,10 +183,7 @@ class SparseHead:
         energy = (x.astype(np.float64) ** 2).sum(axis=0)                 # (cols,)
         top = np.argsort(-energy)[:min(most, len(energy))]               # (most,)
         self.dims = np.sort(top[energy[top] >= share * energy.sum()])    # (k,)
-        cols = self.w.head_columns(self.dims)                            # (vocab, k) f32
-        self.columns = np.ascontiguousarray(cols.T.astype(np.float16))   # (k, vocab)
-        self.col_max = np.abs(cols).max(axis=0) if len(self.dims) else np.zeros(0, np.float32)
-        del cols
+        self.columns, self.col_max = self.w.head_columns(self.dims)      # (k, vocab) f16, (k,)
         trim_heap()                         # the read's temporaries: no plan counts them
 
     def estimate(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -219,9 +219,11 @@ class DenseWeights:
             return self._output_of(chunks, x, exact)
         return self._output_of(self._own_head_chunks(), x, exact)
 
-    def head_columns(self, dims: np.ndarray) -> np.ndarray:
-        """(vocab, k) f32: the head's columns dims (k,), dequantized; a streamed head is read whole
-        once (counted in the dense stats)."""
+    def head_columns(self, dims: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The head's columns dims (k,), dequantized: (k, vocab) f16, and each one's largest
+        |value| (k,) f32 before the rounding to f16; a streamed head is read whole once (counted
+        in the dense stats). Filled 64 rows at a time: no (vocab, k) f32 temporary, which a
+        budget's plan does not hold (it counts the f16 columns)."""
         t = self.flash.dense_entry(self.head_name)
         rows, cols = t["shape"]
         rb = t["nbytes"] // rows
@@ -232,17 +234,19 @@ class DenseWeights:
                       for j, r in enumerate(range(0, rows, ROW_GROUP * 64)))
         else:
             chunks = self._own_head_chunks()
-        out = np.empty((rows, len(dims)), np.float32)                    # (vocab, k)
+        out = np.empty((len(dims), rows), np.float16)                    # (k, vocab)
+        top = np.zeros(len(dims), np.float32)                            # (k,)
         r0 = 0
         for _, buf, _ in chunks:
             data = buf.reshape(-1, rb)                                   # (n, row_bytes)
-            for r in range(0, len(data), 256):   # 256 rows at a time: small temporaries under a cap
-                part = dequantize_rows(data[r:r + 256], t["dtype"], cols)  # (<= 256, cols)
-                out[r0:r0 + len(part)] = part[:, dims]
+            for r in range(0, len(data), 64):    # 64 rows at a time: small temporaries under a cap
+                part = dequantize_rows(data[r:r + 64], t["dtype"], cols)[:, dims]  # (<= 64, k)
+                out[:, r0:r0 + len(part)] = part.T
+                np.maximum(top, np.abs(part).max(axis=0, initial=0.0), out=top)
                 r0 += len(part)
         if r0 != rows:
             raise RuntimeError(f"the head's columns came from {r0} of its {rows} rows")
-        return out
+        return out, top
 
     def head_extents(self, max_bytes: int, name: str = "") -> list[tuple[int, int, int]]:
         """The streamed head (or the matrix `name`: the head's sketch) as (file offset, nbytes,
