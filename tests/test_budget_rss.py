@@ -7,13 +7,15 @@ attention is repacked on load (AVX-512 VNNI): the read copies the packed ones re
 on the heap, 80 MiB that no plan counted (1220 MiB at --dram-budget 1200MiB). At 1200 MiB the
 plan caches every neuron, and the FFN runs as llama.cpp's row products over the GGUF's own rows
 (runtime/assemble.py holds_ffn_rows): the text of a run without a budget, token for token. At
-560 MiB (head streamed) a pass of several tokens gives each the logits of feeding it alone."""
+560 MiB (head streamed) a pass of several tokens gives each the logits of feeding it alone. And
+the process the plan measures holds no module a run never uses."""
 import subprocess
 import sys
 
 import pytest
 
 from conftest import _converted
+from test_chat import tiny  # noqa: F401  (the tiny converted model fixture)
 
 MiB = 1 << 20
 PEAK = """
@@ -93,3 +95,25 @@ def test_a_pass_gives_each_token_its_own_logits_under_a_budget():
             np.testing.assert_array_equal(rows[6 + s], net.forward(np.array([token]), 10 + j)[0])
     finally:
         ffn.close()
+
+
+NEVER_RUN = ("pydantic", "zipfile", "multiprocessing")   # ~11 MiB a plan would count (session 25)
+BEFORE_PLAN = f"""
+import sys
+from flashllm.cli import main
+sys.argv = ["flashllm", "run", sys.argv[1], "-p", "hi", "-n", "1", "--dram-budget", "1MiB"]
+try:
+    main()
+except SystemExit as e:
+    print(e.code, [m for m in {NEVER_RUN!r} if m in sys.modules])
+"""
+
+
+def test_the_process_a_plan_measures_holds_no_module_a_run_never_uses(tiny):  # noqa: F811
+    """The plan subtracts the process's resident bytes from the budget, so whatever is imported
+    before it comes out of the neuron caches: typer 0.29 imported pydantic (9 MiB) at every
+    command, and a models.toml pull's zipfile and a conversion's multiprocessing came along with
+    the registry. A budget the plan refuses stops the run right after the measure."""
+    out = subprocess.run([sys.executable, "-c", BEFORE_PLAN, str(tiny[0].path)],
+                         capture_output=True, text=True, check=True).stdout
+    assert out.split("\n")[-2] == "1 []", out
