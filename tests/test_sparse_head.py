@@ -90,8 +90,17 @@ def test_candidates_hold_greedy_and_top_k_and_are_exact(smollm2):
             sizes[k].append(len(cand))
     assert np.mean(sizes[1]) < 0.05 * vocab and np.mean(sizes[40]) < 0.4 * vocab, \
         (np.mean(sizes[1]), np.mean(sizes[40]))
-    from flashllm.ffi.reader import Reader
     name = "output.weight" if smollm2.has("output.weight") else "token_embd.weight"
+    w = smollm2.tensor(name)                    # the exact columns, against gguf-py's values
+    ref = dequantize(np.asarray(w.data), Q[w.dtype.upper()])[:, head.dims]   # (vocab, k)
+    np.testing.assert_array_equal(head.columns, ref.T.astype(np.float16))
+    np.testing.assert_array_equal(head.col_max, np.abs(ref).max(axis=0))
+    none = SparseHead(smollm2, weights, HeadNeed(1), n_threads=2)
+    none.exact_dims(x[1:], share=1.0)           # no dim holds all the energy: nothing is read
+    assert none.columns.shape == (0, vocab) and none.col_max.shape == (0,)
+    hi, lo = none.bounds(x[:16])                                          # (16, vocab) each
+    assert all(full[t].argmax() in none.candidates(hi[t], lo[t]) for t in range(16))
+    from flashllm.ffi.reader import Reader
     streamed = DenseWeights(smollm2, 2, streamed=[name],
                             reader=Reader(smollm2.dense_file, n_threads=4, stage_bytes=1 << 18))
     head = SparseHead(smollm2, streamed, HeadNeed(1), n_threads=2)

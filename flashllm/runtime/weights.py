@@ -227,6 +227,8 @@ class DenseWeights:
         t = self.flash.dense_entry(self.head_name)
         rows, cols = t["shape"]
         rb = t["nbytes"] // rows
+        if len(dims) == 0:                     # no dim stood out: nothing to read
+            return np.empty((0, rows), np.float16), np.zeros(0, np.float32)
         if self.head is not None:              # its rows as on file (a packed head's are not)
             whole = self.head.data if isinstance(self.head, QTensor) else \
                 self.flash.tensor(self.head_name).data                  # (vocab, row bytes)
