@@ -244,7 +244,7 @@ class DenseWeights:
             for r in range(0, len(data), 64):    # 64 rows at a time: small temporaries under a cap
                 part = dequantize_rows(data[r:r + 64], t["dtype"], cols)[:, dims]  # (<= 64, k)
                 out[:, r0:r0 + len(part)] = part.T
-                np.maximum(top, np.abs(part).max(axis=0, initial=0.0), out=top)
+                np.maximum(top, np.abs(part).max(axis=0), out=top)
                 r0 += len(part)
         if r0 != rows:
             raise RuntimeError(f"the head's columns came from {r0} of its {rows} rows")
