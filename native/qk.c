@@ -117,35 +117,52 @@ static int32_t q6k_isum(const uint8_t *sb, const int8_t *q) {
 
 #if defined(QK_256)
 /* q2_k superblock sb unpacked (AVX2; once for all the tokens a tile meets): the 2-bit values of
- * runs 32i .. 32i + 31 (i = 4h + g: shift 2g of qs[32h ..]) and their sub-blocks' scales (low
- * lanes 8h + 2g, high lanes the next) */
+ * runs 32i .. 32i + 31 (i = 4h + g: shift 2g of qs[32h ..]) times their sub-block's scale (bytes
+ * 0..45: the low 16 bytes of run i lie in sub-block 8h + 2g, the high 16 in the next), and the
+ * 16 sub-blocks' mins as int16 */
 typedef struct {
-    __m256i u[8], sc[8];
+    __m256i us[8], m16;
 } q2k_unpacked;
 
 static inline void q2k_unpack(const uint8_t *sb, q2k_unpacked *o) {
     const __m256i m3 = _mm256_set1_epi8(0x03);
+    const __m128i sm = _mm_loadu_si128((const __m128i *)sb);  // scale | min << 4, 16 sub-blocks
+    const __m256i sc = _mm256_broadcastsi128_si256(_mm_and_si128(sm, _mm_set1_epi8(0x0F)));
+    o->m16 = _mm256_srli_epi16(_mm256_cvtepu8_epi16(sm), 4);
     for (int h = 0; h < 2; h++) {
         const __m256i qv = _mm256_loadu_si256((const __m256i *)(sb + 16 + 32 * h));
         for (int g = 0; g < 4; g++) {
             const int k = 8 * h + 2 * g;
-            o->u[4 * h + g] = _mm256_and_si256(_mm256_srl_epi16(qv, _mm_cvtsi32_si128(2 * g)), m3);
-            o->sc[4 * h + g] = _mm256_set_m128i(_mm_set1_epi16(sb[k + 1] & 0xF), _mm_set1_epi16(sb[k] & 0xF));
+            const __m256i u = _mm256_and_si256(_mm256_srl_epi16(qv, _mm_cvtsi32_si128(2 * g)), m3);
+            const __m256i s16 = _mm256_shuffle_epi8(sc, _mm256_set_m128i(  // int16 lanes: scale
+                _mm_set1_epi16((short)(0x8000 | (k + 1))), _mm_set1_epi16((short)(0x8000 | k))));
+            o->us[4 * h + g] = _mm256_mullo_epi16(u, s16);  // u * scale < 256: no byte carries
         }
     }
 }
 
-/* q2k_isum of an unpacked superblock o with a token's int8 q (256) */
-static inline int32_t q2k_isum_u(const q2k_unpacked *o, const int8_t *q) {
+/* the exact isum (sum over sub-blocks of scale * (u . q)) and msum (sum of min * the token's
+ * sums of q per 16, bsum16) of an unpacked superblock o with a token's int8 q (256) */
+static inline void q2k_sums_u(const q2k_unpacked *o, const int8_t *q, const int16_t *bsum16,
+                              int32_t *isum, int32_t *msum) {
+    const __m256i one = _mm256_set1_epi16(1);
     __m256i acc = _mm256_setzero_si256();
-    for (int i = 0; i < 8; i++) {
-        const __m256i p = _mm256_maddubs_epi16(o->u[i], _mm256_loadu_si256((const __m256i *)(q + 32 * i)));
-        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, o->sc[i]));
+    for (int i = 0; i < 8; i += 2) {  // |two maddubs lanes| <= 2 * 2 * 45 * 128 < 2^15
+        const __m256i p = _mm256_add_epi16(
+            _mm256_maddubs_epi16(o->us[i], _mm256_loadu_si256((const __m256i *)(q + 32 * i))),
+            _mm256_maddubs_epi16(o->us[i + 1], _mm256_loadu_si256((const __m256i *)(q + 32 * i + 32))));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, one));
     }
-    return fli_hsum256_i32(acc);
+    const __m256i m = _mm256_madd_epi16(o->m16, _mm256_loadu_si256((const __m256i *)bsum16));
+    const __m256i h = _mm256_hadd_epi32(acc, m);  // both horizontal sums at once
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+    s = _mm_hadd_epi32(s, s);                      // isum, msum, isum, msum
+    *isum = _mm_cvtsi128_si32(s);
+    *msum = _mm_extract_epi32(s, 1);
 }
 #endif
 
+#if !defined(QK_256)
 /* q2_k: sum over the 16 sub-blocks k of sc_k * (u . q) (u in 0..3, q the token's int8) */
 static int32_t q2k_isum(const uint8_t *sb, const int8_t *q) {
 #if defined(QK_512)
@@ -166,10 +183,6 @@ static int32_t q2k_isum(const uint8_t *sb, const int8_t *q) {
         acc = _mm512_add_epi32(acc, _mm512_madd_epi16(p, _mm512_permutexvar_epi16(idx, sc16)));
     }
     return _mm512_reduce_add_epi32(acc);
-#elif defined(QK_256)
-    q2k_unpacked o;
-    q2k_unpack(sb, &o);
-    return q2k_isum_u(&o, q);
 #else
     int32_t s = 0;
     for (int v = 0; v < FL_QK_K; v++)
@@ -180,13 +193,27 @@ static int32_t q2k_isum(const uint8_t *sb, const int8_t *q) {
 
 /* q2_k: sum over the 16 sub-blocks k of m_k * (sum of the token's q over sub-block k), exact */
 static inline int32_t q2k_msum(const uint8_t *sb, const int16_t *bsum16) {
-#if defined(QK_512) || defined(QK_256)
+#if defined(QK_512)
     const __m256i m = _mm256_srli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)sb)), 4);
     return fli_hsum256_i32(_mm256_madd_epi16(m, _mm256_loadu_si256((const __m256i *)bsum16)));
 #else
     int32_t s = 0;
     for (int k = 0; k < 16; k++) s += (sb[k] >> 4) * bsum16[k];
     return s;
+#endif
+}
+#endif
+
+/* the exact isum and msum of q2_k superblock sb with a token's q (256) and bsum16 (16) */
+static inline void q2k_sums(const uint8_t *sb, const int8_t *q, const int16_t *bsum16,
+                            int32_t *isum, int32_t *msum) {
+#if defined(QK_256)
+    q2k_unpacked o;
+    q2k_unpack(sb, &o);
+    q2k_sums_u(&o, q, bsum16, isum, msum);
+#else
+    *isum = q2k_isum(sb, q);
+    *msum = q2k_msum(sb, bsum16);
 #endif
 }
 
@@ -271,8 +298,9 @@ float fli_qk_qdot(int32_t dtype, const uint8_t *w, const uint8_t *x, int64_t n) 
         const uint8_t *sb = w + sbi * kb;
         const float dx = t.scale[sbi * 8 * FL_XQ_LANES];
         if (dtype == FL_Q2_K) {
-            const int32_t msum = q2k_msum(sb, t.bsum16 + 16 * sbi);
-            s += fl_load_fp16(sb + 80) * dx * (float)q2k_isum(sb, t.q + sbi * FL_QK_K);
+            int32_t isum, msum;
+            q2k_sums(sb, t.q + sbi * FL_QK_K, t.bsum16 + 16 * sbi, &isum, &msum);
+            s += fl_load_fp16(sb + 80) * dx * (float)isum;
             s -= fl_load_fp16(sb + 82) * dx * (float)msum;
             continue;
         }
@@ -315,11 +343,11 @@ void fli_q2k_tile(const uint8_t *const w[FL_QT], const uint8_t *const x[FL_QT], 
 #endif
             for (int j = 0; j < n_tok; j++) {  // fli_qk_qdot's expressions, term for term
                 const float dx = t[j].scale[sbi * 8 * FL_XQ_LANES];
-                const int32_t msum = q2k_msum(sb, t[j].bsum16 + 16 * sbi);
+                int32_t isum, msum;
 #if defined(QK_256)
-                const int32_t isum = q2k_isum_u(&o, t[j].q + sbi * FL_QK_K);
+                q2k_sums_u(&o, t[j].q + sbi * FL_QK_K, t[j].bsum16 + 16 * sbi, &isum, &msum);
 #else
-                const int32_t isum = q2k_isum(sb, t[j].q + sbi * FL_QK_K);
+                q2k_sums(sb, t[j].q + sbi * FL_QK_K, t[j].bsum16 + 16 * sbi, &isum, &msum);
 #endif
                 s[j] += d * dx * (float)isum;
                 s[j] -= dmin * dx * (float)msum;
