@@ -110,6 +110,11 @@ def test_models_lists_registry_and_cache(tmp_path):
     table = flashllm("models", env={"FLASHLLM_CACHE": str(cache), "COLUMNS": "200"}).stdout
     assert "smollm2-135m" in table and "q8_0 2 B" in table
     assert f"fetched GGUF files: {cache / 'models'}" in table
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}     # a pipe, no COLUMNS: rich
+    piped = subprocess.run([sys.executable, "-m", "flashllm", "models"], capture_output=True,
+                           text=True, cwd=ROOT, timeout=120,          # would cut cells at 80
+                           env={**env, "PYTHONPATH": str(ROOT), "FLASHLLM_CACHE": str(cache)})
+    assert piped.returncode == 0 and "…" not in piped.stdout and "qwen2.5-coder-1.5b " in piped.stdout
 
 
 def test_models_with_a_broken_registry_is_one_line(tmp_path):

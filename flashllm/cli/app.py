@@ -27,6 +27,16 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   rich_markup_mode=None,
                   help="Run language models larger than DRAM: FFN neurons stream from flash.")
 err = Console(stderr=True, highlight=False)
+PIPE_WIDTH = 200   # columns of a table printed into a pipe or a file
+
+
+def stdout_console() -> Console:
+    """The console tables go to on stdout: a terminal's width; into a pipe or a file PIPE_WIDTH
+    unless COLUMNS says otherwise (rich would assume 80 and cut the cells to "…")."""
+    out = Console(highlight=False)
+    if out.is_terminal or os.environ.get("COLUMNS"):
+        return out
+    return Console(highlight=False, width=PIPE_WIDTH)
 
 
 def _version(show: bool) -> None:

@@ -5,9 +5,9 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
-from rich.console import Console
 
-from flashllm.cli.app import cache_dir, choice, command, err, fail, model_path, registry_path
+from flashllm.cli.app import (cache_dir, choice, command, err, fail, model_path, registry_path,
+                              stdout_console)
 from flashllm.format.layout import NATIVE
 from flashllm.model.tensor import QUANTIZABLE
 
@@ -52,7 +52,7 @@ def models(as_json: bool = typer.Option(False, "--json", help="Print the list as
     if as_json:
         print(json.dumps(rows, indent=1))
     else:
-        Console(highlight=False).print(models_table(rows, cache_dir()))
+        stdout_console().print(models_table(rows, cache_dir()))
 
 
 @command
@@ -71,9 +71,9 @@ def inspect(
     if as_json:
         print(json.dumps(summary, indent=1))
         return
-    Console(highlight=False).print(summary_table(summary))
+    stdout_console().print(summary_table(summary))
     if tensors:
-        Console(highlight=False).print(tensors_table(summary))
+        stdout_console().print(tensors_table(summary))
 
 
 @command
@@ -86,7 +86,6 @@ def profile(
 ) -> None:
     """Measure the device's direct-I/O read throughput and save it for `run` to plan reads."""
     import json
-    from rich.console import Console as StdoutConsole
     from flashllm.storage.costmodel import CostModel
     from flashllm.storage.profile import save_profile
     from flashllm.units import parse_size
@@ -100,7 +99,7 @@ def profile(
     if as_json:
         print(json.dumps(result.to_dict(), indent=1))
     else:
-        out = StdoutConsole(highlight=False)
+        out = stdout_console()
         for view in (profile_table(result), sequential_table(result), throughput_chart(result),
                      model_table(CostModel.from_profile(result))):
             out.print(view)
