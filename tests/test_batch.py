@@ -21,9 +21,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def flashllm(*args, env=None, timeout=120):
+    """Run the CLI; env adds variables, a None value removes one."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200", **(env or {})}
     return subprocess.run([sys.executable, "-m", "flashllm", *map(str, args)], capture_output=True,
                           text=True, cwd=ROOT, timeout=timeout,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200", **(env or {})})
+                          env={k: v for k, v in env.items() if v is not None})
 
 
 @pytest.fixture(scope="module")
@@ -110,10 +112,8 @@ def test_models_lists_registry_and_cache(tmp_path):
     table = flashllm("models", env={"FLASHLLM_CACHE": str(cache), "COLUMNS": "200"}).stdout
     assert "smollm2-135m" in table and "q8_0 2 B" in table
     assert f"fetched GGUF files: {cache / 'models'}" in table
-    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}     # a pipe, no COLUMNS: rich
-    piped = subprocess.run([sys.executable, "-m", "flashllm", "models"], capture_output=True,
-                           text=True, cwd=ROOT, timeout=120,          # would cut cells at 80
-                           env={**env, "PYTHONPATH": str(ROOT), "FLASHLLM_CACHE": str(cache)})
+    piped = flashllm("models", env={"FLASHLLM_CACHE": str(cache), "COLUMNS": None})  # a pipe, no
+    # COLUMNS: rich would cut the cells at 80 columns
     assert piped.returncode == 0 and "…" not in piped.stdout and "qwen2.5-coder-1.5b " in piped.stdout
 
 

@@ -34,9 +34,9 @@ def stdout_console() -> Console:
     """The console tables go to on stdout: a terminal's width; into a pipe or a file PIPE_WIDTH
     unless COLUMNS says otherwise (rich would assume 80 and cut the cells to "…")."""
     out = Console(highlight=False)
-    if out.is_terminal or os.environ.get("COLUMNS"):
-        return out
-    return Console(highlight=False, width=PIPE_WIDTH)
+    if not out.is_terminal and not os.environ.get("COLUMNS"):
+        out.width = PIPE_WIDTH
+    return out
 
 
 def _version(show: bool) -> None:

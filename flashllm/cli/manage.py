@@ -71,9 +71,10 @@ def inspect(
     if as_json:
         print(json.dumps(summary, indent=1))
         return
-    stdout_console().print(summary_table(summary))
+    out = stdout_console()
+    out.print(summary_table(summary))
     if tensors:
-        stdout_console().print(tensors_table(summary))
+        out.print(tensors_table(summary))
 
 
 @command
