@@ -103,15 +103,20 @@ def random_vocab(seed: int):
     return tokens, types, [float(s) for s in scores]
 
 
+def spm_fields(seed: int, space_prefix: bool) -> dict:
+    """The GGUF fields of random_vocab(seed)."""
+    tokens, types, scores = random_vocab(seed)
+    return {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": types, "tokenizer.ggml.scores": scores,
+            "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
+            "tokenizer.ggml.unknown_token_id": 0, "tokenizer.ggml.add_space_prefix": space_prefix}
+
+
 @pytest.mark.parametrize("seed, space_prefix", [(1, False), (2, False), (3, True), (4, True)])
 def test_spm_vocab_tokenizes_as_llamacpp(seed, space_prefix):
     """Gemma's vocabulary has no space prefix; Llama 2 / Phi-3 style ones do."""
     tokens, types, scores = random_vocab(seed)
-    fields = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
-              "tokenizer.ggml.token_type": types, "tokenizer.ggml.scores": scores,
-              "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
-              "tokenizer.ggml.unknown_token_id": 0, "tokenizer.ggml.add_space_prefix": space_prefix}
-    tok = Tokenizer.from_str(gguf_tokenizer_json(fields))
+    tok = Tokenizer.from_str(gguf_tokenizer_json(spm_fields(seed, space_prefix)))
     rng = random.Random(seed + 100)
     alphabet = list("abcde ") + ["é", "東", "x", "<start>", "  "]
     for _ in range(300):
@@ -120,3 +125,36 @@ def test_spm_vocab_tokenizes_as_llamacpp(seed, space_prefix):
         assert tok.encode(text).ids == want, text
         if not space_prefix:
             assert tok.decode(want, skip_special_tokens=True) == text.replace("<start>", "")
+
+
+# ------------------------------------------------------------------------ compact merges
+
+@pytest.mark.parametrize("seed, space_prefix", [(1, False), (3, True)])
+def test_compact_merges_encode_as_the_pairs(seed, space_prefix):
+    """The merges rewritten as "left right" strings (they half the load's peak) tokenize every
+    text as the pair form that tokenizers writes."""
+    import json
+    from flashllm.convert.merges import compact_merges
+    pairs = gguf_tokenizer_json(spm_fields(seed, space_prefix))
+    text, form = compact_merges(pairs)
+    merges = json.loads(text)["model"]["merges"]
+    assert form == "strings" and merges and all(isinstance(m, str) for m in merges)
+    assert [m.split(" ") for m in merges] == json.loads(pairs)["model"]["merges"]
+    assert len(text.encode()) < len(pairs.encode())
+    a, b = Tokenizer.from_str(pairs), Tokenizer.from_str(text)
+    rng = random.Random(seed + 200)
+    alphabet = list("abcde ") + ["é", "東", "x", "<start>", "  ", "\n", "🎉"]
+    for _ in range(300):
+        s = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
+        assert b.encode(s).ids == a.encode(s).ids, s
+    assert compact_merges(text) == (text, "strings")                 # already compact
+
+
+def test_merges_with_a_space_stay_pairs():
+    import json
+    from flashllm.convert.merges import compact_merges
+    doc = {"model": {"type": "BPE", "vocab": {"a": 0, " b": 1, "a b": 2}, "merges": [["a", " b"]]}}
+    text = json.dumps(doc)
+    assert compact_merges(text) == (text, "pairs")
+    assert compact_merges('{"model": {"type": "WordLevel", "vocab": {"a": 0}}}')[1] is None
+    assert compact_merges("{not json") == ("{not json", None)

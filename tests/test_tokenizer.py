@@ -122,6 +122,30 @@ def test_a_tokenizer_without_a_byte_table_is_never_released():
     assert tok.encode("a b c") == [0, 1, 2] and tok.decode([0, 1]) == "a b"
 
 
+def test_byte_level_merges_compacted_encode_and_decode_as_tokenizers(byte_tok):
+    """The fixture's merges as "left right" strings encode as the pairs; its byte table decodes
+    random ids (valid UTF-8 byte runs, control tokens) as `tokenizers` does."""
+    import json
+    import random
+    from tokenizers import Tokenizer as HF
+    from flashllm.convert.merges import compact_merges
+    pairs = gguf_tokenizer_json(byte_fields())
+    text, form = compact_merges(pairs)
+    assert form == "strings" and json.loads(text)["model"]["merges"] == ["h e", f"{BYTE[32]} w"]
+    ref, compact = HF.from_str(pairs), Tokenizer.from_json(text)
+    rng = random.Random(5)
+    for _ in range(200):
+        s = "".join(rng.choice(["he", " w", "h", "e", " ", "<tool>", "é", "🎉", "w"])
+                    for _ in range(rng.randint(0, 12)))
+        assert compact.encode(s) == ref.encode(s).ids, s
+        ids = [rng.choice([BOS, TOOL, EOS, HE, SPACE_W]) for _ in range(rng.randint(0, 3))] + \
+            list(s.encode())
+        rng.shuffle(ids)     # bytes out of order: some runs are not UTF-8, decoded alike here
+        assert byte_tok.decode(ids, False) == ref.decode(ids, skip_special_tokens=False)
+        ids = [i for i in ids if i > 255] + list(s.encode())
+        assert byte_tok.decode(ids) == ref.decode(ids), ids
+
+
 def _stream(tok: Tokenizer, ids: list[int]) -> list[str]:
     det = tok.detokenizer()
     return [det.push(i) for i in ids] + [det.flush()]

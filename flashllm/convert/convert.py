@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Callable
 
 from flashllm.convert import head_sketch, native
+from flashllm.convert.merges import compact_merges
 from flashllm.format.layout import (NATIVE, SKETCH_NAMES, ffn_parts, ffn_weight,
                                     required_tensors)
 from flashllm.format.writer import FlashWriter
@@ -57,7 +58,9 @@ def convert_source(source, out: Path, dtype: str, *, force: bool = False,
     tick = progress or (lambda done, total: None)
     with FlashWriter(out, cfg, dtype, force=force, source=description,
                      ffn_dtypes=plan and (plan.ffn_dtype, list(plan.down_dtypes))) as w:
-        w.set_tokenizer(source.tokenizer_json, source.chat_template)
+        text, merges = compact_merges(source.tokenizer_json) \
+            if source.tokenizer_json is not None else (None, None)
+        w.set_tokenizer(text, source.chat_template, merges)
         for name in dense:
             w.add_tensor(name, *(native.dense_tensor(source, name) if plan else
                                  (source.load(name),)))

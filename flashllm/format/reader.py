@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from flashllm.format.layout import (NATIVE, DENSE_FILE, DENSE_HEADER, DENSE_MAGIC, DTYPE_CODES,
-                                    FFN_FILE, FORMAT_VERSION, MAGIC, MANIFEST_FILE, crc32_file, fits,
-                                    ffn_weight, required_tensors, tensor_nbytes)
+                                    FFN_FILE, FORMAT_VERSION, MAGIC, MANIFEST_FILE, MERGES_FORMS,
+                                    crc32_file, fits, ffn_weight, required_tensors, tensor_nbytes)
 from flashllm.format.checks import check_down_rows, file_size as _file_size, get as _get, nat as _nat, \
     side_file as _side_file
 from flashllm.model.config import ModelConfig
@@ -266,6 +266,9 @@ def _tokenizer_entry(path: Path, m: dict) -> tuple[tuple[Path, int] | None, str 
     template = t.get("chat_template")
     if template is not None and not isinstance(template, str):
         raise FormatError(f"{where}: chat_template is not a string")
+    if t.get("merges") is not None and t["merges"] not in MERGES_FORMS:
+        raise FormatError(f"{where}: merges {t['merges']!r} is not one of "
+                          f"{', '.join(MERGES_FORMS)}")
     if t.get("file") is None:
         return None, template
     file, nbytes = _side_file(path, t, where), _nat(t, "nbytes", where)

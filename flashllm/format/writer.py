@@ -71,6 +71,7 @@ class FlashWriter:
         self.orders: list[np.ndarray | None] = []
         self.tokenizer_json: str | None = None
         self.chat_template: str | None = None
+        self.merges: str | None = None
         self.strides = [ffn_stride(self.ffn_dtype, config.d_model, config.glu, dd)
                         for dd in self.downs]                        # per layer
         self.stride = max(self.strides)                              # the widest layer's
@@ -249,9 +250,11 @@ class FlashWriter:
 
     # ---- tokenizer, manifest, install -------------------------------------------------------
 
-    def set_tokenizer(self, tokenizer_json: str | None, chat_template: str | None) -> None:
+    def set_tokenizer(self, tokenizer_json: str | None, chat_template: str | None,
+                      merges: str | None = None) -> None:
+        """merges: the form of the JSON's BPE merges (layout.MERGES_FORMS), or None."""
         self._require(WriterState.OPEN, WriterState.DENSE, WriterState.FFN, what="set_tokenizer")
-        self.tokenizer_json, self.chat_template = tokenizer_json, chat_template
+        self.tokenizer_json, self.chat_template, self.merges = tokenizer_json, chat_template, merges
 
     def finish(self) -> Path:
         """Write the remaining files and the manifest, then rename the folder into place."""
@@ -279,6 +282,8 @@ class FlashWriter:
         if self.tokenizer_json is not None:
             data = self.tokenizer_json.encode("utf-8")
             entry.update(self._write_file(TOKENIZER_FILE, data))
+            if self.merges is not None:
+                entry["merges"] = self.merges
         return entry
 
     def _close_down(self) -> dict | None:

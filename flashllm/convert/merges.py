@@ -1,0 +1,35 @@
+"""A BPE tokenizer.json's merges in the compact string form ("left right"), which `tokenizers`
+loads in about half the peak memory of the pair form ([left, right]) that tokenizers 0.20 and
+later write (docs/MEASUREMENTS.md, "Tokenizer memory"). Applied at conversion to every source's
+tokenizer JSON; the form is recorded in the manifest (format/writer.py) for the budget."""
+from __future__ import annotations
+
+import json
+
+from flashllm.format.layout import MERGES_FORMS
+
+STRINGS, PAIRS = MERGES_FORMS
+
+
+def compact_merges(tokenizer_json: str) -> tuple[str, str | None]:
+    """(the JSON with its BPE merges written as "left right" strings, "strings") when no merge
+    piece holds a space, the string form's separator, or is empty (compact JSON: no indent,
+    UTF-8 as is); else the text unchanged with its form: "strings" when it already has them,
+    "pairs" when a piece holds a space or is empty, None for a model without a merges list or a
+    JSON that does not load."""
+    try:
+        data = json.loads(tokenizer_json)
+        merges = data["model"]["merges"]
+    except (ValueError, KeyError, TypeError):
+        return tokenizer_json, None
+    if not isinstance(merges, list):
+        return tokenizer_json, None
+    if all(isinstance(m, str) for m in merges):
+        return tokenizer_json, STRINGS
+    if not all(isinstance(m, list) and len(m) == 2 and all(isinstance(p, str) for p in m)
+               for m in merges):
+        return tokenizer_json, None
+    if any(" " in p or not p for m in merges for p in m):
+        return tokenizer_json, PAIRS
+    data["model"]["merges"] = [f"{a} {b}" for a, b in merges]
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":")), STRINGS
