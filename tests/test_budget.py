@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from flashllm.runtime import budget
+from flashllm.runtime import budget, tokenizer_budget as tb
 from flashllm.runtime.budget import BudgetError, parse_budget, plan_budget, read_manifest
 from flashllm.format.reader import open_flash
 from flashllm.format.layout import SKETCH_NAMES
@@ -50,7 +50,7 @@ def test_dense_weights_then_caches_then_embeddings(tiny):  # noqa: F811
     nb = dense_bytes(man)
     kv = 2 * c["n_layers"] * 64 * c["n_kv_heads"] * c["head_dim"] * 2
     row = f["n_layers"] * (f["stride"] + 12)
-    others = (kv + budget.TOKENIZER_KEPT * man["tokenizer"]["nbytes"] + budget.TOKENIZER_KEPT_FIXED
+    others = (kv + tb.TOKENIZER_KEPT * man["tokenizer"]["nbytes"] + tb.TOKENIZER_KEPT_FIXED
               + 3 * MiB + budget.WORK_FIXED
               + 16 * c["vocab_size"] + budget.RING_BUFFERS * f["n_ff"] * f["stride"]
               + 4 * f["n_ff"] * f["n_layers"])
@@ -263,8 +263,8 @@ def test_a_chat_counts_the_tokenizer_it_keeps(tmp_path):
     tok = man["tokenizer"]["nbytes"]
     once = plan_run(tmp_path, FlashOptions("560MiB"), 512, 40 * MiB)
     chat = plan_run(tmp_path, FlashOptions("560MiB", keep_tokenizer=True), 512, 40 * MiB)
-    assert once.resident["tokenizer"] == budget.TOKENIZER_KEPT * tok + budget.TOKENIZER_KEPT_FIXED
-    assert chat.resident["tokenizer"] == budget.TOKENIZER_LOADED * tok + budget.TOKENIZER_LOADED_FIXED
+    assert once.resident["tokenizer"] == tb.TOKENIZER_KEPT * tok + tb.TOKENIZER_KEPT_FIXED
+    assert chat.resident["tokenizer"] == tb.TOKENIZER_LOADED * tok + tb.TOKENIZER_LOADED_FIXED
     assert chat.total <= chat.budget and chat.cache_bytes < once.cache_bytes
 
 
@@ -292,7 +292,7 @@ def test_a_loaded_tokenizer_stays_within_what_a_chat_budgets():
         tok.encode("def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n" * 20)
     grown = anon_rss() - before
     json_bytes = read_manifest(path)["tokenizer"]["nbytes"]
-    assert grown <= budget.TOKENIZER_LOADED * json_bytes + budget.TOKENIZER_LOADED_FIXED
+    assert grown <= tb.TOKENIZER_LOADED * json_bytes + tb.TOKENIZER_LOADED_FIXED
 
 
 @pytest.mark.realmodel
@@ -311,10 +311,57 @@ def test_a_one_shot_tokenizer_released_for_good_stays_within_what_the_plan_count
     tok.release(keep_source=False)
     grown = anon_rss() - before
     json_bytes = read_manifest(path)["tokenizer"]["nbytes"]
-    assert grown <= budget.TOKENIZER_KEPT * json_bytes + budget.TOKENIZER_KEPT_FIXED
+    assert grown <= tb.TOKENIZER_KEPT * json_bytes + tb.TOKENIZER_KEPT_FIXED
     assert tok.decode(ids) == text
     with pytest.raises(ReleasedError, match="it cannot encode again"):
         tok.encode("def")
+
+
+LOAD_PEAK = """
+import sys
+from pathlib import Path
+from flashllm.generation.tokenizer import Tokenizer
+def status(key):
+    return int(next(x for x in open("/proc/self/status") if x.startswith(key + ":")).split()[1])
+Path("/proc/self/clear_refs").write_text("5")              # VmHWM := VmRSS
+before = status("VmRSS")
+tok = Tokenizer.from_json(Path(sys.argv[1]).read_text(encoding="utf-8"), word_cache=False)
+print((status("VmHWM") - before) * 1024)
+"""
+
+
+@pytest.mark.realmodel
+def test_a_compacted_tokenizer_loads_within_what_the_plan_checks(tmp_path):
+    """SmolLM2's tokenizer.json with its merges compacted (as convert writes them) peaks, while
+    the text is read and the `tokenizers` object and its table are built, within
+    TOKENIZER_LOAD_STRINGS + 1 times its bytes (measured in a fresh process, VmHWM reset)."""
+    import subprocess
+    import sys
+    from conftest import _converted
+    from flashllm.convert.merges import compact_merges
+    path = _converted("smollm2-135m", "q8_0", log=lambda m: None)
+    text, form = compact_merges(open_flash(path).tokenizer_json)
+    (tmp_path / "tokenizer.json").write_text(text, encoding="utf-8")
+    nbytes = len(text.encode("utf-8"))
+    out = subprocess.run([sys.executable, "-c", LOAD_PEAK, str(tmp_path / "tokenizer.json")],
+                         capture_output=True, text=True, check=True).stdout
+    peak = tb.tokenizer_load_peak({"nbytes": nbytes, "merges": form})
+    assert form == "strings" and int(out) <= peak, (int(out) / nbytes, peak / nbytes)
+
+
+def test_the_load_peak_counts_compact_merges_smaller(tmp_path):
+    """The tokenizer's load is checked at TOKENIZER_LOAD + 1 times its JSON, or
+    TOKENIZER_LOAD_STRINGS + 1 when the manifest says its merges are strings."""
+    man = json.loads(Q15.read_text())
+    nbytes = man["tokenizer"]["nbytes"]
+    for merges, per_byte in ((None, tb.TOKENIZER_LOAD), ("pairs", tb.TOKENIZER_LOAD),
+                             ("strings", tb.TOKENIZER_LOAD_STRINGS)):
+        man["tokenizer"].pop("merges", None)
+        man["tokenizer"].update({"merges": merges} if merges else {})
+        need = 40 * MiB + (per_byte + 1) * nbytes
+        with pytest.raises(BudgetError, match=f"peak at {format_size(need, 'MiB', up=True)}"):
+            plan_budget(man, str(need - 1), 512, 40 * MiB)
+        assert plan_budget(man, str(need + 200 * MiB), 512, 40 * MiB).budget
 
 
 def test_run_refuses_an_unknown_predictor_mode_at_parse_time(tiny):  # noqa: F811

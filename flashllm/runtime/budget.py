@@ -5,12 +5,9 @@ loaded when the budget cannot work.
 Resident at run time (all counted against --dram-budget):
     process         the Python process before the model (interpreter, numpy, cffi): measured,
                     counted in whole PROCESS_STEPs so that a plan repeats from run to run
-    tokenizer       a one-shot run, after release(keep_source=False): the id -> bytes table and
-                    the heap the `tokenizers` object leaves (no JSON text, no word cache),
-                    counted as TOKENIZER_KEPT x the JSON + TOKENIZER_KEPT_FIXED. While it loads,
-                    before the model, it peaks higher: checked separately (TOKENIZER_LOAD). A
-                    chat keeps it loaded: TOKENIZER_LOADED x the JSON + TOKENIZER_LOADED_FIXED.
-                    The ratios are measured: docs/MEASUREMENTS.md, "Tokenizer memory"
+    tokenizer       a one-shot run's table once the `tokenizers` object is released, or a
+                    chat's loaded object; its load peaks higher, before the model, and is
+                    checked on its own (runtime/tokenizer_budget.py)
     KV cache        2 · n_layers · n_ctx · n_kv_heads · head_dim · 2 bytes (f16, as llama.cpp)
     work            logits and activations of one forward pass, the reader's staging buffers,
                     the sparse FFN's staging buffer for prefill / streamed neurons
@@ -37,14 +34,10 @@ from pathlib import Path
 from flashllm.errors import FlashError
 from flashllm.ffi import kernel
 from flashllm.format.layout import SKETCH_NAMES, layer_strides
+from flashllm.runtime.tokenizer_budget import tokenizer_load_peak, tokenizer_resident
 from flashllm.runtime.weights import CHUNK_BYTES, aligned_offsets, attn_names
 from flashllm.units import MiB, SizeError, format_size, parse_size
 
-TOKENIZER_KEPT = 1             # resident bytes of a one-shot run's released tokenizer per byte
-TOKENIZER_KEPT_FIXED = 2 * MiB  # of tokenizer.json, + these
-TOKENIZER_LOAD = 28            # peak bytes while the tokenizers object loads, per JSON byte
-TOKENIZER_LOADED = 14          # resident bytes of a loaded (heap-trimmed) tokenizer per JSON byte,
-TOKENIZER_LOADED_FIXED = 4 * MiB  # + these
 PROCESS_STEP = 8 * MiB          # the process is counted in whole steps (process_rss)
 STAGING_BYTES = 16 * MiB       # the sparse FFN's staging buffer: prefill halves, the decode read-ahead ring
 RING_BUFFERS = 4               # the read-ahead ring's buffers: each holds up to a whole layer's bundles
@@ -169,10 +162,7 @@ def resident_bytes(manifest: dict, n_ctx: int, process: int, predictor: int,
     c = manifest["config"]
     kv = 2 * c["n_layers"] * n_ctx * c["n_kv_heads"] * c["head_dim"] * 2
     work = WORK_FIXED + 4 * 4 * c["vocab_size"] + reader_stage + stride_rows
-    tok = int(manifest["tokenizer"].get("nbytes") or 0)
-    per_byte, fixed = (TOKENIZER_LOADED, TOKENIZER_LOADED_FIXED) if keep_tokenizer \
-        else (TOKENIZER_KEPT, TOKENIZER_KEPT_FIXED)
-    return {"KV cache": kv, "tokenizer": per_byte * tok + (fixed if tok else 0),
+    return {"KV cache": kv, "tokenizer": tokenizer_resident(manifest["tokenizer"], keep_tokenizer),
             "process": process, "buffers": work, "predictor": predictor,
             **({"draft": draft} if draft else {})}
 
@@ -384,7 +374,7 @@ def _stream_plan(manifest: dict, n_ctx: int, avail: int, groups: list, embed: tu
 
 def _check_tokenizer_load(manifest: dict, budget: int, text: str, process: int) -> None:
     """The tokenizers object peaks while it loads (before the model): it must fit then."""
-    need = process + (TOKENIZER_LOAD + 1) * int(manifest["tokenizer"].get("nbytes") or 0)
+    need = process + tokenizer_load_peak(manifest["tokenizer"])
     if budget < need:
         have, peak = format_size(budget, "MiB", up=False), format_size(need, "MiB", up=True)
         raise BudgetError(f"--dram-budget {text} ({have}) cannot load the tokenizer: the process "

@@ -6,7 +6,8 @@ Run:  python -m scripts.studies.tokenizer_rss MODEL_FOLDER [PROMPT_FILE] [--chat
 One-shot (the default) does what `flashllm run -p` does under --dram-budget: load without the
 word cache, encode the prompt, release(keep_source=False). --chat keeps the tokenizer loaded and
 encodes the prompt 20 times, as turns of a chat would. Prints MiB and the ratio to the JSON's
-bytes, and the peak (VmHWM) over the process while the tokenizer loads.
+bytes, and the peak (VmHWM, reset through /proc/self/clear_refs just before) over the process
+while the tokenizer loads, with the form of its merges (the manifest's tokenizer "merges").
 """
 from __future__ import annotations
 
@@ -40,9 +41,11 @@ def main(args: list[str]) -> None:
     folder = Path(args[0])
     prompt = Path(args[1]).read_text(encoding="utf-8") if len(args) > 1 else PROMPT
     json_bytes = (folder / "tokenizer.json").stat().st_size
-    base, rss = anon(), status("VmRSS")
+    base = anon()
     flash = open_flash(folder)
     opened = anon()
+    Path("/proc/self/clear_refs").write_text("5")          # VmHWM := VmRSS
+    rss = status("VmRSS")
     tok = Tokenizer.from_flash(flash, word_cache=chat)
     peak = status("VmHWM") - rss
     for _ in range(20 if chat else 1):
@@ -50,9 +53,11 @@ def main(args: list[str]) -> None:
     if not chat:
         tok.release(keep_source=False)
     held = anon() - opened
-    what = "loaded (chat)" if chat else "released (one-shot)"
-    print(f"{folder.name}: tokenizer.json {json_bytes / MiB:.2f} MiB, byte table "
-          f"{tok.table.nbytes / MiB:.2f} MiB, prompt {n} tokens; {what}: {held / MiB:.2f} MiB "
+    what = "loaded (chat)" if chat else "released (one-shot)" if tok.releasable else "kept"
+    table = f"{tok.table.nbytes / MiB:.2f} MiB" if tok.table is not None else "none"
+    merges = flash.manifest["tokenizer"].get("merges", "unrecorded")
+    print(f"{folder.name}: tokenizer.json {json_bytes / MiB:.2f} MiB (merges: {merges}), byte "
+          f"table {table}, prompt {n} tokens; {what}: {held / MiB:.2f} MiB "
           f"= {held / json_bytes:.2f}x the JSON (open_flash alone {(opened - base) / MiB:.2f} "
           f"MiB); peak while loading {peak / MiB:.1f} MiB = {peak / json_bytes:.1f}x")
 
