@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -209,6 +210,37 @@ def test_stats_with_json_joins_the_timings_object(tiny, monkeypatch):  # noqa: F
     summary = data["flash"]["summary"]
     assert summary["decode_tokens"] == data["n_decode"] and 0 <= summary["hit_rate"] <= 1
     assert "tok    kind" not in r.stderr                                # no text table with --json
+
+
+@pytest.fixture(scope="module")
+def spm_tiny(tmp_path_factory) -> Path:
+    """A tiny model whose tokenizer decodes SentencePiece-style (byte fallback, a space prefix's
+    Strip), as a GGUF "llama" vocabulary is rebuilt."""
+    from flashllm.convert.convert import convert_source
+    from flashllm.convert.gguf_vocab import gguf_tokenizer_json
+    from test_gguf_vocab_spm import spm_fields
+    from tiny_sources import ArraySource, tiny_arrays, tiny_config
+    fields = spm_fields(3, True)
+    cfg = tiny_config(vocab_size=len(fields["tokenizer.ggml.tokens"]), eos_token_ids=(2,),
+                      context_length=256)
+    src = ArraySource(cfg, tiny_arrays(cfg, seed=5), tokenizer_json=gguf_tokenizer_json(fields))
+    return convert_source(src, tmp_path_factory.mktemp("spm") / "m", "f32")
+
+
+def test_a_one_shot_run_releases_a_sentencepiece_tokenizer(spm_tiny, monkeypatch):
+    """A one-shot run of a model whose tokenizer decodes through a byte table counts only the
+    table (it releases the `tokenizers` object after the prompt), and writes the tokens' text."""
+    tok = read_manifest(spm_tiny)["tokenizer"]
+    merges = json.loads((spm_tiny / "tokenizer.json").read_text())["model"]["merges"]
+    assert tok["merges"] == "strings" and all(isinstance(m, str) for m in merges)
+    r = run(spm_tiny, "--no-timings", "--stats", "--dram-budget", "150MiB", monkeypatch=monkeypatch)
+    assert r.exit_code == 0, r.output
+    share = re.search(r"DRAM budget 150 MiB: .*tokenizer (\d+) MiB", r.stderr)
+    kept = tb.TOKENIZER_KEPT * tok["nbytes"] + tb.TOKENIZER_KEPT_FIXED
+    loaded = tb.TOKENIZER_LOADED * tok["nbytes"] + tb.TOKENIZER_LOADED_FIXED
+    assert share and int(share[1]) == -(-kept // MiB) < -(-loaded // MiB), r.stderr
+    dense = run(spm_tiny, "--no-timings", monkeypatch=monkeypatch)
+    assert r.stdout.splitlines()[0] == dense.stdout.splitlines()[0]
 
 
 def q15_with_predictor(tmp_path, nbytes: int, load: float) -> Path:

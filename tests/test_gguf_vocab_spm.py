@@ -127,7 +127,7 @@ def test_spm_vocab_tokenizes_as_llamacpp(seed, space_prefix):
             assert tok.decode(want, skip_special_tokens=True) == text.replace("<start>", "")
 
 
-# ------------------------------------------------------------------------ compact merges
+# ------------------------------------------------- compact merges, the byte table's decoding
 
 @pytest.mark.parametrize("seed, space_prefix", [(1, False), (3, True)])
 def test_compact_merges_encode_as_the_pairs(seed, space_prefix):
@@ -158,3 +158,48 @@ def test_merges_with_a_space_stay_pairs():
     assert compact_merges(text) == (text, "pairs")
     assert compact_merges('{"model": {"type": "WordLevel", "vocab": {"a": 0}}}')[1] is None
     assert compact_merges("{not json") == ("{not json", None)
+
+
+def random_ids(rng: random.Random, tokens: list[str], types: list[int]) -> list[int]:
+    """Normal pieces, control tokens and runs of byte tokens that form valid UTF-8 characters."""
+    byte_id = {int(t[3:5], 16): i for i, t in enumerate(tokens) if types[i] == BYTE}
+    normal = [i for i, t in enumerate(types) if t in (NORMAL, USER_DEFINED)]
+    control = [i for i, t in enumerate(types) if t == CONTROL]
+    ids = []
+    for _ in range(rng.randint(0, 12)):
+        kind = rng.random()
+        if kind < 0.5:
+            ids.append(rng.choice(normal))
+        elif kind < 0.7:
+            ids.append(rng.choice(control))
+        else:
+            ch = chr(rng.choice([rng.randint(0x20, 0x7E), rng.randint(0xA0, 0x7FF),
+                                 rng.randint(0x800, 0xD7FF), rng.randint(0x10000, 0x10FFFF)]))
+            ids += [byte_id[b] for b in ch.encode("utf-8")]
+    return ids
+
+
+@pytest.mark.parametrize("seed, space_prefix", [(1, False), (2, False), (3, True), (4, True)])
+def test_the_byte_table_decodes_as_tokenizers(seed, space_prefix):
+    """A SentencePiece byte-fallback decoder (with a final Strip(" ", 1, 0) for a space prefix)
+    decodes through a byte table, released: what `tokenizers` decodes the same ids to, special
+    tokens skipped or not. A stream keeps the leading space a whole decode strips: it is the
+    text after a plain piece, as `tokenizers` decodes the piece and the ids together."""
+    from flashllm.generation.tokenizer import Tokenizer as FlashTokenizer
+    tokens, types, _ = random_vocab(seed)
+    text = gguf_tokenizer_json(spm_fields(seed, space_prefix))
+    ref, tok = Tokenizer.from_str(text), FlashTokenizer.from_json(text, word_cache=False)
+    assert tok.releasable and tok.table.strip == space_prefix
+    tok.release(keep_source=False)
+    plain = tokens.index("a")                                        # decodes to "a" alone
+    rng = random.Random(seed + 300)
+    stripped = 0
+    for _ in range(400):
+        ids = random_ids(rng, tokens, types)
+        for skip in (True, False):
+            assert tok.decode(ids, skip) == ref.decode(ids, skip_special_tokens=skip), ids
+        det = tok.detokenizer()
+        streamed = "".join([det.push(i) for i in ids] + [det.flush()])
+        assert streamed == ref.decode([plain] + ids)[1:], ids
+        stripped += streamed != tok.decode(ids)
+    assert stripped > 20 if space_prefix else stripped == 0

@@ -146,6 +146,33 @@ def test_byte_level_merges_compacted_encode_and_decode_as_tokenizers(byte_tok):
         assert byte_tok.decode(ids) == ref.decode(ids), ids
 
 
+@pytest.mark.parametrize("indent", [None, 2])
+def test_the_decoder_is_read_from_the_file_alone(tmp_path, indent):
+    """decodes_through_table reads only the "decoder" value of a tokenizer.json (a token named
+    "decoder" in the vocabulary before it maps to a number): it agrees with a whole parse."""
+    import json
+    from flashllm.generation.byte_table import table_decoder
+    from flashllm.generation.tokenizer import decodes_through_table
+    spm = {"type": "Sequence", "decoders": [
+        {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+        {"type": "ByteFallback"}, {"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 1,
+                                                      "stop": 0}]}
+    cases = [{"type": "ByteLevel"}, spm, {**spm, "decoders": spm["decoders"][:3]},
+             {**spm, "decoders": spm["decoders"][:2]}, {"type": "Metaspace"}, None]
+    for i, decoder in enumerate(cases):
+        doc = {"added_tokens": [{"content": "decoder"}], "model": {"vocab": {"decoder": 7}},
+               "decoder": decoder}
+        if i % 2:
+            doc = {"decoder": doc.pop("decoder"), **doc}
+        path = tmp_path / f"{i}.json"
+        path.write_text(json.dumps(doc, indent=indent, ensure_ascii=False), encoding="utf-8")
+        whole = table_decoder(json.loads(path.read_text(encoding="utf-8"))["decoder"])
+        assert decodes_through_table(path) == (whole is not None) == (i < 3), decoder
+    (tmp_path / "bad.json").write_text('{"decoder": {"type": "ByteLev')
+    assert not decodes_through_table(tmp_path / "bad.json")
+    assert not decodes_through_table(tmp_path / "missing.json")
+
+
 def _stream(tok: Tokenizer, ids: list[int]) -> list[str]:
     det = tok.detokenizer()
     return [det.push(i) for i in ids] + [det.flush()]
@@ -218,4 +245,36 @@ def test_streaming_matches_full_decode(real):
     pieces = _stream(tok, ids)
     assert "".join(pieces) == tok.decode(ids) == text
     assert not any("\ufffd" in p for p in pieces)
+    assert sum(p == "" for p in pieces) > 0          # some tokens ended mid-character and were held
+
+
+@pytest.mark.realmodel
+def test_gemma_decodes_through_its_table_as_tokenizers():
+    """The converted Gemma 3 (a SentencePiece byte-fallback decoder), when the cache holds it:
+    its byte table, released, decodes and streams a multilingual text as `tokenizers` decodes
+    the same ids; its merges compacted encode as the converted file's."""
+    from tokenizers import Tokenizer as HF
+    from flashllm.cli.app import cache_dir
+    from flashllm.convert.merges import compact_merges
+    from flashllm.format.reader import open_flash
+    path = cache_dir() / "converted" / "gemma-3-270m-native"
+    if not (path / "manifest.json").is_file():
+        pytest.skip(f"no converted Gemma 3 at {path}")
+    text = open_flash(path).tokenizer_json
+    ref = HF.from_str(text)
+    tok = Tokenizer.from_json(text, word_cache=False)
+    multi = ("日本語のテキスト 🎉👍🏽 naïve ünïcödé — «quotes» ∑∫√ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 한국어 русский "
+             "текст\n\tindented  spaces <start_of_turn>user\n¿Qué tal? ١٢٣ 𓀀 \x00\x7f") * 2
+    ids = tok.encode(multi)
+    assert ids == ref.encode(multi).ids
+    compact = HF.from_str(compact_merges(text)[0])
+    assert compact.encode(multi).ids == ids
+    del ref, compact, text
+    tok.release(keep_source=False)
+    ref = HF.from_str(open_flash(path).tokenizer_json)
+    assert tok.releasable and not tok.resident
+    for skip in (True, False):
+        assert tok.decode(ids, skip) == ref.decode(ids, skip_special_tokens=skip)
+    pieces = _stream(tok, ids)
+    assert "".join(pieces) == ref.decode(ids)
     assert sum(p == "" for p in pieces) > 0          # some tokens ended mid-character and were held

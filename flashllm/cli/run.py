@@ -109,7 +109,7 @@ def run(
                            seed=None if seed == -1 else seed)
     need = head_need(params) if sparse_head is not False else None
     fopts = FlashOptions(dram_budget, window, naive, dense, check_recall, predictor.value,
-                         keep_tokenizer=interactive or not _decodes_bytes(path),
+                         keep_tokenizer=interactive or not _releases_tokenizer(path),
                          draft_rows=draft_head_rows if drafting.is_self else 0,
                          sparse_head="off" if need is None else "on" if sparse_head else "auto",
                          head_top=need.top if need is not None else 1)
@@ -320,15 +320,13 @@ def _load_code() -> None:
     import flashllm.runtime.sparse_ffn  # noqa: F401
 
 
-def _decodes_bytes(path: Path) -> bool:
+def _releases_tokenizer(path: Path) -> bool:
     """Whether the model's tokenizer decodes through a byte table, so a one-shot run can release
-    it after the prompt (a budget then counts it small): read from tokenizer.json before loading."""
+    it after the prompt (a budget then counts it small): read from tokenizer.json's decoder
+    before anything loads."""
     from flashllm.format.layout import TOKENIZER_FILE
-    from flashllm.generation.tokenizer import decodes_bytes
-    try:
-        return decodes_bytes((path / TOKENIZER_FILE).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError):
-        return False
+    from flashllm.generation.tokenizer import decodes_through_table
+    return decodes_through_table(path / TOKENIZER_FILE)
 
 
 def _chat(flash, net, tok, sampler, system: Optional[str], template_file: Optional[Path],

@@ -1,83 +1,34 @@
 """Text <-> token ids through the Hugging Face `tokenizers` runtime.
 
 A model folder's tokenizer.json (an HF checkpoint's own, or one rebuilt from a GGUF vocabulary by
-flashllm.convert.gguf_vocab) is used as is. Decoding of byte-level vocabularies goes through a
-token -> bytes table, so the `tokenizers` object can be released after encoding.
+flashllm.convert.gguf_vocab) is used as is. Decoding of byte-level and SentencePiece
+byte-fallback vocabularies goes through a token -> bytes table (generation/byte_table.py), so
+the `tokenizers` object can be released after encoding.
 """
 from __future__ import annotations
 
 import codecs
-import json
+from pathlib import Path
 from typing import Sequence
 
-import numpy as np
-
-from tokenizers import decoders
 from tokenizers import Tokenizer as HFTokenizer
 
 from flashllm.errors import FlashError, FormatError
 from flashllm.ffi.heap import trim_heap
+from flashllm.generation.byte_table import ByteTable, decoder_of_file, table_decoder
 
-
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's printable character -> byte table, the inverse of the ByteLevel pre-tokenizer's."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
-          *range(ord("\u00ae"), ord("\u00ff") + 1)]
-    extra = [b for b in range(256) if b not in bs]
-    return {chr(b): b for b in bs} | {chr(256 + n): b for n, b in enumerate(extra)}
-
-
-class ByteTable:
-    """Token id -> the bytes it decodes to, for byte-level vocabularies: what decoding needs once
-    the `tokenizers` object (tens of MiB) is gone. Special (control) tokens are flagged so they
-    can be skipped, as `tokenizers` does with skip_special_tokens."""
-
-    def __init__(self, pieces: Sequence[bytes], special: Sequence[int]):
-        self.offsets = np.zeros(len(pieces) + 1, dtype=np.int64)       # (vocab + 1,)
-        np.cumsum([len(p) for p in pieces], out=self.offsets[1:])
-        self.blob = b"".join(pieces)
-        self.special = np.zeros(len(pieces), dtype=bool)               # (vocab,)
-        self.special[list(special)] = True
-
-    @classmethod
-    def from_hf(cls, hf: HFTokenizer) -> "ByteTable | None":
-        """The table of a ByteLevel-decoding tokenizer; None for any other decoder."""
-        if not isinstance(hf.decoder, decoders.ByteLevel):
-            return None
-        chars = _byte_decoder()
-        added = hf.get_added_tokens_decoder()                          # id -> AddedToken
-        pieces = []
-        for i in range(hf.get_vocab_size(with_added_tokens=True)):
-            t = hf.id_to_token(i) or ""
-            mapped = [chars.get(c) for c in t]
-            pieces.append(t.encode("utf-8") if None in mapped else bytes(mapped))
-        return cls(pieces, [i for i, t in added.items() if t.special])
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.offsets.nbytes + len(self.blob) + self.special.nbytes)
-
-    def __len__(self) -> int:
-        return len(self.offsets) - 1
-
-    def bytes_of(self, ids: Sequence[int], skip_special: bool = True) -> bytes:
-        """The bytes of a token sequence."""
-        o, out = self.offsets, []
-        for i in ids:
-            i = int(i)
-            if not 0 <= i < len(self):
-                raise FormatError(f"token id {i} is outside the vocabulary of {len(self)}")
-            if not (skip_special and self.special[i]):
-                out.append(self.blob[o[i]:o[i + 1]])
-        return b"".join(out)
+__all__ = ["ByteTable", "Detokenizer", "ReleasedError", "Tokenizer", "decodes_through_table"]
 
 
 class Detokenizer:
     """Streams text token by token without ever emitting half a UTF-8 character.
 
-    With a byte table, token bytes go through an incremental UTF-8 decoder. Otherwise text is
-    decoded over a short window (the previous token plus the pending ones), so decoders that
-    depend on context (leading spaces, byte pieces) give the same text as a full decode."""
+    A stream continues the text before it (a completion its prompt, an answer its chat
+    template), so a leading space that a whole-sequence decode drops (SentencePiece's Strip) is
+    kept, as llama.cpp's token_to_piece keeps it. With a byte table, token bytes go through an
+    incremental UTF-8 decoder. Otherwise text is decoded over a short window (the previous token
+    plus the pending ones), so decoders that depend on context (leading spaces, byte pieces)
+    give the same text as a full decode."""
 
     def __init__(self, tokenizer: "Tokenizer"):
         self._tok = tokenizer
@@ -108,14 +59,11 @@ class Detokenizer:
         return text[len(seen):]
 
 
-def decodes_bytes(tokenizer_json: str) -> bool:
-    """True when a tokenizer.json decodes byte-level (its decoder is ByteLevel): decoding then
-    needs only a token -> bytes table, and a one-shot run releases the `tokenizers` object
-    (Tokenizer.releasable)."""
-    try:
-        return (json.loads(tokenizer_json).get("decoder") or {}).get("type") == "ByteLevel"
-    except (ValueError, AttributeError):
-        return False
+def decodes_through_table(file: Path) -> bool:
+    """True when a tokenizer.json's decoder has a token -> bytes table (byte_table.py): a
+    one-shot run then releases the `tokenizers` object (Tokenizer.releasable). Reads only the
+    file's "decoder" value; False when it cannot be read."""
+    return table_decoder(decoder_of_file(file)) is not None
 
 
 class ReleasedError(FlashError):
@@ -128,7 +76,7 @@ class Tokenizer:
     The `tokenizers` object of a large vocabulary holds tens of MiB (more while it loads);
     `release()` drops it once the prompt is encoded, and the next encode loads it again from the
     JSON text, which `release(keep_source=False)` drops too when nothing will be encoded again (a
-    one-shot run). Decoding never needs either for byte-level vocabularies. word_cache=False turns
+    one-shot run). Decoding never needs either when there is a byte table. word_cache=False turns
     off the BPE model's cache of encoded words: what it held stays resident after release, and a
     text encoded once gains nothing from it. Sizes: docs/MEASUREMENTS.md, "Tokenizer memory"."""
 
@@ -171,8 +119,8 @@ class Tokenizer:
 
     @property
     def releasable(self) -> bool:
-        """True when decoding needs no `tokenizers` object (a byte-level vocabulary with its
-        table): release() then drops it."""
+        """True when decoding needs no `tokenizers` object (a vocabulary with a byte table):
+        release() then drops it."""
         return self.table is not None
 
     @property
@@ -200,8 +148,9 @@ class Tokenizer:
         return self.hf.encode(text, add_special_tokens=add_special).ids
 
     def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
+        """The text of a whole sequence (to stream a continuation: detokenizer())."""
         if self.table is not None:
-            return self.table.bytes_of(ids, skip_special).decode("utf-8", errors="replace")
+            return self.table.decode(ids, skip_special)
         return self.hf.decode(list(ids), skip_special_tokens=skip_special)
 
     def detokenizer(self) -> Detokenizer:
