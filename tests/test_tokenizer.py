@@ -146,6 +146,25 @@ def test_byte_level_merges_compacted_encode_and_decode_as_tokenizers(byte_tok):
         assert byte_tok.decode(ids) == ref.decode(ids), ids
 
 
+def test_a_stream_keeps_the_leading_space_a_metaspace_decode_drops():
+    """A decoder without a byte table that drops the first token's leading space (Metaspace)
+    streams the text after a plain context, as a completion follows its prompt: the first
+    token keeps its space (a whole decode drops it)."""
+    from tokenizers import Tokenizer as HF
+    from tokenizers import decoders, models, pre_tokenizers
+    vocab = {"[UNK]": 0, "\u2581Paris": 1, "\u2581is": 2, "\u2581a": 3, "a": 4, "!": 5}
+    hf = HF(models.WordLevel(vocab, unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.Metaspace()
+    hf.decoder = decoders.Metaspace()
+    tok = Tokenizer.from_json(hf.to_str())
+    assert not tok.releasable and tok.decode([1, 2]) == "Paris is"
+    ctx = tok.encode("a", add_special=False)
+    want = hf.decode(ctx + [1, 2, 5])[len(hf.decode(ctx)):]
+    assert want == " Paris is!" and "".join(_stream(tok, [1, 2, 5])) == want
+    det = tok.detokenizer()
+    assert det.push(1) == " Paris" and det.flush() == "" and det.push(2) == " is"
+
+
 @pytest.mark.parametrize("indent", [None, 2])
 def test_the_decoder_is_read_from_the_file_alone(tmp_path, indent):
     """decodes_through_table reads only the "decoder" value of a tokenizer.json (a token named

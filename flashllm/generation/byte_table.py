@@ -50,6 +50,20 @@ def table_decoder(decoder) -> str | None:
     return SPM_STRIP if steps[3:] == [_STRIP] else None
 
 
+def drops_leading_space(decoder) -> bool:
+    """Whether a decoder (its JSON as a dict) drops the leading space of a sequence's first
+    token: Metaspace prepending one, or a Strip from the start."""
+    steps = decoder.get("decoders") if isinstance(decoder, dict) else None
+    steps = steps if isinstance(steps, list) else [decoder]
+    for s in (s for s in steps if isinstance(s, dict)):
+        prepend = "always" if s.get("add_prefix_space", True) else "never"   # older JSON
+        if s.get("type") == "Metaspace" and s.get("prepend_scheme", prepend) != "never":
+            return True
+        if s.get("type") == "Strip" and s.get("start", 0) > 0:
+            return True
+    return False
+
+
 def decoder_json(hf) -> dict | None:
     """The decoder of a `tokenizers` object as its JSON (a dict), None when it has none."""
     return None if hf.decoder is None else json.loads(hf.decoder.__getstate__())

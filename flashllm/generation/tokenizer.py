@@ -15,27 +15,35 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from flashllm.errors import FlashError, FormatError
 from flashllm.ffi.heap import trim_heap
-from flashllm.generation.byte_table import ByteTable, decoder_of_file, table_decoder
+from flashllm.generation.byte_table import (ByteTable, decoder_json, decoder_of_file,
+                                            drops_leading_space, table_decoder)
 
 __all__ = ["ByteTable", "Detokenizer", "ReleasedError", "Tokenizer", "decodes_through_table"]
+STREAM_CONTEXT = "a"    # the text a window-decoded stream may start after (Detokenizer)
 
 
 class Detokenizer:
     """Streams text token by token without ever emitting half a UTF-8 character.
 
     A stream continues the text before it (a completion its prompt, an answer its chat
-    template), so a leading space that a whole-sequence decode drops (SentencePiece's Strip) is
-    kept, as llama.cpp's token_to_piece keeps it. With a byte table, token bytes go through an
-    incremental UTF-8 decoder. Otherwise text is decoded over a short window (the previous token
-    plus the pending ones), so decoders that depend on context (leading spaces, byte pieces)
-    give the same text as a full decode."""
+    template), so a leading space that a whole-sequence decode drops (SentencePiece's Strip,
+    Metaspace) is kept, as llama.cpp's token_to_piece keeps it. With a byte table, token bytes
+    go through an incremental UTF-8 decoder. Otherwise text is decoded over a short window (the
+    previous token plus the pending ones), so decoders that depend on context (leading spaces,
+    byte pieces) give the same text as a full decode; one that drops the first token's leading
+    space starts after the tokens of STREAM_CONTEXT instead of at a sequence's start."""
 
     def __init__(self, tokenizer: "Tokenizer"):
         self._tok = tokenizer
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
-        self._ids: list[int] = []
-        self._prefix = 0        # start of the context window
-        self._read = 0          # ids before this index have been emitted
+        after = tokenizer.table is None and drops_leading_space(decoder_json(tokenizer.hf))
+        self._context = tokenizer.encode(STREAM_CONTEXT, add_special=False) if after else []
+        self._start()
+
+    def _start(self) -> None:
+        self._ids: list[int] = list(self._context)
+        self._prefix = 0                # start of the context window
+        self._read = len(self._ids)     # ids before this index have been emitted
 
     def push(self, token_id: int) -> str:
         """The text that token_id completes ("" while a character is still incomplete)."""
@@ -55,7 +63,7 @@ class Detokenizer:
             return self._utf8.decode(b"", final=True)
         seen = self._tok.decode(self._ids[self._prefix:self._read])
         text = self._tok.decode(self._ids[self._prefix:])
-        self._ids, self._prefix, self._read = [], 0, 0
+        self._start()
         return text[len(seen):]
 
 
