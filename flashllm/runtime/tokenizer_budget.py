@@ -18,7 +18,7 @@ from flashllm.units import MiB
 
 TOKENIZER_KEPT = 1             # resident bytes of a one-shot run's released tokenizer per byte
 TOKENIZER_KEPT_FIXED = 2 * MiB  # of tokenizer.json, + these
-TOKENIZER_LOAD = 28            # peak bytes while the tokenizers object loads, per JSON byte
+TOKENIZER_LOAD = 31            # peak bytes while the tokenizers object loads, per JSON byte
 TOKENIZER_LOAD_STRINGS = 20    # the same for merges written as "left right" strings
 TOKENIZER_LOADED = 14          # resident bytes of a loaded (heap-trimmed) tokenizer per JSON byte,
 TOKENIZER_LOADED_FIXED = 4 * MiB  # + these
