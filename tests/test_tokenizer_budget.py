@@ -152,7 +152,6 @@ def test_the_load_peak_counts_compact_merges_smaller(tmp_path):
         man["tokenizer"].pop("merges", None)
         man["tokenizer"].update({"merges": merges} if merges else {})
         need = 40 * MiB + (per_byte + 1) * nbytes
-        with pytest.raises(BudgetError, match=f"peak at {format_size(need, 'MiB', up=True)}") as e:
+        with pytest.raises(BudgetError, match=f"peak at {format_size(need, 'MiB', up=True)}"):
             plan_budget(man, str(need - 1), 512, 40 * MiB)
-        assert ("converting it again may halve that" in str(e.value)) == (merges is None)
         assert plan_budget(man, str(need + 200 * MiB), 512, 40 * MiB).budget

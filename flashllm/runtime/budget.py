@@ -377,10 +377,8 @@ def _check_tokenizer_load(manifest: dict, budget: int, text: str, process: int) 
     need = process + tokenizer_load_peak(manifest["tokenizer"])
     if budget < need:
         have, peak = format_size(budget, "MiB", up=False), format_size(need, "MiB", up=True)
-        hint = "" if "merges" in manifest["tokenizer"] else \
-            "; this folder was converted by an older flashllm: converting it again may halve that"
         raise BudgetError(f"--dram-budget {text} ({have}) cannot load the tokenizer: the process "
-                          f"and the tokenizer peak at {peak} while the prompt is encoded{hint}")
+                          f"and the tokenizer peak at {peak} while the prompt is encoded")
 
 
 def _refuse(budget: int, text: str, parts: dict, need: int) -> None:
