@@ -76,7 +76,7 @@ def test_refusals():
     with pytest.raises(SourceError, match="bos_token_id=999 is outside"):
         gguf_tokenizer_json(byte_fields(**{"tokenizer.ggml.bos_token_id": 999, "tokenizer.ggml.add_bos_token": True}))
     with pytest.raises(FormatError, match="model has no tokenizer"):
-        Tokenizer.from_flash(SimpleNamespace(tokenizer_json=None, config=SimpleNamespace(eos_token_ids=())))
+        Tokenizer.from_flash(SimpleNamespace(tokenizer_bytes=None, config=SimpleNamespace(eos_token_ids=())))
     with pytest.raises(FormatError, match="tokenizer JSON cannot be loaded"):
         Tokenizer.from_json("{not json")
 

@@ -118,7 +118,7 @@ def status(key):
     return int(next(x for x in open("/proc/self/status") if x.startswith(key + ":")).split()[1])
 Path("/proc/self/clear_refs").write_text("5")              # VmHWM := VmRSS
 before = status("VmRSS")
-tok = Tokenizer.from_json(Path(sys.argv[1]).read_text(encoding="utf-8"), word_cache=False)
+tok = Tokenizer.from_json(Path(sys.argv[1]).read_bytes(), word_cache=False)
 print((status("VmHWM") - before) * 1024)
 """
 
@@ -126,7 +126,7 @@ print((status("VmHWM") - before) * 1024)
 @pytest.mark.realmodel
 def test_a_compacted_tokenizer_loads_within_what_the_plan_checks(tmp_path):
     """SmolLM2's tokenizer.json with its merges compacted (as convert writes them) peaks, while
-    the text is read and the `tokenizers` object and its table are built, within
+    the file is read and the `tokenizers` object and its table are built, within
     TOKENIZER_LOAD_STRINGS + 1 times its bytes (measured in a fresh process, VmHWM reset)."""
     import subprocess
     import sys

@@ -3,7 +3,7 @@
 Nothing is loaded at open: `tensor(name)` reads one dense tensor from dense.bin into DRAM when it is
 asked for (the caller keeps it resident or not; `dense_entry` gives the offsets for streaming it),
 FFN layers are read from ffn.bin on demand (the runtime's direct-I/O reader uses FlashModel.ffn
-for offsets and strides), and `tokenizer_json` reads tokenizer.json each time it is asked for (a
+for offsets and strides), and `tokenizer_bytes` reads tokenizer.json each time it is asked for (a
 one-shot run drops the text once the prompt is encoded; the model must not keep a copy).
 """
 from __future__ import annotations
@@ -55,10 +55,21 @@ class FlashModel:
         self._tokenizer, self.chat_template = _tokenizer_entry(path, self.manifest)
 
     @property
+    def tokenizer_bytes(self) -> bytes | None:
+        """The Hugging Face tokenizer JSON as UTF-8 bytes, read now from tokenizer.json; None when
+        the model has no tokenizer. Not kept: the caller holds it as long as it needs it. Bytes,
+        not a str: a vocabulary with characters beyond U+FFFF takes four bytes a character as a
+        Python str (Gemma's 12 MiB file: 49.5 MiB)."""
+        return None if self._tokenizer is None else _read_bytes(*self._tokenizer)
+
+    @property
     def tokenizer_json(self) -> str | None:
-        """The Hugging Face tokenizer JSON, read now from tokenizer.json; None when the model has
-        no tokenizer. Not kept: the caller holds the text as long as it needs it."""
-        return None if self._tokenizer is None else _read_text(*self._tokenizer)
+        """tokenizer_bytes as text."""
+        data = self.tokenizer_bytes
+        try:
+            return None if data is None else data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise FormatError(f"{self._tokenizer[0]}: unreadable ({e})") from None
 
     def has(self, name: str) -> bool:
         return name in self._tensors
@@ -276,13 +287,13 @@ def _tokenizer_entry(path: Path, m: dict) -> tuple[tuple[Path, int] | None, str 
     return (file, nbytes), template
 
 
-def _read_text(file: Path, nbytes: int) -> str:
-    """A side file's UTF-8 text, which must still be nbytes long."""
+def _read_bytes(file: Path, nbytes: int) -> bytes:
+    """A side file's bytes, which must still be nbytes long."""
     try:
         data = file.read_bytes()
-        if len(data) != nbytes:
-            raise FormatError(f"{file}: {len(data)} bytes, the manifest says {nbytes} (changed "
-                              f"since the model was opened)")
-        return data.decode("utf-8")
-    except (OSError, UnicodeDecodeError) as e:
+    except OSError as e:
         raise FormatError(f"{file}: unreadable ({e})") from None
+    if len(data) != nbytes:
+        raise FormatError(f"{file}: {len(data)} bytes, the manifest says {nbytes} (changed "
+                          f"since the model was opened)")
+    return data

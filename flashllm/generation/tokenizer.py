@@ -83,13 +83,14 @@ class Tokenizer:
 
     The `tokenizers` object of a large vocabulary holds tens of MiB (more while it loads);
     `release()` drops it once the prompt is encoded, and the next encode loads it again from the
-    JSON text, which `release(keep_source=False)` drops too when nothing will be encoded again (a
-    one-shot run). Decoding never needs either when there is a byte table. word_cache=False turns
+    JSON (UTF-8 bytes), which `release(keep_source=False)` drops too when nothing will be
+    encoded again (a one-shot run). Decoding never needs either when there is a byte table. word_cache=False turns
     off the BPE model's cache of encoded words: what it held stays resident after release, and a
     text encoded once gains nothing from it. Sizes: docs/MEASUREMENTS.md, "Tokenizer memory"."""
 
-    def __init__(self, text: str, eos_ids: Sequence[int] = (), word_cache: bool = True):
-        self._json: str | None = text
+    def __init__(self, source: str | bytes, eos_ids: Sequence[int] = (), word_cache: bool = True):
+        # the JSON as UTF-8 bytes: a str of a vocabulary beyond U+FFFF takes 4 bytes a character
+        self._source: bytes | None = source.encode("utf-8") if isinstance(source, str) else source
         self._hf: HFTokenizer | None = None
         self._word_cache = word_cache
         self.eos_ids: tuple[int, ...] = tuple(int(i) for i in eos_ids)
@@ -97,27 +98,29 @@ class Tokenizer:
         self._vocab_size = self.hf.get_vocab_size(with_added_tokens=True)
 
     @classmethod
-    def from_json(cls, text: str, eos_ids: Sequence[int] = (), word_cache: bool = True) -> "Tokenizer":
-        return cls(text, eos_ids, word_cache)
+    def from_json(cls, source: str | bytes, eos_ids: Sequence[int] = (),
+                  word_cache: bool = True) -> "Tokenizer":
+        """From a tokenizer JSON, as text or UTF-8 bytes."""
+        return cls(source, eos_ids, word_cache)
 
     @classmethod
     def from_flash(cls, flash, word_cache: bool = True) -> "Tokenizer":
-        """From a converted model (anything with .tokenizer_json and .config.eos_token_ids)."""
-        text = flash.tokenizer_json
-        if text is None:
+        """From a converted model (anything with .tokenizer_bytes and .config.eos_token_ids)."""
+        source = flash.tokenizer_bytes
+        if source is None:
             raise FormatError("model has no tokenizer")
-        return cls.from_json(text, flash.config.eos_token_ids, word_cache)
+        return cls.from_json(source, flash.config.eos_token_ids, word_cache)
 
     @property
     def hf(self) -> HFTokenizer:
         """The `tokenizers` object, loaded from the JSON when it is not resident."""
         if self._hf is None:
-            if self._json is None:
+            if self._source is None:
                 raise ReleasedError("the tokenizer was released after the prompt was encoded "
                                     "(a one-shot run keeps only its decoding table): it cannot "
                                     "encode again")
             try:
-                self._hf = HFTokenizer.from_str(self._json)
+                self._hf = HFTokenizer.from_buffer(self._source)
             except Exception as e:     # tokenizers raises plain Exception for a bad JSON
                 raise FormatError(f"tokenizer JSON cannot be loaded ({e})") from None
             if not self._word_cache and hasattr(self._hf.model, "_resize_cache"):
@@ -138,13 +141,13 @@ class Tokenizer:
 
     def release(self, keep_source: bool = True) -> None:
         """Drop the `tokenizers` object when decoding does not need it (a byte table exists).
-        keep_source=False also drops the JSON text it loads from: a later encode then raises
+        keep_source=False also drops the JSON bytes it loads from: a later encode then raises
         ReleasedError instead of loading the object again."""
         if not self.releasable:
             return
         self._hf = None
         if not keep_source:
-            self._json = None
+            self._source = None
         trim_heap()
 
     @property
