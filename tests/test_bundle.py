@@ -209,7 +209,7 @@ DAMAGE = {
     "tokenizer path": (lambda d: _edit_manifest(d, lambda m: m["tokenizer"].update(file="../x")),
                        "not a plain file name"),
     "tokenizer merges": (lambda d: _edit_manifest(d, lambda m: m["tokenizer"].update(merges="x")),
-                         r"manifest.json tokenizer: merges 'x' is not one of strings, pairs$"),
+                         r"manifest.json tokenizer: merges 'x' is not one of strings, pairs, none$"),
 }
 
 

@@ -156,7 +156,8 @@ def test_merges_with_a_space_stay_pairs():
     doc = {"model": {"type": "BPE", "vocab": {"a": 0, " b": 1, "a b": 2}, "merges": [["a", " b"]]}}
     text = json.dumps(doc)
     assert compact_merges(text) == (text, "pairs")
-    assert compact_merges('{"model": {"type": "WordLevel", "vocab": {"a": 0}}}')[1] is None
+    assert compact_merges('{"model": {"type": "WordLevel", "vocab": {"a": 0}}}')[1] == "none"
+    assert compact_merges('{"model": {"type": "BPE", "merges": {}}}')[1] is None
     assert compact_merges("{not json") == ("{not json", None)
 
 

@@ -155,3 +155,16 @@ def test_the_load_peak_counts_compact_merges_smaller(tmp_path):
         with pytest.raises(BudgetError, match=f"peak at {format_size(need, 'MiB', up=True)}"):
             plan_budget(man, str(need - 1), 512, 40 * MiB)
         assert plan_budget(man, str(need + 200 * MiB), 512, 40 * MiB).budget
+
+
+def test_only_an_older_conversion_is_told_to_convert_again():
+    """A refused tokenizer load suggests converting again only where the manifest records no
+    merges form (a conversion older than the field): "none" (no BPE merges), "pairs" and
+    "strings" are what a conversion writes today."""
+    man = json.loads(Q15.read_text())
+    for merges, hinted in ((None, True), ("none", False), ("pairs", False), ("strings", False)):
+        man["tokenizer"].pop("merges", None)
+        man["tokenizer"].update({"merges": merges} if merges else {})
+        with pytest.raises(BudgetError, match="cannot load the tokenizer") as e:
+            plan_budget(man, "60MiB", 512, 40 * MiB)
+        assert ("flashllm convert ... --force" in str(e.value)) == hinted, (merges, str(e.value))

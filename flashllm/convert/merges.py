@@ -8,20 +8,25 @@ import json
 
 from flashllm.format.layout import MERGES_FORMS
 
-STRINGS, PAIRS = MERGES_FORMS
+STRINGS, PAIRS, NONE = MERGES_FORMS
 
 
 def compact_merges(tokenizer_json: str) -> tuple[str, str | None]:
     """(the JSON with its BPE merges written as "left right" strings, "strings") when no merge
     piece holds a space, the string form's separator, or is empty (compact JSON: no indent,
     UTF-8 as is); else the text unchanged with its form: "strings" when it already has them,
-    "pairs" when a piece holds a space or is empty, None for a model without a merges list or a
-    JSON that does not load."""
+    "pairs" when a piece holds a space or is empty, "none" for a model without a merges list
+    (WordLevel, Unigram, ...), None for a JSON that does not load or whose merges are neither."""
     try:
         data = json.loads(tokenizer_json)
-        merges = data["model"]["merges"]
+        model = data["model"]
     except (ValueError, KeyError, TypeError):
         return tokenizer_json, None
+    if not isinstance(model, dict):
+        return tokenizer_json, None
+    merges = model.get("merges")
+    if merges is None:
+        return tokenizer_json, NONE
     if not isinstance(merges, list):
         return tokenizer_json, None
     if all(isinstance(m, str) for m in merges):

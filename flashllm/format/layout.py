@@ -25,8 +25,9 @@ DENSE_FILE = "dense.bin"
 FFN_FILE = "ffn.bin"
 TOKENIZER_FILE = "tokenizer.json"
 # the manifest tokenizer entry's "merges": how tokenizer.json writes a BPE model's merges
-# ("left right" strings, or [left, right] pairs); absent: no BPE merges, or an older conversion
-MERGES_FORMS = ("strings", "pairs")
+# ("left right" strings, or [left, right] pairs), "none" for a model without them; absent: a
+# conversion older than the field (or a JSON it could not read)
+MERGES_FORMS = ("strings", "pairs", "none")
 ORDER_FILE = "order.bin"
 # a native conversion's FFN down matrices as the GGUF stores them (rows of n_ff values), for runs
 # that hold the whole FFN in DRAM (runtime/ffn.py RowFfn); absent from older folders

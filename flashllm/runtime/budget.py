@@ -34,7 +34,8 @@ from pathlib import Path
 from flashllm.errors import FlashError
 from flashllm.ffi import kernel
 from flashllm.format.layout import SKETCH_NAMES, layer_strides
-from flashllm.runtime.tokenizer_budget import tokenizer_load_peak, tokenizer_resident
+from flashllm.runtime.tokenizer_budget import (older_conversion, tokenizer_load_peak,
+                                               tokenizer_resident)
 from flashllm.runtime.weights import CHUNK_BYTES, aligned_offsets, attn_names
 from flashllm.units import MiB, SizeError, format_size, parse_size
 
@@ -377,8 +378,11 @@ def _check_tokenizer_load(manifest: dict, budget: int, text: str, process: int) 
     need = process + tokenizer_load_peak(manifest["tokenizer"])
     if budget < need:
         have, peak = format_size(budget, "MiB", up=False), format_size(need, "MiB", up=True)
+        hint = "; this folder's converter wrote no merges form: converting its source again " \
+            "(`flashllm convert ... --force`) may cut the tokenizer's peak by ~40%" \
+            if older_conversion(manifest["tokenizer"]) else ""
         raise BudgetError(f"--dram-budget {text} ({have}) cannot load the tokenizer: the process "
-                          f"and the tokenizer peak at {peak} while the prompt is encoded")
+                          f"and the tokenizer peak at {peak} while the prompt is encoded{hint}")
 
 
 def _refuse(budget: int, text: str, parts: dict, need: int) -> None:

@@ -10,7 +10,8 @@ to the size of tokenizer.json, measured in docs/MEASUREMENTS.md, "Tokenizer memo
     the load    before the model, the object peaks higher while it loads, the JSON bytes
                 included: checked on its own (budget.py). The peak depends on how the JSON
                 writes its BPE merges (the manifest's tokenizer "merges"): as "left right"
-                strings, TOKENIZER_LOAD_STRINGS; as pairs, or unrecorded, TOKENIZER_LOAD
+                strings, TOKENIZER_LOAD_STRINGS; as pairs, without BPE merges ("none"), or unrecorded
+                (an older conversion), TOKENIZER_LOAD
 """
 from __future__ import annotations
 
@@ -31,6 +32,12 @@ def tokenizer_resident(entry: dict, keep: bool) -> int:
     per_byte, fixed = (TOKENIZER_LOADED, TOKENIZER_LOADED_FIXED) if keep \
         else (TOKENIZER_KEPT, TOKENIZER_KEPT_FIXED)
     return per_byte * nbytes + (fixed if nbytes else 0)
+
+
+def older_conversion(entry: dict) -> bool:
+    """True for a tokenizer converted before the manifest recorded its merges' form: converting
+    its source again may write them as strings, which load at ~60% of the pairs' peak."""
+    return bool(entry.get("nbytes")) and "merges" not in entry
 
 
 def tokenizer_load_peak(entry: dict) -> int:
