@@ -261,6 +261,12 @@ def test_cli_calibrate_then_sparse_perplexity(tiny, tmp_path):
     assert "[1/2] " in r.output and "min left" in r.output and "[2/2] " in r.output   # an ETA
     out = json.loads(r.output.strip().splitlines()[-1])
     assert (out["count"], out["n_chunks"], out["sparsity"]) == (22, 2, 0.4)
+    r = CliRunner().invoke(app, ["perplexity", str(path), "-f", str(text), "-c", "24",
+                                 "--sparsity", "0.4", "--json", "-t", "1"])   # llama.cpp's names
+    same = json.loads(r.output.strip().splitlines()[-1]) if r.exit_code == 0 else {}
+    assert {**same, "seconds": 0} == {**out, "seconds": 0}, r.output
+    r = CliRunner().invoke(app, ["perplexity", str(path), str(text), "-f", str(text)])
+    assert r.exit_code == 1 and "give the text file once" in r.output
     r = CliRunner().invoke(app, ["calibrate", str(path), "--text", str(text), "--tokens", "999"])
     assert r.exit_code == 1 and "999 were asked for" in r.output
     r = CliRunner().invoke(app, ["calibrate", str(path), "--text", str(text), "--predictor", "x"])

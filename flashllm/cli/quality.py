@@ -38,7 +38,10 @@ def perplexity(
     model: str = typer.Argument(..., help="Converted model folder, or a models.toml name."),
     file: Optional[Path] = typer.Argument(None, help="Text file (default: the held-out evaluation "
                                           "text from the Python standard library)."),
-    ctx: int = typer.Option(512, "--ctx", min=2, help="Tokens per chunk (the context of each pass)."),
+    file_opt: Optional[Path] = typer.Option(None, "-f", "--file", help="The text file, as llama.cpp "
+                                            "names it (instead of FILE)."),
+    ctx: int = typer.Option(512, "-c", "--ctx", "--ctx-size", min=2,
+                            help="Tokens per chunk (the context of each pass)."),
     chunks: Optional[int] = typer.Option(None, "--chunks", min=1, help="Chunks to score (default: all)."),
     sparsity: Optional[float] = typer.Option(None, "--sparsity", help="Drop FFN terms below the "
                                              "thresholds for this sparsity (0..1)."),
@@ -57,6 +60,9 @@ def perplexity(
     from flashllm.generation.tokenizer import Tokenizer
     if sparsity is not None and not 0.0 <= sparsity < 1.0:
         fail(f"--sparsity must be in [0, 1), not {sparsity}")
+    if file is not None and file_opt is not None:
+        fail("give the text file once: FILE or -f/--file")
+    file = file if file is not None else file_opt
     flash = open_flash(model_path(model))
     tok = Tokenizer.from_flash(flash)
     corpus = corpus.value
@@ -83,11 +89,11 @@ HEAD_POSITIONS = 256    # calibration positions a sparse head's reads are measur
 @command
 def calibrate(
     model: str = typer.Argument(..., help="Converted model folder, or a models.toml name."),
-    text: Optional[Path] = typer.Option(None, "--text", help="Calibration text file (default: "
+    text: Optional[Path] = typer.Option(None, "-f", "--text", "--file", help="Calibration text file (default: "
                                         "Python standard-library sources)."),
     sparsity: float = typer.Option(0.5, "--sparsity", help="Target fraction of inactive FFN neurons."),
     tokens: int = typer.Option(2048, "--tokens", min=1, help="Calibration tokens."),
-    ctx: int = typer.Option(512, "--ctx", min=1, help="Tokens per pass."),
+    ctx: int = typer.Option(512, "-c", "--ctx", "--ctx-size", min=1, help="Tokens per pass."),
     corpus: Corpus = typer.Option("code", "--corpus", help="Shipped text: code or prose."),
     criterion: Optional[Criterion] = typer.Option(None, "--criterion", help="glu_product (GLU default), "
                                             "gate (CATS), relu, magnitude."),
