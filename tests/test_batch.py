@@ -95,12 +95,17 @@ def test_models_lists_registry_and_cache(tmp_path):
     (cache / "converted" / "smollm2-135m-q8_0").mkdir(parents=True)
     (cache / "converted" / "smollm2-135m-q8_0" / "manifest.json").write_text("{}")
     (cache / "converted" / "mine").mkdir()
+    (cache / "converted" / "my-copy").mkdir()        # a manifest says what a folder holds
+    (cache / "converted" / "my-copy" / "manifest.json").write_text(
+        '{"dtype": "native", "sparsity": {"target": 0.5}, "predictor": null}')
     proc = flashllm("models", "--json", env={"FLASHLLM_CACHE": str(cache)})
     assert proc.returncode == 0, proc.stderr
     rows = {r["name"]: r for r in json.loads(proc.stdout)}
     assert rows["smollm2-135m"]["size"] == 98362432 and not rows["smollm2-135m"]["pulled"]
     assert [c["dtype"] for c in rows["smollm2-135m"]["converted"]] == ["q8_0"]
     assert rows["mine"]["converted"][0]["complete"] is False
+    assert rows["my-copy"]["converted"][0] | {"path": "", "disk_bytes": 0} == {
+        "path": "", "dtype": "native", "calibrated": True, "complete": True, "disk_bytes": 0}
     assert "qwen2.5-coder-0.5b" in rows and rows["qwen2.5-coder-0.5b"]["converted"] == []
     assert rows["smollm2-135m"]["gguf"] is None
     (cache / "models").mkdir()
@@ -110,7 +115,7 @@ def test_models_lists_registry_and_cache(tmp_path):
                                                       env={"FLASHLLM_CACHE": str(cache)}).stdout)}
     assert rows["smollm2-135m"]["gguf"] == str(cache / "models" / "smollm2-135m.gguf")
     table = flashllm("models", env={"FLASHLLM_CACHE": str(cache), "COLUMNS": "200"}).stdout
-    assert "smollm2-135m" in table and "q8_0 2 B" in table
+    assert "smollm2-135m" in table and "q8_0 2 B" in table and "native calibrated" in table
     assert f"fetched GGUF files: {cache / 'models'}" in table
     piped = flashllm("models", env={"FLASHLLM_CACHE": str(cache), "COLUMNS": None})  # a pipe, no
     # COLUMNS: rich would cut the cells at 80 columns

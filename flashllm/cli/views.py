@@ -53,7 +53,7 @@ def flash_summary(flash, verify: bool = False) -> dict:
                 "bundles": cfg.n_layers * cfg.ffn_slots, "nbytes": m["ffn"]["nbytes"],
                 "hot_first_order": ffn.neuron_order is not None},
         "tokenizer": m["tokenizer"].get("file") is not None, "chat_template": flash.chat_template is not None,
-        "calibrated": bool(m["sparsity"]) or bool(m["predictor"]),
+        "calibrated": _calibrated(m),
         "sparsity": m["sparsity"], "predictor": m["predictor"],
         "disk_bytes": folder_bytes(flash.path), "verified_s": verified,
         "origin": native_report(m) if flash.dtype == NATIVE else [], "tensors": tensor_rows(m),
@@ -171,8 +171,30 @@ def catalog(registry, cache: Path) -> list[dict]:
 
 
 def _converted_row(path: Path) -> dict:
-    return {"path": str(path), "dtype": path.name.rsplit("-", 1)[-1],
+    """A converted folder: its dtype and calibration from its manifest (else the dtype its name
+    ends with, as `run NAME` names a conversion), whether it is complete, its bytes on disk."""
+    manifest = _manifest_of(path)
+    dtype = manifest.get("dtype")
+    return {"path": str(path),
+            "dtype": dtype if isinstance(dtype, str) else path.name.rsplit("-", 1)[-1],
+            "calibrated": _calibrated(manifest),
             "complete": (path / MANIFEST_FILE).is_file(), "disk_bytes": folder_bytes(path)}
+
+
+def _calibrated(manifest: dict) -> bool:
+    """Whether `flashllm calibrate` wrote thresholds or a predictor into a manifest."""
+    return bool(manifest.get("sparsity")) or bool(manifest.get("predictor"))
+
+
+def _manifest_of(path: Path) -> dict:
+    """A folder's manifest as far as it reads as a JSON object; {} otherwise (`models` lists
+    what is there, and `inspect` says what is wrong with it)."""
+    import json
+    try:
+        m = json.loads((path / MANIFEST_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return m if isinstance(m, dict) else {}
 
 
 def models_table(rows: list[dict], cache: Path) -> Table:
@@ -183,7 +205,8 @@ def models_table(rows: list[dict], cache: Path) -> Table:
         table.add_column(col, no_wrap=True)
     table.add_column("description")
     for r in rows:
-        conv = ", ".join(f"{c['dtype']} {format_size(c['disk_bytes'])}"
+        conv = ", ".join(f"{c['dtype']}{' calibrated' if c['calibrated'] else ''} "
+                         f"{format_size(c['disk_bytes'])}"
                          + ("" if c["complete"] else " (incomplete)") for c in r["converted"]) or "-"
         note = f" (unsupported: {r['unsupported']})" if r["unsupported"] else ""
         table.add_row(r["name"], r["arch"] or "-", format_size(r["size"]) if r["size"] else "-",
