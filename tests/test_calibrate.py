@@ -287,3 +287,20 @@ def _frequency(flash) -> np.ndarray:
     entry, cfg = flash.manifest["sparsity"]["frequency"], flash.config
     assert entry["shape"] == [cfg.n_layers, cfg.n_ff] and entry["dtype"] == "float32"
     return np.fromfile(flash.path / entry["file"], dtype="<f4").reshape(cfg.n_layers, cfg.n_ff)
+
+
+def test_the_shipped_text_is_read_until_a_word_level_vocabulary_has_its_tokens(tmp_path):
+    """calibrate reads the shipped text at 8 characters a token; a word-level tokenizer (a tiny
+    Hugging Face model's) makes one token of a whole word, so it reads more of it (at 8 a token
+    its 2048 tokens were 1946 and calibrate refused), and says so when all of it is too short."""
+    from hf_tiny import write_tokenizer
+    from flashllm.cli.quality import _calibration_ids, _quality_text
+    from flashllm.generation.tokenizer import Tokenizer
+    write_tokenizer(tmp_path)
+    tok = Tokenizer.from_json((tmp_path / "tokenizer.json").read_bytes())
+    few = len(tok.encode(_quality_text(None, "calibration", "code", 8 * 2048).text))
+    assert few < 2048                                         # what 8 characters a token gave
+    source, ids = _calibration_ids(tok, None, "code", 2048)
+    assert len(ids) == 2048 and ids == tok.encode(source.text)[:2048]
+    with pytest.raises(CalibrationError, match="2000000 were asked for"):
+        _calibration_ids(tok, None, "code", 2_000_000)

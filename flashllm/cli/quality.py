@@ -16,12 +16,30 @@ from flashllm.cli.app import (DEFAULT_THREADS, MAX_THREADS, choice, command, err
 Corpus = choice("Corpus", CORPORA)
 Criterion = choice("Criterion", CRITERIA)
 PredictorKind = choice("PredictorKind", ("default", "none", *PREDICTOR_KINDS))
+CALIBRATION_TOKENS = 2048   # calibrate's default, and what perplexity --sparsity calibrates on
 
 
 def _quality_text(file: Optional[Path], split: str, kind: str, max_chars: Optional[int] = None):
     """The text for perplexity/calibration: FILE, else the shipped text of `split`."""
     from flashllm.sparsity.corpus import builtin_text, file_text
     return file_text(file) if file is not None else builtin_text(split, kind, max_chars)
+
+
+def _calibration_ids(tok, file: Optional[Path], corpus: str, n_tokens: int):
+    """(the calibration text, its first n_tokens ids): FILE, else the shipped text, read at 8
+    characters a token and four times more while the tokenizer makes fewer tokens of it (a
+    word-level vocabulary makes one of a word) until the shipped text is all read."""
+    from flashllm.sparsity.calibrate import text_tokens
+    if file is not None:
+        source = _quality_text(file, "calibration", corpus)
+        return source, text_tokens(tok, source.text, n_tokens)
+    chars, seen = 8 * n_tokens, -1
+    while True:
+        source = _quality_text(None, "calibration", corpus, chars)
+        ids = text_tokens(tok, source.text)
+        if len(ids) >= n_tokens or len(source.text) == seen:
+            return source, text_tokens(tok, source.text, n_tokens)
+        chars, seen = 4 * chars, len(source.text)
 
 
 def _chunk_line(t0: float):
@@ -70,7 +88,7 @@ def perplexity(
     log = lambda m: err.print(m, markup=False, soft_wrap=True)
     ffn = None
     if sparsity is not None:
-        cal = lambda: text_tokens(tok, _quality_text(None, "calibration", corpus, 16384).text, 2048)
+        cal = lambda: _calibration_ids(tok, None, corpus, CALIBRATION_TOKENS)[1]
         dense = lambda: Model(flash, n_threads=threads, n_ctx=ctx)
         ffn = DenseFfn(flash, threads, threshold=thresholds_for(flash, sparsity, cal, dense, ctx, threads, log))
     net = Model(flash, n_threads=threads, n_ctx=ctx, ffn=ffn, kv_dtype="f16")   # as `run`
@@ -92,7 +110,7 @@ def calibrate(
     text: Optional[Path] = typer.Option(None, "-f", "--text", "--file", help="Calibration text file (default: "
                                         "Python standard-library sources)."),
     sparsity: float = typer.Option(0.5, "--sparsity", help="Target fraction of inactive FFN neurons."),
-    tokens: int = typer.Option(2048, "--tokens", min=1, help="Calibration tokens."),
+    tokens: int = typer.Option(CALIBRATION_TOKENS, "--tokens", min=1, help="Calibration tokens."),
     ctx: int = typer.Option(512, "-c", "--ctx", "--ctx-size", min=1, help="Tokens per pass."),
     corpus: Corpus = typer.Option("code", "--corpus", help="Shipped text: code or prose."),
     criterion: Optional[Criterion] = typer.Option(None, "--criterion", help="glu_product (GLU default), "
@@ -107,7 +125,7 @@ def calibrate(
     from flashllm.format.reader import open_flash
     from flashllm.runtime.model import Model
     from flashllm.format.files import update_manifest
-    from flashllm.sparsity.calibrate import calibrate_model, text_tokens
+    from flashllm.sparsity.calibrate import calibrate_model
     from flashllm.sparsity.train import DEFAULT_KIND
     from flashllm.generation.tokenizer import Tokenizer
     if not 0.0 <= sparsity < 1.0:
@@ -117,8 +135,7 @@ def calibrate(
     criterion = criterion.value if criterion is not None else None
     if predictor == "default":
         predictor = DEFAULT_KIND["glu" if flash.config.glu else "plain"]
-    source = _quality_text(text, "calibration", corpus, None if text else 8 * tokens)
-    ids = text_tokens(Tokenizer.from_flash(flash), source.text, tokens)
+    source, ids = _calibration_ids(Tokenizer.from_flash(flash), text, corpus, tokens)
     log = lambda m: err.print(m, markup=False, soft_wrap=True)
     net = Model(flash, n_threads=threads, n_ctx=ctx)
     head = _head_reads(flash, net, ids[:min(HEAD_POSITIONS, ctx)], threads, log)
