@@ -261,3 +261,17 @@ def test_pinned_slots_are_always_predicted(tmp_path, cfg):
     q = train_predictor(open_flash(folder), hs, acts, "lowrank", [1.0, 1.0], rank=32, pin=0,
                         load=0.1, epochs=1)
     assert not all(17 in q.predict(layer, far[t:t + 1]) for layer in range(2) for t in range(4))
+
+
+def test_the_low_rank_fit_takes_inputs_on_a_hyperplane():
+    """A LayerNorm's outputs (before its affine part) sum to zero: their covariance is singular,
+    and in float32 its smallest eigenvalue came out below -1e-6, the absolute ridge it had
+    (calibrate on a tiny OPT raised numpy's LinAlgError; this seed did too). The covariance is
+    now taken in float64 with a ridge that follows its scale, and the fit still reproduces a
+    product of the inputs' rank."""
+    rng = np.random.default_rng(0)
+    x = (4 * rng.standard_normal((1536, 63))).astype(np.float32)           # (N, d - 1)
+    h = np.concatenate([x, -x.sum(1, keepdims=True)], 1)                   # (N, d), rows sum 0
+    w = rng.standard_normal((96, 64)).astype(np.float32)                   # (n, d)
+    b, a = lowrank_fit(w, h, 63)                                           # (n, 63), (63, d)
+    np.testing.assert_allclose(h @ (b @ a).T, h @ w.T, rtol=0, atol=1e-3 * np.abs(h @ w.T).max())

@@ -53,7 +53,10 @@ def threshold_for(scores: np.ndarray, mask: np.ndarray, recall: Optional[float] 
 
 def lowrank_fit(w: np.ndarray, h: np.ndarray, rank: int) -> tuple[np.ndarray, np.ndarray]:
     """(Ub (n, r), Ua (r, d)) with Ub Ua h ≈ w h best in the mean square over the rows of h (N, d)."""
-    cov = h.T @ h / len(h) + 1e-6 * np.eye(h.shape[1], dtype=np.float64)  # (d, d)
+    cov = h.T.astype(np.float64) @ h / len(h)                             # (d, d)
+    # a ridge relative to the inputs' scale: a LayerNorm's outputs lie near a hyperplane (OPT),
+    # and an absolute 1e-6 left their float covariance not positive definite
+    cov += max(1e-6 * np.trace(cov) / len(cov), 1e-12) * np.eye(len(cov))
     chol = np.linalg.cholesky(cov)                                        # (d, d) lower
     p, s, qt = np.linalg.svd(w.astype(np.float64) @ chol, full_matrices=False)
     r = min(rank, len(s))
