@@ -219,3 +219,28 @@ def test_running_past_the_context_is_a_clear_error(flash_model):
         net.forward(PROMPT, 100)
     with pytest.raises(ContextError, match="outside the vocabulary"):
         net.forward(np.array([VOCAB]), 0)
+
+
+def test_learned_positions_end_the_context(hf_tiny, tmp_path):
+    """OPT's position table has context_length rows (128 here): a Model asked for more holds
+    that many and a pass past them is a ContextError that says so (it was an index error from
+    the kernel); `run` refuses a prompt + -n past them in one line, `perplexity` a longer --ctx,
+    and `calibrate` runs its passes at that length (its default --ctx is 512)."""
+    from typer.testing import CliRunner
+    from flashllm.cli import app
+    from flashllm.runtime.model import ContextError
+    folder, _ = hf_tiny("opt")
+    out = convert(folder, tmp_path / "m", "f32")
+    net = Model(open_flash(out), n_ctx=512)
+    assert net.n_ctx == 128
+    with pytest.raises(ContextError, match="the context holds 128 .the model's learned positions"):
+        net.forward(PROMPT, 120)
+    r = CliRunner().invoke(app, ["run", str(out), "-p", "w5 w6", "-n", "200"])
+    assert r.exit_code == 1 and r.output.strip() == (
+        "error: prompt (2 tokens) + --n-predict 200 exceed the model's 128 positions (learned "
+        "position embeddings)")
+    r = CliRunner().invoke(app, ["perplexity", str(out)])
+    assert r.exit_code == 1 and "--ctx 512 is more than the model's 128 positions" in r.output
+    r = CliRunner().invoke(app, ["calibrate", str(out), "--tokens", "300", "-t", "1",
+                                 "--predictor", "none"])
+    assert r.exit_code == 0 and "passes of 128 tokens" in r.output, r.output

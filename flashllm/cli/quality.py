@@ -82,6 +82,10 @@ def perplexity(
         fail("give the text file once: FILE or -f/--file")
     file = file if file is not None else file_opt
     flash = open_flash(model_path(model))
+    positions = flash.config.max_positions
+    if positions is not None and ctx > positions:
+        fail(f"--ctx {ctx} is more than the model's {positions} positions (learned position "
+             f"embeddings): give --ctx {positions} or less")
     tok = Tokenizer.from_flash(flash)
     corpus = corpus.value
     text = _quality_text(file, "evaluation", corpus)
@@ -137,6 +141,9 @@ def calibrate(
         predictor = DEFAULT_KIND["glu" if flash.config.glu else "plain"]
     source, ids = _calibration_ids(Tokenizer.from_flash(flash), text, corpus, tokens)
     log = lambda m: err.print(m, markup=False, soft_wrap=True)
+    if flash.config.max_positions is not None and ctx > flash.config.max_positions:
+        ctx = flash.config.max_positions
+        log(f"passes of {ctx} tokens: the model's learned positions end there")
     net = Model(flash, n_threads=threads, n_ctx=ctx)
     head = _head_reads(flash, net, ids[:min(HEAD_POSITIONS, ctx)], threads, log)
     section = calibrate_model(flash, net, ids, source.description, sparsity, criterion, n_ctx=ctx,

@@ -198,7 +198,7 @@ def _assemble(path: Path, fopts, need, threads: int, n_ctx: int, drafting: _Draf
     ids = None
     if one_shot is not None:     # the KV cache holds the prompt and the tokens to make
         text, n_predict, ctx_size = one_shot
-        ids = _prompt_ids(tok, text, n_predict, ctx_size)
+        ids = _prompt_ids(tok, text, n_predict, ctx_size, flash.config.max_positions)
         n_ctx = len(ids) + n_predict
         plan = plan and plan_run(path, fopts, n_ctx, process)
     if drafting.auto:
@@ -252,10 +252,16 @@ def _flash_json(ffn, weights, head=None) -> dict:
     return d
 
 
-def _prompt_ids(tok, text: str, n_predict: int, ctx_size: int) -> list[int]:
+def _prompt_ids(tok, text: str, n_predict: int, ctx_size: int,
+                positions: Optional[int]) -> list[int]:
+    """The prompt's ids, which with n_predict more fit --ctx-size and the model's positions
+    (learned position embeddings: config.max_positions; None: no such limit)."""
     ids = tok.encode(text, add_special=True)
     if not ids:
         fail("the prompt is empty (no tokens to start from)")
+    if positions is not None and positions < ctx_size and len(ids) + n_predict > positions:
+        fail(f"prompt ({len(ids)} tokens) + --n-predict {n_predict} exceed the model's "
+             f"{positions} positions (learned position embeddings)")
     if len(ids) + n_predict > ctx_size:
         fail(f"prompt ({len(ids)} tokens) + --n-predict {n_predict} exceed --ctx-size {ctx_size}")
     return ids

@@ -64,6 +64,12 @@ class ModelConfig:
         return self.d_embed or self.d_model
 
     @property
+    def max_positions(self) -> int | None:
+        """The most positions a pass may reach: context_length for learned position embeddings
+        (a table of that many rows, OPT), None for RoPE (any; past training, quality drops)."""
+        return self.context_length if self.pos == "learned" else None
+
+    @property
     def ffn_slots(self) -> int:
         """Bundle slots per layer in the FFN file: n_ff, or for a mixture of experts every
         expert's n_ff neurons (expert e at slots e·n_ff ..) and then the shared expert's."""

@@ -47,6 +47,7 @@ class Model:
             raise ContextError(f"n_ctx={n_ctx} must be positive")
         self.config = cfg
         self.n_threads = n_threads
+        n_ctx = min(n_ctx, cfg.max_positions or n_ctx)   # learned positions end at the table's
         self.n_ctx = n_ctx
         self.exact = exact      # q4_0 / q4_1 / q8_0 matmuls in f32 instead of on int8 activations
         if ffn is None:
@@ -95,8 +96,10 @@ class Model:
         sib = np.asarray(siblings, dtype=np.int32).reshape(-1)           # (S,)
         T, n = len(tokens), len(tokens) - len(sib)
         if n <= 0 or pos0 < 0 or pos0 + n > self.n_ctx:
+            limit = "the model's learned positions" if self.n_ctx == self.config.max_positions \
+                else "raise --ctx-size"
             raise ContextError(f"cannot run {n} tokens at position {pos0}: the context holds "
-                               f"{self.n_ctx} (raise --ctx-size)")
+                               f"{self.n_ctx} ({limit})")
         if len(sib) and (last_only or sib.min() < 1 or sib.max() >= n):
             raise ContextError(f"siblings {sib.tolist()} must stand at chain positions 1..{n - 1}")
         pos = np.concatenate([np.arange(pos0, pos0 + n, dtype=np.int32), pos0 + sib])  # (T,)
