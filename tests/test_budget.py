@@ -86,6 +86,21 @@ def test_qwen15_under_the_issue_caps(cap, streams, kept):
     assert plan.streamed_bytes == sum(nb[n] for n in plan.streamed if n != "token_embd.weight")
 
 
+def test_an_uncalibrated_plan_says_what_calibrate_would_change():
+    """Without calibrate's hot-first order the caches hold the first neurons, and where the head
+    streams each token reads all of it (the sparse head needs calibrate's measurement): the
+    plan's note says both; a calibrated folder gets none."""
+    man = json.loads(Q15.read_text())
+    man["ffn"].pop("neuron_order", None)
+    plan = plan_budget(man, "560MiB", 512, 40 * MiB, reader_stage=4 * MiB)
+    assert "output.weight" in plan.streamed and not plan.sparse_head
+    assert plan.notes == ("not calibrated (run `flashllm calibrate` once): the caches hold the "
+                          "first neurons, not the most active; each token reads the whole "
+                          "output head, calibrate may let it read a sketch of it",)
+    man["ffn"]["neuron_order"] = {"file": "order.bin"}
+    assert plan_budget(man, "560MiB", 512, 40 * MiB, reader_stage=4 * MiB).notes == ()
+
+
 def test_the_process_is_counted_in_whole_steps_so_a_plan_repeats():
     """The process's resident bytes move by a few hundred KiB from run to run; counted in whole
     PROCESS_STEPs they plan the same caches, so a run's --stats repeat too."""

@@ -267,9 +267,11 @@ def plan_budget(manifest: dict, budget_text: str, n_ctx: int, process: int, pred
     hot_first = f.get("neuron_order") is not None
     moe = bool(manifest["config"].get("n_experts"))       # the router picks: no neuron order
     pins = capacity if capacity == n_ff else int(capacity * pin_fraction) if hot_first else 0
+    whole_head = head_name(manifest) in streamed and not sparse
     notes = () if hot_first or naive or moe else (
-        "no hot-first neuron order (run calibrate): the caches hold the first neurons, not the "
-        "most active",)
+        "not calibrated (run `flashllm calibrate` once): the caches hold the first neurons, not "
+        "the most active" + ("; each token reads the whole output head, calibrate may let it "
+                             "read a sketch of it" if whole_head else ""),)
     return BudgetPlan(budget, resident, n_layers, n_ff, stride, strides, int(capacity), int(pins),
                       staging_rows, notes, tuple(streamed), per_token,
                       expert_rows=int(manifest["config"]["n_ff"]) if moe else 0,
