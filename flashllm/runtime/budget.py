@@ -267,15 +267,19 @@ def plan_budget(manifest: dict, budget_text: str, n_ctx: int, process: int, pred
     hot_first = f.get("neuron_order") is not None
     moe = bool(manifest["config"].get("n_experts"))       # the router picks: no neuron order
     pins = capacity if capacity == n_ff else int(capacity * pin_fraction) if hot_first else 0
-    whole_head = head_name(manifest) in streamed and not sparse
-    notes = () if hot_first or naive or moe else (
-        "not calibrated (run `flashllm calibrate` once): the caches hold the first neurons, not "
-        "the most active" + ("; each token reads the whole output head, calibrate may let it "
-                             "read a sketch of it" if whole_head else ""),)
+    notes = () if hot_first or naive or moe else \
+        _uncalibrated(head_name(manifest) in streamed and not sparse)
     return BudgetPlan(budget, resident, n_layers, n_ff, stride, strides, int(capacity), int(pins),
                       staging_rows, notes, tuple(streamed), per_token,
                       expert_rows=int(manifest["config"]["n_ff"]) if moe else 0,
                       sparse_head=sparse)
+
+
+def _uncalibrated(whole_head: bool) -> tuple[str, ...]:
+    """The note of a plan without calibrate's order (whole_head: the head streams whole)."""
+    return ("not calibrated (run `flashllm calibrate` once): the caches hold the first neurons, "
+            "not the most active" + ("; each token reads the whole output head, calibrate may "
+                                     "let it read a sketch of it" if whole_head else ""),)
 
 
 def ffn_reads(manifest: dict, full_cache: int, cache: int) -> float:
