@@ -84,9 +84,10 @@ class Tokenizer:
     The `tokenizers` object of a large vocabulary holds tens of MiB (more while it loads);
     `release()` drops it once the prompt is encoded, and the next encode loads it again from the
     JSON (UTF-8 bytes), which `release(keep_source=False)` drops too when nothing will be
-    encoded again (a one-shot run). Decoding never needs either when there is a byte table. word_cache=False turns
-    off the BPE model's cache of encoded words: what it held stays resident after release, and a
-    text encoded once gains nothing from it. Sizes: docs/MEASUREMENTS.md, "Tokenizer memory"."""
+    encoded again (a one-shot run). Decoding never needs either when there is a byte table.
+    word_cache=False turns off the BPE model's cache of encoded words: what it held stays
+    resident after release, and a text encoded once gains nothing from it. Sizes:
+    docs/MEASUREMENTS.md, "Tokenizer memory"."""
 
     def __init__(self, source: str | bytes, eos_ids: Sequence[int] = (), word_cache: bool = True):
         # the JSON as UTF-8 bytes: a str of a vocabulary beyond U+FFFF takes 4 bytes a character

@@ -10,8 +10,8 @@ to the size of tokenizer.json, measured in docs/MEASUREMENTS.md, "Tokenizer memo
     the load    before the model, the object peaks higher while it loads, the JSON bytes
                 included: checked on its own (budget.py). The peak depends on how the JSON
                 writes its BPE merges (the manifest's tokenizer "merges"): as "left right"
-                strings, TOKENIZER_LOAD_STRINGS; as pairs, without BPE merges ("none"), or unrecorded
-                (an older conversion), TOKENIZER_LOAD
+                strings, TOKENIZER_LOAD_STRINGS; as pairs, without BPE merges ("none"), or
+                unrecorded (an older conversion), TOKENIZER_LOAD
 """
 from __future__ import annotations
 
