@@ -37,7 +37,9 @@ def _calibration_ids(tok, file: Optional[Path], corpus: str, n_tokens: int):
     while True:
         source = _quality_text(None, "calibration", corpus, chars)
         ids = text_tokens(tok, source.text)
-        if len(ids) >= n_tokens or len(source.text) == seen:
+        if len(ids) >= n_tokens:
+            return source, ids[:n_tokens]
+        if len(source.text) == seen:                   # all of it, still short: say so
             return source, text_tokens(tok, source.text, n_tokens)
         chars, seen = 4 * chars, len(source.text)
 

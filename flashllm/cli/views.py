@@ -189,10 +189,10 @@ def _calibrated(manifest: dict) -> bool:
 def _manifest_of(path: Path) -> dict:
     """A folder's manifest as far as it reads as a JSON object; {} otherwise (`models` lists
     what is there, and `inspect` says what is wrong with it)."""
-    import json
+    from flashllm.runtime.budget import BudgetError, read_manifest
     try:
-        m = json.loads((path / MANIFEST_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        m = read_manifest(path)
+    except BudgetError:
         return {}
     return m if isinstance(m, dict) else {}
 
