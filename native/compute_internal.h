@@ -34,6 +34,8 @@
 #define FL_QT 4           /* weight rows x tokens of one int8 tile (fli_qdot_tile) */
 #define FL_XQ_LANES 8     /* f32 / int32 lanes per block in a quantized token's side arrays */
 #define FL_PR 16          /* weight rows of one int8 GEMM panel (qgemm.c) */
+#define FL_SMALL_T 10     /* up to this many tokens (a decode pass: a token and its guesses), each
+                           * token's product is its one-token one: tiles, never panels */
 
 static inline float fl_bits_to_f32(uint32_t w) {
     float f;

@@ -10,7 +10,7 @@
 #include "compute_internal.h"
 
 #define DOWN_K FL_PR       /* neurons per f32 down GEMM when T > 1 (a multiple of FL_QT) */
-#define SMALL_T 10         /* up to this many tokens: per-token arithmetic (fli_ffn_range_qs);
+#define SMALL_T FL_SMALL_T /* up to this many tokens: per-token arithmetic (fli_ffn_range_qs);
                             * more: GEMM panels (fli_ffn_range_qp), faster from ~11 tokens on
                             * real q4_k layers */
 

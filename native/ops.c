@@ -17,7 +17,7 @@
 
 #define TILE 4              /* weight rows dequantized together when T > 1 (fli_dot4x4_f32) */
 #define PREFETCH_BYTES 2048 /* how far ahead of the row being read a matvec prefetches */
-#define QT_CHUNK 16         /* int8 tiles per work unit when T <= FL_QT */
+#define QT_CHUNK 16         /* int8 tiles per work unit when T <= FL_SMALL_T */
 #define MATVEC_CHUNK 16     /* least rows per work unit of an f32 / f16 matvec */
 
 typedef struct {
@@ -133,7 +133,7 @@ static void qtile_rows(const uint8_t *w, int32_t dtype, size_t rb, int64_t r0, i
             y[j * rows + r0 + k] = out[k][j] + (bias ? bias[r0 + k] : 0.0f);
 }
 
-/* rows r0 .. r0+FL_PR-1 (fewer at the end) of y (T, rows), T > FL_QT: the rows packed into one
+/* rows r0 .. r0+FL_PR-1 (fewer at the end) of y (T, rows), T > FL_SMALL_T: the rows packed into one
  * int8 GEMM panel (qgemm.c) that meets every token; pan (panel bytes), out (FL_PR, T) scratch */
 static void panel_rows(const uint8_t *w, int32_t dtype, size_t rb, int64_t r0, int64_t rows,
                        int64_t cols, const float *bias, const uint8_t *xq, size_t xb, int64_t T,
@@ -167,8 +167,11 @@ static void quantize_part(void *p) {
         fli_xq_quantize(j->dtype, j->x + k * j->cols, j->cols, j->xq + (size_t)k * j->xb);
 }
 
-/* T tokens meet FL_PR-row panels of dtype (else FL_QT-row int8 tiles) */
-static int uses_panels(int32_t dtype, int64_t T) { return T > FL_QT && fli_has_panel(dtype); }
+/* T tokens meet FL_PR-row panels of dtype (else FL_QT-row int8 tiles, FL_QT tokens at a time,
+ * which give each token its one-token product: so do a decode pass's FL_SMALL_T) */
+static int uses_panels(int32_t dtype, int64_t T) {
+    return T > FL_SMALL_T && fli_has_panel(dtype);
+}
 
 /* tiles taken in chunks, a contiguous part per thread (the others' when it is done) */
 static void qtiles_part(void *p) {
@@ -197,7 +200,7 @@ static void qtiles_part(void *p) {
 }
 
 /* quantized weights: the tokens are quantized to int8 once (threads split them when T > 1), then
- * FL_QT-row tiles (T <= FL_QT) or FL_PR-row panels (T > FL_QT) of w meet them in integer dot
+ * FL_QT-row tiles (T <= FL_SMALL_T) or FL_PR-row panels (more) of w meet them in integer dot
  * products (qdot.c, qgemm.c) */
 static int32_t matmul_q(const uint8_t *w, int32_t dtype, size_t rb, int64_t rows, int64_t cols,
                         const float *bias, const float *x, int64_t T, float *y,

@@ -87,10 +87,13 @@ def test_a_few_tokens_at_once_are_each_computed_as_one(dtype, threads):
 
 @pytest.mark.parametrize("dtype", QDTYPES)
 def test_a_few_tokens_through_matmul_are_each_computed_as_one(dtype):
-    """Up to 4 tokens (the int8 tiles) each get, bit for bit, their one-token product."""
+    """A decode pass's tokens (up to 10: a token and its draft guesses, FL_SMALL_T) each get, bit
+    for bit, their one-token product: int8 tiles of 4 tokens, never the prefill's panels (whose
+    VNNI sums round otherwise), so a pass that verifies guesses gives each the logits decoding it
+    alone would."""
     w, _ = _qtensor(70, 256, dtype, seed=25)                                  # (70, 256)
-    x = _rng(26).standard_normal((4, 256)).astype(np.float32)                 # (4, 256)
-    for T in (2, 3, 4):
+    x = _rng(26).standard_normal((10, 256)).astype(np.float32)                # (10, 256)
+    for T in (2, 3, 4, 5, 7, 10):
         one = np.stack([kernel.matmul(w, x[t:t + 1], None, 2)[0] for t in range(T)])
         np.testing.assert_array_equal(kernel.matmul(w, x[:T], None, 2), one)
 
