@@ -1,5 +1,5 @@
 /* qgemm.c — the int8 GEMM of prefill: FL_PR (16) weight rows, repacked once into a panel, meet
- * every token of a call (fl_matmul and fl_ffn_bundles when T > FL_QT).
+ * every token of a call (fl_matmul and fl_ffn_bundles when T > FL_SMALL_T).
  *
  * AVX-512 VNNI (as llama.cpp's repacked q4_0 GEMMs): the 16 rows sit in the 16 int32 lanes. Per
  * block of 32 values the panel holds 8 vectors, vector k = bytes 4k .. 4k+3 of every row's
