@@ -28,6 +28,9 @@
 #include <immintrin.h>
 #define QK_256 1
 #endif
+#if defined(__AVX2__)
+#define Q2K_UNPACKED 1  /* q2_k tiles unpack each superblock once for their tokens (AVX2 code, */
+#endif                  /* which AVX-512 builds run too) */
 
 /* u (0..63) of value v (0..255) of q6_k superblock sb */
 static inline int q6k_u(const uint8_t *sb, int v) {
@@ -115,7 +118,52 @@ static int32_t q6k_isum(const uint8_t *sb, const int8_t *q) {
 }
 #endif
 
-#include "q2k_simd.h"
+#if defined(Q2K_UNPACKED)
+/* q2_k superblock sb unpacked (AVX2; once for all the tokens a tile meets): the 2-bit values of
+ * runs 32i .. 32i + 31 (i = 4h + g: shift 2g of qs[32h ..]) times their sub-block's scale (bytes
+ * 0..45: the low 16 bytes of run i lie in sub-block 8h + 2g, the high 16 in the next), and the
+ * 16 sub-blocks' mins as int16 */
+typedef struct {
+    __m256i us[8], m16;
+} q2k_unpacked;
+
+static inline void q2k_unpack(const uint8_t *sb, q2k_unpacked *o) {
+    const __m256i m3 = _mm256_set1_epi8(0x03);
+    const __m128i sm = _mm_loadu_si128((const __m128i *)sb);  // scale | min << 4, 16 sub-blocks
+    const __m256i sc = _mm256_broadcastsi128_si256(_mm_and_si128(sm, _mm_set1_epi8(0x0F)));
+    o->m16 = _mm256_srli_epi16(_mm256_cvtepu8_epi16(sm), 4);
+    for (int h = 0; h < 2; h++) {
+        const __m256i qv = _mm256_loadu_si256((const __m256i *)(sb + 16 + 32 * h));
+        for (int g = 0; g < 4; g++) {
+            const int k = 8 * h + 2 * g;
+            const __m256i u = _mm256_and_si256(_mm256_srl_epi16(qv, _mm_cvtsi32_si128(2 * g)), m3);
+            const __m256i s16 = _mm256_shuffle_epi8(sc, _mm256_set_m128i(  // int16 lanes: scale
+                _mm_set1_epi16((short)(0x8000 | (k + 1))), _mm_set1_epi16((short)(0x8000 | k))));
+            o->us[4 * h + g] = _mm256_mullo_epi16(u, s16);  // u * scale < 256: no byte carries
+        }
+    }
+}
+
+/* the exact isum (sum over sub-blocks of scale * (u . q)) and msum (sum of min * the token's
+ * sums of q per 16, bsum16) of an unpacked superblock o with a token's int8 q (256) */
+static inline void q2k_sums_u(const q2k_unpacked *o, const int8_t *q, const int16_t *bsum16,
+                              int32_t *isum, int32_t *msum) {
+    const __m256i one = _mm256_set1_epi16(1);
+    __m256i acc = _mm256_setzero_si256();
+    for (int i = 0; i < 8; i += 2) {  // |two maddubs lanes| <= 2 * 2 * 45 * 128 < 2^15
+        const __m256i p = _mm256_add_epi16(
+            _mm256_maddubs_epi16(o->us[i], _mm256_loadu_si256((const __m256i *)(q + 32 * i))),
+            _mm256_maddubs_epi16(o->us[i + 1], _mm256_loadu_si256((const __m256i *)(q + 32 * i + 32))));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, one));
+    }
+    const __m256i m = _mm256_madd_epi16(o->m16, _mm256_loadu_si256((const __m256i *)bsum16));
+    const __m256i h = _mm256_hadd_epi32(acc, m);  // both horizontal sums at once
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+    s = _mm_hadd_epi32(s, s);                      // isum, msum, isum, msum
+    *isum = _mm_cvtsi128_si32(s);
+    *msum = _mm_extract_epi32(s, 1);
+}
+#endif
 
 #if !defined(QK_256)
 /* q2_k: sum over the 16 sub-blocks k of sc_k * (u . q) (u in 0..3, q the token's int8) */
