@@ -15,7 +15,8 @@ from flashllm.ffi.reader import Reader
 from flashllm.format.reader import open_flash
 from flashllm.generation.generate import generate
 from flashllm.generation.sampler import Sampler, SamplerParams
-from flashllm.generation.self_draft import SIBLING_EXPLORE, SelfDraft
+from flashllm.generation import self_draft
+from flashllm.generation.self_draft import PASS_TOKENS, SIBLING_EXPLORE, SelfDraft
 from flashllm.generation.speculate import DraftLength
 from flashllm.runtime import budget
 from flashllm.runtime.model import Model
@@ -133,6 +134,22 @@ def test_siblings_stop_while_few_are_taken(tmp_path):
     for _ in range(40):
         d.observe(2, 1, 1.0, (2, 1))                   # half taken
     assert d.propose(history, 2, 3).siblings
+
+
+@pytest.mark.parametrize("n", [3, 6, 8])
+def test_a_pass_stays_within_the_kernels_tiles(tmp_path, monkeypatch, n):
+    """Any guess may bring a sibling, but a pass (the fed token, the guesses, their siblings)
+    never holds more than PASS_TOKENS tokens: beyond, the kernels take GEMM panels, which round
+    otherwise than one-token decoding, and greedy text could differ from plain decoding's."""
+    monkeypatch.setattr(self_draft, "SIBLING_P_MIN", 0.0)        # every runner-up qualifies
+    write_model(tmp_path / "m", True, "f32")
+    resident = resident_model(streamed(tmp_path / "m", head=False, n_ctx=64))
+    d = eager(resident, Sampler(SamplerParams(temp=TEMP, seed=1)), n)
+    d.hints = None
+    guesses = d.propose([1, 5, 9, 30], n, 3)
+    assert len(guesses) == n
+    assert len(guesses.siblings) == min(n, PASS_TOKENS - 1 - n)
+    assert 1 + len(guesses) + len(guesses.siblings) <= PASS_TOKENS
 
 
 class Hints:

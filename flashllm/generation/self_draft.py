@@ -31,12 +31,14 @@ from flashllm.generation.speculate import DraftError, DraftLength, Guesses, Ngra
 
 REFRESH = 16        # a pass without guesses every this many: the plain pass time stays known
 HINT_NGRAM = 3      # an n-gram of the context this long foresees the draft's next guesses
-SIBLINGS = 2        # the first this many guesses may bring their runner-up as a sibling ...
-SIBLING_P_MIN = 0.1  # ... when the draft gives it at least this probability, ...
+SIBLINGS = 6        # the first this many guesses may bring their runner-up as a sibling ...
+SIBLING_P_MIN = 0.05  # ... when the draft gives it at least this probability, ...
 SIBLING_RATE_MIN = 0.12  # ... while at least this share of the siblings checked is taken (a
                          # sibling costs a token's compute in the pass, ~1/8 of the token it makes)
 SIBLING_EXPLORE = 8  # below that share, one pass in this many still checks them
 SIBLING_DECAY = 0.9  # the share is a decayed running one
+PASS_TOKENS = 10     # a pass's chain and siblings together: the kernels' per-token tiles (FL_SMALL_T)
+                     # go this far; beyond, GEMM panels round otherwise than one-token decoding
 
 
 class SelfDraft:
@@ -91,7 +93,7 @@ class SelfDraft:
         if k <= 0:
             return Guesses()
         context, guesses = list(history), Guesses()
-        n_sib = self._sibling_room()
+        n_sib = min(self._sibling_room(), PASS_TOKENS - 1 - k)
         while len(guesses) < k:
             hint = self.hints.lookup(history, k - len(guesses) - 1, context[len(history):]) \
                 if self.hints is not None else []
