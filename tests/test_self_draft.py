@@ -305,6 +305,34 @@ def test_cli_drafts_by_default_only_where_the_ffn_streams(monkeypatch):
         assert "guessed" not in r.stderr and not _plans_draft(r.stderr), (extra, r.stderr)
 
 
+def test_the_plan_gives_the_draft_head_rows_by_its_caches():
+    """With a streamed head, the draft's rows come out of the neuron caches: the plan holds
+    DRAFT_HEAD_SHARE of the caches' DRAM in rows (at least DRAFT_HEAD_MIN, at most
+    DRAFT_HEAD_ROWS), so a smaller budget holds fewer, the DRAM it plans for them is what
+    HeadRows holds, and rows asked for (--draft-head-rows) are kept as asked."""
+    import dataclasses
+    from conftest import _converted
+    from flashllm.runtime.assemble import (AUTO_ROWS, DRAFT_HEAD_MIN, DRAFT_HEAD_ROWS,
+                                           DRAFT_HEAD_SHARE, FlashOptions, plan_run)
+    from flashllm.runtime.resident import head_rows_bytes
+    path = _converted("smollm2-135m", "native", log=lambda m: None)
+    man = budget.read_manifest(path)
+    rows = []
+    for mib in (140, 165):                        # the head streams at both
+        opts = FlashOptions(dram_budget=f"{mib}MiB")
+        plain = plan_run(path, opts, 64, 64 * MiB)
+        drafted = plan_run(path, dataclasses.replace(opts, draft_rows=AUTO_ROWS), 64, 64 * MiB)
+        assert budget.head_name(man) in drafted.streamed
+        held = head_rows_bytes(man, drafted.draft_rows, 64)
+        assert held <= DRAFT_HEAD_SHARE * plain.cache_bytes < head_rows_bytes(
+            man, drafted.draft_rows + 1, 64)
+        assert drafted.resident["draft"] >= held
+        rows.append(drafted.draft_rows)
+        asked = plan_run(path, dataclasses.replace(opts, draft_rows=5000), 64, 64 * MiB)
+        assert asked.draft_rows == 5000
+    assert DRAFT_HEAD_MIN <= rows[0] < rows[1] <= DRAFT_HEAD_ROWS
+
+
 def test_cli_refuses_a_self_draft_without_a_budget(tmp_path, monkeypatch):
     write_model(tmp_path / "m", True, "f32")
     r = cli(str(tmp_path / "m"), "-p", "a", "-n", "2", "--draft", "2", "--draft-kind", "self",
@@ -317,7 +345,9 @@ def test_cli_refuses_a_self_draft_without_a_budget(tmp_path, monkeypatch):
 @pytest.mark.realmodel
 def test_cli_default_keeps_plain_decoding_where_the_draft_would_stream_attention(monkeypatch):
     """A budget where the plain plan keeps every attention layer in DRAM but the draft's head rows
-    would push some out (the resident model then cannot run): the default decodes plainly."""
+    would push some out (the resident model then cannot run): the default decodes plainly. (The
+    rows the plan chooses itself shrink with the caches and never do: DRAFT_HEAD_ROWS are asked
+    for.)"""
     import dataclasses
     from conftest import _converted
     from flashllm.runtime.assemble import DRAFT_HEAD_ROWS, FlashOptions, plan_run
@@ -338,6 +368,7 @@ def test_cli_default_keeps_plain_decoding_where_the_draft_would_stream_attention
             break
     assert tight is not None, "no budget where the draft's rows push attention out"
     r = cli(str(path), "-p", "The capital of France is", "-n", "6", "--temp", "0",
-            "--dram-budget", f"{tight}MiB", "--stats", monkeypatch=monkeypatch)
+            "--dram-budget", f"{tight}MiB", "--draft-head-rows", str(DRAFT_HEAD_ROWS), "--stats",
+            monkeypatch=monkeypatch)
     assert r.exit_code == 0, r.output
     assert not _plans_draft(r.stderr) and "guessed" not in r.stderr

@@ -12,7 +12,7 @@ from typing import Optional
 
 import typer
 
-from flashllm.runtime.assemble import AUTO_DRAFT, DRAFT_HEAD_ROWS, DRAFT_KINDS, PREDICTOR_MODES
+from flashllm.runtime.assemble import AUTO_DRAFT, AUTO_ROWS, DRAFT_KINDS, PREDICTOR_MODES
 from flashllm.cli.app import (DEFAULT_THREADS, MAX_THREADS, cache_dir, choice, command, err, fail,
                               model_path)
 from flashllm.cli.prompt_io import read_line, read_prompt, read_tty
@@ -69,9 +69,10 @@ def run(
     draft_p_min: float = typer.Option(0.5, "--draft-p-min", min=0.0, max=1.0, help="--draft-kind "
                                       "self: stop drafting after a guess the draft gives less "
                                       "than this probability."),
-    draft_head_rows: int = typer.Option(DRAFT_HEAD_ROWS, "--draft-head-rows", min=1, hidden=True,
-                                        help="--draft-kind self with a streamed output head: "
-                                        "the first N token ids' rows the draft holds."),
+    draft_head_rows: Optional[int] = typer.Option(None, "--draft-head-rows", min=1, hidden=True,
+                                                  help="--draft-kind self with a streamed output "
+                                                  "head: the first N token ids' rows the draft "
+                                                  "holds (default: by the plan, at most 16384)."),
     sparse_head: Optional[bool] = typer.Option(
         None, "--sparse-head/--no-sparse-head", show_default=False, help="With --dram-budget, "
         "when the output head streams: stream its 2.6-bit sketch instead and read only the rows "
@@ -110,15 +111,15 @@ def run(
     need = head_need(params) if sparse_head is not False else None
     fopts = FlashOptions(dram_budget, window, naive, dense, check_recall, predictor.value,
                          keep_tokenizer=interactive or not _releases_tokenizer(path),
-                         draft_rows=draft_head_rows if drafting.is_self else 0,
+                         draft_rows=(draft_head_rows or AUTO_ROWS) if drafting.is_self else 0,
                          sparse_head="off" if need is None else "on" if sparse_head else "auto",
                          head_top=need.top if need is not None else 1)
     n_ctx = ctx_size if interactive else min(ctx_size, len(text.encode()) + n_predict + 2)
-    parts = _assemble(path, fopts, need, threads, n_ctx, drafting, draft_head_rows,
+    parts = _assemble(path, fopts, need, threads, n_ctx, drafting, draft_head_rows or AUTO_ROWS,
                       None if interactive else (text, n_predict, ctx_size))
     sampler = Sampler(params)
     try:
-        drafter = _drafter(parts.net, sampler, parts.drafting, draft_p_min, draft_head_rows)
+        drafter = _drafter(parts.net, sampler, parts.drafting, draft_p_min, parts.head_rows)
         if interactive:
             _chat(parts.flash, parts.net, parts.tok, sampler, system, chat_template, n_predict,
                   as_json, drafter)
@@ -170,6 +171,7 @@ class _Parts:
     weights: object
     head: object
     drafting: _Drafting
+    head_rows: int                # the output head rows a self draft holds (the plan's)
 
     def close(self) -> None:
         for part in (self.ffn, self.weights):
@@ -212,7 +214,8 @@ def _assemble(path: Path, fopts, need, threads: int, n_ctx: int, drafting: _Draf
     stream_dense(flash, ffn, weights, sparse_head=head is not None)
     net = Model(flash, n_threads=threads, n_ctx=n_ctx, ffn=ffn, weights=weights, kv_dtype="f16",
                 head=head)
-    return _Parts(flash, tok, ids, net, ffn, weights, head, drafting)
+    return _Parts(flash, tok, ids, net, ffn, weights, head, drafting,
+                  plan.draft_rows if plan is not None else 0)
 
 
 def _report(stats, parts: _Parts, flash_stats: bool, as_json: bool, no_timings: bool) -> None:

@@ -24,7 +24,10 @@ ROWS_STAGING = READER_THREADS * READER_STAGE   # the dense weights' reader's sta
                                 # sparse head's candidate rows fill (make_dense: its reader)
 PREDICTOR_MODES = ("auto", "on", "off")
 DRAFT_KINDS = ("lookup", "self")  # --draft-kind: prompt lookup, the resident model
-DRAFT_HEAD_ROWS = 16384         # a self draft's output head rows when the head streams
+DRAFT_HEAD_ROWS = 16384         # a self draft's output head rows when the head streams ...
+DRAFT_HEAD_SHARE = 0.06         # ... as far as they take this share of the caches' DRAM, ...
+DRAFT_HEAD_MIN = 1024           # ... and at least this many (draft_head_rows)
+AUTO_ROWS = -1                  # FlashOptions.draft_rows: as many as draft_head_rows gives
 AUTO_DRAFT = 6                  # guesses a pass may check when `run` drafts by default (self)
 READ_GIB_S = 2.0                # the auto predictor rule's device and DRAM speeds: only their
 DRAM_GIB_S = 10.0               # ratio matters (measured: docs/MEASUREMENTS.md, "Device and DRAM")
@@ -46,7 +49,8 @@ class FlashOptions:
     predictor: str = "auto"               # auto: only when it is expected to pay; on; off
     keep_tokenizer: bool = False          # chat: the tokenizers object stays loaded
     draft_rows: int = 0                   # self-speculation: output head rows its draft holds
-                                          # when the head streams (runtime/resident.py)
+                                          # when the head streams (runtime/resident.py);
+                                          # AUTO_ROWS: as the plan allows
     sparse_head: str = "off"              # the output head read sparsely when it streams
                                           # (runtime/sparse_head.py): off; auto, when calibration
                                           # measured that a token then reads less; on
@@ -124,16 +128,31 @@ def least_budget(man: dict, n_ctx: int, process: int, **kwargs) -> int:
     return hi
 
 
+def draft_head_rows(man: dict, plan: BudgetPlan, n_ctx: int) -> int:
+    """The output head rows a self draft holds when the head streams (AUTO_ROWS): the first
+    DRAFT_HEAD_ROWS token ids (a byte-level BPE's most frequent) where DRAFT_HEAD_SHARE of the
+    caches' DRAM in plan (without the draft) holds them with the context's, fewer down to
+    DRAFT_HEAD_MIN where the caches are small: a few more neurons a layer then make the draft
+    agree more than rare tokens' rows do (docs/PREDICTOR.md, "The draft's head rows by the
+    caches")."""
+    row = head_rows_bytes(man, 2, 0) - head_rows_bytes(man, 1, 0)       # bytes a held row
+    fit = (int(DRAFT_HEAD_SHARE * plan.cache_bytes) - head_rows_bytes(man, 0, 0)) // row - n_ctx
+    return max(DRAFT_HEAD_MIN, min(DRAFT_HEAD_ROWS, fit))
+
+
 def _with_draft(man: dict, text: str, n_ctx: int, process: int, plan, rows: int, kwargs: dict):
-    """The plan with a self draft's DRAM in kwargs["draft"]: its head rows when the head streams,
-    then the cold output it borrows where the caches hold enough to lend it (resident.carries)."""
+    """The plan with a self draft's DRAM in kwargs["draft"]: its head rows when the head streams
+    (rows; AUTO_ROWS: draft_head_rows), then the cold output it borrows where the caches hold
+    enough to lend it (resident.carries)."""
+    held = 0
     if head_name(man) in plan.streamed:
-        kwargs["draft"] = head_rows_bytes(man, rows, n_ctx)
+        held = draft_head_rows(man, plan, n_ctx) if rows == AUTO_ROWS else rows
+        kwargs["draft"] = head_rows_bytes(man, held, n_ctx)
         plan = plan_budget(man, text, n_ctx, process, **kwargs)
     if not man["config"].get("n_experts") and carries(plan.capacity, plan.n_ff):
         kwargs["draft"] = kwargs.get("draft", 0) + carry_bytes(man)
         plan = plan_budget(man, text, n_ctx, process, **kwargs)
-    return plan
+    return dataclasses.replace(plan, draft_rows=held)
 
 
 def _with_predictor(man: dict, text: str, n_ctx: int, process: int, plain: BudgetPlan,
@@ -157,7 +176,8 @@ def _with_predictor(man: dict, text: str, n_ctx: int, process: int, plain: Budge
     load = float(np.mean(loads)) if all(isinstance(v, (int, float)) for v in loads) else 1.0
     with_it = token_seconds(plan, load, int(sec.get("bytes") or 0), read_ahead=False)
     if force or PREDICTOR_MARGIN * with_it < token_seconds(plain, 1.0, 0, read_ahead=True):
-        return dataclasses.replace(plan, predictor=True, notes=plan.notes + (
+        return dataclasses.replace(plan, predictor=True, draft_rows=plain.draft_rows,
+                                   notes=plan.notes + (
             f"predictor {sec.get('kind')} resident ({size}, "
             f"{load:.0%} of the neurons per token)",))
     return dataclasses.replace(plain, notes=plain.notes + (

@@ -72,6 +72,7 @@ class BudgetPlan:
     expert_rows: int = 0              # rows (neurons) of one expert; 0: a dense FFN
     sparse_head: bool = False         # the head streams sparsely: its sketch resident, the
                                       # candidate rows read (runtime/sparse_head.py)
+    draft_rows: int = 0               # output head rows a self draft holds (the head streams)
 
     @property
     def cache_bytes(self) -> int:
