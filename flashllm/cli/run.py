@@ -109,13 +109,14 @@ def run(
                            repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
                            seed=None if seed == -1 else seed)
     need = head_need(params) if sparse_head is not False else None
+    rows = draft_head_rows or AUTO_ROWS               # the draft's head rows: asked, or the plan's
     fopts = FlashOptions(dram_budget, window, naive, dense, check_recall, predictor.value,
                          keep_tokenizer=interactive or not _releases_tokenizer(path),
-                         draft_rows=(draft_head_rows or AUTO_ROWS) if drafting.is_self else 0,
+                         draft_rows=rows if drafting.is_self else 0,
                          sparse_head="off" if need is None else "on" if sparse_head else "auto",
                          head_top=need.top if need is not None else 1)
     n_ctx = ctx_size if interactive else min(ctx_size, len(text.encode()) + n_predict + 2)
-    parts = _assemble(path, fopts, need, threads, n_ctx, drafting, draft_head_rows or AUTO_ROWS,
+    parts = _assemble(path, fopts, need, threads, n_ctx, drafting, rows,
                       None if interactive else (text, n_predict, ctx_size))
     sampler = Sampler(params)
     try:

@@ -14,7 +14,7 @@ import numpy as np
 from flashllm.runtime.budget import (BudgetError, BudgetPlan, head_name, model_bytes, plan_budget,
                                      read_manifest)
 from flashllm.format.layout import SKETCH
-from flashllm.runtime.resident import carries, carry_bytes, head_rows_bytes
+from flashllm.runtime.resident import carries, carry_bytes, head_rows_bytes, head_rows_fit
 from flashllm.runtime.sparse_head import SparseHead, sketch_bytes
 from flashllm.units import KiB, format_size
 
@@ -135,8 +135,7 @@ def draft_head_rows(man: dict, plan: BudgetPlan, n_ctx: int) -> int:
     DRAFT_HEAD_MIN where the caches are small: a few more neurons a layer then make the draft
     agree more than rare tokens' rows do (docs/PREDICTOR.md, "The draft's head rows by the
     caches")."""
-    row = head_rows_bytes(man, 2, 0) - head_rows_bytes(man, 1, 0)       # bytes a held row
-    fit = (int(DRAFT_HEAD_SHARE * plan.cache_bytes) - head_rows_bytes(man, 0, 0)) // row - n_ctx
+    fit = head_rows_fit(man, int(DRAFT_HEAD_SHARE * plan.cache_bytes), n_ctx)
     return max(DRAFT_HEAD_MIN, min(DRAFT_HEAD_ROWS, fit))
 
 

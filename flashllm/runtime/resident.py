@@ -166,9 +166,22 @@ class HeadRows:
 
 def head_rows_bytes(manifest: dict, n_rows: int, n_ctx: int) -> int:
     """DRAM of a HeadRows of n_rows + n_ctx rows (its maps included), from the manifest."""
+    vocab, row = _head_row_bytes(manifest)
+    return min(vocab, n_rows + n_ctx) * row + vocab
+
+
+def head_rows_fit(manifest: dict, nbytes: int, n_ctx: int) -> int:
+    """The most n_rows whose HeadRows (with n_ctx context rows) takes at most nbytes (may be
+    negative: not even the context's fit)."""
+    vocab, row = _head_row_bytes(manifest)
+    return (nbytes - vocab) // row - n_ctx
+
+
+def _head_row_bytes(manifest: dict) -> tuple[int, int]:
+    """(vocab, DRAM of one held row: its bytes and its token id)."""
     e = {t["name"]: t for t in manifest["dense"]["tensors"]}[head_name(manifest)]
     vocab = e["shape"][0]
-    return min(vocab, n_rows + n_ctx) * (e["nbytes"] // vocab + 8) + vocab
+    return vocab, e["nbytes"] // vocab + 8
 
 
 class ResidentWeights:
