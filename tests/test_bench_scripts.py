@@ -134,3 +134,25 @@ def test_read_probe_spinners_run_at_idle_priority_and_stop():
             p.kill()
             p.wait()
     assert all(p.poll() is not None for p in procs)
+
+
+@pytest.mark.realmodel
+def test_the_probed_floor_is_the_least_budget_a_run_takes(tmp_path):
+    """The bench's SmolLM2 caps are its floor + a share of the FFN: the floor must be the least
+    --dram-budget `flashllm run` takes. Its 1 MiB refusal is the tokenizer's, which also names
+    that load's lower peak (the bench once read that as the floor and ran below it)."""
+    import subprocess
+    from conftest import _converted
+    from scripts.bench.bench import probe_floor
+    model = _converted("smollm2-135m", "native", lambda m: None)
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("def add(a, b):\n    return")
+    fl = flashllm_cli.Flashllm([sys.executable, "-m", "flashllm"])
+    floor = probe_floor(fl, model, prompt, 8)
+    assert floor is not None and floor % MiB == 0
+    run = lambda budget: subprocess.run(fl.run_argv(model, prompt, 8, 2, ["--dram-budget",
+                                                                          f"{budget // MiB}MiB"]),
+                                        capture_output=True, text=True, timeout=300)
+    ok, below = run(floor), run(floor - MiB)
+    assert ok.returncode == 0, ok.stderr
+    assert below.returncode == 1 and "least --dram-budget that works" in below.stderr

@@ -185,11 +185,14 @@ def dense_rows(args, fl: Flashllm, opts: Dict[str, bool]) -> tuple:
 
 def probe_floor(fl: Flashllm, model: Path, prompt: Path, n_gen: int) -> Optional[int]:
     """The least --dram-budget `flashllm run` accepts for this model (bytes), from its refusal
-    of a 1 MiB budget; None when the CLI does not say."""
+    of a 1 MiB budget (its "least --dram-budget that works", else older builds' "give at
+    least"); None when the CLI does not say. (A refusal for the tokenizer's load also names
+    that load's peak, which is less: never read as the floor.)"""
     argv = fl.run_argv(model, prompt, n_gen, 2, ["--dram-budget", "1MiB"])
     res = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=300)
-    m = re.search(r"give at least (\d+) MiB|peak at (\d+) MiB", res.stderr)
-    return int(m.group(1) or m.group(2)) * MiB if m else None
+    m = re.search(r"least --dram-budget that works for this model and context: (\d+) MiB",
+                  res.stderr) or re.search(r"give at least (\d+) MiB", res.stderr)
+    return int(m.group(1)) * MiB if m else None
 
 
 def flash_caps(name: str, floor: Optional[int], ffn_bytes: int) -> List[tuple]:
