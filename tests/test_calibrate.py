@@ -294,13 +294,14 @@ def test_the_shipped_text_is_read_until_a_word_level_vocabulary_has_its_tokens(t
     Hugging Face model's) makes one token of a whole word, so it reads more of it (at 8 a token
     its 2048 tokens were 1946 and calibrate refused), and says so when all of it is too short."""
     from hf_tiny import write_tokenizer
-    from flashllm.cli.quality import _calibration_ids, _quality_text
+    from flashllm.sparsity.calibrate_folder import calibration_ids
+    from flashllm.sparsity.corpus import builtin_text
     from flashllm.generation.tokenizer import Tokenizer
     write_tokenizer(tmp_path)
     tok = Tokenizer.from_json((tmp_path / "tokenizer.json").read_bytes())
-    few = len(tok.encode(_quality_text(None, "calibration", "code", 8 * 2048).text))
+    few = len(tok.encode(builtin_text("calibration", "code", 8 * 2048).text))
     assert few < 2048                                         # what 8 characters a token gave
-    source, ids = _calibration_ids(tok, None, "code", 2048)
+    source, ids = calibration_ids(tok, None, "code", 2048)
     assert len(ids) == 2048 and ids == tok.encode(source.text)[:2048]
     with pytest.raises(CalibrationError, match="2000000 were asked for"):
-        _calibration_ids(tok, None, "code", 2_000_000)
+        calibration_ids(tok, None, "code", 2_000_000)

@@ -335,6 +335,39 @@ def test_two_runs_on_a_fresh_cache_convert_once_and_both_succeed(tmp_path):
         [".smollm2-135m-native.lock", "smollm2-135m-native"]
 
 
+@pytest.mark.realmodel
+def test_a_budgeted_run_by_name_calibrates_its_conversion_once(tmp_path):
+    """`run NAME --dram-budget` on an uncalibrated conversion of its own calibrates it first (in
+    a child process, calibrate's defaults), so the plan holds the most active neurons and a
+    sparse head instead of noting that it does not; the next run finds it calibrated. A folder
+    given by path is the user's: the same run leaves it as it is."""
+    import shutil
+    from conftest import _converted
+    from flashllm.sparsity.calibrate_folder import is_calibrated
+    cache = tmp_path / "cache"
+    out = cache / "converted" / "smollm2-135m-native"
+    shutil.copytree(_converted("smollm2-135m", "native", quiet), out)
+    manifest = lambda: json.loads((out / "manifest.json").read_text())
+    assert not is_calibrated(manifest())
+    env = {**os.environ, "FLASHLLM_CACHE": str(cache)}
+    run = lambda model: subprocess.run(
+        [sys.executable, "-m", "flashllm", "run", model, "-p", "def add(a, b):", "-n", "4",
+         "--temp", "0", "--dram-budget", "150MiB", "--no-timings"],
+        env=env, capture_output=True, text=True, timeout=600)
+    user = tmp_path / "mine"
+    shutil.copytree(out, user)
+    mine = run(str(user))
+    assert mine.returncode == 0, mine.stderr
+    assert "calibrating" not in mine.stderr and "not calibrated" in mine.stderr
+    first, second = run("smollm2-135m"), run("smollm2-135m")
+    assert (first.returncode, second.returncode) == (0, 0), first.stderr + second.stderr
+    assert "calibrating" in first.stderr and "calibrated " in first.stderr, first.stderr
+    assert "not calibrated" not in first.stderr + second.stderr
+    assert "calibrating" not in second.stderr
+    assert is_calibrated(manifest()) and manifest()["sparsity"]["order_by"] == "contribution"
+    assert not is_calibrated(json.loads((user / "manifest.json").read_text()))
+
+
 def test_pip_cause_finds_the_reason_behind_a_bare_exception():
     full_disk = ("ERROR: Exception:\nTraceback (most recent call last):\n  File \"x.py\", line 1\n"
                  "    f.write(chunk)\nOSError: [Errno 28] No space left on device\n")

@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 
 from flashllm.sparsity.activations import CRITERIA
+from flashllm.sparsity.calibrate_folder import CALIBRATION_TOKENS
 from flashllm.sparsity.corpus import KINDS as CORPORA
 from flashllm.sparsity.predictor import KINDS as PREDICTOR_KINDS
 from flashllm.cli.app import (DEFAULT_THREADS, MAX_THREADS, choice, command, err, fail,
@@ -16,32 +17,12 @@ from flashllm.cli.app import (DEFAULT_THREADS, MAX_THREADS, choice, command, err
 Corpus = choice("Corpus", CORPORA)
 Criterion = choice("Criterion", CRITERIA)
 PredictorKind = choice("PredictorKind", ("default", "none", *PREDICTOR_KINDS))
-CALIBRATION_TOKENS = 2048   # calibrate's default, and what perplexity --sparsity calibrates on
 
 
 def _quality_text(file: Optional[Path], split: str, kind: str, max_chars: Optional[int] = None):
-    """The text for perplexity/calibration: FILE, else the shipped text of `split`."""
+    """The text for perplexity: FILE, else the shipped text of `split`."""
     from flashllm.sparsity.corpus import builtin_text, file_text
     return file_text(file) if file is not None else builtin_text(split, kind, max_chars)
-
-
-def _calibration_ids(tok, file: Optional[Path], corpus: str, n_tokens: int):
-    """(the calibration text, its first n_tokens ids): FILE, else the shipped text, read at 8
-    characters a token and four times more while the tokenizer makes fewer tokens of it (a
-    word-level vocabulary makes one of a word) until the shipped text is all read."""
-    from flashllm.sparsity.calibrate import text_tokens
-    if file is not None:
-        source = _quality_text(file, "calibration", corpus)
-        return source, text_tokens(tok, source.text, n_tokens)
-    chars, seen = 8 * n_tokens, -1
-    while True:
-        source = _quality_text(None, "calibration", corpus, chars)
-        ids = text_tokens(tok, source.text)
-        if len(ids) >= n_tokens:
-            return source, ids[:n_tokens]
-        if len(source.text) == seen:                   # all of it, still short: say so
-            return source, text_tokens(tok, source.text, n_tokens)
-        chars, seen = 4 * chars, len(source.text)
 
 
 def _chunk_line(t0: float):
@@ -74,6 +55,7 @@ def perplexity(
     import json
     from flashllm.format.reader import open_flash
     from flashllm.sparsity.calibrate import text_tokens, thresholds_for
+    from flashllm.sparsity.calibrate_folder import calibration_ids
     from flashllm.runtime.ffn import DenseFfn
     from flashllm.runtime.model import Model
     from flashllm.generation.perplexity import bos_to_add, perplexity as measure
@@ -94,7 +76,7 @@ def perplexity(
     log = lambda m: err.print(m, markup=False, soft_wrap=True)
     ffn = None
     if sparsity is not None:
-        cal = lambda: _calibration_ids(tok, None, corpus, CALIBRATION_TOKENS)[1]
+        cal = lambda: calibration_ids(tok, None, corpus, CALIBRATION_TOKENS)[1]
         dense = lambda: Model(flash, n_threads=threads, n_ctx=ctx)
         ffn = DenseFfn(flash, threads, threshold=thresholds_for(flash, sparsity, cal, dense, ctx, threads, log))
     net = Model(flash, n_threads=threads, n_ctx=ctx, ffn=ffn, kv_dtype="f16")   # as `run`
@@ -105,9 +87,6 @@ def perplexity(
         print(json.dumps({**result.to_dict(), "sparsity": sparsity, "text": text.description}))
     else:
         print(result.summary())
-
-
-HEAD_POSITIONS = 256    # calibration positions a sparse head's reads are measured on
 
 
 @command
@@ -128,52 +107,12 @@ def calibrate(
                                help="Compute threads."),
 ) -> None:
     """Per-layer sparsity thresholds, neuron frequencies, hot-first FFN rewrite, predictor."""
-    from flashllm.format.reader import open_flash
-    from flashllm.runtime.model import Model
-    from flashllm.format.files import update_manifest
-    from flashllm.sparsity.calibrate import calibrate_model
-    from flashllm.sparsity.train import DEFAULT_KIND
-    from flashllm.generation.tokenizer import Tokenizer
+    from flashllm.sparsity.calibrate_folder import CalibrationOptions, calibrate_folder, summary
     if not 0.0 <= sparsity < 1.0:
         fail(f"--sparsity must be in [0, 1), not {sparsity}")
-    flash = open_flash(model_path(model))
-    predictor, corpus = predictor.value, corpus.value
-    criterion = criterion.value if criterion is not None else None
-    if predictor == "default":
-        predictor = DEFAULT_KIND["glu" if flash.config.glu else "plain"]
-    source, ids = _calibration_ids(Tokenizer.from_flash(flash), text, corpus, tokens)
-    log = lambda m: err.print(m, markup=False, soft_wrap=True)
-    if flash.config.max_positions is not None and ctx > flash.config.max_positions:
-        ctx = flash.config.max_positions
-        log(f"passes of {ctx} tokens: the model's learned positions end there")
-    net = Model(flash, n_threads=threads, n_ctx=ctx)
-    head = _head_reads(flash, net, ids[:min(HEAD_POSITIONS, ctx)], threads, log)
-    section = calibrate_model(flash, net, ids, source.description, sparsity, criterion, n_ctx=ctx,
-                              reorder=reorder, n_threads=threads, log=log,
-                              predictor=None if predictor == "none" else predictor)
-    if head:
-        section = {**section, "head": head}
-        update_manifest(flash.path, sparsity=section)
-    shares = section["frequency"]["hot20_share"]
-    err.print(f"calibrated {flash.path}: {section['criterion']} target {sparsity}, sparsity "
-              f"{sum(section['achieved']) / len(shares):.3f} on {len(ids)} tokens, hottest 20% carry "
-              f"{sum(shares) / len(shares):.2f} of activations, "
-              + (f"hot-first by {section['order_by']}" if section["hot_first"] else "order kept"),
-              markup=False, soft_wrap=True)
-
-
-def _head_reads(flash, net, ids, threads: int, log) -> Optional[dict]:
-    """What a sparse output head would read a token on the calibration text (the planner weighs
-    it: runtime/sparse_head.sketch_bytes); None without a head sketch. Measured before the
-    hot-first rewrite replaces the FFN file the dense model reads."""
-    from flashllm.format.layout import SKETCH
-    from flashllm.runtime.sparse_head import measure_reads
-    from flashllm.sparsity.calibrate import final_hidden
-    if not flash.has(SKETCH):
-        return None
-    x = final_hidden(net, ids)                                           # (n, d_model)
-    head = measure_reads(flash, net.w, x, threads)
-    g, k = head["greedy"], head["top40"]
-    log(f"sparse head, {len(x)} positions: greedy reads {g['rows']:.0f} rows a token "
-        f"({g['fallbacks']:.0%} the whole head), top-40 {k['rows']:.0f} ({k['fallbacks']:.0%})")
-    return head
+    path = model_path(model)
+    opts = CalibrationOptions(text, corpus.value, sparsity, tokens, ctx,
+                              criterion.value if criterion is not None else None, reorder,
+                              predictor.value, threads)
+    section, n = calibrate_folder(path, opts, lambda m: err.print(m, markup=False, soft_wrap=True))
+    err.print(summary(path, section, n), markup=False, soft_wrap=True)

@@ -104,7 +104,8 @@ def run(
     if n_predict is None:        # a chat answer may run long; 0 there means a quarter of n_ctx
         n_predict = 0 if interactive else 128
     text = None if interactive else read_prompt(prompt, file)
-    path = model_path(model, apart=dram_budget is not None)
+    budgeted = dram_budget is not None               # a models.toml model is then calibrated
+    path = model_path(model, apart=budgeted, calibrate=budgeted and not (naive or dense))
     params = SamplerParams(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p,
                            repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
                            seed=None if seed == -1 else seed)

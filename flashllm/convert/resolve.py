@@ -15,10 +15,13 @@ from flashllm.errors import FlashError, RegistryError
 
 
 def resolve_model(model: str, cache_dir: Path, registry_path: Path, log: Log,
-                  dtype: Optional[str] = None, apart: bool = False) -> Path:
+                  dtype: Optional[str] = None, apart: bool = False,
+                  calibrate: bool = False) -> Path:
     """A converted flashllm folder for MODEL: a folder given directly, or a models.toml name
-    (fetched and converted once into cache_dir/converted/NAME-DTYPE). With `apart`, a
-    conversion runs in a child process, so its memory never counts in this one's (a run under
+    (fetched and converted once into cache_dir/converted/NAME-DTYPE). With `calibrate` (a run
+    under --dram-budget) that conversion is also calibrated once, with `flashllm calibrate`'s
+    defaults; a folder given directly is the user's and stays as it is. With `apart`, each
+    step runs in a child process, so its memory never counts in this one's (a run under
     --dram-budget measures its own size to plan)."""
     path = Path(model)
     if path.is_dir() and (path / "manifest.json").is_file():
@@ -34,25 +37,64 @@ def resolve_model(model: str, cache_dir: Path, registry_path: Path, log: Log,
         raise RegistryError(f"{entry.name}: {entry.unsupported}")
     dtype = dtype or entry.default_dtype
     out = Path(cache_dir) / "converted" / f"{entry.name}-{dtype}"
-    if (out / "manifest.json").is_file() and not conversion_outdated(out):
-        return out
+    if not _current(out):
+        _convert_once(entry, cache_dir, out, dtype, log, apart)
+    if calibrate and not _calibrated(out):
+        _calibrate_once(out, entry.name, log, apart)
+    return out
+
+
+def _current(out: Path) -> bool:
+    return (out / "manifest.json").is_file() and conversion_outdated(out) is None
+
+
+def _convert_once(entry, cache_dir: Path, out: Path, dtype: str, log: Log, apart: bool) -> None:
+    """Fetch and convert entry into out, unless another process did while this one waited."""
     gguf = pull(entry, cache_dir, log)
     with _locked(out.parent / f".{out.name}.lock"):      # one conversion at a time: a second
         if (out / "manifest.json").is_file():            # run waits, then uses the first's
             why = conversion_outdated(out)
             if why is None:
-                return out
+                return
             log(f"{entry.name}: {out} was converted by an older flashllm ({why}): converting again")
         if out.exists():                 # our own leftover or older conversion, not the user's
             shutil.rmtree(out) if out.is_dir() else out.unlink()
         log(f"{entry.name}: converting to {out} ({dtype}, once"
             + (", in a child process outside the DRAM budget)" if apart else ")"))
         if apart:
-            _convert_apart(gguf, out, dtype, entry.name)
+            _apart(_convert_work, (str(gguf), str(out), dtype, entry.name),
+                   f"converting {entry.name}")
         else:
-            from flashllm.convert.convert import convert
-            convert(gguf, out, dtype, progress=_tenths(entry.name, log))
-    return out
+            _convert_work(str(gguf), str(out), dtype, entry.name, log)
+
+
+def _calibrate_once(out: Path, name: str, log: Log, apart: bool) -> None:
+    """Calibrate our own conversion at out with calibrate's defaults, unless another process
+    did while this one waited. A calibration that fails is said and the run goes on without
+    it (as an uncalibrated model runs: its plan says what calibrating would change)."""
+    with _locked(out.parent / f".{out.name}.lock"):
+        if _calibrated(out):
+            return
+        log(f"{name}: calibrating {out} once for runs under a DRAM budget (the most active "
+            "neurons first, what a sparse output head reads; a minute or two on a 1.5B model"
+            + (", in a child process outside the budget)" if apart else ")"))
+        try:
+            if apart:
+                _apart(_calibrate_work, (str(out),), f"calibrating {name}")
+            else:
+                _calibrate_work(str(out), log)
+        except FlashError as e:
+            log(f"{name}: {e}; running it uncalibrated")
+
+
+def _calibrated(out: Path) -> bool:
+    """Whether the conversion at out holds what calibrate writes (an unreadable manifest:
+    True, left to the reader to report)."""
+    from flashllm.sparsity.calibrate_folder import is_calibrated
+    try:
+        return is_calibrated(json.loads((out / "manifest.json").read_text(encoding="utf-8")))
+    except (OSError, ValueError, KeyError, TypeError):
+        return True
 
 
 def conversion_outdated(out: Path) -> str | None:
@@ -65,20 +107,21 @@ def conversion_outdated(out: Path) -> str | None:
         return None
 
 
-def _convert_apart(gguf: Path, out: Path, dtype: str, name: str) -> None:
-    """convert() in a spawned child process; its error (a FlashError's line) is raised here."""
+def _apart(work: Callable, args: tuple, what: str) -> None:
+    """work(*args, log) in a spawned child process logging to stderr; its error (a
+    FlashError's line) is raised here."""
     import multiprocessing   # ~1 MiB a run that only reads would count in its --dram-budget
     ctx = multiprocessing.get_context("spawn")
     receive, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_convert_child, args=(str(gguf), str(out), dtype, name, send),
-                        name="flashllm-convert")
+    child = ctx.Process(target=_child, args=(work, args, what, send),
+                        name="flashllm-" + what.split()[0])
     child.start()
     send.close()
     try:
         said = receive.recv()                  # None when done, else the error's line
     except EOFError:                           # the child died without a word
         child.join()
-        said = f"converting {name} stopped (exit code {child.exitcode})"
+        said = f"{what} stopped (exit code {child.exitcode})"
     finally:
         child.join(timeout=5)                  # it ends right after its last word
         if child.is_alive():
@@ -88,18 +131,29 @@ def _convert_apart(gguf: Path, out: Path, dtype: str, name: str) -> None:
         raise FlashError(said)
 
 
-def _convert_child(gguf: str, out: str, dtype: str, name: str, send) -> None:
-    """The child of _convert_apart: converts, logging progress to stderr, and says how it ended."""
+def _child(work: Callable, args: tuple, what: str, send) -> None:
+    """The child of _apart: runs work, logging to stderr, and says how it ended."""
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
-    from flashllm.convert.convert import convert
     try:
-        convert(Path(gguf), Path(out), dtype, progress=_tenths(name, log))
+        work(*args, log)
         send.send(None)
     except FlashError as e:
         send.send(str(e))
     except KeyboardInterrupt:
-        send.send(f"converting {name} was interrupted")
+        send.send(f"{what} was interrupted")
+
+
+def _convert_work(gguf: str, out: str, dtype: str, name: str, log: Log) -> None:
+    from flashllm.convert.convert import convert
+    convert(Path(gguf), Path(out), dtype, progress=_tenths(name, log))
+
+
+def _calibrate_work(out: str, log: Log) -> None:
+    """calibrate's defaults, saying only its closing line (not calibrate's line a layer)."""
+    from flashllm.sparsity.calibrate_folder import calibrate_folder, summary
+    section, n = calibrate_folder(Path(out))
+    log(summary(Path(out), section, n))
 
 
 @contextlib.contextmanager

@@ -1,0 +1,117 @@
+"""A converted folder calibrated as `flashllm calibrate` does it: the calibration text's first
+tokens, the dense model over them, what a sparse output head would read, then calibrate_model's
+thresholds, hot-first rewrite and predictor. Called by the `calibrate` command with the user's
+options, and by `run NAME --dram-budget` on a models.toml model's own conversion with the
+defaults (convert/resolve.py: once, before its first budgeted run).
+"""
+from __future__ import annotations   # light imports: the CLI loads this before any model
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from flashllm.sparsity.corpus import builtin_text, file_text
+
+Log = Callable[[str], None]
+
+CALIBRATION_TOKENS = 2048   # calibrate's default, and what perplexity --sparsity calibrates on
+HEAD_POSITIONS = 256        # calibration positions a sparse head's reads are measured on
+CHARS_PER_TOKEN = 8         # the shipped text is read this far a token first, then 4x more
+
+
+@dataclass(frozen=True)
+class CalibrationOptions:
+    """What `flashllm calibrate` takes; the defaults are its own."""
+
+    text: Optional[Path] = None      # a calibration text file; None: the shipped corpus
+    corpus: str = "code"             # the shipped corpus: code or prose
+    sparsity: float = 0.5            # target fraction of inactive FFN neurons
+    tokens: int = CALIBRATION_TOKENS
+    ctx: int = 512                   # tokens a pass
+    criterion: Optional[str] = None  # None: the model's default (sparsity/activations.py)
+    reorder: bool = True             # rewrite the FFN hot-first
+    predictor: str = "default"       # a kind of sparsity/train.py, "default" or "none"
+    threads: int = 2
+
+
+def is_calibrated(manifest: dict) -> bool:
+    """Whether a budgeted run finds what calibrate writes: a dense FFN's hot-first order (a
+    mixture of experts needs none: its router names the neurons)."""
+    return bool(manifest["config"].get("n_experts")) or \
+        manifest["ffn"].get("neuron_order") is not None
+
+
+def calibration_ids(tok, file: Optional[Path], corpus: str, n_tokens: int):
+    """(the calibration text, its first n_tokens ids): FILE, else the shipped text, read at
+    CHARS_PER_TOKEN characters a token and four times more while the tokenizer makes fewer
+    tokens of it (a word-level vocabulary makes one of a word) until it is all read."""
+    from flashllm.sparsity.calibrate import text_tokens
+    if file is not None:
+        source = file_text(file)
+        return source, text_tokens(tok, source.text, n_tokens)
+    chars, seen = CHARS_PER_TOKEN * n_tokens, -1
+    while True:
+        source = builtin_text("calibration", corpus, chars)
+        ids = text_tokens(tok, source.text)
+        if len(ids) >= n_tokens:
+            return source, ids[:n_tokens]
+        if len(source.text) == seen:                   # all of it, still short: say so
+            return source, text_tokens(tok, source.text, n_tokens)
+        chars, seen = 4 * chars, len(source.text)
+
+
+def calibrate_folder(path: Path, opts: CalibrationOptions = CalibrationOptions(),
+                     log: Log = lambda m: None) -> tuple[dict, int]:
+    """Calibrate the converted folder at path: (the manifest's sparsity section written, the
+    number of calibration tokens)."""
+    from flashllm.format.files import update_manifest
+    from flashllm.format.reader import open_flash
+    from flashllm.generation.tokenizer import Tokenizer
+    from flashllm.runtime.model import Model
+    from flashllm.sparsity.calibrate import calibrate_model
+    from flashllm.sparsity.train import DEFAULT_KIND
+    flash = open_flash(path)
+    predictor = opts.predictor
+    if predictor == "default":
+        predictor = DEFAULT_KIND["glu" if flash.config.glu else "plain"]
+    source, ids = calibration_ids(Tokenizer.from_flash(flash), opts.text, opts.corpus,
+                                  opts.tokens)
+    ctx = opts.ctx
+    if flash.config.max_positions is not None and ctx > flash.config.max_positions:
+        ctx = flash.config.max_positions
+        log(f"passes of {ctx} tokens: the model's learned positions end there")
+    net = Model(flash, n_threads=opts.threads, n_ctx=ctx)
+    head = head_reads(flash, net, ids[:min(HEAD_POSITIONS, ctx)], opts.threads, log)
+    section = calibrate_model(flash, net, ids, source.description, opts.sparsity, opts.criterion,
+                              n_ctx=ctx, reorder=opts.reorder, n_threads=opts.threads, log=log,
+                              predictor=None if predictor == "none" else predictor)
+    if head:
+        section = {**section, "head": head}
+        update_manifest(flash.path, sparsity=section)
+    return section, len(ids)
+
+
+def head_reads(flash, net, ids, threads: int, log: Log) -> Optional[dict]:
+    """What a sparse output head would read a token on the calibration text (the planner weighs
+    it: runtime/sparse_head.sketch_bytes); None without a head sketch. Measured before the
+    hot-first rewrite replaces the FFN file the dense model reads."""
+    from flashllm.format.layout import SKETCH
+    from flashllm.runtime.sparse_head import measure_reads
+    from flashllm.sparsity.calibrate import final_hidden
+    if not flash.has(SKETCH):
+        return None
+    x = final_hidden(net, ids)                                           # (n, d_model)
+    head = measure_reads(flash, net.w, x, threads)
+    g, k = head["greedy"], head["top40"]
+    log(f"sparse head, {len(x)} positions: greedy reads {g['rows']:.0f} rows a token "
+        f"({g['fallbacks']:.0%} the whole head), top-40 {k['rows']:.0f} ({k['fallbacks']:.0%})")
+    return head
+
+
+def summary(path: Path, section: dict, n_tokens: int) -> str:
+    """calibrate's closing line."""
+    shares = section["frequency"]["hot20_share"]
+    return (f"calibrated {path}: {section['criterion']} target {section['target']}, sparsity "
+            f"{sum(section['achieved']) / len(shares):.3f} on {n_tokens} tokens, hottest 20% "
+            f"carry {sum(shares) / len(shares):.2f} of activations, "
+            + (f"hot-first by {section['order_by']}" if section["hot_first"] else "order kept"))
