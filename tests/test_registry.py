@@ -337,10 +337,10 @@ def test_two_runs_on_a_fresh_cache_convert_once_and_both_succeed(tmp_path):
 
 @pytest.mark.realmodel
 def test_a_budgeted_run_by_name_calibrates_its_conversion_once(tmp_path):
-    """`run NAME --dram-budget` on an uncalibrated conversion of its own calibrates it first (in
-    a child process, calibrate's defaults), so the plan holds the most active neurons and a
-    sparse head instead of noting that it does not; the next run finds it calibrated. A folder
-    given by path is the user's: the same run leaves it as it is."""
+    """`run NAME --dram-budget` on an uncalibrated conversion of its own calibrates it once the
+    budget is known to work (in a child process, calibrate's defaults), so the plan holds the
+    most active neurons and a sparse head instead of noting that it does not; the next run finds
+    it calibrated. A folder given by path is the user's: the same run leaves it as it is."""
     import shutil
     from conftest import _converted
     from flashllm.sparsity.calibrate_folder import is_calibrated
@@ -350,15 +350,18 @@ def test_a_budgeted_run_by_name_calibrates_its_conversion_once(tmp_path):
     manifest = lambda: json.loads((out / "manifest.json").read_text())
     assert not is_calibrated(manifest())
     env = {**os.environ, "FLASHLLM_CACHE": str(cache)}
-    run = lambda model: subprocess.run(
+    run = lambda model, budget="150MiB": subprocess.run(
         [sys.executable, "-m", "flashllm", "run", model, "-p", "def add(a, b):", "-n", "4",
-         "--temp", "0", "--dram-budget", "150MiB", "--no-timings"],
+         "--temp", "0", "--dram-budget", budget, "--no-timings"],
         env=env, capture_output=True, text=True, timeout=600)
     user = tmp_path / "mine"
     shutil.copytree(out, user)
     mine = run(str(user))
     assert mine.returncode == 0, mine.stderr
     assert "calibrating" not in mine.stderr and "not calibrated" in mine.stderr
+    refused = run("smollm2-135m", "1MiB")              # refused first: nothing calibrated
+    assert refused.returncode == 1 and "calibrating" not in refused.stderr
+    assert not is_calibrated(manifest())
     first, second = run("smollm2-135m"), run("smollm2-135m")
     assert (first.returncode, second.returncode) == (0, 0), first.stderr + second.stderr
     assert "calibrating" in first.stderr and "calibrated " in first.stderr, first.stderr

@@ -122,13 +122,12 @@ def fail(message: str) -> None:
     raise typer.Exit(1)
 
 
-def model_path(model: str, apart: bool = False, calibrate: bool = False) -> Path:
+def model_path(model: str, apart: bool = False) -> Path:
     """MODEL as given on the command line: a converted folder, or a models.toml name (converted
-    once, and with `calibrate` calibrated once; in a child process with `apart`, so that
-    memory stays out of this one)."""
+    once; in a child process with `apart`, so the conversion's memory stays out of this one)."""
     from flashllm.convert.resolve import resolve_model
     return resolve_model(model, cache_dir(), registry_path(), log=lambda m: err.print(m, markup=False),
-                         apart=apart, calibrate=calibrate)
+                         apart=apart)
 
 
 def main() -> None:

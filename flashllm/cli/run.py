@@ -104,8 +104,8 @@ def run(
     if n_predict is None:        # a chat answer may run long; 0 there means a quarter of n_ctx
         n_predict = 0 if interactive else 128
     text = None if interactive else read_prompt(prompt, file)
-    budgeted = dram_budget is not None               # a models.toml model is then calibrated
-    path = model_path(model, apart=budgeted, calibrate=budgeted and not (naive or dense))
+    path = model_path(model, apart=dram_budget is not None)
+    calibrate = not (Path(model).is_dir() or naive or dense)   # a models.toml name's own
     params = SamplerParams(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p,
                            repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
                            seed=None if seed == -1 else seed)
@@ -118,7 +118,7 @@ def run(
                          head_top=need.top if need is not None else 1)
     n_ctx = ctx_size if interactive else min(ctx_size, len(text.encode()) + n_predict + 2)
     parts = _assemble(path, fopts, need, threads, n_ctx, drafting, rows,
-                      None if interactive else (text, n_predict, ctx_size))
+                      None if interactive else (text, n_predict, ctx_size), calibrate)
     sampler = Sampler(params)
     try:
         drafter = _drafter(parts.net, sampler, parts.drafting, draft_p_min, parts.head_rows)
@@ -182,12 +182,14 @@ class _Parts:
 
 
 def _assemble(path: Path, fopts, need, threads: int, n_ctx: int, drafting: _Drafting,
-              head_rows: int, one_shot: Optional[tuple]) -> _Parts:
-    """Plan (refusing a budget before anything loads), open, tokenize a one-shot prompt
-    (one_shot: (text, n_predict, ctx_size); None: a chat) and build the network."""
+              head_rows: int, one_shot: Optional[tuple], calibrate: bool = False) -> _Parts:
+    """Plan (refusing a budget before anything loads), calibrate a models.toml model's own
+    conversion once under a budget (calibrate), open, tokenize a one-shot prompt (one_shot:
+    (text, n_predict, ctx_size); None: a chat) and build the network."""
     from flashllm.format.integrity import verify_on_first_load
     from flashllm.format.reader import open_flash
     from flashllm.generation.tokenizer import Tokenizer
+    from flashllm.convert.resolve import calibrate_once
     from flashllm.runtime.assemble import make_ffn, make_head, make_weights, plan_run, stream_dense
     from flashllm.ffi.heap import trim_heap
     from flashllm.runtime.budget import process_rss
@@ -196,6 +198,10 @@ def _assemble(path: Path, fopts, need, threads: int, n_ctx: int, drafting: _Draf
     trim_heap()                      # the imports' freed heap: ~1 MiB the plan need not count
     process = process_rss()
     plan = plan_run(path, fopts, n_ctx, process)     # refuses before loading anything
+    log = lambda m: err.print(m, markup=False)
+    if calibrate and plan is not None and calibrate_once(path, log, apart=True):
+        process = process_rss()                      # the plan of the calibrated folder
+        plan = plan_run(path, fopts, n_ctx, process)
     flash = open_flash(path)
     verify_on_first_load(flash)
     tok = Tokenizer.from_flash(flash, word_cache=one_shot is None)   # one-shot: encodes once
@@ -210,7 +216,7 @@ def _assemble(path: Path, fopts, need, threads: int, n_ctx: int, drafting: _Draf
         drafting = _Drafting(AUTO_DRAFT, "self") if on else _Drafting(0, drafting.kind)
     if plan is not None and one_shot is not None:
         tok.release(keep_source=False)   # never encodes again; decoding needs only the table
-    ffn = make_ffn(flash, fopts, plan, threads, cache_dir(), log=lambda m: err.print(m, markup=False))
+    ffn = make_ffn(flash, fopts, plan, threads, cache_dir(), log=log)
     weights = make_weights(flash, plan, threads)
     head = make_head(flash, plan, weights, need, threads)
     stream_dense(flash, ffn, weights, sparse_head=head is not None)

@@ -15,13 +15,10 @@ from flashllm.errors import FlashError, RegistryError
 
 
 def resolve_model(model: str, cache_dir: Path, registry_path: Path, log: Log,
-                  dtype: Optional[str] = None, apart: bool = False,
-                  calibrate: bool = False) -> Path:
+                  dtype: Optional[str] = None, apart: bool = False) -> Path:
     """A converted flashllm folder for MODEL: a folder given directly, or a models.toml name
-    (fetched and converted once into cache_dir/converted/NAME-DTYPE). With `calibrate` (a run
-    under --dram-budget) that conversion is also calibrated once, with `flashllm calibrate`'s
-    defaults; a folder given directly is the user's and stays as it is. With `apart`, each
-    step runs in a child process, so its memory never counts in this one's (a run under
+    (fetched and converted once into cache_dir/converted/NAME-DTYPE). With `apart`, a
+    conversion runs in a child process, so its memory never counts in this one's (a run under
     --dram-budget measures its own size to plan)."""
     path = Path(model)
     if path.is_dir() and (path / "manifest.json").is_file():
@@ -39,8 +36,6 @@ def resolve_model(model: str, cache_dir: Path, registry_path: Path, log: Log,
     out = Path(cache_dir) / "converted" / f"{entry.name}-{dtype}"
     if not _current(out):
         _convert_once(entry, cache_dir, out, dtype, log, apart)
-    if calibrate and not _calibrated(out):
-        _calibrate_once(out, entry.name, log, apart)
     return out
 
 
@@ -68,23 +63,29 @@ def _convert_once(entry, cache_dir: Path, out: Path, dtype: str, log: Log, apart
             _convert_work(str(gguf), str(out), dtype, entry.name, log)
 
 
-def _calibrate_once(out: Path, name: str, log: Log, apart: bool) -> None:
-    """Calibrate our own conversion at out with calibrate's defaults, unless another process
-    did while this one waited. A calibration that fails is said and the run goes on without
-    it (as an uncalibrated model runs: its plan says what calibrating would change)."""
+def calibrate_once(out: Path, log: Log, apart: bool = False) -> bool:
+    """Calibrate a models.toml model's own conversion at out (resolve_model's) with
+    calibrate's defaults, unless it is calibrated (or another process did it while this one
+    waited): True when this call calibrated it. A calibration that fails is said and the run
+    goes on without it (as an uncalibrated model runs: its plan says what calibrating would
+    change). A folder the user gave is theirs: never pass it here."""
+    if _calibrated(out):
+        return False
     with _locked(out.parent / f".{out.name}.lock"):
         if _calibrated(out):
-            return
-        log(f"{name}: calibrating {out} once for runs under a DRAM budget (the most active "
+            return False
+        log(f"calibrating {out} once for runs under a DRAM budget (the most active "
             "neurons first, what a sparse output head reads; a minute or two on a 1.5B model"
             + (", in a child process outside the budget)" if apart else ")"))
         try:
             if apart:
-                _apart(_calibrate_work, (str(out),), f"calibrating {name}")
+                _apart(_calibrate_work, (str(out),), f"calibrating {out.name}")
             else:
                 _calibrate_work(str(out), log)
         except FlashError as e:
-            log(f"{name}: {e}; running it uncalibrated")
+            log(f"{e}; running {out.name} uncalibrated")
+            return False
+    return True
 
 
 def _calibrated(out: Path) -> bool:
