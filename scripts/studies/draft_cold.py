@@ -22,6 +22,7 @@ fitted from the positions the whole model has computed so far).
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -84,25 +85,50 @@ def agreement(flash, sub: SubsetFfn, hot, cold, ids: list, alpha) -> int:
     return hits
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+@dataclass
+class Split:
+    """A teacher-forced draft study's setup: the model, its layers in DRAM, each layer's
+    calibrated threshold, the hot (cached) and cold slots, and the held-out texts' ids."""
+
+    flash: object
+    layers: list                     # (n_ff, stride) bundles of each layer
+    thresholds: np.ndarray           # (n_layers,)
+    hot: np.ndarray                  # (n_hot,) slots
+    cold: np.ndarray                 # (n_ff - n_hot,) slots
+    texts: list                      # [code ids, prose ids], positions // 2 each
+
+
+def study_args(doc: str, hot: int, positions: int, option: str, default: str):
+    """The arguments of a draft study: MODEL, --hot, --positions, --threads and its own option."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("model", type=Path)
-    ap.add_argument("--hot", type=int, default=4416, help="cached neurons a layer (560 MiB's plan)")
-    ap.add_argument("--positions", type=int, default=256)
-    ap.add_argument("--alphas", default="0,0.5,1")
+    ap.add_argument("--hot", type=int, default=hot, help="cached neurons a layer (560 MiB's plan)")
+    ap.add_argument("--positions", type=int, default=positions)
+    ap.add_argument(option, default=default)
     ap.add_argument("--threads", type=int, default=2)
-    a = ap.parse_args()
-    flash = open_flash(a.model)
+    return ap.parse_args()
+
+
+def split(model: Path, n_hot: int, positions: int) -> Split:
+    flash = open_flash(model)
     cfg = flash.config
     layers = [np.ascontiguousarray(flash.read_ffn_layer(i))              # (n_ff, stride) each
               for i in range(cfg.n_layers)]
-    sub = SubsetFfn(flash, layers, manifest_thresholds(flash.manifest, cfg.n_layers), a.threads)
-    hot, cold = np.arange(a.hot, dtype=np.int32), np.arange(a.hot, cfg.n_ff, dtype=np.int32)
-    tok, n = Tokenizer.from_flash(flash), a.positions // 2
+    thr = np.asarray(manifest_thresholds(flash.manifest, cfg.n_layers), np.float32)  # (L,)
+    tok, n = Tokenizer.from_flash(flash), positions // 2
     texts = [text_tokens(tok, builtin_text("evaluation", k).text, n) for k in ("code", "prose")]
-    for alpha in (s if s == "fit" else float(s) for s in a.alphas.split(",")):
-        hits = [agreement(flash, sub, hot, cold, ids, alpha) for ids in texts]
-        print(f"hot {a.hot} of {cfg.n_ff}, previous x {alpha}: draft = model on code "
+    return Split(flash, layers, thr, np.arange(n_hot, dtype=np.int32),
+                 np.arange(n_hot, cfg.n_ff, dtype=np.int32), texts)
+
+
+def main() -> None:
+    a = study_args(__doc__, 4416, 256, "--alphas", "0,0.5,1")
+    s = split(a.model, a.hot, a.positions)
+    sub = SubsetFfn(s.flash, s.layers, s.thresholds, a.threads)
+    n = a.positions // 2
+    for alpha in (x if x == "fit" else float(x) for x in a.alphas.split(",")):
+        hits = [agreement(s.flash, sub, s.hot, s.cold, ids, alpha) for ids in s.texts]
+        print(f"hot {a.hot} of {s.flash.config.n_ff}, previous x {alpha}: draft = model on code "
               f"{hits[0]}/{n}, prose {hits[1]}/{n}", flush=True)
 
 

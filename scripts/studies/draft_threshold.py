@@ -14,20 +14,13 @@ fitted from the model's passes); both use the whole output head.
 """
 from __future__ import annotations
 
-import argparse
 import time
-from pathlib import Path
 
 import numpy as np
 
-from flashllm.format.reader import open_flash
-from flashllm.generation.tokenizer import Tokenizer
 from flashllm.runtime.model import Model
 from flashllm.runtime.resident import ColdCarry
-from flashllm.sparsity.activations import manifest_thresholds
-from flashllm.sparsity.calibrate import text_tokens
-from flashllm.sparsity.corpus import builtin_text
-from scripts.studies.draft_cold import Strategy
+from scripts.studies.draft_cold import Strategy, split, study_args
 from scripts.studies.draft_order import SubsetFfn
 
 
@@ -50,26 +43,14 @@ def agreement(flash, sub: SubsetFfn, draft_sub: SubsetFfn, hot, cold, ids: list,
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("model", type=Path)
-    ap.add_argument("--hot", type=int, default=4544, help="cached neurons a layer (560 MiB's plan)")
-    ap.add_argument("--positions", type=int, default=192)
-    ap.add_argument("--scales", default="1,1.5,2,3")
-    ap.add_argument("--threads", type=int, default=2)
-    a = ap.parse_args()
-    flash = open_flash(a.model)
-    cfg = flash.config
-    layers = [np.ascontiguousarray(flash.read_ffn_layer(i))               # (n_ff, stride) each
-              for i in range(cfg.n_layers)]
-    thr = np.asarray(manifest_thresholds(flash.manifest, cfg.n_layers), np.float32)  # (L,)
-    sub = SubsetFfn(flash, layers, thr, a.threads)
-    hot, cold = np.arange(a.hot, dtype=np.int32), np.arange(a.hot, cfg.n_ff, dtype=np.int32)
-    tok, n = Tokenizer.from_flash(flash), a.positions // 2
-    texts = [text_tokens(tok, builtin_text("evaluation", k).text, n) for k in ("code", "prose")]
-    for scale in (float(s) for s in a.scales.split(",")):
-        draft_sub = SubsetFfn(flash, layers, thr * scale, a.threads)
-        (c, c_ms), (p, p_ms) = (agreement(flash, sub, draft_sub, hot, cold, ids, a.threads)
-                                for ids in texts)
+    a = study_args(__doc__, 4544, 192, "--scales", "1,1.5,2,3")
+    s = split(a.model, a.hot, a.positions)
+    sub = SubsetFfn(s.flash, s.layers, s.thresholds, a.threads)
+    n = a.positions // 2
+    for scale in (float(x) for x in a.scales.split(",")):
+        draft_sub = SubsetFfn(s.flash, s.layers, s.thresholds * scale, a.threads)
+        (c, c_ms), (p, p_ms) = (agreement(s.flash, sub, draft_sub, s.hot, s.cold, ids, a.threads)
+                                for ids in s.texts)
         print(f"draft thresholds x{scale}: draft = model on code {c}/{n} ({c_ms:.1f} ms a "
               f"token), prose {p}/{n} ({p_ms:.1f} ms)", flush=True)
 
