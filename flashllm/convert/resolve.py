@@ -141,6 +141,8 @@ def _child(work: Callable, args: tuple, what: str, send) -> None:
         send.send(None)
     except FlashError as e:
         send.send(str(e))
+    except OSError as e:         # a file the work did not name (a full disk, a read-only cache)
+        send.send(f"{what}: {e.strerror or e}" + (f": {e.filename}" if e.filename else ""))
     except KeyboardInterrupt:
         send.send(f"{what} was interrupted")
 
