@@ -294,7 +294,7 @@ def test_the_shipped_text_is_read_until_a_word_level_vocabulary_has_its_tokens(t
     Hugging Face model's) makes one token of a whole word, so it reads more of it (at 8 a token
     its 2048 tokens were 1946 and calibrate refused), and says so when all of it is too short."""
     from hf_tiny import write_tokenizer
-    from flashllm.sparsity.calibrate_folder import calibration_ids
+    from flashllm.cli.calibration import calibration_ids
     from flashllm.sparsity.corpus import builtin_text
     from flashllm.generation.tokenizer import Tokenizer
     write_tokenizer(tmp_path)

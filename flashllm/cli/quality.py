@@ -8,11 +8,11 @@ from typing import Optional
 import typer
 
 from flashllm.sparsity.activations import CRITERIA
-from flashllm.sparsity.calibrate_folder import CALIBRATION_TOKENS
 from flashllm.sparsity.corpus import KINDS as CORPORA
 from flashllm.sparsity.predictor import KINDS as PREDICTOR_KINDS
 from flashllm.cli.app import (DEFAULT_THREADS, MAX_THREADS, choice, command, err, fail,
                               model_path)
+from flashllm.cli.calibration import CALIBRATION_TOKENS
 
 Corpus = choice("Corpus", CORPORA)
 Criterion = choice("Criterion", CRITERIA)
@@ -55,7 +55,7 @@ def perplexity(
     import json
     from flashllm.format.reader import open_flash
     from flashllm.sparsity.calibrate import text_tokens, thresholds_for
-    from flashllm.sparsity.calibrate_folder import calibration_ids
+    from flashllm.cli.calibration import calibration_ids
     from flashllm.runtime.ffn import DenseFfn
     from flashllm.runtime.model import Model
     from flashllm.generation.perplexity import bos_to_add, perplexity as measure
@@ -107,7 +107,7 @@ def calibrate(
                                help="Compute threads."),
 ) -> None:
     """Per-layer sparsity thresholds, neuron frequencies, hot-first FFN rewrite, predictor."""
-    from flashllm.sparsity.calibrate_folder import CalibrationOptions, calibrate_folder, summary
+    from flashllm.cli.calibration import CalibrationOptions, calibrate_folder, summary
     if not 0.0 <= sparsity < 1.0:
         fail(f"--sparsity must be in [0, 1), not {sparsity}")
     path = model_path(model)

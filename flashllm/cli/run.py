@@ -189,7 +189,7 @@ def _assemble(path: Path, fopts, need, threads: int, n_ctx: int, drafting: _Draf
     from flashllm.format.integrity import verify_on_first_load
     from flashllm.format.reader import open_flash
     from flashllm.generation.tokenizer import Tokenizer
-    from flashllm.convert.resolve import calibrate_once
+    from flashllm.cli.calibration import calibrate_once
     from flashllm.runtime.assemble import make_ffn, make_head, make_weights, plan_run, stream_dense
     from flashllm.ffi.heap import trim_heap
     from flashllm.runtime.budget import process_rss

@@ -46,7 +46,7 @@ def _current(out: Path) -> bool:
 def _convert_once(entry, cache_dir: Path, out: Path, dtype: str, log: Log, apart: bool) -> None:
     """Fetch and convert entry into out, unless another process did while this one waited."""
     gguf = pull(entry, cache_dir, log)
-    with _locked(out.parent / f".{out.name}.lock"):      # one conversion at a time: a second
+    with locked(out.parent / f".{out.name}.lock"):      # one conversion at a time: a second
         if (out / "manifest.json").is_file():            # run waits, then uses the first's
             why = conversion_outdated(out)
             if why is None:
@@ -57,45 +57,10 @@ def _convert_once(entry, cache_dir: Path, out: Path, dtype: str, log: Log, apart
         log(f"{entry.name}: converting to {out} ({dtype}, once"
             + (", in a child process outside the DRAM budget)" if apart else ")"))
         if apart:
-            _apart(_convert_work, (str(gguf), str(out), dtype, entry.name),
+            in_child(_convert_work, (str(gguf), str(out), dtype, entry.name),
                    f"converting {entry.name}")
         else:
             _convert_work(str(gguf), str(out), dtype, entry.name, log)
-
-
-def calibrate_once(out: Path, log: Log, apart: bool = False) -> bool:
-    """Calibrate a models.toml model's own conversion at out (resolve_model's) with
-    calibrate's defaults, unless it is calibrated (or another process did it while this one
-    waited): True when this call calibrated it. A calibration that fails is said and the run
-    goes on without it (as an uncalibrated model runs: its plan says what calibrating would
-    change). A folder the user gave is theirs: never pass it here."""
-    if _calibrated(out):
-        return False
-    with _locked(out.parent / f".{out.name}.lock"):
-        if _calibrated(out):
-            return False
-        log(f"calibrating {out} once for runs under a DRAM budget (the most active "
-            "neurons first, what a sparse output head reads; a minute or two on a 1.5B model"
-            + (", in a child process outside the budget)" if apart else ")"))
-        try:
-            if apart:
-                _apart(_calibrate_work, (str(out),), f"calibrating {out.name}")
-            else:
-                _calibrate_work(str(out), log)
-        except FlashError as e:
-            log(f"{e}; running {out.name} uncalibrated")
-            return False
-    return True
-
-
-def _calibrated(out: Path) -> bool:
-    """Whether the conversion at out holds what calibrate writes (an unreadable manifest:
-    True, left to the reader to report)."""
-    from flashllm.sparsity.calibrate_folder import is_calibrated
-    try:
-        return is_calibrated(json.loads((out / "manifest.json").read_text(encoding="utf-8")))
-    except (OSError, ValueError, KeyError, TypeError):
-        return True
 
 
 def conversion_outdated(out: Path) -> str | None:
@@ -108,7 +73,7 @@ def conversion_outdated(out: Path) -> str | None:
         return None
 
 
-def _apart(work: Callable, args: tuple, what: str) -> None:
+def in_child(work: Callable, args: tuple, what: str) -> None:
     """work(*args, log) in a spawned child process logging to stderr; its error (a
     FlashError's line) is raised here."""
     import multiprocessing   # ~1 MiB a run that only reads would count in its --dram-budget
@@ -133,7 +98,7 @@ def _apart(work: Callable, args: tuple, what: str) -> None:
 
 
 def _child(work: Callable, args: tuple, what: str, send) -> None:
-    """The child of _apart: runs work, logging to stderr, and says how it ended."""
+    """The child of in_child: runs work, logging to stderr, and says how it ended."""
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
     try:
@@ -152,15 +117,8 @@ def _convert_work(gguf: str, out: str, dtype: str, name: str, log: Log) -> None:
     convert(Path(gguf), Path(out), dtype, progress=_tenths(name, log))
 
 
-def _calibrate_work(out: str, log: Log) -> None:
-    """calibrate's defaults, saying only its closing line (not calibrate's line a layer)."""
-    from flashllm.sparsity.calibrate_folder import calibrate_folder, summary
-    section, n = calibrate_folder(Path(out))
-    log(summary(Path(out), section, n))
-
-
 @contextlib.contextmanager
-def _locked(path: Path):
+def locked(path: Path):
     """An exclusive advisory lock on path (created), held for the with block."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:

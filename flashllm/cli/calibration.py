@@ -1,8 +1,9 @@
 """A converted folder calibrated as `flashllm calibrate` does it: the calibration text's first
-tokens, the dense model over them, what a sparse output head would read, then calibrate_model's
-thresholds, hot-first rewrite and predictor. Called by the `calibrate` command with the user's
-options, and by `run NAME --dram-budget` on a models.toml model's own conversion with the
-defaults (convert/resolve.py: once, before its first budgeted run).
+tokens, the dense model over them, what a sparse output head would read, then
+sparsity/calibrate.calibrate_model's thresholds, hot-first rewrite and predictor. Called by the
+`calibrate` command with the user's options (cli/quality.py), and with the defaults by `run NAME
+--dram-budget` on a models.toml model's own conversion, once (calibrate_once: in a child process
+outside the budget, under the conversion's lock).
 """
 from __future__ import annotations   # light imports: the CLI loads this before any model
 
@@ -115,3 +116,46 @@ def summary(path: Path, section: dict, n_tokens: int) -> str:
             f"{sum(section['achieved']) / len(shares):.3f} on {n_tokens} tokens, hottest 20% "
             f"carry {sum(shares) / len(shares):.2f} of activations, "
             + (f"hot-first by {section['order_by']}" if section["hot_first"] else "order kept"))
+
+
+def calibrate_once(out: Path, log: Log, apart: bool = False) -> bool:
+    """Calibrate a models.toml model's own conversion at out (convert/resolve.resolve_model's)
+    with calibrate's defaults, unless it is calibrated (or another process did it while this
+    one waited): True when this call calibrated it. A calibration that fails is said and the
+    run goes on without it (as an uncalibrated model runs: its plan says what calibrating would
+    change). A folder the user gave is theirs: never pass it here."""
+    from flashllm.convert.resolve import in_child, locked
+    from flashllm.errors import FlashError
+    if _calibrated(out):
+        return False
+    with locked(out.parent / f".{out.name}.lock"):
+        if _calibrated(out):
+            return False
+        log(f"calibrating {out} once for runs under a DRAM budget (the most active "
+            "neurons first, what a sparse output head reads; a minute or two on a 1.5B model"
+            + (", in a child process outside the budget)" if apart else ")"))
+        try:
+            if apart:
+                in_child(_calibrate_work, (str(out),), f"calibrating {out.name}")
+            else:
+                _calibrate_work(str(out), log)
+        except FlashError as e:
+            log(f"{e}; running {out.name} uncalibrated")
+            return False
+    return True
+
+
+def _calibrated(out: Path) -> bool:
+    """Whether the conversion at out holds what calibrate writes (an unreadable manifest:
+    True, left to the reader to report)."""
+    import json
+    try:
+        return is_calibrated(json.loads((out / "manifest.json").read_text(encoding="utf-8")))
+    except (OSError, ValueError, KeyError, TypeError):
+        return True
+
+
+def _calibrate_work(out: str, log: Log) -> None:
+    """calibrate's defaults, saying only its closing line (not calibrate's line a layer)."""
+    section, n = calibrate_folder(Path(out))
+    log(summary(Path(out), section, n))
