@@ -44,7 +44,8 @@ def run(
     no_timings: bool = typer.Option(False, "--no-timings", help="Do not print the timings line."),
     dram_budget: Optional[str] = typer.Option(
         None, "--dram-budget", help="Stream the FFN from flash within this DRAM: 1.5GiB, 560MiB, "
-        "or 50% of the converted model (default: everything in DRAM)."),
+        "or 50% of the converted model (default: everything in DRAM). A models.toml MODEL's "
+        "conversion is calibrated once first (`flashllm calibrate`'s defaults)."),
     window: Optional[int] = typer.Option(
         None, "--window", min=1, help="Keep the neurons of the last K tokens cached (default 4; 2 for GLU)."),
     naive: bool = typer.Option(False, "--naive", help="Read every FFN bundle every token (baseline)."),
