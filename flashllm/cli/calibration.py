@@ -118,12 +118,13 @@ def summary(path: Path, section: dict, n_tokens: int) -> str:
             + (f"hot-first by {section['order_by']}" if section["hot_first"] else "order kept"))
 
 
-def calibrate_once(out: Path, log: Log, apart: bool = False) -> bool:
+def calibrate_once(out: Path, log: Log) -> bool:
     """Calibrate a models.toml model's own conversion at out (convert/resolve.resolve_model's)
-    with calibrate's defaults, unless it is calibrated (or another process did it while this
-    one waited): True when this call calibrated it. A calibration that fails is said and the
-    run goes on without it (as an uncalibrated model runs: its plan says what calibrating would
-    change). A folder the user gave is theirs: never pass it here."""
+    with calibrate's defaults, in a child process (its memory outside a run's budget), unless
+    it is calibrated (or another process did it while this one waited): True when this call
+    calibrated it. A calibration that fails is said and the run goes on without it (as an
+    uncalibrated model runs: its plan says what calibrating would change). A folder the user
+    gave is theirs: never pass it here."""
     from flashllm.convert.resolve import in_child, locked
     from flashllm.errors import FlashError
     if _calibrated(out):
@@ -132,13 +133,10 @@ def calibrate_once(out: Path, log: Log, apart: bool = False) -> bool:
         if _calibrated(out):
             return False
         log(f"calibrating {out} once for runs under a DRAM budget (the most active "
-            "neurons first, what a sparse output head reads; a minute or two on a 1.5B model"
-            + (", in a child process outside the budget)" if apart else ")"))
+            "neurons first, what a sparse output head reads; a minute or two on a 1.5B model, "
+            "in a child process outside the budget)")
         try:
-            if apart:
-                in_child(_calibrate_work, (str(out),), f"calibrating {out.name}")
-            else:
-                _calibrate_work(str(out), log)
+            in_child(_calibrate_work, (str(out),), f"calibrating {out.name}")
         except FlashError as e:
             log(f"{e}; running {out.name} uncalibrated")
             return False
@@ -148,14 +146,14 @@ def calibrate_once(out: Path, log: Log, apart: bool = False) -> bool:
 def _calibrated(out: Path) -> bool:
     """Whether the conversion at out holds what calibrate writes (an unreadable manifest:
     True, left to the reader to report)."""
-    import json
+    from flashllm.runtime.budget import BudgetError, read_manifest
     try:
-        return is_calibrated(json.loads((out / "manifest.json").read_text(encoding="utf-8")))
-    except (OSError, ValueError, KeyError, TypeError):
+        return is_calibrated(read_manifest(out))
+    except (BudgetError, KeyError, TypeError):
         return True
 
 
 def _calibrate_work(out: str, log: Log) -> None:
-    """calibrate's defaults, saying only its closing line (not calibrate's line a layer)."""
+    """calibrate's defaults in in_child, saying only its closing line (not one a layer)."""
     section, n = calibrate_folder(Path(out))
     log(summary(Path(out), section, n))

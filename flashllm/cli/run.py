@@ -200,7 +200,7 @@ def _assemble(path: Path, fopts, need, threads: int, n_ctx: int, drafting: _Draf
     process = process_rss()
     plan = plan_run(path, fopts, n_ctx, process)     # refuses before loading anything
     log = lambda m: err.print(m, markup=False)
-    if calibrate and plan is not None and calibrate_once(path, log, apart=True):
+    if calibrate and plan is not None and calibrate_once(path, log):
         process = process_rss()                      # the plan of the calibrated folder
         plan = plan_run(path, fopts, n_ctx, process)
     flash = open_flash(path)
