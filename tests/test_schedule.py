@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from flashllm.format.reader import open_flash
-from flashllm.runtime.weights import DenseWeights, attn_names
+from flashllm.runtime.layer import attn_names
+from flashllm.runtime.weights import DenseWeights
 from flashllm.ffi.reader import Reader
 from flashllm.runtime.model import Model
 from flashllm.sparsity.predictor import AllSlots

@@ -36,7 +36,8 @@ from flashllm.ffi import kernel
 from flashllm.format.layout import SKETCH_NAMES, layer_strides
 from flashllm.runtime.tokenizer_budget import (older_conversion, tokenizer_load_peak,
                                                tokenizer_resident)
-from flashllm.runtime.weights import CHUNK_BYTES, aligned_offsets, attn_names
+from flashllm.runtime.layer import attn_names
+from flashllm.runtime.weights import CHUNK_BYTES, aligned_offsets
 from flashllm.units import MiB, SizeError, format_size, parse_size
 
 PROCESS_STEP = 8 * MiB          # the process is counted in whole steps (process_rss)

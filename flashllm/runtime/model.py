@@ -24,7 +24,8 @@ import numpy as np
 
 from flashllm.ffi import kernel
 from flashllm.model.rope import inv_freq
-from flashllm.runtime.weights import DenseWeights, Layer
+from flashllm.runtime.layer import Layer
+from flashllm.runtime.weights import DenseWeights
 from flashllm.errors import FlashError
 from flashllm.runtime.ffn import DenseFfn
 from flashllm.runtime.moe import MoeFfn
@@ -183,13 +184,12 @@ class Model:
         rest siblings (forward)."""
         cfg, nt, ex = self.config, self.n_threads, self.exact
         T, hd = len(h), cfg.head_dim
-        q = kernel.matmul(L.wq, h, L.bq, nt, ex)                          # (T, n_heads * hd)
-        k = kernel.matmul(L.wk, h, L.bk, nt, ex)                          # (T, n_kv * hd)
+        q, k, v = self._qkv(L, h)                          # (T, n_heads * hd), (T, n_kv * hd) x 2
         if cfg.qk_norm_full:                                              # QK-norm, whole q / k
             q = kernel.rmsnorm(q, L.q_norm, cfg.norm_eps)                 # (T, n_heads * hd)
             k = kernel.rmsnorm(k, L.k_norm, cfg.norm_eps)                 # (T, n_kv * hd)
         q, k = q.reshape(T, cfg.n_heads, hd), k.reshape(T, cfg.n_kv_heads, hd)
-        v = kernel.matmul(L.wv, h, L.bv, nt, ex).reshape(T, cfg.n_kv_heads, hd)    # (T, n_kv, hd)
+        v = v.reshape(T, cfg.n_kv_heads, hd)                              # (T, n_kv, hd)
         if L.q_norm is not None and not cfg.qk_norm_full:                 # QK-norm, per head
             q = self._head_norm(q, L.q_norm)                              # (T, n_heads, hd)
             k = self._head_norm(k, L.k_norm)                              # (T, n_kv, hd)
@@ -211,6 +211,19 @@ class Model:
                                     window=self.windows[i])[0]
             kc[p], vc[p] = chain_k, chain_v
         return kernel.matmul(L.wo, o, L.bo, nt, ex)                       # (T, d_model)
+
+    def _qkv(self, L: Layer, h: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """q (T, n_heads * hd), k and v (T, n_kv * hd) of h (T, d_model), each C-contiguous:
+        one product where the layer's q, k and v are one matrix (runtime/layer.py)."""
+        nt, ex = self.n_threads, self.exact
+        if L.wqkv is None:
+            return tuple(kernel.matmul(w, h, b, nt, ex)
+                         for w, b in ((L.wq, L.bq), (L.wk, L.bk), (L.wv, L.bv)))
+        cfg = self.config
+        qkv = kernel.matmul(L.wqkv, h, L.bqkv, nt, ex)                  # (T, nq + 2 nkv)
+        nq, nk = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        return tuple(np.ascontiguousarray(qkv[:, a:b])                   # views when T = 1
+                     for a, b in ((0, nq), (nq, nq + nk), (nq + nk, nq + 2 * nk)))
 
     def _head_norm(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         """RMSNorm of each head's vector: x (T, heads, hd) -> (T, heads, hd)."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Iterable, Optional
 
 import numpy as np
@@ -29,62 +29,12 @@ from flashllm.ffi.quant import dequantize_rows
 from flashllm.format.layout import SKETCH
 from flashllm.format.reader import as_tensor
 from flashllm.model.tensor import QTensor
+from flashllm.runtime.layer import Layer, attn_names, fuse_qkv, load_layer, opt_tensor
 from flashllm.units import PAGE
 
-ATTN_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output")
 CHUNK_BYTES = 4 << 20          # rows of the streamed output head read at once (per buffer)
 ROW_GROUP = 64                 # head chunks start at multiples of this many rows: the matmul kernel
                                # sums row tiles (native/ops.c TILE 4) alike only when aligned
-
-
-@dataclass
-class Layer:
-    """One transformer block's attention, norms and biases. Matrices are QTensors (PackedTensors
-    when resident and packed: DenseWeights(pack=True)), vectors f32."""
-    attn_norm: np.ndarray               # (d_model,)
-    attn_norm_b: Optional[np.ndarray]   # (d_model,) LayerNorm models only
-    wq: QTensor                         # (n_heads * hd, d_model)
-    wk: QTensor                         # (n_kv * hd, d_model)
-    wv: QTensor                         # (n_kv * hd, d_model)
-    wo: QTensor                         # (d_model, n_heads * hd)
-    bq: Optional[np.ndarray]            # (n_heads * hd,)
-    bk: Optional[np.ndarray]            # (n_kv * hd,)
-    bv: Optional[np.ndarray]            # (n_kv * hd,)
-    bo: Optional[np.ndarray]            # (d_model,)
-    ffn_norm: np.ndarray                # (d_model,)
-    ffn_norm_b: Optional[np.ndarray]    # (d_model,)
-    down_b: Optional[np.ndarray]        # (d_model,)
-    q_norm: Optional[np.ndarray] = None # (hd,), or (n_heads * hd,) over the whole q (OLMoE)
-    k_norm: Optional[np.ndarray] = None # (hd,), or (n_kv * hd,)
-    post_attn_norm: Optional[np.ndarray] = None  # (d_model,) sandwich-norm models only
-    post_ffn_norm: Optional[np.ndarray] = None   # (d_model,)
-
-
-def _opt(flash, name: str) -> Optional[np.ndarray]:
-    """The tensor `name` if the model has it, else None."""
-    return flash.tensor(name) if flash.has(name) else None
-
-
-def attn_names(i: int) -> list[str]:
-    """The dense tensor names of layer i's attention matrices."""
-    return [f"blk.{i}.{m}.weight" for m in ATTN_MATRICES]
-
-
-def load_layer(flash, i: int, matrices: Optional[list] = None) -> Layer:
-    """Layer i: vectors read now; matrices (wq, wk, wv, wo) given, or read now too."""
-    p = f"blk.{i}."
-    wq, wk, wv, wo = matrices or [flash.tensor(n) for n in attn_names(i)]
-    return Layer(
-        attn_norm=flash.tensor(p + "attn_norm.weight"), attn_norm_b=_opt(flash, p + "attn_norm.bias"),
-        wq=wq, wk=wk, wv=wv, wo=wo,
-        bq=_opt(flash, p + "attn_q.bias"), bk=_opt(flash, p + "attn_k.bias"),
-        bv=_opt(flash, p + "attn_v.bias"), bo=_opt(flash, p + "attn_output.bias"),
-        ffn_norm=flash.tensor(p + "ffn_norm.weight"), ffn_norm_b=_opt(flash, p + "ffn_norm.bias"),
-        down_b=_opt(flash, p + "ffn_down.bias"),
-        q_norm=_opt(flash, p + "attn_q_norm.weight"), k_norm=_opt(flash, p + "attn_k_norm.weight"),
-        post_attn_norm=_opt(flash, p + "post_attention_norm.weight"),
-        post_ffn_norm=_opt(flash, p + "post_ffw_norm.weight"),
-    )
 
 
 def aligned_offsets(sizes: Iterable[int]) -> tuple[list[int], int]:
@@ -109,11 +59,11 @@ class DenseWeights:
         self.reader = reader
         self.tied = not flash.has("output.weight")
         self.head_name = "token_embd.weight" if self.tied else "output.weight"
-        self.pos_embd = _opt(flash, "position_embd.weight")              # QTensor (n_pos, d_model)
-        self.proj_in = _opt(flash, "proj_in.weight")                     # QTensor (d_model, embed_dim)
-        self.proj_out = _opt(flash, "proj_out.weight")                   # QTensor (embed_dim, d_model)
+        self.pos_embd = opt_tensor(flash, "position_embd.weight")              # QTensor (n_pos, d_model)
+        self.proj_in = opt_tensor(flash, "proj_in.weight")                     # QTensor (d_model, embed_dim)
+        self.proj_out = opt_tensor(flash, "proj_out.weight")                   # QTensor (embed_dim, d_model)
         self.out_norm = flash.tensor("output_norm.weight")               # (d_model,)
-        self.out_norm_b = _opt(flash, "output_norm.bias")                # (d_model,)
+        self.out_norm_b = opt_tensor(flash, "output_norm.bias")                # (d_model,)
         self.token_embd = self._resident("token_embd.weight")            # QTensor (vocab, embed_dim)
         self.head = (self.token_embd if self.tied else self._resident("output.weight"))
         if pack and not self.tied and self.head is not None:   # q6_k / q8_0 in place: no 2nd copy
@@ -139,11 +89,10 @@ class DenseWeights:
         pages returned at once, or they would stay resident where no plan counts them)."""
         if not self._layer_resident(i):
             return load_layer(self.flash, i, [None] * 4)
-        L = load_layer(self.flash, i)
+        L = fuse_qkv(load_layer(self.flash, i))
         if not pack:
             return L
-        L = self._with_matrices(L, [kernel.pack(w, in_place=True) or w
-                                    for w in (L.wq, L.wk, L.wv, L.wo)])
+        L = replace(L, **{n: kernel.pack(w, in_place=True) or w for n, w in L.matrices().items()})
         trim_heap()
         return L
 
@@ -196,7 +145,7 @@ class DenseWeights:
     @staticmethod
     def _with_matrices(L: Layer, matrices: list) -> Layer:
         wq, wk, wv, wo = matrices
-        return Layer(**{**L.__dict__, "wq": wq, "wk": wk, "wv": wv, "wo": wo})
+        return replace(L, wq=wq, wk=wk, wv=wv, wo=wo)
 
     def streamed_layers(self) -> list[int]:
         """The layers whose attention matrices stream."""
