@@ -156,3 +156,17 @@ def test_the_probed_floor_is_the_least_budget_a_run_takes(tmp_path):
     ok, below = run(floor), run(floor - MiB)
     assert ok.returncode == 0, ok.stderr
     assert below.returncode == 1 and "least --dram-budget that works" in below.stderr
+
+
+def test_the_uncapped_default_is_a_plain_run():
+    """In RAM the bench's "flashllm (default)" is `run` as a user calls it, without a budget;
+    under a cap it is the budgeted run, and only there does a --dense row stand beside it."""
+    from scripts.bench import bench
+    opts = {o: True for o in ("--stats", "--dram-budget", "--naive", "--dense", "--sparse-head")}
+    free = dict((label, extra) for label, extra, _ in bench.contenders(None, True, opts))
+    assert free["flashllm (default)"] == ["--stats"]
+    assert "--dram-budget" in free["flashllm --naive"]
+    assert not any(label.startswith("flashllm dense") for label in free)
+    capped = dict((label, extra) for label, extra, _ in bench.contenders("560MiB", True, opts))
+    assert capped["flashllm (default)"][:2] == ["--dram-budget", "560MiB"]
+    assert "flashllm dense --dense" in capped

@@ -219,7 +219,8 @@ def contenders(budget: Optional[str], fits: bool, opts: Dict[str, bool],
     def missing(*names: str) -> Optional[str]:
         return next((n for n in names if not opts[n]), None)
 
-    rows = [("flashllm (default)", b + stats, missing("--dram-budget")),
+    # uncapped, the default is `run` as a user in RAM calls it: no budget (the dense path)
+    rows = [("flashllm (default)", (b if budget else []) + stats, missing("--dram-budget")),
             ("flashllm --naive", b + ["--naive"] + stats, missing("--dram-budget", "--naive"))]
     if budget and reads_less:           # issue 15: the default's self-draft and sparse head off
         rows += [("flashllm --draft 0", b + ["--draft", "0"] + stats, missing("--dram-budget")),
@@ -228,7 +229,7 @@ def contenders(budget: Optional[str], fits: bool, opts: Dict[str, bool],
                  ("flashllm --no-sparse-head --draft 0",
                   b + ["--no-sparse-head", "--draft", "0"] + stats,
                   missing("--dram-budget", "--sparse-head"))]
-    if fits:
+    if fits and budget:             # uncapped, the default row is this run already
         dense = ["--dense"] if opts["--dense"] else []
         rows.append(("flashllm dense" + (" --dense" if dense else " (default run)"), dense, None))
     return rows
