@@ -178,10 +178,23 @@ def layernorm(x, w, b, eps: float, out: np.ndarray | None = None) -> np.ndarray:
     return y
 
 
+class RopeFreqs:
+    """RoPE frequencies checked once: inv_freq (n_rot/2,) positive and finite, as float64 for
+    the kernel (a forward pass ropes q and k of every layer with the same few tables)."""
+
+    def __init__(self, inv_freq):
+        f = np.array(inv_freq, dtype=np.float64).reshape(-1)             # (n_rot/2,) a copy
+        if not f.size or not (np.isfinite(f).all() and (f > 0).all()):
+            raise KernelError(f"rope: inv_freq must hold positive finite values, got {f.size}")
+        f.flags.writeable = False
+        self.freqs = f
+        self.ptr = ffi.from_buffer("double[]", f)
+
+
 def rope(x: np.ndarray, pos, inv_freq) -> np.ndarray:
     """Rotate-half RoPE in place on x (T, n_heads, head_dim) at positions pos (T), pair j turning
-    by pos * inv_freq[j] (inv_freq (n_rot/2,), n_rot <= head_dim; model/rope.py makes it);
-    returns x."""
+    by pos * inv_freq[j] (inv_freq (n_rot/2,), n_rot <= head_dim; model/rope.py makes it; a
+    RopeFreqs is not checked again); returns x."""
     k = _native()
     if not isinstance(x, np.ndarray) or x.ndim != 3:
         raise KernelError("rope: x must be a (T, n_heads, head_dim) float32 array")
@@ -190,12 +203,12 @@ def rope(x: np.ndarray, pos, inv_freq) -> np.ndarray:
     p = np.ascontiguousarray(pos, dtype=np.int32).reshape(-1)  # (T,)
     if p.shape != (t,):
         raise KernelError(f"rope: pos must have {t} positions, got {p.size}")
-    f = np.ascontiguousarray(inv_freq, dtype=np.float64).reshape(-1)  # (n_rot/2,)
-    if not 0 < 2 * f.size <= head_dim or not (np.isfinite(f).all() and (f > 0).all()):
+    f = inv_freq if isinstance(inv_freq, RopeFreqs) else RopeFreqs(inv_freq)
+    if 2 * f.freqs.size > head_dim:
         raise KernelError(f"rope: inv_freq must hold 1..{head_dim // 2} positive finite values, "
-                          f"got {f.size}")
-    _check(k.fl_rope(_fptr(x), t, n_heads, head_dim, 2 * f.size, ffi.from_buffer("int32_t[]", p),
-                     ffi.from_buffer("double[]", f)), "rope")
+                          f"got {f.freqs.size}")
+    _check(k.fl_rope(_fptr(x), t, n_heads, head_dim, 2 * f.freqs.size,
+                     ffi.from_buffer("int32_t[]", p), f.ptr), "rope")
     return x
 
 

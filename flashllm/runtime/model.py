@@ -67,6 +67,7 @@ class Model:
         self.windows = [cfg.sliding_window if i in sliding else 0 for i in range(cfg.n_layers)]
         glob = inv_freq(cfg.rope_theta, cfg.head_dim, cfg.rope_freq_factors)  # (hd/2,)
         local = inv_freq(cfg.rope_local_theta, cfg.head_dim) if cfg.rope_local_theta else glob
+        glob, local = kernel.RopeFreqs(glob), kernel.RopeFreqs(local)     # checked once
         self.rope_inv = [local if i in sliding else glob for i in range(cfg.n_layers)]  # (hd/2,) each
         self.attn_scale = cfg.attn_scale or cfg.head_dim ** -0.5
 
