@@ -212,3 +212,13 @@ def test_stats_after_reset_and_the_limit_note(tiny):
     assert chat.turns[0].stop == "limit"
     assert "[answer cut at the -n limit of 2 tokens: raise -n for longer answers]" in notes
     assert chat.ask("you", lambda s: None).n_reused == after     # and are reused
+
+
+def test_without_n_an_answer_runs_to_a_quarter_of_the_context(tiny):
+    """`run -i` without -n passes n_predict 0: answers up to n_ctx // 4 tokens (they were cut
+    after the first token)."""
+    chat = _session(tiny, n_ctx=64, n_predict=0)
+    stats = chat.ask("how are you", lambda s: None)
+    want = _recomputed_answer(tiny[0], tiny[1], chat.messages[:-1], 16)
+    assert len(want) > 1 and stats.n_gen == len(want)
+    assert stats.stop == ("limit" if len(want) == 16 else "eos")

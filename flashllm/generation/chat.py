@@ -46,7 +46,8 @@ class ChatSession:
     sampler: object                      # sampler.Sampler
     template: ChatTemplate
     system: Optional[str] = None
-    n_predict: int = -1                  # answer length cap; < 0: until a stop token
+    n_predict: int = -1                  # answer length cap; 0: a quarter of the context;
+                                         # < 0: until a stop token
     messages: list = field(default_factory=list)
     cached: list = field(default_factory=list)   # token ids with valid KV at positions 0..n-1
     draft: object = None                 # speculate.NgramDraft, or None: one token per pass
@@ -62,6 +63,14 @@ class ChatSession:
         if self.cached:
             kept = self._render_ids(self.messages) if self.messages else []
             self.cached = self.cached[:max(0, min(_common_prefix(self.cached, kept), len(kept) - 1))]
+
+    @property
+    def limit(self) -> Optional[int]:
+        """The most tokens an answer may have (-n; 0: a quarter of the context), or None: until
+        a stop token or the end of the context."""
+        if self.n_predict < 0:
+            return None
+        return self.n_predict or max(1, self.model.n_ctx // 4)
 
     @property
     def reserve(self) -> int:
@@ -115,7 +124,7 @@ class ChatSession:
         keep = min(_common_prefix(self.cached, ids), len(ids) - 1)
         self.cached = self.cached[:keep]
         stats.n_reused, stats.n_prefill = keep, len(ids) - keep
-        detok, n_ctx = self.tokenizer.detokenizer(), self.model.n_ctx
+        detok, n_ctx, limit = self.tokenizer.detokenizer(), self.model.n_ctx, self.limit
         stops, answer = set(self.tokenizer.eos_ids), []
         t0 = time.perf_counter()
         logits = prefill(self.model, ids[keep:], keep)                       # (vocab,)
@@ -132,7 +141,7 @@ class ChatSession:
                 context.append(token)
                 stats.n_gen += 1
                 on_text(detok.push(token))
-                if 0 <= self.n_predict <= stats.n_gen:
+                if limit is not None and stats.n_gen >= limit:
                     stats.stop = "limit"
                     break
             if stats.stop:
@@ -143,7 +152,7 @@ class ChatSession:
             elif pos >= n_ctx:
                 stats.stop = "context"
             else:
-                left = self.n_predict - stats.n_gen if self.n_predict >= 0 else n_ctx
+                left = n_ctx if limit is None else limit - stats.n_gen
                 new, n_guesses, seconds, _, _ = decode_pass(self.model, self.sampler, self.draft,
                                                       context, pos, min(left - 1, n_ctx - pos - 1))
                 stats.decode_s += seconds
