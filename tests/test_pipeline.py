@@ -126,6 +126,23 @@ def test_real_smollm2_pipeline_word_count():
     assert statuses(head) == [0, 0, 0] and len(head.stdout) == 1 and "Traceback" not in head.stderr
 
 
+@pytest.mark.realmodel
+def test_run_takes_a_gguf_file_as_llamacpp_users_pass_it(tmp_path):
+    """`flashllm run FILE.gguf`: converted once into the user cache (FLASHLLM_CACHE), then the
+    same tokens as the models.toml name's conversion of the same file."""
+    from conftest import gguf_path
+    gguf = tmp_path / "SmolLM2.gguf"
+    os.symlink(gguf_path("smollm2-135m"), gguf)
+    cache = shlex.quote(str(tmp_path / "cache"))
+    run = f"{FLASHLLM} run {{}} -p 'The capital of France is' -n 8 --temp 0 --no-timings"
+    first = sh(f"FLASHLLM_CACHE={cache} " + run.format(shlex.quote(str(gguf))), timeout=600)
+    again = sh(f"FLASHLLM_CACHE={cache} " + run.format(shlex.quote(str(gguf))), timeout=600)
+    named = sh(run.format("smollm2-135m"), timeout=600)
+    assert statuses(first) == statuses(again) == statuses(named) == [0]
+    assert "SmolLM2.gguf: converting to" in first.stderr and "converting" not in again.stderr
+    assert first.stdout == again.stdout == named.stdout and first.stdout.strip()
+
+
 @pytest.mark.parametrize("feed", ["printf 'hello caf\\xe9\\n' | {f} run {m} -n 3 --temp 0",
                                   "printf 'hello caf\\xe9\\n' | {f} run {m} -p - -n 3 --temp 0",
                                   "{f} run {m} -n 3 --temp 0 -p \"$(printf 'hello caf\\xe9')\"",

@@ -240,12 +240,31 @@ def test_resolve_converted_folder(tmp_path):
     assert resolve_model(str(tmp_path), tmp_path / "cache", MODELS_TOML, quiet) == tmp_path
 
 
-def test_resolve_gguf_file_asks_for_convert(tmp_path):
+def test_resolve_gguf_file_converts_once_into_the_cache(tmp_path):
+    """`run FILE.gguf` as llama.cpp users type it: converted once into the user cache, found
+    there the next time, converted again into another folder once the file changes."""
+    import numpy as np
+    from test_convert_native import write_mixed_gguf
+    f, cache, said = tmp_path / "my.gguf", tmp_path / "cache", []
+    write_mixed_gguf(f, np.random.default_rng(0))
+    out = resolve_model(str(f), cache, MODELS_TOML, said.append)
+    assert out.parent == cache / "converted" and out.name.startswith("my-")
+    assert out.name.endswith("-native") and (out / "manifest.json").is_file()
+    assert len(said) > 0 and said[0].startswith(f"my.gguf: converting to {out} (native, once")
+    said.clear()
+    assert resolve_model(str(f), cache, MODELS_TOML, said.append) == out and said == []
+    os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 10**9))     # the file changed
+    again = resolve_model(str(f), cache, MODELS_TOML, quiet)
+    assert again != out and (again / "manifest.json").is_file()
+
+
+def test_resolve_a_file_that_is_not_gguf(tmp_path):
     f = tmp_path / "m.gguf"
-    f.write_bytes(b"GGUF")
-    with pytest.raises(RegistryError, match=r"is a GGUF file, not a converted model: run "
-                                            r"`flashllm convert .*m.gguf -o OUT` first"):
+    f.write_bytes(b"garbage")
+    with pytest.raises(RegistryError, match=r"m.gguf is not a GGUF file \(it starts b'garb', a "
+                                            r"GGUF file b'GGUF'\) nor a converted model folder"):
         resolve_model(str(f), tmp_path / "cache", MODELS_TOML, quiet)
+    assert not (tmp_path / "cache").exists()                  # nothing left behind
 
 
 def test_resolve_hf_folder_asks_for_convert(tmp_path):

@@ -60,6 +60,10 @@ def choice(name: str, values) -> type[enum.Enum]:
     return enum.Enum(name, {v: v for v in values}, type=str)
 
 
+MODEL_HELP = ("Converted model folder, a GGUF file (converted once into the user cache), or a "
+              "models.toml name.")
+
+
 def cache_dir() -> Path:
     """The user cache folder (models fetched and converted by name)."""
     return Path(os.environ.get("FLASHLLM_CACHE") or user_cache_dir("flashllm"))
@@ -123,8 +127,9 @@ def fail(message: str) -> None:
 
 
 def model_path(model: str, apart: bool = False) -> Path:
-    """MODEL as given on the command line: a converted folder, or a models.toml name (converted
-    once; in a child process with `apart`, so the conversion's memory stays out of this one)."""
+    """MODEL as given on the command line: a converted folder, a GGUF file or a models.toml name
+    (both converted once; in a child process with `apart`, so the conversion's memory stays out
+    of this one)."""
     from flashllm.convert.resolve import resolve_model
     return resolve_model(model, cache_dir(), registry_path(), log=lambda m: err.print(m, markup=False),
                          apart=apart)

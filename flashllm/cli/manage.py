@@ -6,8 +6,8 @@ from typing import List, Optional
 
 import typer
 
-from flashllm.cli.app import (cache_dir, choice, command, err, fail, model_path, registry_path,
-                              stdout_console)
+from flashllm.cli.app import (MODEL_HELP, cache_dir, choice, command, err, fail, model_path,
+                              registry_path, stdout_console)
 from flashllm.format.layout import NATIVE
 from flashllm.model.tensor import QUANTIZABLE
 
@@ -57,7 +57,7 @@ def models(as_json: bool = typer.Option(False, "--json", help="Print the list as
 
 @command
 def inspect(
-    model: str = typer.Argument(..., help="Converted model folder, or a models.toml name."),
+    model: str = typer.Argument(..., help=MODEL_HELP),
     verify: bool = typer.Option(False, "--verify", help="Also check every checksum."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
     tensors: bool = typer.Option(False, "--tensors", help="Also list every tensor: its dtype and "

@@ -10,7 +10,7 @@ import typer
 from flashllm.sparsity.activations import CRITERIA
 from flashllm.sparsity.corpus import KINDS as CORPORA
 from flashllm.sparsity.predictor import KINDS as PREDICTOR_KINDS
-from flashllm.cli.app import (DEFAULT_THREADS, MAX_THREADS, choice, command, err, fail,
+from flashllm.cli.app import (MODEL_HELP, DEFAULT_THREADS, MAX_THREADS, choice, command, err, fail,
                               model_path)
 from flashllm.cli.calibration import CALIBRATION_TOKENS
 
@@ -36,7 +36,7 @@ def _chunk_line(t0: float):
 
 @command
 def perplexity(
-    model: str = typer.Argument(..., help="Converted model folder, or a models.toml name."),
+    model: str = typer.Argument(..., help=MODEL_HELP),
     file: Optional[Path] = typer.Argument(None, help="Text file (default: the held-out evaluation "
                                           "text from the Python standard library)."),
     file_opt: Optional[Path] = typer.Option(None, "-f", "--file", help="The text file, as llama.cpp "
@@ -91,7 +91,7 @@ def perplexity(
 
 @command
 def calibrate(
-    model: str = typer.Argument(..., help="Converted model folder, or a models.toml name."),
+    model: str = typer.Argument(..., help=MODEL_HELP),
     text: Optional[Path] = typer.Option(None, "-f", "--text", "--file", help="Calibration text file (default: "
                                         "Python standard-library sources)."),
     sparsity: float = typer.Option(0.5, "--sparsity", help="Target fraction of inactive FFN neurons."),

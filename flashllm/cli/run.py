@@ -13,8 +13,8 @@ from typing import Optional
 import typer
 
 from flashllm.runtime.assemble import AUTO_DRAFT, AUTO_ROWS, DRAFT_KINDS, PREDICTOR_MODES
-from flashllm.cli.app import (DEFAULT_THREADS, MAX_THREADS, cache_dir, choice, command, err, fail,
-                              model_path)
+from flashllm.cli.app import (MODEL_HELP, DEFAULT_THREADS, MAX_THREADS, cache_dir, choice,
+                              command, err, fail, model_path)
 from flashllm.cli.prompt_io import read_line, read_prompt, read_tty
 
 PredictorMode = choice("PredictorMode", PREDICTOR_MODES)
@@ -23,7 +23,7 @@ DraftKind = choice("DraftKind", DRAFT_KINDS)
 
 @command
 def run(
-    model: str = typer.Argument(..., help="Converted model folder, or a models.toml name."),
+    model: str = typer.Argument(..., help=MODEL_HELP),
     prompt: Optional[str] = typer.Option(None, "-p", "--prompt", help="Prompt text; '-' reads stdin."),
     file: Optional[Path] = typer.Option(None, "-f", "--file", help="Read the prompt from a file (- : stdin)."),
     n_predict: Optional[int] = typer.Option(None, "-n", "--n-predict", min=1, help="Tokens to "
@@ -106,7 +106,7 @@ def run(
         n_predict = 0 if interactive else 128
     text = None if interactive else read_prompt(prompt, file)
     path = model_path(model, apart=dram_budget is not None)
-    calibrate = not (Path(model).is_dir() or naive or dense)   # a models.toml name's own
+    calibrate = not (Path(model).is_dir() or naive or dense)   # ours: a name's, a .gguf's
     params = SamplerParams(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p,
                            repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
                            seed=None if seed == -1 else seed)

@@ -1,9 +1,11 @@
 """What the user typed after `run` (or `inspect`, `calibrate` ...) as a converted flashllm folder:
-a folder given directly, or a models.toml name, pulled and converted once into the user cache."""
+a folder given directly, a GGUF file (converted once into the user cache, as llama.cpp users
+pass their file), or a models.toml name, pulled and converted once into the user cache."""
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import shutil
 import sys
@@ -11,18 +13,25 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from flashllm.convert.registry import Log, load_registry, pull
+from flashllm.convert.sources.base import GGUF_MAGIC
 from flashllm.errors import FlashError, RegistryError
 
 
 def resolve_model(model: str, cache_dir: Path, registry_path: Path, log: Log,
                   dtype: Optional[str] = None, apart: bool = False) -> Path:
-    """A converted flashllm folder for MODEL: a folder given directly, or a models.toml name
-    (fetched and converted once into cache_dir/converted/NAME-DTYPE). With `apart`, a
-    conversion runs in a child process, so its memory never counts in this one's (a run under
-    --dram-budget measures its own size to plan)."""
+    """A converted flashllm folder for MODEL: a folder given directly, a GGUF file (converted
+    once into cache_dir/converted/STEM-KEY-DTYPE, KEY naming the file's path, size and time),
+    or a models.toml name (fetched and converted once into cache_dir/converted/NAME-DTYPE).
+    With `apart`, a conversion runs in a child process, so its memory never counts in this
+    one's (a run under --dram-budget measures its own size to plan)."""
     path = Path(model)
     if path.is_dir() and (path / "manifest.json").is_file():
         return path
+    if path.is_file() and _head(path) == GGUF_MAGIC:      # by content, as convert decides
+        out = gguf_conversion(path, cache_dir, dtype or "native")
+        if not _current(out):
+            _convert_once(path.name, path, out, dtype or "native", log, apart)
+        return out
     if path.exists():
         raise RegistryError(_not_converted(path))
     registry = load_registry(registry_path)
@@ -35,32 +44,39 @@ def resolve_model(model: str, cache_dir: Path, registry_path: Path, log: Log,
     dtype = dtype or entry.default_dtype
     out = Path(cache_dir) / "converted" / f"{entry.name}-{dtype}"
     if not _current(out):
-        _convert_once(entry, cache_dir, out, dtype, log, apart)
+        _convert_once(entry.name, pull(entry, cache_dir, log), out, dtype, log, apart)
     return out
+
+
+def gguf_conversion(gguf: Path, cache_dir: Path, dtype: str) -> Path:
+    """Where `run FILE.gguf` keeps its conversion of that file: a new folder when the file is
+    another (other path, size or modification time), so an edited file is never run stale."""
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()
+    return Path(cache_dir) / "converted" / f"{gguf.stem}-{key[:10]}-{dtype}"
 
 
 def _current(out: Path) -> bool:
     return (out / "manifest.json").is_file() and conversion_outdated(out) is None
 
 
-def _convert_once(entry, cache_dir: Path, out: Path, dtype: str, log: Log, apart: bool) -> None:
-    """Fetch and convert entry into out, unless another process did while this one waited."""
-    gguf = pull(entry, cache_dir, log)
+def _convert_once(name: str, gguf: Path, out: Path, dtype: str, log: Log, apart: bool) -> None:
+    """Convert the GGUF file of `name` into out, unless another process did while this one
+    waited."""
     with locked(out.parent / f".{out.name}.lock"):      # one conversion at a time: a second
         if (out / "manifest.json").is_file():            # run waits, then uses the first's
             why = conversion_outdated(out)
             if why is None:
                 return
-            log(f"{entry.name}: {out} was converted by an older flashllm ({why}): converting again")
+            log(f"{name}: {out} was converted by an older flashllm ({why}): converting again")
         if out.exists():                 # our own leftover or older conversion, not the user's
             shutil.rmtree(out) if out.is_dir() else out.unlink()
-        log(f"{entry.name}: converting to {out} ({dtype}, once"
+        log(f"{name}: converting to {out} ({dtype}, once"
             + (", in a child process outside the DRAM budget)" if apart else ")"))
         if apart:
-            in_child(_convert_work, (str(gguf), str(out), dtype, entry.name),
-                   f"converting {entry.name}")
+            in_child(_convert_work, (str(gguf), str(out), dtype, name), f"converting {name}")
         else:
-            _convert_work(str(gguf), str(out), dtype, entry.name, log)
+            _convert_work(str(gguf), str(out), dtype, name, log)
 
 
 def conversion_outdated(out: Path) -> str | None:
@@ -142,12 +158,18 @@ def _tenths(name: str, log: Log) -> Callable[[int, int], None]:
     return progress
 
 
+def _head(path: Path) -> bytes:
+    """The first 4 bytes of a file (fewer when it is shorter)."""
+    with open(path, "rb") as f:
+        return f.read(4)
+
+
 def _not_converted(path: Path) -> str:
-    if path.is_file() and path.suffix.lower() == ".gguf":
-        what = "a GGUF file"
-    elif path.is_dir() and (path / "config.json").is_file():
-        what = "a Hugging Face checkpoint folder"
-    else:
-        return (f"{path} is not a converted flashllm model (no manifest.json); "
-                f"convert a GGUF file or Hugging Face folder with `flashllm convert SRC -o OUT`")
-    return f"{path} is {what}, not a converted model: run `flashllm convert {path} -o OUT` first"
+    if path.is_dir() and (path / "config.json").is_file():
+        return (f"{path} is a Hugging Face checkpoint folder, not a converted model: run "
+                f"`flashllm convert {path} -o OUT` first")
+    if path.is_file():
+        return (f"{path} is not a GGUF file (it starts {_head(path)!r}, a GGUF file "
+                f"{GGUF_MAGIC!r}) nor a converted model folder")
+    return (f"{path} is not a converted flashllm model (no manifest.json); "
+            f"convert a GGUF file or Hugging Face folder with `flashllm convert SRC -o OUT`")
