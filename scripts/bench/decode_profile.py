@@ -6,9 +6,9 @@ MODEL: a converted folder (or a models.toml name already converted in the user c
 Loads the model as `flashllm run MODEL` does without a budget (every weight resident, f16 KV
 cache), prefills a prompt, then decodes --tokens tokens greedily while every call into the
 compute kernel (flashllm/ffi/kernel.py) is timed and charged to an op: the attention's q / k / v
-/ o matmuls, attention itself, the FFN (its gate+up and down matmuls and activation when it
-multiplies rows, else its bundles), the output head, norms, RoPE, embeddings. What the
-decode loop spends outside those calls is "python" (numpy adds, KV cache writes, the loop,
+(or fused qkv: runtime/layer.py) / o matmuls, attention itself, the FFN (its gate+up and down
+matmuls and activation when it multiplies rows, else its bundles), the output head, norms,
+RoPE, embeddings. What the decode loop spends outside those calls is "python" (numpy adds, KV cache writes, the loop,
 sampling's argmax). Prints ms per token per op and tok/s, and the process's CPU time per token
 (with one thread, what a token costs whatever else runs: a loaded machine stretches the wall
 time, not this); --json one JSON object.
@@ -52,8 +52,9 @@ class Timers:
             return "ffn down" if rows == cfg.d_model else "ffn gate+up"
         if rows == cfg.vocab_size:
             return "head"
-        return {cfg.n_heads * cfg.head_dim: "attn_q/o", cfg.n_kv_heads * cfg.head_dim: "attn_k/v",
-                cfg.d_model: "attn_q/o"}.get(rows, "matmul_other")
+        nq, nk = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        return {nq: "attn_q/o", nk: "attn_k/v", cfg.d_model: "attn_q/o",
+                nq + 2 * nk: "attn_qkv (fused)"}.get(rows, "matmul_other")
 
     def wrap(self, name: str, fn):
         def timed(*args, **kw):
