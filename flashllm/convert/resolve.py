@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from flashllm.convert.registry import Log, load_registry, pull
-from flashllm.convert.sources.base import GGUF_MAGIC
 from flashllm.errors import FlashError, RegistryError
 
 
@@ -27,7 +26,7 @@ def resolve_model(model: str, cache_dir: Path, registry_path: Path, log: Log,
     path = Path(model)
     if path.is_dir() and (path / "manifest.json").is_file():
         return path
-    if path.is_file() and _head(path) == GGUF_MAGIC:      # by content, as convert decides
+    if path.is_file() and _is_gguf(path):                # by content, as convert decides
         out = gguf_conversion(path, cache_dir, dtype or "native")
         if not _current(out):
             _convert_once(path.name, path, out, dtype or "native", log, apart)
@@ -164,12 +163,17 @@ def _head(path: Path) -> bytes:
         return f.read(4)
 
 
+def _is_gguf(path: Path) -> bool:
+    from flashllm.convert.sources.base import GGUF_MAGIC   # not imported to run a converted folder
+    return _head(path) == GGUF_MAGIC
+
+
 def _not_converted(path: Path) -> str:
     if path.is_dir() and (path / "config.json").is_file():
         return (f"{path} is a Hugging Face checkpoint folder, not a converted model: run "
                 f"`flashllm convert {path} -o OUT` first")
     if path.is_file():
-        return (f"{path} is not a GGUF file (it starts {_head(path)!r}, a GGUF file "
-                f"{GGUF_MAGIC!r}) nor a converted model folder")
+        return (f"{path} is not a GGUF file (it starts {_head(path)!r}, a GGUF file b'GGUF') "
+                f"nor a converted model folder")
     return (f"{path} is not a converted flashllm model (no manifest.json); "
             f"convert a GGUF file or Hugging Face folder with `flashllm convert SRC -o OUT`")
