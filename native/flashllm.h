@@ -147,6 +147,56 @@ int32_t fl_attention(const float *q, const void *k_cache, const void *v_cache, i
                      float *out, int64_t T, int64_t pos0, int64_t n_heads, int64_t n_kv_heads,
                      int64_t head_dim, float scale, int64_t window, int32_t n_threads);
 
+/* ---- one decode token through a block (block.c) ------------------------------------------ */
+
+/* A matrix as fl_matmul (packed == 0: rows of dtype) or fl_matmul_packed (packed != 0: fl_pack's
+ * layout) takes it, int8 activations, with its bias. */
+typedef struct {
+    const void *w;       /* (rows, cols) */
+    int32_t dtype;       /* FL_* */
+    int32_t packed;
+    int64_t rows, cols;
+    const float *bias;   /* (rows) or NULL */
+} fl_mat;
+
+/* A transformer block's attention for one token: RMSNorm, q / k / v as one matrix, optional
+ * per-head RMSNorm of q and k, rotate-half RoPE, the layer's KV cache, output projection,
+ * optional RMSNorm of the output (sandwich-norm models). */
+typedef struct {
+    const float *norm;               /* (d) */
+    fl_mat qkv;                      /* (n_heads * head_dim + 2 * n_kv * head_dim, d) */
+    fl_mat o;                        /* (d, n_heads * head_dim) */
+    const float *q_norm, *k_norm;    /* (head_dim) per-head RMSNorm weights, or NULL */
+    const float *post_norm;          /* (d) or NULL */
+    const double *inv_freq;          /* (n_rot / 2) as fl_rope takes it, or NULL: no RoPE */
+    int64_t n_rot;
+    void *k_cache, *v_cache;         /* the layer's (n_ctx, n_kv, head_dim) of kv_dtype */
+    int32_t kv_dtype;                /* FL_F32 or FL_F16 (rounded to nearest even) */
+    int64_t n_ctx, n_heads, n_kv, head_dim, window;
+    float eps, scale;
+} fl_attn_block;
+
+/* A dense FFN whose matrices are rows (the source's own down rows), for one token. */
+typedef struct {
+    const float *norm;               /* (d) */
+    fl_mat gate_up;                  /* (2 n_ff, d): gate rows then up rows (glu), else (n_ff, d) */
+    fl_mat down;                     /* (d, n_ff) */
+    const float *up_bias;            /* (n_ff) or NULL */
+    const float *post_norm;          /* (d) or NULL */
+    const float *down_bias;          /* (d) or NULL: added last */
+    int64_t n_ff;
+    int32_t glu, act;                /* act: FL_ACT_* */
+    float eps;
+} fl_ffn_block;
+
+/* x (d) += the block's attention of one token at position pos (the caches holding positions
+ * 0 .. pos-1; its key and value enter them at pos), and x (d) += the block's FFN of it: each
+ * step through the function of this API that runtime/model.py calls for it, in the same order,
+ * so the bits of that sequence (a decode token then needs one call a sub-block, not twelve). */
+int32_t fl_attn_token(const fl_attn_block *b, float *x, int64_t d, int64_t pos,
+                      int32_t n_threads);
+int32_t fl_ffn_token(const fl_ffn_block *b, float *x, int64_t d, int32_t n_threads);
+
 /* ---- bundled FFN (ffn.c) ----------------------------------------------------------------- */
 
 /* One FFN neuron is one bundle of `stride` bytes: [gate row | up row | down column], gate and up

@@ -14,6 +14,10 @@ is a strategy object (flashllm/runtime/ffn.py): `ffn(layer, h, x)` adds the FFN 
 DenseFfn, reads every layer's bundles into DRAM; the sparse flash FFN streams them. The other
 weights come from a DenseWeights (flashllm/runtime/weights.py): resident, or streamed from dense.bin
 where the DRAM budget cannot hold them.
+
+A one-token pass runs a layer's attention and its dense FFN as one C call each where they
+qualify (_token_blocks: ffi/block.py, native/block.c): the same kernel calls in the same order
+as _attention_block and _ffn_block, so the same bits, without Python between them.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from flashllm.ffi import kernel
+from flashllm.ffi.block import AttnToken, FfnToken
 from flashllm.model.rope import inv_freq
 from flashllm.runtime.layer import Layer
 from flashllm.runtime.weights import DenseWeights
@@ -70,12 +75,14 @@ class Model:
         glob, local = kernel.RopeFreqs(glob), kernel.RopeFreqs(local)     # checked once
         self.rope_inv = [local if i in sliding else glob for i in range(cfg.n_layers)]  # (hd/2,) each
         self.attn_scale = cfg.attn_scale or cfg.head_dim ** -0.5
+        self._blocks = None           # _token_blocks: built on the first one-token pass
 
     def sibling(self, ffn, weights) -> "Model":
         """A model over the same config and KV cache with another FFN and dense weights (the
         resident sub-network, runtime/resident.py): what either writes, the other reads."""
         other = copy.copy(self)
         other.ffn, other.w, other.head = ffn, weights, None
+        other._blocks = None          # its own, from its FFN and weights
         return other
 
     def reset(self) -> None:
@@ -109,22 +116,18 @@ class Model:
         self._sibling_kv(tokens[n:])
         self.ffn.start_pass(T, prefill=last_only, pos0=pos0)
         x = self._embed(tokens, pos)                                     # (T, d_model)
+        blocks = self._token_blocks() if T == 1 else None
         for i in range(self.config.n_layers):
             layer = self.w.layer(i)
-            h = self._norm(x, layer.attn_norm, layer.attn_norm_b)        # (T, d_model)
-            a = self._attention(i, layer, h, pos, n)                     # (T, d_model)
-            if layer.post_attn_norm is not None:                         # sandwich norm
-                a = self._norm(a, layer.post_attn_norm, None)            # (T, d_model)
-            x += a
-            h = self._norm(x, layer.ffn_norm, layer.ffn_norm_b)          # (T, d_model)
-            if layer.post_ffn_norm is None:
-                self.ffn(i, h, x)                                        # x (T, d_model) += ffn(h)
+            attn, ffn = blocks[i] if blocks else (None, None)
+            if attn is not None:
+                attn(x, pos0, self.n_threads)                            # x (1, d_model) += attn
             else:
-                f = np.zeros_like(x)                                     # (T, d_model)
-                self.ffn(i, h, f)
-                x += self._norm(f, layer.post_ffn_norm, None)            # (T, d_model)
-            if layer.down_b is not None:
-                x += layer.down_b
+                self._attention_block(i, layer, x, pos, n)               # x (T, d_model) += attn
+            if ffn is not None:
+                ffn(x, self.n_threads)                                   # x (1, d_model) += ffn
+            else:
+                self._ffn_block(i, layer, x)                             # x (T, d_model) += ffn
         if last_only:
             x = np.ascontiguousarray(x[-1:])                             # (1, d_model)
         x = self._norm(x, self.w.out_norm, self.w.out_norm_b)            # (T, d_model)
@@ -136,6 +139,49 @@ class Model:
             return logits
         capped = np.tanh(logits / np.float32(cap)) * np.float32(cap)     # (T, vocab)
         return capped if self.head is None else np.where(np.isneginf(logits), logits, capped)
+
+    def _attention_block(self, i: int, layer: Layer, x: np.ndarray, pos: np.ndarray,
+                         n: int) -> None:
+        """x (T, d_model) += layer i's attention of x (forward's pos and n)."""
+        h = self._norm(x, layer.attn_norm, layer.attn_norm_b)            # (T, d_model)
+        a = self._attention(i, layer, h, pos, n)                         # (T, d_model)
+        if layer.post_attn_norm is not None:                             # sandwich norm
+            a = self._norm(a, layer.post_attn_norm, None)                # (T, d_model)
+        x += a
+
+    def _ffn_block(self, i: int, layer: Layer, x: np.ndarray) -> None:
+        """x (T, d_model) += layer i's FFN of x, through the FFN strategy."""
+        h = self._norm(x, layer.ffn_norm, layer.ffn_norm_b)              # (T, d_model)
+        if layer.post_ffn_norm is None:
+            self.ffn(i, h, x)                                            # x (T, d_model) += ffn(h)
+        else:
+            f = np.zeros_like(x)                                         # (T, d_model)
+            self.ffn(i, h, f)
+            x += self._norm(f, layer.post_ffn_norm, None)                # (T, d_model)
+        if layer.down_b is not None:
+            x += layer.down_b
+
+    def _token_blocks(self) -> list:
+        """Per layer (AttnToken or None, FfnToken or None): the sub-blocks a one-token pass runs
+        in one C call each (ffi/block.py, the same bits as _attention_block / _ffn_block) —
+        an RMSNorm, RoPE model's resident attention with q / k / v fused (runtime/layer.py),
+        a DenseFfn of matrix rows; int8 activations (not exact). Built on first use."""
+        if self._blocks is None:
+            self._blocks = [self._blocks_of(i) for i in range(self.config.n_layers)]
+        return self._blocks
+
+    def _blocks_of(self, i: int) -> tuple:
+        cfg, L, f = self.config, self.w.resident_layer(i), self.ffn   # never a streamed layer
+        if self.exact or cfg.norm != "rms" or L is None:
+            return None, None
+        attn = None if L.wqkv is None or cfg.qk_norm_full or cfg.pos != "rope" else AttnToken(
+            L.attn_norm, L.wqkv, L.bqkv, L.wo, L.bo, self.k_cache[i], self.v_cache[i],
+            cfg.n_heads, cfg.head_dim, cfg.norm_eps, self.attn_scale, self.rope_inv[i],
+            self.windows[i], L.q_norm, L.k_norm, L.post_attn_norm)
+        ffn = None if not isinstance(f, DenseFfn) or not f.rows else FfnToken(
+            L.ffn_norm, f.gate_up[i], f.down[i], f.act, f.glu, cfg.norm_eps, f.up_b[i],
+            L.post_ffn_norm, L.down_b)
+        return attn, ffn
 
     def keep_sibling(self, s: int, pos: int) -> None:
         """Sibling s of the last pass becomes the context's token at pos (its position there):

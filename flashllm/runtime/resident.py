@@ -210,6 +210,9 @@ class ResidentWeights:
     def layer(self, i: int):
         return self.weights.layers[i]
 
+    def resident_layer(self, i: int):
+        return self.weights.layers[i]
+
     def output(self, x: np.ndarray, exact: bool = False) -> np.ndarray:
         """(T, vocab) logits of x (T, embed_dim): the resident head's, or the held rows'."""
         w = self.weights

@@ -142,6 +142,11 @@ class DenseWeights:
         self._pending = (nxt, 1 - k, self._pool.submit(self._read_layer, nxt, 1 - k))
         return self._with_matrices(L, self._views(i, self._layer_bufs[k]))
 
+    def resident_layer(self, i: int) -> Optional[Layer]:
+        """Layer i when its matrices stay in DRAM (the same object every call), else None;
+        nothing is read."""
+        return self.layers[i] if self._layer_resident(i) else None
+
     @staticmethod
     def _with_matrices(L: Layer, matrices: list) -> Layer:
         wq, wk, wv, wo = matrices
