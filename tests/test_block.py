@@ -34,7 +34,7 @@ def decode(net: Model, prompt, steps: int) -> list[np.ndarray]:
 def both_ways(flash, kv: str, steps: int = 10, prompt=PROMPT[:8]):
     """(blocks used by the C path, its logits, the kernel-call sequence's logits)."""
     fast, slow = (Model(flash, n_threads=2, n_ctx=64, kv_dtype=kv) for _ in range(2))
-    slow._blocks = [(None, None)] * flash.config.n_layers            # model.py's own sequence
+    slow.token_blocks = False                                        # model.py's own sequence
     got = decode(fast, prompt, steps)
     return fast._blocks, got, decode(slow, prompt, steps)
 

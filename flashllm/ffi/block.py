@@ -79,7 +79,8 @@ class AttnToken(_Struct):
         self.mat(b.o, o, bo, "o")
         b.q_norm, b.k_norm = self.vec(q_norm, head_dim, "q_norm"), self.vec(k_norm, head_dim, "k_norm")
         b.post_norm = self.vec(post_norm, d, "post_norm")
-        b.inv_freq = ffi.NULL if rope is None else self.ptr(rope.freqs, "double[]")
+        self._alive.append(rope)
+        b.inv_freq = ffi.NULL if rope is None else rope.ptr
         b.n_rot = 0 if rope is None else 2 * rope.freqs.size
         b.k_cache, b.v_cache = self.ptr(k_cache, "uint8_t[]"), self.ptr(v_cache, "uint8_t[]")
         b.kv_dtype = _native().FL_F32 if k_cache.dtype == np.float32 else _native().FL_F16

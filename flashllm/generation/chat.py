@@ -76,8 +76,7 @@ class ChatSession:
     def reserve(self) -> int:
         """Room kept free for an answer when deciding whether old turns must go."""
         n_ctx = self.model.n_ctx
-        want = self.n_predict if self.n_predict > 0 else n_ctx // 4
-        return max(1, min(want, n_ctx // 2))
+        return max(1, min(self.limit or n_ctx // 4, n_ctx // 2))
 
     def ask(self, text: str, on_text: Callable[[str], None],
             should_stop: Callable[[], bool] = lambda: False) -> TurnStats:

@@ -75,6 +75,8 @@ class Model:
         glob, local = kernel.RopeFreqs(glob), kernel.RopeFreqs(local)     # checked once
         self.rope_inv = [local if i in sliding else glob for i in range(cfg.n_layers)]  # (hd/2,) each
         self.attn_scale = cfg.attn_scale or cfg.head_dim ** -0.5
+        self.token_blocks = True      # one-token passes run qualifying layers in C (False:
+                                      # the kernel-call sequence, as tests and benches compare)
         self._blocks = None           # _token_blocks: built on the first one-token pass
 
     def sibling(self, ffn, weights) -> "Model":
@@ -116,15 +118,15 @@ class Model:
         self._sibling_kv(tokens[n:])
         self.ffn.start_pass(T, prefill=last_only, pos0=pos0)
         x = self._embed(tokens, pos)                                     # (T, d_model)
-        blocks = self._token_blocks() if T == 1 else None
+        blocks = self._token_blocks() if T == 1 and self.token_blocks else None
         for i in range(self.config.n_layers):
-            layer = self.w.layer(i)
             attn, ffn = blocks[i] if blocks else (None, None)
-            if attn is not None:
+            layer = None if attn and ffn else self.w.layer(i)          # streamed: read now
+            if attn:
                 attn(x, pos0, self.n_threads)                            # x (1, d_model) += attn
             else:
                 self._attention_block(i, layer, x, pos, n)               # x (T, d_model) += attn
-            if ffn is not None:
+            if ffn:
                 ffn(x, self.n_threads)                                   # x (1, d_model) += ffn
             else:
                 self._ffn_block(i, layer, x)                             # x (T, d_model) += ffn

@@ -210,8 +210,7 @@ class ResidentWeights:
     def layer(self, i: int):
         return self.weights.layers[i]
 
-    def resident_layer(self, i: int):
-        return self.weights.layers[i]
+    resident_layer = layer          # every layer's attention is resident here (__init__)
 
     def output(self, x: np.ndarray, exact: bool = False) -> np.ndarray:
         """(T, vocab) logits of x (T, embed_dim): the resident head's, or the held rows'."""

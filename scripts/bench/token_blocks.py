@@ -20,8 +20,7 @@ from flashllm.runtime.model import Model
 
 def per_token(net: Model, kernel_calls: bool, tokens: int) -> tuple[float, float]:
     """(CPU ms, wall ms) a one-token pass, through the blocks or model.py's kernel calls."""
-    n_layers = net.config.n_layers
-    net._blocks = [(None, None)] * n_layers if kernel_calls else None     # rebuilt when None
+    net.token_blocks = not kernel_calls
     net.reset()
     logits = net.forward(np.arange(100, 164), 0, last_only=True)         # (1, vocab)
     pos, c0, t0 = 64, time.process_time(), time.perf_counter()
