@@ -188,16 +188,24 @@ void fli_q4k_tile1(const uint8_t *const w[FL_QT], const uint8_t *x, int64_t n, f
 }
 
 
-/* fli_q4k_tile1's arithmetic for 2..FL_QT tokens, each superblock's scales and nibbles unpacked
- * once for all of them: out[r][t] is bit for bit fli_q4k_tile1(w, x[t]) (a pass over draft
- * guesses gives each token its one-token numbers); acc, macc: per token, as tile1's */
-void fli_q4k_tilen(const uint8_t *const w[FL_QT], const uint8_t *const x[FL_QT], int32_t n_tok,
-                   int64_t n, float out[FL_QT][FL_QT]) {
+/* fli_q4k_tile1's arithmetic for NT (2..FL_QT, a constant) tokens, each superblock's scales and
+ * nibbles unpacked once for all of them: out[r][t] is bit for bit fli_q4k_tile1(w, x[t]) (a pass
+ * over draft guesses gives each token its one-token numbers); acc, macc: per token, as tile1's.
+ * NT a constant keeps the 4 x NT accumulators in registers (a runtime count spilled them: 2
+ * tokens cost 2.3x one); the tokens' q go through the stack as memory operands. */
+static inline __attribute__((always_inline)) void q4k_tilen(const uint8_t *const w[FL_QT],
+                                                            const uint8_t *const x[FL_QT],
+                                                            const int NT, int64_t n,
+                                                            float out[FL_QT][FL_QT]) {
     const int64_t nb = n / FL_QK;
     const __m512i idx_d = d_lanes(), idx_m = _mm512_add_epi16(idx_d, _mm512_set1_epi16(1));
     const __m512i m_of = m_lanes();
+    const float *scale[FL_QT];    // token t's (nb, 8) scale lanes
+    const int16_t *bsum[FL_QT];   // token t's (nb) sums per sub-block
     __m512 acc[FL_QT][FL_QT], macc[FL_QT];  // (row, token), (token): tile1's acc and macc
-    for (int t = 0; t < FL_QT; t++) {
+    for (int t = 0; t < NT; t++) {
+        scale[t] = (const float *)(x[t] + n);
+        bsum[t] = (const int16_t *)(scale[t] + 3 * nb * FL_XQ_LANES);
         macc[t] = _mm512_setzero_ps();
         for (int r = 0; r < FL_QT; r++) acc[r][t] = _mm512_setzero_ps();
     }
@@ -209,30 +217,37 @@ void fli_q4k_tilen(const uint8_t *const w[FL_QT], const uint8_t *const x[FL_QT],
         const __m512i mins = _mm512_shuffle_epi8(u, m_of);
         __m512i xv[FL_QT][4];
         float dd[FL_QT][16];  // per token, lanes 4r .. 4r+3: d of row r * dx
-        for (int t = 0; t < n_tok; t++) {
-            const float *scale = (const float *)(x[t] + n);                        // (nb, 8)
-            const int16_t *bsum = (const int16_t *)(scale + 3 * nb * FL_XQ_LANES);  // (nb)
-            const float dx = scale[s * 8 * FL_XQ_LANES];
+        for (int t = 0; t < NT; t++) {
+            const float dx = scale[t][s * 8 * FL_XQ_LANES];
             token_sb((const int8_t *)x[t] + s * FL_QK_K, xv[t]);
             _mm512_storeu_ps(dd[t], _mm512_mul_ps(d, _mm512_set1_ps(dx)));
-            const __m512i bs = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(bsum + 8 * s)));
+            const __m512i bs = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(bsum[t] + 8 * s)));
             macc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(mins, bs)),
                                       _mm512_mul_ps(m, _mm512_set1_ps(-dx)), macc[t]);
         }
         for (int r = 0; r < FL_QT; r++) {
             __m512i v[4], sc[4];
             row_parts(w[r] + s * FL_Q4_K_BYTES + 16, row_lane(u, r), v, sc);
-            for (int t = 0; t < n_tok; t++)
+            for (int t = 0; t < NT; t++)
                 acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(row_dot(v, sc, xv[t])),
                                             _mm512_set1_ps(dd[t][4 * r]), acc[r][t]);
         }
     }
-    for (int t = 0; t < n_tok; t++) {
+    for (int t = 0; t < NT; t++) {
         float mt[16];  // (FL_QT, 4)
         _mm512_storeu_ps(mt, macc[t]);
         for (int r = 0; r < FL_QT; r++)
             out[r][t] = _mm512_reduce_add_ps(acc[r][t]) + ((mt[4 * r] + mt[4 * r + 1]) +
                                                            (mt[4 * r + 2] + mt[4 * r + 3]));
+    }
+}
+
+void fli_q4k_tilen(const uint8_t *const w[FL_QT], const uint8_t *const x[FL_QT], int32_t n_tok,
+                   int64_t n, float out[FL_QT][FL_QT]) {
+    switch (n_tok) {
+    case 2: q4k_tilen(w, x, 2, n, out); break;
+    case 3: q4k_tilen(w, x, 3, n, out); break;
+    default: q4k_tilen(w, x, FL_QT, n, out); break;
     }
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
