@@ -242,8 +242,9 @@ def test_cli_calibrate_then_sparse_perplexity(tiny, tmp_path):
     text = tmp_path / "t.txt"
     text.write_text(" ".join(f"w{i}" for i in TOKENS), encoding="utf-8")
     r = CliRunner().invoke(app, ["calibrate", str(path), "--text", str(text), "--tokens", "48",
-                                 "--ctx", "24", "--sparsity", "0.4", "-t", "1"])
+                                 "--ctx", "24", "--sparsity", "0.4", "-t", "1", "--keep-target"])
     assert r.exit_code == 0, r.output
+    assert "perplexity" not in r.output                  # --keep-target: no quality check
     assert "training a gate_up predictor on 48 tokens x" in r.output     # says what takes time
     sec = open_flash(path, verify=True).manifest["sparsity"]
     assert (sec["target"], sec["criterion"], sec["hot_first"]) == (0.4, "glu_product", True)
@@ -275,6 +276,43 @@ def test_cli_calibrate_then_sparse_perplexity(tiny, tmp_path):
     for opt, bad in (("--criterion", "cats"), ("--corpus", "poetry")):
         r = CliRunner().invoke(app, ["calibrate", str(path), opt, bad])
         assert r.exit_code == 2 and f"'{bad}' is not one of" in said(r), r.output
+
+
+def test_calibrate_lowers_the_target_while_it_costs_perplexity(tiny, tmp_path):
+    """With a bound, calibrate keeps the largest of the targets 0.5, 0.4, ..., 0 whose thresholds
+    (numpy quantiles of the activations, layer by layer) cost at most the bound of perplexity
+    against the same FFN without thresholds on the calibration tokens — each cost measured here
+    on its own models; without a bound the target stays."""
+    from flashllm.cli.calibration import bundle_ppl
+    from flashllm.generation.perplexity import perplexity
+    from flashllm.runtime.ffn import DenseFfn
+    path = _fresh(tiny, "llama", tmp_path)
+    flash, model = _flash_and_model(path)
+    inputs = collect_ffn_inputs(model, TOKENS, n_ctx=N_CTX)
+    scores = [ffn_activations(flash, i, h) for i, h in enumerate(inputs)]   # per layer (N, n_ff)
+
+    def ppl(ths):
+        ffn = DenseFfn(flash, 1, threshold=[1.0] * len(ths))             # the bundles' FFN
+        ffn.threshold = ths
+        return perplexity(Model(flash, n_ctx=N_CTX, ffn=ffn), TOKENS, n_ctx=N_CTX).ppl
+
+    base = ppl([0.0] * len(scores))
+    cost = {s: ppl([threshold(x, s) for x in scores]) / base - 1 for s in (0.5, 0.4, 0.3, 0.2, 0.1)}
+    bound = sorted(cost.values())[2] + 1e-9                # three targets within, two not
+    want = max(s for s, c in cost.items() if c <= bound)
+    flash, model = _flash_and_model(path)
+    measure = bundle_ppl(flash, model, TOKENS, N_CTX, 1)
+    sec = calibrate_model(flash, model, TOKENS, {}, 0.5, n_ctx=N_CTX, max_cost=bound, ppl=measure)
+    assert sec["target"] == want and sec["quality"]["requested"] == 0.5
+    assert sec["quality"]["ppl_cost"] == pytest.approx(cost[want], abs=1e-4)
+    assert sec["thresholds"] == pytest.approx([threshold(x, want) for x in scores], rel=1e-5)
+    path = _fresh(tiny, "llama", tmp_path / "b")
+    flash, model = _flash_and_model(path)
+    sec = calibrate_model(flash, model, TOKENS, {}, 0.5, n_ctx=N_CTX, max_cost=-1.0,
+                          ppl=bundle_ppl(flash, model, TOKENS, N_CTX, 1))
+    assert sec["target"] == 0.0 and sec["thresholds"] == [0.0] * len(scores)   # none within
+    path = _fresh(tiny, "llama", tmp_path / "c")
+    assert calibrate_model(*_flash_and_model(path), TOKENS, {}, 0.5, n_ctx=N_CTX)["target"] == 0.5
 
 
 def _flash_and_model(path):

@@ -15,6 +15,7 @@ from flashllm.sparsity.corpus import builtin_text, file_text
 
 Log = Callable[[str], None]
 
+MAX_PPL_COST = 0.02         # sparsity/quality.py's bound, calibrate's default
 CALIBRATION_TOKENS = 2048   # calibrate's default, and what perplexity --sparsity calibrates on
 HEAD_POSITIONS = 256        # calibration positions a sparse head's reads are measured on
 CHARS_PER_TOKEN = 8         # the shipped text is read this far a token first, then 4x more
@@ -33,6 +34,7 @@ class CalibrationOptions:
     reorder: bool = True             # rewrite the FFN hot-first
     predictor: str = "default"       # a kind of sparsity/train.py, "default" or "none"
     threads: int = 2
+    max_cost: Optional[float] = MAX_PPL_COST  # perplexity the thresholds may cost (None: no check)
 
 
 def is_calibrated(manifest: dict) -> bool:
@@ -85,11 +87,38 @@ def calibrate_folder(path: Path, opts: CalibrationOptions = CalibrationOptions()
     head = head_reads(flash, net, ids[:min(HEAD_POSITIONS, ctx)], opts.threads, log)
     section = calibrate_model(flash, net, ids, source.description, opts.sparsity, opts.criterion,
                               n_ctx=ctx, reorder=opts.reorder, n_threads=opts.threads, log=log,
-                              predictor=None if predictor == "none" else predictor)
+                              predictor=None if predictor == "none" else predictor,
+                              max_cost=opts.max_cost, ppl=bundle_ppl(flash, net, ids, ctx,
+                                                                     opts.threads))
     if head:
         section = {**section, "head": head}
         update_manifest(flash.path, sparsity=section)
     return section, len(ids)
+
+
+def bundle_ppl(flash, model, tokens, n_ctx: int, n_threads: int):
+    """ppl(thresholds): the perplexity of model (dense, over flash) with its FFN over the bundles
+    — as a budgeted run multiplies them — and these per-layer thresholds (zeros: none) on the
+    tokens' first QUALITY_TOKENS (sparsity/quality.py); the model's own FFN strategy is back
+    after each measurement."""
+    from flashllm.generation.perplexity import perplexity
+    from flashllm.runtime.ffn import DenseFfn
+    from flashllm.sparsity.quality import QUALITY_TOKENS
+    ids = list(tokens[:QUALITY_TOKENS])
+    made = []                    # the bundles' FFN, built at the first measurement
+
+    def ppl(thresholds: list) -> float:
+        if not made:             # built with thresholds it takes the bundles, not the rows
+            made.append(DenseFfn(flash, n_threads, threshold=[1.0] * flash.config.n_layers))
+        inner, model.ffn = model.ffn, made[0]
+        made[0].threshold = list(thresholds)
+        try:
+            model.reset()
+            return perplexity(model, ids, n_ctx=min(n_ctx, len(ids))).ppl
+        finally:
+            model.ffn = inner
+            model.reset()
+    return ppl
 
 
 def head_reads(flash, net, ids, threads: int, log: Log) -> Optional[dict]:
@@ -112,7 +141,10 @@ def head_reads(flash, net, ids, threads: int, log: Log) -> Optional[dict]:
 def summary(path: Path, section: dict, n_tokens: int) -> str:
     """calibrate's closing line."""
     shares = section["frequency"]["hot20_share"]
-    return (f"calibrated {path}: {section['criterion']} target {section['target']}, sparsity "
+    q = section.get("quality") or {}
+    asked = f" (asked {q['requested']}: {q['ppl_cost']:+.1%} perplexity at most " \
+        f"{q['bound']:.0%})" if "bound" in q and q["requested"] != section["target"] else ""
+    return (f"calibrated {path}: {section['criterion']} target {section['target']}{asked}, sparsity "
             f"{sum(section['achieved']) / len(shares):.3f} on {n_tokens} tokens, hottest 20% "
             f"carry {sum(shares) / len(shares):.2f} of activations, "
             + (f"hot-first by {section['order_by']}" if section["hot_first"] else "order kept"))
@@ -144,11 +176,14 @@ def calibrate_once(out: Path, log: Log) -> bool:
 
 
 def _calibrated(out: Path) -> bool:
-    """Whether the conversion at out holds what calibrate writes (an unreadable manifest:
-    True, left to the reader to report)."""
+    """Whether the conversion at out holds what calibrate writes, its target checked against
+    perplexity (a conversion calibrated before that check is calibrated again; an unreadable
+    manifest: True, left to the reader to report)."""
     from flashllm.runtime.budget import BudgetError, read_manifest
     try:
-        return is_calibrated(read_manifest(out))
+        m = read_manifest(out)
+        return is_calibrated(m) and (bool(m["config"].get("n_experts")) or
+                                     "quality" in (m.get("sparsity") or {}))
     except (BudgetError, KeyError, TypeError):
         return True
 

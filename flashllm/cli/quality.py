@@ -94,7 +94,13 @@ def calibrate(
     model: str = typer.Argument(..., help=MODEL_HELP),
     text: Optional[Path] = typer.Option(None, "-f", "--text", "--file", help="Calibration text file (default: "
                                         "Python standard-library sources)."),
-    sparsity: float = typer.Option(0.5, "--sparsity", help="Target fraction of inactive FFN neurons."),
+    sparsity: float = typer.Option(0.5, "--sparsity", help="Target fraction of inactive FFN neurons "
+                                   "(lowered while it costs more than --max-ppl-cost)."),
+    max_ppl_cost: float = typer.Option(2.0, "--max-ppl-cost", min=0.0, help="Percent of perplexity on "
+                                       "the calibration text the thresholds may cost; the target "
+                                       "is lowered in steps of 0.1 until they cost no more."),
+    keep_target: bool = typer.Option(False, "--keep-target", help="Keep --sparsity as given (no "
+                                     "perplexity check)."),
     tokens: int = typer.Option(CALIBRATION_TOKENS, "--tokens", min=1, help="Calibration tokens."),
     ctx: int = typer.Option(512, "-c", "--ctx", "--ctx-size", min=1, help="Tokens per pass."),
     corpus: Corpus = typer.Option("code", "--corpus", help="Shipped text: code or prose."),
@@ -113,6 +119,7 @@ def calibrate(
     path = model_path(model)
     opts = CalibrationOptions(text, corpus.value, sparsity, tokens, ctx,
                               criterion.value if criterion is not None else None, reorder,
-                              predictor.value, threads)
+                              predictor.value, threads,
+                              None if keep_target else max_ppl_cost / 100.0)
     section, n = calibrate_folder(path, opts, lambda m: err.print(m, markup=False, soft_wrap=True))
     err.print(summary(path, section, n), markup=False, soft_wrap=True)

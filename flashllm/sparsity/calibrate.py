@@ -20,6 +20,7 @@ from flashllm.sparsity.activations import (CalibrationError, check_criterion, co
                                            default_criterion, down_norms, ffn_activations,
                                            ffn_weights, frequencies, hot_share, threshold)
 from flashllm.sparsity.predictor import save_predictor
+from flashllm.sparsity.quality import keep_quality, quality_steps
 from flashllm.sparsity.reorder import rewrite_hot_first, write_frequency
 from flashllm.sparsity.train import DEFAULT_OPTIONS, train_predictor
 
@@ -83,29 +84,37 @@ def collect_ffn_inputs(model, tokens: Sequence[int], n_ctx: int = 512,
 
 
 def layer_statistics(flash, inputs, sparsity: float, criterion: str, n_threads: int = 1,
-                     log: Callable[[str], None] = lambda m: None, contributions: bool = False):
+                     log: Callable[[str], None] = lambda m: None, contributions: bool = False,
+                     also: Sequence[float] = ()):
     """Per layer from its FFN inputs (N, d_model): threshold, per-slot frequency, achieved
     sparsity, and (contributions) each slot's E|h| * ||down|| (activations.contribution).
     Returns (thresholds [L], freq (L, n_ff) f64, achieved [L], contribution (L, n_ff) f64 or
-    None)."""
+    None) for `sparsity`, and for each target of `also` the same first three, from the same
+    scores: {target: (thresholds, freq, achieved)} as a fifth item when `also` is given."""
     check_criterion(flash.config, criterion)
-    thresholds, freqs, achieved, contrib = [], [], [], []
+    targets = [sparsity] + [t for t in also if t != sparsity]
+    per = {t: ([], [], []) for t in targets}           # target -> thresholds, freqs, achieved
+    contrib = []
     for layer, h in enumerate(inputs):
         bundles = flash.read_ffn_layer(layer)                                       # (n_ff, stride)
         w = ffn_weights(flash, layer, n_threads, bundles)
         scores = ffn_activations(flash, layer, h, criterion, weights=w)            # (N, n_ff)
-        t = 0.0 if criterion == "relu" else threshold(scores, sparsity)
-        freq = frequencies(scores, t, criterion)                                    # (n_ff,)
-        thresholds.append(t)
-        freqs.append(freq)
-        achieved.append(1.0 - float(freq.mean()))
+        for target, (ths, freqs, achieved) in per.items():
+            t = 0.0 if criterion == "relu" else threshold(scores, target)
+            freq = frequencies(scores, t, criterion)                                # (n_ff,)
+            ths.append(t)
+            freqs.append(freq)
+            achieved.append(1.0 - float(freq.mean()))
         if contributions:     # every criterion but gate scores |h| itself
             mag = ffn_activations(flash, layer, h, "glu_product", weights=w) \
                 if criterion == "gate" else scores                                  # (N, n_ff)
             contrib.append(contribution(mag, down_norms(flash, layer, n_threads, bundles)))
-        log(f"layer {layer}: threshold {t:.4g}, sparsity {achieved[-1]:.3f}, "
-            f"hottest 20% carry {hot_share(freq):.2f}")
-    return thresholds, np.stack(freqs), achieved, np.stack(contrib) if contributions else None
+        ths, freqs, achieved = per[sparsity]
+        log(f"layer {layer}: threshold {ths[-1]:.4g}, sparsity {achieved[-1]:.3f}, "
+            f"hottest 20% carry {hot_share(freqs[-1]):.2f}")
+    out = {t: (ths, np.stack(freqs), achieved) for t, (ths, freqs, achieved) in per.items()}
+    first = (*out[sparsity], np.stack(contrib) if contributions else None)
+    return (*first, out) if also else first
 
 
 def order_by(cfg) -> str:
@@ -135,8 +144,12 @@ def final_hidden(model, tokens: Sequence[int]) -> np.ndarray:
 def calibrate_model(flash, model, tokens: Sequence[int], text: dict, sparsity: float,
                     criterion: Optional[str] = None, n_ctx: int = 512, reorder: bool = True,
                     n_threads: int = 1, log: Callable[[str], None] = lambda m: None,
-                    predictor: Optional[str] = None) -> dict:
-    """Calibrate the model folder of `flash` on tokens, run through `model` (dense, over flash): thresholds for the target sparsity,
+                    predictor: Optional[str] = None, max_cost: Optional[float] = None,
+                    ppl: Optional[Callable[[list], float]] = None) -> dict:
+    """Calibrate the model folder of `flash` on tokens, run through `model` (dense, over flash):
+    thresholds for the target sparsity — lowered in steps while they cost more than max_cost
+    of perplexity, ppl(thresholds) against ppl(zeros) (sparsity/quality.py; either None: the
+    target as asked) —,
     per-slot frequencies, (reorder) the hot-first FFN rewrite, and (predictor: a kind of
     flashllm.sparsity.train) a trained predictor. Writes and returns the manifest's sparsity
     section; the model stays valid if this is interrupted."""
@@ -147,12 +160,17 @@ def calibrate_model(flash, model, tokens: Sequence[int], text: dict, sparsity: f
     check_criterion(flash.config, criterion)
     inputs = collect_ffn_inputs(model, tokens, n_ctx=n_ctx)
     by = order_by(flash.config)
-    thresholds, freq, achieved, contrib = layer_statistics(
-        flash, inputs, sparsity, criterion, n_threads, log,
-        contributions=reorder and by == "contribution")
+    steps = quality_steps(sparsity, criterion) if max_cost is not None and ppl else []
+    stats = layer_statistics(flash, inputs, sparsity, criterion, n_threads, log,
+                             contributions=reorder and by == "contribution", also=steps)
+    kept = {"requested": sparsity}
+    if steps:
+        kept.update(keep_quality(stats[4], ppl, max_cost, log))
+    thresholds, freq, achieved = stats[4][kept["target"]] if steps else stats[:3]
+    contrib = stats[3]
     ids = np.asarray(tokens, dtype="<i4")                          # (N,)
-    section = {"criterion": criterion, "target": sparsity, "thresholds": thresholds,
-               "achieved": achieved,
+    section = {"criterion": criterion, "target": kept.pop("target", sparsity), "quality": kept,
+               "thresholds": thresholds, "achieved": achieved,
                "calibration": {"text": text, "n_tokens": len(ids), "n_ctx": n_ctx,
                                "tokens_sha256": hashlib.sha256(ids.tobytes()).hexdigest()},
                "hot_first": False,
