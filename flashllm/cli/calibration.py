@@ -105,15 +105,15 @@ def bundle_ppl(flash, model, tokens, n_ctx: int, n_threads: int):
     from flashllm.runtime.ffn import DenseFfn
     from flashllm.sparsity.quality import QUALITY_TOKENS
     ids = list(tokens[:QUALITY_TOKENS])
-    made = []                    # the bundles' FFN, built at the first measurement
+    sparse = None                # the bundles' FFN, built at the first measurement
 
     def ppl(thresholds: list) -> float:
-        if not made:             # built with thresholds it takes the bundles, not the rows
-            made.append(DenseFfn(flash, n_threads, threshold=[1.0] * flash.config.n_layers))
-        inner, model.ffn = model.ffn, made[0]
-        made[0].threshold = list(thresholds)
-        try:
-            model.reset()
+        nonlocal sparse
+        if sparse is None:       # built with thresholds it takes the bundles, not the rows
+            sparse = DenseFfn(flash, n_threads, threshold=[1.0] * flash.config.n_layers)
+        sparse.threshold = list(thresholds)
+        inner, model.ffn = model.ffn, sparse
+        try:                     # perplexity starts each chunk from an empty context
             return perplexity(model, ids, n_ctx=min(n_ctx, len(ids))).ppl
         finally:
             model.ffn = inner

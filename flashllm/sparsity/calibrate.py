@@ -84,15 +84,23 @@ def collect_ffn_inputs(model, tokens: Sequence[int], n_ctx: int = 512,
 
 
 def layer_statistics(flash, inputs, sparsity: float, criterion: str, n_threads: int = 1,
-                     log: Callable[[str], None] = lambda m: None, contributions: bool = False,
-                     also: Sequence[float] = ()):
+                     log: Callable[[str], None] = lambda m: None, contributions: bool = False):
     """Per layer from its FFN inputs (N, d_model): threshold, per-slot frequency, achieved
     sparsity, and (contributions) each slot's E|h| * ||down|| (activations.contribution).
     Returns (thresholds [L], freq (L, n_ff) f64, achieved [L], contribution (L, n_ff) f64 or
-    None) for `sparsity`, and for each target of `also` the same first three, from the same
-    scores: {target: (thresholds, freq, achieved)} as a fifth item when `also` is given."""
+    None)."""
+    per, contrib = target_statistics(flash, inputs, [sparsity], criterion, n_threads, log,
+                                     contributions)
+    return (*per[sparsity], contrib)
+
+
+def target_statistics(flash, inputs, targets: Sequence[float], criterion: str,
+                      n_threads: int = 1, log: Callable[[str], None] = lambda m: None,
+                      contributions: bool = False):
+    """layer_statistics for several targets from the same scores: ({target: (thresholds [L],
+    freq (L, n_ff) f64, achieved [L])}, contribution (L, n_ff) f64 or None); the log line of a
+    layer is the first target's."""
     check_criterion(flash.config, criterion)
-    targets = [sparsity] + [t for t in also if t != sparsity]
     per = {t: ([], [], []) for t in targets}           # target -> thresholds, freqs, achieved
     contrib = []
     for layer, h in enumerate(inputs):
@@ -109,12 +117,11 @@ def layer_statistics(flash, inputs, sparsity: float, criterion: str, n_threads: 
             mag = ffn_activations(flash, layer, h, "glu_product", weights=w) \
                 if criterion == "gate" else scores                                  # (N, n_ff)
             contrib.append(contribution(mag, down_norms(flash, layer, n_threads, bundles)))
-        ths, freqs, achieved = per[sparsity]
+        ths, freqs, achieved = per[targets[0]]
         log(f"layer {layer}: threshold {ths[-1]:.4g}, sparsity {achieved[-1]:.3f}, "
             f"hottest 20% carry {hot_share(freqs[-1]):.2f}")
-    out = {t: (ths, np.stack(freqs), achieved) for t, (ths, freqs, achieved) in per.items()}
-    first = (*out[sparsity], np.stack(contrib) if contributions else None)
-    return (*first, out) if also else first
+    stats = {t: (ths, np.stack(freqs), achieved) for t, (ths, freqs, achieved) in per.items()}
+    return stats, np.stack(contrib) if contributions else None
 
 
 def order_by(cfg) -> str:
@@ -161,15 +168,14 @@ def calibrate_model(flash, model, tokens: Sequence[int], text: dict, sparsity: f
     inputs = collect_ffn_inputs(model, tokens, n_ctx=n_ctx)
     by = order_by(flash.config)
     steps = quality_steps(sparsity, criterion) if max_cost is not None and ppl else []
-    stats = layer_statistics(flash, inputs, sparsity, criterion, n_threads, log,
-                             contributions=reorder and by == "contribution", also=steps)
-    kept = {"requested": sparsity}
+    per, contrib = target_statistics(flash, inputs, steps or [sparsity], criterion, n_threads,
+                                     log, contributions=reorder and by == "contribution")
+    kept = {"requested": sparsity, "target": sparsity}
     if steps:
-        kept.update(keep_quality(stats[4], ppl, max_cost, log))
-    thresholds, freq, achieved = stats[4][kept["target"]] if steps else stats[:3]
-    contrib = stats[3]
+        kept.update(keep_quality(per, ppl, max_cost, log))
+    thresholds, freq, achieved = per[kept["target"]]
     ids = np.asarray(tokens, dtype="<i4")                          # (N,)
-    section = {"criterion": criterion, "target": kept.pop("target", sparsity), "quality": kept,
+    section = {"criterion": criterion, "target": kept.pop("target"), "quality": kept,
                "thresholds": thresholds, "achieved": achieved,
                "calibration": {"text": text, "n_tokens": len(ids), "n_ctx": n_ctx,
                                "tokens_sha256": hashlib.sha256(ids.tobytes()).hexdigest()},

@@ -8,9 +8,8 @@ Qwen2.5-Coder-1.5B at s = 0.5 costs ~1% of perplexity against llama.cpp on held-
 calibrate measures it: the perplexity of the model with each candidate's thresholds against the
 same FFN with none (the bundles a budgeted run multiplies; the caller measures: cli/calibration.py
 bundle_ppl) on the calibration tokens' first QUALITY_TOKENS, and keeps the largest target within
-the bound. A budgeted run reads the same
-bundles whatever the thresholds (they only skip compute), so a lower target costs time, not
-bytes.
+the bound. A budgeted run reads the same bundles whatever the thresholds (they only skip
+compute), so a lower target costs time, not bytes.
 """
 from __future__ import annotations
 
