@@ -38,10 +38,12 @@ class CalibrationOptions:
 
 
 def is_calibrated(manifest: dict) -> bool:
-    """Whether a budgeted run finds what calibrate writes: a dense FFN's hot-first order (a
-    mixture of experts needs none: its router names the neurons)."""
-    return bool(manifest["config"].get("n_experts")) or \
-        manifest["ffn"].get("neuron_order") is not None
+    """Whether a budgeted run finds what calibrate writes: a dense FFN's hot-first order and a
+    target checked against perplexity (a conversion calibrated before that check is not; a
+    mixture of experts needs neither: its router names the neurons)."""
+    return bool(manifest["config"].get("n_experts")) or (
+        manifest["ffn"].get("neuron_order") is not None and
+        "quality" in (manifest.get("sparsity") or {}))
 
 
 def calibration_ids(tok, file: Optional[Path], corpus: str, n_tokens: int):
@@ -176,14 +178,11 @@ def calibrate_once(out: Path, log: Log) -> bool:
 
 
 def _calibrated(out: Path) -> bool:
-    """Whether the conversion at out holds what calibrate writes, its target checked against
-    perplexity (a conversion calibrated before that check is calibrated again; an unreadable
-    manifest: True, left to the reader to report)."""
+    """Whether the conversion at out holds what calibrate writes (an unreadable manifest:
+    True, left to the reader to report)."""
     from flashllm.runtime.budget import BudgetError, read_manifest
     try:
-        m = read_manifest(out)
-        return is_calibrated(m) and (bool(m["config"].get("n_experts")) or
-                                     "quality" in (m.get("sparsity") or {}))
+        return is_calibrated(read_manifest(out))
     except (BudgetError, KeyError, TypeError):
         return True
 
