@@ -30,34 +30,44 @@ class DraftLength:
     """How many guesses a pass should check: the k that makes the most tokens per second.
 
     With a share `a` of the guesses kept (each one reached only if the ones before it were kept),
-    a pass over k guesses makes 1 + a + ... + a^k tokens and costs c1 + k·ce seconds. Both are
-    learned from the passes (decayed running sums): a from the guesses each pass reached and kept,
-    c1 and ce from the pass times (the first ones averaged evenly, so one odd pass does not
-    decide for long). Under a DRAM budget a pass is mostly the FFN's reads and a guess
-    adds only its compute (~10% of a pass on the 1.5B at 280-560 MiB), so k runs high; with all
-    weights in DRAM a guess costs ~a third of a pass and only a context that repeats pays. When
-    k = 0 wins, every EXPLORE-th pass still checks one guess, so a context that starts repeating
-    is noticed. With `refresh` r (a draft that always has guesses, so c1 is never seen by
-    itself), the first pass and every r-th pass after the last pass without guesses check none.
+    a pass over k guesses makes 1 + a + ... + a^k tokens and costs c1 + k·ce seconds. `a` is
+    learned from the guesses each pass reached and kept (decayed counts); c1 and ce by a decayed
+    least-squares line through the passes' (guesses, seconds), so the passes' own spread of k
+    (drafting stops early when the draft doubts) tells a plain pass's time from a guess's, and
+    no pass need go without guesses to measure it. Until MIN_FIT passes with guesses are seen,
+    a guess is taken to cost PRIOR_RATIO of a pass (the first passes carry warm-up costs). Under
+    a DRAM budget a pass is mostly the FFN's reads and a guess adds only its compute (~10-15% of a
+    pass on the 1.5B at 280-560 MiB), so k runs high; with all weights in DRAM a guess costs ~a
+    third of a pass and only a context that repeats pays. When k = 0 wins, every EXPLORE-th pass
+    still checks one guess, so a context that starts repeating is noticed. With `refresh` r (a
+    draft that always has guesses), the first pass checks none, and so does the r-th pass after
+    the last one without guesses while the guesses' counts vary too little to fit the line.
     """
 
     DECAY, EXPLORE = 0.9, 4
+    FIT_DECAY = 0.95         # the line's memory: ~20 passes
+    SPREAD_MIN = 0.2         # decayed variance of k the line needs
+    MIN_FIT = 4              # passes with guesses before the line is trusted
+    PRIOR_RATIO = 0.25       # ce / c1 before that
 
     def __init__(self, n_max: int, refresh: int = 0):
         self.n_max, self.refresh = n_max, refresh
-        self.kept, self.reached = 1.0, 2.0          # decayed guess counts (prior a = 0.5)
+        self.kept, self.reached = 2.0, 4.0          # decayed guess counts (prior a = 0.5: two
+                                                    # early misses do not turn guessing off)
         self.c1: float | None = None                # seconds of a pass without guesses
         self.ce: float | None = None                # extra seconds per guess
+        self._sums = np.zeros(5)                    # decayed [1, k, k², t, k·t] of the passes
         self._idle = 0                              # passes since the last guess
         self._busy = 0                              # passes since the last one without
-        self._n1 = self._ne = 0                     # pass times observed, without / with guesses
+        self._ne = 0                                # passes with guesses observed
 
     @property
     def rate(self) -> float:
         return self.kept / self.reached
 
     def choose(self) -> int:
-        if self.refresh and self.n_max and (self.c1 is None or self._busy >= self.refresh):
+        if self.refresh and self.n_max and (
+                self.c1 is None or (self._busy >= self.refresh and not self._fitted())):
             self._busy = 0
             return 0
         k = self._best()
@@ -66,7 +76,7 @@ class DraftLength:
 
     def _best(self) -> int:
         a = min(self.rate, 0.999)
-        ratio = self.ce / self.c1 if self.c1 and self.ce is not None else 0.25
+        ratio = self.ce / self.c1 if self.c1 and self.ce is not None else self.PRIOR_RATIO
         best = max(range(self.n_max + 1),
                    key=lambda k: (1 - a ** (k + 1)) / (1 - a) / (1 + max(ratio, 1e-3) * k))
         if best == 0:
@@ -77,23 +87,39 @@ class DraftLength:
 
     def observe(self, n_guesses: int, n_kept: int, seconds: float) -> None:
         """A pass checked n_guesses, kept n_kept of them, and took seconds."""
-        d = self.DECAY
-        if n_guesses == 0:
-            self._n1 += 1
-            self.c1 = _mean(self.c1, seconds, max(1 - d, 1 / self._n1))
-            return
-        self.kept = d * self.kept + n_kept
-        self.reached = d * self.reached + min(n_kept + 1, n_guesses)
-        if self.c1 is not None:
+        k = float(n_guesses)
+        self._sums = self.FIT_DECAY * self._sums + np.array([1.0, k, k * k, seconds, k * seconds])
+        if n_guesses:
             self._ne += 1
-            extra = max(seconds - self.c1, 0.0) / n_guesses
-            self.ce = _mean(self.ce, extra, max(1 - d, 1 / self._ne))
+            self.kept = self.DECAY * self.kept + n_kept
+            self.reached = self.DECAY * self.reached + min(n_kept + 1, n_guesses)
+        self._fit(n_guesses == 0, seconds)
 
+    def _fitted(self) -> bool:
+        """The passes' guesses vary enough to fit c1 and ce apart."""
+        w, sk, skk = self._sums[:3]
+        return w > 0 and skk / w - (sk / w) ** 2 >= self.SPREAD_MIN
 
-def _mean(mean, value: float, weight: float) -> float:
-    """A running mean moved by weight towards value (value itself when there is none yet); a
-    weight of 1/n over the first observations, then 1 - DECAY, averages the first ones evenly."""
-    return value if mean is None else mean + weight * (value - mean)
+    def _fit(self, plain: bool, seconds: float) -> None:
+        """c1, ce from the line through the passes (none before MIN_FIT passes with guesses);
+        while the line cannot be fitted, c1 follows the plain passes' time and ce is what the
+        passes took beyond it, per guess."""
+        w, sk, skk, st, skt = self._sums
+        if self._ne < self.MIN_FIT:
+            if plain:
+                self.c1 = seconds if self.c1 is None else 0.5 * (self.c1 + seconds)
+            return
+        if self._fitted():
+            ce = (skt / w - sk / w * st / w) / (skk / w - (sk / w) ** 2)
+            c1 = st / w - max(ce, 0.0) * sk / w
+            if c1 > 0:
+                self.c1, self.ce = c1, max(ce, 0.0)
+                return
+        if plain:
+            self.c1 = seconds if self.c1 is None else \
+                self.c1 + (1 - self.DECAY) * (seconds - self.c1)
+        elif self.c1 is not None and sk > 0:
+            self.ce = max((st - self.c1 * w) / sk, 0.0)
 
 
 class NgramDraft:
