@@ -14,9 +14,9 @@ probability the sampler gives it). Unlike prompt lookup it guesses on any text.
 Each guess is the draft's most likely token under the sampler's chain (its penalized argmax);
 drafting stops after a guess the draft itself gives less than p_min (llama.cpp's
 --draft-p-min), and the number of guesses a pass checks is learned from acceptance and pass
-times (speculate.DraftLength; one pass in REFRESH checks none, to keep the plain pass time
-known) — k = 0 when guessing does not pay. The first SIBLINGS guesses may bring the draft's
-runner-up along (speculate.Guesses.siblings): the pass computes it beside the chain, and where
+times (speculate.DraftLength: a line through the passes' guess counts and seconds; a pass
+without guesses only where the counts do not vary) — k = 0 when guessing does not pay. The
+first SIBLINGS guesses may bring the draft's runner-up along (speculate.Guesses.siblings): the pass computes it beside the chain, and where
 the model takes it instead of the guess it makes one token more (Model.forward's siblings) —
 while enough of them are taken to pay for their compute (SIBLING_RATE_MIN).
 """
@@ -29,7 +29,7 @@ import numpy as np
 from flashllm.generation.speculate import DraftError, DraftLength, Guesses, NgramDraft
 
 
-REFRESH = 16        # a pass without guesses every this many: the plain pass time stays known
+REFRESH = 16        # while the guess counts do not vary: a pass without guesses after this many
 HINT_NGRAM = 3      # an n-gram of the context this long foresees the draft's next guesses
 SIBLINGS = 6        # the first this many guesses may bring their runner-up as a sibling ...
 SIBLING_P_MIN = 0.05  # ... when the draft gives it at least this probability, ...
