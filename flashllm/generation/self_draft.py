@@ -16,9 +16,10 @@ drafting stops after a guess the draft itself gives less than p_min (llama.cpp's
 --draft-p-min), and the number of guesses a pass checks is learned from acceptance and pass
 times (speculate.DraftLength: a line through the passes' guess counts and seconds; a pass
 without guesses only where the counts do not vary) — k = 0 when guessing does not pay. The
-first SIBLINGS guesses may bring the draft's runner-up along (speculate.Guesses.siblings): the pass computes it beside the chain, and where
-the model takes it instead of the guess it makes one token more (Model.forward's siblings) —
-while enough of them are taken to pay for their compute (SIBLING_RATE_MIN).
+first SIBLINGS guesses may bring the draft's runner-up along (speculate.Guesses.siblings): the
+pass computes it beside the chain, and where the model takes it instead of the guess it makes
+one token more (Model.forward's siblings) — while enough of them are taken to pay for their
+compute (SIBLING_RATE_MIN).
 """
 from __future__ import annotations
 
