@@ -136,6 +136,30 @@ def test_siblings_stop_while_few_are_taken(tmp_path):
     assert d.propose(history, 2, 3).siblings
 
 
+@pytest.mark.parametrize("second_per_token, on", [(0.001, True), (0.05, False)])
+def test_siblings_pay_by_what_a_token_costs_the_pass(tmp_path, second_per_token, on):
+    """The share of siblings taken they need is measured: a token's place in a pass (seconds
+    without the drafting, against the tokens checked) over what a token made costs. With one
+    in 16 taken, siblings stay on where a checked token is nearly free (a pass of reads) and go
+    (but for one pass in SIBLING_EXPLORE) where it costs half a pass (all weights in DRAM)."""
+    write_model(tmp_path / "m", True, "f32")
+    resident = resident_model(streamed(tmp_path / "m", head=False, n_ctx=64))
+    d = eager(resident, Sampler(SamplerParams(temp=TEMP, seed=1)), 2)
+    d.hints = None
+    history = [1, 5, 9, 30]
+    assert d.sibling_floor() == self_draft.SIBLING_RATE_MIN           # nothing measured yet
+    for i in range(64):
+        guesses, sib = i % 3, (i % 2) * 2                             # tokens checked vary
+        pass_s = 0.1 + second_per_token * (1 + guesses + sib)
+        d.observe(guesses, guesses // 2, pass_s + 0.02 * guesses, (sib, int(i % 16 == 1)),
+                  0.02 * guesses)
+    made = 1 + np.mean([g // 2 for g in range(3)])
+    spent = 0.1 + second_per_token * 3.0 + 0.02                       # the passes' means
+    assert d.sibling_floor() == pytest.approx(second_per_token * made / spent, rel=0.2)
+    with_sib = [bool(d.propose(history, 2, 3).siblings) for _ in range(2 * SIBLING_EXPLORE)]
+    assert sum(with_sib) == (2 * SIBLING_EXPLORE if on else 2)
+
+
 @pytest.mark.parametrize("n", [3, 6, 8])
 def test_a_pass_stays_within_the_kernels_tiles(tmp_path, monkeypatch, n):
     """Any guess may bring a sibling, but a pass (the fed token, the guesses, their siblings)

@@ -137,5 +137,5 @@ def decode_pass(model, sampler, draft, history: list, pos: int, room: int):
         model.keep_sibling(kept, pos + 1 + order[kept])
     sib_seen = (len(sib), int(kept is not None))
     if draft is not None:
-        draft.observe(len(guesses), len(new) - 1, seconds, sib_seen)
+        draft.observe(len(guesses), len(new) - 1, seconds, sib_seen, t1 - t0)
     return new, len(guesses), seconds, t1 - t0, sib_seen

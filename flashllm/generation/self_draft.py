@@ -19,7 +19,10 @@ without guesses only where the counts do not vary) — k = 0 when guessing does 
 first SIBLINGS guesses may bring the draft's runner-up along (speculate.Guesses.siblings): the
 pass computes it beside the chain, and where the model takes it instead of the guess it makes
 one token more (Model.forward's siblings) — while enough of them are taken to pay for their
-compute (SIBLING_RATE_MIN).
+compute: a sibling costs the pass one token's place, whose seconds a line through the passes'
+(tokens checked, seconds without the drafting) measures, and pays when the share of siblings
+taken times the seconds a token costs is more (under a budget the pass is its reads, and a
+sibling is nearly free; with the weights in DRAM it costs its compute).
 """
 from __future__ import annotations
 
@@ -27,15 +30,16 @@ from typing import Sequence
 
 import numpy as np
 
-from flashllm.generation.speculate import DraftError, DraftLength, Guesses, NgramDraft
+from flashllm.generation.speculate import DecayedLine, DraftError, DraftLength, Guesses, NgramDraft
 
 
 REFRESH = 16        # while the guess counts do not vary: a pass without guesses after this many
 HINT_NGRAM = 3      # an n-gram of the context this long foresees the draft's next guesses
 SIBLINGS = 6        # the first this many guesses may bring their runner-up as a sibling ...
 SIBLING_P_MIN = 0.05  # ... when the draft gives it at least this probability, ...
-SIBLING_RATE_MIN = 0.12  # ... while at least this share of the siblings checked is taken (a
-                         # sibling costs a token's compute in the pass, ~1/8 of the token it makes)
+SIBLING_RATE_MIN = 0.12  # ... while at least this share of the siblings checked is taken, until
+                         # the passes measure what a sibling costs (a token's compute in a pass,
+                         # ~1/8 of the token it makes with the weights in DRAM)
 SIBLING_EXPLORE = 8  # below that share, one pass in this many still checks them
 SIBLING_DECAY = 0.9  # the share is a decayed running one
 PASS_TOKENS = 10     # a pass's chain and siblings together: the kernels' per-token tiles (FL_SMALL_T)
@@ -60,23 +64,37 @@ class SelfDraft:
         self.model, self.sampler, self.p_min, self.siblings = model, sampler, p_min, siblings
         self.length = DraftLength(n_draft, refresh=REFRESH)
         self.sib_checked, self.sib_taken, self._sib_idle = 4.0, 1.0, 0  # prior share 0.25
+        # a pass's seconds (drafting excluded) against the tokens it checks, and the decayed
+        # seconds and tokens of the passes: what a sibling costs, and what a token is worth
+        self.pass_line = DecayedLine(DraftLength.FIT_DECAY, DraftLength.SPREAD_MIN)
+        self._spent, self._made = 0.0, 0.0
         self._seen = 0                  # history tokens already shown to the draft's head
         # the context's n-grams foresee some of the draft's guesses: those are computed at once
         self.hints = NgramDraft(n_draft, HINT_NGRAM, HINT_NGRAM) if hints and n_draft else None
 
     def observe(self, n_guesses: int, n_kept: int, seconds: float,
-                siblings: tuple[int, int] = (0, 0)) -> None:
-        """After a pass: its guesses, the tokens it made past the first, its seconds, and
-        (siblings checked, taken)."""
+                siblings: tuple[int, int] = (0, 0), drafting: float = 0.0) -> None:
+        """After a pass: its guesses, the tokens it made past the first, its seconds (drafting
+        included), (siblings checked, taken), and the drafting's seconds."""
         self.length.observe(n_guesses, n_kept, seconds)
+        self.pass_line.add(1 + n_guesses + siblings[0], seconds - drafting)
+        self._spent = SIBLING_DECAY * self._spent + seconds
+        self._made = SIBLING_DECAY * self._made + n_kept + 1
         if siblings[0]:
             self.sib_checked = SIBLING_DECAY * self.sib_checked + siblings[0]
             self.sib_taken = SIBLING_DECAY * self.sib_taken + siblings[1]
 
+    def sibling_floor(self) -> float:
+        """The share of siblings taken at which they pay: a token's place in a pass (the line's
+        slope) over the seconds a token costs; SIBLING_RATE_MIN until the line is fitted."""
+        if not self.pass_line.fitted or self._made <= 0:
+            return SIBLING_RATE_MIN
+        return max(self.pass_line.slope, 0.0) * self._made / self._spent
+
     def _sibling_room(self) -> int:
         """How many guesses of this pass may bring a sibling: none while too few are taken,
         but in one pass of SIBLING_EXPLORE, so a text where they start to pay is noticed."""
-        if self.sib_taken >= SIBLING_RATE_MIN * self.sib_checked:
+        if self.sib_taken >= self.sibling_floor() * self.sib_checked:
             return self.siblings
         self._sib_idle = (self._sib_idle + 1) % SIBLING_EXPLORE
         return self.siblings if self._sib_idle == 0 else 0

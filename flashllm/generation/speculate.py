@@ -56,7 +56,7 @@ class DraftLength:
                                                     # early misses do not turn guessing off)
         self.c1: float | None = None                # seconds of a pass without guesses
         self.ce: float | None = None                # extra seconds per guess
-        self._sums = np.zeros(5)                    # decayed [1, k, k², t, k·t] of the passes
+        self.line = DecayedLine(self.FIT_DECAY, self.SPREAD_MIN)    # seconds against k
         self._idle = 0                              # passes since the last guess
         self._busy = 0                              # passes since the last one without
         self._ne = 0                                # passes with guesses observed
@@ -87,8 +87,7 @@ class DraftLength:
 
     def observe(self, n_guesses: int, n_kept: int, seconds: float) -> None:
         """A pass checked n_guesses, kept n_kept of them, and took seconds."""
-        k = float(n_guesses)
-        self._sums = self.FIT_DECAY * self._sums + np.array([1.0, k, k * k, seconds, k * seconds])
+        self.line.add(n_guesses, seconds)
         if n_guesses:
             self._ne += 1
             self.kept = self.DECAY * self.kept + n_kept
@@ -97,29 +96,65 @@ class DraftLength:
 
     def _fitted(self) -> bool:
         """The passes' guesses vary enough to fit c1 and ce apart."""
-        w, sk, skk = self._sums[:3]
-        return w > 0 and skk / w - (sk / w) ** 2 >= self.SPREAD_MIN
+        return self.line.fitted
 
     def _fit(self, plain: bool, seconds: float) -> None:
         """c1, ce from the line through the passes (none before MIN_FIT passes with guesses);
         while the line cannot be fitted, c1 follows the plain passes' time and ce is what the
         passes took beyond it, per guess."""
-        w, sk, skk, st, skt = self._sums
         if self._ne < self.MIN_FIT:
             if plain:
                 self.c1 = seconds if self.c1 is None else 0.5 * (self.c1 + seconds)
             return
-        if self._fitted():
-            ce = (skt / w - sk / w * st / w) / (skk / w - (sk / w) ** 2)
-            c1 = st / w - max(ce, 0.0) * sk / w
+        if self.line.fitted:
+            ce = max(self.line.slope, 0.0)
+            c1 = self.line.mean_y - ce * self.line.mean_x
             if c1 > 0:
-                self.c1, self.ce = c1, max(ce, 0.0)
+                self.c1, self.ce = c1, ce
                 return
         if plain:
             self.c1 = seconds if self.c1 is None else \
                 self.c1 + (1 - self.DECAY) * (seconds - self.c1)
-        elif self.c1 is not None and sk > 0:
-            self.ce = max((st - self.c1 * w) / sk, 0.0)
+        elif self.c1 is not None and self.line.mean_x > 0:
+            self.ce = max((self.line.mean_y - self.c1) / self.line.mean_x, 0.0)
+
+
+class DecayedLine:
+    """A least-squares line y = a + b·x through points whose weight decays by `decay` with each
+    new one (~1 / (1 - decay) points remembered); fitted once the x's decayed variance reaches
+    spread_min (before that the slope cannot be told from the noise)."""
+
+    def __init__(self, decay: float, spread_min: float):
+        self.decay, self.spread_min = decay, spread_min
+        self._sums = np.zeros(5)                    # decayed [1, x, x², y, x·y]
+
+    def add(self, x: float, y: float) -> None:
+        x = float(x)
+        self._sums = self.decay * self._sums + np.array([1.0, x, x * x, y, x * y])
+
+    @property
+    def mean_x(self) -> float:
+        return self._sums[1] / self._sums[0] if self._sums[0] > 0 else 0.0
+
+    @property
+    def mean_y(self) -> float:
+        return self._sums[3] / self._sums[0] if self._sums[0] > 0 else 0.0
+
+    def _var_x(self) -> float:
+        w, sx, sxx = self._sums[:3]
+        return sxx / w - (sx / w) ** 2 if w > 0 else 0.0
+
+    @property
+    def fitted(self) -> bool:
+        return self._sums[0] > 0 and self._var_x() >= self.spread_min
+
+    @property
+    def slope(self) -> float:
+        """b (0 while not fitted)."""
+        if not self.fitted:
+            return 0.0
+        w, sx, _, sy, sxy = self._sums
+        return (sxy / w - sx / w * sy / w) / self._var_x()
 
 
 class NgramDraft:
@@ -141,7 +176,8 @@ class NgramDraft:
         # _after[n][ngram] = index of the token after the ngram's latest occurrence
         self._after: list[dict] = [{} for _ in range(max_ngram + 1)]
 
-    def observe(self, n_guesses: int, n_kept: int, seconds: float, siblings=(0, 0)) -> None:
+    def observe(self, n_guesses: int, n_kept: int, seconds: float, siblings=(0, 0),
+                drafting: float = 0.0) -> None:
         self.length.observe(n_guesses, n_kept, seconds)
 
     def propose(self, history: Sequence[int], room: int, pos: int = 0) -> list[int]:
