@@ -67,7 +67,7 @@ class DraftLength:
 
     def choose(self) -> int:
         if self.refresh and self.n_max and (
-                self.c1 is None or (self._busy >= self.refresh and not self._fitted())):
+                self.c1 is None or (self._busy >= self.refresh and not self.line.fitted)):
             self._busy = 0
             return 0
         k = self._best()
@@ -93,10 +93,6 @@ class DraftLength:
             self.kept = self.DECAY * self.kept + n_kept
             self.reached = self.DECAY * self.reached + min(n_kept + 1, n_guesses)
         self._fit(n_guesses == 0, seconds)
-
-    def _fitted(self) -> bool:
-        """The passes' guesses vary enough to fit c1 and ce apart."""
-        return self.line.fitted
 
     def _fit(self, plain: bool, seconds: float) -> None:
         """c1, ce from the line through the passes (none before MIN_FIT passes with guesses);
