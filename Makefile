@@ -83,9 +83,14 @@ fuzz: setup-test
 	  $(BIN)/pytest -q -s -p no:cacheprovider tests/test_fuzz.py
 
 .PHONY: bench
-## bench: docs/DESIGN.md's benchmark protocol into BENCHMARKS.md: dense decode and flash inference under cgroup memory caps (root), next to llama.cpp (llama-cpp-python in the venv); QUICK=1: SmolLM2 only, short
-bench: setup-test $(BIN)/llama-cpp-stamp
+## bench: docs/DESIGN.md's benchmark protocol into BENCHMARKS.md and docs/budget.png: dense decode and flash inference under cgroup memory caps (root), next to llama.cpp (llama-cpp-python in the venv); QUICK=1: SmolLM2 only, short
+bench: $(VENV)/bench-stamp $(BIN)/llama-cpp-stamp
 	$(BIN)/python -m scripts.bench.bench $(if $(QUICK),--quick)
+
+# the bench extra (matplotlib: docs/budget.png, the README's picture) on top of the test tools
+$(VENV)/bench-stamp: $(VENV)/test-stamp
+	$(BIN)/pip install -q -e '.[dev,ref,bench]'
+	@touch $@
 
 # llama.cpp, the benchmark's peer: built from source (~8 min on 2 cores) for the CPU it runs on, with
 # explicit ISA flags (GGML_NATIVE with AMX is slower on AMX Xeons and crashes when repacking): the

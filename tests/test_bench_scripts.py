@@ -170,3 +170,20 @@ def test_the_uncapped_default_is_a_plain_run():
     capped = dict((label, extra) for label, extra, _ in bench.contenders("560MiB", True, opts))
     assert capped["flashllm (default)"][:2] == ["--dram-budget", "560MiB"]
     assert "flashllm dense --dense" in capped
+
+
+def test_budget_picture_points_from_the_flash_table():
+    from scripts.bench import budget_plot
+    text = ("## Flash inference\n\nRun: 2026-11-28 20:53, git eaad83c, full mode\n\n| model | cap | contender | decode tok/s |\n"
+            "|---|---|---|---:|\n"
+            "| qwen2.5-coder-1.5b | none | llama.cpp (repacked, OMP wait passive) | 23.01 |\n"
+            "| qwen2.5-coder-1.5b | none | llama.cpp (repacked, OMP wait default) | 40.48 |\n"
+            "| qwen2.5-coder-1.5b | none | flashllm (default) | 45.64 |\n"
+            "| qwen2.5-coder-1.5b | 560 MiB | llama.cpp (mmap, OMP wait passive) | 1.15 |\n"
+            "| qwen2.5-coder-1.5b | 560 MiB | flashllm --draft 0 | 7.73 |\n"
+            "| qwen2.5-coder-1.5b | 560 MiB | flashllm (default) | 12.09 |\n"
+            "| qwen2.5-coder-1.5b | 280 MiB | flashllm dense --dense | OOM-killed under the cap | | |\n"
+            "| smollm2-135m | none | flashllm (default) | 240.50 |\n\n## Speculative decoding\n\n| x | y | z | 1 |\n")
+    assert budget_plot.points(budget_plot.rows_from_markdown(text)) == [
+        ("none", 45.64, 40.48), ("560 MiB", 12.09, 1.15), ("280 MiB", None, None)]
+    assert budget_plot.run_note(text).startswith("make bench 2026-11-28 20:53, git eaad83c")

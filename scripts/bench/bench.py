@@ -38,6 +38,7 @@ from scripts.bench.flashllm_cli import (ROOT, Flashllm, converted_dir, ensure_ca
                                         make_prompt, parse_run, run_cmd)
 from scripts.bench.read_probe import probe
 from scripts.bench.report import dense_section, flash_section, header, merge, portable
+from scripts.bench import budget_plot
 from scripts.bench.stats import parse_stats_table, stat_cells
 
 MiB = 1 << 20
@@ -319,6 +320,18 @@ def reprofile(fl: Flashllm, work: Path) -> Optional[str]:
             f"\"(profile)\" figures.")
 
 
+def draw_picture(rows: List[dict], info: Dict[str, str]) -> None:
+    """docs/budget.png (the README's picture) from this run's flash rows, when it has the 1.5B's."""
+    pts = budget_plot.points(rows)
+    if not pts:
+        return
+    note = budget_plot.note(info["date"], info["git"])
+    try:
+        log(f"wrote {budget_plot.draw(pts, ROOT / 'docs' / 'budget.png', note)}")
+    except ImportError:
+        log("matplotlib is not installed (pip install -e '.[bench]'): docs/budget.png not redrawn")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="SmolLM2 only, 32 tokens, one run each")
@@ -362,6 +375,7 @@ def main() -> None:
     sections = {title: portable(text, args.cache, ROOT) for title, text in sections.items()}
     args.out.write_text(merge(args.out, header(info), sections), encoding="utf-8")
     (ROOT / "build" / "bench.json").write_text(json.dumps(raw, indent=1, default=str))
+    draw_picture(raw.get("flash", []), info)
     log(f"wrote {args.out} and build/bench.json")
 
 
