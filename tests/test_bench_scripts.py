@@ -4,6 +4,7 @@ the read probe's idle-priority spinners."""
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -68,6 +69,20 @@ def test_merge_keeps_other_sections(tmp_path):
     text = report.merge(old, "# new\n", {"## Flash inference": "## Flash inference\n\nflash\n"})
     assert "old head" not in text and "io text" in text and "q\n" in text and "old dense" in text
     assert text.index("## Dense decode") < text.index("## Flash inference") < text.index("## I/O")
+
+
+def test_benchmarks_md_is_the_reference_not_the_log():
+    """BENCHMARKS.md: make bench's sections and the I/O and Quality tables, no dated section (those
+    go to docs/history/), the picture, ≤ 400 lines; a new bench run keeps that (its sections
+    replace theirs, the header is made again)."""
+    path = Path(__file__).resolve().parents[1] / "BENCHMARKS.md"
+    again = report.merge(path, report.header(dict.fromkeys(
+        ("date", "mode", "load", "machine", "llama_cpp"), "x")), {})
+    for text in (path.read_text(encoding="utf-8"), again):
+        assert len(text.splitlines()) <= 400
+        assert re.findall(r"(?m)^## (.*)$", text) == [t[3:] for t in report.MINE] + ["I/O", "Quality"]
+        assert not re.search(r"(?m)^#+ .*(session \d|20\d\d-\d\d-\d\d)", text)
+        assert report.PICTURE in text
 
 
 @needs_cgroup

@@ -9,6 +9,7 @@ from typing import Dict, List, Optional
 
 MINE = ("## Dense decode", "## Flash inference", "## Speculative decoding")
 TITLE = "# flashllm benchmarks"
+PICTURE = "![decode tok/s against the DRAM cap, flashllm and llama.cpp](docs/budget.png)"
 
 
 def fmt(x: Optional[float], digits: int = 2) -> str:
@@ -54,12 +55,14 @@ def header(info: Dict[str, str]) -> str:
         "the platform's user cache folder, e.g. ~/.cache/flashllm on Linux), where `flashllm "
         "pull` puts models/NAME.gguf and the benchmark its converted/NAME-DTYPE folders.", "",
         "`make bench` (scripts/bench/bench.py) writes the sections \"Dense decode\", \"Flash "
-        "inference\" and \"Speculative decoding\"; `make bench QUICK=1` is the SmolLM2-only "
-        "development mode (no speculative section). \"## I/O\" and \"## Quality\" come from "
-        "their own scripts (named in each section); the protocol is docs/DESIGN.md's "
-        "\"Benchmark protocol\", and the dated notes that read these tables are in "
-        "docs/history/.",
-        "",
+        "inference\" and \"Speculative decoding\", and draws the 1.5B's rows of \"Flash "
+        "inference\" as docs/budget.png (the README's picture); `make bench QUICK=1` is the "
+        "SmolLM2-only development mode (no speculative section, no picture). \"## I/O\" and "
+        "\"## Quality\" come from their own scripts (the command is given with each table); the "
+        "protocol is docs/DESIGN.md's \"Benchmark protocol\". This file is the reference, not the "
+        "log: dated studies and the session notes that read these tables are in docs/history/ "
+        "(its README lists them).", "",
+        PICTURE, "",
     ])
 
 
