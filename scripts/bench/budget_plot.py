@@ -13,7 +13,7 @@ from typing import Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "qwen2.5-coder-1.5b"
-TITLE = "Qwen2.5-Coder-1.5B (Q4_K_M GGUF, 1066 MiB), 2 threads, decode"
+TITLE = "Qwen2.5-Coder-1.5B (a 1066 MiB GGUF file), 2 threads: decode speed"
 FLASHLLM, LLAMACPP = "flashllm (default)", "llama.cpp"
 
 Point = Tuple[str, Optional[float], Optional[float]]   # (cap label, flashllm tok/s, llama.cpp tok/s)
