@@ -251,9 +251,10 @@ def test_auto_skips_a_predictor_that_cannot_pay(tmp_path, cap):
 @pytest.mark.parametrize("cap", ["560MiB", "1GiB", "1500MiB", "3GiB"])
 def test_auto_skips_the_predictor_runs_measured_slower(tmp_path, cap):
     """The 0.5B's calibrated gate_up (1/3 of its q8_0 FFN, load 0.515) was slower than no
-    predictor at every budget measured (docs/PREDICTOR.md, 1.4-2.4x), though the read+touch
-    rule without read-ahead, gather cost and margin took it; here at the same share of the
-    1.5B's FFN, from a budget that streams most of it to one that holds everything."""
+    predictor at every budget measured (1.2-2.3x: docs/history/2026-11-28-predictor-studies.md,
+    "When a predictor pays"), though the read+touch rule without read-ahead, gather cost and
+    margin took it; here at the same share of the 1.5B's FFN, from a budget that streams most of
+    it to one that holds everything."""
     from flashllm.runtime.assemble import FlashOptions, plan_run
     path = q15_with_predictor(tmp_path, 220 * MiB, 0.515)
     assert not plan_run(path, FlashOptions(cap), 512, 40 * MiB).predictor

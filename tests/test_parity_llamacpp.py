@@ -10,7 +10,7 @@ top-16 logits sit up to 0.84 away from that exact computation (a per-position sh
 is at a top-2 margin below 0.15 in one of them. On gemma-3-270m (Q4_K_M) llama.cpp disagrees with
 itself as much: its logits of the teacher-forced prompts fed one token per eval (its decode path)
 agree with its one-batch fixture at 186 of 192 positions (all 161 clear ones), mean |log-prob
-difference| 0.13 at the top 16 (BENCHMARKS.md, "Quality", Gemma-3-270M). Hence a decision is
+difference| 0.13 at the top 16 (docs/history/2026-11-24-conversion-studies.md, Gemma-3-270M). Hence a decision is
 compared only where llama.cpp's top-2 margin is at least NEAR_TIE (0.25, above the largest margin
 swing seen):
 - teacher forcing: top-1 agreement >= 99% over 3 prompts x 64 positions, counting positions that

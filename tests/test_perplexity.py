@@ -129,7 +129,7 @@ def test_gemma3_native_perplexity_within_1pct_of_llamacpp(kind):
     scored token by token (its decode path) instead of in one batch gives ×0.9971 (code) and
     ×1.0039 (prose) of its own figures here, and on the F32 re-export of the file ×0.9927 and
     ×0.9978. The 508-token fixture above is too short for a 1% bar: there llama.cpp's decode
-    path gives ×0.9891 of its batch figure (BENCHMARKS.md, "Quality", Gemma-3-270M)."""
+    path gives ×0.9891 of its batch figure (docs/history/2026-11-24-conversion-studies.md, Gemma-3-270M)."""
     from conftest import _converted
     fx = json.loads(FIXTURE.with_name(f"gemma-3-270m-{kind}.ppl.json").read_text())
     tokens = np.array(fx["token_ids"], dtype=np.int32)                  # (n_chunks * n_ctx,)
