@@ -15,7 +15,7 @@ so a draft token reads nothing from flash (but its embedding row when the embedd
 and the head row of a token the context meets for the first time). Where the caches hold at
 least CARRY_MIN_SHARE of each layer's neurons, the draft's FFN also adds a share of what the
 other (cold) neurons added at the latest verified position (ColdCarry), fitted per layer from
-the verifying passes (docs/PREDICTOR.md, "Borrowing the previous position's cold output").
+the verifying passes (docs/PREDICTOR.md, "Kept, where it is fitted to lend").
 Its keys and values enter the shared KV cache at speculative positions; the verifying pass
 writes those positions again, so a rejected guess leaves nothing behind (the cache holds each
 position's last write, and attention reads only positions up to its own).

@@ -2,7 +2,7 @@
 sketches (simulated: the weights are quantized, then kept dequantized in f32, so only their
 accuracy is measured) and the static hot set (the most frequently active slots, no DRAM).
 
-docs/PREDICTOR.md "Cheaper sketches" has the results.
+docs/history/2026-11-28-predictor-studies.md "Cheaper sketches" has the results.
 """
 from __future__ import annotations
 
