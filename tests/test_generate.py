@@ -79,3 +79,15 @@ def test_summary_is_a_llama_cpp_timings_line():
     assert re.search(r"eval time =\s+200\.00 ms /\s+4 runs\s+\(\s+50\.00 ms per token,"
                      r"\s+20\.00 tokens per second\)", text), text
     assert s.prefill_tps == pytest.approx(16.0) and s.decode_tps == pytest.approx(20.0)
+
+
+def test_eval_line_counts_tokens_made_and_the_draft_line_the_passes():
+    """Issue 47: 20 passes that kept 43 guesses made 63 tokens; llama.cpp's eval line counts
+    tokens, so it says 63 (and the speed --json reports), the draft line says 20 passes."""
+    s = GenStats(n_prompt=8, n_gen=63, n_decode=20, n_drafted=60, n_accepted=43,
+                 prefill_s=0.5, decode_s=5.35402)
+    text = s.summary()
+    assert re.search(r"\n\s+eval time =\s+5354\.02 ms /\s+63 runs\s+\(\s+84\.98 ms per token,"
+                     r"\s+11\.77 tokens per second\)", text), text
+    assert "20 passes, 3.15 tokens a pass" in text, text
+    assert s.decode_tps == pytest.approx(63 / 5.35402)

@@ -36,11 +36,18 @@ class GenStats:
                 f"{rate:8.2f} tokens per second)")
 
     def summary(self) -> str:
-        """Two lines as llama.cpp prints them: prompt eval and eval (decode) speeds."""
+        """The lines llama.cpp prints: sampling, prompt eval and eval (decode) speeds, the eval
+        line counting the tokens the decode passes made (a pass that keeps draft guesses makes
+        more than one: the draft line counts the passes)."""
         return "\n".join([self._line("   sampling time", self.sample_s, self.n_gen + self.stopped, "runs  "),
                           self._line("prompt eval time", self.prefill_s, self.n_prompt, "tokens"),
-                          self._line("       eval time", self.decode_s, self.n_decode, "runs  ")]
+                          self._line("       eval time", self.decode_s, self.n_made, "runs  ")]
                          + ([self.draft_line()] if self.n_drafted else []))
+
+    @property
+    def n_made(self) -> int:
+        """Tokens the decode passes made: one a pass, and each guess a pass kept."""
+        return self.n_decode + self.n_accepted
 
     def draft_line(self) -> str:
         kept = self.n_accepted / self.n_drafted if self.n_drafted else 0.0
@@ -48,7 +55,7 @@ class GenStats:
         sib = f", {self.n_sibling_kept} of {self.n_siblings} siblings taken" \
             if self.n_siblings else ""
         return (f"           draft = {self.n_drafted:5d} guessed, {self.n_accepted:5d} kept "
-                f"({100 * kept:.0f}%){sib}, {per:.2f} tokens per eval run, "
+                f"({100 * kept:.0f}%){sib}, {self.n_decode} passes, {per:.2f} tokens a pass, "
                 f"{self.draft_s * 1e3:.2f} ms drafting")
 
     @property
@@ -58,7 +65,7 @@ class GenStats:
     @property
     def decode_tps(self) -> float:
         """Tokens the decode passes made per second (a pass makes 1 + its kept guesses)."""
-        return (self.n_decode + self.n_accepted) / self.decode_s if self.decode_s > 0 else 0.0
+        return self.n_made / self.decode_s if self.decode_s > 0 else 0.0
 
 
 def prefill(model, ids: Sequence[int], pos0: int = 0) -> np.ndarray:
