@@ -362,7 +362,8 @@ def _chat(flash, net, tok, sampler, system: Optional[str], template_file: Option
     cfg = flash.config
     bos = tok.hf.id_to_token(cfg.bos_token_id) if cfg.bos_token_id is not None else None
     eos = tok.hf.id_to_token(cfg.eos_token_ids[0]) if cfg.eos_token_ids else None
-    template, origin = load_template(flash.chat_template, override, bos or "", eos or "")
+    template, origin = load_template(flash.chat_template, override, bos or "", eos or "",
+                                     cfg.arch)
     session = ChatSession(net, tok, sampler, template, system=system, n_predict=n_predict,
                           draft=draft)
     tty = sys.stdin.isatty()
@@ -381,6 +382,8 @@ def _chat(flash, net, tok, sampler, system: Optional[str], template_file: Option
     if as_json:
         err.print(json.dumps({"turns": [t.to_dict() for t in session.turns]}), markup=False,
                   soft_wrap=True, highlight=False)
+    if session.n_failed:
+        fail(f"{session.n_failed} message(s) were not answered (the errors above)")
 
 
 def _stats_json(stats, flash: Optional[dict] = None) -> str:

@@ -52,9 +52,13 @@ class ChatSession:
     cached: list = field(default_factory=list)   # token ids with valid KV at positions 0..n-1
     draft: object = None                 # speculate.NgramDraft, or None: one token per pass
     turns: list = field(default_factory=list)    # TurnStats of every turn
+    n_failed: int = 0                    # messages not answered (the template or context refused)
 
     def __post_init__(self) -> None:
+        """Refuses (ChatError) a template that cannot render a first message: it would refuse
+        every one."""
         self.reset()
+        self.template.render(self.messages + [{"role": "user", "content": "Hello"}])
 
     def reset(self) -> None:
         """Forget the conversation (the system prompt stays). The KV entries of the system
@@ -262,6 +266,7 @@ def _turn(session: ChatSession, io: ReplIO, interrupt: Interrupt, text: str) -> 
         with interrupt.armed():
             stats = session.ask(text, io.write, interrupt)
     except ChatError as e:
+        session.n_failed += 1
         io.note(f"error: {e}")
         return
     io.write("\n")

@@ -2,8 +2,9 @@
 
 Templates come from the converted model (tokenizer_config.json's chat_template or GGUF
 tokenizer.chat_template) or a file the user names. They are untrusted code, so they run in
-jinja2's ImmutableSandboxedEnvironment with the globals transformers provides (raise_exception,
-strftime_now, a JSON tojson filter) and nothing else.
+jinja2's ImmutableSandboxedEnvironment, bounded in size and time (template_sandbox.py), with the
+globals transformers provides (raise_exception, strftime_now, a JSON tojson filter) and nothing
+else.
 """
 from __future__ import annotations
 
@@ -12,14 +13,23 @@ from datetime import datetime
 from typing import Sequence
 
 import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from flashllm.errors import FlashError
+from flashllm.generation.template_sandbox import BoundedEnvironment, TemplateLimit, bounded_render
 
 # llama.cpp's fallback when a model carries no template (llm_chat_template CHATML).
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
           " + '<|im_end|>' + '\n' }}{% endfor %}"
           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+# A model family's own turn markers, for a file of that family that carries no template (Gemma's
+# GGUFs often do not): Gemma has no system turn, so the system prompt opens the first user turn.
+GEMMA = ("{{ bos_token }}{% set ns = namespace(system='') %}{% for message in messages %}"
+         "{% if message['role'] == 'system' %}{% set ns.system = message['content'] + '\n\n' %}"
+         "{% else %}{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else 'user')"
+         " + '\n' + ns.system + message['content'] + '<end_of_turn>\n' }}"
+         "{% set ns.system = '' %}{% endif %}{% endfor %}"
+         "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
+FAMILY_TEMPLATES = {"gemma3": ("Gemma", GEMMA)}   # ModelConfig.arch -> (family, template)
 ROLES = ("system", "user", "assistant")
 
 
@@ -46,9 +56,9 @@ class ChatTemplate:
     def __init__(self, source: str, bos_token: str = "", eos_token: str = "", name: str = "template"):
         if not isinstance(source, str) or not source.strip():
             raise ChatError(f"chat {name} is empty")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = _tojson
+        env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                 extensions=["jinja2.ext.loopcontrols"])
+        env.add_filter("tojson", _tojson)
         env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
         try:
             self._template = env.from_string(source)
@@ -64,11 +74,13 @@ class ChatTemplate:
             if m.get("role") not in ROLES or not isinstance(m.get("content"), str):
                 raise ChatError(f"bad chat message {m!r}: needs a role in {ROLES} and text content")
         try:
-            text = self._template.render(messages=[dict(m) for m in messages],
-                                         add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token, eos_token=self.eos_token)
-        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError,
-                AttributeError, ZeroDivisionError, RecursionError) as e:
+            text = bounded_render(self._template, messages=[dict(m) for m in messages],
+                                  add_generation_prompt=add_generation_prompt,
+                                  bos_token=self.bos_token, eos_token=self.eos_token)
+        except TemplateLimit as e:
+            raise ChatError(f"chat {self.name} refused: {e}") from None
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, OverflowError,
+                AttributeError, ZeroDivisionError, RecursionError, MemoryError) as e:
             raise ChatError(f"chat {self.name} failed to render the conversation: "
                             f"{type(e).__name__}: {e}") from None
         if not isinstance(text, str):
@@ -77,10 +89,15 @@ class ChatTemplate:
 
 
 def load_template(flash_template: str | None, override: str | None, bos_token: str,
-                  eos_token: str) -> tuple[ChatTemplate, str]:
-    """The template to use and where it came from: override text, the model's, else ChatML."""
+                  eos_token: str, arch: str = "") -> tuple[ChatTemplate, str]:
+    """The template to use and where it came from: override text, the model's, its family's
+    turn markers (arch: ModelConfig.arch), else ChatML (llama.cpp's fallback)."""
     if override is not None:
         return ChatTemplate(override, bos_token, eos_token, "template file"), "--chat-template"
     if flash_template:
         return ChatTemplate(flash_template, bos_token, eos_token, "template of the model"), "model"
+    if arch in FAMILY_TEMPLATES:
+        family, source = FAMILY_TEMPLATES[arch]
+        return (ChatTemplate(source, bos_token, eos_token, f"template ({family} turns)"),
+                f"{family} turns (the model carries no template)")
     return ChatTemplate(CHATML, bos_token, eos_token, "template (ChatML fallback)"), "ChatML fallback"
