@@ -15,6 +15,7 @@ import typer
 from flashllm.runtime.assemble import AUTO_DRAFT, AUTO_ROWS, DRAFT_KINDS, PREDICTOR_MODES
 from flashllm.cli.app import (MODEL_HELP, DEFAULT_THREADS, MAX_THREADS, cache_dir, choice,
                               command, err, fail, model_path)
+from flashllm.cli.progress import eta_progress
 from flashllm.cli.prompt_io import read_line, read_prompt, read_tty
 
 PredictorMode = choice("PredictorMode", PREDICTOR_MODES)
@@ -322,7 +323,7 @@ def _complete(net, tok, sampler, ids: list[int], n_predict: int, draft=None):
         out.flush()
 
     stats = generate(net, sampler, ids, n_predict, stop_ids=tok.eos_ids, on_token=emit,
-                     draft=draft)
+                     draft=draft, on_prefill=eta_progress(f"prefill of {len(ids)} tokens"))
     out.write(detok.flush() + "\n")
     out.flush()
     return stats

@@ -68,24 +68,33 @@ class GenStats:
         return self.n_made / self.decode_s if self.decode_s > 0 else 0.0
 
 
-def prefill(model, ids: Sequence[int], pos0: int = 0) -> np.ndarray:
-    """Run the prompt ids (T,) at positions pos0..; the next-token logits (vocab,)."""
-    return model.forward(np.asarray(ids, dtype=np.int32), pos0, last_only=True)[0]   # (vocab,)
+Progress = Callable[[int, int], None]      # (layers done, n_layers) of a prefill
+
+
+def prefill(model, ids: Sequence[int], pos0: int = 0,
+            progress: Optional[Progress] = None) -> np.ndarray:
+    """Run the prompt ids (T,) at positions pos0..; the next-token logits (vocab,).
+    progress(layers done, n_layers) after each layer, when given."""
+    tokens = np.asarray(ids, dtype=np.int32)                                       # (T,)
+    if progress is None:
+        return model.forward(tokens, pos0, last_only=True)[0]                     # (vocab,)
+    return model.forward(tokens, pos0, last_only=True, progress=progress)[0]      # (vocab,)
 
 
 def generate(model, sampler, prompt_ids: Sequence[int], n_predict: int,
              stop_ids: Iterable[int] = (), on_token: Optional[Callable[[int], None]] = None,
-             pos0: int = 0, draft=None) -> GenStats:
+             pos0: int = 0, draft=None, on_prefill: Optional[Progress] = None) -> GenStats:
     """Prefill prompt_ids at pos0, then sample up to n_predict tokens (n_predict < 0: until a
     stop token or the context is full). Each emitted token goes to on_token; a stop token ends
     the loop without being emitted. With a draft (speculate.NgramDraft), each pass also checks
-    the draft's guesses and may yield several tokens, distributed as without it."""
+    the draft's guesses and may yield several tokens, distributed as without it. on_prefill:
+    prefill's progress."""
     stops = set(int(t) for t in stop_ids)
     history = [int(t) for t in prompt_ids]
     stats = GenStats(n_prompt=len(history))
     clock = time.perf_counter
     t0 = clock()
-    logits = prefill(model, history, pos0)                  # (vocab,)
+    logits = prefill(model, history, pos0, on_prefill)      # (vocab,)
     stats.prefill_s = clock() - t0
     pos = pos0 + len(history)                               # where the next fed token goes
     limit = n_predict if n_predict >= 0 else model.n_ctx - pos + 1

@@ -22,7 +22,7 @@ as _attention_block and _ffn_block, so the same bits, without Python between the
 from __future__ import annotations
 
 import copy
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -93,7 +93,8 @@ class Model:
         self.v_cache.fill(0.0)
 
     def forward(self, tokens, pos0: int, last_only: bool = False,
-                siblings: Sequence[int] = ()) -> np.ndarray:
+                siblings: Sequence[int] = (),
+                progress: Optional[Callable[[int, int], None]] = None) -> np.ndarray:
         """logits (T, vocab) f32 for tokens (T,) at positions pos0 .. pos0+T-1; (1, vocab) for
         the last position only when last_only (a prompt's prefill: the FFN's stats count the pass
         as prefill, any other as decode). Keys/values of those positions enter the cache.
@@ -102,7 +103,8 @@ class Model:
         stands at position pos0 + siblings[s] (1 <= siblings[s] < T - S) in place of the chain's
         token there, after the chain's tokens before it. Its logits are the ones a pass with it
         in the chain would give, bit for bit (each query attends to exactly those keys, in the
-        same order); its keys and values stay aside until keep_sibling puts them in the cache."""
+        same order); its keys and values stay aside until keep_sibling puts them in the cache.
+        progress(layers done, n_layers) after each layer (a long prompt's prefill shows it)."""
         tokens = np.ascontiguousarray(tokens, dtype=np.int32).reshape(-1)  # (T,)
         sib = np.asarray(siblings, dtype=np.int32).reshape(-1)           # (S,)
         T, n = len(tokens), len(tokens) - len(sib)
@@ -130,6 +132,8 @@ class Model:
                 ffn(x, self.n_threads)                                   # x (1, d_model) += ffn
             else:
                 self._ffn_block(i, layer, x)                             # x (T, d_model) += ffn
+            if progress is not None:
+                progress(i + 1, self.config.n_layers)
         if last_only:
             x = np.ascontiguousarray(x[-1:])                             # (1, d_model)
         x = self._norm(x, self.w.out_norm, self.w.out_norm_b)            # (T, d_model)
