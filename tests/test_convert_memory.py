@@ -1,7 +1,8 @@
 """A conversion's memory does not grow with the model (one row block, one block of an FFN layer's
-neurons at a time)."""
+neurons at a time), and `convert --force` replaces only flashllm's own files of a folder."""
 from __future__ import annotations
 
+import os
 import tracemalloc
 from pathlib import Path
 
@@ -11,6 +12,8 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter
 
 from flashllm.convert.convert import convert
+from flashllm.errors import FormatError
+from flashllm.format import files
 from flashllm.format.reader import open_flash
 
 Q8_BLOCK = 34                                  # bytes of a Q8_0 block of 32: f16 scale, 32 int8
@@ -76,3 +79,61 @@ def test_conversion_peak_does_not_grow_with_the_model(tmp_path, dtype):
     assert peaks[1] - peaks[0] < 4 and peaks[1] < 16, \
         f"peak {peaks[0]:.1f} MiB (small) -> {peaks[1]:.1f} MiB (4x head and FFN)"
     assert open_flash(tmp_path / "large.flash", verify=True).config.vocab_size == 16384
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> Path:
+    return dense_gguf(tmp_path_factory.mktemp("g") / "tiny.gguf", d=128, n_ff=256, vocab=512, layers=1)
+
+
+def _user_files(out: Path) -> None:
+    (out / "my_notes.txt").write_text("mine")
+    (out / "results").mkdir()
+    (out / "results" / "run1.json").write_text("{}")
+
+
+def test_force_replaces_only_flashllms_files(tmp_path, tiny_gguf):
+    out = convert(tiny_gguf, tmp_path / "m.flash", "q8_0")
+    _user_files(out)
+    convert(tiny_gguf, out, None, force=True)             # native: down.bin is new
+    assert open_flash(out, verify=True).dtype == "native"
+    assert (out / "my_notes.txt").read_text() == "mine"
+    assert (out / "results" / "run1.json").read_text() == "{}"
+    convert(tiny_gguf, out, "f16", force=True)            # down.bin goes with the old model
+    assert not (out / "down.bin").exists() and open_flash(out, verify=True).dtype == "f16"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.flash"]   # no trash left
+    assert (out / "my_notes.txt").read_text() == "mine"
+
+
+def test_force_refuses_to_overwrite_a_user_file_naming_it(tmp_path, tiny_gguf):
+    out = convert(tiny_gguf, tmp_path / "m.flash", "q8_0")
+    (out / "down.bin").write_text("mine, not flashllm's")   # the native conversion writes one
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(FormatError, match="holds down.bin, which flashllm did not write"):
+        convert(tiny_gguf, out, None, force=True)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.flash"]
+
+
+def test_an_interrupted_replacement_looks_invalid_and_a_rerun_finishes_it(tmp_path, tiny_gguf,
+                                                                          monkeypatch):
+    out = convert(tiny_gguf, tmp_path / "m.flash", "q8_0")
+    _user_files(out)
+    real, calls = os.rename, []
+
+    def dies_at_the_fourth(a, b):                      # the old manifest and 2 files are out
+        calls.append(b)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        real(a, b)
+    monkeypatch.setattr(files.os, "rename", dies_at_the_fourth)
+    with pytest.raises(KeyboardInterrupt):
+        convert(tiny_gguf, out, None, force=True)
+    monkeypatch.setattr(files.os, "rename", real)
+    assert not (out / "manifest.json").exists()
+    with pytest.raises(FormatError):
+        open_flash(out)
+    convert(tiny_gguf, out, None, force=True)
+    assert open_flash(out, verify=True).dtype == "native"
+    assert (out / "my_notes.txt").read_text() == "mine" and (out / "results").is_dir()
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []

@@ -17,8 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from flashllm import __version__
-from flashllm.format.files import fsync_dir, sweep_leftovers, sync_close, why
-from flashllm.format.reader import FlashModel
+from flashllm.format.files import check_target, fsync_dir, install, sweep_leftovers, sync_close, why
 from flashllm.format.layout import (NATIVE, DENSE_ALIGN, DENSE_FILE, DENSE_HEADER, DENSE_MAGIC, DTYPE_CODES,
                             DOWN_ALIGN, DOWN_FILE, FFN_ALIGN, FFN_FILE, FFN_HEADER, FFN_MAGIC, FORMAT_VERSION, MAGIC,
                             MANIFEST_FILE, ORDER_FILE, TOKENIZER_FILE, align_up, crc32_array,
@@ -353,15 +352,7 @@ class FlashWriter:
     def _install(self) -> None:
         try:
             fsync_dir(self.tmp)
-            if self.out.exists() or self.out.is_symlink():
-                self._check_target()
-                old = self.out.parent / f".{self.out.name}.old-{os.getpid()}"
-                os.rename(self.out, old)
-                os.rename(self.tmp, self.out)
-                shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
-            else:
-                os.rename(self.tmp, self.out)
-            fsync_dir(self.out.parent)
+            install(self.tmp, self.out, self.force)
         except OSError as e:
             raise FormatError(f"cannot move the flash model into {self.out}: {why(e)}") from None
 
@@ -380,20 +371,7 @@ class FlashWriter:
         self.state = WriterState.ABORTED
 
     def _check_target(self) -> None:
-        """An existing output may only be a flash model folder, and is replaced only with force:
-        a file, a link or any other folder is never deleted."""
-        if not (self.out.exists() or self.out.is_symlink()):
-            return
-        if not self.force:
-            raise FormatError(f"{self.out} already exists (use --force to replace it)")
-        if self.out.is_symlink() or not self.out.is_dir():
-            raise FormatError(f"{self.out} is not a flash model folder: --force replaces only a "
-                              "converted model, never a file")
-        try:
-            FlashModel(self.out)
-        except FormatError as e:
-            raise FormatError(f"{self.out} is not a flash model folder, so --force will not "
-                              f"replace it ({e}); choose another output") from None
+        check_target(self.out, self.force)
 
     def _require(self, *states: WriterState, what: str) -> None:
         if self.state not in states:
