@@ -10,8 +10,8 @@ import zlib
 
 import numpy as np
 
-from flashllm.model.config import ModelConfig
 from flashllm.errors import FormatError
+from flashllm.model.archs.tensors import ROUTER, required_tensors  # noqa: F401 (the format's)
 from flashllm.model.tensor import BLOCK_SIZE, DTYPE_CODES, companion, row_bytes
 from flashllm.units import PAGE
 
@@ -52,7 +52,6 @@ FFN_HEADER = struct.Struct("<8sIIIIQQQQQQQ")
 CRC_CHUNK = 16 << 20             # bytes hashed per zlib.crc32 call when streaming a file
 
 _FFN_WEIGHT = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)(?:_(exps|shexp))?\.weight")
-ROUTER = "ffn_gate_inp.weight"    # an MoE router: kept f32, as llama.cpp never quantizes it
 SKETCH = "output_sketch.weight"   # the output head's Q2_K sketch (vocab, d_pad): convert/head_sketch.py
 SKETCH_VAR = "output_sketch.var"  # its mean squared error per superblock (vocab, d_pad / 256) f32
 SKETCH_NAMES = (SKETCH, SKETCH_VAR)
@@ -138,53 +137,3 @@ def crc32_file(f, offset: int, nbytes: int) -> int:
 def crc32_array(a: np.ndarray, crc: int = 0) -> int:
     """zlib's crc32 of a's bytes, continuing crc (that of the bytes before them)."""
     return zlib.crc32(memoryview(np.ascontiguousarray(a)).cast("B"), crc)
-
-
-def required_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every dense tensor the architecture needs, with its shape (docs/ARCHITECTURE.md names)."""
-    d, e = cfg.d_model, cfg.embed_dim
-    layer_norm = cfg.norm == "layer"
-    req: dict[str, tuple[int, ...]] = {"token_embd.weight": (cfg.vocab_size, e),
-                                       "output_norm.weight": (d,)}
-    if layer_norm:
-        req["output_norm.bias"] = (d,)
-    if not cfg.tied_embeddings:
-        req["output.weight"] = (cfg.vocab_size, e)
-    if cfg.pos == "learned":
-        req["position_embd.weight"] = (cfg.context_length + cfg.pos_offset, d)
-    if e != d:
-        req["proj_in.weight"] = (d, e)
-        req["proj_out.weight"] = (e, d)
-    for i in range(cfg.n_layers):
-        req.update(_layer_tensors(cfg, f"blk.{i}.", layer_norm))
-    return req
-
-
-def _layer_tensors(cfg: ModelConfig, p: str, layer_norm: bool) -> dict[str, tuple[int, ...]]:
-    d, q_rows, kv_rows = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    req: dict[str, tuple[int, ...]] = {
-        p + "attn_norm.weight": (d,), p + "ffn_norm.weight": (d,),
-        p + "attn_q.weight": (q_rows, d), p + "attn_k.weight": (kv_rows, d),
-        p + "attn_v.weight": (kv_rows, d), p + "attn_output.weight": (d, q_rows)}
-    if layer_norm:
-        req[p + "attn_norm.bias"] = (d,)
-        req[p + "ffn_norm.bias"] = (d,)
-    if cfg.attn_qkv_bias:
-        req.update({p + "attn_q.bias": (q_rows,), p + "attn_k.bias": (kv_rows,),
-                    p + "attn_v.bias": (kv_rows,)})
-    if cfg.attn_out_bias:
-        req[p + "attn_output.bias"] = (d,)
-    if cfg.qk_norm:
-        full = cfg.qk_norm_full                         # over the whole projection, or per head
-        req.update({p + "attn_q_norm.weight": (q_rows if full else cfg.head_dim,),
-                    p + "attn_k_norm.weight": (kv_rows if full else cfg.head_dim,)})
-    if cfg.sandwich_norm:
-        req.update({p + "post_attention_norm.weight": (d,), p + "post_ffw_norm.weight": (d,)})
-    if cfg.ffn_bias:
-        req[p + "ffn_up.bias"] = (cfg.n_ff,)
-        req[p + "ffn_down.bias"] = (d,)
-    if cfg.n_experts:
-        req[p + ROUTER] = (cfg.n_experts, d)
-    if cfg.n_ff_shared:
-        req[p + "ffn_gate_inp_shexp.weight"] = (d,)
-    return req

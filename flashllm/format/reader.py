@@ -18,6 +18,7 @@ from flashllm.format.layout import (NATIVE, DENSE_FILE, DENSE_HEADER, DENSE_MAGI
                                     crc32_file, fits, ffn_weight, required_tensors, tensor_nbytes)
 from flashllm.format.checks import check_down_rows, file_size as _file_size, get as _get, nat as _nat, \
     side_file as _side_file
+from flashllm.model.archs import arch_named
 from flashllm.model.config import ModelConfig
 from flashllm.errors import FormatError
 from flashllm.format.ffn_section import FfnLayout, check_ffn
@@ -161,6 +162,7 @@ _INT_FIELDS = ("pos_offset", "d_embed")
 def _config(m: dict) -> ModelConfig:
     try:
         cfg = ModelConfig.from_dict(m["config"])
+        arch_named(cfg.arch)
         _check_config_types(cfg)
         return cfg
     except FormatError as e:

@@ -7,8 +7,6 @@ from dataclasses import dataclass
 
 from flashllm.errors import FormatError
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3", "opt", "mixtral", "qwen2moe",
-         "qwen3moe", "olmoe")
 NORMS = ("rms", "layer")
 ACTS = ("silu", "gelu", "relu", "gelu_tanh")
 POSITIONS = ("rope", "learned")
@@ -17,7 +15,7 @@ _TUPLES = ("eos_token_ids", "rope_freq_factors", "sliding_layers")   # JSON list
 
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: str                   # registry key, one of ARCHS
+    arch: str                   # an architecture registered in model/archs/ (arch_named)
     vocab_size: int
     d_model: int                # hidden size
     n_layers: int
@@ -76,9 +74,10 @@ class ModelConfig:
         return self.n_experts * self.n_ff + self.n_ff_shared if self.n_experts else self.n_ff
 
     def validate(self) -> "ModelConfig":
-        """Raise FormatError naming the first field that makes no sense."""
-        if self.arch not in ARCHS:
-            raise FormatError(f"unsupported architecture {self.arch!r} (supported: {', '.join(ARCHS)})")
+        """Raise FormatError naming the first field that makes no sense (that `arch` is
+        registered is model/archs' arch_named, which the manifest's reader asks)."""
+        if not isinstance(self.arch, str) or not self.arch:
+            raise FormatError(f"config field arch={self.arch!r} must be a name")
         for name, allowed in (("norm", NORMS), ("act", ACTS), ("pos", POSITIONS)):
             if getattr(self, name) not in allowed:
                 raise FormatError(f"config field {name}={getattr(self, name)!r} is not one of {allowed}")

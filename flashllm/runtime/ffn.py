@@ -14,6 +14,7 @@ import numpy as np
 
 from flashllm.ffi import kernel
 from flashllm.model.tensor import QTensor
+from flashllm.model.archs.tensors import BY_FIELD
 
 
 def bundle_ids(flash, layer: int) -> Optional[np.ndarray]:
@@ -26,8 +27,8 @@ def bundle_ids(flash, layer: int) -> Optional[np.ndarray]:
 
 def up_biases(flash) -> list[Optional[np.ndarray]]:
     """Per layer the (n_ff,) up bias indexed by neuron id, or None (GLU models have none)."""
-    name = "blk.{}.ffn_up.bias"
-    return [flash.tensor(name.format(i)) if flash.has(name.format(i)) else None
+    up_b = BY_FIELD["up_b"]
+    return [flash.tensor(up_b.at(i)) if flash.has(up_b.at(i)) else None
             for i in range(flash.config.n_layers)]
 
 

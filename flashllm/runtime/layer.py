@@ -9,14 +9,14 @@ q, k and v get the bits of three separate products.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Optional
 
 import numpy as np
 
+from flashllm.model.archs.tensors import ATTN_MATRICES, LAYER
 from flashllm.model.tensor import QTensor
 
-ATTN_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output")
 ROW_ALIGN = 16      # fused matrices join at multiples of this many rows: where the kernels'
                     # row tiles (4), int8 GEMM panels (16) and packed groups (16) start
 
@@ -57,27 +57,22 @@ def opt_tensor(flash, name: str) -> Optional[np.ndarray]:
     return flash.tensor(name) if flash.has(name) else None
 
 
+VECTOR_FIELDS = {f.name for f in fields(Layer)} - {t.field for t in ATTN_MATRICES} - {"wqkv", "bqkv"}
+
+
 def attn_names(i: int) -> list[str]:
-    """The dense tensor names of layer i's attention matrices."""
-    return [f"blk.{i}.{m}.weight" for m in ATTN_MATRICES]
+    """The dense tensor names of layer i's attention matrices (wq, wk, wv, wo)."""
+    return [t.at(i) for t in ATTN_MATRICES]
 
 
 def load_layer(flash, i: int, matrices: Optional[list] = None) -> Layer:
-    """Layer i: vectors read now; matrices (wq, wk, wv, wo) given, or read now too."""
-    p = f"blk.{i}."
+    """Layer i: vectors read now (each field the canonical table gives one, None where the
+    model's config holds no such tensor); matrices (wq, wk, wv, wo) given, or read now too."""
+    cfg = flash.config
+    vectors = {t.field: flash.tensor(t.at(i)) if t.when(cfg) else None
+               for t in LAYER if t.field in VECTOR_FIELDS}
     wq, wk, wv, wo = matrices or [flash.tensor(n) for n in attn_names(i)]
-    opt = lambda name: opt_tensor(flash, p + name)
-    return Layer(
-        attn_norm=flash.tensor(p + "attn_norm.weight"), attn_norm_b=opt("attn_norm.bias"),
-        wq=wq, wk=wk, wv=wv, wo=wo,
-        bq=opt("attn_q.bias"), bk=opt("attn_k.bias"), bv=opt("attn_v.bias"),
-        bo=opt("attn_output.bias"),
-        ffn_norm=flash.tensor(p + "ffn_norm.weight"), ffn_norm_b=opt("ffn_norm.bias"),
-        down_b=opt("ffn_down.bias"),
-        q_norm=opt("attn_q_norm.weight"), k_norm=opt("attn_k_norm.weight"),
-        post_attn_norm=opt("post_attention_norm.weight"),
-        post_ffn_norm=opt("post_ffw_norm.weight"),
-    )
+    return Layer(wq=wq, wk=wk, wv=wv, wo=wo, **vectors)
 
 
 def fuse_qkv(L: Layer) -> Layer:

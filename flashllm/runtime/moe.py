@@ -17,6 +17,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from flashllm.model.archs.tensors import ROUTER, SHARED_GATE
 from flashllm.ffi import kernel
 
 RunExpert = Callable[[int, np.ndarray, np.ndarray], None]   # (expert, h (n, d), y (n, d)): y += FFN
@@ -28,11 +29,10 @@ class Routers:
     def __init__(self, flash, n_threads: int = 1):
         cfg = flash.config
         self.k, self.norm_topk, self.n_threads = cfg.n_experts_used, cfg.norm_topk, n_threads
-        self.weights = [flash.tensor(f"blk.{i}.ffn_gate_inp.weight")       # QTensor (n_exp, d)
+        self.weights = [flash.tensor(f"blk.{i}.{ROUTER}")                  # QTensor (n_exp, d)
                         for i in range(cfg.n_layers)]
-        name = "blk.{}.ffn_gate_inp_shexp.weight"
-        self.shared_gate = [flash.tensor(name.format(i)) if cfg.n_ff_shared else None  # (d,)
-                            for i in range(cfg.n_layers)]
+        self.shared_gate = [flash.tensor(f"blk.{i}.{SHARED_GATE}") if cfg.n_ff_shared else None
+                            for i in range(cfg.n_layers)]                  # (d,) each
 
     @property
     def nbytes(self) -> int:

@@ -29,6 +29,7 @@ from flashllm.ffi.quant import dequantize_rows
 from flashllm.format.layout import SKETCH
 from flashllm.format.reader import as_tensor
 from flashllm.model.tensor import QTensor
+from flashllm.model.archs.tensors import BY_FIELD
 from flashllm.runtime.layer import Layer, attn_names, fuse_qkv, load_layer, opt_tensor
 from flashllm.units import PAGE
 
@@ -59,11 +60,13 @@ class DenseWeights:
         self.reader = reader
         self.tied = not flash.has("output.weight")
         self.head_name = "token_embd.weight" if self.tied else "output.weight"
-        self.pos_embd = opt_tensor(flash, "position_embd.weight")              # QTensor (n_pos, d_model)
-        self.proj_in = opt_tensor(flash, "proj_in.weight")                     # QTensor (d_model, embed_dim)
-        self.proj_out = opt_tensor(flash, "proj_out.weight")                   # QTensor (embed_dim, d_model)
-        self.out_norm = flash.tensor("output_norm.weight")               # (d_model,)
-        self.out_norm_b = opt_tensor(flash, "output_norm.bias")                # (d_model,)
+        own = {f: opt_tensor(flash, BY_FIELD[f].at()) for f in ("pos_embd", "proj_in", "proj_out",
+                                                               "out_norm", "out_norm_b")}
+        self.pos_embd = own["pos_embd"]                                  # QTensor (n_pos, d_model)
+        self.proj_in = own["proj_in"]                                    # QTensor (d_model, embed_dim)
+        self.proj_out = own["proj_out"]                                  # QTensor (embed_dim, d_model)
+        self.out_norm = flash.tensor(BY_FIELD["out_norm"].at())          # (d_model,)
+        self.out_norm_b = own["out_norm_b"]                              # (d_model,)
         self.token_embd = self._resident("token_embd.weight")            # QTensor (vocab, embed_dim)
         self.head = (self.token_embd if self.tied else self._resident("output.weight"))
         if pack and not self.tied and self.head is not None:   # q6_k / q8_0 in place: no 2nd copy

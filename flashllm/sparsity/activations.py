@@ -22,6 +22,7 @@ import numpy as np
 from flashllm.errors import FlashError
 from flashllm.ffi.quant import dequantize_rows
 from flashllm.model.tensor import row_bytes
+from flashllm.model.archs.tensors import BY_FIELD
 
 CRITERIA = ("glu_product", "gate", "relu", "magnitude")
 
@@ -67,7 +68,7 @@ def ffn_weights(flash, layer: int, n_threads: int = 1,
              for k in range(2 if cfg.glu else 1)]                 # each (n_ff, d_model)
     gate, up = (parts[0], parts[1]) if cfg.glu else (None, parts[0])
     bias = None
-    name = f"blk.{layer}.ffn_up.bias"
+    name = BY_FIELD["up_b"].at(layer)
     if flash.has(name):
         bias = np.asarray(flash.tensor(name), np.float32)         # (n_ff,) by neuron id
         if f.neuron_order is not None:

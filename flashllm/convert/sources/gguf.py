@@ -15,8 +15,9 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
-from flashllm.model.arch import arch_for_gguf, check_tensor_set
-from flashllm.model.gguf_config import gguf_config
+from flashllm.model.archs import arch_for_gguf
+from flashllm.model.archs.gguf import gguf_config
+from flashllm.model.archs.tensors import check_tensor_set
 from flashllm.errors import FlashError, SourceError
 from flashllm.convert.gguf_vocab import gguf_tokenizer_json
 from flashllm.convert.sources.base import GGUF_MAGIC, Source

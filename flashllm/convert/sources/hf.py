@@ -13,9 +13,9 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, so safetensors c
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from flashllm.model.arch import Arch, arch_for_hf, check_tensor_set
-from flashllm.model.hf_config import eos_ids
-from flashllm.model.arch_moe import SHARED_GATE
+from flashllm.model.archs import Arch, arch_for_hf
+from flashllm.model.archs.hf import eos_ids
+from flashllm.model.archs.tensors import SHARED_GATE, check_tensor_set
 from flashllm.model.config import ModelConfig
 from flashllm.errors import FlashError, SourceError
 from flashllm.convert.sources.base import Source

@@ -1,6 +1,6 @@
-"""Mixture-of-experts architectures as data: their Hugging Face tensor tables, the MoE and
-QK-norm fields of a ModelConfig read from config.json or GGUF metadata, and the canonical tensors
-an MoE layer holds (docs/ARCHITECTURE.md). flashllm/model/arch.py registers them.
+"""The mixtures of experts: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE — llama-like attention (Qwen's
+QK-norm where they have it), their FFN tables, and the MoE fields of config.json (GGUF's are read
+by model/archs/gguf.py for every architecture: a "llama" GGUF may hold experts).
 
 An MoE layer's FFN is a router `ffn_gate_inp` (n_experts, d_model), resident, and n_experts
 gated experts of n_ff neurons each, `ffn_{gate,up,down}_exps` (n_experts, n_ff, d_model) /
@@ -13,7 +13,10 @@ from __future__ import annotations
 from typing import Mapping
 
 from flashllm.errors import SourceError
-from flashllm.model.hf_config import need
+from flashllm.model.archs.base import register
+from flashllm.model.archs.hf import every_layer_window, need, refuse_sliding, rope_model
+from flashllm.model.archs.llama import LLAMA_ATTENTION, QK_NORM, ROTARY_BUFFERS
+from flashllm.model.config import ModelConfig
 
 MIXTRAL_FFN_TABLE = (
     ("model.layers.{i}.block_sparse_moe.gate.weight", "blk.{i}.ffn_gate_inp.weight"),
@@ -32,8 +35,6 @@ QWEN_MOE_FFN_TABLE = (                        # Qwen2-MoE, Qwen3-MoE, OLMoE
     ("model.layers.{i}.mlp.shared_expert.down_proj.weight", "blk.{i}.ffn_down_shexp.weight"),
     ("model.layers.{i}.mlp.shared_expert_gate.weight", "blk.{i}.ffn_gate_inp_shexp.weight"),
 )
-
-SHARED_GATE = "ffn_gate_inp_shexp.weight"     # HF stores it (1, d_model), canonical is (d_model,)
 
 
 def hf_moe_fields(cfg: Mapping, where: str, ff_key: str, norm_topk=None) -> dict:
@@ -56,35 +57,46 @@ def hf_moe_fields(cfg: Mapping, where: str, ff_key: str, norm_topk=None) -> dict
     return fields
 
 
-def gguf_moe_fields(meta: Mapping, a: str, names, norm_default: bool) -> dict:
-    """The MoE fields from GGUF metadata `{a}.expert_*` ({} for a dense model); norm_topk from
-    `{a}.expert_weights_norm` when written, else what llama.cpp does for the architecture."""
-    n_experts = int(meta.get(f"{a}.expert_count") or 0)
-    if not n_experts:
-        return {}
-    gating = meta.get(f"{a}.expert_gating_func")
-    if gating not in (None, 1):
-        raise SourceError(f"GGUF {a}.expert_gating_func={gating}: only softmax routing (1) is "
-                          f"supported")
-    if meta.get(f"{a}.expert_weights_scale") not in (None, 1.0):
-        raise SourceError(f"GGUF {a}.expert_weights_scale="
-                          f"{meta[f'{a}.expert_weights_scale']}: scaled expert weights are unsupported")
-    used = meta.get(f"{a}.expert_used_count")
-    n_ff = meta.get(f"{a}.expert_feed_forward_length") or meta.get(f"{a}.feed_forward_length")
-    if used is None or n_ff is None:
-        raise SourceError(f"GGUF metadata has {a}.expert_count but no {a}.expert_used_count or "
-                          f"feed-forward length")
-    shared = int(meta.get(f"{a}.expert_shared_feed_forward_length") or 0) \
-        if "blk.0.ffn_up_shexp.weight" in names else 0
-    norm = meta.get(f"{a}.expert_weights_norm")
-    return dict(n_experts=n_experts, n_experts_used=int(used), n_ff=int(n_ff), n_ff_shared=shared,
-                norm_topk=bool(norm_default if norm is None else norm))
+MIXTRAL_TABLE = LLAMA_ATTENTION + MIXTRAL_FFN_TABLE
+QWEN_MOE_TABLE = LLAMA_ATTENTION + QK_NORM + QWEN_MOE_FFN_TABLE
 
 
-def moe_parts(n_ff_shared: int) -> list[str]:
-    """The tensors of an MoE layer's FFN (each blk.N.PART.weight), in order."""
-    parts = ["ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"]
-    if n_ff_shared:
-        parts += ["ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"]
-    return parts
+@register("mixtral", ["MixtralForCausalLM"], MIXTRAL_TABLE, ROTARY_BUFFERS)
+def mixtral_config(cfg: Mapping) -> ModelConfig:
+    """Mixtral: Mistral attention, top-k experts always renormalised (MixtralTopKRouter)."""
+    moe = hf_moe_fields(cfg, "MixtralForCausalLM", "intermediate_size", True)
+    return rope_model(cfg, "mixtral", False, False, **moe,
+                      **every_layer_window(cfg, "MixtralForCausalLM"))
 
+
+@register("qwen2moe", ["Qwen2MoeForCausalLM"], QWEN_MOE_TABLE, ROTARY_BUFFERS,
+          gguf_archs=["qwen2moe"])
+def qwen2moe_config(cfg: Mapping) -> ModelConfig:
+    """Qwen2-MoE: Qwen2 attention (q/k/v biases: qkv_bias), a shared expert with a sigmoid gate."""
+    where = "Qwen2MoeForCausalLM"
+    refuse_sliding(cfg, where)
+    moe = hf_moe_fields(cfg, where, "moe_intermediate_size")
+    return rope_model(cfg, "qwen2moe", bool(cfg.get("qkv_bias", True)), False, **moe)
+
+
+@register("qwen3moe", ["Qwen3MoeForCausalLM"], QWEN_MOE_TABLE, ROTARY_BUFFERS,
+          gguf_archs=["qwen3moe"], gguf_norm_topk=True)
+def qwen3moe_config(cfg: Mapping) -> ModelConfig:
+    """Qwen3-MoE: Qwen3's per-head QK-norm, no shared expert."""
+    where = "Qwen3MoeForCausalLM"
+    refuse_sliding(cfg, where)
+    moe = hf_moe_fields(cfg, where, "moe_intermediate_size")
+    bias = bool(cfg.get("attention_bias", False))
+    return rope_model(cfg, "qwen3moe", bias, bias, qk_norm=True, **moe)
+
+
+@register("olmoe", ["OlmoeForCausalLM"], QWEN_MOE_TABLE, ROTARY_BUFFERS, gguf_archs=["olmoe"],
+          gguf_qk_norm_full=True)
+def olmoe_config(cfg: Mapping) -> ModelConfig:
+    """OLMoE: QK-norm over the whole q / k projection; clip_qkv is refused."""
+    where = "OlmoeForCausalLM"
+    if cfg.get("clip_qkv") is not None:
+        raise SourceError(f"{where}: clip_qkv is unsupported")
+    moe = hf_moe_fields(cfg, where, "intermediate_size")
+    bias = bool(cfg.get("attention_bias", False))
+    return rope_model(cfg, "olmoe", bias, bias, qk_norm=True, qk_norm_full=True, **moe)

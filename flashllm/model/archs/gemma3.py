@@ -1,4 +1,5 @@
-"""Gemma 3's text model as ModelConfig fields, from config.json and from a GGUF.
+"""Gemma 3's text model: its tensor table and its ModelConfig fields, from config.json and from
+a GGUF.
 
 What sets it apart, all data the one forward pass reads (runtime/model.py):
 - GeGLU: gelu with the tanh approximation (`gelu_pytorch_tanh`) gating the up projection;
@@ -24,7 +25,9 @@ import numpy as np
 
 from flashllm.errors import SourceError
 from flashllm.model.config import ModelConfig
-from flashllm.model.hf_config import need, rope_model
+from flashllm.model.archs.base import register
+from flashllm.model.archs.hf import need, rope_model
+from flashllm.model.archs.llama import ROTARY_BUFFERS
 from flashllm.model.rope import hf_rope
 
 WHERE = "Gemma3ForCausalLM"
@@ -48,6 +51,39 @@ def _sliding_layers(cfg: Mapping, n_layers: int) -> tuple[int, tuple[int, ...]]:
     return (window, sliding) if window and sliding else (0, ())
 
 
+GEMMA3_TABLE = (
+    ("model.embed_tokens.weight", "token_embd.weight"),
+    ("model.norm.weight", "output_norm.weight"),
+    ("lm_head.weight", "output.weight"),
+    ("model.layers.{i}.input_layernorm.weight", "blk.{i}.attn_norm.weight"),
+    ("model.layers.{i}.self_attn.q_proj.weight", "blk.{i}.attn_q.weight"),
+    ("model.layers.{i}.self_attn.k_proj.weight", "blk.{i}.attn_k.weight"),
+    ("model.layers.{i}.self_attn.v_proj.weight", "blk.{i}.attn_v.weight"),
+    ("model.layers.{i}.self_attn.o_proj.weight", "blk.{i}.attn_output.weight"),
+    ("model.layers.{i}.self_attn.q_norm.weight", "blk.{i}.attn_q_norm.weight"),
+    ("model.layers.{i}.self_attn.k_norm.weight", "blk.{i}.attn_k_norm.weight"),
+    ("model.layers.{i}.post_attention_layernorm.weight", "blk.{i}.post_attention_norm.weight"),
+    ("model.layers.{i}.pre_feedforward_layernorm.weight", "blk.{i}.ffn_norm.weight"),
+    ("model.layers.{i}.post_feedforward_layernorm.weight", "blk.{i}.post_ffw_norm.weight"),
+    ("model.layers.{i}.mlp.gate_proj.weight", "blk.{i}.ffn_gate.weight"),
+    ("model.layers.{i}.mlp.up_proj.weight", "blk.{i}.ffn_up.weight"),
+    ("model.layers.{i}.mlp.down_proj.weight", "blk.{i}.ffn_down.weight"),
+)
+
+
+def gemma3_gguf_fields(meta: Mapping, cfg: ModelConfig) -> dict:
+    """The fields llama.cpp fixes for GGUF arch gemma3 (src/models/gemma3.cpp): GeGLU, sandwich
+    norms, sqrt(n_embd) embedding scale, 1/sqrt(head_dim) attention scale (n_embd / n_head for
+    the 62-layer 27B), the sliding layers' RoPE base (rope.freq_base_swa, else 10000), softcap."""
+    per_head = cfg.d_model / cfg.n_heads if cfg.n_layers == 62 else cfg.head_dim
+    local = float(meta.get("gemma3.rope.freq_base_swa") or 10000.0)
+    return dict(act="gelu_tanh", sandwich_norm=True, embed_scale=embed_scale(cfg.d_model),
+                attn_scale=per_head ** -0.5, rope_local_theta=local if cfg.sliding_layers else 0.0,
+                final_softcap=float(meta.get("gemma3.final_logit_softcapping") or 0.0))
+
+
+@register("gemma3", [WHERE], GEMMA3_TABLE, ROTARY_BUFFERS, gguf_archs=["gemma3"],
+          gguf_swa_pattern=6, norm_shift=1.0, gguf_fields=gemma3_gguf_fields)
 def gemma3_hf_config(cfg: Mapping) -> ModelConfig:
     """ModelConfig of a Gemma3ForCausalLM config.json (transformers 4 or 5 keys)."""
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
@@ -75,13 +111,3 @@ def gemma3_hf_config(cfg: Mapping) -> ModelConfig:
         attn_scale=float(cfg.get("query_pre_attn_scalar") or head_dim) ** -0.5,
         final_softcap=float(softcap or 0.0))
 
-
-def gemma3_gguf_fields(meta: Mapping, cfg: ModelConfig) -> dict:
-    """The fields llama.cpp fixes for GGUF arch gemma3 (src/models/gemma3.cpp): GeGLU, sandwich
-    norms, sqrt(n_embd) embedding scale, 1/sqrt(head_dim) attention scale (n_embd / n_head for
-    the 62-layer 27B), the sliding layers' RoPE base (rope.freq_base_swa, else 10000), softcap."""
-    per_head = cfg.d_model / cfg.n_heads if cfg.n_layers == 62 else cfg.head_dim
-    local = float(meta.get("gemma3.rope.freq_base_swa") or 10000.0)
-    return dict(act="gelu_tanh", sandwich_norm=True, embed_scale=embed_scale(cfg.d_model),
-                attn_scale=per_head ** -0.5, rope_local_theta=local if cfg.sliding_layers else 0.0,
-                final_softcap=float(meta.get("gemma3.final_logit_softcapping") or 0.0))

@@ -1,11 +1,11 @@
-"""GGUF metadata -> ModelConfig (llama.cpp's keys, `{arch}.embedding_length` and the like)."""
+"""GGUF metadata -> ModelConfig (llama.cpp's keys, `{arch}.embedding_length` and the like): the
+keys every architecture shares; an Arch's gguf_fields adds what llama.cpp fixes per architecture."""
 from __future__ import annotations
 
 from typing import Iterable, Mapping
 
 from flashllm.errors import SourceError
-from flashllm.model.arch import Arch
-from flashllm.model.arch_moe import gguf_moe_fields
+from flashllm.model.archs.base import Arch
 from flashllm.model.config import ModelConfig
 
 
@@ -85,3 +85,28 @@ def sliding_layers(meta: Mapping, a: str, n_layers: int, pattern: int | None) ->
         return window, tuple(i for i in range(n_layers) if given[i])
     n = int(given)
     return window, tuple(i for i in range(n_layers) if n == 0 or i % n < n - 1)
+
+
+def gguf_moe_fields(meta: Mapping, a: str, names, norm_default: bool) -> dict:
+    """The MoE fields from GGUF metadata `{a}.expert_*` ({} for a dense model); norm_topk from
+    `{a}.expert_weights_norm` when written, else what llama.cpp does for the architecture."""
+    n_experts = int(meta.get(f"{a}.expert_count") or 0)
+    if not n_experts:
+        return {}
+    gating = meta.get(f"{a}.expert_gating_func")
+    if gating not in (None, 1):
+        raise SourceError(f"GGUF {a}.expert_gating_func={gating}: only softmax routing (1) is "
+                          f"supported")
+    if meta.get(f"{a}.expert_weights_scale") not in (None, 1.0):
+        raise SourceError(f"GGUF {a}.expert_weights_scale="
+                          f"{meta[f'{a}.expert_weights_scale']}: scaled expert weights are unsupported")
+    used = meta.get(f"{a}.expert_used_count")
+    n_ff = meta.get(f"{a}.expert_feed_forward_length") or meta.get(f"{a}.feed_forward_length")
+    if used is None or n_ff is None:
+        raise SourceError(f"GGUF metadata has {a}.expert_count but no {a}.expert_used_count or "
+                          f"feed-forward length")
+    shared = int(meta.get(f"{a}.expert_shared_feed_forward_length") or 0) \
+        if "blk.0.ffn_up_shexp.weight" in names else 0
+    norm = meta.get(f"{a}.expert_weights_norm")
+    return dict(n_experts=n_experts, n_experts_used=int(used), n_ff=int(n_ff), n_ff_shared=shared,
+                norm_topk=bool(norm_default if norm is None else norm))

@@ -1,5 +1,5 @@
 """Hugging Face config.json -> ModelConfig: the helpers every architecture's reader shares
-(model/arch.py registers one reader per architecture)."""
+(each file of model/archs/ registers one reader per architecture)."""
 from __future__ import annotations
 
 from typing import Mapping
@@ -54,3 +54,17 @@ def rope_model(cfg: Mapping, name: str, qkv_bias: bool, out_bias: bool, act: str
         attn_qkv_bias=qkv_bias, attn_out_bias=out_bias,
         bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids(cfg.get("eos_token_id")))
     return ModelConfig(**{**base, **fields}).validate()
+
+
+def every_layer_window(cfg: Mapping, where: str) -> dict:
+    """sliding_window and sliding_layers for a model whose every layer attends through
+    config.json's sliding_window (none when it is null)."""
+    window = int(cfg.get("sliding_window") or 0)
+    layers = tuple(range(int(need(cfg, "num_hidden_layers", where)))) if window else ()
+    return dict(sliding_window=window, sliding_layers=layers)
+
+
+def refuse_sliding(cfg: Mapping, where: str) -> None:
+    """Qwen's use_sliding_window: off in released models, refused here."""
+    if cfg.get("use_sliding_window"):
+        raise SourceError(f"{where}: use_sliding_window=True is unsupported")
