@@ -56,6 +56,9 @@ class ModelConfig:
     embed_scale: float = 1.0    # token embeddings times this (Gemma: sqrt(d_model))
     attn_scale: float = 0.0     # attention scores times this; 0: head_dim^-0.5
     final_softcap: float = 0.0  # logits = cap * tanh(logits / cap); 0: none
+    residual_scale: float = 1.0 # attention and FFN outputs times this before the residual add
+                                # (Granite's residual_multiplier)
+    logit_scale: float = 1.0    # logits divided by this (Granite's logits_scaling)
 
     @property
     def embed_dim(self) -> int:
@@ -96,6 +99,10 @@ class ModelConfig:
             raise FormatError(f"sliding_window={w!r} needs sliding layers in [0, {self.n_layers}) "
                               f"(and they a window > 0), got {list(self.sliding_layers)[:4]}")
         self._validate_experts()
+        for name in ("residual_scale", "logit_scale"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+                raise FormatError(f"config field {name}={v!r} must be a finite number > 0")
         for name in ("rope_local_theta", "attn_scale", "final_softcap"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):

@@ -4,10 +4,11 @@ One code path serves prefill (T tokens at once) and decode (T = 1):
 
     x = embed(tokens) [* embed_scale] [+ learned positions] [@ proj_in]
     for each layer:
-        x += [norm](attn_output(attention(rope(q), rope(k) → KV cache, v)))  of norm(x)
-             (q, k [QK-normed] per head; the layer's RoPE frequencies and window)
-        x += [norm](ffn_bundles(norm(x))) [+ down bias]     ([norm]: sandwich-norm models)
-    logits = [softcap](output([proj_out](norm(x))))
+        x += [norm](attn_output(attention(rope(q), rope(k) → KV cache, v))) [* residual_scale]
+             of norm(x) (q, k [QK-normed] per head; the layer's RoPE frequencies and window)
+        x += [norm](ffn_bundles(norm(x))) [* residual_scale] [+ down bias]
+             ([norm]: sandwich-norm models)
+    logits = [softcap](output([proj_out](norm(x)) [/ logit_scale]))
 
 Per-token math runs in C through flashllm/ffi/kernel.py; numpy only reshapes and adds. The FFN of each layer
 is a strategy object (flashllm/runtime/ffn.py): `ffn(layer, h, x)` adds the FFN of h to x. The default,
@@ -139,6 +140,8 @@ class Model:
         x = self._norm(x, self.w.out_norm, self.w.out_norm_b)            # (T, d_model)
         if self.w.proj_out is not None:
             x = kernel.matmul(self.w.proj_out, x, None, self.n_threads, self.exact)  # (T, d_embed)
+        if self.config.logit_scale != 1.0:       # head(x) / s as head(x / s): the sparse head too
+            x = x / np.float32(self.config.logit_scale)                  # (T, embed_dim)
         logits = self._output(x, pos[-len(x):], tokens[-len(x):])        # (T, vocab)
         cap = self.config.final_softcap
         if not cap:
@@ -153,19 +156,26 @@ class Model:
         a = self._attention(i, layer, h, pos, n)                         # (T, d_model)
         if layer.post_attn_norm is not None:                             # sandwich norm
             a = self._norm(a, layer.post_attn_norm, None)                # (T, d_model)
-        x += a
+        self._residual(x, a)
 
     def _ffn_block(self, i: int, layer: Layer, x: np.ndarray) -> None:
         """x (T, d_model) += layer i's FFN of x, through the FFN strategy."""
         h = self._norm(x, layer.ffn_norm, layer.ffn_norm_b)              # (T, d_model)
-        if layer.post_ffn_norm is None:
+        if layer.post_ffn_norm is None and self.config.residual_scale == 1.0:
             self.ffn(i, h, x)                                            # x (T, d_model) += ffn(h)
         else:
             f = np.zeros_like(x)                                         # (T, d_model)
             self.ffn(i, h, f)
-            x += self._norm(f, layer.post_ffn_norm, None)                # (T, d_model)
+            if layer.post_ffn_norm is not None:
+                f = self._norm(f, layer.post_ffn_norm, None)             # (T, d_model)
+            self._residual(x, f)
         if layer.down_b is not None:
             x += layer.down_b
+
+    def _residual(self, x: np.ndarray, a: np.ndarray) -> None:
+        """x (T, d_model) += a (T, d_model), times residual_scale (Granite) where it is not 1."""
+        r = self.config.residual_scale
+        x += a if r == 1.0 else a * np.float32(r)
 
     def _token_blocks(self) -> list:
         """Per layer (AttnToken or None, FfnToken or None): the sub-blocks a one-token pass runs
@@ -178,8 +188,8 @@ class Model:
 
     def _blocks_of(self, i: int) -> tuple:
         cfg, L, f = self.config, self.w.resident_layer(i), self.ffn   # never a streamed layer
-        if self.exact or cfg.norm != "rms" or L is None:
-            return None, None
+        if self.exact or cfg.norm != "rms" or L is None or cfg.residual_scale != 1.0:
+            return None, None                    # the C blocks add unscaled outputs
         attn = None if L.wqkv is None or cfg.qk_norm_full or cfg.pos != "rope" else AttnToken(
             L.attn_norm, L.wqkv, L.bqkv, L.wo, L.bo, self.k_cache[i], self.v_cache[i],
             cfg.n_heads, cfg.head_dim, cfg.norm_eps, self.attn_scale, self.rope_inv[i],
