@@ -16,20 +16,12 @@ import jinja2
 
 from flashllm.errors import FlashError
 from flashllm.generation.template_sandbox import BoundedEnvironment, TemplateLimit, bounded_render
+from flashllm.model.archs import REGISTRY
 
 # llama.cpp's fallback when a model carries no template (llm_chat_template CHATML).
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
           " + '<|im_end|>' + '\n' }}{% endfor %}"
           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-# A model family's own turn markers, for a file of that family that carries no template (Gemma's
-# GGUFs often do not): Gemma has no system turn, so the system prompt opens the first user turn.
-GEMMA = ("{{ bos_token }}{% set ns = namespace(system='') %}{% for message in messages %}"
-         "{% if message['role'] == 'system' %}{% set ns.system = message['content'] + '\n\n' %}"
-         "{% else %}{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else 'user')"
-         " + '\n' + ns.system + message['content'] + '<end_of_turn>\n' }}"
-         "{% set ns.system = '' %}{% endif %}{% endfor %}"
-         "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
-FAMILY_TEMPLATES = {"gemma3": ("Gemma", GEMMA)}   # ModelConfig.arch -> (family, template)
 ROLES = ("system", "user", "assistant")
 
 
@@ -91,13 +83,15 @@ class ChatTemplate:
 def load_template(flash_template: str | None, override: str | None, bos_token: str,
                   eos_token: str, arch: str = "") -> tuple[ChatTemplate, str]:
     """The template to use and where it came from: override text, the model's, its family's
-    turn markers (arch: ModelConfig.arch), else ChatML (llama.cpp's fallback)."""
+    turn markers (the Arch's chat_turns, arch: ModelConfig.arch), else ChatML (llama.cpp's
+    fallback)."""
     if override is not None:
         return ChatTemplate(override, bos_token, eos_token, "template file"), "--chat-template"
     if flash_template:
         return ChatTemplate(flash_template, bos_token, eos_token, "template of the model"), "model"
-    if arch in FAMILY_TEMPLATES:
-        family, source = FAMILY_TEMPLATES[arch]
+    turns = REGISTRY[arch].chat_turns if arch in REGISTRY else None
+    if turns is not None:
+        family, source = turns
         return (ChatTemplate(source, bos_token, eos_token, f"template ({family} turns)"),
                 f"{family} turns (the model carries no template)")
     return ChatTemplate(CHATML, bos_token, eos_token, "template (ChatML fallback)"), "ChatML fallback"

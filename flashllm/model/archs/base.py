@@ -12,6 +12,7 @@ An Arch holds what the converter and the runtime switch on for it:
 - config.json -> ModelConfig (the registered function) and GGUF metadata -> ModelConfig
   (model/archs/gguf.py reads the common keys; `gguf_fields` adds the fields llama.cpp fixes per
   architecture);
+- a chat template for its files that carry none (generation/chat_template.py);
 - conversion behaviour: fused tensors split into parts, norms scaled by (shift + w) folded into
   w, llama.cpp's RoPE permutation of llama-GGUF attn_q / attn_k undone, the GGUF defaults
   llama.cpp assumes (sliding-window pattern, top-k renormalisation, whole-projection QK-norm).
@@ -55,6 +56,8 @@ class Arch:
     norm_shift: float = 0.0                     # HF norms scale by (shift + w): folded into w (f32)
     gguf_fields: Callable[[Mapping, ModelConfig], dict] | None = None   # ModelConfig fields of a
                                                 # GGUF that llama.cpp fixes per architecture
+    chat_turns: tuple[str, str] | None = None   # (family, Jinja template): the family's turn
+                                                # markers, for a file that carries no template
     _compiled: tuple = field(default=(), compare=False, repr=False)
 
     @property

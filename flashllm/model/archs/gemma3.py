@@ -51,6 +51,15 @@ def _sliding_layers(cfg: Mapping, n_layers: int) -> tuple[int, tuple[int, ...]]:
     return (window, sliding) if window and sliding else (0, ())
 
 
+# Gemma's turn markers, for a file that carries no template (Gemma's GGUFs often do not): Gemma
+# has no system turn, so the system prompt opens the first user turn.
+GEMMA_TURNS = ("{{ bos_token }}{% set ns = namespace(system='') %}{% for message in messages %}"
+               "{% if message['role'] == 'system' %}{% set ns.system = message['content'] + '\n\n' %}"
+               "{% else %}{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else 'user')"
+               " + '\n' + ns.system + message['content'] + '<end_of_turn>\n' }}"
+               "{% set ns.system = '' %}{% endif %}{% endfor %}"
+               "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
+
 GEMMA3_TABLE = (
     ("model.embed_tokens.weight", "token_embd.weight"),
     ("model.norm.weight", "output_norm.weight"),
@@ -83,7 +92,8 @@ def gemma3_gguf_fields(meta: Mapping, cfg: ModelConfig) -> dict:
 
 
 @register("gemma3", [WHERE], GEMMA3_TABLE, ROTARY_BUFFERS, gguf_archs=["gemma3"],
-          gguf_swa_pattern=6, norm_shift=1.0, gguf_fields=gemma3_gguf_fields)
+          gguf_swa_pattern=6, norm_shift=1.0, gguf_fields=gemma3_gguf_fields,
+          chat_turns=("Gemma", GEMMA_TURNS))
 def gemma3_hf_config(cfg: Mapping) -> ModelConfig:
     """ModelConfig of a Gemma3ForCausalLM config.json (transformers 4 or 5 keys)."""
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
