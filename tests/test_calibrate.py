@@ -283,7 +283,7 @@ def test_calibrate_lowers_the_target_while_it_costs_perplexity(tiny, tmp_path):
     (numpy quantiles of the activations, layer by layer) cost at most the bound of perplexity
     against the same FFN without thresholds on the calibration tokens — each cost measured here
     on its own models; without a bound the target stays."""
-    from flashllm.cli.calibration import bundle_ppl
+    from flashllm.session.calibration import bundle_ppl
     from flashllm.generation.perplexity import perplexity
     from flashllm.runtime.ffn import DenseFfn
     path = _fresh(tiny, "llama", tmp_path)
@@ -332,7 +332,7 @@ def test_the_shipped_text_is_read_until_a_word_level_vocabulary_has_its_tokens(t
     Hugging Face model's) makes one token of a whole word, so it reads more of it (at 8 a token
     its 2048 tokens were 1946 and calibrate refused), and says so when all of it is too short."""
     from hf_tiny import write_tokenizer
-    from flashllm.cli.calibration import calibration_ids
+    from flashllm.session.calibration import calibration_ids
     from flashllm.sparsity.corpus import builtin_text
     from flashllm.generation.tokenizer import Tokenizer
     write_tokenizer(tmp_path)

@@ -16,8 +16,12 @@ LAYERS = [
     {"format", "storage", "sparsity"},
     {"runtime", "convert"},
     {"generation"},
+    {"session"},
     {"cli"},
 ]
+# What cli/ may import: the session layer (and through it the types it returns), the errors it
+# prints, the units it reads sizes with, the package's version; nothing else below it.
+CLI_MAY_IMPORT = ("flashllm.cli", "flashllm.session", "flashllm.errors", "flashllm.units")
 
 
 def modules() -> dict[str, Path]:
@@ -98,6 +102,39 @@ def test_imports_flow_down_the_layers():
     bad = [f"{m} -> {n}" for m, deps in graph().items() for n in deps
            if n.count(".") and m.count(".") and layer(n) > layer(m)]
     assert bad == []
+
+
+def cli_imports_below_the_session(known: dict) -> list[str]:
+    """Every import of a cli/ module (lazy ones included) of a flashllm module that is not in
+    CLI_MAY_IMPORT (nor `from flashllm import __version__`)."""
+    bad = []
+    for m, f in known.items():
+        if not m.startswith("flashllm.cli"):
+            continue
+        for src, names in imports(m, f, known):
+            allowed = src.startswith(CLI_MAY_IMPORT) or (src == "flashllm" and names == ["__version__"])
+            if not allowed:
+                bad.append(f"{m} -> {src}" + (f" ({', '.join(names)})" if names else ""))
+    return bad
+
+
+def test_cli_imports_only_the_session_layer():
+    assert cli_imports_below_the_session(modules()) == []
+
+
+def test_the_cli_check_finds_an_import_around_the_session(tmp_path):
+    """The check sees a top-level import, a lazy one and a relative one past the session."""
+    cli = tmp_path / "flashllm" / "cli"
+    cli.mkdir(parents=True)
+    (cli / "x.py").write_text("from flashllm.session.run import assemble\n"
+                              "from flashllm import __version__\n"
+                              "from flashllm.runtime.budget import plan_budget\n"
+                              "def f():\n    import flashllm.format.reader\n"
+                              "    from ..units import MiB\n    from ..model import arch\n")
+    known = {"flashllm.cli.x": cli / "x.py", "flashllm.model.arch": cli / "x.py"}
+    assert cli_imports_below_the_session(known) == [
+        "flashllm.cli.x -> flashllm.runtime.budget (plan_budget)",
+        "flashllm.cli.x -> flashllm.format.reader", "flashllm.cli.x -> flashllm.model.arch"]
 
 
 def test_no_private_name_crosses_a_module():

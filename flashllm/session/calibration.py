@@ -1,7 +1,7 @@
 """A converted folder calibrated as `flashllm calibrate` does it: the calibration text's first
 tokens, the dense model over them, what a sparse output head would read, then
 sparsity/calibrate.calibrate_model's thresholds, hot-first rewrite and predictor. Called by the
-`calibrate` command with the user's options (cli/quality.py), and with the defaults by `run NAME
+`calibrate` command with the user's options (session/quality.py), and with the defaults by `run NAME
 --dram-budget` on a models.toml model's own conversion, once (calibrate_once: in a child process
 outside the budget, under the conversion's lock).
 """

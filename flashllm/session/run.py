@@ -1,0 +1,231 @@
+"""A run assembled: planned (refusing a budget before anything loads), a models.toml model's
+own conversion calibrated once, opened, its prompt tokenized, its drafting chosen, its network
+built. `run` and `run -i` assemble this way; so will a server (one model opened, a network
+with its KV cache, a sampler and a drafter per stream).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from flashllm.errors import FlashError
+from flashllm.runtime.assemble import AUTO_DRAFT
+
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Drafting:
+    """What drafts a run's guesses: n guesses at most (0: none) of kind "lookup" or "self";
+    auto: the run decides once its plan is known (a one-shot run under a budget, no --draft)."""
+
+    n: int
+    kind: str
+    auto: bool = False
+
+    @property
+    def is_self(self) -> bool:
+        return self.n > 0 and self.kind == "self"
+
+    @classmethod
+    def asked(cls, draft: Optional[int], kind: Optional[str], budget: bool,
+              auto: bool) -> "Drafting":
+        """From --draft / --draft-kind (kind None: not given); refuses a self draft without a
+        budget. Auto only under a budget, never for --naive, --dense or a chat (measured on
+        one-shot runs only: BENCHMARKS.md)."""
+        name = kind if kind is not None else "lookup"
+        n = draft if draft is not None else AUTO_DRAFT if kind is not None else 0
+        if n > 0 and name == "self" and not budget:
+            raise FlashError("--draft-kind self drafts from the part of the model a --dram-budget "
+                             "keeps in DRAM: give --dram-budget (with everything in DRAM, use "
+                             "--draft-kind lookup)")
+        return cls(n, name, auto and budget and draft is None and kind is None)
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """What a run asks for: the converted folder, its flash options (runtime FlashOptions), the
+    sampler's head need (sparse_head.head_need), threads, the context, the drafting asked, the
+    self draft's head rows (AUTO_ROWS: the plan's), a one-shot prompt (text, n_predict,
+    ctx_size; None: a chat) and whether to calibrate the conversion once (a models.toml name's
+    or a GGUF's, never a folder the user gave)."""
+
+    path: Path
+    flash: object
+    need: object
+    threads: int
+    n_ctx: int
+    drafting: Drafting
+    head_rows: int
+    one_shot: Optional[tuple] = None
+    calibrate: bool = False
+
+
+@dataclass
+class Parts:
+    """A run's model, assembled: what it reads from, its tokenizer and prompt ids (None in a
+    chat), the network and the flash parts to close, and the drafting the plan settled."""
+
+    flash: object
+    tok: object
+    ids: Optional[list]
+    net: object
+    ffn: object
+    weights: object
+    head: object
+    drafting: Drafting
+    head_rows: int                # the output head rows a self draft holds (the plan's)
+
+    def close(self) -> None:
+        for part in (self.ffn, self.weights):
+            if part is not None:
+                part.close()
+
+
+@dataclass(frozen=True)
+class FlashAsked:
+    """`run`'s flash options as given: the budget, --window, --naive, --dense, --check-recall,
+    --predictor, --sparse-head (None: by calibration), --draft-head-rows (None: the plan's)."""
+
+    dram_budget: Optional[str] = None
+    window: Optional[int] = None
+    naive: bool = False
+    dense: bool = False
+    check: bool = False
+    predictor: str = "auto"
+    sparse_head: Optional[bool] = None
+    draft_head_rows: Optional[int] = None
+
+
+def request(path: Path, asked: FlashAsked, sampling, drafting: Drafting, threads: int,
+            ctx_size: int, one_shot: Optional[tuple], calibrate: bool) -> RunRequest:
+    """The RunRequest of `run` (one_shot: (text, n_predict); None: a chat, whose context is
+    ctx_size): a one-shot run's context first bounded by the prompt's bytes, the tokenizer kept
+    in a chat or where it cannot decode through a byte table."""
+    from flashllm.runtime.assemble import AUTO_ROWS, FlashOptions
+    need = sampling.head_need() if asked.sparse_head is not False else None
+    rows = asked.draft_head_rows or AUTO_ROWS     # the draft's head rows: asked, or the plan's
+    fopts = FlashOptions(asked.dram_budget, asked.window, asked.naive, asked.dense, asked.check,
+                         asked.predictor,
+                         keep_tokenizer=one_shot is None or not releases_tokenizer(path),
+                         draft_rows=rows if drafting.is_self else 0,
+                         sparse_head="off" if need is None else "on" if asked.sparse_head
+                         else "auto", head_top=need.top if need is not None else 1)
+    n_ctx = ctx_size
+    if one_shot is not None:
+        text, n_predict = one_shot
+        n_ctx = min(ctx_size, len(text.encode()) + n_predict + 2)
+        one_shot = (text, n_predict, ctx_size)
+    return RunRequest(path, fopts, need, threads, n_ctx, drafting, rows, one_shot, calibrate)
+
+
+def assemble(req: RunRequest, cache: Path, log: Log) -> Parts:
+    """Plan (refusing a budget before anything loads), calibrate a models.toml model's own
+    conversion once under a budget, open, tokenize a one-shot prompt and build the network."""
+    from flashllm.format.integrity import verify_on_first_load
+    from flashllm.format.reader import open_flash
+    from flashllm.generation.tokenizer import Tokenizer
+    from flashllm.session.calibration import calibrate_once
+    from flashllm.runtime.assemble import make_ffn, make_head, make_weights, plan_run, stream_dense
+    from flashllm.ffi.heap import trim_heap
+    from flashllm.runtime.budget import process_rss
+    from flashllm.runtime.model import Model
+    path, fopts, n_ctx, drafting = req.path, req.flash, req.n_ctx, req.drafting
+    load_code()
+    trim_heap()                      # the imports' freed heap: ~1 MiB the plan need not count
+    process = process_rss()
+    plan = plan_run(path, fopts, n_ctx, process)     # refuses before loading anything
+    if req.calibrate and plan is not None and calibrate_once(path, log):
+        process = process_rss()                      # the plan of the calibrated folder
+        plan = plan_run(path, fopts, n_ctx, process)
+    flash = open_flash(path)
+    verify_on_first_load(flash)
+    tok = Tokenizer.from_flash(flash, word_cache=req.one_shot is None)   # one-shot: encodes once
+    ids = None
+    if req.one_shot is not None:     # the KV cache holds the prompt and the tokens to make
+        text, n_predict, ctx_size = req.one_shot
+        ids = prompt_ids(tok, text, n_predict, ctx_size, flash.config.max_positions)
+        n_ctx = len(ids) + n_predict
+        plan = plan and plan_run(path, fopts, n_ctx, process)
+    if drafting.auto:
+        fopts, plan, on = _auto_self_draft(path, flash, fopts, plan, n_ctx, process,
+                                           req.head_rows)
+        drafting = Drafting(AUTO_DRAFT, "self") if on else Drafting(0, drafting.kind)
+    if plan is not None and req.one_shot is not None:
+        tok.release(keep_source=False)   # never encodes again; decoding needs only the table
+    ffn = make_ffn(flash, fopts, plan, req.threads, cache, log=log)
+    weights = make_weights(flash, plan, req.threads)
+    head = make_head(flash, plan, weights, req.need, req.threads)
+    stream_dense(flash, ffn, weights, sparse_head=head is not None)
+    net = Model(flash, n_threads=req.threads, n_ctx=n_ctx, ffn=ffn, weights=weights,
+                kv_dtype="f16", head=head)
+    return Parts(flash, tok, ids, net, ffn, weights, head, drafting,
+                 plan.draft_rows if plan is not None else 0)
+
+
+def prompt_ids(tok, text: str, n_predict: int, ctx_size: int,
+               positions: Optional[int]) -> list[int]:
+    """The prompt's ids, which with n_predict more fit --ctx-size and the model's positions
+    (learned position embeddings: config.max_positions; None: no such limit)."""
+    ids = tok.encode(text, add_special=True)
+    if not ids:
+        raise FlashError("the prompt is empty (no tokens to start from)")
+    if positions is not None and positions < ctx_size and len(ids) + n_predict > positions:
+        raise FlashError(f"prompt ({len(ids)} tokens) + --n-predict {n_predict} exceed the "
+                         f"model's {positions} positions (learned position embeddings)")
+    if len(ids) + n_predict > ctx_size:
+        raise FlashError(f"prompt ({len(ids)} tokens) + --n-predict {n_predict} exceed "
+                         f"--ctx-size {ctx_size}")
+    return ids
+
+
+def drafter(net, sampler, drafting: Drafting, p_min: float, head_rows: int):
+    """The --draft guesser of one stream: None (off), prompt lookup, or the resident model."""
+    from flashllm.generation.speculate import NgramDraft
+    if not drafting.n:
+        return None
+    if drafting.kind == "lookup":
+        return NgramDraft(drafting.n)
+    from flashllm.generation.self_draft import SelfDraft
+    from flashllm.runtime.resident import resident_model
+    return SelfDraft(resident_model(net, head_rows), sampler, drafting.n, p_min)
+
+
+def _auto_self_draft(path, flash, fopts, plan, n_ctx: int, process: int, rows: int):
+    """(options, plan, on) of a run without --draft under a budget: the plan with a self draft's
+    head rows when the draft is expected to pay (assemble.drafts_by_default) and the plan with
+    its rows still does (they fit, and leave every attention layer and some neurons in DRAM),
+    else the plain plan, undrafted."""
+    import dataclasses
+    from flashllm.runtime.assemble import drafts_by_default, plan_run
+    from flashllm.runtime.budget import BudgetError
+    if not drafts_by_default(flash, fopts, plan):
+        return fopts, plan, False
+    drafted = dataclasses.replace(fopts, draft_rows=rows)
+    try:
+        with_rows = plan_run(path, drafted, n_ctx, process)
+    except BudgetError:                  # the head rows do not fit: plain decoding
+        return fopts, plan, False
+    if not drafts_by_default(flash, drafted, with_rows):   # they pushed attention out of DRAM
+        return fopts, plan, False
+    return drafted, with_rows, True
+
+
+def load_code() -> None:
+    """Import the code a run loads once it has started (the FFN strategies, generation, numpy's
+    random and masked arrays: ~4.5 MiB), so the process size a --dram-budget plan measures
+    already holds it."""
+    import numpy.ma  # noqa: F401
+    import numpy.random  # noqa: F401
+    import flashllm.generation.generate  # noqa: F401
+    import flashllm.runtime.sparse_ffn  # noqa: F401
+
+
+def releases_tokenizer(path: Path) -> bool:
+    """Whether the model's tokenizer decodes through a byte table, so a one-shot run can release
+    it after the prompt (a budget then counts it small): read from tokenizer.json's decoder
+    before anything loads."""
+    from flashllm.format.layout import TOKENIZER_FILE
+    from flashllm.generation.tokenizer import decodes_through_table
+    return decodes_through_table(path / TOKENIZER_FILE)
