@@ -10,6 +10,7 @@ from pathlib import Path
 
 from flashllm.errors import FormatError
 from flashllm.format.layout import MANIFEST_FILE
+from flashllm.format.manifest import read_manifest
 
 
 def update_manifest(path: Path, **sections: dict) -> None:
@@ -22,7 +23,7 @@ def update_manifest(path: Path, **sections: dict) -> None:
     file = Path(path) / MANIFEST_FILE
     tmp = file.with_name(f".{MANIFEST_FILE}.tmp-{os.getpid()}")
     try:
-        manifest = json.loads(file.read_text(encoding="utf-8"))
+        manifest = read_manifest(path).to_dict()
         manifest.update(sections)
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(json.dumps(manifest, indent=1) + "\n")
