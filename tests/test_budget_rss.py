@@ -68,11 +68,13 @@ def test_a_pass_gives_each_token_its_own_logits_under_a_budget():
     import numpy as np
     from flashllm.cli.app import cache_dir
     from flashllm.format.reader import open_flash
-    from flashllm.runtime.assemble import FlashOptions, make_ffn, make_weights, plan_run, \
-        stream_dense
+    from conftest import plan_run
+    from flashllm.runtime.assemble import make_ffn, make_weights, stream_dense
+    from flashllm.runtime.budget import parse_budget
+    from flashllm.runtime.plan import FlashOptions
     from flashllm.runtime.model import Model
     path = _converted("qwen2.5-coder-1.5b", "native", log=lambda m: print(m, file=sys.stderr))
-    opts = FlashOptions(dram_budget="560MiB", draft_rows=16384)
+    opts = FlashOptions(dram_budget=parse_budget("560MiB"), draft_rows=16384)
     plan = plan_run(path, opts, 32, 100 * MiB)
     assert "output.weight" in plan.streamed
     flash = open_flash(path)

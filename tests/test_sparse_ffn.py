@@ -7,7 +7,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from flashllm.runtime.budget import plan_budget, read_manifest
+from flashllm.format.manifest import read_manifest
+from flashllm.runtime.budget import parse_budget, plan_budget
 from flashllm.format.reader import open_flash
 from flashllm.format.files import update_manifest
 from flashllm.ffi.reader import Reader
@@ -70,7 +71,7 @@ class Recorded:
 def flash_ffn(path, predictor, budget: str, naive=False, window=2, exact=False, **plan_fields):
     """(flash, SparseFlashFfn) with the budget's plan, some of its fields overridden."""
     flash = open_flash(path)
-    plan = plan_budget(read_manifest(path), budget, 64, process=0, naive=naive)
+    plan = plan_budget(read_manifest(path), parse_budget(budget), 64, process=0, naive=naive)
     plan = dataclasses.replace(plan, **plan_fields)
     reader = Reader(flash.ffn.file, n_threads=2)
     return flash, SparseFlashFfn(flash, predictor, plan, reader, n_threads=1, window=window,
@@ -188,7 +189,7 @@ def test_all_slots_gives_the_dense_tokens_tiny_hf(hf_tiny, tmp_path, name):
 def budget_for(path, cache_fraction: float) -> str:
     """A --dram-budget (bytes) whose neuron caches hold about cache_fraction of the FFN."""
     man = read_manifest(path)
-    full = plan_budget(man, str(1 << 40), 16, process=0)
+    full = plan_budget(man, parse_budget(str(1 << 40)), 16, process=0)
     fixed = full.total - full.cache_bytes
     return str(int(fixed + cache_fraction * full.cache_bytes))
 

@@ -11,7 +11,7 @@ from typing import Optional
 
 import typer
 
-from flashllm.session.options import AUTO_DRAFT, DRAFT_KINDS, PREDICTOR_MODES
+from flashllm.session.options import AUTO_DRAFT, DRAFT_KINDS, PREDICTOR_MODES, parse_budget
 from flashllm.cli.app import (MODEL_HELP, DEFAULT_THREADS, MAX_THREADS, cache_dir, choice,
                               command, err, fail, model_path)
 from flashllm.cli.progress import eta_progress
@@ -99,6 +99,7 @@ def run(
 
     if interactive and (prompt is not None or file is not None):
         fail("give a prompt (-p/-f) or -i/--chat, not both")
+    budget = parse_budget(dram_budget) if dram_budget is not None else None   # one line if bad
     drafting = Drafting.asked(draft, draft_kind and draft_kind.value, dram_budget is not None,
                               auto=not (naive or dense or interactive))
     if n_predict is None:        # a chat answer may run long; 0 there means a quarter of n_ctx
@@ -108,7 +109,7 @@ def run(
     calibrate = not (Path(model).is_dir() or naive or dense)   # ours: a name's, a .gguf's
     sampling = Sampling(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
                         None if seed == -1 else seed)
-    asked = FlashAsked(dram_budget, window, naive, dense, check_recall, predictor.value,
+    asked = FlashAsked(budget, window, naive, dense, check_recall, predictor.value,
                        sparse_head, draft_head_rows)
     req = request(path, asked, sampling, drafting, threads, ctx_size,
                   None if interactive else (text, n_predict), calibrate)

@@ -56,11 +56,6 @@ class Manifest(Mapping):
     def dense(self) -> dict:
         return self._data["dense"]
 
-    @property
-    def model_bytes(self) -> int:
-        """Bytes of the converted model's weights: dense.bin + ffn.bin."""
-        return int(self.dense["nbytes"]) + int(self.ffn["nbytes"])
-
 
 def read_manifest(folder: Path, validate: bool = True) -> Manifest:
     """The validated manifest of the converted folder; FormatError (one line) otherwise. Not

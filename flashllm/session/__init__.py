@@ -6,4 +6,9 @@ layer is imported by cli/ except through here. A MODEL is resolved to a converte
 (run.py); the other commands' work (convert, pull, models, inspect, profile, perplexity,
 calibrate) is in models.py, quality.py and calibration.py. Light at import: the heavy modules
 load inside the functions, so a run under --dram-budget measures its process before they do.
+
+A run: the --dram-budget parsed where it is given (options.parse_budget), run.request(...) ->
+RunRequest, run.assemble(request) -> Parts (the model opened once: its plan, FFN, dense weights,
+tokenizer and network), then per stream a stream.Sampling's sampler, run.drafter(...) and
+stream.complete or stream.chat_session.
 """

@@ -180,10 +180,11 @@ def calibrate_once(out: Path, log: Log) -> bool:
 def _calibrated(out: Path) -> bool:
     """Whether the conversion at out holds what calibrate writes (an unreadable manifest:
     True, left to the reader to report)."""
-    from flashllm.runtime.budget import BudgetError, read_manifest
+    from flashllm.errors import FlashError
+    from flashllm.format.manifest import read_manifest
     try:
         return is_calibrated(read_manifest(out))
-    except (BudgetError, KeyError, TypeError):
+    except (FlashError, KeyError, TypeError):
         return True
 
 

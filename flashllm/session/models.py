@@ -166,11 +166,11 @@ def _calibrated(manifest: dict) -> bool:
 def _manifest_of(path: Path) -> dict:
     """A folder's manifest as far as it reads as a JSON object; {} otherwise (`models` lists
     what is there, and `inspect` says what is wrong with it)."""
-    from flashllm.runtime.budget import BudgetError, read_manifest
+    from flashllm.errors import FlashError
+    from flashllm.format.manifest import read_manifest
     try:
-        m = read_manifest(path)
-    except BudgetError:
+        return read_manifest(path, validate=False)
+    except FlashError:
         return {}
-    return m if isinstance(m, dict) else {}
 
 

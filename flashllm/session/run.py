@@ -1,7 +1,8 @@
-"""A run assembled: planned (refusing a budget before anything loads), a models.toml model's
-own conversion calibrated once, opened, its prompt tokenized, its drafting chosen, its network
-built. `run` and `run -i` assemble this way; so will a server (one model opened, a network
-with its KV cache, a sampler and a drafter per stream).
+"""A run assembled: its manifest read once, a models.toml model's own conversion calibrated
+once, opened, its prompt tokenized, its plan chosen for that context (each candidate once,
+refusing a budget before the model loads), its drafting settled, its network built. `run` and
+`run -i` assemble this way; so will a server (one model opened, a sampler and a drafter per
+stream).
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from flashllm.errors import FlashError
-from flashllm.runtime.assemble import AUTO_DRAFT
+from flashllm.runtime.plan import AUTO_DRAFT
 
 Log = Callable[[str], None]
 
@@ -88,7 +89,7 @@ class FlashAsked:
     """`run`'s flash options as given: the budget, --window, --naive, --dense, --check-recall,
     --predictor, --sparse-head (None: by calibration), --draft-head-rows (None: the plan's)."""
 
-    dram_budget: Optional[str] = None
+    dram_budget: object = None        # a Budget (runtime/budget.parse_budget); None: none
     window: Optional[int] = None
     naive: bool = False
     dense: bool = False
@@ -103,7 +104,7 @@ def request(path: Path, asked: FlashAsked, sampling, drafting: Drafting, threads
     """The RunRequest of `run` (one_shot: (text, n_predict); None: a chat, whose context is
     ctx_size): a one-shot run's context first bounded by the prompt's bytes, the tokenizer kept
     in a chat or where it cannot decode through a byte table."""
-    from flashllm.runtime.assemble import AUTO_ROWS, FlashOptions
+    from flashllm.runtime.plan import AUTO_ROWS, FlashOptions
     need = sampling.head_need() if asked.sparse_head is not False else None
     rows = asked.draft_head_rows or AUTO_ROWS     # the draft's head rows: asked, or the plan's
     fopts = FlashOptions(asked.dram_budget, asked.window, asked.naive, asked.dense, asked.check,
@@ -121,37 +122,42 @@ def request(path: Path, asked: FlashAsked, sampling, drafting: Drafting, threads
 
 
 def assemble(req: RunRequest, cache: Path, log: Log) -> Parts:
-    """Plan (refusing a budget before anything loads), calibrate a models.toml model's own
-    conversion once under a budget, open, tokenize a one-shot prompt and build the network."""
+    """Check what must hold before anything loads (the options, the tokenizer's load within
+    the budget), calibrate a models.toml model's own conversion once under a budget, open,
+    tokenize a one-shot prompt, choose the plan for its context (runtime/plan.choose_plan:
+    each candidate once, refusing a budget before the model loads) and build the network."""
     from flashllm.format.integrity import verify_on_first_load
+    from flashllm.format.manifest import read_manifest
     from flashllm.format.reader import open_flash
     from flashllm.generation.tokenizer import Tokenizer
-    from flashllm.session.calibration import calibrate_once
-    from flashllm.runtime.assemble import make_ffn, make_head, make_weights, plan_run, stream_dense
+    from flashllm.runtime.assemble import make_ffn, make_head, make_weights, stream_dense
+    from flashllm.runtime.plan import check_before_loading, choose_plan
     from flashllm.ffi.heap import trim_heap
     from flashllm.runtime.budget import process_rss
     from flashllm.runtime.model import Model
-    path, fopts, n_ctx, drafting = req.path, req.flash, req.n_ctx, req.drafting
     load_code()
     trim_heap()                      # the imports' freed heap: ~1 MiB the plan need not count
     process = process_rss()
-    plan = plan_run(path, fopts, n_ctx, process)     # refuses before loading anything
-    if req.calibrate and plan is not None and calibrate_once(path, log):
+    man = read_manifest(req.path)
+    check_before_loading(man, req.flash, req.n_ctx, process)
+    if req.calibrate and req.flash.flash and _calibrate(req, man, process, log):
         process = process_rss()                      # the plan of the calibrated folder
-        plan = plan_run(path, fopts, n_ctx, process)
-    flash = open_flash(path)
+        man = read_manifest(req.path)
+    flash = open_flash(req.path, manifest=man)
     verify_on_first_load(flash)
     tok = Tokenizer.from_flash(flash, word_cache=req.one_shot is None)   # one-shot: encodes once
-    ids = None
+    ids, n_ctx = None, req.n_ctx
     if req.one_shot is not None:     # the KV cache holds the prompt and the tokens to make
         text, n_predict, ctx_size = req.one_shot
         ids = prompt_ids(tok, text, n_predict, ctx_size, flash.config.max_positions)
         n_ctx = len(ids) + n_predict
-        plan = plan and plan_run(path, fopts, n_ctx, process)
+    drafting = req.drafting
+    choice = choose_plan(man, req.flash, n_ctx, process,
+                         auto_rows=req.head_rows if drafting.auto else 0)
     if drafting.auto:
-        fopts, plan, on = _auto_self_draft(path, flash, fopts, plan, n_ctx, process,
-                                           req.head_rows)
-        drafting = Drafting(AUTO_DRAFT, "self") if on else Drafting(0, drafting.kind)
+        drafting = Drafting(AUTO_DRAFT, "self") if choice.auto_drafted else \
+            Drafting(0, drafting.kind)
+    plan, fopts = choice.plan, choice.options
     if plan is not None and req.one_shot is not None:
         tok.release(keep_source=False)   # never encodes again; decoding needs only the table
     ffn = make_ffn(flash, fopts, plan, req.threads, cache, log=log)
@@ -162,6 +168,17 @@ def assemble(req: RunRequest, cache: Path, log: Log) -> Parts:
                 kv_dtype="f16", head=head)
     return Parts(flash, tok, ids, net, ffn, weights, head, drafting,
                  plan.draft_rows if plan is not None else 0)
+
+
+def _calibrate(req: RunRequest, man, process: int, log: Log) -> bool:
+    """calibrate_once the conversion at req.path unless the manifest says it is calibrated;
+    first its plan for req's context bound, so a budget the run refuses calibrates nothing."""
+    from flashllm.runtime.plan import choose_plan
+    from flashllm.session.calibration import calibrate_once, is_calibrated
+    if is_calibrated(man):
+        return False
+    choose_plan(man, req.flash, req.n_ctx, process)  # refuses before the calibration
+    return calibrate_once(req.path, log)
 
 
 def prompt_ids(tok, text: str, n_predict: int, ctx_size: int,
@@ -190,26 +207,6 @@ def drafter(net, sampler, drafting: Drafting, p_min: float, head_rows: int):
     from flashllm.generation.self_draft import SelfDraft
     from flashllm.runtime.resident import resident_model
     return SelfDraft(resident_model(net, head_rows), sampler, drafting.n, p_min)
-
-
-def _auto_self_draft(path, flash, fopts, plan, n_ctx: int, process: int, rows: int):
-    """(options, plan, on) of a run without --draft under a budget: the plan with a self draft's
-    head rows when the draft is expected to pay (assemble.drafts_by_default) and the plan with
-    its rows still does (they fit, and leave every attention layer and some neurons in DRAM),
-    else the plain plan, undrafted."""
-    import dataclasses
-    from flashllm.runtime.assemble import drafts_by_default, plan_run
-    from flashllm.runtime.budget import BudgetError
-    if not drafts_by_default(flash, fopts, plan):
-        return fopts, plan, False
-    drafted = dataclasses.replace(fopts, draft_rows=rows)
-    try:
-        with_rows = plan_run(path, drafted, n_ctx, process)
-    except BudgetError:                  # the head rows do not fit: plain decoding
-        return fopts, plan, False
-    if not drafts_by_default(flash, drafted, with_rows):   # they pushed attention out of DRAM
-        return fopts, plan, False
-    return drafted, with_rows, True
 
 
 def load_code() -> None:
