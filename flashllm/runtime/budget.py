@@ -233,30 +233,24 @@ def plan_budget(manifest: dict, budget_given: Budget, n_ctx: int, process: int, 
                 keep_tokenizer: bool = False, draft: int = 0,
                 sketch: tuple[int, int] = (0, 0)) -> BudgetPlan:
     """Keep dense weights, then size the neuron caches within budget_given (a Budget, parsed
-    where it was given); BudgetError (one line) when it cannot work. Arithmetic on the manifest
-    (a Manifest, or its mapping) and the arguments: nothing read, nothing parsed. sketch: (resident bytes, bytes read a token) of a sparse head (sparse_head.sketch_bytes)
-    when one may run; (0, 0): it may not."""
+    where it was given); BudgetError (one line) when it cannot work (check_budget). Arithmetic
+    on the manifest (a Manifest, or its mapping) and the arguments: nothing read, nothing
+    parsed. sketch: (resident bytes, bytes read a token) of a sparse head
+    (sparse_head.sketch_bytes) when one may run; (0, 0): it may not."""
     f = manifest["ffn"]
     n_layers, n_ff, stride = int(f["n_layers"]), int(f["n_ff"]), int(f["stride"])
     strides = sum(layer_strides(f))                  # one slot of every layer
-    budget, budget_text = budget_given.bytes_of(model_bytes(manifest)), budget_given.text
-    staging_rows = min(RING_BUFFERS * n_ff, max(1, STAGING_BYTES // stride))
-    resident = resident_bytes(manifest, n_ctx, process, predictor, reader_stage,
-                              staging_rows * stride, keep_tokenizer, draft)
+    budget, staging_rows, resident, fixed = _floor(manifest, budget_given, n_ctx, process,
+                                                   predictor, reader_stage, naive,
+                                                   keep_tokenizer, draft)
     always, groups, embed = dense_groups(manifest)
     dense_all = always + sum(b for _, b in groups) + embed[1]
-    fixed = sum(resident.values()) + always + (0 if naive else 4 * n_ff * n_layers)
     row = strides + n_layers * ROW_MAP_BYTES
     full_cache = 0 if naive else n_ff * row
-    check_tokenizer_load(manifest, budget, budget_text, process)
     kept, streamed, left = dense_all, [], budget - fixed - (dense_all - always)
     sparse = False
     if left < full_cache:         # streaming what does not fit, or the embeddings, may read less
         stream = _stream_plan(manifest, n_ctx, budget - fixed, groups, embed)
-        if stream is None and left < 0:
-            reserve = stream_reserve(manifest, n_ctx)
-            _refuse(budget, budget_text, {**resident, "dense vectors": always,
-                                          "stream buffers": reserve}, fixed + reserve)
         cheaper = stream is not None and _read_per_token(manifest, full_cache, stream, groups) \
             < ffn_reads(manifest, full_cache, left)
         if stream is not None and (left < 0 or cheaper):
@@ -286,6 +280,37 @@ def plan_budget(manifest: dict, budget_given: Budget, n_ctx: int, process: int, 
                       staging_rows, notes, tuple(streamed), per_token,
                       expert_rows=int(manifest["config"]["n_ff"]) if moe else 0,
                       sparse_head=sparse)
+
+
+def check_budget(manifest: dict, budget_given: Budget, n_ctx: int, process: int,
+                 predictor: int = 0, reader_stage: int = 0, naive: bool = False,
+                 keep_tokenizer: bool = False, draft: int = 0, **_) -> None:
+    """plan_budget's refusals alone, without a plan (the same arguments; BudgetError, the same
+    line): the tokenizer's load, and what must stay resident — the process, the KV cache, the
+    buffers, the dense vectors, and the dense matrices or the buffers streaming them."""
+    _floor(manifest, budget_given, n_ctx, process, predictor, reader_stage, naive,
+           keep_tokenizer, draft)
+
+
+def _floor(manifest: dict, budget_given: Budget, n_ctx: int, process: int, predictor: int,
+           reader_stage: int, naive: bool, keep_tokenizer: bool, draft: int) -> tuple:
+    """(the budget's bytes, staging rows, what stays resident by name, its bytes with the dense
+    vectors and the cache maps), or plan_budget's refusal."""
+    f = manifest["ffn"]
+    n_layers, n_ff, stride = int(f["n_layers"]), int(f["n_ff"]), int(f["stride"])
+    budget, budget_text = budget_given.bytes_of(model_bytes(manifest)), budget_given.text
+    staging_rows = min(RING_BUFFERS * n_ff, max(1, STAGING_BYTES // stride))
+    resident = resident_bytes(manifest, n_ctx, process, predictor, reader_stage,
+                              staging_rows * stride, keep_tokenizer, draft)
+    always, groups, embed = dense_groups(manifest)
+    dense_all = always + sum(b for _, b in groups) + embed[1]
+    fixed = sum(resident.values()) + always + (0 if naive else 4 * n_ff * n_layers)
+    check_tokenizer_load(manifest, budget, budget_text, process)
+    reserve = stream_reserve(manifest, n_ctx)        # everything streamed: the least it takes
+    if budget - fixed - (dense_all - always) < 0 and budget - fixed < reserve:
+        _refuse(budget, budget_text, {**resident, "dense vectors": always,
+                                      "stream buffers": reserve}, fixed + reserve)
+    return budget, staging_rows, resident, fixed
 
 
 def _uncalibrated(whole_head: bool) -> tuple[str, ...]:

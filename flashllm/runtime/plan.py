@@ -11,8 +11,8 @@ from typing import Optional
 
 import numpy as np
 
-from flashllm.runtime.budget import (Budget, BudgetError, BudgetPlan, check_tokenizer_load,
-                                     head_name, model_bytes, plan_budget)
+from flashllm.runtime.budget import (Budget, BudgetError, BudgetPlan, check_budget, head_name,
+                                     model_bytes, plan_budget)
 from flashllm.runtime.resident import carries, carry_bytes, head_rows_bytes, head_rows_fit
 from flashllm.runtime.sparse_head import sketch_bytes
 from flashllm.units import KiB, format_size
@@ -101,17 +101,19 @@ def choose_plan(man, opts: FlashOptions, n_ctx: int, process: int,
 
 
 def check_before_loading(man, opts: FlashOptions, n_ctx: int, process: int) -> None:
-    """What a run refuses before it loads anything (the tokenizer first): its options, and a
-    budget in which the tokenizer cannot load (naming the least budget that works for the
-    context n_ctx). No plan is made here: choose_plan makes it once the context is known."""
+    """What a run refuses before it loads anything, the tokenizer included: its options, and a
+    budget that cannot hold what must stay resident for a context of n_ctx (a one-shot run's
+    bound: the prompt's bytes + -n) — plan_budget's refusals alone (budget.check_budget), no
+    plan; choose_plan makes that once the prompt is tokenized. A refusal names the least
+    budget that works."""
     _check(opts)
     if opts.dram_budget is None:
         return
+    base = _base(man, opts)
     try:
-        check_tokenizer_load(man, opts.dram_budget.bytes_of(model_bytes(man)),
-                             opts.dram_budget.text, process)
-    except BudgetError:
-        _plan_or_least(man, opts.dram_budget, n_ctx, process, _base(man, opts))
+        check_budget(man, opts.dram_budget, n_ctx, process, **base)
+    except BudgetError as e:
+        raise _with_least(e, man, n_ctx, process, base) from None
 
 
 def _base(man, opts: FlashOptions) -> dict:
@@ -135,9 +137,14 @@ def _plan_or_least(man, budget: Budget, n_ctx: int, process: int, kwargs: dict) 
     try:
         return plan_budget(man, budget, n_ctx, process, **kwargs)
     except BudgetError as e:
-        least = least_budget(man, n_ctx, process, **kwargs)
-        raise BudgetError(f"{e} (the least --dram-budget that works for this model and context: "
-                          f"{format_size(least, 'MiB', up=True)})") from None
+        raise _with_least(e, man, n_ctx, process, kwargs) from None
+
+
+def _with_least(e: BudgetError, man, n_ctx: int, process: int, kwargs: dict) -> BudgetError:
+    """e's refusal, naming the least budget that works for the same arguments (least_budget)."""
+    least = least_budget(man, n_ctx, process, **kwargs)
+    return BudgetError(f"{e} (the least --dram-budget that works for this model and context: "
+                       f"{format_size(least, 'MiB', up=True)})")
 
 
 def _finish(plan: BudgetPlan, opts: FlashOptions) -> BudgetPlan:

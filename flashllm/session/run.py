@@ -122,16 +122,18 @@ def request(path: Path, asked: FlashAsked, sampling, drafting: Drafting, threads
 
 
 def assemble(req: RunRequest, cache: Path, log: Log) -> Parts:
-    """Check what must hold before anything loads (the options, the tokenizer's load within
-    the budget), calibrate a models.toml model's own conversion once under a budget, open,
-    tokenize a one-shot prompt, choose the plan for its context (runtime/plan.choose_plan:
-    each candidate once, refusing a budget before the model loads) and build the network."""
+    """Check what must hold before anything loads (the options, the budget for the context's
+    bound: a refused budget loads and calibrates nothing), calibrate a models.toml model's own
+    conversion once under a budget, open, tokenize a one-shot prompt, choose the plan for its
+    context (runtime/plan.choose_plan: each candidate once, before the model loads) and build
+    the network."""
     from flashllm.format.integrity import verify_on_first_load
     from flashllm.format.manifest import read_manifest
     from flashllm.format.reader import open_flash
     from flashllm.generation.tokenizer import Tokenizer
     from flashllm.runtime.assemble import make_ffn, make_head, make_weights, stream_dense
     from flashllm.runtime.plan import check_before_loading, choose_plan
+    from flashllm.session.calibration import calibrate_once, is_calibrated
     from flashllm.ffi.heap import trim_heap
     from flashllm.runtime.budget import process_rss
     from flashllm.runtime.model import Model
@@ -140,9 +142,11 @@ def assemble(req: RunRequest, cache: Path, log: Log) -> Parts:
     process = process_rss()
     man = read_manifest(req.path)
     check_before_loading(man, req.flash, req.n_ctx, process)
-    if req.calibrate and req.flash.flash and _calibrate(req, man, process, log):
+    if req.calibrate and req.flash.flash and not is_calibrated(man) and \
+            calibrate_once(req.path, log):
         process = process_rss()                      # the plan of the calibrated folder
         man = read_manifest(req.path)
+        check_before_loading(man, req.flash, req.n_ctx, process)
     flash = open_flash(req.path, manifest=man)
     verify_on_first_load(flash)
     tok = Tokenizer.from_flash(flash, word_cache=req.one_shot is None)   # one-shot: encodes once
@@ -168,17 +172,6 @@ def assemble(req: RunRequest, cache: Path, log: Log) -> Parts:
                 kv_dtype="f16", head=head)
     return Parts(flash, tok, ids, net, ffn, weights, head, drafting,
                  plan.draft_rows if plan is not None else 0)
-
-
-def _calibrate(req: RunRequest, man, process: int, log: Log) -> bool:
-    """calibrate_once the conversion at req.path unless the manifest says it is calibrated;
-    first its plan for req's context bound, so a budget the run refuses calibrates nothing."""
-    from flashllm.runtime.plan import choose_plan
-    from flashllm.session.calibration import calibrate_once, is_calibrated
-    if is_calibrated(man):
-        return False
-    choose_plan(man, req.flash, req.n_ctx, process)  # refuses before the calibration
-    return calibrate_once(req.path, log)
 
 
 def prompt_ids(tok, text: str, n_predict: int, ctx_size: int,
