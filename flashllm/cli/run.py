@@ -192,7 +192,7 @@ def _assemble(path: Path, fopts, need, threads: int, n_ctx: int, drafting: _Draf
     from flashllm.format.reader import open_flash
     from flashllm.generation.tokenizer import Tokenizer
     from flashllm.cli.calibration import calibrate_once
-    from flashllm.runtime.assemble import make_ffn, make_head, make_weights, plan_run, stream_dense
+    from flashllm.runtime.assemble import make_parts, plan_run
     from flashllm.ffi.heap import trim_heap
     from flashllm.runtime.budget import process_rss
     from flashllm.runtime.model import Model
@@ -218,10 +218,7 @@ def _assemble(path: Path, fopts, need, threads: int, n_ctx: int, drafting: _Draf
         drafting = _Drafting(AUTO_DRAFT, "self") if on else _Drafting(0, drafting.kind)
     if plan is not None and one_shot is not None:
         tok.release(keep_source=False)   # never encodes again; decoding needs only the table
-    ffn = make_ffn(flash, fopts, plan, threads, cache_dir(), log=log)
-    weights = make_weights(flash, plan, threads)
-    head = make_head(flash, plan, weights, need, threads)
-    stream_dense(flash, ffn, weights, sparse_head=head is not None)
+    ffn, weights, head = make_parts(flash, fopts, plan, need, threads, cache_dir(), log=log)
     net = Model(flash, n_threads=threads, n_ctx=n_ctx, ffn=ffn, weights=weights, kv_dtype="f16",
                 head=head)
     return _Parts(flash, tok, ids, net, ffn, weights, head, drafting,
