@@ -149,3 +149,18 @@ def test_only_ffi_touches_cffi():
                 continue
             bad += [f"{m} -> {n}" for n in names if n.split(".")[0] in CFFI or n in CFFI]
     assert bad == []
+
+
+def test_runtime_and_generation_declare_what_they_ask():
+    """No capability probing in runtime/ and generation/: no hasattr(), no getattr() with a
+    default; an optional capability is declared (runtime/interfaces.py, speculate.Draft,
+    sparsity.predictor.NeuronPredictor) and called."""
+    bad = []
+    for m, f in modules().items():
+        if m.split(".")[1:2] not in (["runtime"], ["generation"]):
+            continue
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and (
+                    node.func.id == "hasattr" or node.func.id == "getattr" and len(node.args) > 2):
+                bad.append(f"{m}:{node.lineno} {node.func.id}")
+    assert bad == []

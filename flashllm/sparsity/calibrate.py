@@ -14,7 +14,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from flashllm.format.reader import open_flash
+from flashllm.format.reader import FlashModel, open_flash
 from flashllm.format.files import update_manifest
 from flashllm.sparsity.activations import (CalibrationError, check_criterion, contribution,
                                            default_criterion, down_norms, ffn_activations,
@@ -83,7 +83,7 @@ def collect_ffn_inputs(model, tokens: Sequence[int], n_ctx: int = 512,
     return store
 
 
-def layer_statistics(flash, inputs, sparsity: float, criterion: str, n_threads: int = 1,
+def layer_statistics(flash: FlashModel, inputs, sparsity: float, criterion: str, n_threads: int = 1,
                      log: Callable[[str], None] = lambda m: None, contributions: bool = False):
     """Per layer from its FFN inputs (N, d_model): threshold, per-slot frequency, achieved
     sparsity, and (contributions) each slot's E|h| * ||down|| (activations.contribution).
@@ -94,7 +94,7 @@ def layer_statistics(flash, inputs, sparsity: float, criterion: str, n_threads: 
     return (*per[sparsity], contrib)
 
 
-def target_statistics(flash, inputs, targets: Sequence[float], criterion: str,
+def target_statistics(flash: FlashModel, inputs, targets: Sequence[float], criterion: str,
                       n_threads: int = 1, log: Callable[[str], None] = lambda m: None,
                       contributions: bool = False):
     """layer_statistics for several targets from the same scores: ({target: (thresholds [L],
@@ -148,7 +148,7 @@ def final_hidden(model, tokens: Sequence[int]) -> np.ndarray:
     return np.concatenate(got)                                           # (n, d)
 
 
-def calibrate_model(flash, model, tokens: Sequence[int], text: dict, sparsity: float,
+def calibrate_model(flash: FlashModel, model, tokens: Sequence[int], text: dict, sparsity: float,
                     criterion: Optional[str] = None, n_ctx: int = 512, reorder: bool = True,
                     n_threads: int = 1, log: Callable[[str], None] = lambda m: None,
                     predictor: Optional[str] = None, max_cost: Optional[float] = None,
@@ -227,7 +227,7 @@ def text_tokens(tok, text: str, n_tokens: Optional[int] = None) -> list[int]:
     return ids
 
 
-def thresholds_for(flash, sparsity: float, calibration_tokens: Callable[[], Sequence[int]],
+def thresholds_for(flash: FlashModel, sparsity: float, calibration_tokens: Callable[[], Sequence[int]],
                    make_model: Callable[[], object], n_ctx: int = 512, n_threads: int = 1,
                    log: Callable[[str], None] = lambda m: None) -> list[float]:
     """Per-layer kernel thresholds for a target sparsity: the model's own when it was calibrated

@@ -18,6 +18,7 @@ import numpy as np
 
 from flashllm.format.layout import FFN_ALIGN, crc32_array
 from flashllm.format.files import update_manifest
+from flashllm.format.reader import FlashModel
 from flashllm.errors import FormatError
 
 FFN_NAMES = ("ffn.bin", "ffn-hot.bin")
@@ -65,7 +66,7 @@ def write_frequency(path: Path, freq: np.ndarray, current: Optional[str]) -> dic
     return {**_array_entry(name, a, "float32"), "index": "slot"}
 
 
-def _write_ffn(flash, perm: np.ndarray, name: str) -> list[dict]:
+def _write_ffn(flash: FlashModel, perm: np.ndarray, name: str) -> list[dict]:
     """The FFN file with layer l's slots in the order perm[l]; returns the new layer entries."""
     f = flash.ffn
     layers = []
@@ -84,7 +85,7 @@ def _write_ffn(flash, perm: np.ndarray, name: str) -> list[dict]:
     return layers
 
 
-def rewrite_hot_first(flash, freq: np.ndarray, sparsity: dict,
+def rewrite_hot_first(flash: FlashModel, freq: np.ndarray, sparsity: dict,
                       key: Optional[np.ndarray] = None) -> dict:
     """Reorder every layer's slots by key (n_layers, n_ff) (per current slot, highest first;
     default freq), write the new FFN, order and frequency (freq, n_layers x n_ff, in the new slot
