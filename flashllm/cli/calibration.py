@@ -66,13 +66,14 @@ def calibration_ids(tok, file: Optional[Path], corpus: str, n_tokens: int):
 
 
 def calibrate_folder(path: Path, opts: CalibrationOptions = CalibrationOptions(),
-                     log: Log = lambda m: None) -> tuple[dict, int]:
+                     log: Log = lambda m: None, progress=None) -> tuple[dict, int]:
     """Calibrate the converted folder at path: (the manifest's sparsity section written, the
-    number of calibration tokens)."""
+    number of calibration tokens). The model runs layer by layer from its folder
+    (runtime/layer_pass.py); progress(what, done, of) after each step of a long stage."""
     from flashllm.format.files import update_manifest
     from flashllm.format.reader import open_flash
     from flashllm.generation.tokenizer import Tokenizer
-    from flashllm.runtime.model import Model
+    from flashllm.runtime.layer_pass import LayerPass
     from flashllm.sparsity.calibrate import calibrate_model
     from flashllm.sparsity.train import DEFAULT_KIND
     flash = open_flash(path)
@@ -85,55 +86,33 @@ def calibrate_folder(path: Path, opts: CalibrationOptions = CalibrationOptions()
     if flash.config.max_positions is not None and ctx > flash.config.max_positions:
         ctx = flash.config.max_positions
         log(f"passes of {ctx} tokens: the model's learned positions end there")
-    net = Model(flash, n_threads=opts.threads, n_ctx=ctx)
-    head = head_reads(flash, net, ids[:min(HEAD_POSITIONS, ctx)], opts.threads, log)
-    section = calibrate_model(flash, net, ids, source.description, opts.sparsity, opts.criterion,
-                              n_ctx=ctx, reorder=opts.reorder, n_threads=opts.threads, log=log,
-                              predictor=None if predictor == "none" else predictor,
-                              max_cost=opts.max_cost, ppl=bundle_ppl(flash, net, ids, ctx,
-                                                                     opts.threads))
-    if head:
-        section = {**section, "head": head}
+    net = LayerPass(flash, opts.threads, ctx)
+    head: list = []
+    final = lambda x: head.append(head_reads(flash, net, x[:min(HEAD_POSITIONS, ctx)],
+                                             opts.threads, log))          # noqa: E731
+    try:
+        section = calibrate_model(flash, net, ids, source.description, opts.sparsity,
+                                  opts.criterion, reorder=opts.reorder, n_threads=opts.threads,
+                                  log=log, predictor=None if predictor == "none" else predictor,
+                                  max_cost=opts.max_cost, on_final=final,
+                                  **({"progress": progress} if progress else {}))
+    finally:
+        net.close()
+    if head and head[0]:
+        section = {**section, "head": head[0]}
         update_manifest(flash.path, sparsity=section)
     return section, len(ids)
 
 
-def bundle_ppl(flash, model, tokens, n_ctx: int, n_threads: int):
-    """ppl(thresholds): the perplexity of model (dense, over flash) with its FFN over the bundles
-    — as a budgeted run multiplies them — and these per-layer thresholds (zeros: none) on the
-    tokens' first QUALITY_TOKENS (sparsity/quality.py); the model's own FFN strategy is back
-    after each measurement."""
-    from flashllm.generation.perplexity import perplexity
-    from flashllm.runtime.ffn import DenseFfn
-    from flashllm.sparsity.quality import QUALITY_TOKENS
-    ids = list(tokens[:QUALITY_TOKENS])
-    sparse = None                # the bundles' FFN, built at the first measurement
-
-    def ppl(thresholds: list) -> float:
-        nonlocal sparse
-        if sparse is None:       # built with thresholds it takes the bundles, not the rows
-            sparse = DenseFfn(flash, n_threads, threshold=[1.0] * flash.config.n_layers)
-        sparse.threshold = list(thresholds)
-        inner, model.ffn = model.ffn, sparse
-        try:                     # perplexity starts each chunk from an empty context
-            return perplexity(model, ids, n_ctx=min(n_ctx, len(ids))).ppl
-        finally:
-            model.ffn = inner
-            model.reset()
-    return ppl
-
-
-def head_reads(flash, net, ids, threads: int, log: Log) -> Optional[dict]:
+def head_reads(flash, net, x, threads: int, log: Log) -> Optional[dict]:
     """What a sparse output head would read a token on the calibration text (the planner weighs
-    it: runtime/sparse_head.sketch_bytes); None without a head sketch. Measured before the
-    hot-first rewrite replaces the FFN file the dense model reads."""
+    it: runtime/sparse_head.sketch_bytes), from the dense pass's final hidden states x (n,
+    d_model) of the text's first positions; None without a head sketch."""
     from flashllm.format.layout import SKETCH
     from flashllm.runtime.sparse_head import measure_reads
-    from flashllm.sparsity.calibrate import final_hidden
     if not flash.has(SKETCH):
         return None
-    x = final_hidden(net, ids)                                           # (n, d_model)
-    head = measure_reads(flash, net.w, x, threads)
+    head = measure_reads(flash, net.w, net.head_input(x), threads)
     g, k = head["greedy"], head["top40"]
     log(f"sparse head, {len(x)} positions: greedy reads {g['rows']:.0f} rows a token "
         f"({g['fallbacks']:.0%} the whole head), top-40 {k['rows']:.0f} ({k['fallbacks']:.0%})")

@@ -61,9 +61,11 @@ class DenseFfn(FfnStrategy):
     columns added one neuron at a time (fl_ffn_bundles)."""
 
     def __init__(self, flash: FlashModel, n_threads: int = 1, threshold: Optional[list[float]] = None,
-                 exact: bool = False, summary: str = ""):
-        """summary: the DRAM plan of a budget that holds the whole FFN (for stats())."""
+                 exact: bool = False, summary: str = "", layers: Optional[list[int]] = None):
+        """summary: the DRAM plan of a budget that holds the whole FFN (for stats()); layers:
+        the only layers read (None: all; runtime/layer_pass.py runs one at a time)."""
         cfg = flash.config
+        held = set(range(cfg.n_layers) if layers is None else layers)
         self.summary = summary
         self.dtype, self.d, self.glu, self.act = flash.ffn.dtype, cfg.d_model, cfg.glu, cfg.act
         self.down_dtypes = flash.ffn.down_dtypes                          # per layer
@@ -74,11 +76,13 @@ class DenseFfn(FfnStrategy):
         self.rows = flash.down_rows is not None and not exact and not any(self.threshold)
         if self.rows:      # repacked for this build's matmul where it has a packed layout
             packed = lambda w: kernel.pack(w, in_place=True) or w
-            self.gate_up = [packed(gate_up_rows(flash, i)) for i in range(cfg.n_layers)]  # (k n_ff, d)
-            self.down = [packed(flash.read_down_rows(i)) for i in range(cfg.n_layers)]    # (d, n_ff)
+            self.gate_up = [packed(gate_up_rows(flash, i)) if i in held else None
+                            for i in range(cfg.n_layers)]                     # (k n_ff, d)
+            self.down = [packed(flash.read_down_rows(i)) if i in held else None
+                         for i in range(cfg.n_layers)]                        # (d, n_ff)
             return
-        self.bundles = [np.ascontiguousarray(flash.read_ffn_layer(i))   # (n_ff, stride) uint8
-                        for i in range(cfg.n_layers)]
+        self.bundles = [np.ascontiguousarray(flash.read_ffn_layer(i)) if i in held else None
+                        for i in range(cfg.n_layers)]                         # (n_ff, stride) uint8
         self.ids = [bundle_ids(flash, i) for i in range(cfg.n_layers)]  # (n_ff,) int32 or None
 
     def start_pass(self, n_tokens: int, prefill: bool, pos0: int = 0) -> None:
