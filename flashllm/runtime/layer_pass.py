@@ -31,6 +31,8 @@ from flashllm.units import KiB
 
 READ_THREADS, READ_STAGE = 4, 256 * KiB     # the dense.bin reader's (embedding rows, head chunks)
 
+FFN_TOKENS = 128    # tokens an FFN call takes: its (T, 2 n_ff) products stay small (a product
+                    # does not depend on how many tokens a call holds: runtime/assemble.make_weights)
 OnInput = Callable[[int, np.ndarray], None]  # (layer, FFN inputs h (N, d_model) of all tokens)
 
 
@@ -75,7 +77,8 @@ class LayerPass:
                 m._attention_block(i, layer, xc, np.arange(b - a, dtype=np.int32), b - a)
                 if h is not None:
                     h[a:b] = m._norm(xc, layer.ffn_norm, layer.ffn_norm_b)
-                m._ffn_block(i, layer, xc)
+                for c in range(0, b - a, FFN_TOKENS):     # each token's FFN is its own
+                    m._ffn_block(i, layer, xc[c:c + FFN_TOKENS])
             m.ffn = None
             del layer
             trim_heap()
@@ -108,27 +111,38 @@ class LayerPass:
 
     def nll(self, x: np.ndarray, targets: np.ndarray) -> np.ndarray:
         """(T,) f64 -log softmax(logits)[target] of the head inputs x (T, d_embed), the head
-        read in row chunks (a running log-sum-exp: no (T, vocab) array)."""
+        read in row chunks (a running log-sum-exp over them, FFN_TOKENS rows at a time: no
+        (T, vocab) array)."""
         t = self.flash.dense_entry(self.w.head_name)
         rows, cols = t["shape"]
-        rb, cap = t["nbytes"] // rows, self.config.final_softcap
+        rb = t["nbytes"] // rows
         top = np.full(len(x), -np.inf)                                       # (T,)
         total, picked = np.zeros(len(x)), np.zeros(len(x))                  # (T,) each
         r0 = 0
         for _, buf, _ in self.w._own_head_chunks():
             n = len(buf) // rb
-            z = kernel.matmul(QTensor(buf.reshape(n, rb), t["dtype"], n, cols), x, None,
-                              self.n_threads)                                # (T, n) f32
-            if cap:
-                z = np.tanh(z / np.float32(cap)) * np.float32(cap)
-            z = z.astype(np.float64)                                         # (T, n)
-            new = np.maximum(top, z.max(axis=1))                             # (T,)
-            total = total * np.exp(top - new) + np.exp(z - new[:, None]).sum(axis=1)
-            top = new
-            hit = (targets >= r0) & (targets < r0 + n)                       # (T,)
-            picked[hit] = z[hit, targets[hit] - r0]
+            w = QTensor(buf.reshape(n, rb), t["dtype"], n, cols)
+            for a in range(0, len(x), FFN_TOKENS):
+                s = slice(a, a + FFN_TOKENS)
+                self._reduce(kernel.matmul(w, x[s], None, self.n_threads), targets[s] - r0,
+                             top[s], total[s], picked[s])                   # (t, n) logits
             r0 += n
         return top + np.log(total) - picked
+
+    def _reduce(self, z: np.ndarray, targets: np.ndarray, top: np.ndarray, total: np.ndarray,
+                picked: np.ndarray) -> None:
+        """Logits z (t, n) of head rows 0..n into the running max top, sum of exp(z - top) total
+        and target logit picked (t,) each, in place; targets (t,) relative to the rows."""
+        cap = self.config.final_softcap
+        if cap:
+            z = np.tanh(z / np.float32(cap)) * np.float32(cap)
+        z = z.astype(np.float64)                                             # (t, n)
+        new = np.maximum(top, z.max(axis=1))                                 # (t,)
+        total *= np.exp(top - new)
+        total += np.exp(z - new[:, None]).sum(axis=1)
+        top[:] = new
+        hit = (targets >= 0) & (targets < z.shape[1])                       # (t,)
+        picked[hit] = z[hit, targets[hit]]
 
     def perplexity(self, tokens: Sequence[int], thresholds: Optional[list] = None,
                    on_layer: Callable[[int], None] = lambda i: None) -> float:
