@@ -7,6 +7,7 @@ outside the budget, under the conversion's lock).
 """
 from __future__ import annotations   # light imports: the CLI loads this before any model
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -35,6 +36,7 @@ class CalibrationOptions:
     predictor: str = "default"       # a kind of sparsity/train.py, "default" or "none"
     threads: int = 2
     max_cost: Optional[float] = MAX_PPL_COST  # perplexity the thresholds may cost (None: no check)
+    dram_budget: Optional[int] = None  # bytes the calibration may hold (None: no bound)
 
 
 def is_calibrated(manifest: dict) -> bool:
@@ -70,11 +72,12 @@ def calibrate_folder(path: Path, opts: CalibrationOptions = CalibrationOptions()
     """Calibrate the converted folder at path: (the manifest's sparsity section written, the
     number of calibration tokens). The model runs layer by layer from its folder
     (runtime/layer_pass.py); progress(what, done, of) after each step of a long stage."""
+    from flashllm.ffi.heap import trim_heap
     from flashllm.format.files import update_manifest
     from flashllm.format.reader import open_flash
     from flashllm.generation.tokenizer import Tokenizer
     from flashllm.runtime.layer_pass import LayerPass
-    from flashllm.sparsity.calibrate import calibrate_model
+    from flashllm.sparsity.calibrate import calibrate_model, plan_calibration
     from flashllm.sparsity.train import DEFAULT_KIND
     flash = open_flash(path)
     predictor = opts.predictor
@@ -82,10 +85,13 @@ def calibrate_folder(path: Path, opts: CalibrationOptions = CalibrationOptions()
         predictor = DEFAULT_KIND["glu" if flash.config.glu else "plain"]
     source, ids = calibration_ids(Tokenizer.from_flash(flash), opts.text, opts.corpus,
                                   opts.tokens)
+    trim_heap()                                      # the tokenizer's, freed
     ctx = opts.ctx
     if flash.config.max_positions is not None and ctx > flash.config.max_positions:
         ctx = flash.config.max_positions
         log(f"passes of {ctx} tokens: the model's learned positions end there")
+    predictor = plan_calibration(flash, len(ids), opts.max_cost is not None, predictor,
+                                 opts.dram_budget, log)
     net = LayerPass(flash, opts.threads, ctx)
     head: list = []
     final = lambda x: head.append(head_reads(flash, net, x[:min(HEAD_POSITIONS, ctx)],
@@ -93,7 +99,7 @@ def calibrate_folder(path: Path, opts: CalibrationOptions = CalibrationOptions()
     try:
         section = calibrate_model(flash, net, ids, source.description, opts.sparsity,
                                   opts.criterion, reorder=opts.reorder, n_threads=opts.threads,
-                                  log=log, predictor=None if predictor == "none" else predictor,
+                                  log=log, predictor=predictor,
                                   max_cost=opts.max_cost, on_final=final,
                                   **({"progress": progress} if progress else {}))
     finally:
@@ -131,29 +137,51 @@ def summary(path: Path, section: dict, n_tokens: int) -> str:
             + (f"hot-first by {section['order_by']}" if section["hot_first"] else "order kept"))
 
 
-def calibrate_once(out: Path, log: Log) -> bool:
-    """Calibrate a models.toml model's own conversion at out (convert/resolve.resolve_model's)
-    with calibrate's defaults, in a child process (its memory outside a run's budget), unless
-    it is calibrated (or another process did it while this one waited): True when this call
-    calibrated it. A calibration that fails is said and the run goes on without it (as an
-    uncalibrated model runs: its plan says what calibrating would change). A folder the user
-    gave is theirs: never pass it here."""
-    from flashllm.convert.resolve import in_child, locked
+def calibrate_once(out: Path, log: Log, name: str = "", budget: Optional[str] = None) -> bool:
+    """Calibrate a models.toml model's (or a GGUF file's) own conversion at out
+    (convert/resolve.resolve_model's) with calibrate's defaults within the run's DRAM budget
+    (text, e.g. "280MiB"), in a child process, unless it is calibrated (or another process did
+    it while this one waited), or an earlier try failed with no more memory than this one
+    (sparsity/attempt.py: then one line says what is missing and how to calibrate by hand):
+    True when this call calibrated it. A calibration that fails is said, remembered and the run
+    goes on without it (its plan says what calibrating would change). A folder the user gave is
+    theirs: never pass it here. name: what the user typed for the model (for the command)."""
+    from flashllm.convert.resolve import in_child
     from flashllm.errors import FlashError
+    from flashllm.runtime.budget import process_rss
+    from flashllm.sparsity.attempt import clear_failure, hold, known_failure, record_failure
     if _calibrated(out):
         return False
-    with locked(out.parent / f".{out.name}.lock"):
+    nbytes = _budget_bytes(out, budget)     # the child has what this process does not hold
+    by_hand = f"flashllm calibrate {name or out}" + (f" --dram-budget {budget}" if budget else "")
+    failed = known_failure(out, nbytes)
+    if failed is not None:
+        log(f"{name or out.name} runs uncalibrated: its calibration failed on {failed['when']} "
+            f"({failed['reason']}); calibrate it by hand: {by_hand}")
+        return False
+    with hold(out, log):
         if _calibrated(out):
             return False
         log(f"calibrating {out} once for runs under a DRAM budget (the most active "
-            "neurons first, what a sparse output head reads; a minute or two on a 1.5B model, "
-            "in a child process outside the budget)")
+            "neurons first, what a sparse output head reads), in a child process"
+            + (f" within {budget}" if budget else ""))
         try:
-            in_child(_calibrate_work, (str(out),), f"calibrating {out.name}")
+            in_child(_calibrate_work, (str(out), nbytes and nbytes - process_rss()),
+                     f"calibrating {out.name}")
         except FlashError as e:
-            log(f"{e}; running {out.name} uncalibrated")
+            record_failure(out, str(e), nbytes)
+            log(f"{e}; running {out.name} uncalibrated (not tried again; by hand: {by_hand})")
             return False
+        clear_failure(out)
     return True
+
+
+def _budget_bytes(out: Path, budget: Optional[str]) -> Optional[int]:
+    """Bytes of a run's --dram-budget text for the conversion at out (None: no budget)."""
+    from flashllm.runtime.budget import model_bytes, parse_budget, read_manifest
+    if budget is None:
+        return None
+    return parse_budget(budget, model_bytes(read_manifest(out)))
 
 
 def _calibrated(out: Path) -> bool:
@@ -166,7 +194,14 @@ def _calibrated(out: Path) -> bool:
         return True
 
 
-def _calibrate_work(out: str, log: Log) -> None:
-    """calibrate's defaults in in_child, saying only its closing line (not one a layer)."""
-    section, n = calibrate_folder(Path(out))
+def _calibrate_work(out: str, budget: Optional[int], log: Log) -> None:
+    """calibrate's defaults in in_child within budget bytes, saying only its closing line (not
+    one a layer)."""
+    t0 = time.perf_counter()
+
+    def stage(what: str, done: int, of: int) -> None:      # a line a stage, not one a layer
+        if done == of:
+            log(f"calibrating: {what} done ({time.perf_counter() - t0:.0f} s)")
+    said = lambda m: None if m.startswith("layer ") else log(m)      # noqa: E731 (not a layer's)
+    section, n = calibrate_folder(Path(out), CalibrationOptions(dram_budget=budget), said, stage)
     log(summary(Path(out), section, n))

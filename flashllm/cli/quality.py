@@ -89,6 +89,39 @@ def perplexity(
         print(result.summary())
 
 
+class Steps:
+    """calibrate's progress (sparsity/calibrate.Progress) on a console: a bar per stage on a
+    terminal; off one, a line at each quarter of a stage, with the time it has taken."""
+
+    def __init__(self, console):
+        self.console, self.what, self.bar, self.shown = console, None, None, 0
+        self.t0 = time.perf_counter()
+
+    def __call__(self, what: str, done: int, of: int) -> None:
+        if what != self.what:
+            self.stop()
+            self.what, self.shown, self.t0 = what, 0, time.perf_counter()
+            if self.console.is_terminal:
+                from rich.progress import Progress
+                self.bar = Progress(console=self.console, transient=True)
+                self.bar.start()
+                self.task = self.bar.add_task(what, total=of)
+        if self.bar is not None:
+            self.bar.update(self.task, completed=done)
+        elif 4 * done // of > self.shown:
+            self.shown = 4 * done // of
+            self.console.print(f"{what}: {done}/{of} layers, {time.perf_counter() - self.t0:.0f} s",
+                               markup=False, soft_wrap=True)
+        if done == of:
+            self.stop()
+            self.what = None
+
+    def stop(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
+
+
 @command
 def calibrate(
     model: str = typer.Argument(..., help=MODEL_HELP),
@@ -111,15 +144,29 @@ def calibrate(
                                   "(gate_up for GLU models, lowrank otherwise), a kind, or none."),
     threads: int = typer.Option(DEFAULT_THREADS, "-t", "--threads", min=1, max=MAX_THREADS,
                                help="Compute threads."),
+    dram_budget: Optional[str] = typer.Option(None, "--dram-budget", help="DRAM the calibration "
+                                              "may hold (e.g. 280MiB, 50%): the model is read "
+                                              "layer by layer from its folder."),
 ) -> None:
     """Per-layer sparsity thresholds, neuron frequencies, hot-first FFN rewrite, predictor."""
     from flashllm.cli.calibration import CalibrationOptions, calibrate_folder, summary
+    from flashllm.runtime.budget import model_bytes, parse_budget, read_manifest
+    from flashllm.sparsity.attempt import clear_failure, hold
     if not 0.0 <= sparsity < 1.0:
         fail(f"--sparsity must be in [0, 1), not {sparsity}")
     path = model_path(model)
+    budget = None if dram_budget is None else parse_budget(dram_budget,
+                                                           model_bytes(read_manifest(path)))
     opts = CalibrationOptions(text, corpus.value, sparsity, tokens, ctx,
                               criterion.value if criterion is not None else None, reorder,
                               predictor.value, threads,
-                              None if keep_target else max_ppl_cost / 100.0)
-    section, n = calibrate_folder(path, opts, lambda m: err.print(m, markup=False, soft_wrap=True))
+                              None if keep_target else max_ppl_cost / 100.0, budget)
+    log = lambda m: err.print(m, markup=False, soft_wrap=True)
+    steps = Steps(err)
+    try:
+        with hold(path, log):
+            section, n = calibrate_folder(path, opts, log, steps)
+            clear_failure(path)
+    finally:
+        steps.stop()
     err.print(summary(path, section, n), markup=False, soft_wrap=True)

@@ -107,7 +107,7 @@ def run(
         n_predict = 0 if interactive else 128
     text = None if interactive else read_prompt(prompt, file)
     path = model_path(model, apart=dram_budget is not None)
-    calibrate = not (Path(model).is_dir() or naive or dense)   # ours: a name's, a .gguf's
+    calibrate = None if Path(model).is_dir() or naive or dense else model  # ours: a name's, a .gguf's
     params = SamplerParams(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p,
                            repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
                            seed=None if seed == -1 else seed)
@@ -184,10 +184,11 @@ class _Parts:
 
 
 def _assemble(path: Path, fopts, need, threads: int, n_ctx: int, drafting: _Drafting,
-              head_rows: int, one_shot: Optional[tuple], calibrate: bool = False) -> _Parts:
+              head_rows: int, one_shot: Optional[tuple], calibrate: Optional[str] = None) -> _Parts:
     """Plan (refusing a budget before anything loads), calibrate a models.toml model's own
-    conversion once under a budget (calibrate), open, tokenize a one-shot prompt (one_shot:
-    (text, n_predict, ctx_size); None: a chat) and build the network."""
+    conversion once under a budget (calibrate: the model as the user named it), open, tokenize
+    a one-shot prompt (one_shot: (text, n_predict, ctx_size); None: a chat) and build the
+    network."""
     from flashllm.format.integrity import verify_on_first_load
     from flashllm.format.reader import open_flash
     from flashllm.generation.tokenizer import Tokenizer
@@ -200,8 +201,8 @@ def _assemble(path: Path, fopts, need, threads: int, n_ctx: int, drafting: _Draf
     trim_heap()                      # the imports' freed heap: ~1 MiB the plan need not count
     process = process_rss()
     plan = plan_run(path, fopts, n_ctx, process)     # refuses before loading anything
-    log = lambda m: err.print(m, markup=False)
-    if calibrate and plan is not None and calibrate_once(path, log):
+    log = lambda m: err.print(m, markup=False, soft_wrap=True)    # a line a message
+    if calibrate and plan is not None and calibrate_once(path, log, calibrate, fopts.dram_budget):
         process = process_rss()                      # the plan of the calibrated folder
         plan = plan_run(path, fopts, n_ctx, process)
     flash = open_flash(path)

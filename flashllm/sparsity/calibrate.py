@@ -16,6 +16,8 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from flashllm.format.reader import FlashModel, open_flash
+from flashllm.sparsity import cost
+from flashllm.units import format_size
 from flashllm.format.files import update_manifest
 from flashllm.sparsity.activations import (CalibrationError, check_criterion, contribution,
                                            default_criterion, down_norms, ffn_activations,
@@ -252,6 +254,31 @@ def fit_predictor(path, inputs, thresholds: list, criterion: str, kind: str, n_t
     log(f"predictor {kind}: held-out recall {np.mean(m['recall']):.3f}, precision "
         f"{np.mean(m['precision']):.3f}, load {np.mean(m['load']):.3f}, "
         f"{pred.nbytes / 2**20:.1f} MiB in DRAM")
+
+
+def plan_calibration(flash, n_tokens: int, check: bool, predictor: Optional[str],
+                     budget: Optional[int], log: Callable[[str], None]) -> Optional[str]:
+    """Say how long calibrating flash on n_tokens will take (sparsity/cost.py); refuse a DRAM
+    budget (bytes, None: none) it cannot fit in; the predictor kind to train ("none": None):
+    none when the budget could not hold it (no run under that budget would use it)."""
+    cfg = flash.config
+    predictor = None if predictor == "none" else predictor
+    if budget is not None:
+        need = cost.peak_bytes(flash, n_tokens)
+        if need > budget:
+            raise CalibrationError(f"calibrating on {n_tokens} tokens needs about "
+                                   f"{format_size(need, 'MiB', up=True)}, more than the "
+                                   f"{format_size(budget, 'MiB')} budget: give a larger "
+                                   "--dram-budget or fewer --tokens")
+        if predictor and cost.predictor_bytes(cfg, predictor) > budget:
+            log(f"no {predictor} predictor: its {format_size(cost.predictor_bytes(cfg, predictor))}"
+                f" would not fit a run's {format_size(budget, 'MiB')} budget")
+            predictor = None
+    t = cost.seconds(cfg, n_tokens, min(n_tokens, QUALITY_TOKENS), 2 if check else 0,
+                     predictor is not None)
+    log(f"calibrating on {n_tokens} tokens, layer by layer: about {max(1, round(t / 60))} min"
+        + (" (more if the target must be lowered)" if check else ""))
+    return predictor
 
 
 def text_tokens(tok, text: str, n_tokens: Optional[int] = None) -> list[int]:
