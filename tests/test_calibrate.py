@@ -381,3 +381,25 @@ def test_the_shipped_text_is_read_until_a_word_level_vocabulary_has_its_tokens(t
     assert len(ids) == 2048 and ids == tok.encode(source.text)[:2048]
     with pytest.raises(CalibrationError, match="2000000 were asked for"):
         calibration_ids(tok, None, "code", 2_000_000)
+
+
+def test_calibrate_sweeps_a_killed_calibrations_files_and_a_predictor_it_reorders(tiny, tmp_path):
+    """A calibration OOM-killed mid-rewrite leaves .NAME.tmp-PID files in the folder: the next
+    one removes those whose process is gone (not a live writer's); a predictor trained in the
+    slots a rewrite reorders is dropped when no new one is trained."""
+    import os
+    import subprocess
+    import sys
+    path = _fresh(tiny, "llama", tmp_path)
+    calibrate_model(*_flash_and_model(path), TOKENS, {}, 0.5, predictor="gate_up")
+    assert open_flash(path).manifest["predictor"]["kind"] == "gate_up"
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    dead, live = path / f".ffn.bin.tmp-{gone}", path / f".order-hot.bin.tmp-{os.getppid()}"
+    dead.write_bytes(b"half")
+    live.write_bytes(b"busy")
+    calibrate_model(*_flash_and_model(path), TOKENS, {}, 0.5)
+    assert not dead.exists() and live.exists()
+    live.unlink()
+    assert not open_flash(path, verify=True).manifest.get("predictor")
+    _logits_match(tiny("llama")[0], path, TOKENS[:40])

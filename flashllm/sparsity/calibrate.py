@@ -25,7 +25,7 @@ from flashllm.sparsity.activations import (CalibrationError, check_criterion, co
 from flashllm.sparsity.predictor import save_predictor
 from flashllm.sparsity.layer_stats import InputStore, LastLayer, LayerStats, layer_scores
 from flashllm.sparsity.quality import QUALITY_TOKENS, keep_quality, quality_steps
-from flashllm.sparsity.reorder import rewrite_hot_first, write_frequency
+from flashllm.sparsity.reorder import rewrite_hot_first, sweep_temporaries, write_frequency
 from flashllm.sparsity.train import DEFAULT_OPTIONS, train_predictor
 
 class RecordingFfn:
@@ -163,6 +163,7 @@ def calibrate_model(flash: FlashModel, net, tokens: Sequence[int], text: dict, s
     check_criterion(cfg, criterion)
     if len(tokens) == 0:
         raise CalibrationError("no calibration tokens")
+    sweep_temporaries(flash.path)
     by = order_by(cfg)
     steps = quality_steps(sparsity, criterion) if max_cost is not None else []
     stats = LayerStats(flash, steps or [sparsity], criterion, len(tokens), n_threads,
@@ -183,6 +184,8 @@ def calibrate_model(flash: FlashModel, net, tokens: Sequence[int], text: dict, s
         kept = {"requested": sparsity, "target": sparsity}
         if steps:
             kept.update(keep_quality(per, _quality(net, tokens, progress), max_cost, log))
+        if reorder and flash.manifest.get("predictor"):   # trained in the slots it reorders
+            update_manifest(flash.path, predictor={})
         section = _write(flash, tokens, text, criterion, kept, per, reorder, by, contrib,
                          net.n_ctx)
         if predictor:

@@ -16,14 +16,22 @@ from typing import Optional
 
 import numpy as np
 
-from flashllm.format.layout import FFN_ALIGN, crc32_array
-from flashllm.format.files import update_manifest
+from flashllm.format.layout import FFN_ALIGN, MANIFEST_FILE, crc32_array
+from flashllm.format.files import sweep_leftovers, update_manifest
 from flashllm.format.reader import FlashModel
 from flashllm.errors import FormatError
 
 FFN_NAMES = ("ffn.bin", "ffn-hot.bin")
 ORDER_NAMES = ("order.bin", "order-hot.bin")
 FREQ_NAMES = ("frequency.bin", "frequency-hot.bin")
+
+
+def sweep_temporaries(folder: Path) -> None:
+    """Remove the temporary files a killed calibration (an OOM-killed child) left in folder:
+    those of the files calibration writes whose writer is gone (format/files.sweep_leftovers)."""
+    from flashllm.sparsity.predictor import PREDICTOR_FILE
+    for name in (*FFN_NAMES, *ORDER_NAMES, *FREQ_NAMES, PREDICTOR_FILE, MANIFEST_FILE):
+        sweep_leftovers(Path(folder) / name)
 
 
 def hot_first_permutation(key: np.ndarray) -> np.ndarray:
