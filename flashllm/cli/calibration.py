@@ -148,11 +148,10 @@ def calibrate_once(out: Path, log: Log, name: str = "", budget: Optional[str] = 
     theirs: never pass it here. name: what the user typed for the model (for the command)."""
     from flashllm.convert.resolve import in_child
     from flashllm.errors import FlashError
-    from flashllm.runtime.budget import process_rss
     from flashllm.sparsity.attempt import clear_failure, hold, known_failure, record_failure
     if _calibrated(out):
         return False
-    nbytes = _budget_bytes(out, budget)     # the child has what this process does not hold
+    nbytes = _budget_bytes(out, budget)
     by_hand = f"flashllm calibrate {name or out}" + (f" --dram-budget {budget}" if budget else "")
     failed = known_failure(out, nbytes)
     if failed is not None:
@@ -166,8 +165,7 @@ def calibrate_once(out: Path, log: Log, name: str = "", budget: Optional[str] = 
             "neurons first, what a sparse output head reads), in a child process"
             + (f" within {budget}" if budget else ""))
         try:
-            in_child(_calibrate_work, (str(out), nbytes and nbytes - process_rss()),
-                     f"calibrating {out.name}")
+            in_child(_calibrate_work, (str(out), nbytes), f"calibrating {out.name}")
         except FlashError as e:
             record_failure(out, str(e), nbytes)
             log(f"{e}; running {out.name} uncalibrated (not tried again; by hand: {by_hand})")
