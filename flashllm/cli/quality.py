@@ -89,37 +89,17 @@ def perplexity(
         print(result.summary())
 
 
-class Steps:
-    """calibrate's progress (sparsity/calibrate.Progress) on a console: a bar per stage on a
-    terminal; off one, a line at each quarter of a stage, with the time it has taken."""
+def _stages():
+    """calibrate's progress(what, done, of) on stderr: cli/progress.eta_progress, a new one
+    for each stage (a stage's first step is 1)."""
+    from flashllm.cli.progress import eta_progress
+    shown = [None, None]                          # the stage, its eta_progress
 
-    def __init__(self, console):
-        self.console, self.what, self.bar, self.shown = console, None, None, 0
-        self.t0 = time.perf_counter()
-
-    def __call__(self, what: str, done: int, of: int) -> None:
-        if what != self.what:
-            self.stop()
-            self.what, self.shown, self.t0 = what, 0, time.perf_counter()
-            if self.console.is_terminal:
-                from rich.progress import Progress
-                self.bar = Progress(console=self.console, transient=True)
-                self.bar.start()
-                self.task = self.bar.add_task(what, total=of)
-        if self.bar is not None:
-            self.bar.update(self.task, completed=done)
-        elif 4 * done // of > self.shown:
-            self.shown = 4 * done // of
-            self.console.print(f"{what}: {done}/{of} layers, {time.perf_counter() - self.t0:.0f} s",
-                               markup=False, soft_wrap=True)
-        if done == of:
-            self.stop()
-            self.what = None
-
-    def stop(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-            self.bar = None
+    def progress(what: str, done: int, of: int) -> None:
+        if done == 1 or shown[0] != what:
+            shown[:] = what, eta_progress(what)
+        shown[1](done, of)
+    return progress
 
 
 @command
@@ -162,11 +142,7 @@ def calibrate(
                               predictor.value, threads,
                               None if keep_target else max_ppl_cost / 100.0, budget)
     log = lambda m: err.print(m, markup=False, soft_wrap=True)
-    steps = Steps(err)
-    try:
-        with hold(path, log):
-            section, n = calibrate_folder(path, opts, log, steps)
-            clear_failure(path)
-    finally:
-        steps.stop()
+    with hold(path, log):
+        section, n = calibrate_folder(path, opts, log, _stages())
+        clear_failure(path)
     err.print(summary(path, section, n), markup=False, soft_wrap=True)
