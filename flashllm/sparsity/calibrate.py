@@ -176,11 +176,11 @@ def calibrate_model(flash: FlashModel, net, tokens: Sequence[int], text: dict, s
             if store is not None:
                 store.put(layer, h)
         x = net.run(tokens, on_input, on_layer=lambda i: progress("dense pass", i + 1, cfg.n_layers))
+        per, contrib = stats.result()
+        del stats                                      # its (N, n_ff) scores, before the head's
         if on_final is not None:
             on_final(x)
         del x
-        per, contrib = stats.result()
-        del stats                                      # its (N, n_ff) scores
         kept = {"requested": sparsity, "target": sparsity}
         if steps:
             kept.update(keep_quality(per, _quality(net, tokens, progress), max_cost, log))
