@@ -10,7 +10,8 @@
 #include <math.h>
 
 #include "flashllm.h"
-#include "compute_internal.h"
+#include "act.h"
+#include "base.h"
 
 #define EXP_HI 88.3f
 #define EXP_LO -87.3f

@@ -13,7 +13,9 @@
 #include <math.h>
 
 #include "flashllm.h"
-#include "compute_internal.h"
+#include "act_quant.h"
+#include "base.h"
+#include "dtype.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>

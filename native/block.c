@@ -12,7 +12,7 @@
 #include <string.h>
 
 #include "flashllm.h"
-#include "compute_internal.h"
+#include "base.h"
 
 /* y (m.rows) = m . x (+ bias), one token, int8 activations */
 static int32_t mat_vec(const fl_mat *m, const float *x, float *y, int32_t n_threads) {

@@ -7,7 +7,7 @@
  * are the same bits on any number of threads); threads take chunks from a contiguous part each
  * (fli_split), then from the others' parts, each chunk accumulates into its own (T, d) partial,
  * and the partials are then summed into y in chunk order, split over y's elements. The
- * quantized range paths (int8 x) are in ffn_quant.c, sharing ffn_internal.h.
+ * quantized range paths (int8 x) are in ffn_quant.c (ffn_quant.h).
  */
 #include <math.h>
 #include <stdatomic.h>
@@ -15,7 +15,13 @@
 #include <string.h>
 
 #include "flashllm.h"
-#include "ffn_internal.h"
+#include "act.h"
+#include "act_quant.h"
+#include "ffn_quant.h"
+#include "pool.h"
+#include "qgemm.h"
+#include "traits.h"
+#include "vec.h"
 
 #define FOLD_FLOATS (1 << 18)  /* partial floats computed before a fold: the blocks' window */
 #define PREFETCH_BUNDLES 2 /* bundles ahead of the one being computed */

@@ -2,13 +2,17 @@
  * x quantized to int8 (ffn.c's quantize_x) in int8 tiles (fli_qdot_tile) for up to SMALL_T
  * tokens, or in int8 GEMM panels (qgemm.c) for more (dtypes with panels: fl_ffn_bundles runs the
  * others SMALL_T tokens at a time); the kept neurons' down columns are added in f32. ffn.c's
- * bundle_range picks the path; ffn_internal.h holds what the two files share.
+ * bundle_range picks the path through ffn_quant.h.
  */
 #include <math.h>
 #include <string.h>
 
 #include "flashllm.h"
-#include "ffn_internal.h"
+#include "act.h"
+#include "ffn_quant.h"
+#include "gemm_f32.h"
+#include "qgemm.h"
+#include "traits.h"
 
 #define PREFETCH_GROUPS 3  /* int8 paths: groups of FL_QT bundles ahead (prefetch_l2) */
 

@@ -1,6 +1,6 @@
 /* flashllm.h — the whole C API of flashllm's native kernel, in two parts: compute (part 1) and
- * I/O (part 2), after the status codes and dtypes both share. Each part has an internal header
- * for what its files share and the API does not show: compute_internal.h, io_internal.h.
+ * I/O (part 2), after the status codes and dtypes both share. What the API does not show is in
+ * the internal header of each module (X.h for X.c), docs/KERNELS.md has the map.
  *
  * Conventions
  *  - Every function returns an int32_t status (FL_OK on success) and never exits or prints.
@@ -59,7 +59,7 @@ enum { FL_ACT_SILU = 0, FL_ACT_GELU = 1, FL_ACT_RELU = 2, FL_ACT_GELU_TANH = 3 }
 
 /* ====================================================================================== */
 /* PART 1 — compute: quantization, dense ops, the bundled FFN                              */
-/* (internal header: compute_internal.h)                                                   */
+/* (the modules below traits.h, the dtype traits table, and above it)                      */
 /* ====================================================================================== */
 
 /* ---- CPU check (cpu.c) ------------------------------------------------------------------- */
@@ -69,7 +69,7 @@ enum { FL_ACT_SILU = 0, FL_ACT_GELU = 1, FL_ACT_RELU = 2, FL_ACT_GELU_TANH = 3 }
  * anything else: the rest of the library may use those instructions. */
 int32_t fl_cpu_check(char *missing, size_t n);
 
-/* ---- quantization (quant.c) ---------------------------------------------------------------- */
+/* ---- rows of a dtype (traits.c; quantizers quant.c, kquant.c) ------------------------------ */
 
 /* Bytes of one row of n values in dtype; 0 when dtype is unknown or n is not a multiple of the
  * block size (32; 256 for q4_k, q5_k, q6_k) for a quantized dtype. */
@@ -84,8 +84,9 @@ int32_t fl_dequantize_row(int32_t dtype, const void *src, float *dst, int64_t n)
  * choice; a block that already lies on a 16-level grid of k + 1 used levels (a dequantized
  * Q4_K sub-block) is then reproduced up to the f16 rounding of d and m. A block on no grid
  * then gets up to 4 least-squares refits of (d, m) to its levels, each kept if it lowers the
- * squared error. q4_k, q5_k and q6_k rows (n a multiple of 256) are ggml's
- * quantize_row_q4_K_ref / q5_K_ref / q6_K_ref (no importance matrix), bit for bit (kquant.c). */
+ * squared error. q2_k, q4_k, q5_k and q6_k rows (n a multiple of 256) are ggml's
+ * quantize_row_q2_K_ref / q4_K_ref / q5_K_ref / q6_K_ref (no importance matrix), bit for bit
+ * (kquant.c). q3_k has no quantizer (its rows are copied from GGUF files): FL_EUNSUPPORTED. */
 int32_t fl_quantize_row(int32_t dtype, const float *src, void *dst, int64_t n);
 
 /* out (n_ids, cols) f32 = rows ids[] of w (rows, cols) in dtype, dequantized (embedding lookup).
@@ -247,12 +248,13 @@ int32_t fl_act_mul(int32_t act, const float *g, const float *u, float *h, int64_
 /* The ends of n logits known to within a bound (the sparse output head): for each row r,
  * dev = z * sqrt(sum_b e[b] * var[b][r]) + slack, hi[r] = s[r] + dev, lo[r] = s[r] - dev.
  * s (n) estimates, var (nb, n) f16 error variances per block of the input, e (nb) the input's
- * energy per block (vec.c). */
+ * energy per block (bounds.c). */
 int32_t fl_logit_bounds(const float *s, const uint16_t *var, const float *e, int64_t nb,
                         int64_t n, float z, float slack, float *hi, float *lo);
 
 /* ====================================================================================== */
-/* PART 2 — I/O: the direct-I/O reader and the read-ahead (internal header: io_internal.h)  */
+/* PART 2 — I/O: the direct-I/O reader and the read-ahead (internal headers: io_plan.h,   */
+/* io_uring.h)                                                                             */
 /* ====================================================================================== */
 
 /* ---- direct-I/O reader (io.c; io_uring engine io_uring.c; batch planning io_plan.c) ------- */

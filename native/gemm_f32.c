@@ -1,7 +1,7 @@
 /* gemm_f32.c — f32 products of several rows at once: the FFN prefill's down GEMM (fli_down_f32)
  * and the 4x4 tiles of the f32 matmul (fli_dot4x4_f32), on vec_simd.h's vectors. */
 #include "flashllm.h"
-#include "compute_internal.h"
+#include "gemm_f32.h"
 #include "vec_simd.h"
 
 /* y (nt, d) columns j .. j+NC*VW-1 += h^T @ down for nt <= DOWN_T tokens: each loaded down

@@ -9,7 +9,8 @@
  * always finds request i at a known place, whatever the merging did.
  */
 #include "flashllm.h"
-#include "io_internal.h"
+#include "io_plan.h"
+#include "io_uring.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -72,27 +73,6 @@ static int32_t read_full(const struct fl_reader *r, uint8_t *buf, int64_t off, i
         done += got;
     }
     return FL_OK;
-}
-
-void io_scatter(const io_job *job, const io_run *run, const uint8_t *buf) {
-    for (int64_t k = run->first; k <= run->last; k++) {
-        int64_t i = job->order[k];
-        int64_t lo = job->offsets[i] > run->a ? job->offsets[i] : run->a;
-        int64_t end = job->offsets[i] + job->lengths[i];
-        int64_t hi = end < run->b ? end : run->b;
-        if (hi <= lo) continue;
-        memcpy(job->dst + job->dst_offsets[i] + (lo - job->offsets[i]), buf + (lo - run->a),
-               (size_t)(hi - lo));
-    }
-}
-
-uint8_t *io_direct_target(const io_job *job, const io_run *run) {
-    if (run->first != run->last) return NULL;
-    int64_t i = job->order[run->first];
-    int64_t off = job->offsets[i];
-    if (run->a < off || run->b > off + job->lengths[i]) return NULL;
-    uint8_t *p = job->dst + job->dst_offsets[i] + (run->a - off);
-    return ((uintptr_t)p % FL_IO_ALIGN) == 0 ? p : NULL;
 }
 
 static void work(struct fl_reader *r, io_job *job, uint8_t *stage) {

@@ -3,10 +3,11 @@
  * Requests are sorted by offset, widened to FL_IO_ALIGN pages, and neighbours joined when the
  * hole between them is at most max_gap bytes and the run stays at most max_run bytes (a long
  * request is cut into max_run pieces). io.c reads the runs; fl_io_plan only counts them (the
- * cost model's view of a batch).
+ * cost model's view of a batch). Where a read run's bytes go (in place, or copied out of staging)
+ * is here too: both engines (io.c's threads, io_uring.c) land runs the same way.
  */
 #include "flashllm.h"
-#include "io_internal.h"
+#include "io_plan.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -113,4 +114,25 @@ int32_t fl_io_plan(const int64_t *offsets, const int64_t *lengths, int64_t n, in
     free(p.runs);
     free(order);
     return status;
+}
+
+void io_scatter(const io_job *job, const io_run *run, const uint8_t *buf) {
+    for (int64_t k = run->first; k <= run->last; k++) {
+        int64_t i = job->order[k];
+        int64_t lo = job->offsets[i] > run->a ? job->offsets[i] : run->a;
+        int64_t end = job->offsets[i] + job->lengths[i];
+        int64_t hi = end < run->b ? end : run->b;
+        if (hi <= lo) continue;
+        memcpy(job->dst + job->dst_offsets[i] + (lo - job->offsets[i]), buf + (lo - run->a),
+               (size_t)(hi - lo));
+    }
+}
+
+uint8_t *io_direct_target(const io_job *job, const io_run *run) {
+    if (run->first != run->last) return NULL;
+    int64_t i = job->order[run->first];
+    int64_t off = job->offsets[i];
+    if (run->a < off || run->b > off + job->lengths[i]) return NULL;
+    uint8_t *p = job->dst + job->dst_offsets[i] + (run->a - off);
+    return ((uintptr_t)p % FL_IO_ALIGN) == 0 ? p : NULL;
 }

@@ -12,7 +12,7 @@
  * memory after fl_reader_read returns.
  */
 #include "flashllm.h"
-#include "io_internal.h"
+#include "io_uring.h"
 
 #include <errno.h>
 #include <linux/io_uring.h>

@@ -18,8 +18,10 @@
  * core: AVX-512 1.4x the per-run kernel; AVX2 3x / 4x the plain loops for q4_k / q6_k).
  */
 #include "flashllm.h"
-#include "compute_internal.h"
-#include "kblock_internal.h"
+#include "base.h"
+#include "dtype.h"
+#include "kaxpy.h"
+#include "kblock.h"
 
 #define KQ_MAX 4 /* rows per call */
 
@@ -291,7 +293,7 @@ static void kx_axpy_sb(int32_t dtype, const uint8_t *const sb[KQ_MAX], const flo
 
 void fli_kq_axpy(int32_t dtype, const uint8_t *const *rows, const float *a, int nr, float *y,
                  int64_t n) {
-    const size_t kb = fli_kblock_bytes(dtype);
+    const size_t kb = fli_block_bytes(dtype);
     for (int64_t b = 0; b < n / FL_QK_K; b++, y += FL_QK_K) {
         const uint8_t *sb[KQ_MAX];
         for (int r = 0; r < nr; r++) sb[r] = rows[r] + b * kb;

@@ -16,8 +16,10 @@
 #include <math.h>
 
 #include "flashllm.h"
-#include "compute_internal.h"
-#include "kblock_internal.h"
+#include "base.h"
+#include "dtype.h"
+#include "kblock.h"
+#include "kquant.h"
 
 #define GROUP_EPS 1e-15f /* ggml's GROUP_MAX_EPS: a q6_k superblock with smaller scales is zero */
 
@@ -260,11 +262,21 @@ static void quantize_sb_q2_k(const float *x, uint8_t *blk) {
                                       (L[j + l + 96] << 6));
 }
 
-void fli_quantize_kquant(int32_t dtype, const float *src, uint8_t *dst, int64_t n) {
-    void (*sb)(const float *, uint8_t *) = dtype == FL_Q2_K   ? quantize_sb_q2_k
-                                           : dtype == FL_Q4_K ? quantize_sb_q4_k
-                                           : dtype == FL_Q5_K ? quantize_sb_q5_k
-                                                              : quantize_sb_q6_k;
-    const size_t kb = fli_kblock_bytes(dtype);
+/* dst = src (n) quantized one superblock at a time by sb, kb bytes a superblock */
+static void quantize_sbs(void (*sb)(const float *, uint8_t *), size_t kb, const float *src,
+                         uint8_t *dst, int64_t n) {
     for (int64_t s = 0; s < n / FL_QK_K; s++) sb(src + s * FL_QK_K, dst + s * kb);
+}
+
+void fli_q2k_quantize(const float *src, uint8_t *dst, int64_t n) {
+    quantize_sbs(quantize_sb_q2_k, FL_Q2_K_BYTES, src, dst, n);
+}
+void fli_q4k_quantize(const float *src, uint8_t *dst, int64_t n) {
+    quantize_sbs(quantize_sb_q4_k, FL_Q4_K_BYTES, src, dst, n);
+}
+void fli_q5k_quantize(const float *src, uint8_t *dst, int64_t n) {
+    quantize_sbs(quantize_sb_q5_k, FL_Q5_K_BYTES, src, dst, n);
+}
+void fli_q6k_quantize(const float *src, uint8_t *dst, int64_t n) {
+    quantize_sbs(quantize_sb_q6_k, FL_Q6_K_BYTES, src, dst, n);
 }

@@ -13,7 +13,12 @@
 #include <stdlib.h>
 
 #include "flashllm.h"
-#include "compute_internal.h"
+#include "act_quant.h"
+#include "gemm_f32.h"
+#include "pool.h"
+#include "qgemm.h"
+#include "traits.h"
+#include "vec.h"
 
 #define TILE 4              /* weight rows dequantized together when T > 1 (fli_dot4x4_f32) */
 #define PREFETCH_BYTES 2048 /* how far ahead of the row being read a matvec prefetches */

@@ -1,6 +1,7 @@
 /* pack.c — resident matrices repacked 16 rows at a time (fl_packed_bytes, fl_pack,
- * fl_matmul_packed in flashllm.h): which dtypes have a packed layout, the loop over groups of 16
- * rows, and the threads over groups. Each layout and its kernel live in their own file:
+ * fl_matmul_packed in flashllm.h): the loop over groups of 16 rows and the threads over groups;
+ * which dtypes have a packed layout is in the traits table (traits.c). Each layout and its
+ * kernel live in their own file:
  * q4kpack.c (Q4_K), q6kpack.c (Q6_K), q0pack.c (Q8_0, Q5_0). All of them put one row in each
  * int32 lane of a zmm, so one broadcast of 4 int8 activations meets 4 values of 16 rows in one
  * vpdpbusd (AVX-512 VNNI builds only; elsewhere fl_packed_bytes is 0 and w is used as it is).
@@ -9,35 +10,22 @@
 #include <stdlib.h>
 
 #include "flashllm.h"
-#include "compute_internal.h"
+#include "act_quant.h"
+#include "pool.h"
+#include "traits.h"
 
 #define PACK_R 16 /* rows per group: the int32 lanes of a zmm */
 #define PACK_T 4  /* tokens per kernel call */
 
 /* bytes of one packed group of 16 rows of cols values, 0 when dtype or cols has no layout here */
 static size_t group_bytes(int32_t dtype, int64_t cols) {
-    switch (dtype) {
-    case FL_Q4_K: return fli_q4k_group_bytes(cols);
-    case FL_Q6_K: return fli_q6k_group_bytes(cols);
-    case FL_Q8_0:
-    case FL_Q5_0: return fli_q0_group_bytes(dtype, cols);
-    default: return 0;
-    }
+    if (!fli_dtype_ok(dtype) || !fli_traits_of(dtype)->group_bytes) return 0;
+    return fli_traits_of(dtype)->group_bytes(cols);
 }
 
 size_t fl_packed_bytes(int32_t dtype, int64_t rows, int64_t cols) {
     if (rows <= 0 || rows % PACK_R != 0 || cols <= 0) return 0;
     return (size_t)(rows / PACK_R) * group_bytes(dtype, cols);
-}
-
-/* rows 0..15 of src (row bytes rb) packed into dst (group_bytes) */
-static void pack_group(int32_t dtype, const uint8_t *src, size_t rb, int64_t cols, uint8_t *dst) {
-    if (dtype == FL_Q4_K)
-        fli_q4k_pack_group(src, rb, cols, dst);
-    else if (dtype == FL_Q6_K)
-        fli_q6k_pack_group(src, rb, cols, dst);
-    else
-        fli_q0_pack_group(dtype, src, rb, cols, dst);
 }
 
 /* out may be w when the layout is as large as the rows (q6_k, q8_0, q5_0): each group is copied
@@ -52,7 +40,7 @@ int32_t fl_pack(int32_t dtype, const void *w, int64_t rows, int64_t cols, void *
     for (int64_t g = 0; g < rows / PACK_R; g++) {
         const uint8_t *src = (const uint8_t *)w + (size_t)g * PACK_R * rb;
         if (tmp) src = memcpy(tmp, src, gb);
-        pack_group(dtype, src, rb, cols, (uint8_t *)out + (size_t)g * gb);
+        fli_traits_of(dtype)->pack_group(src, rb, cols, (uint8_t *)out + (size_t)g * gb);
     }
     free(tmp);
     return FL_OK;
@@ -69,28 +57,18 @@ typedef struct {
     fli_split split;    // the groups, a contiguous part per thread
 } packed_job;
 
-/* y (NT tokens, ld floats apart) [+ bias] of one group gp against tokens x (xb bytes apart) */
-static void group_tokens(int32_t dtype, const uint8_t *gp, int64_t n, const uint8_t *x,
-                         size_t xb, int nt, float *y, int64_t ld, const float *b) {
-    if (dtype == FL_Q4_K)
-        fli_q4k_group(gp, n, x, xb, nt, y, ld, b);
-    else if (dtype == FL_Q6_K)
-        fli_q6k_group(gp, n, x, xb, nt, y, ld, b);
-    else
-        fli_q0_group(dtype, gp, n, x, xb, nt, y, ld, b);
-}
-
 static void packed_part(void *arg) {
     packed_job *j = arg;
     const size_t gb = group_bytes(j->dtype, j->cols);
+    const fli_traits *tr = fli_traits_of(j->dtype);
     int mine = -1;
     for (int64_t g, g1; fli_split_take(&j->split, &mine, 4, &g, &g1);)
         for (; g < g1; g++)
             for (int64_t t = 0; t < j->T; t += PACK_T) {
                 const int nt = j->T - t < PACK_T ? (int)(j->T - t) : PACK_T;
-                group_tokens(j->dtype, j->p + (size_t)g * gb, j->cols, j->xq + (size_t)t * j->xb,
-                             j->xb, nt, j->y + t * j->rows + g * PACK_R, j->rows,
-                             j->bias ? j->bias + g * PACK_R : NULL);
+                tr->group(j->p + (size_t)g * gb, j->cols, j->xq + (size_t)t * j->xb,
+                      j->xb, nt, j->y + t * j->rows + g * PACK_R, j->rows,
+                      j->bias ? j->bias + g * PACK_R : NULL);
             }
 }
 

@@ -1,4 +1,4 @@
-/* pool.c — the compute kernel's worker threads (fli_parallel in compute_internal.h).
+/* pool.c — the compute kernel's worker threads (fli_parallel in pool.h).
  *
  * A decode token runs ~170 parallel sections (four matmuls, attention and the FFN per layer),
  * separated by a few microseconds of Python. OpenMP's team under OMP_WAIT_POLICY=passive put
@@ -23,7 +23,7 @@
 #include <stdlib.h>
 #include <time.h>
 
-#include "compute_internal.h"
+#include "pool.h"
 
 #define MAX_WORKERS 255  /* threads besides the caller */
 #define SPIN_NS 100000   /* how long an idle thread spins (yielding) before it sleeps */

@@ -22,7 +22,10 @@
  * sums start from 0 whatever the correction lanes hold).
  */
 #include "flashllm.h"
-#include "compute_internal.h"
+#include "act_quant.h"
+#include "base.h"
+#include "dtype.h"
+#include "q0pack.h"
 
 #define Q0_R 16
 
@@ -40,7 +43,7 @@ typedef struct { __m256 h[2]; } vf;
 
 /* bytes of one block's values in a group: 16 rows' blocks less their f16 d */
 static size_t value_bytes(int32_t dtype) {
-    return Q0_R * (size_t)(fl_row_bytes(dtype, FL_QK) - 2);
+    return Q0_R * (size_t)(fli_block_bytes(dtype) - 2);
 }
 
 size_t fli_q0_group_bytes(int32_t dtype, int64_t cols) {
@@ -74,7 +77,7 @@ static void pack_block(int32_t dtype, const uint8_t *src, size_t rb, uint8_t *d,
 
 void fli_q0_pack_group(int32_t dtype, const uint8_t *w, size_t rb, int64_t cols, uint8_t *dst) {
     const int64_t nb = cols / FL_QK;
-    const size_t vb = value_bytes(dtype), bb = fl_row_bytes(dtype, FL_QK);
+    const size_t vb = value_bytes(dtype), bb = fli_block_bytes(dtype);
     for (int64_t b = 0; b < nb; b++)
         pack_block(dtype, w + (size_t)b * bb, rb, dst + 32 * b, dst + 32 * nb + vb * (size_t)b);
 }

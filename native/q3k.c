@@ -11,7 +11,9 @@
  * gguf-py's dequantize (the product d * scale in f32 first).
  */
 #include "flashllm.h"
-#include "compute_internal.h"  // (and <immintrin.h> under AVX2)
+#include "base.h"
+#include "dtype.h"
+#include "q3k.h"
 
 /* the 16 signed scales sc_k - 32 of superblock sb (as ggml: four 32-bit words, low nibbles of
  * bytes 0..7 then their high nibbles, each with its 2 top bits from bytes 8..11) */

@@ -9,8 +9,12 @@
  * qgemm.c, fli_q4k_tile1) carry the speed.
  */
 #include "flashllm.h"
-#include "compute_internal.h"
-#include "kblock_internal.h"
+#include "act_quant.h"
+#include "base.h"
+#include "dtype.h"
+#include "kblock.h"
+#include "q4k.h"
+#include "vec.h"
 
 void fli_q4k_dequant(const uint8_t *row, float *dst, int64_t n) {
     float sc[8], mn[8];

@@ -16,8 +16,11 @@
  * Other builds have no packed layout (group bytes 0): they multiply w as it is.
  */
 #include "flashllm.h"
-#include "compute_internal.h"
-#include "kblock_internal.h"
+#include "act_quant.h"
+#include "base.h"
+#include "dtype.h"
+#include "kblock.h"
+#include "q4kpack.h"
 
 #define PACK_R 16     /* rows per group: the int32 lanes of a zmm */
 #define PACK_SB 2368  /* bytes of one superblock of a group */

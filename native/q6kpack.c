@@ -15,7 +15,10 @@
  * bits may differ). 16 x 210 bytes: no larger than the rows.
  */
 #include "flashllm.h"
-#include "compute_internal.h"
+#include "act_quant.h"
+#include "base.h"
+#include "dtype.h"
+#include "q6kpack.h"
 
 #define Q6_R 16
 #define Q6_PACK_SB 3360

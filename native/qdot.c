@@ -11,11 +11,16 @@
  * sum kept in the msum lanes (as llama.cpp's q8_1 keeps s = d * sum(q)). q4_k is q4_1 per 32-value
  * sub-block (d_w = d * sc_j, m_w = -dmin * m_j, unpacked once per superblock and row, in f32); a
  * pair of its sub-blocks is one 32-byte load, low nibbles then high. Under AVX-512 VNNI one
- * token's q4_k tiles go to fli_q4k_tile1 (q4k.c), which keeps the scales in integers.
+ * token's q4_k tiles go to fli_q4k_tile1 (q4k.c), which keeps the scales in integers. The
+ * k-quants' other products are in qk.c; the traits table (traits.c) holds them all by dtype.
  */
 #include "flashllm.h"
-#include "compute_internal.h"
-#include "kblock_internal.h"
+#include "act_quant.h"
+#include "base.h"
+#include "dtype.h"
+#include "kblock.h"
+#include "q4k.h"
+#include "qdot.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
@@ -317,48 +322,42 @@ void fli_wx_expand(int32_t dtype, const uint8_t *w, int64_t n, uint8_t *buf) {
 #endif
 }
 
-/* tile_rc with the dtype a constant in each branch */
-static inline __attribute__((always_inline)) void tile_dt(int32_t dtype, const uint8_t *const *w,
-                                                          const uint8_t *const *ex, int EX,
-                                                          int R, const xq_view *x, int C,
-                                                          int64_t nb, float out[FL_QT][FL_QT]) {
-    switch (dtype) {
-    case FL_Q8_0: tile_rc(FL_Q8_0, w, ex, EX, R, x, C, nb, out); break;
-    case FL_Q4_1: tile_rc(FL_Q4_1, w, ex, EX, R, x, C, nb, out); break;
-    case FL_Q4_K: tile_rc(FL_Q4_K, w, ex, EX, R, x, C, nb, out); break;
-    case FL_Q5_0: tile_rc(FL_Q5_0, w, ex, EX, R, x, C, nb, out); break;
-    case FL_Q5_1: tile_rc(FL_Q5_1, w, ex, EX, R, x, C, nb, out); break;
-    default: tile_rc(FL_Q4_0, w, ex, EX, R, x, C, nb, out); break;
-    }
-}
-
-void fli_qdot_tile(int32_t dtype, const uint8_t *const w[FL_QT], const uint8_t *const ex[FL_QT],
-                   const uint8_t *const x[FL_QT], int32_t n_tok, int64_t n,
-                   float out[FL_QT][FL_QT]) {
-    if (dtype == FL_Q6_K) {  // each superblock unpacked once for the tokens (qk.c)
-        fli_q6k_tile(w, x, n_tok, n, out);
-        return;
-    }
-    if (dtype == FL_Q2_K) {  // each superblock unpacked once for the tokens (qk.c)
-        fli_q2k_tile(w, x, n_tok, n, out);
-        return;
-    }
-    if (dtype == FL_Q3_K || dtype == FL_Q5_K) {  // a row and token at a time
-        for (int r = 0; r < FL_QT; r++)
-            for (int t = 0; t < n_tok; t++) out[r][t] = fli_qk_qdot(dtype, w[r], x[t], n);
-        return;
-    }
+/* out[r][t] for FL_QT rows and n_tok tokens of a dtype with no multi-token kernel of its own,
+ * the dtype a constant once inlined */
+static inline __attribute__((always_inline)) void tile_n(int32_t dtype,
+                                                         const uint8_t *const w[FL_QT],
+                                                         const uint8_t *const ex[FL_QT],
+                                                         const uint8_t *const x[FL_QT],
+                                                         int32_t n_tok, int64_t n,
+                                                         float out[FL_QT][FL_QT]) {
     xq_view xv[FL_QT];
     for (int t = 0; t < FL_QT; t++) xv[t] = view(x[t], n);
     const int64_t nb = n / FL_QK;
+    if (n_tok == 1) tile_rc(dtype, w, ex, 0, FL_QT, xv, 1, nb, out);
+    else if (n_tok == 2 && !ex) tile_rc(dtype, w, ex, 0, FL_QT, xv, 2, nb, out);  // draft guesses:
+    else if (n_tok == 3 && !ex) tile_rc(dtype, w, ex, 0, FL_QT, xv, 3, nb, out);  // no idle columns
+    else if (ex) tile_rc(dtype, w, ex, 1, FL_QT, xv, FL_QT, nb, out);
+    else tile_rc(dtype, w, ex, 0, FL_QT, xv, FL_QT, nb, out);
+}
+
+/* the kernels of each dtype (qdot.h) */
+FLI_QDOT_TILE(fli_q8_0_tile) { tile_n(FL_Q8_0, w, ex, x, n_tok, n, out); }
+FLI_QDOT_TILE(fli_q4_0_tile) { tile_n(FL_Q4_0, w, ex, x, n_tok, n, out); }
+FLI_QDOT_TILE(fli_q4_1_tile) { tile_n(FL_Q4_1, w, ex, x, n_tok, n, out); }
+FLI_QDOT_TILE(fli_q5_0_tile) { tile_n(FL_Q5_0, w, ex, x, n_tok, n, out); }
+FLI_QDOT_TILE(fli_q5_1_tile) { tile_n(FL_Q5_1, w, ex, x, n_tok, n, out); }
+
+/* q4_k: whole superblocks go to q4k.c's integer tiles where the build has them (every token as
+ * it would be alone), anything else to tile_rc's sub-block products */
+FLI_QDOT_TILE(fli_q4k_qtile) {
 #ifdef FLI_Q4K_TILEN
-    if (dtype == FL_Q4_K && n % FL_QK_K == 0) {
+    if (n % FL_QK_K == 0) {
         fli_q4k_tile(w, x, n_tok, n, out);
         return;
     }
 #endif
 #ifdef FLI_Q4K_TILE1
-    if (dtype == FL_Q4_K && n % FL_QK_K == 0) {  // every token as it would be alone
+    if (n % FL_QK_K == 0) {
         if (n_tok > 1) {
             fli_q4k_tilen(w, x, n_tok, n, out);
             return;
@@ -369,18 +368,5 @@ void fli_qdot_tile(int32_t dtype, const uint8_t *const w[FL_QT], const uint8_t *
         return;
     }
 #endif
-    if (n_tok == 1) tile_dt(dtype, w, ex, 0, FL_QT, xv, 1, nb, out);
-    else if (n_tok == 2 && !ex) tile_dt(dtype, w, ex, 0, FL_QT, xv, 2, nb, out);  // draft guesses:
-    else if (n_tok == 3 && !ex) tile_dt(dtype, w, ex, 0, FL_QT, xv, 3, nb, out);  // no idle columns
-    else if (ex) tile_dt(dtype, w, ex, 1, FL_QT, xv, FL_QT, nb, out);
-    else tile_dt(dtype, w, ex, 0, FL_QT, xv, FL_QT, nb, out);
-}
-
-float fli_qdot(int32_t dtype, const uint8_t *w, const uint8_t *x, int64_t n) {
-    if (dtype == FL_Q2_K || dtype == FL_Q3_K || dtype == FL_Q5_K || dtype == FL_Q6_K)
-        return fli_qk_qdot(dtype, w, x, n);  // qk.c
-    float out[FL_QT][FL_QT];
-    const xq_view xv = view(x, n);
-    tile_dt(dtype, &w, NULL, 0, 1, &xv, 1, n / FL_QK, out);
-    return out[0][0];
+    tile_n(FL_Q4_K, w, ex, x, n_tok, n, out);
 }

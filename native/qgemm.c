@@ -19,8 +19,13 @@
  * FL_QT x FL_QT tiles of qdot.c (same results up to f32 summation order).
  */
 #include "flashllm.h"
-#include "compute_internal.h"
-#include "kblock_internal.h"
+#include "act_quant.h"
+#include "base.h"
+#include "dtype.h"
+#include "kblock.h"
+#include "qdot.h"
+#include "qgemm.h"
+#include "traits.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>

@@ -18,8 +18,13 @@
  * or plain C, then the same f32 operations on them, so every build gives the same bits.
  */
 #include "flashllm.h"
-#include "compute_internal.h"
-#include "kblock_internal.h"
+#include "act_quant.h"
+#include "base.h"
+#include "dtype.h"
+#include "kblock.h"
+#include "q3k.h"
+#include "qk.h"
+#include "vec.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -77,13 +82,13 @@ static void dequant_sb(int32_t dtype, const uint8_t *sb, float *dst) {
 }
 
 void fli_qk_dequant(int32_t dtype, const uint8_t *row, float *dst, int64_t n) {
-    const size_t kb = fli_kblock_bytes(dtype);
+    const size_t kb = fli_block_bytes(dtype);
     for (int64_t s = 0; s < n / FL_QK_K; s++) dequant_sb(dtype, row + s * kb, dst + s * FL_QK_K);
 }
 
 float fli_qk_dot(int32_t dtype, const uint8_t *row, const float *x, int64_t n) {
     float w[FL_QK_K], s = 0.0f;  // w (256): one superblock dequantized
-    const size_t kb = fli_kblock_bytes(dtype);
+    const size_t kb = fli_block_bytes(dtype);
     for (int64_t b = 0; b < n / FL_QK_K; b++) {
         dequant_sb(dtype, row + b * kb, w);
         s += fli_dot_f32(w, x + b * FL_QK_K, FL_QK_K);
@@ -93,7 +98,7 @@ float fli_qk_dot(int32_t dtype, const uint8_t *row, const float *x, int64_t n) {
 
 void fli_qk_axpy(int32_t dtype, const uint8_t *row, float a, float *y, int64_t n) {
     float w[FL_QK_K];  // (256)
-    const size_t kb = fli_kblock_bytes(dtype);
+    const size_t kb = fli_block_bytes(dtype);
     for (int64_t b = 0; b < n / FL_QK_K; b++) {
         dequant_sb(dtype, row + b * kb, w);
         fli_axpy_f32(a, w, y + b * FL_QK_K, FL_QK_K);
@@ -295,7 +300,7 @@ static inline int32_t q6k_isum_token(const uint8_t *sb, const qk_token *t, int64
 
 float fli_qk_qdot(int32_t dtype, const uint8_t *w, const uint8_t *x, int64_t n) {
     const qk_token t = token_view(x, n);
-    const size_t kb = fli_kblock_bytes(dtype);
+    const size_t kb = fli_block_bytes(dtype);
     float s = 0.0f;
     for (int64_t sbi = 0; sbi < n / FL_QK_K; sbi++) {
         const uint8_t *sb = w + sbi * kb;

@@ -1,4 +1,4 @@
-/* quant.c — row sizes, ggml-compatible quantize / dequantize of rows, embedding lookup.
+/* quant.c — rows of f32, f16 and the 32-value block dtypes quantized, ggml-compatible (quant.h).
  *
  * Rounding follows ggml's reference quantizers (quantize_row_q8_0_ref, quantize_row_q4_0_ref,
  * quantize_row_q5_0_ref, quantize_row_q5_1_ref) bit for bit; q4_1 searches the step of its grid (see fl_quantize_row in flashllm.h). This file relies on the build not contracting x * id + 8.5f into an FMA
@@ -7,33 +7,11 @@
 #include <math.h>
 
 #include "flashllm.h"
-#include "compute_internal.h"
+#include "base.h"
+#include "dtype.h"
+#include "quant.h"
 
 #define REFITS 4 /* least-squares refits of a q4_1 block that is on no grid */
-
-size_t fl_row_bytes(int32_t dtype, int64_t n) {
-    if (n < 0) return 0;
-    switch (dtype) {
-    case FL_F32: return (size_t)n * 4;
-    case FL_F16: return (size_t)n * 2;
-    case FL_Q8_0: return n % FL_QK ? 0 : (size_t)(n / FL_QK) * FL_Q8_0_BYTES;
-    case FL_Q4_0: return n % FL_QK ? 0 : (size_t)(n / FL_QK) * FL_Q4_0_BYTES;
-    case FL_Q4_1: return n % FL_QK ? 0 : (size_t)(n / FL_QK) * FL_Q4_1_BYTES;
-    case FL_Q4_K: return n % FL_QK_K ? 0 : (size_t)(n / FL_QK_K) * FL_Q4_K_BYTES;
-    case FL_Q5_0: return n % FL_QK ? 0 : (size_t)(n / FL_QK) * FL_Q5_0_BYTES;
-    case FL_Q5_1: return n % FL_QK ? 0 : (size_t)(n / FL_QK) * FL_Q5_1_BYTES;
-    case FL_Q5_K: return n % FL_QK_K ? 0 : (size_t)(n / FL_QK_K) * FL_Q5_K_BYTES;
-    case FL_Q6_K: return n % FL_QK_K ? 0 : (size_t)(n / FL_QK_K) * FL_Q6_K_BYTES;
-    case FL_Q2_K: return n % FL_QK_K ? 0 : (size_t)(n / FL_QK_K) * FL_Q2_K_BYTES;
-    case FL_Q3_K: return n % FL_QK_K ? 0 : (size_t)(n / FL_QK_K) * FL_Q3_K_BYTES;
-    default: return 0;
-    }
-}
-
-/* a known dtype, non-null buffers and n > 0 that fits the dtype's block size */
-static int row_args_ok(int32_t dtype, const void *src, const void *dst, int64_t n) {
-    return src && dst && n > 0 && fl_row_bytes(dtype, n) != 0;
-}
 
 static void store_fp16(uint8_t *p, float f) {
     const uint16_t h = fl_fp32_to_fp16(f);
@@ -200,42 +178,24 @@ static void quantize_blocks(void (*quantize_block)(const float *, uint8_t *), si
     for (int64_t b = 0; b < n / FL_QK; b++) quantize_block(src + b * FL_QK, out + b * bb);
 }
 
-int32_t fl_quantize_row(int32_t dtype, const float *src, void *dst, int64_t n) {
-    if (!row_args_ok(dtype, src, dst, n)) return FL_EINVAL;
-    uint8_t *out = (uint8_t *)dst;
-    if (fli_is_kquant(dtype)) {
-        fli_quantize_kquant(dtype, src, out, n);  // kquant.c
-        return FL_OK;
-    }
-    const size_t bb = fli_block_bytes(dtype);
-    switch (dtype) {
-    case FL_F32: memcpy(out, src, (size_t)n * 4); break;
-    case FL_F16:
-        for (int64_t i = 0; i < n; i++) store_fp16(out + 2 * i, src[i]);
-        break;
-    case FL_Q8_0: quantize_blocks(quantize_block_q8_0, bb, src, out, n); break;
-    case FL_Q4_0: quantize_blocks(quantize_block_q4_0, bb, src, out, n); break;
-    case FL_Q4_1: quantize_blocks(quantize_block_q4_1, bb, src, out, n); break;
-    case FL_Q5_0: quantize_blocks(quantize_block_q5_0, bb, src, out, n); break;
-    case FL_Q5_1: quantize_blocks(quantize_block_q5_1, bb, src, out, n); break;
-    }
-    return FL_OK;
+void fli_f32_quantize(const float *src, uint8_t *dst, int64_t n) {
+    memcpy(dst, src, (size_t)n * 4);
 }
-
-int32_t fl_dequantize_row(int32_t dtype, const void *src, float *dst, int64_t n) {
-    if (!row_args_ok(dtype, src, dst, n)) return FL_EINVAL;
-    fli_dequant(dtype, (const uint8_t *)src, dst, n);
-    return FL_OK;
+void fli_f16_quantize(const float *src, uint8_t *dst, int64_t n) {
+    for (int64_t i = 0; i < n; i++) store_fp16(dst + 2 * i, src[i]);
 }
-
-int32_t fl_get_rows(const void *w, int32_t dtype, int64_t rows, int64_t cols,
-                    const int32_t *ids, int64_t n_ids, float *out) {
-    const size_t rb = fl_row_bytes(dtype, cols);
-    if (!w || !ids || !out || rb == 0 || rows <= 0 || n_ids < 0) return FL_EINVAL;
-    for (int64_t i = 0; i < n_ids; i++)
-        if (ids[i] < 0 || ids[i] >= rows) return FL_EINVAL;
-    const uint8_t *base = (const uint8_t *)w;
-    for (int64_t i = 0; i < n_ids; i++)
-        fli_dequant(dtype, base + (size_t)ids[i] * rb, out + i * cols, cols);
-    return FL_OK;
+void fli_q8_0_quantize(const float *src, uint8_t *dst, int64_t n) {
+    quantize_blocks(quantize_block_q8_0, FL_Q8_0_BYTES, src, dst, n);
+}
+void fli_q4_0_quantize(const float *src, uint8_t *dst, int64_t n) {
+    quantize_blocks(quantize_block_q4_0, FL_Q4_0_BYTES, src, dst, n);
+}
+void fli_q4_1_quantize(const float *src, uint8_t *dst, int64_t n) {
+    quantize_blocks(quantize_block_q4_1, FL_Q4_1_BYTES, src, dst, n);
+}
+void fli_q5_0_quantize(const float *src, uint8_t *dst, int64_t n) {
+    quantize_blocks(quantize_block_q5_0, FL_Q5_0_BYTES, src, dst, n);
+}
+void fli_q5_1_quantize(const float *src, uint8_t *dst, int64_t n) {
+    quantize_blocks(quantize_block_q5_1, FL_Q5_1_BYTES, src, dst, n);
 }

@@ -1,12 +1,14 @@
-/* vec.c — per-row vector kernels: dequantize, fused dequantize+dot, fused dequantize+axpy;
- * the sparse head's logit bounds.
+/* vec.c — per-row vector kernels of f32, f16 and the 32-value block dtypes (vec.h): dequantize,
+ * fused dequantize+dot, fused dequantize+axpy, 4 rows' axpy. The traits table (traits.c) holds
+ * them by dtype.
  *
  * One generic body over a small vector abstraction (vf, VW lanes; vec_simd.h) that is AVX-512,
  * AVX2+FMA+F16C or plain C, chosen at compile time. A 32-value quantized block is loaded unscaled into
  * NV = 32 / VW vectors and scaled once per block.
  */
 #include "flashllm.h"
-#include "compute_internal.h"
+#include "dtype.h"
+#include "vec.h"
 #include "vec_simd.h"
 
 #define NV (FL_QK / VW) /* vectors per quantized block */
@@ -77,22 +79,6 @@ static inline __attribute__((always_inline)) float dot_blocks(int32_t dtype, con
     return vsum(vadd(acc, macc));
 }
 
-float fli_dot(int32_t dtype, const uint8_t *row, const float *x, int64_t n) {
-    switch (dtype) {
-    case FL_F32: return dot_plain(FL_F32, row, x, n);
-    case FL_F16: return dot_plain(FL_F16, row, x, n);
-    case FL_Q8_0: return dot_blocks(FL_Q8_0, row, x, n);
-    case FL_Q4_1: return dot_blocks(FL_Q4_1, row, x, n);
-    case FL_Q4_K: return fli_q4k_dot(row, x, n);
-    case FL_Q5_0: return dot_blocks(FL_Q5_0, row, x, n);
-    case FL_Q5_1: return dot_blocks(FL_Q5_1, row, x, n);
-    case FL_Q2_K:
-    case FL_Q3_K:
-    case FL_Q5_K:
-    case FL_Q6_K: return fli_qk_dot(dtype, row, x, n);
-    default: return dot_blocks(FL_Q4_0, row, x, n);
-    }
-}
 
 static inline __attribute__((always_inline)) void axpy_plain(int32_t dtype, const uint8_t *row,
                                                              float a, float *y, int64_t n) {
@@ -116,22 +102,6 @@ static inline __attribute__((always_inline)) void axpy_blocks(int32_t dtype, con
     }
 }
 
-void fli_axpy(int32_t dtype, const uint8_t *row, float a, float *y, int64_t n) {
-    switch (dtype) {
-    case FL_F32: axpy_plain(FL_F32, row, a, y, n); break;
-    case FL_F16: axpy_plain(FL_F16, row, a, y, n); break;
-    case FL_Q8_0: axpy_blocks(FL_Q8_0, row, a, y, n); break;
-    case FL_Q4_1: axpy_blocks(FL_Q4_1, row, a, y, n); break;
-    case FL_Q5_0: axpy_blocks(FL_Q5_0, row, a, y, n); break;
-    case FL_Q5_1: axpy_blocks(FL_Q5_1, row, a, y, n); break;
-    case FL_Q4_K:
-    case FL_Q5_K:
-    case FL_Q6_K: fli_kq_axpy(dtype, &row, &a, 1, y, n); break;  // kaxpy.c
-    case FL_Q2_K:
-    case FL_Q3_K: fli_qk_axpy(dtype, row, a, y, n); break;
-    default: axpy_blocks(FL_Q4_0, row, a, y, n); break;
-    }
-}
 
 static inline __attribute__((always_inline)) void dequant_blocks(int32_t dtype,
                                                                  const uint8_t *row, float *dst,
@@ -146,27 +116,6 @@ static inline __attribute__((always_inline)) void dequant_blocks(int32_t dtype,
     }
 }
 
-void fli_dequant(int32_t dtype, const uint8_t *row, float *dst, int64_t n) {
-    switch (dtype) {
-    case FL_F32: memcpy(dst, row, (size_t)n * sizeof(float)); break;
-    case FL_F16: {
-        int64_t i = 0;
-        for (; i + VW <= n; i += VW) vstore(dst + i, vload_h(row + 2 * i));
-        for (; i < n; i++) dst[i] = fl_load_fp16(row + 2 * i);
-        break;
-    }
-    case FL_Q8_0: dequant_blocks(FL_Q8_0, row, dst, n); break;
-    case FL_Q4_1: dequant_blocks(FL_Q4_1, row, dst, n); break;
-    case FL_Q4_K: fli_q4k_dequant(row, dst, n); break;
-    case FL_Q5_0: dequant_blocks(FL_Q5_0, row, dst, n); break;
-    case FL_Q5_1: dequant_blocks(FL_Q5_1, row, dst, n); break;
-    case FL_Q2_K:
-    case FL_Q3_K:
-    case FL_Q5_K: fli_qk_dequant(dtype, row, dst, n); break;
-    case FL_Q6_K: fli_q6k_dequant(row, dst, n); break;  // kaxpy.c
-    default: dequant_blocks(FL_Q4_0, row, dst, n); break;
-    }
-}
 
 float fli_dot_f32(const float *a, const float *b, int64_t n) {
     return dot_plain(FL_F32, (const uint8_t *)a, b, n);
@@ -211,54 +160,93 @@ static inline __attribute__((always_inline)) void axpy4_blocks(int32_t dtype,
     }
 }
 
-void fli_axpy4(int32_t dtype, const uint8_t *const rows[FL_QT], const float a[FL_QT], float *y,
-               int64_t n) {
-    switch (dtype) {
-    case FL_F32: axpy4_plain(FL_F32, rows, a, y, n); break;
-    case FL_F16: axpy4_plain(FL_F16, rows, a, y, n); break;
-    case FL_Q8_0: axpy4_blocks(FL_Q8_0, rows, a, y, n); break;
-    case FL_Q4_1: axpy4_blocks(FL_Q4_1, rows, a, y, n); break;
-    case FL_Q5_0: axpy4_blocks(FL_Q5_0, rows, a, y, n); break;
-    case FL_Q5_1: axpy4_blocks(FL_Q5_1, rows, a, y, n); break;
-    case FL_Q4_K:
-    case FL_Q5_K:
-    case FL_Q6_K: fli_kq_axpy(dtype, rows, a, FL_QT, y, n); break;  // kaxpy.c
-    case FL_Q2_K:
-    case FL_Q3_K:
-        for (int r = 0; r < FL_QT; r++) fli_qk_axpy(dtype, rows[r], a[r], y, n);
-        break;
-    default: axpy4_blocks(FL_Q4_0, rows, a, y, n); break;
-    }
+static inline __attribute__((always_inline)) void dequant_f16(const uint8_t *row, float *dst,
+                                                              int64_t n) {
+    int64_t i = 0;
+    for (; i + VW <= n; i += VW) vstore(dst + i, vload_h(row + 2 * i));
+    for (; i < n; i++) dst[i] = fl_load_fp16(row + 2 * i);
 }
 
-#define BOUND_ROWS 256 /* rows per step: the sums stay in L1 across the blocks */
-
-int32_t fl_logit_bounds(const float *s, const uint16_t *var, const float *e, int64_t nb,
-                        int64_t n, float z, float slack, float *hi, float *lo) {
-    if (!s || !var || !e || !hi || !lo || nb < 0 || n < 0) return FL_EINVAL;
-    float acc[BOUND_ROWS];
-    for (int64_t r0 = 0; r0 < n; r0 += BOUND_ROWS) {
-        const int64_t m = n - r0 < BOUND_ROWS ? n - r0 : BOUND_ROWS;
-        const int64_t mv = m / VW * VW;
-        memset(acc, 0, sizeof acc);
-        for (int64_t b = 0; b < nb; b++) {
-            const uint16_t *v = var + b * n + r0;
-            const vf eb = vset1(e[b]);
-            for (int64_t i = 0; i < mv; i += VW)
-                vstore(acc + i, vfma(eb, vload_h((const uint8_t *)(v + i)), vload(acc + i)));
-            for (int64_t i = mv; i < m; i++) acc[i] += e[b] * fl_fp16_to_fp32(v[i]);
-        }
-        const vf vz = vset1(z), vs = vset1(slack);
-        for (int64_t i = 0; i < mv; i += VW) {
-            const vf d = vfma(vz, vsqrt(vload(acc + i)), vs), x = vload(s + r0 + i);
-            vstore(hi + r0 + i, vadd(x, d));
-            vstore(lo + r0 + i, vsub(x, d));
-        }
-        for (int64_t i = mv; i < m; i++) {
-            const float d = z * sqrtf(acc[i]) + slack;
-            hi[r0 + i] = s[r0 + i] + d;
-            lo[r0 + i] = s[r0 + i] - d;
-        }
-    }
-    return FL_OK;
+/* the kernels of each dtype (vec.h), the dtype a constant in each */
+void fli_f32_dequant(const uint8_t *row, float *dst, int64_t n) {
+    memcpy(dst, row, (size_t)n * sizeof(float));
+}
+void fli_f16_dequant(const uint8_t *row, float *dst, int64_t n) { dequant_f16(row, dst, n); }
+void fli_q8_0_dequant(const uint8_t *row, float *dst, int64_t n) {
+    dequant_blocks(FL_Q8_0, row, dst, n);
+}
+void fli_q4_0_dequant(const uint8_t *row, float *dst, int64_t n) {
+    dequant_blocks(FL_Q4_0, row, dst, n);
+}
+void fli_q4_1_dequant(const uint8_t *row, float *dst, int64_t n) {
+    dequant_blocks(FL_Q4_1, row, dst, n);
+}
+void fli_q5_0_dequant(const uint8_t *row, float *dst, int64_t n) {
+    dequant_blocks(FL_Q5_0, row, dst, n);
+}
+void fli_q5_1_dequant(const uint8_t *row, float *dst, int64_t n) {
+    dequant_blocks(FL_Q5_1, row, dst, n);
+}
+float fli_f32_dot(const uint8_t *row, const float *x, int64_t n) {
+    return dot_plain(FL_F32, row, x, n);
+}
+void fli_f32_axpy(const uint8_t *row, float a, float *y, int64_t n) {
+    axpy_plain(FL_F32, row, a, y, n);
+}
+void fli_f32_axpy4(const uint8_t *const rows[FL_QT], const float a[FL_QT], float *y, int64_t n) {
+    axpy4_plain(FL_F32, rows, a, y, n);
+}
+float fli_f16_dot(const uint8_t *row, const float *x, int64_t n) {
+    return dot_plain(FL_F16, row, x, n);
+}
+void fli_f16_axpy(const uint8_t *row, float a, float *y, int64_t n) {
+    axpy_plain(FL_F16, row, a, y, n);
+}
+void fli_f16_axpy4(const uint8_t *const rows[FL_QT], const float a[FL_QT], float *y, int64_t n) {
+    axpy4_plain(FL_F16, rows, a, y, n);
+}
+float fli_q8_0_dot(const uint8_t *row, const float *x, int64_t n) {
+    return dot_blocks(FL_Q8_0, row, x, n);
+}
+void fli_q8_0_axpy(const uint8_t *row, float a, float *y, int64_t n) {
+    axpy_blocks(FL_Q8_0, row, a, y, n);
+}
+void fli_q8_0_axpy4(const uint8_t *const rows[FL_QT], const float a[FL_QT], float *y, int64_t n) {
+    axpy4_blocks(FL_Q8_0, rows, a, y, n);
+}
+float fli_q4_0_dot(const uint8_t *row, const float *x, int64_t n) {
+    return dot_blocks(FL_Q4_0, row, x, n);
+}
+void fli_q4_0_axpy(const uint8_t *row, float a, float *y, int64_t n) {
+    axpy_blocks(FL_Q4_0, row, a, y, n);
+}
+void fli_q4_0_axpy4(const uint8_t *const rows[FL_QT], const float a[FL_QT], float *y, int64_t n) {
+    axpy4_blocks(FL_Q4_0, rows, a, y, n);
+}
+float fli_q4_1_dot(const uint8_t *row, const float *x, int64_t n) {
+    return dot_blocks(FL_Q4_1, row, x, n);
+}
+void fli_q4_1_axpy(const uint8_t *row, float a, float *y, int64_t n) {
+    axpy_blocks(FL_Q4_1, row, a, y, n);
+}
+void fli_q4_1_axpy4(const uint8_t *const rows[FL_QT], const float a[FL_QT], float *y, int64_t n) {
+    axpy4_blocks(FL_Q4_1, rows, a, y, n);
+}
+float fli_q5_0_dot(const uint8_t *row, const float *x, int64_t n) {
+    return dot_blocks(FL_Q5_0, row, x, n);
+}
+void fli_q5_0_axpy(const uint8_t *row, float a, float *y, int64_t n) {
+    axpy_blocks(FL_Q5_0, row, a, y, n);
+}
+void fli_q5_0_axpy4(const uint8_t *const rows[FL_QT], const float a[FL_QT], float *y, int64_t n) {
+    axpy4_blocks(FL_Q5_0, rows, a, y, n);
+}
+float fli_q5_1_dot(const uint8_t *row, const float *x, int64_t n) {
+    return dot_blocks(FL_Q5_1, row, x, n);
+}
+void fli_q5_1_axpy(const uint8_t *row, float a, float *y, int64_t n) {
+    axpy_blocks(FL_Q5_1, row, a, y, n);
+}
+void fli_q5_1_axpy4(const uint8_t *const rows[FL_QT], const float a[FL_QT], float *y, int64_t n) {
+    axpy4_blocks(FL_Q5_1, rows, a, y, n);
 }

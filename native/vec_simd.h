@@ -1,10 +1,12 @@
-/* vec_simd.h — the small f32 vector abstraction of vec.c and gemm_f32.c (internal): vf, VW lanes,
- * AVX-512, AVX2 + FMA + F16C or plain C chosen at compile time, and the loads of one 32-value
- * quantized block's unscaled values (q8_0, q4_0, q4_1 / unsigned nibbles, q5_0 / q5_1). */
+/* vec_simd.h — the small f32 vector abstraction of vec.c, gemm_f32.c and bounds.c (header
+ * only): vf, VW lanes, AVX-512, AVX2 + FMA + F16C or plain C chosen at compile time, and the
+ * loads of one 32-value quantized block's unscaled values (q8_0, q4_0, q4_1 / unsigned nibbles,
+ * q5_0 / q5_1). */
 #ifndef FLASHLLM_VEC_SIMD_H
 #define FLASHLLM_VEC_SIMD_H
 
-#include "compute_internal.h"
+#include "base.h"
+#include "dtype.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>

@@ -69,7 +69,7 @@ def test_a_pass_gives_each_token_its_own_logits_under_a_budget():
     from flashllm.cli.app import cache_dir
     from flashllm.format.reader import open_flash
     from conftest import plan_run
-    from flashllm.runtime.assemble import make_ffn, make_weights, stream_dense
+    from flashllm.runtime.assemble import make_parts
     from flashllm.runtime.budget import parse_budget
     from flashllm.runtime.plan import FlashOptions
     from flashllm.runtime.model import Model
@@ -78,9 +78,7 @@ def test_a_pass_gives_each_token_its_own_logits_under_a_budget():
     plan = plan_run(path, opts, 32, 100 * MiB)
     assert "output.weight" in plan.streamed
     flash = open_flash(path)
-    ffn = make_ffn(flash, opts, plan, 2, cache_dir(), log=lambda m: None)
-    weights = make_weights(flash, plan, 2)
-    stream_dense(flash, ffn, weights)
+    ffn, weights, _ = make_parts(flash, opts, plan, None, 2, cache_dir(), log=lambda m: None)
     net = Model(flash, n_threads=2, n_ctx=32, ffn=ffn, weights=weights, kv_dtype="f16")
     try:
         ids = np.array([785, 1156, 315, 279, 1565, 374, 264, 26618, 8500, 30, 576, 4226, 374,

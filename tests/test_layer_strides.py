@@ -46,7 +46,7 @@ def rising(tmp_path_factory):
 def test_static_ring_gives_the_dense_logits(mixed, capacity, pinned):
     flash, ffn = flash_ffn(mixed, AllSlots(FF), "64MiB", exact=True, staging_rows=24,
                            capacity=capacity, n_pinned=pinned)
-    assert ffn.schedule is not None
+    assert ffn.stream is not None
     sparse = Model(flash, n_threads=1, n_ctx=16, ffn=ffn, exact=True)
     dense = Model(open_flash(mixed), n_threads=1, n_ctx=16, exact=True)
     prompt = [1, 17, 5, 39]

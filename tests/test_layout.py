@@ -165,3 +165,39 @@ def test_only_ffi_lib_loads_the_c_library():
     loaders = sorted(m for m, f in known.items() for src, _ in imports(m, f, known)
                      if src == "flashllm.ffi._native")
     assert loaders == ["flashllm.ffi.lib"]
+
+
+CFFI = {"cffi", "_cffi_backend", "flashllm.ffi._native", "flashllm.ffi.lib"}   # lib: its ffi / lib
+
+
+def test_only_ffi_touches_cffi():
+    """cffi, the compiled module and flashllm.ffi.lib (which hands out its ffi and lib) are
+    imported by flashllm/ffi/ alone: every other layer calls C through ffi's bindings."""
+    bad = []
+    for m, f in modules().items():
+        if m == "flashllm.ffi" or m.startswith("flashllm.ffi."):
+            continue
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            bad += [f"{m} -> {n}" for n in names if n.split(".")[0] in CFFI or n in CFFI]
+    assert bad == []
+
+
+def test_runtime_and_generation_declare_what_they_ask():
+    """No capability probing in runtime/ and generation/: no hasattr(), no getattr() with a
+    default; an optional capability is declared (runtime/interfaces.py, speculate.Draft,
+    sparsity.predictor.NeuronPredictor) and called."""
+    bad = []
+    for m, f in modules().items():
+        if m.split(".")[1:2] not in (["runtime"], ["generation"]):
+            continue
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and (
+                    node.func.id == "hasattr" or node.func.id == "getattr" and len(node.args) > 2):
+                bad.append(f"{m}:{node.lineno} {node.func.id}")
+    assert bad == []

@@ -28,6 +28,7 @@ from flashllm.convert.convert import convert, convert_source
 from flashllm.errors import KernelError, SourceError
 from flashllm.ffi.quant import dequantize_rows, quantize_rows
 from flashllm.convert.sources import open_source
+from flashllm.convert.sources.base import Source
 from flashllm.model.tensor import QTensor, row_bytes
 from test_kernel_isa import ISAS, isa_compiler
 
@@ -266,7 +267,7 @@ def test_convert_refuses_d_model_not_a_multiple_of_256(tmp_path):
 
 # ---- the real Q4_K_M model ----------------------------------------------------------------
 
-class FirstLayers:
+class FirstLayers(Source):
     """A GGUF source cut to its first n_layers layers and vocab tokens (a small real model)."""
 
     def __init__(self, src, n_layers: int, vocab: int):
@@ -299,6 +300,9 @@ class FirstLayers:
             kind = Q[self.src.stored_type(name)]
             return dequantize(blocks, kind).reshape(self.vocab, -1)
         return self.src.load(name)
+
+    def close(self):
+        pass
 
 
 @pytest.fixture(scope="module")

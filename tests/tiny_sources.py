@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType, quants
 
+from flashllm.convert.sources.base import Source
 from flashllm.format.layout import required_tensors
 from flashllm.model.config import ModelConfig
 
@@ -25,7 +26,7 @@ def tiny_config(glu: bool = True, **kw) -> ModelConfig:
     return ModelConfig(**{**base, **kw}).validate()
 
 
-class ArraySource:
+class ArraySource(Source):
     """The sources.Source protocol over numpy arrays (canonical names, HF layout, f32)."""
 
     def __init__(self, config: ModelConfig, arrays: dict[str, np.ndarray],

@@ -59,6 +59,19 @@ def perplexity(
         print(result.summary())
 
 
+def _stages():
+    """calibrate's progress(what, done, of) on stderr: cli/progress.eta_progress, a new one
+    for each stage (a stage's first step is 1)."""
+    from flashllm.cli.progress import eta_progress
+    shown = [None, None]                          # the stage, its eta_progress
+
+    def progress(what: str, done: int, of: int) -> None:
+        if done == 1 or shown[0] != what:
+            shown[:] = what, eta_progress(what)
+        shown[1](done, of)
+    return progress
+
+
 @command
 def calibrate(
     model: str = typer.Argument(..., help=MODEL_HELP),
@@ -81,16 +94,20 @@ def calibrate(
                                   "(gate_up for GLU models, lowrank otherwise), a kind, or none."),
     threads: int = typer.Option(DEFAULT_THREADS, "-t", "--threads", min=1, max=MAX_THREADS,
                                help="Compute threads."),
+    dram_budget: Optional[str] = typer.Option(None, "--dram-budget", help="DRAM the calibration "
+                                              "may hold (e.g. 280MiB, 50%): the model is read "
+                                              "layer by layer from its folder."),
 ) -> None:
     """Per-layer sparsity thresholds, neuron frequencies, hot-first FFN rewrite, predictor."""
-    from flashllm.session.options import CalibrationOptions
+    from flashllm.session.options import CalibrationOptions, parse_budget
     from flashllm.session.quality import calibrate as calibrate_model
     if not 0.0 <= sparsity < 1.0:
         fail(f"--sparsity must be in [0, 1), not {sparsity}")
+    budget = None if dram_budget is None else parse_budget(dram_budget)   # one line if bad
     path = model_path(model)
     opts = CalibrationOptions(text, corpus.value, sparsity, tokens, ctx,
                               criterion.value if criterion is not None else None, reorder,
                               predictor.value, threads,
                               None if keep_target else max_ppl_cost / 100.0)
-    line = calibrate_model(path, opts, lambda m: err.print(m, markup=False, soft_wrap=True))
-    err.print(line, markup=False, soft_wrap=True)
+    log = lambda m: err.print(m, markup=False, soft_wrap=True)
+    err.print(calibrate_model(path, opts, budget, log, _stages()), markup=False, soft_wrap=True)

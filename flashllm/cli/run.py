@@ -106,14 +106,14 @@ def run(
         n_predict = 0 if interactive else 128
     text = None if interactive else read_prompt(prompt, file)
     path = model_path(model, apart=dram_budget is not None)
-    calibrate = not (Path(model).is_dir() or naive or dense)   # ours: a name's, a .gguf's
+    calibrate = "" if Path(model).is_dir() or naive or dense else model   # ours: a name's, a .gguf's
     sampling = Sampling(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
                         None if seed == -1 else seed)
     asked = FlashAsked(budget, window, naive, dense, check_recall, predictor.value,
                        sparse_head, draft_head_rows)
     req = request(path, asked, sampling, drafting, threads, ctx_size,
                   None if interactive else (text, n_predict), calibrate)
-    parts = assemble(req, cache_dir(), lambda m: err.print(m, markup=False))
+    parts = assemble(req, cache_dir(), lambda m: err.print(m, markup=False, soft_wrap=True))
     sampler = sampling.sampler()
     try:
         guesser = drafter(parts.net, sampler, parts.drafting, draft_p_min, parts.head_rows)

@@ -1,5 +1,6 @@
-"""Source checkpoint → flash model folder, one tensor / one FFN layer in memory at a time (several
-sources at once: convert/batch.py)."""
+"""Source checkpoint → flash model folder in bounded memory: one row block of a tensor and one
+block of an FFN layer's neurons at a time, each written as it is made (several sources at once:
+convert/batch.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -62,24 +63,20 @@ def convert_source(source, out: Path, dtype: str, *, force: bool = False,
             if source.tokenizer_json is not None else (None, None)
         w.set_tokenizer(text, source.chat_template, merges)
         for name in dense:
-            w.add_tensor(name, *(native.dense_tensor(source, name) if plan else
-                                 (source.load(name),)))
+            native.write_dense(w, source, name) if plan else _write_dense(w, source, name)
             done += nbytes[name]
             tick(done, total)
         head = "output.weight" if "output.weight" in dense else "token_embd.weight"
-        for name, t in zip(SKETCH_NAMES, head_sketch.build(source.load(head))):
-            w.add_tensor(name, t)
+        head_sketch.write(w, lambda r0, r1: source.load_rows(head, r0, r1),
+                          *source.tensor_shape(head))
         for layer in range(cfg.n_layers):
             groups = ffn[layer]
             if cfg.n_experts:
                 _write_experts(source, w, layer, groups)
             elif plan:
-                gate, up, down, origin, rows = native.ffn_layer(source, layer, groups[""], plan)
-                w.add_ffn_layer(layer, gate, up, down, origin=origin, down_rows=rows)
+                native.write_ffn_layer(w, source, layer, groups[""], plan)
             else:
-                weights = {part: _ffn_part(source, name, part, dtype)
-                           for part, name in groups[""].items()}   # (n_ff, d) / (d, n_ff), or QTensor
-                w.add_ffn_layer(layer, weights.get("gate"), weights["up"], weights["down"])
+                _write_ffn_layer(source, w, layer, groups[""], dtype)
             done += sum(nbytes[n] for names in groups.values() for n in names.values())
             tick(done, total)
         return w.finish()
@@ -95,12 +92,29 @@ def _write_experts(source, w: FlashWriter, layer: int, groups: dict[str, dict[st
         w.add_ffn_rows(layer, *(source.load(groups["shexp"][p]) for p in ("gate", "up", "down")))
 
 
-def _ffn_part(source, name: str, part: str, dtype: str):
-    """One FFN weight for the writer: f32, or for q4_k gate / up the source's Q4_K rows as is."""
-    if dtype == "q4_k" and part != "down":
-        rows, cols = source.tensor_shape(name)
-        return QTensor(source.load_blocks(name), "q4_k", rows, cols)
-    return source.load(name)
+def _write_dense(w: FlashWriter, source, name: str) -> None:
+    """A dense tensor converted to the writer's dtype, a block of rows at a time."""
+    shape = tuple(source.tensor_shape(name))
+    if len(shape) == 1:
+        return w.add_tensor(name, source.load(name))
+    w.add_tensor_rows(name, shape, (source.load_rows(name, *b) for b in native.blocks(*shape)))
+
+
+def _write_ffn_layer(source, w: FlashWriter, layer: int, names: dict[str, str], dtype: str) -> None:
+    """One dense FFN layer in dtype, a block of neurons at a time (whole blocks of the down
+    matrix's stored type, its columns): f32 rows and columns for the writer to quantize, or
+    for q4_k gate / up the source's Q4_K rows as they are."""
+    n_ff, d = source.tensor_shape(names["up"])
+    for n0, n1 in native.blocks(n_ff, d, source.col_block(names["down"])):
+        parts = {}
+        for part, name in names.items():
+            if part == "down":
+                parts[part] = source.load_cols(name, n0, n1)                 # (d_model, n)
+            elif dtype == "q4_k":
+                parts[part] = QTensor(source.load_blocks(name)[n0:n1], "q4_k", n1 - n0, d)
+            else:
+                parts[part] = source.load_rows(name, n0, n1)                 # (n, d_model)
+        w.add_ffn_rows(layer, parts.get("gate"), parts["up"], parts["down"])
 
 
 def _check_q4_k(source, ffn: list[dict[str, dict[str, str]]]) -> None:

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from flashllm.format.layout import SKETCH, SKETCH_VAR
 from flashllm.model.tensor import QTensor
 
 QK_K = 256
-CHUNK_ROWS = 8192                    # rows quantized at a time (bounds the f32 temporaries)
+CHUNK_VALUES = 1 << 19               # values quantized at a time (bounds the f32 temporaries)
 
 
 def padded(d: int) -> int:
@@ -53,17 +54,37 @@ def q2k_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(blk.reshape(n, nb * 84)), var.astype(np.float32)
 
 
+def sketch_blocks(head_rows, vocab: int, d: int, var: np.ndarray):
+    """The Q2_K rows of a head (vocab, d) given by head_rows(r0, r1) -> f32 (r1 - r0, d), as
+    consecutive (rows, d_pad / 256 * 84) uint8 blocks of CHUNK_VALUES values; the error of
+    each superblock goes into var (vocab, d_pad / 256) f32 as they are made."""
+    dp = padded(d)
+    step = max(1, CHUNK_VALUES // dp)
+    for r0 in range(0, vocab, step):
+        r1 = min(vocab, r0 + step)
+        w = np.zeros((r1 - r0, dp), np.float32)                          # (rows, d_pad)
+        w[:, :d] = head_rows(r0, r1)
+        data, var[r0:r1] = q2k_rows(w)
+        yield data
+
+
+def write(w, head_rows, vocab: int, d: int) -> None:
+    """Add the sketch tensors (layout.SKETCH_NAMES) of a head (vocab, d) given by head_rows to
+    the FlashWriter w, one CHUNK_VALUES block in memory at a time (and the error, vocab * d / 64
+    bytes)."""
+    dp = padded(d)
+    var = np.empty((vocab, dp // QK_K), np.float32)                      # (vocab, nb)
+    w.add_tensor_rows(SKETCH, (vocab, dp), sketch_blocks(head_rows, vocab, d, var), "q2_k")
+    w.add_tensor(SKETCH_VAR, QTensor(var.view(np.uint8).reshape(vocab, -1), "f32", vocab,
+                                     dp // QK_K))
+
+
 def build(head: np.ndarray) -> tuple[QTensor, QTensor]:
     """The sketch tensors of head (vocab, d) f32: (Q2_K (vocab, d_pad), its error f32
-    (vocab, d_pad / 256)), quantized CHUNK_ROWS rows at a time."""
+    (vocab, d_pad / 256)), quantized CHUNK_VALUES values at a time."""
     vocab, d = head.shape
     dp = padded(d)
-    data = np.empty((vocab, dp // QK_K * 84), np.uint8)                  # (vocab, row bytes)
     var = np.empty((vocab, dp // QK_K), np.float32)                      # (vocab, nb)
-    for r0 in range(0, vocab, CHUNK_ROWS):
-        r1 = min(vocab, r0 + CHUNK_ROWS)
-        w = np.zeros((r1 - r0, dp), np.float32)                          # (rows, d_pad)
-        w[:, :d] = head[r0:r1]
-        data[r0:r1], var[r0:r1] = q2k_rows(w)
-    return (QTensor(data, "q2_k", vocab, dp),
+    data = np.concatenate(list(sketch_blocks(lambda r0, r1: head[r0:r1], vocab, d, var)))
+    return (QTensor(data, "q2_k", vocab, dp),                            # (vocab, row bytes)
             QTensor(var.view(np.uint8).reshape(vocab, -1), "f32", vocab, dp // QK_K))

@@ -34,6 +34,8 @@ FALLBACK = "q8_0"     # the down columns, and what any type the kernel lacks bec
 # a k-quant source's down columns: the same k-quant (Q2_K / Q3_K: the smallest flashllm makes)
 KQUANT_DOWN = {"Q2_K": "q4_k", "Q3_K": "q4_k", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}
 STEP_UP = {"q4_k": "q5_k", "q5_k": "q6_k", "q6_k": "q6_k"}
+BLOCK_VALUES = 1 << 18   # values of a tensor made at a time (1 MiB as f32): whole rows, or
+                         # whole neurons of an FFN layer
 
 
 @dataclass(frozen=True)
@@ -80,59 +82,103 @@ def keeps_rows(stored: list, n_ff: int) -> bool:
     return all(fits(FROM_GGML.get(t, ""), n_ff) for t in stored)
 
 
+class RmsError:
+    """|got - ref| / |ref| over every value of a tensor given in blocks (0 for an all-zero ref)."""
+
+    def __init__(self) -> None:
+        self.num = self.den = 0.0
+
+    def add(self, got: np.ndarray, ref: np.ndarray) -> None:
+        self.num += float(np.sum(np.square(got - ref, dtype=np.float64)))
+        self.den += float(np.sum(np.square(ref, dtype=np.float64)))
+
+    @property
+    def value(self) -> float:
+        return float(np.sqrt(self.num)) / float(np.sqrt(self.den)) if self.den else 0.0
+
+
 def rel_rms(got: np.ndarray, ref: np.ndarray) -> float:
     """|got - ref| / |ref| over every value (0 for an all-zero ref)."""
-    den = float(np.sqrt(np.sum(np.square(ref, dtype=np.float64))))
-    return float(np.sqrt(np.sum(np.square(got - ref, dtype=np.float64)))) / den if den else 0.0
+    err = RmsError()
+    err.add(got, ref)
+    return err.value
 
 
-def requantized(x: np.ndarray, dtype: str, stored: str) -> tuple[QTensor, dict]:
-    """x (rows, cols) f32 quantized to dtype, and its origin with the error."""
-    rows, cols = x.shape
+def blocks(n: int, cols: int, align: int = 1):
+    """(r0, r1) of consecutive blocks covering rows 0 .. n, of about BLOCK_VALUES values each
+    (rows of cols values), a multiple of align rows but the last."""
+    step = max(align, BLOCK_VALUES // cols // align * align)
+    return ((r0, min(n, r0 + step)) for r0 in range(0, n, step))
+
+
+def requantize(x: np.ndarray, dtype: str, err: RmsError) -> np.ndarray:
+    """x (rows, cols) f32 quantized to dtype (rows, row_bytes), its error added to err."""
     data = quantize_rows(x, dtype)                                       # (rows, row_bytes)
-    err = rel_rms(dequantize_rows(data, dtype, cols), x)
-    return QTensor(data, dtype, rows, cols), {"from": stored, "to": dtype, "how": "requantized",
-                                              "rel_rms": round(err, 7)}
+    err.add(dequantize_rows(data, dtype, x.shape[1]), x)
+    return data
 
 
-def dense_tensor(source, name: str) -> tuple[np.ndarray | QTensor, dict | None]:
-    """A dense tensor for the writer: 1-D as f32; 2-D in the source's own type when the kernel
-    has it (its bytes), else widened or re-quantized; with its origin."""
+def requantized_origin(stored: str, dtype: str) -> dict:
+    """A re-quantized tensor's origin; its rel_rms is filled in once every block is made."""
+    return {"from": stored, "to": dtype, "how": "requantized", "rel_rms": None}
+
+
+def write_dense(w, source, name: str) -> None:
+    """Write a dense tensor: 1-D as f32; 2-D in the source's own type when the kernel has it
+    (its bytes), else widened or re-quantized a block of rows at a time; with its origin."""
     shape = tuple(source.tensor_shape(name))
     if len(shape) == 1:
-        return source.load(name), None
+        return w.add_tensor(name, source.load(name))
     stored = source.stored_type(name)
     dt = FROM_GGML.get(stored)
     if dt is not None and fits(dt, shape[1]):
-        return QTensor(source.load_blocks(name), dt, *shape), {"from": stored, "how": "copied"}
-    x = source.load(name)                                                # (rows, cols) f32
+        return w.add_tensor(name, QTensor(source.load_blocks(name), dt, *shape),
+                            {"from": stored, "how": "copied"})
     if stored == "BF16":
-        return QTensor(x.view(np.uint8), "f32", *shape), {"from": stored, "how": "widened"}
-    return requantized(x, FALLBACK if fits(FALLBACK, shape[1]) else "f16", stored)
+        rows = (source.load_rows(name, *b).view(np.uint8) for b in blocks(*shape))
+        return w.add_tensor_rows(name, shape, rows, "f32", {"from": stored, "how": "widened"})
+    dt = FALLBACK if fits(FALLBACK, shape[1]) else "f16"
+    origin, err = requantized_origin(stored, dt), RmsError()
+
+    def made():
+        for b in blocks(*shape):
+            yield requantize(source.load_rows(name, *b), dt, err)       # (rows, row_bytes)
+        origin["rel_rms"] = round(err.value, 7)
+    w.add_tensor_rows(name, shape, made(), dt, origin)
 
 
-def ffn_layer(source, layer: int, names: dict[str, str], p: NativePlan):
-    """(gate or None, up, down, origin, down rows) of one layer for FlashWriter.add_ffn_layer:
-    QTensors in the plan's dtypes (down as its columns, (n_ff, d_model)), and the down matrix
-    as the source stores it (down_rows), or None."""
-    parts, origin = {}, {}
+def write_ffn_layer(w, source, layer: int, names: dict[str, str], p: NativePlan) -> None:
+    """Write one layer's bundles in the plan's dtypes, a block of neurons at a time (down as its
+    columns), with their origin, and the down matrix as the source stores it (down_rows)."""
+    origin, errs = {}, {}
     for part, name in names.items():
         stored = source.stored_type(name)
-        if part == "down":
-            cols = np.ascontiguousarray(source.load(name).T)             # (n_ff, d_model)
-            parts[part], origin[part] = requantized(cols, p.down_dtypes[layer], stored)
-        elif p.gate_up_copied:
-            n_ff, d = source.tensor_shape(name)
-            parts[part] = QTensor(source.load_blocks(name), p.ffn_dtype, n_ff, d)
-            origin[part] = {"from": stored, "how": "copied"}
+        if part == "down" or not p.gate_up_copied:
+            dt = p.down_dtypes[layer] if part == "down" else p.ffn_dtype
+            origin[part], errs[part] = requantized_origin(stored, dt), RmsError()
         else:
-            parts[part], origin[part] = requantized(source.load(name), p.ffn_dtype, stored)
-    rows = None
+            origin[part] = {"from": stored, "how": "copied"}
+    n_ff, d = source.tensor_shape(names["up"])
+    for n0, n1 in blocks(n_ff, d, source.col_block(names["down"])):
+        parts = {}
+        for part, name in names.items():
+            if part == "down":
+                x = np.ascontiguousarray(source.load_cols(name, n0, n1).T)   # (n, d_model)
+            elif p.gate_up_copied:
+                parts[part] = QTensor(source.load_blocks(name)[n0:n1], p.ffn_dtype, n1 - n0, d)
+                continue
+            else:
+                x = source.load_rows(name, n0, n1)                           # (n, d_model)
+            dt = origin[part]["to"]
+            parts[part] = QTensor(requantize(x, dt, errs[part]), dt, n1 - n0, d)
+        if n1 == n_ff:
+            for part, err in errs.items():
+                origin[part]["rel_rms"] = round(err.value, 7)
+        w.add_ffn_rows(layer, parts.get("gate"), parts["up"], parts["down"], origin=origin)
     if p.down_rows:       # byte for byte: a run holding the whole FFN in DRAM multiplies these
         d, n_ff = source.tensor_shape(names["down"])
-        rows = QTensor(source.load_blocks(names["down"]),
-                       FROM_GGML[source.stored_type(names["down"])], d, n_ff)   # (d, n_ff)
-    return parts.get("gate"), parts["up"], parts["down"], origin, rows
+        w.add_down_rows(layer, QTensor(source.load_blocks(names["down"]),
+                                       FROM_GGML[source.stored_type(names["down"])], d, n_ff))
 
 
 def outdated(manifest: dict) -> str | None:

@@ -135,8 +135,9 @@ def crc32_file(f, offset: int, nbytes: int) -> int:
     return crc
 
 
-def crc32_array(a: np.ndarray) -> int:
-    return zlib.crc32(memoryview(np.ascontiguousarray(a)).cast("B"))
+def crc32_array(a: np.ndarray, crc: int = 0) -> int:
+    """zlib's crc32 of a's bytes, continuing crc (that of the bytes before them)."""
+    return zlib.crc32(memoryview(np.ascontiguousarray(a)).cast("B"), crc)
 
 
 def required_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

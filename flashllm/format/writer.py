@@ -17,8 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from flashllm import __version__
-from flashllm.format.files import fsync_dir, sweep_leftovers, sync_close, why
-from flashllm.format.reader import FlashModel
+from flashllm.format.files import check_target, fsync_dir, install, sweep_leftovers, sync_close, why
 from flashllm.format.layout import (NATIVE, DENSE_ALIGN, DENSE_FILE, DENSE_HEADER, DENSE_MAGIC, DTYPE_CODES,
                             DOWN_ALIGN, DOWN_FILE, FFN_ALIGN, FFN_FILE, FFN_HEADER, FFN_MAGIC, FORMAT_VERSION, MAGIC,
                             MANIFEST_FILE, ORDER_FILE, TOKENIZER_FILE, align_up, crc32_array,
@@ -113,24 +112,41 @@ class FlashWriter:
     def add_tensor(self, name: str, x: np.ndarray | QTensor, origin: dict | None = None) -> None:
         """Append a dense tensor: x (n,) or (rows, cols) f32, stored per layout.tensor_dtype, or
         a QTensor stored as it is; origin (how the source stored it) goes into the manifest."""
+        if isinstance(x, QTensor):
+            self.add_tensor_rows(name, (x.rows, x.cols), [x.data], x.dtype, origin)
+        else:
+            if x.ndim not in (1, 2) or 0 in x.shape:
+                raise FormatError(f"tensor {name} has shape {x.shape}: only 1-D and 2-D tensors "
+                                  "are stored")
+            self.add_tensor_rows(name, x.shape, [x], None, origin)
+
+    def add_tensor_rows(self, name: str, shape: tuple, blocks, dtype: str | None = None,
+                        origin: dict | None = None) -> None:
+        """Append a dense tensor of shape (n,) or (rows, cols) given as consecutive row blocks,
+        each written as it comes: a block is f32 values ((rows, cols), quantized to dtype; a 1-D
+        tensor is one block) or uint8 bytes already in dtype ((rows, row_bytes)). dtype None:
+        layout.tensor_dtype of the conversion's."""
         self._require(WriterState.OPEN, WriterState.DENSE, what=f"add_tensor({name!r})")
         if ffn_weight(name):
             raise FormatError(f"{name} is an FFN weight: write it with add_ffn_layer")
         if any(t["name"] == name for t in self.tensors):
             raise FormatError(f"tensor {name} written twice")
-        if isinstance(x, QTensor):
-            dt, shape, data = x.dtype, [x.rows, x.cols], x.data          # data (rows, row_bytes)
-        else:
-            if x.ndim not in (1, 2) or 0 in x.shape:
-                raise FormatError(f"tensor {name} has shape {x.shape}: only 1-D and 2-D tensors "
-                                  "are stored")
-            dt, shape = tensor_dtype(self.dtype, x.shape, name), list(x.shape)
-            x = np.ascontiguousarray(x, dtype=np.float32)               # (n,) or (rows, cols)
-            data = x if dt == "f32" else quantize_rows(x, dt)           # f32 as is, else (rows, row_bytes)
+        dt = dtype or tensor_dtype(self.dtype, tuple(shape), name)
         offset = align_up(self._dense.tell(), DENSE_ALIGN)
-        self._io(self._dense, lambda f: (f.write(bytes(offset - f.tell())), f.write(data)))
-        self.tensors.append({"name": name, "dtype": dt, "shape": shape, "offset": offset,
-                             "nbytes": data.nbytes, "crc32": crc32_array(data),
+        self._io(self._dense, lambda f: f.write(bytes(offset - f.tell())))
+        nbytes, crc = 0, 0
+        for block in blocks:
+            if block.dtype != np.uint8:
+                block = np.ascontiguousarray(block, dtype=np.float32)    # (n,) or (rows, cols)
+                block = block if dt == "f32" else quantize_rows(block, dt)   # (rows, row_bytes)
+            self._io(self._dense, lambda f: f.write(block))
+            nbytes, crc = nbytes + block.nbytes, crc32_array(block, crc)
+        want = 4 * shape[0] if len(shape) == 1 else shape[0] * row_bytes(dt, shape[1])
+        if nbytes != want:
+            raise FormatError(f"tensor {name}: {nbytes} bytes given for {dt} {list(shape)} "
+                              f"({want} bytes)")
+        self.tensors.append({"name": name, "dtype": dt, "shape": [int(n) for n in shape],
+                             "offset": offset, "nbytes": nbytes, "crc32": crc,
                              **({"origin": origin} if origin else {})})
         self.state = WriterState.DENSE
 
@@ -158,17 +174,21 @@ class FlashWriter:
         permutation: bundle slot j holds neuron order[j] (None: slot j holds neuron j). origin
         (how each part was made) goes into the manifest. down_rows: the down matrix (d_model,
         n_ff) as the source stores it, written to down.bin as it is (every layer or none)."""
-        if (len(self.down_rows) != layer) if down_rows is not None else self.down_rows:
+        if down_rows is None and self.down_rows:
             raise FormatError(f"FFN layer {layer}: down rows are given for every layer or none")
         self.add_ffn_rows(layer, gate, up, down, order, origin)
         if self._rows[0]:
             raise FormatError(f"FFN layer {layer}: {self._rows[0]} of {self.cfg.ffn_slots} slots "
                               f"given to add_ffn_layer (a mixture of experts: add_ffn_rows)")
         if down_rows is not None:
-            self._add_down_rows(layer, down_rows)
+            self.add_down_rows(layer, down_rows)
 
-    def _add_down_rows(self, layer: int, w: QTensor) -> None:
-        """Append layer `layer`'s down matrix w (d_model, n_ff) to down.bin as it is, page-aligned."""
+    def add_down_rows(self, layer: int, w: QTensor) -> None:
+        """Append layer `layer`'s down matrix w (d_model, n_ff) to down.bin as it is, page-aligned,
+        once the layer's bundles are complete (every layer or none)."""
+        if len(self.down_rows) != layer or len(self.layers) != layer + 1:
+            raise FormatError(f"FFN layer {layer}: down rows are given for every layer or none, "
+                              "each after its layer's bundles")
         if (w.rows, w.cols) != (self.cfg.d_model, self.cfg.n_ff):
             raise FormatError(f"blk.{layer}.ffn_down.weight rows have shape {(w.rows, w.cols)}, "
                               f"expected {(self.cfg.d_model, self.cfg.n_ff)}")
@@ -332,15 +352,7 @@ class FlashWriter:
     def _install(self) -> None:
         try:
             fsync_dir(self.tmp)
-            if self.out.exists() or self.out.is_symlink():
-                self._check_target()
-                old = self.out.parent / f".{self.out.name}.old-{os.getpid()}"
-                os.rename(self.out, old)
-                os.rename(self.tmp, self.out)
-                shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
-            else:
-                os.rename(self.tmp, self.out)
-            fsync_dir(self.out.parent)
+            install(self.tmp, self.out, self.force)
         except OSError as e:
             raise FormatError(f"cannot move the flash model into {self.out}: {why(e)}") from None
 
@@ -359,20 +371,7 @@ class FlashWriter:
         self.state = WriterState.ABORTED
 
     def _check_target(self) -> None:
-        """An existing output may only be a flash model folder, and is replaced only with force:
-        a file, a link or any other folder is never deleted."""
-        if not (self.out.exists() or self.out.is_symlink()):
-            return
-        if not self.force:
-            raise FormatError(f"{self.out} already exists (use --force to replace it)")
-        if self.out.is_symlink() or not self.out.is_dir():
-            raise FormatError(f"{self.out} is not a flash model folder: --force replaces only a "
-                              "converted model, never a file")
-        try:
-            FlashModel(self.out)
-        except FormatError as e:
-            raise FormatError(f"{self.out} is not a flash model folder, so --force will not "
-                              f"replace it ({e}); choose another output") from None
+        check_target(self.out, self.force)
 
     def _require(self, *states: WriterState, what: str) -> None:
         if self.state not in states:

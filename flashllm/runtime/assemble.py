@@ -1,18 +1,27 @@
-"""The parts of a run from its plan (runtime/plan.py choose_plan): the FFN strategy — dense
-(default), sparse flash under a DRAM budget, or the naive flash baseline — the dense weights, a
-sparse output head, and the read-ahead schedule they share.
+"""The FFN strategy of `flashllm run` from its options: dense (default), sparse flash under a
+DRAM budget, or the naive flash baseline. The budget is planned from the manifest alone, so a
+budget that cannot work is refused before anything is loaded.
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 import numpy as np
 
-from flashllm.runtime.budget import BudgetError, BudgetPlan
 from flashllm.format.layout import SKETCH
+from flashllm.format.reader import FlashModel
+from flashllm.runtime.budget import BudgetError, BudgetPlan
+from flashllm.runtime.interfaces import FfnStrategy
 from flashllm.runtime.plan import READER_STAGE, READER_THREADS, FlashOptions
-from flashllm.runtime.sparse_head import SparseHead
+from flashllm.runtime.sparse_head import HeadNeed, SparseHead
+from flashllm.runtime.weights import DenseWeights
+from flashllm.sparsity.predictor import NeuronPredictor
+
+if TYPE_CHECKING:     # loaded when a run builds them, not before its plan (which counts the process)
+    from flashllm.ffi.reader import Reader
+    from flashllm.runtime.sparse_ffn import SparseFlashFfn
+    from flashllm.runtime.stream import PassStream
 
 
 def default_window(manifest: dict) -> int:
@@ -20,68 +29,62 @@ def default_window(manifest: dict) -> int:
     return 2 if manifest["config"]["glu"] else 4
 
 
-def make_weights(flash, plan: Optional[BudgetPlan], n_threads: int):
-    """The dense weights for Model(weights=...): None (all resident) unless the plan streams some.
+def make_parts(flash: FlashModel, opts: FlashOptions, plan: Optional[BudgetPlan],
+               need: Optional[HeadNeed], n_threads: int, cache_dir: Path, log=lambda m: None
+               ) -> tuple[Optional[FfnStrategy], Optional[DenseWeights], Optional[SparseHead]]:
+    """The run's FFN strategy, dense weights and sparse head for Model(ffn=, weights=, head=):
+    make_ffn, make_weights, make_head, the read stream of a static pass built with the FFN and
+    handed to the other two (runtime/stream.py: one queue keeps the device busy)."""
+    sketch = plan is not None and plan.sparse_head and bool(plan.streamed) and need is not None
+    ffn, stream = make_ffn(flash, opts, plan, n_threads, cache_dir, log, SKETCH if sketch else "")
+    weights = make_weights(flash, plan, n_threads, stream)
+    return ffn, weights, make_head(flash, plan, weights, need, n_threads, stream)
+
+
+def make_weights(flash: FlashModel, plan: Optional[BudgetPlan], n_threads: int,
+                 stream: Optional[PassStream] = None) -> Optional[DenseWeights]:
+    """The dense weights for Model(weights=...): None (all resident) unless the plan streams some
+    (through its own reader, and the read stream's entries where it carries them).
     The resident matrices are packed as a run without a budget packs them (the plan counts the
     packed bytes: budget.dense_groups): the same kernels, whose products do not depend on how
     many tokens a pass holds, so a verifying pass gives each token what decoding it alone does."""
     if plan is None or not plan.streamed:
         return None
-    from flashllm.runtime.weights import DenseWeights
     from flashllm.ffi.reader import Reader
     reader = Reader(flash.dense_file, n_threads=READER_THREADS, stage_bytes=READER_STAGE)
-    return DenseWeights(flash, n_threads, plan.streamed, reader, pack=True)
+    return DenseWeights(flash, n_threads, plan.streamed, reader, pack=True, stream=stream)
 
 
-def make_head(flash, plan: Optional[BudgetPlan], weights, need, n_threads: int):
-    """The sparse output head for Model(head=...) when the plan streams it sparsely, else None."""
+def make_head(flash: FlashModel, plan: Optional[BudgetPlan], weights: Optional[DenseWeights],
+              need: Optional[HeadNeed], n_threads: int,
+              stream: Optional[PassStream] = None) -> Optional[SparseHead]:
+    """The sparse output head for Model(head=...) when the plan streams it sparsely, else None;
+    its sketch comes from the read stream when that carries it."""
     if plan is None or not plan.sparse_head or weights is None or need is None:
         return None
-    return SparseHead(flash, weights, need, n_threads, softcap=flash.config.final_softcap)
+    return SparseHead(flash, weights, need, n_threads, softcap=flash.config.final_softcap,
+                      stream=stream)
 
 
-def stream_dense(flash, ffn, weights, sparse_head: bool = False) -> None:
-    """When the FFN reads the same bundles every pass (its read-ahead schedule), the streamed
-    attention and output head join that schedule: one queue keeps the device busy (else the
-    dense weights' own reader reads them while the FFN's ring waits). With a sparse head the
-    schedule carries the head's sketch instead (its candidate rows are read when known)."""
-    if ffn is None or weights is None or getattr(ffn, "schedule", None) is None:
-        return
-    from flashllm.ffi.reader import Reader
-    layers = weights.streamed_layers()
-    if weights.head is not None and not layers:
-        return
-    reader = Reader(flash.dense_file, n_threads=ffn.reader.n_threads, stage_bytes=READER_STAGE)
-    attention = {i: (reader, *weights.attention_extents(i)) for i in layers}
-    extents = [] if weights.head is not None else \
-        weights.head_extents(ffn.schedule.buffer_bytes, SKETCH if sparse_head else "")
-    if ffn.stream_dense(attention, (reader, extents)):
-        weights.layer_source = ffn.attention_bytes
-        if sparse_head:                    # the schedule carries the sketch in the head's place
-            weights.sketch_source = ffn.head_chunks
-        else:
-            weights.head_source = ffn.head_chunks
-    else:
-        reader.close()
-
-
-def make_ffn(flash, opts: FlashOptions, plan: Optional[BudgetPlan], n_threads: int,
-             cache_dir: Path, log=lambda m: None):
-    """The FFN strategy for Model(ffn=...): None (dense), an ExpertFlashFfn (a mixture of
-    experts) or a SparseFlashFfn."""
+def make_ffn(flash: FlashModel, opts: FlashOptions, plan: Optional[BudgetPlan], n_threads: int,
+             cache_dir: Path, log=lambda m: None, head: str = ""
+             ) -> tuple[Optional[FfnStrategy], Optional[PassStream]]:
+    """(the FFN strategy for Model(ffn=...): None (dense), an ExpertFlashFfn (a mixture of
+    experts), a DenseFfn (holds_ffn_rows) or a SparseFlashFfn; the read stream its static
+    passes take from, None without one). head: the matrix the stream carries in the output
+    head's place (its sketch: make_parts)."""
     if not opts.flash:
-        return None
+        return None, None
     if flash.config.n_experts:
-        return make_expert_ffn(flash, opts, plan, n_threads, cache_dir, log)
+        return make_expert_ffn(flash, opts, plan, n_threads, cache_dir, log), None
     if holds_ffn_rows(flash, opts, plan):
         from flashllm.runtime.ffn import DenseFfn
         log("the budget holds the whole FFN: it runs as with no budget (the GGUF's own rows, "
             "every neuron, nothing read)")
-        return DenseFfn(flash, n_threads, summary=plan.summary())
+        return DenseFfn(flash, n_threads, summary=plan.summary()), None
     from flashllm.storage.costmodel import CostModel, bundle_requests
     from flashllm.ffi.reader import Reader
     from flashllm.sparsity.predictor import AllSlots, load_predictor
-    from flashllm.runtime.sparse_ffn import SparseFlashFfn
     cost = CostModel.for_path(cache_dir, flash.ffn.file)
     if cost.hint:
         log(cost.hint)
@@ -94,11 +97,29 @@ def make_ffn(flash, opts: FlashOptions, plan: Optional[BudgetPlan], n_threads: i
     window = opts.window or default_window(flash.manifest)
     for note in plan.notes:
         log(note)
-    return SparseFlashFfn(flash, predictor or AllSlots(f.n_ff), plan, reader, n_threads=n_threads,
-                          window=window, naive=opts.naive, cost=cost, check=opts.check)
+    ffn = make_sparse_ffn(flash, predictor or AllSlots(f.n_ff), plan, reader, n_threads, window,
+                          naive=opts.naive, cost=cost, check=opts.check, head=head)
+    return ffn, ffn.stream
 
 
-def holds_ffn_rows(flash, opts: FlashOptions, plan: Optional[BudgetPlan]) -> bool:
+def make_sparse_ffn(flash: FlashModel, predictor: NeuronPredictor, plan: BudgetPlan,
+                    reader: Reader, n_threads: int, window: int, naive: bool = False,
+                    cost=None, check: bool = False, exact: bool = False,
+                    streamed: Optional[Iterable[str]] = None, head: str = "") -> SparseFlashFfn:
+    """A SparseFlashFfn over reader, its read stream built first when its passes are static
+    (runtime/stream.py pass_stream: the FFN chunks past the pinned rows, and the dense matrices
+    `streamed` (default: the plan's) that fit its buffers; head as make_ffn's); ffn.stream."""
+    from flashllm.runtime.sparse_ffn import SparseFlashFfn, pinned_rows, static_slots
+    from flashllm.runtime.stream import pass_stream
+    k = static_slots(predictor, naive, flash.ffn.n_ff)
+    stream = None if k is None else pass_stream(
+        flash, reader, plan.staging_rows, plan.streamed if streamed is None else streamed, k,
+        0 if naive else pinned_rows(plan, k), head, READER_STAGE)
+    return SparseFlashFfn(flash, predictor, plan, reader, n_threads=n_threads, window=window,
+                          naive=naive, cost=cost, check=check, exact=exact, stream=stream)
+
+
+def holds_ffn_rows(flash: FlashModel, opts: FlashOptions, plan: Optional[BudgetPlan]) -> bool:
     """True when the plan caches every neuron of every layer and the FFN's row form (runtime/
     ffn.py DenseFfn: gate/up rows, the GGUF's down rows; what a run with no budget multiplies)
     fits the same DRAM (the caches' and the staging buffers' bytes, less one layer's bundles
@@ -123,7 +144,7 @@ def holds_ffn_rows(flash, opts: FlashOptions, plan: Optional[BudgetPlan]) -> boo
     return need <= room and load <= room - need + plan.resident.get("dense weights", 0)
 
 
-def make_expert_ffn(flash, opts: FlashOptions, plan: BudgetPlan, n_threads: int, cache_dir: Path,
+def make_expert_ffn(flash: FlashModel, opts: FlashOptions, plan: BudgetPlan, n_threads: int, cache_dir: Path,
                     log=lambda m: None):
     """The expert-streaming FFN of a mixture of experts (runtime/expert_ffn.py): the router picks
     the experts, so no predictor, window or calibration applies; --naive reads every routed

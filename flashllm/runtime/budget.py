@@ -41,9 +41,9 @@ from flashllm.units import MiB, SizeError, format_size, parse_size
 
 PROCESS_STEP = 8 * MiB          # the process is counted in whole steps (process_rss)
 STAGING_BYTES = 16 * MiB       # the sparse FFN's staging buffer: prefill halves, the decode read-ahead ring
-RING_BUFFERS = 4               # the read-ahead ring's buffers: each holds up to a whole layer's bundles
                                # (a small model then takes one chunk per layer, not four: every
                                # chunk is a kernel call that wakes the threads)
+RING_BUFFERS = 4               # the read-ahead ring's buffers: each holds up to a whole layer's bundles
 ROW_MAP_BYTES = 4 + 8          # per cache row: slot_of (int32) + last_use (int64)
 WORK_FIXED = 10 * MiB          # activations, attention scratch, Python objects of a forward pass
 
@@ -199,7 +199,7 @@ def dense_groups(manifest: dict) -> tuple[int, list[tuple[list[str], int]], tupl
     embeddings (names, bytes) kept last): vectors and small matrices; each layer's attention,
     then the output head; token_embd (the head too when tied). What does not fit is read every
     token either way (the bytes are equal, what DRAM is left goes to the neuron caches; both
-    join the FFN's read-ahead schedule when its reads are static: runtime.stream_dense)."""
+    join a static pass's read stream: runtime/stream.py)."""
     entries = {t["name"]: t for t in manifest["dense"]["tensors"]}
     tensors = {n: int(t["nbytes"]) for n, t in entries.items()}
     head = head_name(manifest)

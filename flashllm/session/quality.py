@@ -45,9 +45,19 @@ def perplexity(path: Path, file: Optional[Path], ctx: int, chunks: Optional[int]
     return result, text.description
 
 
-def calibrate(path: Path, opts, log: Log) -> str:
+def calibrate(path: Path, opts, budget, log: Log, progress) -> str:
     """Calibrate the converted folder at path (session/calibration.py calibrate_folder with
-    opts: CalibrationOptions): its closing line."""
+    opts: CalibrationOptions) within budget (a runtime/budget.Budget; None: no bound), one
+    calibration of the folder at a time (sparsity/attempt.hold: a second waits, saying so);
+    progress(what, done, of) for each stage; its closing line."""
+    import dataclasses
+    from flashllm.format.manifest import read_manifest
+    from flashllm.runtime.budget import model_bytes
     from flashllm.session.calibration import calibrate_folder, summary
-    section, n = calibrate_folder(path, opts, log)
+    from flashllm.sparsity.attempt import clear_failure, hold
+    if budget is not None:
+        opts = dataclasses.replace(opts, dram_budget=budget.bytes_of(model_bytes(read_manifest(path))))
+    with hold(path, log):
+        section, n = calibrate_folder(path, opts, log, progress)
+        clear_failure(path)
     return summary(path, section, n)

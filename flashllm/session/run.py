@@ -60,7 +60,7 @@ class RunRequest:
     drafting: Drafting
     head_rows: int
     one_shot: Optional[tuple] = None
-    calibrate: bool = False
+    calibrate: str = ""               # the model as the user named it, when its conversion is ours
 
 
 @dataclass
@@ -100,10 +100,12 @@ class FlashAsked:
 
 
 def request(path: Path, asked: FlashAsked, sampling, drafting: Drafting, threads: int,
-            ctx_size: int, one_shot: Optional[tuple], calibrate: bool) -> RunRequest:
+            ctx_size: int, one_shot: Optional[tuple], calibrate: str = "") -> RunRequest:
     """The RunRequest of `run` (one_shot: (text, n_predict); None: a chat, whose context is
     ctx_size): a one-shot run's context first bounded by the prompt's bytes, the tokenizer kept
-    in a chat or where it cannot decode through a byte table."""
+    in a chat or where it cannot decode through a byte table. calibrate: the model as the user
+    named it when its conversion is flashllm's own (a name's, a .gguf's), calibrated once under a
+    budget; "" for a folder the user gave."""
     from flashllm.runtime.plan import AUTO_ROWS, FlashOptions
     need = sampling.head_need() if asked.sparse_head is not False else None
     rows = asked.draft_head_rows or AUTO_ROWS     # the draft's head rows: asked, or the plan's
@@ -131,7 +133,7 @@ def assemble(req: RunRequest, cache: Path, log: Log) -> Parts:
     from flashllm.format.manifest import read_manifest
     from flashllm.format.reader import open_flash
     from flashllm.generation.tokenizer import Tokenizer
-    from flashllm.runtime.assemble import make_ffn, make_head, make_weights, stream_dense
+    from flashllm.runtime.assemble import make_parts
     from flashllm.runtime.plan import check_before_loading, choose_plan
     from flashllm.session.calibration import calibrate_once, is_calibrated
     from flashllm.ffi.heap import trim_heap
@@ -143,7 +145,7 @@ def assemble(req: RunRequest, cache: Path, log: Log) -> Parts:
     man = read_manifest(req.path)
     check_before_loading(man, req.flash, req.n_ctx, process)
     if req.calibrate and req.flash.flash and not is_calibrated(man) and \
-            calibrate_once(req.path, log):
+            calibrate_once(req.path, log, req.calibrate, req.flash.dram_budget):
         process = process_rss()                      # the plan of the calibrated folder
         man = read_manifest(req.path)
         check_before_loading(man, req.flash, req.n_ctx, process)
@@ -164,10 +166,7 @@ def assemble(req: RunRequest, cache: Path, log: Log) -> Parts:
     plan, fopts = choice.plan, choice.options
     if plan is not None and req.one_shot is not None:
         tok.release(keep_source=False)   # never encodes again; decoding needs only the table
-    ffn = make_ffn(flash, fopts, plan, req.threads, cache, log=log)
-    weights = make_weights(flash, plan, req.threads)
-    head = make_head(flash, plan, weights, req.need, req.threads)
-    stream_dense(flash, ffn, weights, sparse_head=head is not None)
+    ffn, weights, head = make_parts(flash, fopts, plan, req.need, req.threads, cache, log=log)
     net = Model(flash, n_threads=req.threads, n_ctx=n_ctx, ffn=ffn, weights=weights,
                 kv_dtype="f16", head=head)
     return Parts(flash, tok, ids, net, ffn, weights, head, drafting,

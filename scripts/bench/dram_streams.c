@@ -1,6 +1,6 @@
 /* dram_streams.c — how two threads read one large array from DRAM: each a contiguous half (one
  * forward stream per core), or alternate chunks taken from a shared counter. The kernel's
- * parallel sections read weights the second way until fli_split (native/pool_internal.h).
+ * parallel sections read weights the second way until fli_split (native/pool.h).
  *
  *   cc -O3 -fopenmp scripts/bench/dram_streams.c -o dram_streams && ./dram_streams
  *

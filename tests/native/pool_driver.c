@@ -8,7 +8,7 @@
 #include <stdio.h>
 #include <time.h>
 
-#include "compute_internal.h"
+#include "pool.h"
 
 typedef struct {
     atomic_llong sum, next;

@@ -38,6 +38,19 @@ class Source(ABC):
     def load(self, name: str) -> np.ndarray:
         """The tensor as a new float32 array in HF semantics."""
 
+    def load_rows(self, name: str, r0: int, r1: int) -> np.ndarray:
+        """Rows r0 .. r1 of a 2-D tensor as a new float32 (r1 - r0, cols) array."""
+        return np.ascontiguousarray(self.load(name)[r0:r1])
+
+    def load_cols(self, name: str, c0: int, c1: int) -> np.ndarray:
+        """Columns c0 .. c1 of a 2-D tensor as a new float32 (rows, c1 - c0) array; c0 and c1
+        whole blocks of its stored type (col_block), or c1 its last column."""
+        return np.ascontiguousarray(self.load(name)[:, c0:c1])
+
+    def col_block(self, name: str) -> int:
+        """The column granularity load_cols reads a tensor in (its stored type's block)."""
+        return 1
+
     def load_expert(self, name: str, expert: int) -> np.ndarray:
         """Expert `expert` of a 3-D MoE tensor (n_experts, rows, cols) as a new float32 (rows, cols)
         array: one expert in memory, not the layer's all."""

@@ -1,4 +1,5 @@
-"""A GGUF file read through gguf-py: metadata, vocabulary and tensors, dequantized one at a time.
+"""A GGUF file (its header read lean, gguf_file.py): metadata, vocabulary and tensors, dequantized
+by gguf-py one row block at a time.
 
 GGUF tensor names are already the canonical names. Shapes are given to numpy reversed (ggml's ne
 order), which is HF's (out, in). llama-arch files store attn_q/attn_k permuted for interleaved RoPE;
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
 from flashllm.model.arch import arch_for_gguf, check_tensor_set
@@ -19,6 +20,7 @@ from flashllm.model.gguf_config import gguf_config
 from flashllm.errors import FlashError, SourceError
 from flashllm.convert.gguf_vocab import gguf_tokenizer_json
 from flashllm.convert.sources.base import GGUF_MAGIC, Source
+from flashllm.convert.sources.gguf_file import STRING, GGUFFile
 
 # llama.cpp treats these as end-of-generation when present (llama_vocab::load, auto-detection).
 EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
@@ -46,14 +48,14 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, hd // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def _read(path: Path) -> GGUFReader:
+def _read(path: Path) -> GGUFFile:
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise SourceError(f"{path}: not a GGUF file (magic {magic!r})")
     try:
-        reader = GGUFReader(path, "r")
-    except Exception:                     # gguf-py raises ValueError, struct.error, IndexError, ...
+        reader = GGUFFile(path)
+    except Exception:                     # ValueError, struct.error, UnicodeDecodeError, ...
         raise SourceError(f"{path}: corrupt GGUF: {_diagnose(path)}") from None
     size = path.stat().st_size
     for t in reader.tensors:
@@ -83,24 +85,19 @@ def _diagnose(path: Path) -> str:
             f"tensor table or the tensor data is cut short or does not parse ({size} bytes)")
 
 
-def _metadata(reader: GGUFReader) -> dict:
+def _metadata(reader: GGUFFile) -> dict:
     """Scalar and small-array metadata as plain Python values."""
-    meta = {}
-    for key, field in reader.fields.items():
-        if key in _BIG_ARRAYS:
-            continue
-        meta[key] = field.contents()
-    return meta
+    return {k: v for k, v in reader.fields.items() if k not in _BIG_ARRAYS}
 
 
-def _eos_ids(reader: GGUFReader, meta: dict) -> tuple[int, ...]:
+def _eos_ids(reader: GGUFFile, meta: dict) -> tuple[int, ...]:
     ids = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                              "tokenizer.ggml.eom_token_id") if meta.get(k) is not None]
-    field = reader.fields.get("tokenizer.ggml.tokens")
-    if field is not None and field.types[-1:] == [GGUFValueType.STRING]:
-        wanted = {t.encode() for t in EOG_TEXTS}
-        for n, part in enumerate(field.data):
-            if field.parts[part].tobytes() in wanted and n not in ids:
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if isinstance(tokens, list) and reader.types["tokenizer.ggml.tokens"] == STRING:
+        wanted = set(EOG_TEXTS)
+        for n, text in enumerate(tokens):
+            if text in wanted and n not in ids:
                 ids.append(n)
     return tuple(int(i) for i in ids)
 
@@ -119,7 +116,7 @@ class GGUFSource(Source):
                 ArithmeticError) as e:    # metadata of the wrong type or encoding in a hostile file
             raise SourceError(f"{self.path}: corrupt GGUF metadata ({type(e).__name__}: {e})") from None
 
-    def _parse(self, reader: GGUFReader) -> None:
+    def _parse(self, reader: GGUFFile) -> None:
         meta = _metadata(reader)
         arch = arch_for_gguf(str(meta.get("general.architecture")))
         self._permuted = arch.gguf_permuted_qk
@@ -127,7 +124,7 @@ class GGUFSource(Source):
         if len(self._tensors) != len(reader.tensors):
             raise SourceError("a tensor name appears twice")
         tokens = reader.fields.get("tokenizer.ggml.tokens")
-        vocab = len(tokens.data) if tokens is not None else self._shape_of("token_embd.weight")[0]
+        vocab = len(tokens) if tokens is not None else self._shape_of("token_embd.weight")[0]
         freqs = self._tensors.pop(ROPE_FREQS, None)      # llama3 rope scaling: config, not weights
         rope_freqs = tuple(dequantize(freqs.data, freqs.tensor_type).reshape(-1)) if freqs else ()
         self.config = gguf_config(arch, meta, self._tensors, vocab, _eos_ids(reader, meta), rope_freqs)
@@ -182,23 +179,54 @@ class GGUFSource(Source):
 
     def load(self, name: str) -> np.ndarray:
         shape = self._shape_of(name)
-        t = self._tensors[name]
+        rows = self._tensors[name].data.shape[0] if len(shape) == 2 else 1
         out = np.empty(shape, dtype=np.float32)                        # HF shape, e.g. (n_ff, d_model)
-        rows = out.reshape(t.data.shape[0], -1) if t.data.ndim == 2 else out.reshape(1, -1)
-        data = t.data if t.data.ndim == 2 else t.data.reshape(1, -1)   # (rows, bytes per row) storage
+        flat = out.reshape(rows, -1)                                   # (stored rows, values per row)
+        for r0 in range(0, rows, DEQUANT_ROWS):                        # bounded temporaries
+            flat[r0:r0 + DEQUANT_ROWS] = self._dequant_rows(name, r0, r0 + DEQUANT_ROWS)
+        return self._unpermuted(name, out)
+
+    def load_rows(self, name: str, r0: int, r1: int) -> np.ndarray:
+        shape = self._shape_of(name)
+        if len(shape) != 2 or self._is_permuted(name):    # attention q / k: whole, then cut
+            return np.ascontiguousarray(self.load(name)[r0:r1])
+        return np.require(self._dequant_rows(name, r0, r1), np.float32, ["C", "W", "O"])
+
+    def load_cols(self, name: str, c0: int, c1: int) -> np.ndarray:
+        rows, cols = self._shape_of(name)
+        t, block = self._tensors[name], self.col_block(name)
+        if self._is_permuted(name) or c0 % block or (c1 % block and c1 != cols):
+            return np.ascontiguousarray(self.load(name)[:, c0:c1])
+        width = t.data.shape[1] // (cols // block)                     # bytes (or items) per block
+        part = np.ascontiguousarray(t.data[:, c0 // block * width:-(-c1 // block) * width])
+        cut = self._dequantized(name, part).reshape(rows, -1)         # (rows, c1 - c0)
+        return np.require(cut, np.float32, ["C", "W", "O"])
+
+    def col_block(self, name: str) -> int:
+        return GGML_QUANT_SIZES[self._tensors[name].tensor_type][0]
+
+    def _dequant_rows(self, name: str, r0: int, r1: int) -> np.ndarray:
+        """Stored rows r0 .. r1 of a tensor (a 1-D one: its one row) as f32 (rows, values)."""
+        data = self._tensors[name].data
+        data = data if data.ndim == 2 else data.reshape(1, -1)         # (rows, bytes per row) storage
+        part = self._dequantized(name, data[r0:r1])
+        return part.reshape(part.shape[0], -1)
+
+    def _dequantized(self, name: str, data: np.ndarray) -> np.ndarray:
+        t = self._tensors[name]
         try:
-            for r0 in range(0, data.shape[0], DEQUANT_ROWS):           # bounded temporaries
-                part = dequantize(data[r0:r0 + DEQUANT_ROWS], t.tensor_type)
-                rows[r0:r0 + DEQUANT_ROWS] = part.reshape(part.shape[0], -1)
+            return dequantize(data, t.tensor_type)
         except NotImplementedError:
             raise SourceError(f"{self.path}: tensor {name!r} has type {t.tensor_type.name}, "
                               "which gguf-py cannot dequantize") from None
-        return self._unpermuted(name, out)
+
+    def _is_permuted(self, name: str) -> bool:
+        return self._permuted and name.split(".")[-2] in ("attn_q", "attn_k")
 
     def _unpermuted(self, name: str, rows: np.ndarray) -> np.ndarray:
         """rows (out, ...) — values or stored blocks — in HF order: llama-arch attn_q / attn_k
         rows back from llama.cpp's interleaved-RoPE permutation."""
-        if not (self._permuted and name.split(".")[-2] in ("attn_q", "attn_k")):
+        if not self._is_permuted(name):
             return rows
         heads = self.config.n_heads if ".attn_q." in name else self.config.n_kv_heads
         if rows.shape[0] % (2 * heads):
@@ -211,11 +239,7 @@ class GGUFSource(Source):
         t = self._tensors[name]
         if len(shape) != 3 or not 0 <= expert < shape[0] or t.data.shape[0] != shape[0]:
             raise SourceError(f"{self.path}: tensor {name!r} {list(shape)} has no expert {expert}")
-        try:
-            part = dequantize(t.data[expert], t.tensor_type)           # (rows, cols)
-        except NotImplementedError:
-            raise SourceError(f"{self.path}: tensor {name!r} has type {t.tensor_type.name}, "
-                              "which gguf-py cannot dequantize") from None
+        part = self._dequantized(name, t.data[expert])                 # (rows, cols)
         return np.ascontiguousarray(part, dtype=np.float32).reshape(shape[1:])
 
     def close(self) -> None:

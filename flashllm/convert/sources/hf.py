@@ -174,16 +174,33 @@ class HFSource(Source):
             raise self._unknown(f"{name}[{expert}]")
         return self._load(name, expert)
 
-    def _load(self, name: str, expert: int | None) -> np.ndarray:
-        file, hf_name, _, (r0, r1) = self._slice(name, expert)
+    def load_rows(self, name: str, r0: int, r1: int) -> np.ndarray:
+        if name in self._experts or len(self.tensor_shape(name)) != 2:
+            return super().load_rows(name, r0, r1)
+        return self._load(name, None, (r0, r1))
+
+    def load_cols(self, name: str, c0: int, c1: int) -> np.ndarray:
+        if name in self._experts or len(self.tensor_shape(name)) != 2:
+            return super().load_cols(name, c0, c1)
+        return self._load(name, None, None, (c0, c1))
+
+    def _load(self, name: str, expert: int | None, rows: tuple | None = None,
+              cols: tuple | None = None) -> np.ndarray:
+        """The tensor (an expert of it) as f32; rows / cols (a, b): only those of a 2-D one, read
+        alone from the file."""
+        file, hf_name, sl, (r0, r1) = self._slice(name, expert)
         try:
-            raw = self._handles[file].get_tensor(hf_name)   # storage dtype, any shape
+            if rows is None and cols is None:
+                raw = self._handles[file].get_tensor(hf_name)       # storage dtype, any shape
+            else:
+                a, b = (r0 + rows[0], r0 + rows[1]) if rows else (r0, r1)
+                raw = sl[a:b] if cols is None else sl[a:b, cols[0]:cols[1]]
         except (SafetensorError, TypeError, OSError) as e:
             raise SourceError(f"{file}: cannot read tensor {hf_name!r} ({e})") from None
         if raw.dtype.name not in FLOAT_DTYPES:
             raise SourceError(f"{file}: tensor {hf_name!r} has dtype {raw.dtype.name}, "
                               f"supported: {', '.join(FLOAT_DTYPES)}")
-        if raw.ndim:
+        if raw.ndim and rows is None and cols is None:
             raw = raw[r0:r1]                                        # all, or a fused tensor's part
         if self.arch.norm_shift and name.endswith("norm.weight"):  # Gemma's (1 + w), in f32
             return raw.astype(np.float32) + np.float32(self.arch.norm_shift)

@@ -1,13 +1,15 @@
-/* ffn_internal.h — what ffn.c (the bundled FFN: checks, threads, the f32 paths) and ffn_quant.c
- * (its quantized range paths) share. Not part of the C API (that is flashllm.h only): no fl_
- * names are declared here. */
-#ifndef FLASHLLM_FFN_INTERNAL_H
-#define FLASHLLM_FFN_INTERNAL_H
+/* ffn_quant.h — the bundled FFN's range paths with int8 activations (ffn_quant.c), offered to
+ * ffn.c (checks, threads, blocks and their fold, the f32 paths): a call's bundle layout and
+ * arguments (ffn_args) and the FFN over a range of bundles for 1, up to SMALL_T and more tokens.
+ * Not part of the C API (that is flashllm.h only): no fl_ names are declared here. */
+#ifndef FLASHLLM_FFN_QUANT_H
+#define FLASHLLM_FFN_QUANT_H
 
 #include <stddef.h>
 #include <stdint.h>
 
-#include "compute_internal.h"
+#include "base.h"
+#include "qgemm.h"
 
 #define DOWN_K FL_PR       /* neurons per f32 down GEMM when T > 1 (a multiple of FL_QT) */
 #define SMALL_T FL_SMALL_T /* up to this many tokens: per-token arithmetic (fli_ffn_range_qs);
@@ -51,4 +53,4 @@ void fli_ffn_range_qp(const ffn_args *a, const uint8_t *bundles, int64_t stride,
 
 #pragma GCC visibility pop
 
-#endif /* FLASHLLM_FFN_INTERNAL_H */
+#endif /* FLASHLLM_FFN_QUANT_H */

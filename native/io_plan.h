@@ -1,7 +1,8 @@
-/* io_internal.h — what io.c (the reader pool) and io_plan.c (batch planning) share.
- * Not part of the C API (that is flashllm.h only): no fl_ names are declared here. */
-#ifndef FLASHLLM_IO_INTERNAL_H
-#define FLASHLLM_IO_INTERNAL_H
+/* io_plan.h — the I/O module below the engines (io_plan.c): a reader batch planned into runs
+ * (sorted, page-aligned, merged reads) and where a read run's bytes land. Offered to io.c (the
+ * thread-pool reader) and io_uring.c (the io_uring engine). Internal: no fl_ names here. */
+#ifndef FLASHLLM_IO_PLAN_H
+#define FLASHLLM_IO_PLAN_H
 
 #include <stdatomic.h>
 #include <stdint.h>
@@ -38,25 +39,6 @@ typedef struct {
     atomic_int status;
 } io_job;
 
-/* Copy the part of each request of run that lies in [run->a, run->b) out of buf (the run). */
-void io_scatter(const io_job *job, const io_run *run, const uint8_t *buf);
-
-/* Where run can land in place (one page-aligned piece of one request with a page-aligned
- * destination), else NULL (it goes through staging). */
-uint8_t *io_direct_target(const io_job *job, const io_run *run);
-
-/* The io_uring engine (io_uring.c): depth reads in flight from one thread. */
-typedef struct uring_engine uring_engine;
-
-/* FL_EUNSUPPORTED when the kernel refuses io_uring (old kernel, seccomp, sysctl). */
-int32_t uring_open(int file_fd, int32_t depth, uring_engine **out);
-void uring_close(uring_engine *ring);
-
-/* Read every run of job, staging through arena (arena_bytes, page aligned, at least depth times
- * the largest run). */
-int32_t uring_read(uring_engine *ring, io_job *job, uint8_t *arena, int64_t arena_bytes,
-                     int64_t file_size);
-
 /* FL_ERANGE unless every request lies in [0, limit). */
 int32_t io_check_requests(const int64_t *offsets, const int64_t *lengths, int64_t n,
                           int64_t limit);
@@ -67,4 +49,11 @@ int32_t io_check_requests(const int64_t *offsets, const int64_t *lengths, int64_
 int32_t io_plan_requests(const int64_t *offsets, const int64_t *lengths, int64_t n,
                          int64_t max_gap, int64_t max_run, int64_t *order, io_plan *p);
 
-#endif /* FLASHLLM_IO_INTERNAL_H */
+/* Copy the part of each request of run that lies in [run->a, run->b) out of buf (the run). */
+void io_scatter(const io_job *job, const io_run *run, const uint8_t *buf);
+
+/* Where run can land in place (one page-aligned piece of one request with a page-aligned
+ * destination), else NULL (it goes through staging). */
+uint8_t *io_direct_target(const io_job *job, const io_run *run);
+
+#endif /* FLASHLLM_IO_PLAN_H */

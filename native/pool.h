@@ -1,8 +1,8 @@
-/* pool_internal.h — the compute kernel's worker threads (pool.c) and how a parallel section
+/* pool.h — the compute kernel's worker threads (pool.c) and how a parallel section
  * shares its work among them: fli_take (chunks as threads come free) and fli_split (a contiguous
- * part per thread). Internal to the extension, included by compute_internal.h. */
-#ifndef FLASHLLM_POOL_INTERNAL_H
-#define FLASHLLM_POOL_INTERNAL_H
+ * part per thread). Internal to the extension. */
+#ifndef FLASHLLM_POOL_H
+#define FLASHLLM_POOL_H
 
 #include <stdatomic.h>
 #include <stdint.h>
@@ -82,4 +82,4 @@ static inline int fli_split_take(fli_split *s, int *mine, int64_t chunk, int64_t
     return 0;
 }
 
-#endif /* FLASHLLM_POOL_INTERNAL_H */
+#endif /* FLASHLLM_POOL_H */

@@ -1,14 +1,15 @@
-/* kblock_internal.h — inline helpers that read one k-quant superblock (internal to the compute
+/* kblock.h — inline helpers that read one k-quant superblock (internal to the compute
  * kernel, not seen by cffi): Q4_K's 6-bit scales and mins unpacked, plain and (AVX2 + F16C) as
  * vectors, the nibbles of a Q4_K sub-block, and (AVX2 + F16C) a Q6_K half's 6-bit values.
  * Included by the files that read k-quant superblocks. */
-#ifndef FLASHLLM_KBLOCK_INTERNAL_H
-#define FLASHLLM_KBLOCK_INTERNAL_H
+#ifndef FLASHLLM_KBLOCK_H
+#define FLASHLLM_KBLOCK_H
 
 #include <stdint.h>
 #include <string.h>
 
-#include "compute_internal.h"
+#include "base.h"
+#include "dtype.h"
 
 /* Q4_K superblock sb: the bytes of u (4) = its 6-bit scales sc_0..7 then mins m_0..7, unpacked
  * from scales[12] four at a time with 32-bit masks as ggml's AVX2 q4_K dot does (the values of
@@ -71,4 +72,4 @@ static inline const uint8_t *fli_q4k_qs(const uint8_t *sb, int64_t j) {
     return sb + 16 + 32 * (j / 2);
 }
 
-#endif /* FLASHLLM_KBLOCK_INTERNAL_H */
+#endif /* FLASHLLM_KBLOCK_H */

@@ -1,0 +1,39 @@
+/* act_quant.h — a token's int8 activations (act_quant.c), the operand every int8 kernel meets
+ * (qdot.c, q4k.c, qk.c, qgemm.c, the packed layouts). Internal: not seen by cffi.
+ *
+ * Bytes of one token's quantized activations: int8 q (n), then per block FL_XQ_LANES f32 copies
+ * of its scale, FL_XQ_LANES int32 (a correction in lane 0, zeros) and FL_XQ_LANES f32 (d * sum(q)
+ * in lane 0, zeros: q4_1's msum), then int16 sum(q) per block (k-quants only; 16 bytes per 8
+ * blocks), then int16 sum(q) per 16 values (k-quants only; 32 bytes per 8 blocks), the vector
+ * layout of qdot.c. The correction depends on the weight dtype, so quantize for the dtype the
+ * buffer will meet. */
+#ifndef FLASHLLM_ACT_QUANT_H
+#define FLASHLLM_ACT_QUANT_H
+
+#include <stdint.h>
+
+#include "dtype.h"
+
+#define FL_XQ_LANES 8 /* f32 / int32 lanes per block in a quantized token's side arrays */
+
+/* the offset qdot.c adds to q8_0 weights (w + 128 where its dot is VNNI's unsigned x signed
+ * bytes, else none), paid back through fli_xq_quantize's correction lanes */
+#if (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)) ||              \
+    (defined(__AVX2__) && defined(__F16C__) && defined(__FMA__) &&                             \
+     (defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))))
+#define FLI_Q8_BIAS 128
+#else
+#define FLI_Q8_BIAS 0
+#endif
+
+#pragma GCC visibility push(hidden)
+
+int64_t fli_xq_bytes(int64_t n);
+
+/* buf (fli_xq_bytes(n)) = x (n) quantized per block of 32: d = amax / 127, q = nearest-even(x/d);
+ * for the k-quants d is the superblock's (256 values; a shorter tail per block of 32) */
+void fli_xq_quantize(int32_t dtype, const float *x, int64_t n, uint8_t *buf);
+
+#pragma GCC visibility pop
+
+#endif /* FLASHLLM_ACT_QUANT_H */
