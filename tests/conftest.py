@@ -74,6 +74,13 @@ def _converted(name: str, dtype: str, log) -> Path:
     return out
 
 
+def plan_run(path: Path, opts, n_ctx: int, process: int):
+    """The plan `run` chooses for the converted folder at path (runtime/plan.choose_plan)."""
+    from flashllm.format.manifest import read_manifest
+    from flashllm.runtime.plan import choose_plan
+    return choose_plan(read_manifest(path), opts, n_ctx, process).plan
+
+
 @pytest.fixture(scope="session")
 def real_model():
     """load(name, dtype="f32") -> flashllm Model (n_ctx 256) of a models.toml model, converted

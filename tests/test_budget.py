@@ -9,7 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from flashllm.runtime import budget, tokenizer_budget as tb
-from flashllm.runtime.budget import BudgetError, parse_budget, plan_budget, read_manifest
+from flashllm.format.manifest import read_manifest
+from flashllm.runtime.budget import BudgetError, parse_budget, plan_budget
 from flashllm.format.reader import open_flash
 from flashllm.format.layout import SKETCH_NAMES
 from flashllm.cli import app
@@ -24,7 +25,7 @@ MiB = 1 << 20
 @pytest.mark.parametrize("text, want", [("1.5GiB", 3 << 29), ("560MiB", 560 * MiB),
                                         ("4096", 4096), ("50%", 500), ("12.5%", 125)])
 def test_sizes_and_percentages_of_the_model(text, want):
-    assert parse_budget(text, 1000) == want
+    assert parse_budget(text).bytes_of(1000) == want
 
 
 @pytest.mark.parametrize("text, message", [
@@ -32,10 +33,13 @@ def test_sizes_and_percentages_of_the_model(text, want):
              "model (e.g. 50%)"),
     ("150%", "--dram-budget '150%': a percentage must be in (0, 100]"),
     ("0%", "--dram-budget '0%': a percentage must be in (0, 100]"),
+    ("nan%", "--dram-budget 'nan%': a percentage must be in (0, 100]"),
+    *[(t, f"--dram-budget {t!r} is not a size (e.g. 1.5GiB, 560MiB) or a percentage of the "
+          "model (e.g. 50%)") for t in ("", "  ", "nan", "NaNMiB", "-5MiB", "0", "inf")],
 ])
 def test_unreadable_budgets_are_named(text, message):
     with pytest.raises(BudgetError) as e:
-        parse_budget(text, 1000)
+        parse_budget(text)
     assert str(e.value) == message
 
 
@@ -56,17 +60,17 @@ def test_dense_weights_then_caches_then_embeddings(tiny):  # noqa: F811
               + 16 * c["vocab_size"] + budget.RING_BUFFERS * f["n_ff"] * f["stride"]
               + 4 * f["n_ff"] * f["n_layers"])
     everything = others + sum(nb.values()) + f["n_ff"] * row
-    plan = plan_budget(man, str(everything), 64, 3 * MiB)
+    plan = plan_budget(man, parse_budget(str(everything)), 64, 3 * MiB)
     assert (plan.streamed, plan.capacity) == ((), f["n_ff"])
     # one byte short: streaming the embeddings needs a 64-row buffer as large as this tiny table
     # (it buys nothing), so everything stays and the caches lose a row — and hold whole blocks
     # of the FFN kernel's sums (the text must not depend on the caches' size)
-    plan = plan_budget(man, str(everything - 1), 64, 3 * MiB)
+    plan = plan_budget(man, parse_budget(str(everything - 1)), 64, 3 * MiB)
     block = kernel.ffn_block()
     assert (plan.streamed, plan.capacity) == ((), (f["n_ff"] - 1) // block * block)
     assert plan.total <= plan.budget
     with pytest.raises(BudgetError, match="is below the"):
-        plan_budget(man, str(others), 64, 3 * MiB)
+        plan_budget(man, parse_budget(str(others)), 64, 3 * MiB)
 
 
 Q15 = Path(__file__).parent / "fixtures" / "qwen2.5-coder-1.5b-q4_0.manifest.json"
@@ -79,7 +83,7 @@ Q15 = Path(__file__).parent / "fixtures" / "qwen2.5-coder-1.5b-q4_0.manifest.jso
 def test_qwen15_under_the_issue_caps(cap, streams, kept):
     """The 1.5B (q4_0: 125 MiB embeddings, 125 MiB head, 83 MiB attention) at ctx 512."""
     man = json.loads(Q15.read_text())
-    plan = plan_budget(man, cap, 512, 40 * MiB, reader_stage=4 * MiB)
+    plan = plan_budget(man, parse_budget(cap), 512, 40 * MiB, reader_stage=4 * MiB)
     assert streams <= set(plan.streamed) and not kept & set(plan.streamed)
     assert plan.total <= plan.budget and plan.capacity > 0
     nb = dense_bytes(man)
@@ -92,13 +96,13 @@ def test_an_uncalibrated_plan_says_what_calibrate_would_change():
     plan's note says both; a calibrated folder gets none."""
     man = json.loads(Q15.read_text())
     man["ffn"].pop("neuron_order", None)
-    plan = plan_budget(man, "560MiB", 512, 40 * MiB, reader_stage=4 * MiB)
+    plan = plan_budget(man, parse_budget("560MiB"), 512, 40 * MiB, reader_stage=4 * MiB)
     assert "output.weight" in plan.streamed and not plan.sparse_head
     assert plan.notes == ("not calibrated (run `flashllm calibrate` once): the caches hold the "
                           "first neurons, not the most active; each token reads the whole "
                           "output head, calibrate may let it read a sketch of it",)
     man["ffn"]["neuron_order"] = {"file": "order.bin"}
-    assert plan_budget(man, "560MiB", 512, 40 * MiB, reader_stage=4 * MiB).notes == ()
+    assert plan_budget(man, parse_budget("560MiB"), 512, 40 * MiB, reader_stage=4 * MiB).notes == ()
 
 
 def test_the_process_is_counted_in_whole_steps_so_a_plan_repeats():
@@ -109,7 +113,7 @@ def test_the_process_is_counted_in_whole_steps_so_a_plan_repeats():
     assert rss % step == 0 and rss >= budget.process_rss(step=1) - step // 4 > 0
     man = json.loads(Q15.read_text())
     raw = [40 * MiB + 100 * 1024, 40 * MiB + 400 * 1024]                 # two runs' measures
-    plans = [plan_budget(man, "560MiB", 512, -(-r // step) * step, reader_stage=4 * MiB)
+    plans = [plan_budget(man, parse_budget("560MiB"), 512, -(-r // step) * step, reader_stage=4 * MiB)
              for r in raw]
     assert plans[0].capacity == plans[1].capacity
 
@@ -122,15 +126,15 @@ def test_a_head_that_fits_streams_when_the_caches_take_its_dram():
     man = json.loads(Q15.read_text())
     man["dense"]["tensors"] = [t for t in man["dense"]["tensors"] if t["name"] != "output.weight"]
     head = dense_bytes(man)["token_embd.weight"]
-    full = plan_budget(man, "1TiB", 512, 40 * MiB, reader_stage=4 * MiB)
+    full = plan_budget(man, parse_budget("1TiB"), 512, 40 * MiB, reader_stage=4 * MiB)
     resident = full.total - full.cache_bytes
-    plan = plan_budget(man, str(resident + 8 * MiB), 512, 40 * MiB, reader_stage=4 * MiB)
+    plan = plan_budget(man, parse_budget(str(resident + 8 * MiB)), 512, 40 * MiB, reader_stage=4 * MiB)
     assert plan.streamed == ("token_embd.weight",) and plan.streamed_bytes == head
     chunks = plan.resident["stream buffers"]
     block_bytes = kernel.ffn_block() * plan.cache_bytes // plan.capacity   # caches: whole blocks
     assert plan.cache_bytes >= 8 * MiB + head - chunks - 2 * MiB - block_bytes
     assert plan.total <= plan.budget
-    near = plan_budget(man, str(resident + full.cache_bytes - head // 2), 512, 40 * MiB,
+    near = plan_budget(man, parse_budget(str(resident + full.cache_bytes - head // 2)), 512, 40 * MiB,
                        reader_stage=4 * MiB)
     assert near.streamed == () and near.capacity < full.capacity
 
@@ -147,7 +151,7 @@ def test_a_mixture_of_experts_keeps_its_head_over_expert_caches(cap):
     only the embeddings (a row a token) stream, and the caches hold whole experts with less
     than one expert per layer of the budget idle."""
     man = json.loads(OLMOE.read_text())
-    plan = plan_budget(man, cap, 128, 80 * MiB, reader_stage=4 * MiB)
+    plan = plan_budget(man, parse_budget(cap), 128, 80 * MiB, reader_stage=4 * MiB)
     assert plan.streamed == ("token_embd.weight",) and plan.streamed_bytes == 0
     expert = man["config"]["n_ff"]
     assert plan.capacity > 0 and plan.capacity % expert == 0 and plan.total <= plan.budget
@@ -196,7 +200,7 @@ def test_refusals_through_the_cli(tiny, monkeypatch):  # noqa: F811
     r = run(model, "--dense", "--naive", monkeypatch=monkeypatch)
     assert r.exit_code == 1 and r.output.strip() == "error: give --dense or --naive, not both"
     n_ctx = len(Tokenizer.from_flash(open_flash(model)).encode("hello there")) + 3  # prompt + -n
-    full = plan_budget(read_manifest(model), "1GiB", n_ctx, 100 * MiB, reader_stage=16 * 256 * 1024,
+    full = plan_budget(read_manifest(model), parse_budget("1GiB"), n_ctx, 100 * MiB, reader_stage=16 * 256 * 1024,
                        keep_tokenizer=True)          # a word-level vocabulary: no byte table
     short = str(full.total - 1)          # one byte short of every FFN bundle in DRAM
     r = run(model, "--dense", "--dram-budget", short, monkeypatch=monkeypatch)
@@ -240,12 +244,13 @@ def q15_with_predictor(tmp_path, nbytes: int, load: float) -> Path:
 def test_auto_skips_a_predictor_that_cannot_pay(tmp_path, cap):
     """gate_up at q4_0 costs 2/3 of the FFN in DRAM: in a tight budget it displaces more cache
     than it saves reads; in a large one it touches more DRAM than the FFN it prunes."""
-    from flashllm.runtime.assemble import FlashOptions, plan_run
+    from flashllm.runtime.plan import FlashOptions
+    from conftest import plan_run
     path = q15_with_predictor(tmp_path, 434 * MiB, 0.5)
-    plan = plan_run(path, FlashOptions(cap), 512, 40 * MiB)
+    plan = plan_run(path, FlashOptions(parse_budget(cap)), 512, 40 * MiB)
     assert not plan.predictor and any("not used" in n for n in plan.notes)
     if cap != "560MiB":       # forced, where it fits
-        assert plan_run(path, FlashOptions(cap, predictor="on"), 512, 40 * MiB).predictor
+        assert plan_run(path, FlashOptions(parse_budget(cap), predictor="on"), 512, 40 * MiB).predictor
 
 
 @pytest.mark.parametrize("cap", ["560MiB", "1GiB", "1500MiB", "3GiB"])
@@ -255,21 +260,23 @@ def test_auto_skips_the_predictor_runs_measured_slower(tmp_path, cap):
     "When a predictor pays"), though the read+touch rule without read-ahead, gather cost and
     margin took it; here at the same share of the 1.5B's FFN, from a budget that streams most of
     it to one that holds everything."""
-    from flashllm.runtime.assemble import FlashOptions, plan_run
+    from flashllm.runtime.plan import FlashOptions
+    from conftest import plan_run
     path = q15_with_predictor(tmp_path, 220 * MiB, 0.515)
-    assert not plan_run(path, FlashOptions(cap), 512, 40 * MiB).predictor
+    assert not plan_run(path, FlashOptions(parse_budget(cap)), 512, 40 * MiB).predictor
 
 
 def test_auto_takes_a_cheap_predictor_and_on_off_are_obeyed(tmp_path):
-    from flashllm.runtime.assemble import FlashOptions, plan_run
+    from flashllm.runtime.plan import FlashOptions
+    from conftest import plan_run
     path = q15_with_predictor(tmp_path, 20 * MiB, 0.3)
-    assert plan_run(path, FlashOptions("560MiB"), 512, 40 * MiB).predictor
-    assert not plan_run(path, FlashOptions("560MiB", predictor="off"), 512, 40 * MiB).predictor
+    assert plan_run(path, FlashOptions(parse_budget("560MiB")), 512, 40 * MiB).predictor
+    assert not plan_run(path, FlashOptions(parse_budget("560MiB"), predictor="off"), 512, 40 * MiB).predictor
     big = q15_with_predictor(tmp_path, 434 * MiB, 0.5)     # forced, it needs 542 MiB
     with pytest.raises(BudgetError, match="below"):
-        plan_run(big, FlashOptions("500MiB", predictor="on"), 512, 40 * MiB)
+        plan_run(big, FlashOptions(parse_budget("500MiB"), predictor="on"), 512, 40 * MiB)
     with pytest.raises(BudgetError, match="expected one of auto, on, off"):
-        plan_run(big, FlashOptions("560MiB", predictor="maybe"), 512, 40 * MiB)
+        plan_run(big, FlashOptions(parse_budget("560MiB"), predictor="maybe"), 512, 40 * MiB)
 
 
 def test_run_refuses_an_unknown_predictor_mode_at_parse_time(tiny):  # noqa: F811

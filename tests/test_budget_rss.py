@@ -68,17 +68,17 @@ def test_a_pass_gives_each_token_its_own_logits_under_a_budget():
     import numpy as np
     from flashllm.cli.app import cache_dir
     from flashllm.format.reader import open_flash
-    from flashllm.runtime.assemble import FlashOptions, make_ffn, make_weights, plan_run, \
-        stream_dense
+    from conftest import plan_run
+    from flashllm.runtime.assemble import make_parts
+    from flashllm.runtime.budget import parse_budget
+    from flashllm.runtime.plan import FlashOptions
     from flashllm.runtime.model import Model
     path = _converted("qwen2.5-coder-1.5b", "native", log=lambda m: print(m, file=sys.stderr))
-    opts = FlashOptions(dram_budget="560MiB", draft_rows=16384)
+    opts = FlashOptions(dram_budget=parse_budget("560MiB"), draft_rows=16384)
     plan = plan_run(path, opts, 32, 100 * MiB)
     assert "output.weight" in plan.streamed
     flash = open_flash(path)
-    ffn = make_ffn(flash, opts, plan, 2, cache_dir(), log=lambda m: None)
-    weights = make_weights(flash, plan, 2)
-    stream_dense(flash, ffn, weights)
+    ffn, weights, _ = make_parts(flash, opts, plan, None, 2, cache_dir(), log=lambda m: None)
     net = Model(flash, n_threads=2, n_ctx=32, ffn=ffn, weights=weights, kv_dtype="f16")
     try:
         ids = np.array([785, 1156, 315, 279, 1565, 374, 264, 26618, 8500, 30, 576, 4226, 374,

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from hf_tiny import VOCAB
 
 from flashllm.format.reader import open_flash
+from flashllm.runtime.layer_pass import LayerPass
 from flashllm.runtime.model import Model
 from flashllm.sparsity.activations import (CalibrationError, active_mask, ffn_activations, frequencies,
                                            layer_thresholds, threshold)
 from flashllm.sparsity.calibrate import calibrate_model, collect_ffn_inputs
+from flashllm.sparsity.layer_stats import thresholds_of
 from flashllm.convert.convert import convert
 
 TOKENS = np.random.default_rng(7).integers(3, VOCAB, size=48)        # (48,)
@@ -76,6 +79,45 @@ def test_inputs_and_activations_match_transformers(tiny, name):
         got = ffn_activations(flash, layer, h_ref, crit)                    # (N, n_ff)
         want = np.abs(want) if crit == "glu_product" else want
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2_tied", "opt"])
+def test_layer_major_pass_matches_transformers(tiny, name):
+    """LayerPass (one layer at a time over all tokens, weights read from the folder) gives
+    each layer's FFN inputs and the final perplexity transformers gives, chunk by chunk."""
+    import torch
+    hf, path = tiny(name)
+    flash = open_flash(path)
+    got = {}
+    net = LayerPass(flash, n_ctx=N_CTX)
+    x = net.run(TOKENS, on_input=lambda i, h: got.setdefault(i, h.copy()))
+    ref = _reference_inputs(hf, TOKENS, N_CTX)
+    assert sorted(got) == list(range(len(ref))) and x.shape == (len(TOKENS), flash.config.d_model)
+    for i, h_ref in enumerate(ref):
+        np.testing.assert_allclose(got[i], h_ref, rtol=1e-4, atol=1e-4 * np.abs(h_ref).max())
+    nll = []
+    with torch.no_grad():                   # llama.cpp's perplexity: the second half of a chunk
+        for s in range(0, len(TOKENS), N_CTX):
+            chunk = torch.tensor(TOKENS[s:s + N_CTX])[None]
+            logp = torch.log_softmax(hf(chunk).logits[0].double(), -1).numpy()  # (N_CTX, vocab)
+            first = N_CTX // 2
+            nll += [-logp[t, TOKENS[s + t + 1]] for t in range(first, N_CTX - 1)]
+    assert net.perplexity(TOKENS) == pytest.approx(np.exp(np.mean(nll)), rel=1e-4)
+    net.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 300), st.integers(1, 40), st.floats(0.0, 1.0), st.integers(0, 2**31))
+def test_thresholds_by_radix_select_are_numpy_partitions(n, n_ff, s, seed):
+    """layer_stats.thresholds_of (no copy of the scores) == activations.threshold (a sorted
+    copy), ties, zeros and huge values included."""
+    rng = np.random.default_rng(seed)
+    a = np.abs(rng.standard_normal((n, n_ff))).astype(np.float32)       # (n, n_ff)
+    a[rng.random(a.shape) < 0.2] = 0.0
+    a[rng.random(a.shape) < 0.1] = np.float32(1.5)
+    a[rng.random(a.shape) < 0.02] = np.float32(3e38)
+    targets = [s, 0.5, 0.0, 1.0, 0.999]
+    assert thresholds_of(a, targets) == {t: threshold(a, t) for t in targets}
 
 
 def test_callback_sees_every_chunk_of_every_layer(tiny):
@@ -178,7 +220,7 @@ def test_calibrate_writes_thresholds_and_a_hot_first_order(tiny, tmp_path, name)
     hf, _ = tiny(name)
     path = _fresh(tiny, name, tmp_path)
     for run in range(2):                                   # the second run reorders a reordered model
-        sec = calibrate_model(*_flash_and_model(path), TOKENS, {"source": "test"}, 0.5, n_ctx=N_CTX)
+        sec = calibrate_model(*_flash_and_model(path), TOKENS, {"source": "test"}, 0.5)
         flash = open_flash(path, verify=True)
         assert flash.manifest["sparsity"] == json_roundtrip(sec) and sec["hot_first"]
         assert sorted(p.name for p in path.iterdir()) == sorted(
@@ -225,12 +267,12 @@ def test_interrupted_calibration_leaves_the_model_valid(tiny, tmp_path, monkeypa
             raise KeyboardInterrupt
         monkeypatch.setattr(reorder, "update_manifest", switch)
     with pytest.raises(KeyboardInterrupt):
-        calibrate_model(*_flash_and_model(path), TOKENS, {}, 0.5, n_ctx=N_CTX)
+        calibrate_model(*_flash_and_model(path), TOKENS, {}, 0.5)
     assert (path / "manifest.json").read_bytes() == before
     assert not [p for p in path.iterdir() if p.name.startswith(".")]       # no temporary files
     monkeypatch.undo()
     _logits_match(hf, path, TOKENS[:40])
-    calibrate_model(*_flash_and_model(path), TOKENS, {}, 0.5, n_ctx=N_CTX)       # a rerun succeeds
+    calibrate_model(*_flash_and_model(path), TOKENS, {}, 0.5)       # a rerun succeeds
     _logits_match(hf, path, TOKENS[:40])
 
 
@@ -283,12 +325,11 @@ def test_calibrate_lowers_the_target_while_it_costs_perplexity(tiny, tmp_path):
     (numpy quantiles of the activations, layer by layer) cost at most the bound of perplexity
     against the same FFN without thresholds on the calibration tokens — each cost measured here
     on its own models; without a bound the target stays."""
-    from flashllm.cli.calibration import bundle_ppl
     from flashllm.generation.perplexity import perplexity
     from flashllm.runtime.ffn import DenseFfn
     path = _fresh(tiny, "llama", tmp_path)
-    flash, model = _flash_and_model(path)
-    inputs = collect_ffn_inputs(model, TOKENS, n_ctx=N_CTX)
+    flash = open_flash(path)
+    inputs = collect_ffn_inputs(Model(flash, n_ctx=N_CTX), TOKENS, n_ctx=N_CTX)
     scores = [ffn_activations(flash, i, h) for i, h in enumerate(inputs)]   # per layer (N, n_ff)
 
     def ppl(ths):
@@ -300,24 +341,21 @@ def test_calibrate_lowers_the_target_while_it_costs_perplexity(tiny, tmp_path):
     cost = {s: ppl([threshold(x, s) for x in scores]) / base - 1 for s in (0.5, 0.4, 0.3, 0.2, 0.1)}
     bound = sorted(cost.values())[2] + 1e-9                # three targets within, two not
     want = max(s for s, c in cost.items() if c <= bound)
-    flash, model = _flash_and_model(path)
-    measure = bundle_ppl(flash, model, TOKENS, N_CTX, 1)
-    sec = calibrate_model(flash, model, TOKENS, {}, 0.5, n_ctx=N_CTX, max_cost=bound, ppl=measure)
+    sec = calibrate_model(*_flash_and_model(path), TOKENS, {}, 0.5, max_cost=bound)
     assert sec["target"] == want and sec["quality"]["requested"] == 0.5
     assert sec["quality"]["ppl_cost"] == pytest.approx(cost[want], abs=1e-4)
     assert sec["thresholds"] == pytest.approx([threshold(x, want) for x in scores], rel=1e-5)
     path = _fresh(tiny, "llama", tmp_path / "b")
-    flash, model = _flash_and_model(path)
-    sec = calibrate_model(flash, model, TOKENS, {}, 0.5, n_ctx=N_CTX, max_cost=-1.0,
-                          ppl=bundle_ppl(flash, model, TOKENS, N_CTX, 1))
+    sec = calibrate_model(*_flash_and_model(path), TOKENS, {}, 0.5, max_cost=-1.0)
     assert sec["target"] == 0.0 and sec["thresholds"] == [0.0] * len(scores)   # none within
     path = _fresh(tiny, "llama", tmp_path / "c")
-    assert calibrate_model(*_flash_and_model(path), TOKENS, {}, 0.5, n_ctx=N_CTX)["target"] == 0.5
+    assert calibrate_model(*_flash_and_model(path), TOKENS, {}, 0.5)["target"] == 0.5
 
 
 def _flash_and_model(path):
+    """The folder opened and its model made to run layer by layer (as calibrate runs it)."""
     flash = open_flash(path)
-    return flash, Model(flash, n_ctx=N_CTX)
+    return flash, LayerPass(flash, n_ctx=N_CTX)
 
 
 def _frequency(flash) -> np.ndarray:
@@ -332,7 +370,7 @@ def test_the_shipped_text_is_read_until_a_word_level_vocabulary_has_its_tokens(t
     Hugging Face model's) makes one token of a whole word, so it reads more of it (at 8 a token
     its 2048 tokens were 1946 and calibrate refused), and says so when all of it is too short."""
     from hf_tiny import write_tokenizer
-    from flashllm.cli.calibration import calibration_ids
+    from flashllm.session.calibration import calibration_ids
     from flashllm.sparsity.corpus import builtin_text
     from flashllm.generation.tokenizer import Tokenizer
     write_tokenizer(tmp_path)
@@ -343,3 +381,25 @@ def test_the_shipped_text_is_read_until_a_word_level_vocabulary_has_its_tokens(t
     assert len(ids) == 2048 and ids == tok.encode(source.text)[:2048]
     with pytest.raises(CalibrationError, match="2000000 were asked for"):
         calibration_ids(tok, None, "code", 2_000_000)
+
+
+def test_calibrate_sweeps_a_killed_calibrations_files_and_a_predictor_it_reorders(tiny, tmp_path):
+    """A calibration OOM-killed mid-rewrite leaves .NAME.tmp-PID files in the folder: the next
+    one removes those whose process is gone (not a live writer's); a predictor trained in the
+    slots a rewrite reorders is dropped when no new one is trained."""
+    import os
+    import subprocess
+    import sys
+    path = _fresh(tiny, "llama", tmp_path)
+    calibrate_model(*_flash_and_model(path), TOKENS, {}, 0.5, predictor="gate_up")
+    assert open_flash(path).manifest["predictor"]["kind"] == "gate_up"
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    dead, live = path / f".ffn.bin.tmp-{gone}", path / f".order-hot.bin.tmp-{os.getppid()}"
+    dead.write_bytes(b"half")
+    live.write_bytes(b"busy")
+    calibrate_model(*_flash_and_model(path), TOKENS, {}, 0.5)
+    assert not dead.exists() and live.exists()
+    live.unlink()
+    assert not open_flash(path, verify=True).manifest.get("predictor")
+    _logits_match(tiny("llama")[0], path, TOKENS[:40])

@@ -11,7 +11,8 @@ import pytest
 from flashllm.convert.convert import convert
 from flashllm.ffi import kernel
 from flashllm.format.reader import open_flash
-from flashllm.runtime.budget import ROW_MAP_BYTES, plan_budget, read_manifest
+from flashllm.format.manifest import read_manifest
+from flashllm.runtime.budget import ROW_MAP_BYTES, parse_budget, plan_budget
 from flashllm.runtime.model import Model
 from flashllm.sparsity.predictor import AllSlots
 from gguf import GGMLQuantizationType as Q
@@ -45,7 +46,7 @@ def rising(tmp_path_factory):
 def test_static_ring_gives_the_dense_logits(mixed, capacity, pinned):
     flash, ffn = flash_ffn(mixed, AllSlots(FF), "64MiB", exact=True, staging_rows=24,
                            capacity=capacity, n_pinned=pinned)
-    assert ffn.schedule is not None
+    assert ffn.stream is not None
     sparse = Model(flash, n_threads=1, n_ctx=16, ffn=ffn, exact=True)
     dense = Model(open_flash(mixed), n_threads=1, n_ctx=16, exact=True)
     prompt = [1, 17, 5, 39]
@@ -88,7 +89,7 @@ def test_predicted_decode_and_streamed_prefill_give_the_dense_ffn(folder, reques
 
 def test_the_budget_counts_each_layers_stride(mixed):
     man = read_manifest(mixed)
-    plan = plan_budget(man, "64MiB", 16, process=0)
+    plan = plan_budget(man, parse_budget("64MiB"), 16, process=0)
     assert (plan.stride, plan.strides) == (576, 576 + 512)
     assert plan.cache_bytes == plan.capacity * (576 + 512 + 2 * ROW_MAP_BYTES) + 2 * 4 * FF
 

@@ -16,8 +16,12 @@ LAYERS = [
     {"format", "storage", "sparsity"},
     {"runtime", "convert"},
     {"generation"},
+    {"session"},
     {"cli"},
 ]
+# What cli/ may import: the session layer (and through it the types it returns), the errors it
+# prints, the units it reads sizes with, the package's version; nothing else below it.
+CLI_MAY_IMPORT = ("flashllm.cli", "flashllm.session", "flashllm.errors", "flashllm.units")
 
 
 def modules() -> dict[str, Path]:
@@ -100,6 +104,39 @@ def test_imports_flow_down_the_layers():
     assert bad == []
 
 
+def cli_imports_below_the_session(known: dict) -> list[str]:
+    """Every import of a cli/ module (lazy ones included) of a flashllm module that is not in
+    CLI_MAY_IMPORT (nor `from flashllm import __version__`)."""
+    bad = []
+    for m, f in known.items():
+        if not m.startswith("flashllm.cli"):
+            continue
+        for src, names in imports(m, f, known):
+            allowed = src.startswith(CLI_MAY_IMPORT) or (src == "flashllm" and names == ["__version__"])
+            if not allowed:
+                bad.append(f"{m} -> {src}" + (f" ({', '.join(names)})" if names else ""))
+    return bad
+
+
+def test_cli_imports_only_the_session_layer():
+    assert cli_imports_below_the_session(modules()) == []
+
+
+def test_the_cli_check_finds_an_import_around_the_session(tmp_path):
+    """The check sees a top-level import, a lazy one and a relative one past the session."""
+    cli = tmp_path / "flashllm" / "cli"
+    cli.mkdir(parents=True)
+    (cli / "x.py").write_text("from flashllm.session.run import assemble\n"
+                              "from flashllm import __version__\n"
+                              "from flashllm.runtime.budget import plan_budget\n"
+                              "def f():\n    import flashllm.format.reader\n"
+                              "    from ..units import MiB\n    from ..model import arch\n")
+    known = {"flashllm.cli.x": cli / "x.py", "flashllm.model.arch": cli / "x.py"}
+    assert cli_imports_below_the_session(known) == [
+        "flashllm.cli.x -> flashllm.runtime.budget (plan_budget)",
+        "flashllm.cli.x -> flashllm.format.reader", "flashllm.cli.x -> flashllm.model.arch"]
+
+
 def test_no_private_name_crosses_a_module():
     known = modules()
     bad = [f"{m}: {n} from {src}" for m, f in known.items() for src, names in imports(m, f, known)
@@ -128,3 +165,39 @@ def test_only_ffi_lib_loads_the_c_library():
     loaders = sorted(m for m, f in known.items() for src, _ in imports(m, f, known)
                      if src == "flashllm.ffi._native")
     assert loaders == ["flashllm.ffi.lib"]
+
+
+CFFI = {"cffi", "_cffi_backend", "flashllm.ffi._native", "flashllm.ffi.lib"}   # lib: its ffi / lib
+
+
+def test_only_ffi_touches_cffi():
+    """cffi, the compiled module and flashllm.ffi.lib (which hands out its ffi and lib) are
+    imported by flashllm/ffi/ alone: every other layer calls C through ffi's bindings."""
+    bad = []
+    for m, f in modules().items():
+        if m == "flashllm.ffi" or m.startswith("flashllm.ffi."):
+            continue
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            bad += [f"{m} -> {n}" for n in names if n.split(".")[0] in CFFI or n in CFFI]
+    assert bad == []
+
+
+def test_runtime_and_generation_declare_what_they_ask():
+    """No capability probing in runtime/ and generation/: no hasattr(), no getattr() with a
+    default; an optional capability is declared (runtime/interfaces.py, speculate.Draft,
+    sparsity.predictor.NeuronPredictor) and called."""
+    bad = []
+    for m, f in modules().items():
+        if m.split(".")[1:2] not in (["runtime"], ["generation"]):
+            continue
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and (
+                    node.func.id == "hasattr" or node.func.id == "getattr" and len(node.args) > 2):
+                bad.append(f"{m}:{node.lineno} {node.func.id}")
+    assert bad == []

@@ -87,11 +87,12 @@ def streamed_model(path, experts_cached: int, staging_rows: int = 64, naive: boo
     a staging buffer of staging_rows bundles."""
     import dataclasses
     from flashllm.ffi.reader import Reader
-    from flashllm.runtime.budget import plan_budget, read_manifest
+    from flashllm.format.manifest import read_manifest
+    from flashllm.runtime.budget import parse_budget, plan_budget
     from flashllm.runtime.expert_ffn import ExpertFlashFfn
     flash = open_flash(path)
     cfg = flash.config
-    plan = dataclasses.replace(plan_budget(read_manifest(path), str(1 << 40), 96, process=0),
+    plan = dataclasses.replace(plan_budget(read_manifest(path), parse_budget(str(1 << 40)), 96, process=0),
                                capacity=experts_cached * cfg.n_ff + cfg.n_ff_shared,
                                staging_rows=staging_rows)
     ffn = ExpertFlashFfn(flash, plan, Reader(flash.ffn.file, n_threads=2), n_threads=2,

@@ -362,7 +362,7 @@ def test_a_budgeted_run_by_name_calibrates_its_conversion_once(tmp_path):
     it calibrated. A folder given by path is the user's: the same run leaves it as it is."""
     import shutil
     from conftest import _converted
-    from flashllm.cli.calibration import is_calibrated
+    from flashllm.session.calibration import is_calibrated
     cache = tmp_path / "cache"
     out = cache / "converted" / "smollm2-135m-native"
     shutil.copytree(_converted("smollm2-135m", "native", quiet), out)

@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from flashllm.cli import app
 from flashllm.ffi.reader import Reader
+from flashllm.format.manifest import read_manifest
 from flashllm.format.reader import open_flash
 from flashllm.generation.generate import generate
 from flashllm.generation.sampler import Sampler, SamplerParams
@@ -19,6 +20,7 @@ from flashllm.generation import self_draft
 from flashllm.generation.self_draft import PASS_TOKENS, SIBLING_EXPLORE, SelfDraft
 from flashllm.generation.speculate import DraftLength
 from flashllm.runtime import budget
+from flashllm.runtime.budget import parse_budget
 from flashllm.runtime.model import Model
 from flashllm.runtime.resident import ResidentError, resident_model
 from flashllm.runtime.weights import DenseWeights
@@ -354,14 +356,15 @@ def test_the_plan_gives_the_draft_head_rows_by_its_caches():
     HeadRows holds, and rows asked for (--draft-head-rows) are kept as asked."""
     import dataclasses
     from conftest import _converted
-    from flashllm.runtime.assemble import (AUTO_ROWS, DRAFT_HEAD_MIN, DRAFT_HEAD_ROWS,
-                                           DRAFT_HEAD_SHARE, FlashOptions, plan_run)
+    from conftest import plan_run
+    from flashllm.runtime.plan import (AUTO_ROWS, DRAFT_HEAD_MIN, DRAFT_HEAD_ROWS,
+                                       DRAFT_HEAD_SHARE, FlashOptions)
     from flashllm.runtime.resident import head_rows_bytes
     path = _converted("smollm2-135m", "native", log=lambda m: None)
-    man = budget.read_manifest(path)
+    man = read_manifest(path)
     rows = []
     for mib in (140, 165):                        # the head streams at both
-        opts = FlashOptions(dram_budget=f"{mib}MiB")
+        opts = FlashOptions(dram_budget=parse_budget(f"{mib}MiB"))
         plain = plan_run(path, opts, 64, 64 * MiB)
         drafted = plan_run(path, dataclasses.replace(opts, draft_rows=AUTO_ROWS), 64, 64 * MiB)
         assert budget.head_name(man) in drafted.streamed
@@ -392,12 +395,13 @@ def test_cli_default_keeps_plain_decoding_where_the_draft_would_stream_attention
     for.)"""
     import dataclasses
     from conftest import _converted
-    from flashllm.runtime.assemble import DRAFT_HEAD_ROWS, FlashOptions, plan_run
+    from conftest import plan_run
+    from flashllm.runtime.plan import DRAFT_HEAD_ROWS, FlashOptions
     path = _converted("smollm2-135m", "native", log=lambda m: None)
-    plain_opts = FlashOptions(dram_budget="")
+    plain_opts = FlashOptions()
     tight = None
     for mib in range(110, 260, 2):
-        opts = dataclasses.replace(plain_opts, dram_budget=f"{mib}MiB")
+        opts = dataclasses.replace(plain_opts, dram_budget=parse_budget(f"{mib}MiB"))
         try:
             plain = plan_run(path, opts, 64, 100 * MiB)
             drafted = plan_run(path, dataclasses.replace(opts, draft_rows=DRAFT_HEAD_ROWS), 64,

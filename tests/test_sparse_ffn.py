@@ -7,7 +7,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from flashllm.runtime.budget import plan_budget, read_manifest
+from flashllm.format.manifest import read_manifest
+from flashllm.runtime.budget import parse_budget, plan_budget
 from flashllm.format.reader import open_flash
 from flashllm.format.files import update_manifest
 from flashllm.ffi.reader import Reader
@@ -15,7 +16,7 @@ from flashllm.runtime.model import Model
 from flashllm.sparsity.predictor import AllSlots
 from flashllm.ffi import kernel
 from flashllm.storage.readahead import block_step, page_chunks
-from flashllm.runtime.sparse_ffn import SparseFlashFfn
+from flashllm.runtime.assemble import make_sparse_ffn
 from tiny_sources import ref_dequant, ref_rows, tiny_arrays, tiny_config, write_arrays
 
 MiB = 1 << 20
@@ -67,14 +68,16 @@ class Recorded:
         return self.last
 
 
-def flash_ffn(path, predictor, budget: str, naive=False, window=2, exact=False, **plan_fields):
-    """(flash, SparseFlashFfn) with the budget's plan, some of its fields overridden."""
+def flash_ffn(path, predictor, budget: str, naive=False, window=2, exact=False, streamed=(),
+              **plan_fields):
+    """(flash, SparseFlashFfn) with the budget's plan, some of its fields overridden; its read
+    stream (static passes) also carries the dense matrices `streamed`."""
     flash = open_flash(path)
-    plan = plan_budget(read_manifest(path), budget, 64, process=0, naive=naive)
+    plan = plan_budget(read_manifest(path), parse_budget(budget), 64, process=0, naive=naive)
     plan = dataclasses.replace(plan, **plan_fields)
     reader = Reader(flash.ffn.file, n_threads=2)
-    return flash, SparseFlashFfn(flash, predictor, plan, reader, n_threads=1, window=window,
-                                 naive=naive, exact=exact)
+    return flash, make_sparse_ffn(flash, predictor, plan, reader, n_threads=1, window=window,
+                                  naive=naive, exact=exact, streamed=streamed)
 
 
 def neuron_ids(flash, layer, slots):
@@ -188,7 +191,7 @@ def test_all_slots_gives_the_dense_tokens_tiny_hf(hf_tiny, tmp_path, name):
 def budget_for(path, cache_fraction: float) -> str:
     """A --dram-budget (bytes) whose neuron caches hold about cache_fraction of the FFN."""
     man = read_manifest(path)
-    full = plan_budget(man, str(1 << 40), 16, process=0)
+    full = plan_budget(man, parse_budget(str(1 << 40)), 16, process=0)
     fixed = full.total - full.cache_bytes
     return str(int(fixed + cache_fraction * full.cache_bytes))
 
@@ -237,7 +240,7 @@ def test_static_ring_survives_prefills_between_decodes(tmp_path):
     cfg, _, _ = write_model(tmp_path / "m", True, "f32")
     flash, ffn = flash_ffn(tmp_path / "m", AllSlots(cfg.n_ff), "64MiB", staging_rows=16,
                            capacity=30, n_pinned=10)
-    assert ffn.ring is not None and ffn.caches[0].n_pinned == 30    # static: all rows pinned
+    assert ffn.stream is not None and ffn.caches[0].n_pinned == 30  # static: all rows pinned
     sparse = Model(flash, n_threads=1, n_ctx=32, ffn=ffn)
     dense = Model(open_flash(tmp_path / "m"), n_threads=1, n_ctx=32)
     steps = [[1, 5, 9], [4], [7], [2, 3, 8, 6], [11], [12], [13]]
@@ -248,7 +251,7 @@ def test_static_ring_survives_prefills_between_decodes(tmp_path):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
         pos += len(toks)
     ffn.close()
-    assert not ffn.ring.running
+    assert not ffn.stream.ring.running
 
 
 def test_ring_chunks_start_on_pages_so_reads_land_in_place(tmp_path):

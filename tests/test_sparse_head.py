@@ -141,12 +141,12 @@ def test_plan_streams_the_head_sparsely_only_when_it_reads_less(smollm2):
     assert sketch_bytes(man) == (0, 0)               # uncalibrated: planned only when forced
     sk = sketch_bytes(man, forced=True)
     assert sk[0] > 0 and sk[1] > 0
-    tight = budget.plan_budget(man, "180MiB", 256, 100 * MiB, sketch=sk)
+    tight = budget.plan_budget(man, budget.parse_budget("180MiB"), 256, 100 * MiB, sketch=sk)
     assert tight.sparse_head and tight.resident["head sketch"] == sk[0]
-    plain = budget.plan_budget(man, "180MiB", 256, 100 * MiB)
+    plain = budget.plan_budget(man, budget.parse_budget("180MiB"), 256, 100 * MiB)
     assert not plain.sparse_head and "head sketch" not in plain.resident
     assert tight.streamed_bytes < plain.streamed_bytes
-    roomy = budget.plan_budget(man, "2GiB", 256, 100 * MiB, sketch=sk)   # the head stays resident
+    roomy = budget.plan_budget(man, budget.parse_budget("2GiB"), 256, 100 * MiB, sketch=sk)   # the head stays resident
     assert not roomy.sparse_head and "head sketch" not in roomy.resident
 
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from flashllm.runtime import tokenizer_budget as tb
-from flashllm.runtime.budget import BudgetError, plan_budget, read_manifest
+from flashllm.format.manifest import read_manifest
+from flashllm.runtime.budget import BudgetError, parse_budget, plan_budget
 from flashllm.format.reader import open_flash
 from flashllm.generation.tokenizer import Tokenizer
 from flashllm.units import format_size
@@ -50,12 +51,13 @@ def test_a_one_shot_run_releases_a_sentencepiece_tokenizer(spm_tiny, monkeypatch
 
 def test_a_chat_counts_the_tokenizer_it_keeps(tmp_path):
     """-i keeps the tokenizers object (it encodes every turn): 14x its JSON, not 1x."""
-    from flashllm.runtime.assemble import FlashOptions, plan_run
+    from flashllm.runtime.plan import FlashOptions
+    from conftest import plan_run
     man = json.loads(Q15.read_text())
     (tmp_path / "manifest.json").write_text(json.dumps(man))
     tok = man["tokenizer"]["nbytes"]
-    once = plan_run(tmp_path, FlashOptions("560MiB"), 512, 40 * MiB)
-    chat = plan_run(tmp_path, FlashOptions("560MiB", keep_tokenizer=True), 512, 40 * MiB)
+    once = plan_run(tmp_path, FlashOptions(parse_budget("560MiB")), 512, 40 * MiB)
+    chat = plan_run(tmp_path, FlashOptions(parse_budget("560MiB"), keep_tokenizer=True), 512, 40 * MiB)
     assert once.resident["tokenizer"] == tb.TOKENIZER_KEPT * tok + tb.TOKENIZER_KEPT_FIXED
     assert chat.resident["tokenizer"] == tb.TOKENIZER_LOADED * tok + tb.TOKENIZER_LOADED_FIXED
     assert chat.total <= chat.budget and chat.cache_bytes < once.cache_bytes
@@ -153,8 +155,8 @@ def test_the_load_peak_counts_compact_merges_smaller(tmp_path):
         man["tokenizer"].update({"merges": merges} if merges else {})
         need = 40 * MiB + (per_byte + 1) * nbytes
         with pytest.raises(BudgetError, match=f"peak at {format_size(need, 'MiB', up=True)}"):
-            plan_budget(man, str(need - 1), 512, 40 * MiB)
-        assert plan_budget(man, str(need + 200 * MiB), 512, 40 * MiB).budget
+            plan_budget(man, parse_budget(str(need - 1)), 512, 40 * MiB)
+        assert plan_budget(man, parse_budget(str(need + 200 * MiB)), 512, 40 * MiB).budget
 
 
 def test_only_an_older_conversion_is_told_to_convert_again():
@@ -166,5 +168,5 @@ def test_only_an_older_conversion_is_told_to_convert_again():
         man["tokenizer"].pop("merges", None)
         man["tokenizer"].update({"merges": merges} if merges else {})
         with pytest.raises(BudgetError, match="cannot load the tokenizer") as e:
-            plan_budget(man, "60MiB", 512, 40 * MiB)
+            plan_budget(man, parse_budget("60MiB"), 512, 40 * MiB)
         assert ("flashllm convert ... --force" in str(e.value)) == hinted, (merges, str(e.value))

@@ -130,9 +130,9 @@ def model_path(model: str, apart: bool = False) -> Path:
     """MODEL as given on the command line: a converted folder, a GGUF file or a models.toml name
     (both converted once; in a child process with `apart`, so the conversion's memory stays out
     of this one)."""
-    from flashllm.convert.resolve import resolve_model
-    return resolve_model(model, cache_dir(), registry_path(), log=lambda m: err.print(m, markup=False),
-                         apart=apart)
+    from flashllm.session.models import resolve
+    return resolve(model, cache_dir(), registry_path(), log=lambda m: err.print(m, markup=False),
+                   apart=apart)
 
 
 def main() -> None:

@@ -8,10 +8,9 @@ import typer
 
 from flashllm.cli.app import (MODEL_HELP, cache_dir, choice, command, err, fail, model_path,
                               registry_path, stdout_console)
-from flashllm.format.layout import NATIVE
-from flashllm.model.tensor import QUANTIZABLE
+from flashllm.session.options import DTYPES
 
-Dtype = choice("Dtype", (NATIVE, *QUANTIZABLE, "q4_k"))   # q4_k: a GGUF's Q4_K gate / up rows
+Dtype = choice("Dtype", DTYPES)
 
 
 @command
@@ -27,7 +26,7 @@ def convert(
     jobs: int = typer.Option(1, "-j", "--jobs", min=1, help="Sources converted at once (worker processes)."),
 ) -> None:
     """Repack checkpoints into the row-column-bundled flash layout."""
-    from flashllm.convert.batch import convert_many
+    from flashllm.session.models import convert as convert_many
     failures = convert_many(src, out, dtype and dtype.value, force, console=err, jobs=jobs)
     if failures:
         raise typer.Exit(1)
@@ -36,9 +35,8 @@ def convert(
 @command
 def pull(name: str = typer.Argument(..., help="A model name from models.toml.")) -> None:
     """Fetch a model listed in models.toml into the user cache and verify its checksum."""
-    from flashllm.convert.registry import load_registry, pull as pull_model
-    entry = load_registry(registry_path()).get(name)
-    path = pull_model(entry, cache_dir(), log=lambda m: err.print(m, markup=False))
+    from flashllm.session.models import pull as pull_model
+    path = pull_model(name, cache_dir(), registry_path(), log=lambda m: err.print(m, markup=False))
     print(path)  # on stdout, so scripts can use $(flashllm pull NAME)
 
 
@@ -46,9 +44,9 @@ def pull(name: str = typer.Argument(..., help="A model name from models.toml."))
 def models(as_json: bool = typer.Option(False, "--json", help="Print the list as JSON.")) -> None:
     """List models.toml entries and the user cache: sizes, what is fetched and converted."""
     import json
-    from flashllm.cli.views import catalog, models_table
-    from flashllm.convert.registry import load_registry
-    rows = catalog(load_registry(registry_path()), cache_dir())
+    from flashllm.cli.views import models_table
+    from flashllm.session.models import models as catalog
+    rows = catalog(cache_dir(), registry_path())
     if as_json:
         print(json.dumps(rows, indent=1))
     else:
@@ -65,9 +63,9 @@ def inspect(
 ) -> None:
     """Summarize a converted model: config, dtypes, sizes, calibration state; --verify checksums."""
     import json
-    from flashllm.format.reader import open_flash
-    from flashllm.cli.views import flash_summary, summary_table, tensors_table
-    summary = flash_summary(open_flash(model_path(model)), verify=verify)
+    from flashllm.cli.views import summary_table, tensors_table
+    from flashllm.session.models import inspect as summarize
+    summary = summarize(model_path(model), verify=verify)
     if as_json:
         print(json.dumps(summary, indent=1))
         return
@@ -87,21 +85,18 @@ def profile(
 ) -> None:
     """Measure the device's direct-I/O read throughput and save it for `run` to plan reads."""
     import json
-    from flashllm.storage.costmodel import CostModel
-    from flashllm.storage.profile import save_profile
     from flashllm.units import parse_size
     from flashllm.cli.views import model_table, profile_table, run_profile, sequential_table, throughput_chart
     if not path.exists():
         fail(f"{path} does not exist")
     if not (path.is_dir() or path.is_file()):
         fail(f"{path} is neither a folder (to write a scratch file in) nor a regular file to read")
-    result = run_profile(err, path, parse_size(size), seconds)
-    saved = save_profile(result, cache_dir())
+    result, cost, saved = run_profile(err, path, parse_size(size), seconds, cache_dir())
     if as_json:
         print(json.dumps(result.to_dict(), indent=1))
     else:
         out = stdout_console()
         for view in (profile_table(result), sequential_table(result), throughput_chart(result),
-                     model_table(CostModel.from_profile(result))):
+                     model_table(cost)):
             out.print(view)
     err.print(f"profile saved to {saved}", markup=False)

@@ -7,22 +7,13 @@ from typing import Optional
 
 import typer
 
-from flashllm.sparsity.activations import CRITERIA
-from flashllm.sparsity.corpus import KINDS as CORPORA
-from flashllm.sparsity.predictor import KINDS as PREDICTOR_KINDS
 from flashllm.cli.app import (MODEL_HELP, DEFAULT_THREADS, MAX_THREADS, choice, command, err, fail,
                               model_path)
-from flashllm.cli.calibration import CALIBRATION_TOKENS
+from flashllm.session.options import CALIBRATION_TOKENS, CORPORA, CRITERIA, PREDICTOR_KINDS
 
 Corpus = choice("Corpus", CORPORA)
 Criterion = choice("Criterion", CRITERIA)
 PredictorKind = choice("PredictorKind", ("default", "none", *PREDICTOR_KINDS))
-
-
-def _quality_text(file: Optional[Path], split: str, kind: str, max_chars: Optional[int] = None):
-    """The text for perplexity: FILE, else the shipped text of `split`."""
-    from flashllm.sparsity.corpus import builtin_text, file_text
-    return file_text(file) if file is not None else builtin_text(split, kind, max_chars)
 
 
 def _chunk_line(t0: float):
@@ -53,40 +44,32 @@ def perplexity(
 ) -> None:
     """Perplexity by llama.cpp's definition (second half of each chunk), dense or sparse."""
     import json
-    from flashllm.format.reader import open_flash
-    from flashllm.sparsity.calibrate import text_tokens, thresholds_for
-    from flashllm.cli.calibration import calibration_ids
-    from flashllm.runtime.ffn import DenseFfn
-    from flashllm.runtime.model import Model
-    from flashllm.generation.perplexity import bos_to_add, perplexity as measure
-    from flashllm.generation.tokenizer import Tokenizer
+    from flashllm.session.quality import perplexity as measure
     if sparsity is not None and not 0.0 <= sparsity < 1.0:
         fail(f"--sparsity must be in [0, 1), not {sparsity}")
     if file is not None and file_opt is not None:
         fail("give the text file once: FILE or -f/--file")
     file = file if file is not None else file_opt
-    flash = open_flash(model_path(model))
-    positions = flash.config.max_positions
-    if positions is not None and ctx > positions:
-        fail(f"--ctx {ctx} is more than the model's {positions} positions (learned position "
-             f"embeddings): give --ctx {positions} or less")
-    tok = Tokenizer.from_flash(flash)
-    corpus = corpus.value
-    text = _quality_text(file, "evaluation", corpus)
-    log = lambda m: err.print(m, markup=False, soft_wrap=True)
-    ffn = None
-    if sparsity is not None:
-        cal = lambda: calibration_ids(tok, None, corpus, CALIBRATION_TOKENS)[1]
-        dense = lambda: Model(flash, n_threads=threads, n_ctx=ctx)
-        ffn = DenseFfn(flash, threads, threshold=thresholds_for(flash, sparsity, cal, dense, ctx, threads, log))
-    net = Model(flash, n_threads=threads, n_ctx=ctx, ffn=ffn, kv_dtype="f16")   # as `run`
-    bos = bos_to_add(tok, flash.config.bos_token_id)
-    result = measure(net, text_tokens(tok, text.text), ctx, chunks, bos,
-                     on_chunk=_chunk_line(time.perf_counter()))
+    log = lambda m: err.print(m, markup=False, soft_wrap=True)                  # noqa: E731
+    result, text = measure(model_path(model), file, ctx, chunks, sparsity, corpus.value, threads,
+                           log, _chunk_line(time.perf_counter()))
     if as_json:
-        print(json.dumps({**result.to_dict(), "sparsity": sparsity, "text": text.description}))
+        print(json.dumps({**result.to_dict(), "sparsity": sparsity, "text": text}))
     else:
         print(result.summary())
+
+
+def _stages():
+    """calibrate's progress(what, done, of) on stderr: cli/progress.eta_progress, a new one
+    for each stage (a stage's first step is 1)."""
+    from flashllm.cli.progress import eta_progress
+    shown = [None, None]                          # the stage, its eta_progress
+
+    def progress(what: str, done: int, of: int) -> None:
+        if done == 1 or shown[0] != what:
+            shown[:] = what, eta_progress(what)
+        shown[1](done, of)
+    return progress
 
 
 @command
@@ -111,15 +94,20 @@ def calibrate(
                                   "(gate_up for GLU models, lowrank otherwise), a kind, or none."),
     threads: int = typer.Option(DEFAULT_THREADS, "-t", "--threads", min=1, max=MAX_THREADS,
                                help="Compute threads."),
+    dram_budget: Optional[str] = typer.Option(None, "--dram-budget", help="DRAM the calibration "
+                                              "may hold (e.g. 280MiB, 50%): the model is read "
+                                              "layer by layer from its folder."),
 ) -> None:
     """Per-layer sparsity thresholds, neuron frequencies, hot-first FFN rewrite, predictor."""
-    from flashllm.cli.calibration import CalibrationOptions, calibrate_folder, summary
+    from flashllm.session.options import CalibrationOptions, parse_budget
+    from flashllm.session.quality import calibrate as calibrate_model
     if not 0.0 <= sparsity < 1.0:
         fail(f"--sparsity must be in [0, 1), not {sparsity}")
+    budget = None if dram_budget is None else parse_budget(dram_budget)   # one line if bad
     path = model_path(model)
     opts = CalibrationOptions(text, corpus.value, sparsity, tokens, ctx,
                               criterion.value if criterion is not None else None, reorder,
                               predictor.value, threads,
                               None if keep_target else max_ppl_cost / 100.0)
-    section, n = calibrate_folder(path, opts, lambda m: err.print(m, markup=False, soft_wrap=True))
-    err.print(summary(path, section, n), markup=False, soft_wrap=True)
+    log = lambda m: err.print(m, markup=False, soft_wrap=True)
+    err.print(calibrate_model(path, opts, budget, log, _stages()), markup=False, soft_wrap=True)

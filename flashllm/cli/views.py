@@ -1,10 +1,9 @@
 """Terminal views: `flashllm inspect` (one converted model), `flashllm models` (the registry and the
-user cache) and `flashllm profile` (a device profile and its cost model). Summaries are plain dicts
-(for --json); the rich tables and the throughput chart are views of them."""
+user cache) and `flashllm profile` (a device profile and its cost model). The summaries are plain
+dicts from the session layer (session/models.py, for --json); the rich tables and the throughput
+chart are views of them."""
 from __future__ import annotations
 
-import time
-from collections import Counter
 from pathlib import Path
 from typing import List
 
@@ -14,64 +13,7 @@ from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from flashllm.convert.native import report as native_report
-from flashllm.format.layout import MANIFEST_FILE, NATIVE
-from flashllm.model.tensor import companion
-from flashllm.storage.costmodel import CostModel
-from flashllm.storage.profile import (CHUNKS, REPEATS, SEQ_THREADS, THREADS, Cell, Profile, measure, scratch_file)
 from flashllm.units import KiB, format_size
-
-
-
-def folder_bytes(path: Path) -> int:
-    """Bytes of the regular files directly inside path (0 when it is not a folder)."""
-    if not path.is_dir():
-        return 0
-    return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
-
-
-def flash_summary(flash, verify: bool = False) -> dict:
-    """A converted model's manifest in brief; verify=True checks every checksum first."""
-    verified = None
-    if verify:
-        t0 = time.perf_counter()
-        flash.verify()
-        verified = round(time.perf_counter() - t0, 3)
-    m, cfg, ffn = flash.manifest, flash.config, flash.ffn
-    dense = m["dense"]["tensors"]
-    by_dtype: Counter = Counter()
-    for t in dense:
-        by_dtype[t["dtype"]] += t["nbytes"]
-    return {
-        "path": str(flash.path), "format_version": m["format_version"],
-        "created_by": m.get("created_by"), "source": m.get("source", {}).get("path"),
-        "config": cfg.to_dict(), "dtype": flash.dtype,
-        "dense": {"tensors": len(dense), "nbytes": m["dense"]["nbytes"], "bytes_by_dtype": dict(by_dtype)},
-        "ffn": {"dtype": ffn.dtype, "down_dtype": _per_layer(ffn.down_dtypes),
-                "parts": list(m["ffn"]["parts"]),
-                "bundle_bytes": ffn.stride if ffn.uniform else list(ffn.strides),
-                "bundles": cfg.n_layers * cfg.ffn_slots, "nbytes": m["ffn"]["nbytes"],
-                "hot_first_order": ffn.neuron_order is not None},
-        "tokenizer": m["tokenizer"].get("file") is not None, "chat_template": flash.chat_template is not None,
-        "calibrated": _calibrated(m),
-        "sparsity": m["sparsity"], "predictor": m["predictor"],
-        "disk_bytes": folder_bytes(flash.path), "verified_s": verified,
-        "origin": native_report(m) if flash.dtype == NATIVE else [], "tensors": tensor_rows(m),
-    }
-
-
-def tensor_rows(m: dict) -> list[dict]:
-    """Per stored tensor (dense, then each layer's FFN parts): name, dtype and, for a native
-    conversion, how it was made from the source (copied / requantized, with the error)."""
-    rows = [{"name": t["name"], "dtype": t["dtype"], "shape": t["shape"],
-             "origin": t.get("origin")} for t in m["dense"]["tensors"]]
-    f = m["ffn"]
-    for i, layer in enumerate(f["layers"]):
-        dts = {"gate": f["dtype"], "up": f["dtype"],
-               "down": layer.get("down_dtype", f.get("down_dtype", companion(f["dtype"])))}
-        rows += [{"name": f"blk.{i}.ffn_{p}", "dtype": dts[p], "shape": None,
-                  "origin": (layer.get("origin") or {}).get(p)} for p in f["parts"]]
-    return rows
 
 
 def tensors_table(s: dict) -> Table:
@@ -86,11 +28,6 @@ def tensors_table(s: dict) -> Table:
             else f"{o['from']}, re-quantized (relative RMS error {o['rel_rms']:.3%})"
         table.add_row(escape(t["name"]), t["dtype"], how)
     return table
-
-
-def _per_layer(values) -> str | list:
-    """One value when every layer has it, else the per-layer list."""
-    return values[0] if len(set(values)) == 1 else list(values)
 
 
 def _counted(v) -> str:
@@ -148,55 +85,6 @@ def summary_table(s: dict) -> Table:
     return table
 
 
-def catalog(registry, cache: Path) -> list[dict]:
-    """One row per registry entry and per converted folder in the cache not from the registry."""
-    converted = cache / "converted"
-    folders = sorted(p for p in converted.iterdir() if p.is_dir()) if converted.is_dir() else []
-    folders = [p for p in folders if not p.name.startswith(".")]
-    rows = []
-    for name, entry in registry.entries.items():
-        gguf = cache / "models" / f"{name}.gguf"
-        mine = [p for p in folders if p.name.rsplit("-", 1)[0] == name]
-        pulled = gguf.is_file() and gguf.stat().st_size == entry.size
-        rows.append({"name": name, "arch": entry.arch, "description": entry.description,
-                     "size": entry.size, "pulled": pulled, "gguf": str(gguf) if pulled else None,
-                     "converted": [_converted_row(p) for p in mine],
-                     "unsupported": entry.unsupported})
-        folders = [p for p in folders if p not in mine]
-    for p in folders:
-        rows.append({"name": p.name, "arch": None, "description": "converted folder in the cache",
-                     "size": None, "pulled": False, "gguf": None, "converted": [_converted_row(p)],
-                     "unsupported": None})
-    return rows
-
-
-def _converted_row(path: Path) -> dict:
-    """A converted folder: its dtype and calibration from its manifest (else the dtype its name
-    ends with, as `run NAME` names a conversion), whether it is complete, its bytes on disk."""
-    manifest = _manifest_of(path)
-    dtype = manifest.get("dtype")
-    return {"path": str(path),
-            "dtype": dtype if isinstance(dtype, str) else path.name.rsplit("-", 1)[-1],
-            "calibrated": _calibrated(manifest),
-            "complete": (path / MANIFEST_FILE).is_file(), "disk_bytes": folder_bytes(path)}
-
-
-def _calibrated(manifest: dict) -> bool:
-    """Whether `flashllm calibrate` wrote thresholds or a predictor into a manifest."""
-    return bool(manifest.get("sparsity")) or bool(manifest.get("predictor"))
-
-
-def _manifest_of(path: Path) -> dict:
-    """A folder's manifest as far as it reads as a JSON object; {} otherwise (`models` lists
-    what is there, and `inspect` says what is wrong with it)."""
-    from flashllm.runtime.budget import BudgetError, read_manifest
-    try:
-        m = read_manifest(path)
-    except BudgetError:
-        return {}
-    return m if isinstance(m, dict) else {}
-
-
 def models_table(rows: list[dict], cache: Path) -> Table:
     table = Table(title="models (models.toml and the user cache)", title_justify="left",
                   caption=f"fetched GGUF files: {cache / 'models'}; conversions: "
@@ -219,7 +107,7 @@ def models_table(rows: list[dict], cache: Path) -> Table:
 BAR_WIDTH = 32
 
 
-def profile_table(profile: Profile) -> Table:
+def profile_table(profile) -> Table:
     """Random reads: one row per chunk size, GiB/s and IOPS per thread count."""
     threads = sorted({c.threads for c in profile.cells if c.kind == "random"})
     chunks = sorted({c.chunk for c in profile.cells if c.kind == "random"})
@@ -238,7 +126,7 @@ def profile_table(profile: Profile) -> Table:
     return table
 
 
-def sequential_table(profile: Profile) -> Table:
+def sequential_table(profile) -> Table:
     table = Table(title="sequential reads, 1 MiB")
     table.add_column("threads", justify="right")
     table.add_column("GiB/s", justify="right")
@@ -247,7 +135,7 @@ def sequential_table(profile: Profile) -> Table:
     return table
 
 
-def throughput_chart(profile: Profile) -> Text:
+def throughput_chart(profile) -> Text:
     """One bar per chunk size: the best thread count (█) and 1 thread (▒)."""
     cells = [c for c in profile.cells if c.kind == "random"]
     top = max((c.gib_s for c in cells), default=0.0) or 1.0
@@ -263,7 +151,7 @@ def throughput_chart(profile: Profile) -> Text:
     return Text("\n".join(lines))
 
 
-def model_table(model: CostModel) -> Table:
+def model_table(model) -> Table:
     """The fitted a + c/B per thread count and what it implies."""
     table = Table(title=f"cost model: time per read = a + chunk / B  ({model.source})")
     for name in ("threads", "a (µs)", "B (GiB/s)", "merge gap", "32 KiB GiB/s"):
@@ -274,22 +162,21 @@ def model_table(model: CostModel) -> Table:
     return table
 
 
-def run_profile(console: Console, target: Path, size: int, seconds: float) -> Profile:
-    """Measure target (an existing file, read-only) or a scratch file of size bytes in the
-    folder target (removed afterwards, also on Ctrl-C), with progress bars on console."""
+def run_profile(console: Console, target: Path, size: int, seconds: float, cache: Path):
+    """session.models.profile_device of target with progress bars on console: (the Profile,
+    its CostModel, where it was saved)."""
+    from flashllm.session.models import profile_cells, profile_device
     columns = (TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
                TimeRemainingColumn())
     with Progress(*columns, console=console, transient=True) as progress:
-        n_cells = (len(SEQ_THREADS) + len(CHUNKS) * len(THREADS)) * REPEATS
-        measuring = progress.add_task("measuring", total=n_cells, visible=False)
+        measuring = progress.add_task("measuring", total=profile_cells(), visible=False)
+        writing = progress.add_task(f"writing scratch file in {target}", total=size,
+                                    visible=not target.is_file())
 
-        def on_cell(cell: Cell) -> None:
+        def on_cell(cell) -> None:
+            progress.update(writing, visible=False)
             progress.update(measuring, advance=1, visible=True,
                             description=f"{cell.kind} {format_size(cell.chunk)} × {cell.threads} thr")
 
-        if target.is_file():
-            return measure(target, seconds, on_cell=on_cell)
-        writing = progress.add_task(f"writing scratch file in {target}", total=size)
-        with scratch_file(target, size, lambda n: progress.advance(writing, n)) as path:
-            progress.update(writing, visible=False)
-            return measure(path, seconds, on_cell=on_cell)
+        return profile_device(target, size, seconds, cache, on_cell,
+                              lambda n: progress.advance(writing, n))

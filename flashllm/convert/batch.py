@@ -3,7 +3,6 @@ worker processes, progress as a bar on a terminal or plain lines in a log, Ctrl-
 handled once, and the summary table."""
 from __future__ import annotations
 
-import json
 import multiprocessing
 import os
 import signal
@@ -24,7 +23,8 @@ from rich.table import Table
 from flashllm.convert import native
 from flashllm.convert.convert import ProgressFn, convert
 from flashllm.errors import FlashError
-from flashllm.format.layout import MANIFEST_FILE, NATIVE, TOKENIZER_FILE
+from flashllm.format.layout import NATIVE, TOKENIZER_FILE
+from flashllm.format.manifest import read_manifest
 from flashllm.units import format_size
 
 
@@ -75,7 +75,7 @@ def convert_many(srcs: Sequence[Path], out: Path, dtype: str | None, force: bool
 
 def _native_report(dest: Path) -> list[str]:
     """What a native conversion at dest copied and re-quantized (nothing for other dtypes)."""
-    manifest = json.loads((dest / MANIFEST_FILE).read_text(encoding="utf-8"))
+    manifest = read_manifest(dest)
     return native.report(manifest) if manifest.get("dtype") == NATIVE else []
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import json
 import shutil
 import sys
 from pathlib import Path
@@ -82,9 +81,10 @@ def conversion_outdated(out: Path) -> str | None:
     """Why the converted folder at out is not what this flashllm makes (native.outdated), or
     None; an absent or unreadable manifest is left to the reader to report."""
     from flashllm.convert import native
+    from flashllm.format.manifest import read_manifest
     try:
-        return native.outdated(json.loads((out / "manifest.json").read_text(encoding="utf-8")))
-    except (OSError, ValueError, KeyError, TypeError):
+        return native.outdated(read_manifest(out))
+    except (FlashError, KeyError, TypeError):
         return None
 
 

@@ -7,7 +7,7 @@ bytes at `dst[dst_offsets[i]:]`; neighbouring requests are merged into page-alig
 holes of at most `max_gap` bytes are read through when one larger read is cheaper (the cost
 model in costmodel.py picks `max_gap`). `Reader.read_bundles` is the neuron cache's verb: fixed
 stride bundles of one layer into rows of a preallocated matrix. The read-ahead over readers
-(native/readahead.c) is bound in flashllm.storage.readahead.
+(native/readahead.c) is bound in readahead.py.
 """
 from __future__ import annotations
 

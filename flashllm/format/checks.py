@@ -3,6 +3,7 @@ of the optional down.bin section (a native conversion's FFN down matrices as the
 them)."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 from flashllm.errors import FormatError
@@ -12,7 +13,7 @@ from flashllm.model.config import ModelConfig
 
 def get(d: dict, key: str, typ: type | tuple, where: str):
     """d[key], which must be of type typ (bool is not an int here); FormatError naming where."""
-    v = d.get(key) if isinstance(d, dict) else None
+    v = d.get(key) if isinstance(d, Mapping) else None
     ok = isinstance(v, typ) and not (isinstance(v, bool) and typ in (int, (int, type(None))))
     if not ok:
         raise FormatError(f"{where}: field {key!r} missing or not {getattr(typ, '__name__', typ)}")

@@ -14,6 +14,7 @@ from pathlib import Path
 from flashllm.errors import FormatError
 from flashllm.format.integrity import STAMP
 from flashllm.format.layout import MANIFEST_FILE
+from flashllm.format.manifest import read_manifest
 from flashllm.format.reader import FlashModel
 
 REPLACING = ".replacing.json"     # the names flashllm owns in a folder whose files it is replacing
@@ -30,7 +31,7 @@ def update_manifest(path: Path, **sections: dict) -> None:
     file = Path(path) / MANIFEST_FILE
     tmp = file.with_name(f".{MANIFEST_FILE}.tmp-{os.getpid()}")
     try:
-        manifest = json.loads(file.read_text(encoding="utf-8"))
+        manifest = read_manifest(path).to_dict()
         manifest.update(sections)
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(json.dumps(manifest, indent=1) + "\n")
@@ -126,8 +127,8 @@ def own_files(folder: Path) -> set[str]:
     names = {MANIFEST_FILE, STAMP, REPLACING}
     names |= {p.name for p in folder.iterdir() if _TEMPORARY.fullmatch(p.name)}
     try:
-        names |= _named_files(json.loads((folder / MANIFEST_FILE).read_text(encoding="utf-8")))
-    except (OSError, ValueError):
+        names |= _named_files(read_manifest(folder, validate=False).to_dict())
+    except FormatError:
         pass
     try:
         names |= {n for n in json.loads((folder / REPLACING).read_text(encoding="utf-8"))

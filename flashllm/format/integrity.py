@@ -12,6 +12,8 @@ import hashlib
 import os
 from pathlib import Path
 
+from flashllm.format.reader import FlashModel
+
 STAMP = ".verified"
 
 
@@ -26,7 +28,7 @@ def fingerprint(path: Path) -> str:
     return "\n".join([f"manifest {manifest}", *lines]) + "\n"
 
 
-def verify_on_first_load(flash) -> bool:
+def verify_on_first_load(flash: FlashModel) -> bool:
     """flash.verify() unless the folder's stamp matches its fingerprint; True when it checked.
     A checksum mismatch raises FormatError (from verify) and leaves no stamp."""
     path = Path(flash.path)

@@ -8,13 +8,12 @@ one-shot run drops the text once the prompt is encoded; the model must not keep 
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
 from flashllm.format.layout import (NATIVE, DENSE_FILE, DENSE_HEADER, DENSE_MAGIC, DTYPE_CODES,
-                                    FFN_FILE, FORMAT_VERSION, MAGIC, MANIFEST_FILE, MERGES_FORMS,
+                                    FFN_FILE, FORMAT_VERSION, MANIFEST_FILE, MERGES_FORMS,
                                     crc32_file, fits, ffn_weight, required_tensors, tensor_nbytes)
 from flashllm.format.checks import check_down_rows, file_size as _file_size, get as _get, nat as _nat, \
     side_file as _side_file
@@ -22,14 +21,16 @@ from flashllm.model.archs import arch_named
 from flashllm.model.config import ModelConfig
 from flashllm.errors import FormatError
 from flashllm.format.ffn_section import FfnLayout, check_ffn
+from flashllm.format.manifest import Manifest, read_manifest
 from flashllm.model.tensor import QTensor
 
 __all__ = ["FlashModel", "FfnLayout", "open_flash"]
 
 
-def open_flash(path: Path, verify: bool = False) -> "FlashModel":
-    """Open and validate a converted model folder; verify=True also checks every checksum."""
-    model = FlashModel(Path(path))
+def open_flash(path: Path, verify: bool = False, manifest: Manifest | None = None) -> "FlashModel":
+    """Open and validate a converted model folder; verify=True also checks every checksum.
+    manifest: the folder's, when the caller has read it (format/manifest.read_manifest)."""
+    model = FlashModel(Path(path), manifest)
     if verify:
         model.verify()
     return model
@@ -38,11 +39,11 @@ def open_flash(path: Path, verify: bool = False) -> "FlashModel":
 class FlashModel:
     """A validated flash model: manifest, config, the dense tensor table, the FFN layout."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, manifest: Manifest | None = None) -> None:
         if not path.is_dir():
             raise FormatError(f"{path}: no such model folder")
         self.path = path
-        self.manifest = _read_manifest(path / MANIFEST_FILE)
+        self.manifest: Manifest = manifest if manifest is not None else read_manifest(path)
         self.config: ModelConfig = _config(self.manifest)
         self.dtype: str = _get(self.manifest, "dtype", str, MANIFEST_FILE)
         if self.dtype not in DTYPE_CODES and self.dtype != NATIVE:
@@ -135,23 +136,6 @@ class FlashModel:
 
 
 # ---- validation helpers (more in format/checks.py) ------------------------------------------
-
-def _read_manifest(path: Path) -> dict:
-    try:
-        m = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise FormatError(f"{path}: missing (not a converted flashllm model?)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise FormatError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(m, dict) or m.get("magic") != MAGIC:
-        raise FormatError(f"{path}: bad magic (not a flashllm manifest)")
-    if m.get("format_version") != FORMAT_VERSION:
-        raise FormatError(f"{path}: format version {m.get('format_version')!r}, "
-                          f"this flashllm reads version {FORMAT_VERSION}")
-    for key in ("config", "dense", "ffn", "tokenizer", "sparsity", "predictor"):
-        _get(m, key, dict, str(path))
-    return m
-
 
 _FLOAT_FIELDS = ("norm_eps", "rope_theta", "embed_scale")
 _BOOL_FIELDS = ("glu", "tied_embeddings", "attn_qkv_bias", "attn_out_bias", "ffn_bias", "qk_norm",

@@ -9,7 +9,7 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
-from flashllm.generation.speculate import verify_tree
+from flashllm.generation.speculate import Draft, Guesses, verify_tree
 
 
 @dataclass
@@ -83,7 +83,8 @@ def prefill(model, ids: Sequence[int], pos0: int = 0,
 
 def generate(model, sampler, prompt_ids: Sequence[int], n_predict: int,
              stop_ids: Iterable[int] = (), on_token: Optional[Callable[[int], None]] = None,
-             pos0: int = 0, draft=None, on_prefill: Optional[Progress] = None) -> GenStats:
+             pos0: int = 0, draft: Optional[Draft] = None,
+             on_prefill: Optional[Progress] = None) -> GenStats:
     """Prefill prompt_ids at pos0, then sample up to n_predict tokens (n_predict < 0: until a
     stop token or the context is full). Each emitted token goes to on_token; a stop token ends
     the loop without being emitted. With a draft (speculate.NgramDraft), each pass also checks
@@ -131,7 +132,7 @@ def generate(model, sampler, prompt_ids: Sequence[int], n_predict: int,
         pos += len(new)
 
 
-def decode_pass(model, sampler, draft, history: list, pos: int, room: int):
+def decode_pass(model, sampler, draft: Optional[Draft], history: list, pos: int, room: int):
     """Feed history's last token at pos with up to room draft guesses (draft None: none).
 
     Returns (tokens, n_guesses, seconds, draft seconds, (siblings, kept)): the tokens the pass
@@ -140,8 +141,8 @@ def decode_pass(model, sampler, draft, history: list, pos: int, room: int):
     Keys/values stay valid for the fed token and the kept guesses (positions pos .. pos +
     len(tokens) - 1; a taken sibling's among them); the last token is not fed yet."""
     t0 = time.perf_counter()
-    guesses = draft.propose(history, room, pos) if draft is not None else []
-    sib = getattr(guesses, "siblings", {})                # {guess index: token}
+    guesses = draft.propose(history, room, pos) if draft is not None else Guesses()
+    sib = guesses.siblings                                # {guess index: token}
     t1 = time.perf_counter()
     order = sorted(sib)
     tokens = np.array(history[-1:] + list(guesses) + [sib[j] for j in order], dtype=np.int32)

@@ -30,7 +30,8 @@ from typing import Sequence
 
 import numpy as np
 
-from flashllm.generation.speculate import DecayedLine, DraftError, DraftLength, Guesses, NgramDraft
+from flashllm.generation.speculate import (DecayedLine, Draft, DraftError, DraftLength, Guesses,
+                                           NgramDraft)
 
 
 REFRESH = 16        # while the guess counts do not vary: a pass without guesses after this many
@@ -46,7 +47,7 @@ PASS_TOKENS = 10     # a pass's chain and siblings together: the kernels' per-to
                      # go this far; beyond, GEMM panels round otherwise than one-token decoding
 
 
-class SelfDraft:
+class SelfDraft(Draft):
     """Guesses by running the resident model ahead of the verified text, one token at a time,
     or several in one pass where the context's n-grams foresee them (propose).
 
@@ -99,7 +100,7 @@ class SelfDraft:
         self._sib_idle = (self._sib_idle + 1) % SIBLING_EXPLORE
         return self.siblings if self._sib_idle == 0 else 0
 
-    def propose(self, history: Sequence[int], room: int, pos: int = 0) -> list[int]:
+    def propose(self, history: Sequence[int], room: int, pos: int = 0) -> Guesses:
         """Up to min(room, the chosen length) guesses after history, whose last token is fed at
         pos; fewer when the draft's confidence drops below p_min.
 
@@ -141,9 +142,8 @@ class SelfDraft:
         """The draft's head learns the tokens the context has used (their rows become held)."""
         if self._seen > len(history):
             self._seen = 0
-        see = getattr(self.model.w, "see", None)
-        if see is not None and self._seen < len(history):
-            see(history[self._seen:])
+        if self._seen < len(history):
+            self.model.w.see(history[self._seen:])
         self._seen = len(history)
 
 

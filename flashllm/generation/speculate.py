@@ -15,7 +15,7 @@ the corrected token, and when every guess is kept the pass's last row yields one
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 
@@ -153,7 +153,21 @@ class DecayedLine:
         return (sxy / w - sx / w * sy / w) / self._var_x()
 
 
-class NgramDraft:
+class Draft(Protocol):
+    """What generation asks of a draft (NgramDraft; self_draft.SelfDraft)."""
+
+    def propose(self, history: Sequence[int], room: int, pos: int = 0) -> Guesses:
+        """Up to room guesses for the positions after history, whose last token is fed at pos."""
+        ...
+
+    def observe(self, n_guesses: int, n_kept: int, seconds: float,
+                siblings: tuple[int, int] = (0, 0), drafting: float = 0.0) -> None:
+        """After a pass: its guesses, the tokens it kept past the first, its seconds (drafting
+        included), (siblings checked, taken), the drafting's seconds."""
+        ...
+
+
+class NgramDraft(Draft):
     """Guesses the next tokens by looking the context's last n-gram up earlier in the context.
 
     propose(history, room) -> up to room token ids, as many as DraftLength finds worth checking;
@@ -176,10 +190,10 @@ class NgramDraft:
                 drafting: float = 0.0) -> None:
         self.length.observe(n_guesses, n_kept, seconds)
 
-    def propose(self, history: Sequence[int], room: int, pos: int = 0) -> list[int]:
+    def propose(self, history: Sequence[int], room: int, pos: int = 0) -> Guesses:
         """Up to min(room, the chosen length) tokens that followed the longest n-gram ending
         history (none when nothing matches); pos (where history's last token is fed) unused."""
-        return self.lookup(history, min(room, self.length.choose()))
+        return Guesses(self.lookup(history, min(room, self.length.choose())))
 
     def lookup(self, history: Sequence[int], k: int, tail: Sequence[int] = ()) -> list[int]:
         """Up to k tokens after the latest earlier occurrence of the longest final n-gram of

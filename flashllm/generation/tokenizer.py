@@ -12,14 +12,18 @@ from pathlib import Path
 from typing import Sequence
 
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.models import BPE, Unigram
 
 from flashllm.errors import FlashError, FormatError
 from flashllm.ffi.heap import trim_heap
+from flashllm.format.reader import FlashModel
 from flashllm.generation.byte_table import (ByteTable, decoder_json, decoder_of_file,
                                             drops_leading_space, table_decoder)
 
 __all__ = ["ByteTable", "Detokenizer", "ReleasedError", "Tokenizer", "decodes_through_table"]
 STREAM_CONTEXT = "a"    # the text a window-decoded stream may start after (Detokenizer)
+
+WORD_CACHES = (BPE, Unigram)   # the `tokenizers` models that keep a word cache (_resize_cache)
 
 
 class Detokenizer:
@@ -105,8 +109,8 @@ class Tokenizer:
         return cls(source, eos_ids, word_cache)
 
     @classmethod
-    def from_flash(cls, flash, word_cache: bool = True) -> "Tokenizer":
-        """From a converted model (anything with .tokenizer_bytes and .config.eos_token_ids)."""
+    def from_flash(cls, flash: FlashModel, word_cache: bool = True) -> "Tokenizer":
+        """From a converted model (its tokenizer.json and end-of-sequence ids)."""
         source = flash.tokenizer_bytes
         if source is None:
             raise FormatError("model has no tokenizer")
@@ -124,7 +128,7 @@ class Tokenizer:
                 self._hf = HFTokenizer.from_buffer(self._source)
             except Exception as e:     # tokenizers raises plain Exception for a bad JSON
                 raise FormatError(f"tokenizer JSON cannot be loaded ({e})") from None
-            if not self._word_cache and hasattr(self._hf.model, "_resize_cache"):
+            if not self._word_cache and isinstance(self._hf.model, WORD_CACHES):
                 self._hf.model._resize_cache(0)     # the models that keep a word cache
             trim_heap()               # the load's temporaries: most of its peak
         return self._hf

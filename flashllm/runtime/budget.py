@@ -26,7 +26,6 @@ head is worth keeping over the caches, and its caches hold whole experts (_cache
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,9 +41,9 @@ from flashllm.units import MiB, SizeError, format_size, parse_size
 
 PROCESS_STEP = 8 * MiB          # the process is counted in whole steps (process_rss)
 STAGING_BYTES = 16 * MiB       # the sparse FFN's staging buffer: prefill halves, the decode read-ahead ring
-RING_BUFFERS = 4               # the read-ahead ring's buffers: each holds up to a whole layer's bundles
                                # (a small model then takes one chunk per layer, not four: every
                                # chunk is a kernel call that wakes the threads)
+RING_BUFFERS = 4               # the read-ahead ring's buffers: each holds up to a whole layer's bundles
 ROW_MAP_BYTES = 4 + 8          # per cache row: slot_of (int32) + last_use (int64)
 WORK_FIXED = 10 * MiB          # activations, attention scratch, Python objects of a forward pass
 
@@ -112,8 +111,27 @@ def _describe(names) -> str:
     return ", ".join(parts)
 
 
-def parse_budget(text: str, model_bytes: int) -> int:
-    """Bytes of '1.5GiB', '560MiB', '4096' or '50%' (of model_bytes, the converted model)."""
+@dataclass(frozen=True)
+class Budget:
+    """A --dram-budget, parsed once where it is given (parse_budget): bytes, or a percentage of
+    the converted model's bytes; text is what the user wrote, for the messages that name it."""
+
+    text: str
+    nbytes: int = 0                   # bytes, when not a percentage
+    percent: float = 0.0              # of the model's bytes, in (0, 100]; 0: nbytes
+
+    @classmethod
+    def of_bytes(cls, n: int) -> "Budget":
+        return cls(str(n), nbytes=int(n))
+
+    def bytes_of(self, model_bytes: int) -> int:
+        """The budget in bytes for a model of model_bytes."""
+        return int(model_bytes * self.percent / 100) if self.percent else self.nbytes
+
+
+def parse_budget(text: str) -> Budget:
+    """The Budget of '1.5GiB', '560MiB', '4096' or '50%' (of the converted model); BudgetError
+    (one line) for anything else: empty, NaN, zero or negative, a percentage past 100."""
     t = text.strip()
     if t.endswith("%"):
         try:
@@ -122,9 +140,9 @@ def parse_budget(text: str, model_bytes: int) -> int:
             pct = -1.0
         if not 0 < pct <= 100:
             raise BudgetError(f"--dram-budget {text!r}: a percentage must be in (0, 100]")
-        return int(model_bytes * pct / 100)
+        return Budget(text, percent=pct)
     try:
-        return parse_size(t)
+        return Budget(text, nbytes=parse_size(t))
     except SizeError:
         raise BudgetError(f"--dram-budget {text!r} is not a size (e.g. 1.5GiB, 560MiB) or a "
                           f"percentage of the model (e.g. 50%)") from None
@@ -141,14 +159,6 @@ def process_rss(step: int = PROCESS_STEP) -> int:
     except (OSError, IndexError, ValueError):
         return 0
     return -(-rss // step) * step
-
-
-def read_manifest(path: Path) -> dict:
-    """The manifest of a converted model, without loading anything else."""
-    try:
-        return json.loads((Path(path) / "manifest.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise BudgetError(f"{path}: cannot read manifest.json ({e})") from None
 
 
 def model_bytes(manifest: dict) -> int:
@@ -189,7 +199,7 @@ def dense_groups(manifest: dict) -> tuple[int, list[tuple[list[str], int]], tupl
     embeddings (names, bytes) kept last): vectors and small matrices; each layer's attention,
     then the output head; token_embd (the head too when tied). What does not fit is read every
     token either way (the bytes are equal, what DRAM is left goes to the neuron caches; both
-    join the FFN's read-ahead schedule when its reads are static: runtime.stream_dense)."""
+    join a static pass's read stream: runtime/stream.py)."""
     entries = {t["name"]: t for t in manifest["dense"]["tensors"]}
     tensors = {n: int(t["nbytes"]) for n, t in entries.items()}
     head = head_name(manifest)
@@ -218,34 +228,29 @@ def stream_reserve(manifest: dict, n_ctx: int, streamed=None) -> int:
         * on("token_embd.weight")
 
 
-def plan_budget(manifest: dict, budget_text: str, n_ctx: int, process: int, predictor: int = 0,
+def plan_budget(manifest: dict, budget_given: Budget, n_ctx: int, process: int, predictor: int = 0,
                 reader_stage: int = 0, naive: bool = False, pin_fraction: float = 0.5,
                 keep_tokenizer: bool = False, draft: int = 0,
                 sketch: tuple[int, int] = (0, 0)) -> BudgetPlan:
-    """Keep dense weights, then size the neuron caches; BudgetError (one line) when it cannot
-    work. sketch: (resident bytes, bytes read a token) of a sparse head (sparse_head.sketch_bytes)
-    when one may run; (0, 0): it may not."""
+    """Keep dense weights, then size the neuron caches within budget_given (a Budget, parsed
+    where it was given); BudgetError (one line) when it cannot work (check_budget). Arithmetic
+    on the manifest (a Manifest, or its mapping) and the arguments: nothing read, nothing
+    parsed. sketch: (resident bytes, bytes read a token) of a sparse head
+    (sparse_head.sketch_bytes) when one may run; (0, 0): it may not."""
     f = manifest["ffn"]
     n_layers, n_ff, stride = int(f["n_layers"]), int(f["n_ff"]), int(f["stride"])
     strides = sum(layer_strides(f))                  # one slot of every layer
-    budget = parse_budget(budget_text, model_bytes(manifest))
-    staging_rows = min(RING_BUFFERS * n_ff, max(1, STAGING_BYTES // stride))
-    resident = resident_bytes(manifest, n_ctx, process, predictor, reader_stage,
-                              staging_rows * stride, keep_tokenizer, draft)
+    budget, staging_rows, resident, fixed = _floor(manifest, budget_given, n_ctx, process,
+                                                   predictor, reader_stage, naive,
+                                                   keep_tokenizer, draft)
     always, groups, embed = dense_groups(manifest)
     dense_all = always + sum(b for _, b in groups) + embed[1]
-    fixed = sum(resident.values()) + always + (0 if naive else 4 * n_ff * n_layers)
     row = strides + n_layers * ROW_MAP_BYTES
     full_cache = 0 if naive else n_ff * row
-    _check_tokenizer_load(manifest, budget, budget_text, process)
     kept, streamed, left = dense_all, [], budget - fixed - (dense_all - always)
     sparse = False
     if left < full_cache:         # streaming what does not fit, or the embeddings, may read less
         stream = _stream_plan(manifest, n_ctx, budget - fixed, groups, embed)
-        if stream is None and left < 0:
-            reserve = stream_reserve(manifest, n_ctx)
-            _refuse(budget, budget_text, {**resident, "dense vectors": always,
-                                          "stream buffers": reserve}, fixed + reserve)
         cheaper = stream is not None and _read_per_token(manifest, full_cache, stream, groups) \
             < ffn_reads(manifest, full_cache, left)
         if stream is not None and (left < 0 or cheaper):
@@ -275,6 +280,37 @@ def plan_budget(manifest: dict, budget_text: str, n_ctx: int, process: int, pred
                       staging_rows, notes, tuple(streamed), per_token,
                       expert_rows=int(manifest["config"]["n_ff"]) if moe else 0,
                       sparse_head=sparse)
+
+
+def check_budget(manifest: dict, budget_given: Budget, n_ctx: int, process: int,
+                 predictor: int = 0, reader_stage: int = 0, naive: bool = False,
+                 keep_tokenizer: bool = False, draft: int = 0, **_) -> None:
+    """plan_budget's refusals alone, without a plan (the same arguments; BudgetError, the same
+    line): the tokenizer's load, and what must stay resident — the process, the KV cache, the
+    buffers, the dense vectors, and the dense matrices or the buffers streaming them."""
+    _floor(manifest, budget_given, n_ctx, process, predictor, reader_stage, naive,
+           keep_tokenizer, draft)
+
+
+def _floor(manifest: dict, budget_given: Budget, n_ctx: int, process: int, predictor: int,
+           reader_stage: int, naive: bool, keep_tokenizer: bool, draft: int) -> tuple:
+    """(the budget's bytes, staging rows, what stays resident by name, its bytes with the dense
+    vectors and the cache maps), or plan_budget's refusal."""
+    f = manifest["ffn"]
+    n_layers, n_ff, stride = int(f["n_layers"]), int(f["n_ff"]), int(f["stride"])
+    budget, budget_text = budget_given.bytes_of(model_bytes(manifest)), budget_given.text
+    staging_rows = min(RING_BUFFERS * n_ff, max(1, STAGING_BYTES // stride))
+    resident = resident_bytes(manifest, n_ctx, process, predictor, reader_stage,
+                              staging_rows * stride, keep_tokenizer, draft)
+    always, groups, embed = dense_groups(manifest)
+    dense_all = always + sum(b for _, b in groups) + embed[1]
+    fixed = sum(resident.values()) + always + (0 if naive else 4 * n_ff * n_layers)
+    check_tokenizer_load(manifest, budget, budget_text, process)
+    reserve = stream_reserve(manifest, n_ctx)        # everything streamed: the least it takes
+    if budget - fixed - (dense_all - always) < 0 and budget - fixed < reserve:
+        _refuse(budget, budget_text, {**resident, "dense vectors": always,
+                                      "stream buffers": reserve}, fixed + reserve)
+    return budget, staging_rows, resident, fixed
 
 
 def _uncalibrated(whole_head: bool) -> tuple[str, ...]:
@@ -381,7 +417,7 @@ def _stream_plan(manifest: dict, n_ctx: int, avail: int, groups: list, embed: tu
     return kept, streamed, left + reserve - stream_reserve(manifest, n_ctx, set(streamed))
 
 
-def _check_tokenizer_load(manifest: dict, budget: int, text: str, process: int) -> None:
+def check_tokenizer_load(manifest: dict, budget: int, text: str, process: int) -> None:
     """The tokenizers object peaks while it loads (before the model): it must fit then."""
     need = process + tokenizer_load_peak(manifest["tokenizer"])
     if budget < need:

@@ -26,8 +26,10 @@ from typing import Optional
 import numpy as np
 
 from flashllm.ffi import kernel
-from flashllm.ffi.reader import aligned_empty
+from flashllm.ffi.reader import Reader, aligned_empty
+from flashllm.format.reader import FlashModel
 from flashllm.runtime.budget import BudgetPlan
+from flashllm.runtime.interfaces import FfnStrategy
 from flashllm.runtime.moe import Routers, add_shared, mix_experts, top_k
 from flashllm.runtime.stats import FlashStats, TokenStats
 from flashllm.storage.readahead import reader_delta
@@ -88,10 +90,10 @@ class ExpertCache:
         return slot
 
 
-class ExpertFlashFfn:
+class ExpertFlashFfn(FfnStrategy):
     """An FFN strategy (runtime/ffn.py) for a mixture of experts whose bundles stay on flash."""
 
-    def __init__(self, flash, plan: BudgetPlan, reader, n_threads: int = 1, naive: bool = False,
+    def __init__(self, flash: FlashModel, plan: BudgetPlan, reader: Reader, n_threads: int = 1, naive: bool = False,
                  prefetch: bool = True, exact: bool = False):
         cfg, f = flash.config, flash.ffn
         self.f, self.reader, self.n_threads, self.exact = f, reader, n_threads, exact

@@ -4,7 +4,8 @@ The model calls `ffn.start_pass(T, prefill, pos0)` once per forward pass (its to
 positions pos0 ..), then `ffn(layer, h, x)` per layer: x (T, d_model) += FFN(h), h (T, d_model)
 the normalized FFN input (the model adds the down bias afterwards). prefill says the pass
 evaluates a prompt; a decode pass feeds one sampled token and any draft guesses
-(flashllm/generation/speculate.py). A strategy also reports `stats()` for --stats.
+(flashllm/generation/speculate.py). A strategy also reports `stats()` for --stats, and
+close() releases what it holds (runtime/interfaces.py FfnStrategy declares the seam).
 """
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ from typing import Optional
 import numpy as np
 
 from flashllm.ffi import kernel
+from flashllm.format.reader import FlashModel
 from flashllm.model.tensor import QTensor
 from flashllm.model.archs.tensors import BY_FIELD
+from flashllm.runtime.interfaces import FfnStrategy
 
 
-def bundle_ids(flash, layer: int) -> Optional[np.ndarray]:
+def bundle_ids(flash: FlashModel, layer: int) -> Optional[np.ndarray]:
     """(n_ff,) int32 neuron id of each stored bundle slot when neurons are reordered, else None."""
     order = flash.ffn.neuron_order                      # (n_layers, n_ff) int32 or None
     if order is None:
@@ -25,14 +28,14 @@ def bundle_ids(flash, layer: int) -> Optional[np.ndarray]:
     return np.ascontiguousarray(order[layer], dtype=np.int32)  # (n_ff,)
 
 
-def up_biases(flash) -> list[Optional[np.ndarray]]:
+def up_biases(flash: FlashModel) -> list[Optional[np.ndarray]]:
     """Per layer the (n_ff,) up bias indexed by neuron id, or None (GLU models have none)."""
     up_b = BY_FIELD["up_b"]
     return [flash.tensor(up_b.at(i)) if flash.has(up_b.at(i)) else None
             for i in range(flash.config.n_layers)]
 
 
-def gate_up_rows(flash, layer: int) -> QTensor:
+def gate_up_rows(flash: FlashModel, layer: int) -> QTensor:
     """Layer `layer`'s gate rows then up rows (up only for a non-GLU model), each in neuron id
     order, copied out of its bundles: (2 n_ff, d_model) (or (n_ff, d_model)) in the FFN dtype."""
     f, ids = flash.ffn, bundle_ids(flash, layer)
@@ -49,7 +52,7 @@ def gate_up_rows(flash, layer: int) -> QTensor:
     return QTensor(rows, f.dtype, k * f.n_ff, f.d_model)
 
 
-class DenseFfn:
+class DenseFfn(FfnStrategy):
     """The whole FFN in DRAM; each token runs all of it. A folder with the source's own down
     matrices (down.bin) runs as three matrix products per layer — gate and up rows (copied out
     of the bundles) times x, the activation, the down rows times h — as llama.cpp does (`rows`;
@@ -58,10 +61,12 @@ class DenseFfn:
     otherwise (older folders, `exact`, or magnitude thresholds) over the bundles, the down
     columns added one neuron at a time (fl_ffn_bundles)."""
 
-    def __init__(self, flash, n_threads: int = 1, threshold: Optional[list[float]] = None,
-                 exact: bool = False, summary: str = ""):
-        """summary: the DRAM plan of a budget that holds the whole FFN (for stats())."""
+    def __init__(self, flash: FlashModel, n_threads: int = 1, threshold: Optional[list[float]] = None,
+                 exact: bool = False, summary: str = "", layers: Optional[list[int]] = None):
+        """summary: the DRAM plan of a budget that holds the whole FFN (for stats()); layers:
+        the only layers read (None: all; runtime/layer_pass.py runs one at a time)."""
         cfg = flash.config
+        held = set(range(cfg.n_layers) if layers is None else layers)
         self.summary = summary
         self.dtype, self.d, self.glu, self.act = flash.ffn.dtype, cfg.d_model, cfg.glu, cfg.act
         self.down_dtypes = flash.ffn.down_dtypes                          # per layer
@@ -72,11 +77,13 @@ class DenseFfn:
         self.rows = flash.down_rows is not None and not exact and not any(self.threshold)
         if self.rows:      # repacked for this build's matmul where it has a packed layout
             packed = lambda w: kernel.pack(w, in_place=True) or w
-            self.gate_up = [packed(gate_up_rows(flash, i)) for i in range(cfg.n_layers)]  # (k n_ff, d)
-            self.down = [packed(flash.read_down_rows(i)) for i in range(cfg.n_layers)]    # (d, n_ff)
+            self.gate_up = [packed(gate_up_rows(flash, i)) if i in held else None
+                            for i in range(cfg.n_layers)]                     # (k n_ff, d)
+            self.down = [packed(flash.read_down_rows(i)) if i in held else None
+                         for i in range(cfg.n_layers)]                        # (d, n_ff)
             return
-        self.bundles = [np.ascontiguousarray(flash.read_ffn_layer(i))   # (n_ff, stride) uint8
-                        for i in range(cfg.n_layers)]
+        self.bundles = [np.ascontiguousarray(flash.read_ffn_layer(i)) if i in held else None
+                        for i in range(cfg.n_layers)]                         # (n_ff, stride) uint8
         self.ids = [bundle_ids(flash, i) for i in range(cfg.n_layers)]  # (n_ff,) int32 or None
 
     def start_pass(self, n_tokens: int, prefill: bool, pos0: int = 0) -> None:
@@ -99,6 +106,3 @@ class DenseFfn:
     def stats(self) -> dict:
         return {"ffn": "dense", "plan": {"summary": self.summary}} if self.summary else \
             {"ffn": "dense"}
-
-    def close(self) -> None:
-        pass

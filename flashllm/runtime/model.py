@@ -11,10 +11,11 @@ One code path serves prefill (T tokens at once) and decode (T = 1):
     logits = [softcap](output([proj_out](norm(x)) [/ logit_scale]))
 
 Per-token math runs in C through flashllm/ffi/kernel.py; numpy only reshapes and adds. The FFN of each layer
-is a strategy object (flashllm/runtime/ffn.py): `ffn(layer, h, x)` adds the FFN of h to x. The default,
+is a strategy object (an FfnStrategy, flashllm/runtime/interfaces.py): `ffn(layer, h, x)` adds
+the FFN of h to x. The default,
 DenseFfn, reads every layer's bundles into DRAM; the sparse flash FFN streams them. The other
-weights come from a DenseWeights (flashllm/runtime/weights.py): resident, or streamed from dense.bin
-where the DRAM budget cannot hold them.
+weights come from a DenseSource: a DenseWeights (flashllm/runtime/weights.py), resident or
+streamed from dense.bin where the DRAM budget cannot hold them.
 
 A one-token pass runs a layer's attention and its dense FFN as one C call each where they
 qualify (_token_blocks: ffi/block.py, native/block.c): the same kernel calls in the same order
@@ -29,8 +30,11 @@ import numpy as np
 
 from flashllm.ffi import kernel
 from flashllm.ffi.block import AttnToken, FfnToken
+from flashllm.format.reader import FlashModel
 from flashllm.model.rope import inv_freq
+from flashllm.runtime.interfaces import DenseSource, FfnStrategy
 from flashllm.runtime.layer import Layer
+from flashllm.runtime.sparse_head import SparseHead
 from flashllm.runtime.weights import DenseWeights
 from flashllm.errors import FlashError
 from flashllm.runtime.ffn import DenseFfn
@@ -47,8 +51,9 @@ KV_DTYPES = {"f32": np.float32, "f16": np.float16}   # the KV cache's element ty
 class Model:
     """A flash model made runnable: dense weights, an FFN strategy, a preallocated KV cache."""
 
-    def __init__(self, flash, n_threads: int = 1, n_ctx: int = 2048, ffn=None, weights=None,
-                 exact: bool = False, kv_dtype: str = "f32", head=None):
+    def __init__(self, flash: FlashModel, n_threads: int = 1, n_ctx: int = 2048,
+                 ffn: Optional[FfnStrategy] = None, weights: Optional[DenseSource] = None,
+                 exact: bool = False, kv_dtype: str = "f32", head: Optional[SparseHead] = None):
         cfg = flash.config
         if n_ctx <= 0:
             raise ContextError(f"n_ctx={n_ctx} must be positive")
@@ -59,9 +64,9 @@ class Model:
         self.exact = exact      # q4_0 / q4_1 / q8_0 matmuls in f32 instead of on int8 activations
         if ffn is None:
             ffn = (MoeFfn if cfg.n_experts else DenseFfn)(flash, n_threads, exact=exact)
-        self.ffn = ffn
-        self.w = DenseWeights(flash, n_threads, pack=not exact) if weights is None else weights
-        self.head = head        # a SparseHead (runtime/sparse_head.py) or None: the whole head
+        self.ffn: FfnStrategy = ffn
+        self.w: DenseSource = DenseWeights(flash, n_threads, pack=not exact) if weights is None else weights
+        self.head = head        # the sparse output head (runtime/sparse_head.py) or None: the whole head
         self.fed = np.zeros(n_ctx, dtype=np.int32)                       # (n_ctx,) token at each position
         shape = (cfg.n_layers, n_ctx, cfg.n_kv_heads, cfg.head_dim)
         if kv_dtype not in KV_DTYPES:
@@ -80,7 +85,7 @@ class Model:
                                       # the kernel-call sequence, as tests and benches compare)
         self._blocks = None           # _token_blocks: built on the first one-token pass
 
-    def sibling(self, ffn, weights) -> "Model":
+    def sibling(self, ffn: FfnStrategy, weights: DenseSource) -> "Model":
         """A model over the same config and KV cache with another FFN and dense weights (the
         resident sub-network, runtime/resident.py): what either writes, the other reads."""
         other = copy.copy(self)

@@ -19,6 +19,8 @@ import numpy as np
 
 from flashllm.model.archs.tensors import ROUTER, SHARED_GATE
 from flashllm.ffi import kernel
+from flashllm.format.reader import FlashModel
+from flashllm.runtime.interfaces import FfnStrategy
 
 RunExpert = Callable[[int, np.ndarray, np.ndarray], None]   # (expert, h (n, d), y (n, d)): y += FFN
 
@@ -26,7 +28,7 @@ RunExpert = Callable[[int, np.ndarray, np.ndarray], None]   # (expert, h (n, d),
 class Routers:
     """Every layer's router (n_experts, d_model) and shared-expert gate (d_model,) or None."""
 
-    def __init__(self, flash, n_threads: int = 1):
+    def __init__(self, flash: FlashModel, n_threads: int = 1):
         cfg = flash.config
         self.k, self.norm_topk, self.n_threads = cfg.n_experts_used, cfg.norm_topk, n_threads
         self.weights = [flash.tensor(f"blk.{i}.{ROUTER}")                  # QTensor (n_exp, d)
@@ -79,10 +81,10 @@ def add_shared(h: np.ndarray, x: np.ndarray, gate: np.ndarray, run: Callable) ->
     x += g[:, None].astype(np.float32) * y
 
 
-class MoeFfn:
+class MoeFfn(FfnStrategy):
     """Every expert of every layer read into DRAM once; each token runs its top-k experts."""
 
-    def __init__(self, flash, n_threads: int = 1, exact: bool = False):
+    def __init__(self, flash: FlashModel, n_threads: int = 1, exact: bool = False):
         cfg = flash.config
         self.dtype, self.d, self.act, self.n_ff = flash.ffn.dtype, cfg.d_model, cfg.act, cfg.n_ff
         self.n_experts, self.n_threads, self.exact = cfg.n_experts, n_threads, exact

@@ -22,7 +22,7 @@ position's last write, and attention reads only positions up to its own).
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 import numpy as np
 
@@ -30,6 +30,11 @@ from flashllm.errors import FlashError
 from flashllm.ffi import kernel
 from flashllm.model.tensor import QTensor
 from flashllm.runtime.budget import head_name
+from flashllm.runtime.interfaces import DenseSource, FfnStrategy
+from flashllm.runtime.weights import DenseWeights
+
+if TYPE_CHECKING:     # loaded by the run that builds one, not before its plan
+    from flashllm.runtime.sparse_ffn import SparseFlashFfn
 
 
 class ResidentError(FlashError):
@@ -105,12 +110,12 @@ class ColdCarry:
             x += self.alpha[layer] * self.rows[layer, min(q - 1 - self.first, self.n - 1)]
 
 
-class ResidentFfn:
+class ResidentFfn(FfnStrategy):
     """The FFN strategy of the resident model: each layer over its neuron cache's rows only,
     plus what a ColdCarry lends."""
 
-    def __init__(self, sparse, carry: Optional[ColdCarry] = None):
-        self.sparse = sparse          # a SparseFlashFfn (its caches and kernel arguments)
+    def __init__(self, sparse: SparseFlashFfn, carry: Optional[ColdCarry] = None):
+        self.sparse = sparse          # its caches and kernel arguments
         self.carry, self.pos0 = carry, 0
 
     def start_pass(self, n_tokens: int, prefill: bool, pos0: int = 0) -> None:
@@ -129,7 +134,7 @@ class HeadRows:
     """Rows of a streamed output head for a growing set of token ids, in DRAM: logits (T, vocab)
     over them (-inf elsewhere). Capacity: n_rows + the context's tokens."""
 
-    def __init__(self, weights, n_rows: int, n_ctx: int):
+    def __init__(self, weights: DenseWeights, n_rows: int, n_ctx: int):
         t = weights.flash.dense_entry(weights.head_name)
         self.weights, self.name, self.dtype = weights, weights.head_name, t["dtype"]
         self.vocab, self.cols = t["shape"]
@@ -184,11 +189,11 @@ def _head_row_bytes(manifest: dict) -> tuple[int, int]:
     return vocab, e["nbytes"] // vocab + 8
 
 
-class ResidentWeights:
+class ResidentWeights(DenseSource):
     """The dense weights as the resident model sees them: the same embeddings, norms and resident
     attention; the output head resident, or a HeadRows."""
 
-    def __init__(self, weights, head_rows: Optional[HeadRows] = None):
+    def __init__(self, weights: DenseWeights, head_rows: Optional[HeadRows] = None):
         streamed = weights.streamed_layers()
         if streamed:
             raise ResidentError(f"the resident model needs every layer's attention in DRAM; "
@@ -223,8 +228,9 @@ class ResidentWeights:
 def resident_model(model, head_rows: int = 0):
     """The resident sub-network of model (a Model over a SparseFlashFfn): a Model sharing its
     KV cache; head_rows: the candidate rows to hold when the output head streams."""
+    from flashllm.runtime.sparse_ffn import SparseFlashFfn
     sparse = model.ffn
-    if not hasattr(sparse, "resident") or not sparse.caches:
+    if not isinstance(sparse, SparseFlashFfn) or not sparse.caches:
         raise ResidentError("self-speculation needs a model whose FFN streams from flash "
                             "(--dram-budget) with neuron caches")
     w = model.w
@@ -243,10 +249,10 @@ def carry_bytes(manifest: dict) -> int:
     return ColdCarry.nbytes(c["n_layers"], c["d_model"])
 
 
-def _carry(sparse) -> Optional[ColdCarry]:
+def _carry(sparse: SparseFlashFfn) -> Optional[ColdCarry]:
     """A ColdCarry recording sparse's static passes, where its caches hold CARRY_MIN_SHARE of
     every layer's neurons (below it the lent output misleads the draft: PREDICTOR.md)."""
-    if sparse.naive or sparse.schedule is None or \
+    if sparse.naive or sparse.stream is None or \
             not carries(min(c.n_pinned for c in sparse.caches), sparse.f.n_ff):
         return None
     sparse.carry = ColdCarry(len(sparse.caches), sparse.d)

@@ -9,14 +9,14 @@ Decode (one token, or a token + draft guesses: their union), per layer:
     y += FFN over the new rows; misses the cache could not take stream through the staging buffer
 Static passes: when every token needs the same slots 0 .. k-1 (predictor.AllSlots: no trained
 predictor; or --naive, the paper's baseline, every bundle every token), every cache row is pinned
-and the rest comes from the read-ahead (docs/ARCHITECTURE.md, "The read-ahead"; schedule.py)
-through the staging memory cut into four page-aligned buffers, with streamed attention and a
-streamed output head in the same schedule (stream_dense).
+and the rest comes from the pass's read stream it is built with (runtime/stream.py: the
+read-ahead through the staging memory cut into four page-aligned buffers, docs/ARCHITECTURE.md,
+"The read-ahead"), which also carries streamed attention and a streamed output head.
 With a predictor, a prefill (T > 1) reads each layer whole and sequentially through the staging
 buffer's two halves (pinned rows come from the cache) and computes densely. Every path applies
 the layer's calibrated magnitude threshold (manifest `sparsity.thresholds`, 0 when
-absent). Predictors: anything with predict(layer, h) -> sorted int32 slots and nbytes; with an
-`n_static` attribute k it promises slots 0 .. k-1 for every input.
+absent). Predictors: sparsity.predictor.NeuronPredictor (predict(layer, h) -> sorted int32
+slots, nbytes); an AllSlots promises slots 0 .. n_static-1 for every input (static_slots).
 """
 from __future__ import annotations
 
@@ -27,27 +27,46 @@ from typing import Optional
 import numpy as np
 
 from flashllm.ffi import kernel
-from flashllm.runtime.budget import RING_BUFFERS, BudgetPlan
-from flashllm.sparsity.activations import exact_active, manifest_thresholds
-from flashllm.runtime.neuron_cache import NeuronCache
-from flashllm.storage.costmodel import CostModel
+from flashllm.ffi.reader import Reader, aligned_empty
+from flashllm.format.reader import FlashModel
+from flashllm.runtime.budget import BudgetPlan
 from flashllm.runtime.ffn import bundle_ids, up_biases
 from flashllm.runtime.ffn_reads import FfnReads
+from flashllm.runtime.interfaces import FfnStrategy
+from flashllm.runtime.neuron_cache import NeuronCache
 from flashllm.runtime.stats import FlashStats, TokenStats
-from flashllm.ffi.reader import aligned_empty
-from flashllm.runtime.schedule import PassSchedule
-from flashllm.storage.readahead import as_rows, block_step, page_chunks, page_step
+from flashllm.runtime.stream import PassStream
+from flashllm.sparsity.activations import exact_active, manifest_thresholds
+from flashllm.sparsity.predictor import AllSlots, NeuronPredictor
+from flashllm.storage.costmodel import CostModel
 
 clock = time.perf_counter
 SERIAL_BYTES = 256 << 10       # an FFN call over fewer bundle bytes (x tokens) runs on one thread
 
 
-class SparseFlashFfn:
-    """An FFN strategy (flashllm/runtime/ffn.py) that streams bundles from ffn.bin through `reader`."""
+def static_slots(predictor: NeuronPredictor, naive: bool, n_ff: int) -> Optional[int]:
+    """k when every token needs slots 0 .. k-1 (--naive: all of them; an AllSlots: its
+    n_static), else None (the predictor's slots depend on the token)."""
+    if naive:
+        return n_ff
+    return predictor.n_static if isinstance(predictor, AllSlots) else None
 
-    def __init__(self, flash, predictor, budget_plan: BudgetPlan, reader, n_threads: int = 1,
-                 window: int = 4, naive: bool = False, cost: Optional[CostModel] = None,
-                 check: bool = False, overlap: bool = True, exact: bool = False):
+
+def pinned_rows(plan: BudgetPlan, static: Optional[int]) -> int:
+    """Rows each cache pins: every row a static pass can use (all its rows are read once),
+    else the plan's hot rows."""
+    return plan.n_pinned if static is None else min(plan.capacity, static)
+
+
+class SparseFlashFfn(FfnStrategy):
+    """An FFN strategy (flashllm/runtime/ffn.py) that streams bundles from ffn.bin through `reader`;
+    a static pass's bundles past the pinned rows come from `stream` (pass_stream over the same
+    reader: started here once the pinned rows are read; closed by close())."""
+
+    def __init__(self, flash: FlashModel, predictor: NeuronPredictor, budget_plan: BudgetPlan,
+                 reader: Reader, n_threads: int = 1, window: int = 4, naive: bool = False,
+                 cost: Optional[CostModel] = None, check: bool = False, overlap: bool = True,
+                 exact: bool = False, stream: Optional[PassStream] = None):
         cfg, f = flash.config, flash.ffn
         self.flash, self.f, self.predictor, self.reader = flash, f, predictor, reader
         self.d, self.glu, self.act, self.n_threads = cfg.d_model, cfg.glu, cfg.act, n_threads
@@ -56,16 +75,21 @@ class SparseFlashFfn:
         self.ids = [bundle_ids(flash, i) for i in range(cfg.n_layers)]   # (n_ff,) int32 or None
         self.up_b = up_biases(flash)                                     # (n_ff,) f32 or None
         self.threshold = manifest_thresholds(flash.manifest, cfg.n_layers)
+        self.static = static_slots(predictor, naive, f.n_ff)  # a static set: every cache row pinned
+        pins = pinned_rows(budget_plan, self.static)
+        if self.static is not None and stream is None and (naive or pins < self.static):
+            raise ValueError("a static pass reads its uncached slots through a read stream "
+                             "(runtime/stream.py pass_stream)")
+        self.stream = stream
         rows = 2 * max(1, budget_plan.staging_rows // 2)                 # two halves
-        self.staging = aligned_empty(rows * f.stride).reshape(-1, f.stride)  # (rows, stride)
+        self.staging = None if stream is not None else \
+            aligned_empty(rows * f.stride).reshape(-1, f.stride)          # (rows, stride)
         # a half of the staging buffer in bytes: layer l sees it as rows of its own stride
         self._half_bytes = rows // 2 * f.stride
         self._ahead = None            # (layer, first chunk, half, read job) issued ahead
         cost = cost or CostModel.defaults()
         self.cost = cost
         self.reads = FfnReads(f, reader, cost)   # ffn.bin -> rows, counted in a token's stats
-        static = getattr(predictor, "n_static", None)   # a static set: every cache row pinned
-        pins = budget_plan.n_pinned if static is None else min(budget_plan.capacity, static)
         self.caches = [] if naive else [
             NeuronCache(f.n_ff, budget_plan.capacity, f.strides[layer], window, pins)
             for layer in range(cfg.n_layers)]
@@ -75,77 +99,11 @@ class SparseFlashFfn:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="flashllm-read")
         for layer, cache in enumerate(self.caches):
             self.reads.read_seq(layer, cache.pin(), cache.matrix, None)
-            if static is not None and 0 < pins == cache.capacity:   # rows that never change:
+            if self.static is not None and 0 < pins == cache.capacity:   # rows that never change:
                 cache.split(f.down_offset)                           # gate / up apart from down
         self._slots = np.arange(f.n_ff, dtype=np.int32)    # (n_ff,) sliced per chunk: no arange per token
-        self.schedule = self._make_schedule(cfg.n_layers)
-
-    def _static_slots(self) -> Optional[int]:
-        """k when every token needs slots 0 .. k-1 (naive, or a predictor independent of the
-        input), else None."""
-        return self.f.n_ff if self.naive else getattr(self.predictor, "n_static", None)
-
-    def _make_schedule(self, n_layers: int) -> Optional[PassSchedule]:
-        """The read-ahead schedule of a static pass: the slots past the pinned cache rows in
-        chunks of one ring buffer; None when the set is not static or all cached."""
-        k = self._static_slots()
-        if k is None:
-            return None
-        first = 0 if self.naive else min(self.caches[0].n_pinned, k)
-        n_buf = RING_BUFFERS if len(self.staging) >= 2 * RING_BUFFERS else 2
-        step = len(self.staging) // n_buf
-        step = page_step(step, self.f.stride)                  # buffers start on a page
-        block = kernel.ffn_block()              # chunks start where the kernel's sums do
-        chunks = [[(a, b - a) for a, b in page_chunks(self.f.layer_offsets[layer], s, first, k,
-                                                       block_step(step * self.f.stride // s, s,
-                                                                  block))]
-                  for layer, s in enumerate(self.f.strides)]           # [layer][j] = (first, n)
-        buffers = self.staging[:n_buf * step].reshape(n_buf, step, self.f.stride)  # (n_buf, step, stride)
-        reads = PassSchedule(buffers, chunks, self._static_request, self.f.strides)
-        return reads if reads.ring is not None else None
-
-    @property
-    def ring(self):
-        """The read-ahead ring of a static pass (None without one)."""
-        return None if self.schedule is None else self.schedule.ring
-
-    def stream_dense(self, attention: dict, head: tuple) -> bool:
-        """Streamed dense weights join the static pass's schedule (runtime/schedule.py): attention
-        {layer: (reader, offsets, lengths, dst offsets)}, head (reader, [(offset, nbytes, lead)]).
-        False (nothing changes) without a schedule or when a piece does not fit a buffer."""
-        if self.schedule is None:
-            return False
-        sizes = [int(d[-1] + n[-1]) for _, _, n, d in attention.values()] + \
-            [int(n) for _, n, _ in head[1]]
-        if not sizes or max(sizes) > self.schedule.buffer_bytes:
-            return False
-        self.schedule.add_dense(attention, head)
-        return True
-
-    def attention_bytes(self, layer: int):
-        """(bytes of layer's streamed attention, read counters), valid until the next read is
-        taken; None when the schedule does not carry it."""
-        if self.schedule is None or not self.schedule.has_attention(layer):
-            return None
-        rows, counters = self.schedule.take(("attn", layer), hold=False)   # (n, stride)
-        return rows.reshape(-1), counters
-
-    def head_chunks(self):
-        """Iterator of (extent index, bytes (nbytes,), read counters) over the output head's
-        extents, each valid until the next; None when the schedule does not carry the head."""
-        if self.schedule is None or not self.schedule.head_extents:
-            return None
-        return self._take_head()
-
-    def _take_head(self):
-        for j, (_, nbytes, lead) in enumerate(self.schedule.head_extents):
-            rows, counters = self.schedule.take(("head", j))                # (n, stride)
-            counters = {**counters, "bytes_requested": counters["bytes_requested"] - lead}  # as
-            # the reader's own rounding to pages, the lead is not counted
-            try:
-                yield j, rows.reshape(-1)[lead:nbytes], counters
-            finally:
-                self.schedule.release()
+        if stream is not None:        # the reader is the ring's alone from now on
+            stream.start()
 
     # ---- the strategy seam -------------------------------------------------------------------
 
@@ -155,7 +113,7 @@ class SparseFlashFfn:
             self.carry.start_pass(n_tokens, prefill, pos0)
 
     def __call__(self, layer: int, h: np.ndarray, x: np.ndarray) -> None:
-        if self._static_slots() is not None:
+        if self.static is not None:
             self._static_pass(layer, h, x)
         elif len(h) == 1 or self._token.kind == "decode":   # a decode pass: + draft guesses
             self._decode(layer, h, x)
@@ -175,9 +133,9 @@ class SparseFlashFfn:
                 "read_threads": threads}
 
     def close(self) -> None:
-        """Stop reading ahead, close the readers (the FFN's and the ring's dense one)."""
-        if self.schedule is not None:
-            self.schedule.close()
+        """Stop reading ahead, close the readers (the FFN's and the stream's dense one)."""
+        if self.stream is not None:
+            self.stream.close()
         self._pool.shutdown(wait=True)
         self.reader.close()
 
@@ -254,17 +212,17 @@ class SparseFlashFfn:
         if pinned:
             self._compute(layer, cache.matrix, self._slots[:pinned], h, x, cache)
         t.compute_s += clock() - t0
-        t.active += self._static_slots()
+        t.active += self.static
         t.hits += pinned
         x_hot = None if self.carry is None else x.copy()                  # (T, d) cached rows' sum
-        for key in ([] if self.schedule is None else self.schedule.ffn_keys(layer)):
+        stream = self.stream
+        for j in range(0 if stream is None else stream.ffn_chunks(layer)):
             t0 = clock()
-            rows, counters = self.schedule.take(key)                        # (n, stride)
+            first, rows, counters = stream.take_ffn(layer, j)              # (n, layer's stride)
             t1 = clock()
-            first, n = self.schedule.chunk(key)
-            rows = as_rows(rows, n, self.f.strides[layer])                   # (n, layer's stride)
+            n = len(rows)
             self._bundles(layer, rows, self._slots[first:first + n], h, x)
-            self.schedule.release()
+            stream.release()
             t.add_reads(counters)
             t.io_s += t1 - t0
             t.compute_s += clock() - t1
@@ -272,14 +230,7 @@ class SparseFlashFfn:
         if x_hot is not None:
             self.carry.record(layer, x, x_hot)
         if self.check and len(h) == 1:
-            self._check_recall(layer, h, self._slots[:self._static_slots()], t)
-
-    def _static_request(self, layer: int, first: int, n: int) -> tuple:
-        """The ring's FFN read of slots first .. first+n-1 (one sequential run): (reader,
-        offsets (1,), lengths (1,), dst offsets (1,))."""
-        s = self.f.strides[layer]
-        return self.reader, np.array([self.f.layer_offsets[layer] + first * s]), \
-            np.array([n * s]), np.array([0])
+            self._check_recall(layer, h, self._slots[:self.static], t)
 
     def _compute(self, layer: int, matrix: np.ndarray, rows: np.ndarray, h: np.ndarray,
                  x: np.ndarray, cache: Optional[NeuronCache] = None) -> None:

@@ -31,7 +31,10 @@ import numpy as np
 from flashllm.ffi import kernel
 from flashllm.ffi.heap import trim_heap
 from flashllm.format.layout import SKETCH, SKETCH_VAR
+from flashllm.format.reader import FlashModel
 from flashllm.model.tensor import QTensor
+from flashllm.runtime.interfaces import ReadStream
+from flashllm.runtime.weights import DenseWeights
 
 SIGMA_Z = 5.0          # bound width in sigmas (measured: docs/PREDICTOR.md)
 EXACT_DIMS = 8         # at most this many hidden dims get their head columns in f16 ...
@@ -95,7 +98,7 @@ def sketch_bytes(manifest: dict, staging: int = 0, top: int = 1,
     return var + vocab * EXACT_DIMS * 2 + work + fill, int(tensors[SKETCH]["nbytes"]) + rows
 
 
-def measure_reads(flash, weights, x: np.ndarray, n_threads: int = 1,
+def measure_reads(flash: FlashModel, weights: DenseWeights, x: np.ndarray, n_threads: int = 1,
                   tops=MEASURED_TOPS) -> dict:
     """What a sparse head's candidates read a position on hidden states x (n, cols) (final,
     normalized: calibration text), for samplers keeping the top k of each of `tops`: {"greedy"
@@ -125,11 +128,14 @@ def measure_reads(flash, weights, x: np.ndarray, n_threads: int = 1,
 
 class SparseHead:
     """The logits of a streamed head (DenseWeights `weights`, which reads its rows) over the
-    candidates of `need`; full-head logits when the candidates cost too much."""
+    candidates of `need`; full-head logits when the candidates cost too much. stream: a static
+    pass's read stream carrying the sketch in the head's place (runtime/stream.py), else the
+    weights read the sketch themselves."""
 
-    def __init__(self, flash, weights, need: HeadNeed, n_threads: int, softcap: float = 0.0,
-                 z: float = SIGMA_Z):
+    def __init__(self, flash: FlashModel, weights: DenseWeights, need: HeadNeed, n_threads: int,
+                 softcap: float = 0.0, z: float = SIGMA_Z, stream: Optional[ReadStream] = None):
         self.w, self.need, self.n_threads, self.z, self.cap = weights, need, n_threads, z, softcap
+        self.stream = stream
         self.d_pad = flash.dense_entry(SKETCH)["shape"][1]
         self.sketch = flash.tensor(SKETCH) if weights.reader is None else None  # QTensor (vocab,
         # d_pad) in DRAM for a model without a reader; else streamed in chunks like the head
@@ -227,7 +233,8 @@ class SparseHead:
         dense weights (which count its reads)."""
         if self.sketch is not None:
             return kernel.matmul(self.sketch, xp, None, self.n_threads)  # (T, vocab)
-        return self.w.sketch_output(xp)                                   # (T, vocab)
+        chunks = self.stream.head_chunks(SKETCH) if self.stream is not None else None
+        return self.w.sketch_output(xp, chunks)                           # (T, vocab)
 
     def candidates(self, hi: np.ndarray, lo: np.ndarray, need: Optional[HeadNeed] = None):
         """Row ids (k,) whose exact logit may be one the sampler keeps (need, default the

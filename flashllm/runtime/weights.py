@@ -11,15 +11,15 @@
 
 Vectors (norms, biases) are always resident. Which matrices stream is the budget plan's decision
 (budget.py: `BudgetPlan.streamed`); reads go through the direct-I/O Reader (ffi/reader.py), or,
-when the FFN's reads are static, come from its read-ahead schedule (`layer_source`,
-`head_source`, set by runtime.assemble.stream_dense: runtime/schedule.py).
+when the FFN's reads are static, come from the pass's read stream it is built with
+(runtime/stream.py: the attention layers and the head it carries).
 """
 from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 import numpy as np
 
@@ -27,15 +27,20 @@ from flashllm.ffi import kernel
 from flashllm.ffi.heap import trim_heap
 from flashllm.ffi.quant import dequantize_rows
 from flashllm.format.layout import SKETCH
-from flashllm.format.reader import as_tensor
+from flashllm.format.reader import FlashModel, as_tensor
 from flashllm.model.tensor import QTensor
 from flashllm.model.archs.tensors import BY_FIELD
+from flashllm.runtime.interfaces import DenseSource, HeadChunks, ReadStream
 from flashllm.runtime.layer import Layer, attn_names, fuse_qkv, load_layer, opt_tensor
 from flashllm.units import PAGE
+
+if TYPE_CHECKING:     # the reader's module loads with the first one, after a run's plan
+    from flashllm.ffi.reader import Reader
 
 CHUNK_BYTES = 4 << 20          # rows of the streamed output head read at once (per buffer)
 ROW_GROUP = 64                 # head chunks start at multiples of this many rows: the matmul kernel
                                # sums row tiles (native/ops.c TILE 4) alike only when aligned
+Extent = tuple[int, int, int]  # (file offset, nbytes, lead): a head piece (head_extents)
 
 
 def aligned_offsets(sizes: Iterable[int]) -> tuple[list[int], int]:
@@ -47,19 +52,53 @@ def aligned_offsets(sizes: Iterable[int]) -> tuple[list[int], int]:
     return offs, end
 
 
-class DenseWeights:
+def attention_extents(flash: FlashModel, i: int) -> tuple[list[int], list[int], list[int]]:
+    """(file offsets, lengths, destination offsets) of layer i's attention matrices in one
+    buffer, each on a page (aligned_offsets): what a streamed layer's bytes hold."""
+    entries = [flash.dense_entry(n) for n in attn_names(i)]
+    dst, _ = aligned_offsets(e["nbytes"] for e in entries)
+    return [e["offset"] for e in entries], [e["nbytes"] for e in entries], dst
+
+
+def head_extents(flash: FlashModel, name: str, max_bytes: int) -> list[Extent]:
+    """The dense matrix `name` (the output head, or its sketch) as (file offset, nbytes, lead)
+    pieces, in order: each reads nbytes <= max_bytes from a page-aligned offset, and its whole
+    ROW_GROUPs of rows (at least one) are bytes [lead, nbytes) of what it read. (Aligned, a
+    piece lands in its buffer by direct I/O page for page instead of through the reader's
+    staging copy, which competes for the cores.)"""
+    t = flash.dense_entry(name)
+    rows = t["shape"][0]
+    rb = t["nbytes"] // rows
+    out, r0 = [], 0
+    while r0 < rows:
+        start = t["offset"] + r0 * rb
+        lead = start % PAGE
+        step = max(ROW_GROUP, (max_bytes - lead) // rb // ROW_GROUP * ROW_GROUP)
+        out.append((start - lead, lead + (min(r0 + step, rows) - r0) * rb, lead))
+        r0 += step
+    return out
+
+
+def head_tensor(flash: FlashModel) -> str:
+    """The output head's tensor: output.weight, or token_embd.weight when tied."""
+    return "output.weight" if flash.has("output.weight") else "token_embd.weight"
+
+
+class DenseWeights(DenseSource):
     """The dense weights of a forward pass; `streamed` names the matrices read per use."""
 
-    def __init__(self, flash, n_threads: int = 1, streamed: Iterable[str] = (), reader=None,
-                 chunk_bytes: int = CHUNK_BYTES, pack: bool = False):
+    def __init__(self, flash: FlashModel, n_threads: int = 1, streamed: Iterable[str] = (),
+                 reader: Optional[Reader] = None, chunk_bytes: int = CHUNK_BYTES,
+                 pack: bool = False, stream: Optional[ReadStream] = None):
         """pack: resident attention matrices repacked for this build's matmul (kernel.pack;
-        then no exact matmul reaches them)."""
+        then no exact matmul reaches them). stream: a static pass's read stream, which reads
+        the streamed attention layers and head it carries (the reader reads the rest)."""
         cfg = flash.config
         self.flash, self.n_threads, self.chunk_bytes = flash, n_threads, chunk_bytes
         self.streamed = frozenset(streamed)
-        self.reader = reader
-        self.tied = not flash.has("output.weight")
-        self.head_name = "token_embd.weight" if self.tied else "output.weight"
+        self.reader, self.stream = reader, stream
+        self.head_name = head_tensor(flash)
+        self.tied = self.head_name == "token_embd.weight"
         own = {f: opt_tensor(flash, BY_FIELD[f].at()) for f in ("pos_embd", "proj_in", "proj_out",
                                                                "out_norm", "out_norm_b")}
         self.pos_embd = own["pos_embd"]                                  # QTensor (n_pos, d_model)
@@ -76,16 +115,12 @@ class DenseWeights:
                                              default=0))
         chunk = 0 if self.head is not None else max(
             n for name in ("", SKETCH) if not name or flash.has(name)
-            for _, n, _ in self.head_extents(chunk_bytes, name))         # the head's, or its sketch's
+            for _, n, _ in head_extents(flash, name or self.head_name, chunk_bytes))  # or sketch's
         self._head_bufs = self._buffers(chunk)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="flashllm-dense") \
             if self.streamed else None
         self._pending = None          # (layer, buffer index, future) of the prefetched layer
         self.bytes_read, self.read_seconds, self.ring_idle = 0, 0.0, 0.0
-        self.head_source = None       # () -> head chunks someone else reads (head_extents), or None
-        self.sketch_source = None     # () -> the head sketch's chunks read elsewhere, or None
-        self.layer_source = None      # i -> (bytes, counters) of layer i's attention read
-                                      # elsewhere (attention_extents), or None
 
     def _load_layer(self, i: int, pack: bool) -> Layer:
         """Layer i: its resident matrices read (and packed: the read copies freed and their heap
@@ -127,7 +162,7 @@ class DenseWeights:
         L = self.layers[i]
         if self._layer_resident(i):
             return L
-        got = self.layer_source(i) if self.layer_source is not None else None
+        got = self.stream.attention(i) if self.stream is not None else None
         if got is not None:
             buf, counters = got
             self.count(counters)
@@ -159,19 +194,12 @@ class DenseWeights:
         """The layers whose attention matrices stream."""
         return self._stream_layers()
 
-    def attention_extents(self, i: int) -> tuple[list[int], list[int], list[int]]:
-        """(file offsets, lengths, destination offsets) of layer i's attention matrices in one
-        buffer: what layer_source(i)'s bytes must hold."""
-        entries = [self.flash.dense_entry(n) for n in attn_names(i)]
-        dst, _ = self._layer_span(i)
-        return [e["offset"] for e in entries], [e["nbytes"] for e in entries], dst
-
     def output(self, x: np.ndarray, exact: bool = False) -> np.ndarray:
         """(T, vocab) f32 logits of the normalized final hidden states x (T, embed_dim); exact:
         q4_0 / q8_0 rows multiply f32 activations instead of int8 ones."""
         if self.head is not None:
             return kernel.matmul(self.head, x, None, self.n_threads, exact)  # (T, vocab)
-        chunks = self.head_source() if self.head_source is not None else None
+        chunks = self.stream.head_chunks(self.head_name) if self.stream is not None else None
         if chunks is not None:
             return self._output_of(chunks, x, exact)
         return self._output_of(self._own_head_chunks(), x, exact)
@@ -207,35 +235,16 @@ class DenseWeights:
             raise RuntimeError(f"the head's columns came from {r0} of its {rows} rows")
         return out, top
 
-    def head_extents(self, max_bytes: int, name: str = "") -> list[tuple[int, int, int]]:
-        """The streamed head (or the matrix `name`: the head's sketch) as (file offset, nbytes,
-        lead) pieces, in order: each reads nbytes <= max_bytes from a page-aligned offset, and
-        its whole ROW_GROUPs of rows (at least one) are bytes [lead, nbytes) of what it read.
-        (Aligned, a piece lands in its buffer by direct I/O page for page instead of through the
-        reader's staging copy, which competes for the cores.)"""
-        t = self.flash.dense_entry(name or self.head_name)
-        rows = t["shape"][0]
-        rb = t["nbytes"] // rows
-        out, r0 = [], 0
-        while r0 < rows:
-            start = t["offset"] + r0 * rb
-            lead = start % PAGE
-            step = max(ROW_GROUP, (max_bytes - lead) // rb // ROW_GROUP * ROW_GROUP)
-            out.append((start - lead, lead + (min(r0 + step, rows) - r0) * rb, lead))
-            r0 += step
-        return out
-
-    def sketch_output(self, x: np.ndarray) -> np.ndarray:
+    def sketch_output(self, x: np.ndarray, chunks: Optional[HeadChunks] = None) -> np.ndarray:
         """(T, vocab) logits of x (T, d_pad) by the head's streamed sketch (SKETCH): its chunks
-        from sketch_source, else read here."""
-        chunks = self.sketch_source() if self.sketch_source is not None else None
+        (a read stream's: SparseHead), else read here."""
         return self._output_of(chunks or self._own_head_chunks(SKETCH), x, False, SKETCH)
 
-    def _own_head_chunks(self, name: str = ""):
+    def _own_head_chunks(self, name: str = "") -> HeadChunks:
         """The head's (or matrix name's) extents (head_extents(chunk_bytes)) read by this object's
         reader into its two head buffers, extent j + 1 while extent j computes; counters None
         (counted by _read)."""
-        extents = self.head_extents(self.chunk_bytes, name)
+        extents = head_extents(self.flash, name or self.head_name, self.chunk_bytes)
         off, nb, lead = extents[0]
         job = self._pool.submit(self._read, [off], [nb], self._head_bufs[0], [0], lead)
         for j, (_, nbytes, lead) in enumerate(extents):
@@ -310,7 +319,7 @@ class DenseWeights:
         self.bytes_read += int(np.sum(lengths)) - padding
 
     def _read_layer(self, i: int, k: int) -> None:
-        offsets, lengths, dst = self.attention_extents(i)
+        offsets, lengths, dst = attention_extents(self.flash, i)
         self._read(offsets, lengths, self._layer_bufs[k], dst)
 
     def _views(self, i: int, buf: np.ndarray) -> list[QTensor]:

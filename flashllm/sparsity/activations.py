@@ -21,6 +21,7 @@ import numpy as np
 
 from flashllm.errors import FlashError
 from flashllm.ffi.quant import dequantize_rows
+from flashllm.format.reader import FlashModel
 from flashllm.model.tensor import row_bytes
 from flashllm.model.archs.tensors import BY_FIELD
 
@@ -56,7 +57,7 @@ class FfnWeights:
     act: str
 
 
-def ffn_weights(flash, layer: int, n_threads: int = 1,
+def ffn_weights(flash: FlashModel, layer: int, n_threads: int = 1,
                 bundles: Optional[np.ndarray] = None) -> FfnWeights:
     """Gate/up rows of layer's bundles (flash.read_ffn_layer unless given), dequantized, in slot
     order."""
@@ -98,7 +99,7 @@ def _erf(x: np.ndarray) -> np.ndarray:
     return s * (1.0 - poly * np.exp(-a * a))
 
 
-def ffn_activations(flash, layer: int, h: np.ndarray, criterion: str = "glu_product",
+def ffn_activations(flash: FlashModel, layer: int, h: np.ndarray, criterion: str = "glu_product",
                     weights: Optional[FfnWeights] = None, n_threads: int = 1) -> np.ndarray:
     """Scores (T, n_ff) f32 of every slot of `layer` for inputs h (T, d_model) under criterion
     (see the module doc); pass `weights` (ffn_weights) to avoid dequantizing again."""
@@ -164,7 +165,7 @@ def hot_share(freq: np.ndarray, top: float = 0.2) -> float:
     return float(f[:max(1, int(round(top * f.size)))].sum() / total) if total > 0 else 0.0
 
 
-def down_norms(flash, layer: int, n_threads: int = 1, bundles: Optional[np.ndarray] = None,
+def down_norms(flash: FlashModel, layer: int, n_threads: int = 1, bundles: Optional[np.ndarray] = None,
                chunk: int = 2048) -> np.ndarray:
     """(n_ff,) f32 the L2 norm of each slot's down column (dequantized chunk slots at a time),
     from the layer's bundles (flash.read_ffn_layer unless given)."""
@@ -191,7 +192,7 @@ def manifest_thresholds(manifest: dict, n_layers: int) -> list[float]:
     return [float(v) for v in t] if t and len(t) == n_layers else [0.0] * n_layers
 
 
-def exact_active(flash, layer: int, h: np.ndarray, threshold: float) -> np.ndarray:
+def exact_active(flash: FlashModel, layer: int, h: np.ndarray, threshold: float) -> np.ndarray:
     """(a,) the neurons (slots) of layer active for any row of h (T, d_model) at threshold, from
     the layer's weights under the manifest's criterion (slow: dequantizes the layer)."""
     crit = flash.manifest.get("sparsity", {}).get("criterion") or default_criterion(flash.config)

@@ -1,11 +1,12 @@
 """Calibration: run the dense model over calibration tokens, then thresholds, frequencies, the
 hot-first rewrite and a trained predictor, written into the model folder.
 
-The caller hands in the runnable model (flashllm.runtime.model.Model over the folder); its FFN
-strategy is wrapped for the run by a recording strategy that gives each layer's normalized FFN
-input h (T, d_model) to a callback. The activation math is in flashllm.sparsity.activations.
-final_hidden gives the output head's inputs, on which `flashllm calibrate` measures what a
-sparse output head would read (runtime/sparse_head.measure_reads).
+calibrate_model is handed the model made to run layer by layer (runtime/layer_pass.LayerPass):
+each layer's FFN inputs of all tokens reach sparsity/layer_stats.LayerStats (and, for the
+predictor, an on-disk InputStore) before the next layer runs, so the memory is one layer's
+(docs/PREDICTOR.md, "Calibrating in bounded memory"). The activation math is in
+flashllm.sparsity.activations. collect_ffn_inputs / target_statistics (every layer's inputs in
+DRAM, through a token-major Model) serve `perplexity --sparsity` and the studies.
 """
 from __future__ import annotations
 
@@ -14,14 +15,17 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from flashllm.format.reader import open_flash
+from flashllm.format.reader import FlashModel, open_flash
+from flashllm.sparsity import cost
+from flashllm.units import format_size
 from flashllm.format.files import update_manifest
 from flashllm.sparsity.activations import (CalibrationError, check_criterion, contribution,
                                            default_criterion, down_norms, ffn_activations,
                                            ffn_weights, frequencies, hot_share, threshold)
 from flashllm.sparsity.predictor import save_predictor
-from flashllm.sparsity.quality import keep_quality, quality_steps
-from flashllm.sparsity.reorder import rewrite_hot_first, write_frequency
+from flashllm.sparsity.layer_stats import InputStore, LastLayer, LayerStats, layer_scores
+from flashllm.sparsity.quality import QUALITY_TOKENS, keep_quality, quality_steps
+from flashllm.sparsity.reorder import rewrite_hot_first, sweep_temporaries, write_frequency
 from flashllm.sparsity.train import DEFAULT_OPTIONS, train_predictor
 
 class RecordingFfn:
@@ -83,7 +87,7 @@ def collect_ffn_inputs(model, tokens: Sequence[int], n_ctx: int = 512,
     return store
 
 
-def layer_statistics(flash, inputs, sparsity: float, criterion: str, n_threads: int = 1,
+def layer_statistics(flash: FlashModel, inputs, sparsity: float, criterion: str, n_threads: int = 1,
                      log: Callable[[str], None] = lambda m: None, contributions: bool = False):
     """Per layer from its FFN inputs (N, d_model): threshold, per-slot frequency, achieved
     sparsity, and (contributions) each slot's E|h| * ||down|| (activations.contribution).
@@ -94,7 +98,7 @@ def layer_statistics(flash, inputs, sparsity: float, criterion: str, n_threads: 
     return (*per[sparsity], contrib)
 
 
-def target_statistics(flash, inputs, targets: Sequence[float], criterion: str,
+def target_statistics(flash: FlashModel, inputs, targets: Sequence[float], criterion: str,
                       n_threads: int = 1, log: Callable[[str], None] = lambda m: None,
                       contributions: bool = False):
     """layer_statistics for several targets from the same scores: ({target: (thresholds [L],
@@ -134,45 +138,79 @@ def order_by(cfg) -> str:
     return "contribution" if cfg.glu else "frequency"
 
 
-def final_hidden(model, tokens: Sequence[int]) -> np.ndarray:
-    """(n, d) the output head's inputs (normalized final hidden states) of tokens (n,), run
-    from an empty context by the dense model (its logits are not made)."""
-    got, real = [], model.w.output
-    model.w.output = lambda x, exact=False: (got.append(x.copy()), real(x[:1], exact))[1]
-    try:
-        model.reset()
-        model.forward(np.asarray(tokens, dtype=np.int32), 0)
-    finally:
-        model.w.output = real
-        model.reset()
-    return np.concatenate(got)                                           # (n, d)
+Progress = Callable[[str, int, int], None]    # (what, done, of): one step of a long stage done
 
 
-def calibrate_model(flash, model, tokens: Sequence[int], text: dict, sparsity: float,
-                    criterion: Optional[str] = None, n_ctx: int = 512, reorder: bool = True,
-                    n_threads: int = 1, log: Callable[[str], None] = lambda m: None,
-                    predictor: Optional[str] = None, max_cost: Optional[float] = None,
-                    ppl: Optional[Callable[[list], float]] = None) -> dict:
-    """Calibrate the model folder of `flash` on tokens, run through `model` (dense, over flash):
-    thresholds for the target sparsity — lowered in steps while they cost more than max_cost
-    of perplexity, ppl(thresholds) against ppl(zeros) (sparsity/quality.py; either None: the
-    target as asked) —,
-    per-slot frequencies, (reorder) the hot-first FFN rewrite, and (predictor: a kind of
-    flashllm.sparsity.train) a trained predictor. Writes and returns the manifest's sparsity
+def calibrate_model(flash: FlashModel, net, tokens: Sequence[int], text: dict, sparsity: float,
+                    criterion: Optional[str] = None, reorder: bool = True, n_threads: int = 1,
+                    log: Callable[[str], None] = lambda m: None, predictor: Optional[str] = None,
+                    max_cost: Optional[float] = None,
+                    on_final: Optional[Callable[[np.ndarray], None]] = None,
+                    progress: Progress = lambda what, done, of: None) -> dict:
+    """Calibrate the model folder of `flash` on tokens, run through `net` (a
+    runtime/layer_pass.LayerPass over flash: layer by layer, in bounded memory): thresholds for
+    the target sparsity — lowered in steps while they cost more than max_cost of perplexity
+    (sparsity/quality.py, measured by net on the tokens' first QUALITY_TOKENS; None: the
+    target as asked) —, per-slot frequencies, (reorder) the hot-first FFN rewrite, and
+    (predictor: a kind of flashllm.sparsity.train) a trained predictor. on_final gets the final
+    hidden states (N, d_model) of the dense pass. Writes and returns the manifest's sparsity
     section; the model stays valid if this is interrupted."""
-    if flash.config.n_experts:
+    cfg = flash.config
+    if cfg.n_experts:
         raise CalibrationError("calibrate finds the neurons a dense FFN needs; in a mixture of "
                                "experts the router already names them (run it with --dram-budget)")
-    criterion = criterion or default_criterion(flash.config)
-    check_criterion(flash.config, criterion)
-    inputs = collect_ffn_inputs(model, tokens, n_ctx=n_ctx)
-    by = order_by(flash.config)
-    steps = quality_steps(sparsity, criterion) if max_cost is not None and ppl else []
-    per, contrib = target_statistics(flash, inputs, steps or [sparsity], criterion, n_threads,
-                                     log, contributions=reorder and by == "contribution")
-    kept = {"requested": sparsity, "target": sparsity}
-    if steps:
-        kept.update(keep_quality(per, ppl, max_cost, log))
+    criterion = criterion or default_criterion(cfg)
+    check_criterion(cfg, criterion)
+    if len(tokens) == 0:
+        raise CalibrationError("no calibration tokens")
+    sweep_temporaries(flash.path)
+    by = order_by(cfg)
+    steps = quality_steps(sparsity, criterion) if max_cost is not None else []
+    stats = LayerStats(flash, steps or [sparsity], criterion, len(tokens), n_threads,
+                       reorder and by == "contribution", log)
+    store = InputStore(flash.path.parent, cfg.n_layers, len(tokens), cfg.d_model) \
+        if predictor else None
+    try:
+        def on_input(layer: int, h: np.ndarray) -> None:
+            stats.add(layer, h)
+            if store is not None:
+                store.put(layer, h)
+        x = net.run(tokens, on_input, on_layer=lambda i: progress("dense pass", i + 1, cfg.n_layers))
+        per, contrib = stats.result()
+        del stats                                      # its (N, n_ff) scores, before the head's
+        if on_final is not None:
+            on_final(x)
+        del x
+        kept = {"requested": sparsity, "target": sparsity}
+        if steps:
+            kept.update(keep_quality(per, _quality(net, tokens, progress), max_cost, log))
+        if reorder and flash.manifest.get("predictor"):   # trained in the slots it reorders
+            update_manifest(flash.path, predictor={})
+        section = _write(flash, tokens, text, criterion, kept, per, reorder, by, contrib,
+                         net.n_ctx)
+        if predictor:
+            fit_predictor(flash.path, store, per[section["target"]][0], criterion, predictor,
+                          n_threads, log, progress)
+    finally:
+        if store is not None:
+            store.close()
+    return section
+
+
+def _quality(net, tokens: Sequence[int], progress: Progress) -> Callable[[list], float]:
+    """ppl(thresholds) for keep_quality: net's perplexity on the tokens' first QUALITY_TOKENS."""
+    ids = list(tokens[:QUALITY_TOKENS])
+    n = net.config.n_layers
+
+    def ppl(thresholds: list) -> float:
+        what = "perplexity check" + (" (dense)" if not any(thresholds) else "")
+        return net.perplexity(ids, thresholds, on_layer=lambda i: progress(what, i + 1, n))
+    return ppl
+
+
+def _write(flash, tokens, text: dict, criterion: str, kept: dict, per: dict, reorder: bool,
+           by: str, contrib, n_ctx: int) -> dict:
+    """The sparsity section of the kept target written (with the hot-first rewrite)."""
     thresholds, freq, achieved = per[kept["target"]]
     ids = np.asarray(tokens, dtype="<i4")                          # (N,)
     section = {"criterion": criterion, "target": kept.pop("target"), "quality": kept,
@@ -183,38 +221,67 @@ def calibrate_model(flash, model, tokens: Sequence[int], text: dict, sparsity: f
                "frequency": {"hot20_share": [hot_share(f) for f in freq],
                              "never_active": [int((f == 0).sum()) for f in freq]}}
     if reorder:   # the caches hold each layer's first slots
-        section = rewrite_hot_first(flash, freq, {**section, "order_by": by}, key=contrib)
-    else:
-        prev = flash.manifest.get("sparsity", {}).get("order_by")
-        if prev and flash.ffn.neuron_order is not None:     # an earlier rewrite's order stays
-            section["order_by"] = prev
-        old = (flash.manifest.get("sparsity", {}).get("frequency") or {}).get("file")
-        section["frequency"].update(write_frequency(flash.path, freq, old))
-        update_manifest(flash.path, sparsity=section)
-        if old and old != section["frequency"]["file"]:
-            (flash.path / old).unlink(missing_ok=True)
-    if predictor:
-        fit_predictor(flash.path, inputs, thresholds, criterion, predictor, n_threads, log)
+        return rewrite_hot_first(flash, freq, {**section, "order_by": by}, key=contrib)
+    prev = flash.manifest.get("sparsity", {}).get("order_by")
+    if prev and flash.ffn.neuron_order is not None:     # an earlier rewrite's order stays
+        section["order_by"] = prev
+    old = (flash.manifest.get("sparsity", {}).get("frequency") or {}).get("file")
+    section["frequency"].update(write_frequency(flash.path, freq, old))
+    update_manifest(flash.path, sparsity=section)
+    if old and old != section["frequency"]["file"]:
+        (flash.path / old).unlink(missing_ok=True)
     return section
 
 
 def fit_predictor(path, inputs, thresholds: list, criterion: str, kind: str, n_threads: int,
-                  log: Callable[[str], None]) -> None:
-    """Train a `kind` predictor on the calibration inputs h (per layer (N, d_model)) against the
-    thresholded masks, in the model's current slot order (after any hot-first rewrite), at 95%
-    recall, and store it in the model folder."""
+                  log: Callable[[str], None],
+                  progress: Progress = lambda what, done, of: None) -> None:
+    """Train a `kind` predictor on the calibration inputs h (per layer (N, d_model): a list or
+    an InputStore) against the thresholded masks, in the model's current slot order (after any
+    hot-first rewrite), at 95% recall, and store it in the model folder; one layer's inputs and
+    activations in DRAM at a time."""
     flash = open_flash(path)                                       # the reordered slots
-    log(f"training a {kind} predictor on {len(inputs[0])} tokens x {len(inputs)} layers "
+    n = len(inputs)
+    log(f"training a {kind} predictor on {len(inputs[0])} tokens x {n} layers "
         f"(numpy; tens of seconds on a 1B model)")
-    acts = [ffn_activations(flash, i, h, criterion, n_threads=n_threads)  # (N, n_ff) each
-            for i, h in enumerate(inputs)]
-    pred = train_predictor(flash, inputs, acts, kind, thresholds, recall=0.95,
+
+    def h_of(i: int) -> np.ndarray:
+        progress("predictor", i + 1, n)
+        return np.asarray(inputs[i], np.float32)                   # (N, d_model)
+    hs = LastLayer(n, h_of)
+    acts = LastLayer(n, lambda i: layer_scores(flash, i, hs[i], criterion, n_threads))
+    pred = train_predictor(flash, hs, acts, kind, thresholds, recall=0.95,
                            n_threads=n_threads, **DEFAULT_OPTIONS.get(kind, {}))
     save_predictor(path, pred, pred.metrics)
     m = pred.metrics
     log(f"predictor {kind}: held-out recall {np.mean(m['recall']):.3f}, precision "
         f"{np.mean(m['precision']):.3f}, load {np.mean(m['load']):.3f}, "
         f"{pred.nbytes / 2**20:.1f} MiB in DRAM")
+
+
+def plan_calibration(flash, n_tokens: int, check: bool, predictor: Optional[str],
+                     budget: Optional[int], log: Callable[[str], None]) -> Optional[str]:
+    """Say how long calibrating flash on n_tokens will take (sparsity/cost.py); refuse a DRAM
+    budget (bytes, None: none) it cannot fit in; the predictor kind to train ("none": None):
+    none when the budget could not hold it (no run under that budget would use it)."""
+    cfg = flash.config
+    predictor = None if predictor == "none" else predictor
+    if budget is not None:
+        need = cost.peak_bytes(flash, n_tokens)
+        if need > budget:
+            raise CalibrationError(f"calibrating on {n_tokens} tokens needs about "
+                                   f"{format_size(need, 'MiB', up=True)}, more than the "
+                                   f"{format_size(budget, 'MiB')} budget: give a larger "
+                                   "--dram-budget or fewer --tokens")
+        if predictor and cost.predictor_bytes(cfg, predictor) > budget:
+            log(f"no {predictor} predictor: its {format_size(cost.predictor_bytes(cfg, predictor))}"
+                f" would not fit a run's {format_size(budget, 'MiB')} budget")
+            predictor = None
+    t = cost.seconds(cfg, n_tokens, min(n_tokens, QUALITY_TOKENS), 2 if check else 0,
+                     predictor is not None)
+    log(f"calibrating on {n_tokens} tokens, layer by layer: about {max(1, round(t / 60))} min"
+        + (" (more if the target must be lowered)" if check else ""))
+    return predictor
 
 
 def text_tokens(tok, text: str, n_tokens: Optional[int] = None) -> list[int]:
@@ -227,7 +294,7 @@ def text_tokens(tok, text: str, n_tokens: Optional[int] = None) -> list[int]:
     return ids
 
 
-def thresholds_for(flash, sparsity: float, calibration_tokens: Callable[[], Sequence[int]],
+def thresholds_for(flash: FlashModel, sparsity: float, calibration_tokens: Callable[[], Sequence[int]],
                    make_model: Callable[[], object], n_ctx: int = 512, n_threads: int = 1,
                    log: Callable[[str], None] = lambda m: None) -> list[float]:
     """Per-layer kernel thresholds for a target sparsity: the model's own when it was calibrated

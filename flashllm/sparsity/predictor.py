@@ -27,7 +27,7 @@ import struct
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Protocol
 
 import numpy as np
 
@@ -35,6 +35,7 @@ from flashllm.ffi import kernel
 from flashllm.sparsity.activations import activation
 from flashllm.format.layout import DTYPE_CODES, MANIFEST_FILE, align_up, fits, tensor_nbytes
 from flashllm.format.files import update_manifest
+from flashllm.format.reader import FlashModel
 from flashllm.model.config import ModelConfig
 from flashllm.errors import FormatError
 from flashllm.model.tensor import QTensor
@@ -54,6 +55,19 @@ KINDS: dict[str, tuple[str, ...]] = {
     "gate_lrup": ("gate", "up_a", "up_b"),
     "lr_gate_up": ("gate_a", "gate_b", "up_a", "up_b"),
 }
+
+
+class NeuronPredictor(Protocol):
+    """What the sparse FFN (runtime/sparse_ffn.py) asks of a predictor: Predictor, AllSlots."""
+
+    @property
+    def nbytes(self) -> int:
+        """DRAM it holds."""
+        ...
+
+    def predict(self, layer: int, h: np.ndarray) -> np.ndarray:
+        """(m,) int32 sorted slots predicted active for at least one token of h (T, d_model)."""
+        ...
 
 
 @dataclass
@@ -211,7 +225,7 @@ def _write_atomic(file: Path, header: bytes, blobs: list, size: int) -> None:
 
 # ---- loading ----------------------------------------------------------------------------------
 
-def load_predictor(flash, n_threads: int = 1) -> Optional[Predictor]:
+def load_predictor(flash: FlashModel, n_threads: int = 1) -> Optional[Predictor]:
     """The predictor the manifest names (validated, checksums checked), or None when it has none."""
     sec = flash.manifest.get("predictor") or {}
     if not sec:

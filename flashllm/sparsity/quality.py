@@ -6,7 +6,7 @@ threshold (a share s of the calibration activations). What that costs depends on
 Qwen2.5-Coder-1.5B at s = 0.5 costs ~1% of perplexity against llama.cpp on held-out text, Gemma
 3 270M ~6%, SmolLM2-135M ~3% (docs/PREDICTOR.md, "The sparsity a calibration keeps"). So
 calibrate measures it: the perplexity of the model with each candidate's thresholds against the
-same FFN with none (the bundles a budgeted run multiplies; the caller measures: cli/calibration.py
+same FFN with none (the bundles a budgeted run multiplies; the caller measures: session/calibration.py
 bundle_ppl) on the calibration tokens' first QUALITY_TOKENS, and keeps the largest target within
 the bound. A budgeted run reads the same bundles whatever the thresholds (they only skip
 compute), so a lower target costs time, not bytes.

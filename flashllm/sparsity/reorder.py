@@ -16,13 +16,22 @@ from typing import Optional
 
 import numpy as np
 
-from flashllm.format.layout import FFN_ALIGN, crc32_array
-from flashllm.format.files import update_manifest
+from flashllm.format.layout import FFN_ALIGN, MANIFEST_FILE, crc32_array
+from flashllm.format.files import sweep_leftovers, update_manifest
+from flashllm.format.reader import FlashModel
 from flashllm.errors import FormatError
 
 FFN_NAMES = ("ffn.bin", "ffn-hot.bin")
 ORDER_NAMES = ("order.bin", "order-hot.bin")
 FREQ_NAMES = ("frequency.bin", "frequency-hot.bin")
+
+
+def sweep_temporaries(folder: Path) -> None:
+    """Remove the temporary files a killed calibration (an OOM-killed child) left in folder:
+    those of the files calibration writes whose writer is gone (format/files.sweep_leftovers)."""
+    from flashllm.sparsity.predictor import PREDICTOR_FILE
+    for name in (*FFN_NAMES, *ORDER_NAMES, *FREQ_NAMES, PREDICTOR_FILE, MANIFEST_FILE):
+        sweep_leftovers(Path(folder) / name)
 
 
 def hot_first_permutation(key: np.ndarray) -> np.ndarray:
@@ -65,7 +74,7 @@ def write_frequency(path: Path, freq: np.ndarray, current: Optional[str]) -> dic
     return {**_array_entry(name, a, "float32"), "index": "slot"}
 
 
-def _write_ffn(flash, perm: np.ndarray, name: str) -> list[dict]:
+def _write_ffn(flash: FlashModel, perm: np.ndarray, name: str) -> list[dict]:
     """The FFN file with layer l's slots in the order perm[l]; returns the new layer entries."""
     f = flash.ffn
     layers = []
@@ -84,7 +93,7 @@ def _write_ffn(flash, perm: np.ndarray, name: str) -> list[dict]:
     return layers
 
 
-def rewrite_hot_first(flash, freq: np.ndarray, sparsity: dict,
+def rewrite_hot_first(flash: FlashModel, freq: np.ndarray, sparsity: dict,
                       key: Optional[np.ndarray] = None) -> dict:
     """Reorder every layer's slots by key (n_layers, n_ff) (per current slot, highest first;
     default freq), write the new FFN, order and frequency (freq, n_layers x n_ff, in the new slot

@@ -14,6 +14,7 @@ import numpy as np
 
 from flashllm.ffi import quant
 from flashllm.format.layout import tensor_dtype
+from flashllm.format.reader import FlashModel
 from flashllm.errors import FlashError
 from flashllm.sparsity.activations import ffn_weights
 from flashllm.sparsity.predictor import KINDS, Predictor
@@ -130,7 +131,7 @@ def layer_parts(kind: str, gate: Optional[np.ndarray], up: np.ndarray, h: np.nda
     return {"a": qtensor(a, dtype), "b": qtensor(b, dtype), "bias": bias.astype(np.float32)}
 
 
-def train_predictor(flash, h_by_layer: list, acts_by_layer: list, kind: str,
+def train_predictor(flash: FlashModel, h_by_layer: list, acts_by_layer: list, kind: str,
                     act_thresholds: list, *, rank: int | list = 128, dtype: str = "q8_0",
                     recall: Optional[float | list] = 0.95, load: Optional[float | list] = None,
                     epochs: int = 4, held_out: float = 0.25, pin: int = 0,

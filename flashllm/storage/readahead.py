@@ -1,6 +1,7 @@
-"""The read-ahead: one C thread (native/readahead.c, `fl_readahead`) reads a fixed schedule of
-batches, over and over, into a ring of aligned buffers; the forward pass takes them in the same
-order. (docs/ARCHITECTURE.md, "The read-ahead", tells why and when.)
+"""The read-ahead: one C thread (native/readahead.c, `fl_readahead`, bound by ffi/readahead.py)
+reads a fixed schedule of batches, over and over, into a ring of aligned buffers; the forward
+pass takes them in the same order. (docs/ARCHITECTURE.md, "The read-ahead", tells why and when.)
+This module is the policy: what the schedule holds, where a chunk is cut, what a take counts.
 
     ring = ReadAhead(buffers, entries)             buffers (n_buf, rows, stride) uint8
     rows, counters = ring.take(pos)                blocks until entries[pos % len] is read
@@ -20,8 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from flashllm.errors import KernelError
-from flashllm.ffi.lib import check, ffi, native
-from flashllm.ffi.reader import Reader, int64_array, read_stats
+from flashllm.ffi.readahead import ReadAheadRing, ReadAheadSchedule
+from flashllm.ffi.reader import Reader
 from flashllm.units import PAGE
 
 
@@ -103,68 +104,41 @@ class ReadAhead:
                 buffers[0].nbytes:
             raise KernelError("every scheduled chunk must fit one read-ahead buffer")
         self.buffers, self.schedule = buffers, list(entries)      # (n_buf, rows, stride)
-        self._readers = list({id(e.reader): e.reader for e in entries}.values())  # kept alive
-        self._arrays = self._pack(entries)
-        lib = self._lib = native()
-        out = ffi.new("fl_readahead **")
-        handles = ffi.new("fl_reader *[]", [r.handle for r in self._readers])
-        types = ("int32_t[]",) + ("int64_t[]",) * 6
-        names = ("reader_of", "first", "offsets", "lengths", "dst_offsets", "max_gap", "max_run")
-        schedule = ffi.new("fl_readahead_schedule *", {
-            "n_entries": len(entries),
-            **{n: ffi.from_buffer(t, a) for n, t, a in zip(names, types, self._arrays)}})
+        readers = list({id(e.reader): e.reader for e in entries}.values())
+        self._what = f"{readers[0].path.name} ..."
         flat = buffers.reshape(len(buffers), -1)                  # (n_buf, bytes)
-        status = lib.fl_readahead_open(handles, len(self._readers), schedule,
-                                       ffi.from_buffer("uint8_t[]", flat, require_writable=True),
-                                       flat.shape[1], flat.shape[0], out)
-        check(status, "opening the read-ahead")
-        self._h = ffi.gc(out[0], lib.fl_readahead_close)
-        self._k, self._delta = ffi.new("int32_t *"), ffi.new("fl_reader_stats_t *")
-        self._idle = ffi.new("double *")
+        self._ring = ReadAheadRing(readers, self._pack(entries, readers), flat)
 
-    def _pack(self, entries: list) -> list[np.ndarray]:
-        """The schedule as C arrays: reader_of (n,), first (n+1,), offsets, lengths, dst (m,),
-        max_gap, max_run (n,)."""
-        index = {id(r): i for i, r in enumerate(self._readers)}
-        sizes = [len(e.offsets) for e in entries]
-        n, m = len(entries), int(sum(sizes))
+    @staticmethod
+    def _pack(entries: list, readers: list) -> ReadAheadSchedule:
+        """The schedule as C arrays: each entry's reader, then its requests concatenated."""
+        index = {id(r): i for i, r in enumerate(readers)}
         cat = lambda name: np.concatenate([np.asarray(getattr(e, name), np.int64).reshape(-1)
                                            for e in entries])     # (m,)
-        return [np.array([index[id(e.reader)] for e in entries], np.int32),
-                int64_array(np.concatenate([[0], np.cumsum(sizes)]), "first", n + 1),
-                int64_array(cat("offsets"), "offsets", m), int64_array(cat("lengths"), "lengths", m),
-                int64_array(cat("dst"), "dst", m),
-                int64_array([e.max_gap for e in entries], "max_gap", n),
-                int64_array([e.max_run for e in entries], "max_run", n)]
+        return ReadAheadSchedule.of([index[id(e.reader)] for e in entries],
+                                    [len(e.offsets) for e in entries], cat("offsets"),
+                                    cat("lengths"), cat("dst"), [e.max_gap for e in entries],
+                                    [e.max_run for e in entries])
 
     def take(self, pos: int) -> tuple[np.ndarray, dict]:
         """(rows (n, stride) holding entries[pos % len], the read's counters and ring_idle_s:
         how long the reader had waited for a free buffer before it); waits for it."""
-        status = self._lib.fl_readahead_take(self._h, pos, self._k, self._delta, self._idle)
-        if status != self._lib.FL_OK:
-            check(status, f"read-ahead of schedule position {pos} ({self._readers[0].path.name} ...)")
-        k, delta = int(self._k[0]), read_stats(self._delta)
+        k, delta, idle = self._ring.take(pos, self._what)
         rows = self.buffers[k, :self.schedule[pos % len(self.schedule)].rows]   # (n, stride)
-        return rows, {**read_counters(delta), "ring_idle_s": float(self._idle[0])}
+        return rows, {**read_counters(delta), "ring_idle_s": idle}
 
     def release(self) -> None:
         """The buffer of the last take() may be read into again."""
-        check(self._lib.fl_readahead_release(self._h), "read-ahead release")
+        self._ring.release()
 
     def stop(self) -> None:
         """Stop reading ahead (waits for the read in flight); what was read is dropped."""
-        if self._h is not None:
-            check(self._lib.fl_readahead_stop(self._h), "read-ahead stop")
+        self._ring.stop()
 
     @property
     def running(self) -> bool:
-        flag = ffi.new("int32_t *")
-        if self._h is None:
-            return False
-        return self._lib.fl_readahead_running(self._h, flag) == self._lib.FL_OK and bool(flag[0])
+        return self._ring.running
 
     def close(self) -> None:
         """Stop the thread and free it (idempotent); the read-ahead cannot be used after."""
-        if self._h is not None:
-            ffi.release(self._h)
-            self._h = None
+        self._ring.close()

@@ -30,7 +30,7 @@ import numpy as np
 from flashllm.cli.app import cache_dir  # the CLI's cache folder, env included
 from flashllm.storage.costmodel import CostModel, batch_reads, bundle_requests
 from flashllm.ffi.reader import Reader, aligned_empty, plan_reads
-from flashllm.runtime.assemble import READER_STAGE  # the staging size `run` opens readers with
+from flashllm.runtime.plan import READER_STAGE  # the staging size `run` opens readers with
 from flashllm.storage.profile import (CHUNKS, DST_BYTES, Profile, device_of, load_profile,
                                      measure_cell, scratch_file)
 from flashllm.units import GiB

@@ -27,12 +27,13 @@ def record_routing(model: Path, n_gen: int, cached: int) -> np.ndarray:
     from flashllm.generation.generate import generate
     from flashllm.generation.sampler import Sampler, SamplerParams
     from flashllm.generation.tokenizer import Tokenizer
-    from flashllm.runtime.budget import plan_budget, read_manifest
+    from flashllm.format.manifest import read_manifest
+    from flashllm.runtime.budget import parse_budget, plan_budget
     from flashllm.runtime.expert_ffn import ExpertFlashFfn
     from flashllm.runtime.model import Model
     flash = open_flash(model)
     cfg = flash.config
-    plan = dataclasses.replace(plan_budget(read_manifest(model), str(1 << 40), 128, process=0),
+    plan = dataclasses.replace(plan_budget(read_manifest(model), parse_budget(str(1 << 40)), 128, process=0),
                                capacity=cached * cfg.n_ff)
     ffn = ExpertFlashFfn(flash, plan, Reader(flash.ffn.file, n_threads=2), n_threads=2)
     seen: list = []                                     # per decode pass and layer: (k,) experts

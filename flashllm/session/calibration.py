@@ -1,17 +1,21 @@
 """A converted folder calibrated as `flashllm calibrate` does it: the calibration text's first
 tokens, the dense model over them, what a sparse output head would read, then
 sparsity/calibrate.calibrate_model's thresholds, hot-first rewrite and predictor. Called by the
-`calibrate` command with the user's options (cli/quality.py), and with the defaults by `run NAME
+`calibrate` command with the user's options (session/quality.py), and with the defaults by `run NAME
 --dram-budget` on a models.toml model's own conversion, once (calibrate_once: in a child process
 outside the budget, under the conversion's lock).
 """
 from __future__ import annotations   # light imports: the CLI loads this before any model
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from flashllm.sparsity.corpus import builtin_text, file_text
+
+if TYPE_CHECKING:
+    from flashllm.runtime.budget import Budget
 
 Log = Callable[[str], None]
 
@@ -35,6 +39,7 @@ class CalibrationOptions:
     predictor: str = "default"       # a kind of sparsity/train.py, "default" or "none"
     threads: int = 2
     max_cost: Optional[float] = MAX_PPL_COST  # perplexity the thresholds may cost (None: no check)
+    dram_budget: Optional[int] = None  # bytes the calibration may hold (None: no bound)
 
 
 def is_calibrated(manifest: dict) -> bool:
@@ -66,14 +71,16 @@ def calibration_ids(tok, file: Optional[Path], corpus: str, n_tokens: int):
 
 
 def calibrate_folder(path: Path, opts: CalibrationOptions = CalibrationOptions(),
-                     log: Log = lambda m: None) -> tuple[dict, int]:
+                     log: Log = lambda m: None, progress=None) -> tuple[dict, int]:
     """Calibrate the converted folder at path: (the manifest's sparsity section written, the
-    number of calibration tokens)."""
+    number of calibration tokens). The model runs layer by layer from its folder
+    (runtime/layer_pass.py); progress(what, done, of) after each step of a long stage."""
+    from flashllm.ffi.heap import trim_heap
     from flashllm.format.files import update_manifest
     from flashllm.format.reader import open_flash
     from flashllm.generation.tokenizer import Tokenizer
-    from flashllm.runtime.model import Model
-    from flashllm.sparsity.calibrate import calibrate_model
+    from flashllm.runtime.layer_pass import LayerPass
+    from flashllm.sparsity.calibrate import calibrate_model, plan_calibration
     from flashllm.sparsity.train import DEFAULT_KIND
     flash = open_flash(path)
     predictor = opts.predictor
@@ -81,59 +88,40 @@ def calibrate_folder(path: Path, opts: CalibrationOptions = CalibrationOptions()
         predictor = DEFAULT_KIND["glu" if flash.config.glu else "plain"]
     source, ids = calibration_ids(Tokenizer.from_flash(flash), opts.text, opts.corpus,
                                   opts.tokens)
+    trim_heap()                                      # the tokenizer's, freed
     ctx = opts.ctx
     if flash.config.max_positions is not None and ctx > flash.config.max_positions:
         ctx = flash.config.max_positions
         log(f"passes of {ctx} tokens: the model's learned positions end there")
-    net = Model(flash, n_threads=opts.threads, n_ctx=ctx)
-    head = head_reads(flash, net, ids[:min(HEAD_POSITIONS, ctx)], opts.threads, log)
-    section = calibrate_model(flash, net, ids, source.description, opts.sparsity, opts.criterion,
-                              n_ctx=ctx, reorder=opts.reorder, n_threads=opts.threads, log=log,
-                              predictor=None if predictor == "none" else predictor,
-                              max_cost=opts.max_cost, ppl=bundle_ppl(flash, net, ids, ctx,
-                                                                     opts.threads))
-    if head:
-        section = {**section, "head": head}
+    predictor = plan_calibration(flash, len(ids), opts.max_cost is not None, predictor,
+                                 opts.dram_budget, log)
+    net = LayerPass(flash, opts.threads, ctx)
+    head: list = []
+    final = lambda x: head.append(head_reads(flash, net, x[:min(HEAD_POSITIONS, ctx)],
+                                             opts.threads, log))          # noqa: E731
+    try:
+        section = calibrate_model(flash, net, ids, source.description, opts.sparsity,
+                                  opts.criterion, reorder=opts.reorder, n_threads=opts.threads,
+                                  log=log, predictor=predictor,
+                                  max_cost=opts.max_cost, on_final=final,
+                                  **({"progress": progress} if progress else {}))
+    finally:
+        net.close()
+    if head and head[0]:
+        section = {**section, "head": head[0]}
         update_manifest(flash.path, sparsity=section)
     return section, len(ids)
 
 
-def bundle_ppl(flash, model, tokens, n_ctx: int, n_threads: int):
-    """ppl(thresholds): the perplexity of model (dense, over flash) with its FFN over the bundles
-    — as a budgeted run multiplies them — and these per-layer thresholds (zeros: none) on the
-    tokens' first QUALITY_TOKENS (sparsity/quality.py); the model's own FFN strategy is back
-    after each measurement."""
-    from flashllm.generation.perplexity import perplexity
-    from flashllm.runtime.ffn import DenseFfn
-    from flashllm.sparsity.quality import QUALITY_TOKENS
-    ids = list(tokens[:QUALITY_TOKENS])
-    sparse = None                # the bundles' FFN, built at the first measurement
-
-    def ppl(thresholds: list) -> float:
-        nonlocal sparse
-        if sparse is None:       # built with thresholds it takes the bundles, not the rows
-            sparse = DenseFfn(flash, n_threads, threshold=[1.0] * flash.config.n_layers)
-        sparse.threshold = list(thresholds)
-        inner, model.ffn = model.ffn, sparse
-        try:                     # perplexity starts each chunk from an empty context
-            return perplexity(model, ids, n_ctx=min(n_ctx, len(ids))).ppl
-        finally:
-            model.ffn = inner
-            model.reset()
-    return ppl
-
-
-def head_reads(flash, net, ids, threads: int, log: Log) -> Optional[dict]:
+def head_reads(flash, net, x, threads: int, log: Log) -> Optional[dict]:
     """What a sparse output head would read a token on the calibration text (the planner weighs
-    it: runtime/sparse_head.sketch_bytes); None without a head sketch. Measured before the
-    hot-first rewrite replaces the FFN file the dense model reads."""
+    it: runtime/sparse_head.sketch_bytes), from the dense pass's final hidden states x (n,
+    d_model) of the text's first positions; None without a head sketch."""
     from flashllm.format.layout import SKETCH
     from flashllm.runtime.sparse_head import measure_reads
-    from flashllm.sparsity.calibrate import final_hidden
     if not flash.has(SKETCH):
         return None
-    x = final_hidden(net, ids)                                           # (n, d_model)
-    head = measure_reads(flash, net.w, x, threads)
+    head = measure_reads(flash, net.w, net.head_input(x), threads)
     g, k = head["greedy"], head["top40"]
     log(f"sparse head, {len(x)} positions: greedy reads {g['rows']:.0f} rows a token "
         f"({g['fallbacks']:.0%} the whole head), top-40 {k['rows']:.0f} ({k['fallbacks']:.0%})")
@@ -152,42 +140,71 @@ def summary(path: Path, section: dict, n_tokens: int) -> str:
             + (f"hot-first by {section['order_by']}" if section["hot_first"] else "order kept"))
 
 
-def calibrate_once(out: Path, log: Log) -> bool:
-    """Calibrate a models.toml model's own conversion at out (convert/resolve.resolve_model's)
-    with calibrate's defaults, in a child process (its memory outside a run's budget), unless
-    it is calibrated (or another process did it while this one waited): True when this call
-    calibrated it. A calibration that fails is said and the run goes on without it (as an
-    uncalibrated model runs: its plan says what calibrating would change). A folder the user
-    gave is theirs: never pass it here."""
-    from flashllm.convert.resolve import in_child, locked
+def calibrate_once(out: Path, log: Log, name: str = "", budget: Optional["Budget"] = None) -> bool:
+    """Calibrate a models.toml model's (or a GGUF file's) own conversion at out
+    (convert/resolve.resolve_model's) with calibrate's defaults within the run's DRAM budget
+    (runtime/budget.Budget), in a child process, unless it is calibrated (or another process did
+    it while this one waited), or an earlier try failed with no more memory than this one
+    (sparsity/attempt.py: then one line says what is missing and how to calibrate by hand):
+    True when this call calibrated it. A calibration that fails is said, remembered and the run
+    goes on without it (its plan says what calibrating would change). A folder the user gave is
+    theirs: never pass it here. name: what the user typed for the model (for the command)."""
+    from flashllm.convert.resolve import in_child
     from flashllm.errors import FlashError
+    from flashllm.sparsity.attempt import clear_failure, hold, known_failure, record_failure
     if _calibrated(out):
         return False
-    with locked(out.parent / f".{out.name}.lock"):
+    nbytes = _budget_bytes(out, budget)
+    by_hand = f"flashllm calibrate {name or out}" + (f" --dram-budget {budget.text}" if budget else "")
+    failed = known_failure(out, nbytes)
+    if failed is not None:
+        log(f"{name or out.name} runs uncalibrated: its calibration failed on {failed['when']} "
+            f"({failed['reason']}); calibrate it by hand: {by_hand}")
+        return False
+    with hold(out, log):
         if _calibrated(out):
             return False
         log(f"calibrating {out} once for runs under a DRAM budget (the most active "
-            "neurons first, what a sparse output head reads; a minute or two on a 1.5B model, "
-            "in a child process outside the budget)")
+            "neurons first, what a sparse output head reads), in a child process"
+            + (f" within {budget.text}" if budget else ""))
         try:
-            in_child(_calibrate_work, (str(out),), f"calibrating {out.name}")
+            in_child(_calibrate_work, (str(out), nbytes), f"calibrating {out.name}")
         except FlashError as e:
-            log(f"{e}; running {out.name} uncalibrated")
+            record_failure(out, str(e), nbytes)
+            log(f"{e}; running {out.name} uncalibrated (not tried again; by hand: {by_hand})")
             return False
+        clear_failure(out)
     return True
+
+
+def _budget_bytes(out: Path, budget: Optional["Budget"]) -> Optional[int]:
+    """Bytes of a run's --dram-budget for the conversion at out (None: no budget)."""
+    from flashllm.format.manifest import read_manifest
+    from flashllm.runtime.budget import model_bytes
+    if budget is None:
+        return None
+    return budget.bytes_of(model_bytes(read_manifest(out)))
 
 
 def _calibrated(out: Path) -> bool:
     """Whether the conversion at out holds what calibrate writes (an unreadable manifest:
     True, left to the reader to report)."""
-    from flashllm.runtime.budget import BudgetError, read_manifest
+    from flashllm.errors import FlashError
+    from flashllm.format.manifest import read_manifest
     try:
         return is_calibrated(read_manifest(out))
-    except (BudgetError, KeyError, TypeError):
+    except (FlashError, KeyError, TypeError):
         return True
 
 
-def _calibrate_work(out: str, log: Log) -> None:
-    """calibrate's defaults in in_child, saying only its closing line (not one a layer)."""
-    section, n = calibrate_folder(Path(out))
+def _calibrate_work(out: str, budget: Optional[int], log: Log) -> None:
+    """calibrate's defaults in in_child within budget bytes, saying only its closing line (not
+    one a layer)."""
+    t0 = time.perf_counter()
+
+    def stage(what: str, done: int, of: int) -> None:      # a line a stage, not one a layer
+        if done == of:
+            log(f"calibrating: {what} done ({time.perf_counter() - t0:.0f} s)")
+    said = lambda m: None if m.startswith("layer ") else log(m)      # noqa: E731 (not a layer's)
+    section, n = calibrate_folder(Path(out), CalibrationOptions(dram_budget=budget), said, stage)
     log(summary(Path(out), section, n))

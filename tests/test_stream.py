@@ -1,7 +1,7 @@
-"""Streamed attention and output head read through the FFN's read-ahead schedule
-(runtime/assemble.stream_dense, runtime/schedule.py) give exactly the logits of the dense weights reading them
-themselves, over prefills and decodes, and after a pass cut short; the ring's buffers start on
-pages so its reads land in place."""
+"""Streamed attention and output head read through a static pass's read stream (runtime/stream.py,
+built before the FFN and the dense weights that take from it) give exactly the logits of the
+dense weights reading them themselves, over prefills and decodes, and after a pass cut short; the
+ring's buffers start on pages so its reads land in place."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,7 +13,6 @@ from flashllm.runtime.weights import DenseWeights
 from flashllm.ffi.reader import Reader
 from flashllm.runtime.model import Model
 from flashllm.sparsity.predictor import AllSlots
-from flashllm.runtime.assemble import stream_dense
 from test_dense_stream import write_model
 from test_sparse_ffn import flash_ffn
 
@@ -26,12 +25,10 @@ def model(path, cfg, streamed, staging_rows, in_ring: bool):
     """A flash model whose FFN reads are static (ring), with `streamed` dense weights read
     through the ring (in_ring) or by the dense weights themselves."""
     flash, ffn = flash_ffn(path, AllSlots(cfg.n_ff), "64MiB", staging_rows=staging_rows,
-                           capacity=30, n_pinned=10)
+                           capacity=30, n_pinned=10, streamed=streamed if in_ring else ())
     weights = DenseWeights(flash, 1, streamed, Reader(flash.dense_file, n_threads=2),
-                           chunk_bytes=1)
-    if in_ring:
-        stream_dense(flash, ffn, weights)
-        assert weights.head_source is not None
+                           chunk_bytes=1, stream=ffn.stream)
+    assert (ffn.stream.head_chunks("output.weight") is not None) == in_ring
     return Model(flash, n_threads=1, n_ctx=32, ffn=ffn, weights=weights), ffn, weights
 
 
@@ -40,7 +37,7 @@ def test_dense_reads_through_the_ring_give_the_same_logits(tmp_path, streamed, s
     cfg = write_model(tmp_path / "m", True, "f32", tied=False)
     ring, ffn, w_ring = model(tmp_path / "m", cfg, streamed, staging_rows, True)
     own, ffn_own, _ = model(tmp_path / "m", cfg, streamed, staging_rows, False)
-    assert len(ffn.schedule.head_extents) == 2      # page-aligned pieces: both rings take 2
+    assert len(ffn.stream.head_extents) == 2        # page-aligned pieces: both rings take 2
     pos = 0
     for toks in STEPS:
         np.testing.assert_array_equal(ring.forward(np.array(toks), pos),
@@ -52,7 +49,7 @@ def test_dense_reads_through_the_ring_give_the_same_logits(tmp_path, streamed, s
     assert w_ring.reader.stats().bytes_requested == 0                  # all through the ring
     for f in (ffn, ffn_own):
         f.close()
-    assert not ffn.ring.running
+    assert not ffn.stream.ring.running
 
 
 def test_a_pass_cut_short_restarts_the_ring_at_the_next_pass(tmp_path):
@@ -61,18 +58,18 @@ def test_a_pass_cut_short_restarts_the_ring_at_the_next_pass(tmp_path):
     own, _, _ = model(tmp_path / "m", cfg, *HEAD_ATTN, False)
     for m in (ring, own):
         m.forward(np.array([1, 5]), 0)
-    ffn.schedule.take(("ffn", 0, 0))       # a pass that stops after its first chunk
-    ffn.schedule.release()
+    ffn.stream.take_ffn(0, 0)               # a pass that stops after its first chunk
+    ffn.stream.release()
     np.testing.assert_array_equal(ring.forward(np.array([4]), 2), own.forward(np.array([4]), 2))
-    ffn.schedule.ring.stop()                # the read-ahead stopped between passes
+    ffn.stream.ring.stop()                  # the read-ahead stopped between passes
     np.testing.assert_array_equal(ring.forward(np.array([7]), 3), own.forward(np.array([7]), 3))
-    assert ffn.ring.running
+    assert ffn.stream.ring.running
     ffn.close()
 
 
 def test_ring_buffers_start_on_pages(tmp_path):
     cfg = write_model(tmp_path / "m", True, "f32", tied=False)
     _, ffn, _ = model(tmp_path / "m", cfg, *HEAD_ONLY, True)
-    assert ffn.ring.buffers.shape[1] * ffn.f.stride % 4096 == 0
-    assert all(b.ctypes.data % 4096 == 0 for b in ffn.ring.buffers)
+    assert ffn.stream.buffers.shape[1] * ffn.f.stride % 4096 == 0
+    assert all(b.ctypes.data % 4096 == 0 for b in ffn.stream.buffers)
     ffn.close()
