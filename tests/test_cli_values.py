@@ -15,6 +15,9 @@ RUN_BAD = [
     (["--min-p", "-0.1"], "'--min-p'"), (["--window", "0"], "'--window'"),
     (["--draft", "-1"], "'--draft'"), (["--repeat-last-n", "-2"], "'--repeat-last-n'"),
     (["--predictor", "maybe"], "'--predictor'"), (["--seed", "-2"], "'--seed'"),
+    (["--temp", "nan"], "'--temp'"), (["--repeat-penalty", "nan"], "'--repeat-penalty'"),
+    (["--draft-p-min", "nan"], "'--draft-p-min'"), (["--top-p", "nan"], "'--top-p'"),
+    (["--min-p", "inf"], "'--min-p'"), (["--temp", "inf"], "'--temp'"),
 ]
 
 

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import enum
 import functools
+import math
 import os
 import signal
 import sys
 from pathlib import Path
+from typing import Optional
 
 import typer
 from platformdirs import user_cache_dir
@@ -26,7 +28,7 @@ from flashllm.errors import FlashError
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   rich_markup_mode=None,
                   help="Run language models larger than DRAM: FFN neurons stream from flash.")
-err = Console(stderr=True, highlight=False)
+err = Console(stderr=True, highlight=False, soft_wrap=True)   # a message is one line, in a log file too
 PIPE_WIDTH = 200   # columns of a table printed into a pipe or a file
 
 
@@ -52,6 +54,14 @@ def _options(version: bool = typer.Option(False, "--version", callback=_version,
 
 DEFAULT_THREADS = min(os.cpu_count() or 1, 8)
 MAX_THREADS = 256          # the C reader's limit, and far past any useful compute thread count
+
+
+def finite(value: Optional[float]) -> Optional[float]:
+    """A float option's callback: NaN and infinities are refused at parse time, naming the
+    option (typer's min / max let NaN through)."""
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a finite number")
+    return value
 
 
 def choice(name: str, values) -> type[enum.Enum]:
@@ -110,7 +120,8 @@ def _terminate(signum, frame) -> None:
 def _interrupted(e: KeyboardInterrupt) -> int:
     """One line for Ctrl-C or SIGTERM; the shell's exit code for it (130, 143)."""
     term = isinstance(e, Terminated)
-    err.print("terminated" if term else "interrupted", markup=False)
+    lead = "\n" if err.is_terminal else ""      # after the ^C a terminal echoes mid-line
+    err.print(lead + ("terminated" if term else "interrupted"), markup=False)
     return 128 + (signal.SIGTERM if term else signal.SIGINT)
 
 

@@ -6,7 +6,7 @@ from typing import List, Optional
 
 import typer
 
-from flashllm.cli.app import (MODEL_HELP, cache_dir, choice, command, err, fail, model_path,
+from flashllm.cli.app import (finite, MODEL_HELP, cache_dir, choice, command, err, fail, model_path,
                               registry_path, stdout_console)
 from flashllm.session.options import DTYPES
 
@@ -80,7 +80,7 @@ def profile(
     path: Path = typer.Argument(Path("."), help="A folder on the device to measure (a scratch "
                                 "file is written there), or an existing file to read."),
     size: str = typer.Option("2GiB", "--size", help="Scratch file size."),
-    seconds: float = typer.Option(30.0, "--seconds", min=1.0, help="Total measuring time."),
+    seconds: float = typer.Option(30.0, "--seconds", min=1.0, callback=finite, help="Total measuring time."),
     as_json: bool = typer.Option(False, "--json", help="Print the profile as JSON."),
 ) -> None:
     """Measure the device's direct-I/O read throughput and save it for `run` to plan reads."""

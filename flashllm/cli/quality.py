@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from flashllm.cli.app import (MODEL_HELP, DEFAULT_THREADS, MAX_THREADS, choice, command, err, fail,
+from flashllm.cli.app import (finite, MODEL_HELP, DEFAULT_THREADS, MAX_THREADS, choice, command, err, fail,
                               model_path)
 from flashllm.session.options import CALIBRATION_TOKENS, CORPORA, CRITERIA, PREDICTOR_KINDS
 
@@ -35,7 +35,7 @@ def perplexity(
     ctx: int = typer.Option(512, "-c", "--ctx", "--ctx-size", min=2,
                             help="Tokens per chunk (the context of each pass)."),
     chunks: Optional[int] = typer.Option(None, "--chunks", min=1, help="Chunks to score (default: all)."),
-    sparsity: Optional[float] = typer.Option(None, "--sparsity", help="Drop FFN terms below the "
+    sparsity: Optional[float] = typer.Option(None, "--sparsity", callback=finite, help="Drop FFN terms below the "
                                              "thresholds for this sparsity (0..1)."),
     corpus: Corpus = typer.Option("code", "--corpus", help="Shipped text: code or prose."),
     threads: int = typer.Option(DEFAULT_THREADS, "-t", "--threads", min=1, max=MAX_THREADS,
@@ -77,9 +77,9 @@ def calibrate(
     model: str = typer.Argument(..., help=MODEL_HELP),
     text: Optional[Path] = typer.Option(None, "-f", "--text", "--file", help="Calibration text file (default: "
                                         "Python standard-library sources)."),
-    sparsity: float = typer.Option(0.5, "--sparsity", help="Target fraction of inactive FFN neurons "
+    sparsity: float = typer.Option(0.5, "--sparsity", callback=finite, help="Target fraction of inactive FFN neurons "
                                    "(lowered while it costs more than --max-ppl-cost)."),
-    max_ppl_cost: float = typer.Option(2.0, "--max-ppl-cost", min=0.0, help="Percent of perplexity on "
+    max_ppl_cost: float = typer.Option(2.0, "--max-ppl-cost", min=0.0, callback=finite, help="Percent of perplexity on "
                                        "the calibration text the thresholds may cost; the target "
                                        "is lowered in steps of 0.1 until they cost no more."),
     keep_target: bool = typer.Option(False, "--keep-target", help="Keep --sparsity as given (no "

@@ -12,7 +12,7 @@ from typing import Optional
 import typer
 
 from flashllm.session.options import AUTO_DRAFT, DRAFT_KINDS, PREDICTOR_MODES, parse_budget
-from flashllm.cli.app import (MODEL_HELP, DEFAULT_THREADS, MAX_THREADS, cache_dir, choice,
+from flashllm.cli.app import (finite, MODEL_HELP, DEFAULT_THREADS, MAX_THREADS, cache_dir, choice,
                               command, err, fail, model_path)
 from flashllm.cli.progress import eta_progress
 from flashllm.cli.prompt_io import read_line, read_prompt, read_tty
@@ -33,11 +33,11 @@ def run(
                                  "one-shot prompt needs only its tokens + -n)."),
     threads: int = typer.Option(DEFAULT_THREADS, "-t", "--threads", min=1, max=MAX_THREADS,
                                help="Compute threads."),
-    temp: float = typer.Option(0.8, "--temp", min=0.0, help="Temperature; 0 is greedy."),
+    temp: float = typer.Option(0.8, "--temp", min=0.0, callback=finite, help="Temperature; 0 is greedy."),
     top_k: int = typer.Option(40, "--top-k", min=0, help="Keep the k most likely tokens; 0 disables."),
-    top_p: float = typer.Option(0.95, "--top-p", min=0.0, max=1.0, help="Nucleus sampling mass; 1 disables."),
-    min_p: float = typer.Option(0.05, "--min-p", min=0.0, max=1.0, help="Drop tokens below min_p × the top probability."),
-    repeat_penalty: float = typer.Option(1.0, "--repeat-penalty", min=0.0, help="Penalty on recent tokens; 1 disables."),
+    top_p: float = typer.Option(0.95, "--top-p", min=0.0, max=1.0, callback=finite, help="Nucleus sampling mass; 1 disables."),
+    min_p: float = typer.Option(0.05, "--min-p", min=0.0, max=1.0, callback=finite, help="Drop tokens below min_p × the top probability."),
+    repeat_penalty: float = typer.Option(1.0, "--repeat-penalty", min=0.0, callback=finite, help="Penalty on recent tokens; 1 disables."),
     repeat_last_n: int = typer.Option(64, "--repeat-last-n", min=0, help="How many recent tokens the penalty sees."),
     seed: Optional[int] = typer.Option(None, "--seed", min=-1,
                                        help="Random seed (default, or -1 as in llama.cpp: random)."),
@@ -67,7 +67,7 @@ def run(
                                                    "(the model's resident part under "
                                                    "--dram-budget: its cached neurons, no flash "
                                                    "read)."),
-    draft_p_min: float = typer.Option(0.5, "--draft-p-min", min=0.0, max=1.0, help="--draft-kind "
+    draft_p_min: float = typer.Option(0.5, "--draft-p-min", min=0.0, max=1.0, callback=finite, help="--draft-kind "
                                       "self: stop drafting after a guess the draft gives less "
                                       "than this probability."),
     draft_head_rows: Optional[int] = typer.Option(None, "--draft-head-rows", min=1, hidden=True,
@@ -99,6 +99,9 @@ def run(
 
     if interactive and (prompt is not None or file is not None):
         fail("give a prompt (-p/-f) or -i/--chat, not both")
+    if not interactive and (system is not None or chat_template is not None):
+        fail("-sys/--system and --chat-template are for a chat: give -i/--chat (a one-shot "
+             "prompt is completed as it is)")
     budget = parse_budget(dram_budget) if dram_budget is not None else None   # one line if bad
     drafting = Drafting.asked(draft, draft_kind and draft_kind.value, dram_budget is not None,
                               auto=not (naive or dense or interactive))
@@ -159,7 +162,8 @@ def _complete(parts, sampler, n_predict: int, draft=None):
 
     stats = complete(parts, sampler, n_predict, draft, write,
                      on_prefill=eta_progress(f"prefill of {len(parts.ids)} tokens"))
-    write("\n")
+    if out.isatty():            # the shell's prompt on a line of its own; a pipe gets the tokens alone
+        write("\n")
     return stats
 
 

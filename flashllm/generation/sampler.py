@@ -136,7 +136,7 @@ class Sampler:
         ids, cand = top_k(ids, logits, prm.top_k)       # (n,), (n,) sorted descending
         ids, cand = top_p(ids, cand, prm.top_p)
         ids, cand = min_p(ids, cand, prm.min_p)
-        return ids, softmax(cand / prm.temp)
+        return ids, softmax(cand.astype(np.float64) / prm.temp)   # (k,): a huge temp stays finite
 
     def _penalized(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
         """logits (vocab,) as f32 with the repeat penalty of history applied (a copy if so)."""
