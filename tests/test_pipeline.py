@@ -94,7 +94,8 @@ def test_piped_chat_with_a_system_prompt_and_a_template_file(model, tmp_path):
               f"--chat-template {shlex.quote(str(template))} -n 6 --temp 0")
     one_shot = sh(f"{FLASHLLM} run {model} -p 'hello there how are you' -n 6 --temp 0 --no-timings")
     assert statuses(proc) == [0, 0]
-    assert proc.stdout == one_shot.stdout                     # answers alone on stdout
+    assert proc.stdout == one_shot.stdout + "\n"    # answers alone on stdout, a line each; a
+                                                    # one-shot run adds no newline off a terminal
     assert "chat template: --chat-template" in proc.stderr and "turns 1, messages 3" in proc.stderr
 
 

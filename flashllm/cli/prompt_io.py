@@ -2,6 +2,8 @@
 UTF-8 (an undecodable byte becomes U+FFFD, with one warning line on stderr)."""
 from __future__ import annotations
 
+import os
+import stat
 import sys
 from pathlib import Path
 from typing import Optional
@@ -22,7 +24,19 @@ def read_prompt(prompt: Optional[str], file: Optional[Path]) -> str:
         return utf8(sys.stdin.buffer.read(), "the prompt on stdin")
     if prompt is None:
         fail("no prompt: give -p TEXT, -f FILE, or pipe text to stdin")
+    if _piped():
+        err.print("note: the text piped to stdin is not read: the prompt is -p's (-p - reads "
+                  "stdin)", markup=False, soft_wrap=True)
     return utf8(prompt, "the -p prompt")
+
+
+def _piped() -> bool:
+    """Whether stdin is a pipe or a non-empty file (text given that -p would leave unread)."""
+    try:
+        st = os.fstat(sys.stdin.fileno())
+    except (OSError, ValueError, AttributeError):    # no stdin, or a test's in-memory one
+        return False
+    return stat.S_ISFIFO(st.st_mode) or (stat.S_ISREG(st.st_mode) and st.st_size > 0)
 
 
 def utf8(raw, what: str) -> str:
