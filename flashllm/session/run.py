@@ -143,6 +143,7 @@ def assemble(req: RunRequest, cache: Path, log: Log) -> Parts:
     trim_heap()                      # the imports' freed heap: ~1 MiB the plan need not count
     process = process_rss()
     man = read_manifest(req.path)
+    check_context_memory(man["config"], req.n_ctx)
     check_before_loading(man, req.flash, req.n_ctx, process)
     if req.calibrate and req.flash.flash and not is_calibrated(man) and \
             calibrate_once(req.path, log, req.calibrate, req.flash.dram_budget):
@@ -157,6 +158,10 @@ def assemble(req: RunRequest, cache: Path, log: Log) -> Parts:
         text, n_predict, ctx_size = req.one_shot
         ids = prompt_ids(tok, text, n_predict, ctx_size, flash.config.max_positions)
         n_ctx = len(ids) + n_predict
+    trained = flash.config.context_length
+    if n_ctx > trained and flash.config.max_positions is None:
+        log(f"warning: a context of {n_ctx} tokens is past the {trained} the model was trained "
+            "on: text beyond them may lose coherence")
     drafting = req.drafting
     choice = choose_plan(man, req.flash, n_ctx, process,
                          auto_rows=req.head_rows if drafting.auto else 0)
@@ -171,6 +176,19 @@ def assemble(req: RunRequest, cache: Path, log: Log) -> Parts:
                 kv_dtype="f16", head=head)
     return Parts(flash, tok, ids, net, ffn, weights, head, drafting,
                  plan.draft_rows if plan is not None else 0)
+
+
+def check_context_memory(cfg, n_ctx: int) -> None:
+    """FlashError (one line) when n_ctx's KV cache (f16 keys and values, every layer) could not
+    fit this machine's memory at all: -c 99999999 is refused, not allocated."""
+    import os
+    from flashllm.units import format_size
+    kv = 2 * 2 * cfg["n_layers"] * n_ctx * cfg["n_kv_heads"] * cfg["head_dim"]   # bytes
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if kv > ram:
+        raise FlashError(f"a context of {n_ctx} tokens needs {format_size(kv, 'GiB', up=True)} "
+                         f"of KV cache, more than this machine's {format_size(ram, 'GiB')} of "
+                         f"memory: lower --ctx-size")
 
 
 def prompt_ids(tok, text: str, n_predict: int, ctx_size: int,
