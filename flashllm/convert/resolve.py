@@ -3,9 +3,8 @@ a folder given directly, a GGUF file (converted once into the user cache, as lla
 pass their file), or a models.toml name, pulled and converted once into the user cache."""
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -23,6 +22,9 @@ def resolve_model(model: str, cache_dir: Path, registry_path: Path, log: Log,
     With `apart`, a conversion runs in a child process, so its memory never counts in this
     one's (a run under --dram-budget measures its own size to plan)."""
     path = Path(model)
+    if os.path.lexists(path):               # a path the user gave: a file or folder to read
+        from flashllm.convert.sources.base import check_path
+        check_path(path)
     if path.is_dir() and (path / "manifest.json").is_file():
         return path
     if path.is_file() and _is_gguf(path):                # by content, as convert decides
@@ -61,7 +63,8 @@ def _current(out: Path) -> bool:
 def _convert_once(name: str, gguf: Path, out: Path, dtype: str, log: Log, apart: bool) -> None:
     """Convert the GGUF file of `name` into out, unless another process did while this one
     waited."""
-    with locked(out.parent / f".{out.name}.lock"):      # one conversion at a time: a second
+    with locked(out.parent / f".{out.name}.lock", log,   # one conversion at a time: a second
+                f"{name}: waiting for another flashllm process converting it to {out}"):
         if (out / "manifest.json").is_file():            # run waits, then uses the first's
             why = conversion_outdated(out)
             if why is None:
@@ -132,16 +135,10 @@ def _convert_work(gguf: str, out: str, dtype: str, name: str, log: Log) -> None:
     convert(Path(gguf), Path(out), dtype, progress=_tenths(name, log))
 
 
-@contextlib.contextmanager
-def locked(path: Path):
-    """An exclusive advisory lock on path (created), held for the with block."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+def locked(path: Path, log: Optional[Log] = None, waiting: str = ""):
+    """An exclusive advisory lock on path, held for the with block (format/lock.exclusive)."""
+    from flashllm.format.lock import exclusive
+    return exclusive(path, log, waiting)
 
 
 def _tenths(name: str, log: Log) -> Callable[[int, int], None]:

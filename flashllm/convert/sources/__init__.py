@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flashllm.convert.sources.base import GGUF_MAGIC, Source
+from flashllm.convert.sources.base import GGUF_MAGIC, Source, check_path
 from flashllm.convert.sources.gguf import GGUFSource
 from flashllm.convert.sources.hf import HFSource
 from flashllm.errors import SourceError
@@ -60,9 +60,8 @@ def _open_folder(path: Path) -> Source:
 def open_source(path: Path) -> Source:
     """Open a checkpoint by its content: GGUF file or HF safetensors folder."""
     path = Path(path)
-    if not path.exists():
-        raise SourceError(f"{path}: no such file or folder")
+    check_path(path)
     return _open_folder(path) if path.is_dir() else _open_file(path)
 
 
-__all__ = ["Source", "open_source"]
+__all__ = ["Source", "check_path", "open_source"]

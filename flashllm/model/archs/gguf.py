@@ -22,6 +22,9 @@ def gguf_config(arch: Arch, meta: Mapping, tensor_names: Iterable[str], vocab_si
 
     names = set(tensor_names)
     d_model, n_heads = int(need("embedding_length")), int(need("attention.head_count"))
+    if d_model < 1 or n_heads < 1:
+        raise SourceError(f"GGUF {a}.embedding_length={d_model} and {a}.attention.head_count="
+                          f"{n_heads} must be positive")
     head_dim = int(meta.get(f"{a}.attention.key_length") or d_model // n_heads)
     rot = meta.get(f"{a}.rope.dimension_count")
     if rot is not None and int(rot) != head_dim:

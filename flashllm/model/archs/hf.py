@@ -9,10 +9,19 @@ from flashllm.model.config import ModelConfig
 from flashllm.model.rope import hf_rope
 
 
+COUNTS = frozenset({"hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size",
+                    "intermediate_size", "max_position_embeddings", "num_experts_per_tok"})
+
+
 def need(cfg: Mapping, key: str, where: str):
+    """config.json's key; one SourceError line when it is absent, or (COUNTS) not a positive
+    integer (a 0 there would divide by zero below)."""
     if cfg.get(key) is None:
         raise SourceError(f"{where}: config.json has no {key!r}")
-    return cfg[key]
+    value = cfg[key]
+    if key in COUNTS and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise SourceError(f"{where}: config.json's {key}={value!r} must be a positive integer")
+    return value
 
 
 def eos_ids(value) -> tuple[int, ...]:
