@@ -12,8 +12,6 @@ budget on the same conversion; a successful calibration removes it.
 """
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -34,21 +32,12 @@ def failure_path(folder: Path) -> Path:
     return folder.parent / f".{folder.name}.calibration.json"
 
 
-@contextlib.contextmanager
 def hold(folder: Path, log: Log):
     """Exclusive use of folder for a calibration: waits (saying so once) while another
     process holds it."""
-    path = lock_path(Path(folder))
-    with open(path, "a") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log(f"waiting: another process is converting or calibrating {folder}")
-            fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    from flashllm.format.lock import exclusive
+    return exclusive(lock_path(Path(folder)), log,
+                     f"waiting: another process is converting or calibrating {folder}")
 
 
 def _manifest_sha(folder: Path) -> Optional[str]:
