@@ -14,13 +14,14 @@ $(BIN)/flashllm: pyproject.toml setup.py native/build_ffi.py
 	$(BIN)/pip install -q -e .
 	@touch $@
 
-## setup-test: what the tests add: pytest, hypothesis, pexpect and the references they compare against
+## setup-test: what the tests add: pytest, hypothesis, pexpect, the server's stack and clients (serve,
+## openai, httpx) and the references they compare against
 ## (transformers on the CPU build of torch, ~1 GB)
 setup-test: $(VENV)/test-stamp
 
 $(VENV)/test-stamp: $(BIN)/flashllm
 	$(BIN)/pip install -q $(TORCH)   # the CPU wheel from local disk; must come before transformers
-	$(BIN)/pip install -q -e '.[dev,ref]'
+	$(BIN)/pip install -q -e '.[dev,ref,serve]'
 	@touch $@
 
 ## native: rebuild the C kernel in place after editing native/

@@ -17,11 +17,13 @@ LAYERS = [
     {"runtime", "convert"},
     {"generation"},
     {"session"},
+    {"serve"},
     {"cli"},
 ]
 # What cli/ may import: the session layer (and through it the types it returns), the errors it
 # prints, the units it reads sizes with, the package's version; nothing else below it.
-CLI_MAY_IMPORT = ("flashllm.cli", "flashllm.session", "flashllm.errors", "flashllm.units")
+CLI_MAY_IMPORT = ("flashllm.cli", "flashllm.session", "flashllm.serve", "flashllm.errors",
+                  "flashllm.units")   # serve/: a front end over the session layer, as cli/ is
 
 
 def modules() -> dict[str, Path]:

@@ -66,7 +66,7 @@ class ChatSession:
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
         if self.cached:
             kept = self._render_ids(self.messages) if self.messages else []
-            self.cached = self.cached[:max(0, min(_common_prefix(self.cached, kept), len(kept) - 1))]
+            self.cached = self.cached[:max(0, min(common_prefix(self.cached, kept), len(kept) - 1))]
 
     @property
     def limit(self) -> Optional[int]:
@@ -124,7 +124,7 @@ class ChatSession:
         return ids
 
     def _answer(self, ids: list[int], stats: TurnStats, on_text, should_stop) -> str:
-        keep = min(_common_prefix(self.cached, ids), len(ids) - 1)
+        keep = min(common_prefix(self.cached, ids), len(ids) - 1)
         self.cached = self.cached[:keep]
         stats.n_reused, stats.n_prefill = keep, len(ids) - keep
         detok, n_ctx, limit = self.tokenizer.detokenizer(), self.model.n_ctx, self.limit
@@ -166,7 +166,7 @@ class ChatSession:
         return self.tokenizer.decode(answer)
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = 0
     for x, y in zip(a, b):
         if x != y:

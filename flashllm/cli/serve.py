@@ -1,0 +1,58 @@
+"""`flashllm serve`: an OpenAI-compatible HTTP server (flashllm/serve/), registered on cli.app."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from flashllm.cli.app import (MODEL_HELP, DEFAULT_THREADS, MAX_THREADS, cache_dir, command, err,
+                              fail, model_path)
+
+
+@command
+def serve(
+    model: str = typer.Argument(..., help=MODEL_HELP),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (anything but a "
+                             "loopback address without --api-key is open to the network)."),
+    port: int = typer.Option(8080, "--port", min=1, max=65535, help="Port to listen on."),
+    dram_budget: Optional[str] = typer.Option(
+        None, "--dram-budget", help="Stream the FFN from flash within this DRAM (as `run`'s), "
+        "holding every stream's KV cache."),
+    parallel: int = typer.Option(4, "--parallel", "-np", min=1, max=64,
+                                 help="Streams in flight (each with its own KV cache)."),
+    ctx_size: int = typer.Option(2048, "-c", "--ctx-size", min=16, help="Context of each "
+                                 "stream (prompt + answer)."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", help="Ask every /v1 request for "
+                                          "`Authorization: Bearer KEY`."),
+    threads: int = typer.Option(DEFAULT_THREADS, "-t", "--threads", min=1, max=MAX_THREADS,
+                                help="Compute threads."),
+    queue_size: int = typer.Option(32, "--queue-size", min=1, max=4096, help="Requests that "
+                                   "may wait for a stream; past that, 503."),
+) -> None:
+    """Serve a model over an OpenAI-compatible HTTP API (chat and completions, streamed or not)."""
+    try:
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        fail("serve needs the `serve` extra: pip install 'flashllm[serve]' (starlette, uvicorn)")
+    from flashllm.cli.calibration import calibrate_once
+    from flashllm.runtime.budget import BudgetError
+    from flashllm.serve.main import Listen, is_loopback, serve as serve_engine
+    from flashllm.serve.model import EngineSpec, open_engine
+    log = lambda m: err.print(m, markup=False, soft_wrap=True)          # noqa: E731
+    if not is_loopback(host) and api_key is None:
+        log(f"warning: serving on {host} without --api-key: anyone who reaches this address "
+            "can use the model")
+    path = model_path(model, apart=dram_budget is not None)
+    name = Path(model).name.removesuffix(".gguf") if Path(model).exists() else model
+    spec = EngineSpec(path, name, parallel, ctx_size, threads, dram_budget)
+    calibrate = None if Path(model).is_dir() else calibrate_once
+    try:
+        engine = open_engine(spec, cache_dir(), log, calibrate)
+    except BudgetError as e:
+        fail(f"{e} — with --parallel {parallel} streams of --ctx-size {ctx_size} tokens each")
+    try:
+        serve_engine(engine, Listen(host, port, api_key, queue_size), log)
+    finally:
+        engine.close()

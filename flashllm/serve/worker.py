@@ -1,0 +1,241 @@
+"""The one thread that owns the model: requests come in through a bounded queue, each is given a
+slot (a network with its own KV cache), and every pass advances every active slot: the next
+chunk of a prompt being prefilled, or the next token of an answer. HTTP handlers never touch
+the model: they put a Job in the queue and read its events.
+
+A job's events, in order: ("start", n_prompt), ("text", piece)..., ("done", finish_reason,
+n_prompt, n_gen); or one ("error", ApiError). A job whose client went away (cancelled) leaves
+its slot at the next pass. A slot keeps its KV cache after a job: the next job whose prompt
+starts with the same tokens prefills only the rest (the slot with the longest such prefix is
+chosen).
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from flashllm.errors import FlashError
+from flashllm.generation.chat import common_prefix
+from flashllm.generation.sampler import Sampler
+from flashllm.serve.api import ApiError, Ask
+from flashllm.serve.stops import StopText
+
+PREFILL_CHUNK = 256          # prompt tokens a slot prefills in one pass
+
+
+class Busy(Exception):
+    """The queue is full, or the server is stopping: 503."""
+
+
+@dataclass
+class Job:
+    ask: Ask
+    emit: Callable[[tuple], None]                 # thread-safe: called by the worker
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class Slot:
+    """A stream: its network (KV cache), the tokens whose keys and values it holds, and the
+    job it is running (None: free)."""
+
+    net: object
+    cached: list = field(default_factory=list)    # token ids at positions 0 .. len-1
+    job: Optional[Job] = None
+    history: list = field(default_factory=list)   # prompt + answer ids
+    fed: int = 0                                  # positions whose KV is in the cache
+    n_prompt: int = 0
+    n_gen: int = 0
+    limit: int = 0
+    sampler: object = None
+    detok: object = None
+    stop: object = None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.fed < self.n_prompt
+
+
+class Worker:
+    """The model's thread. run_pass(entries) runs one pass over [(net, tokens (T,), pos0,
+    prefill)] and returns each entry's next-token logits (vocab,)."""
+
+    def __init__(self, engine, run_pass: Callable, queue_size: int = 64,
+                 chunk: int = PREFILL_CHUNK):
+        self.engine = engine
+        self.run_pass = run_pass
+        self.slots = [Slot(net) for net in engine.nets]
+        self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self.chunk = chunk
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="flashllm-model", daemon=True)
+
+    # ---- the HTTP side (any thread) ----------------------------------------------------------
+
+    def submit(self, job: Job) -> None:
+        if self.stopping.is_set():
+            raise Busy("the server is shutting down")
+        try:
+            self.queue.put_nowait(job)
+        except queue.Full:
+            raise Busy(f"the queue is full ({self.queue.maxsize} requests waiting); retry "
+                       "later") from None
+
+    def counts(self) -> dict:
+        busy = sum(s.job is not None for s in self.slots)
+        return {"slots_idle": len(self.slots) - busy, "slots_processing": busy,
+                "queued": self.queue.qsize()}
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop: queued jobs get a 503, active ones are cancelled (their clients are gone by
+        now: the server closes connections first), then the thread ends."""
+        self.stopping.set()
+        for slot in self.slots:
+            if slot.job is not None:
+                slot.job.cancelled.set()
+        self.thread.join(timeout)
+
+    # ---- the model's thread ------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            self._admit()
+            active = [s for s in self.slots if s.job is not None]
+            if not active:
+                if self.stopping.is_set():
+                    break
+                continue
+            self._pass(active)
+        self._refuse_queued()
+
+    def _admit(self) -> None:
+        """Give queued jobs the free slots; wait a little for one when every slot is idle."""
+        idle = all(s.job is None for s in self.slots)
+        while any(s.job is None for s in self.slots) and not self.stopping.is_set():
+            try:
+                job = self.queue.get(timeout=0.1) if idle else self.queue.get_nowait()
+            except queue.Empty:
+                return
+            idle = False
+            if not job.cancelled.is_set():
+                self._start(job)
+        if self.stopping.is_set():
+            self._refuse_queued()
+
+    def _refuse_queued(self) -> None:
+        while True:
+            try:
+                job = self.queue.get_nowait()
+            except queue.Empty:
+                return
+            job.emit(("error", ApiError(503, "the server is shutting down",
+                                        kind="server_error", code="shutting_down")))
+
+    def _start(self, job: Job) -> None:
+        """Tokenize the job's prompt, check it fits, and put it in the best free slot."""
+        try:
+            ids = self._prompt_ids(job.ask)
+        except ApiError as e:
+            job.emit(("error", e))
+            return
+        free = [s for s in self.slots if s.job is None]
+        slot = max(free, key=lambda s: common_prefix(s.cached, ids))
+        keep = min(common_prefix(slot.cached, ids), len(ids) - 1)
+        n_ctx = self.engine.n_ctx
+        limit = n_ctx - len(ids) + 1          # the last token made is never fed
+        slot.job, slot.history, slot.fed, slot.n_prompt, slot.n_gen = job, list(ids), keep, \
+            len(ids), 0
+        slot.cached = slot.cached[:keep]
+        slot.limit = min(job.ask.max_tokens or limit, limit)
+        slot.sampler = Sampler(job.ask.params)
+        slot.detok = self.engine.tok.detokenizer()
+        slot.stop = StopText(job.ask.stops)
+        job.emit(("start", len(ids)))
+
+    def _prompt_ids(self, ask: Ask) -> list:
+        eng = self.engine
+        try:
+            if ask.chat:
+                text = eng.template.render(list(ask.messages), add_generation_prompt=True)
+                ids = eng.tok.encode(text, add_special=False)
+            else:
+                ids = eng.tok.encode(ask.prompt, add_special=True)
+        except FlashError as e:
+            raise ApiError(400, str(e), "messages" if ask.chat else "prompt") from None
+        if not ids:
+            raise ApiError(400, "the prompt is empty (no tokens to start from)", "prompt")
+        if len(ids) >= eng.n_ctx:
+            raise ApiError(400, f"This model's context holds {eng.n_ctx} tokens per stream; "
+                           f"the prompt has {len(ids)} (no room for an answer)",
+                           "messages" if ask.chat else "prompt", "context_length_exceeded")
+        return ids
+
+    def _pass(self, active: list) -> None:
+        """One pass: cancelled jobs leave; every other slot feeds its next chunk or token."""
+        work = []
+        for slot in active:
+            if slot.job.cancelled.is_set():
+                self._finish(slot, "cancelled")
+                continue
+            if slot.prefilling:
+                end = min(slot.n_prompt, slot.fed + self.chunk)
+                work.append((slot, slot.history[slot.fed:end], True))
+            else:
+                work.append((slot, slot.history[-1:], False))
+        if not work:
+            return
+        try:
+            rows = self.run_pass([(s.net, t, s.fed, p) for s, t, p in work])
+        except Exception as e:              # a pass that failed fails its jobs, not the server
+            for slot, _, _ in work:
+                slot.job.emit(("error", ApiError(500, f"the model failed: {e}",
+                                                 kind="server_error")))
+                slot.fed, slot.job = 0, None
+                slot.cached = []
+            return
+        for (slot, tokens, _), logits in zip(work, rows):
+            slot.fed += len(tokens)
+            if logits is not None and not slot.prefilling:
+                self._advance(slot, logits)
+
+    def _advance(self, slot: Slot, logits) -> None:
+        """Sample the slot's next token from logits (vocab,) and send its text, or finish."""
+        token = slot.sampler.sample(logits, slot.history)
+        if token in self.engine.tok.eos_ids:
+            return self._finish(slot, "stop")
+        slot.history.append(token)
+        slot.n_gen += 1
+        text, stopped = slot.stop.push(slot.detok.push(token))
+        if text:
+            slot.job.emit(("text", text))
+        if stopped:
+            return self._finish(slot, "stop", flush=False)
+        if slot.n_gen >= slot.limit or slot.fed >= self.engine.n_ctx:
+            self._finish(slot, "length")
+
+    def _finish(self, slot: Slot, reason: str, flush: bool = True) -> None:
+        job = slot.job
+        if flush and reason != "cancelled":
+            text, _ = slot.stop.push(slot.detok.flush())
+            text += slot.stop.flush()
+            if text:
+                job.emit(("text", text))
+        job.emit(("done", reason, slot.n_prompt, slot.n_gen))
+        slot.cached = slot.history[:slot.fed]
+        slot.job = None
+
+
+def each_pass(entries: list) -> list:
+    """run_pass one network at a time: [(net, tokens, pos0, prefill)] -> logits (vocab,) each
+    (a prompt's chunk: its last row's)."""
+    import numpy as np
+    out = []
+    for net, tokens, pos0, prefill in entries:
+        rows = net.forward(np.asarray(tokens, dtype=np.int32), pos0, last_only=prefill)
+        out.append(rows[-1])                                             # (vocab,)
+    return out
