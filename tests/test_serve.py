@@ -18,36 +18,21 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
-from tokenizers import AddedToken, models, pre_tokenizers  # noqa: E402
-from tokenizers import Tokenizer as HFTokenizer  # noqa: E402
-
-from flashllm.convert.convert import convert_source  # noqa: E402
 from flashllm.format.reader import open_flash  # noqa: E402
 from flashllm.generation.chat import ChatSession  # noqa: E402
-from flashllm.generation.chat_template import CHATML, ChatTemplate  # noqa: E402
 from flashllm.generation.sampler import Sampler, SamplerParams  # noqa: E402
 from flashllm.generation.tokenizer import Tokenizer  # noqa: E402
 from flashllm.runtime.model import Model  # noqa: E402
-from serve_helpers import ROOT, Served  # noqa: E402
-from tiny_sources import ArraySource, tiny_arrays, tiny_config  # noqa: E402
+from serve_helpers import ROOT, Served, build_tiny  # noqa: E402
 
-WORDS = ["[UNK]", "<|im_start|>", "<|im_end|>", "system", "user", "assistant", "hello", "there",
-         "how", "are", "you", "fine", "thanks", "a", "b", "c"]
 PROMPT = "hello there how are you"
 CTX = 2048
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """A converted tiny model with a word-level tokenizer and ChatML (its folder); no end of
-    text token, so an answer runs as long as it is let."""
-    cfg = tiny_config(vocab_size=len(WORDS), eos_token_ids=(), context_length=4096)
-    hf = HFTokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
-    hf.pre_tokenizer = pre_tokenizers.Whitespace()
-    hf.add_special_tokens([AddedToken(w, special=True, normalized=False) for w in WORDS[1:3]])
-    src = ArraySource(cfg, tiny_arrays(cfg, seed=5), tokenizer_json=hf.to_str(),
-                      chat_template=CHATML)
-    return convert_source(src, tmp_path_factory.mktemp("serve") / "tiny", "f32")
+    """A converted tiny model (f32) with a word-level tokenizer and ChatML (its folder)."""
+    return build_tiny(tmp_path_factory.mktemp("serve") / "tiny")
 
 
 @pytest.fixture(scope="module")

@@ -142,17 +142,37 @@ class Model:
                 progress(i + 1, self.config.n_layers)
         if last_only:
             x = np.ascontiguousarray(x[-1:])                             # (1, d_model)
+        return self.output_rows(x, pos[-len(x):], tokens[-len(x):])      # (T, vocab)
+
+    def output_rows(self, x: np.ndarray, pos: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """logits (T, vocab) of the last layer's rows x (T, d_model), at positions pos (T,)
+        fed tokens (T,): the final norm, the output head and the soft cap."""
         x = self._norm(x, self.w.out_norm, self.w.out_norm_b)            # (T, d_model)
         if self.w.proj_out is not None:
             x = kernel.matmul(self.w.proj_out, x, None, self.n_threads, self.exact)  # (T, d_embed)
         if self.config.logit_scale != 1.0:       # head(x) / s as head(x / s): the sparse head too
             x = x / np.float32(self.config.logit_scale)                  # (T, embed_dim)
-        logits = self._output(x, pos[-len(x):], tokens[-len(x):])        # (T, vocab)
+        logits = self._output(x, pos, tokens)                            # (T, vocab)
         cap = self.config.final_softcap
         if not cap:
             return logits
         capped = np.tanh(logits / np.float32(cap)) * np.float32(cap)     # (T, vocab)
         return capped if self.head is None else np.where(np.isneginf(logits), logits, capped)
+
+    # ---- the pieces a pass over several streams runs (runtime/batch.py) ----------------------
+
+    def embed_rows(self, tokens: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """The first layer's rows (T, d_model) of tokens (T,) at positions pos (T,)."""
+        return self._embed(tokens, pos)
+
+    def attention_rows(self, i: int, layer: Layer, x: np.ndarray, pos: np.ndarray) -> None:
+        """x (T, d_model) += layer i's attention of x, a chain at positions pos (T,) of this
+        model's KV cache."""
+        self._attention_block(i, layer, x, pos, len(pos))
+
+    def ffn_rows(self, i: int, layer: Layer, x: np.ndarray) -> None:
+        """x (T, d_model) += layer i's FFN of x (rows of any streams: the FFN is shared)."""
+        self._ffn_block(i, layer, x)
 
     def _attention_block(self, i: int, layer: Layer, x: np.ndarray, pos: np.ndarray,
                          n: int) -> None:

@@ -181,9 +181,10 @@ def new_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
 
 
-def usage(n_prompt: int, n_gen: int) -> dict:
+def usage(n_prompt: int, n_gen: int, n_cached: int = 0) -> dict:
+    """OpenAI's usage object; cached_tokens: the prompt's start a stream's KV cache held."""
     return {"prompt_tokens": n_prompt, "completion_tokens": n_gen,
-            "total_tokens": n_prompt + n_gen}
+            "total_tokens": n_prompt + n_gen, "prompt_tokens_details": {"cached_tokens": n_cached}}
 
 
 def response(ask: Ask, rid: str, model: str, text: str, finish: str, use: dict) -> dict:

@@ -88,14 +88,14 @@ class Server:
                 self.worker.submit(job)
             except Busy as e:
                 raise ApiError(503, str(e), kind="server_error", code="busy") from None
-            first = await events.first(request, job)
+            await events.first(request, job)
         except ApiError as e:
             return error_response(e)
         except ClientDisconnect:
             return JSONResponse({}, status_code=499)
         rid, model = new_id(chat), self.model_ids[0]
         if ask.stream:
-            return StreamingResponse(_sse(events, job, ask, rid, model, first[1]),
+            return StreamingResponse(_sse(events, job, ask, rid, model),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         return await _whole(events, request, job, ask, rid, model)
@@ -162,12 +162,11 @@ async def _whole(events: _Events, request: Request, job: Job, ask, rid: str, mod
     except (ClientDisconnect, asyncio.CancelledError):
         job.cancelled.set()
         raise
-    _, finish, n_prompt, n_gen = event
-    return JSONResponse(response(ask, rid, model, "".join(pieces), finish,
-                                 usage(n_prompt, n_gen)))
+    _, finish, *counts = event
+    return JSONResponse(response(ask, rid, model, "".join(pieces), finish, usage(*counts)))
 
 
-async def _sse(events: _Events, job: Job, ask, rid: str, model: str, n_prompt: int):
+async def _sse(events: _Events, job: Job, ask, rid: str, model: str):
     """The answer as server-sent events; the job is cancelled if the client goes away (the
     server cancels this generator) or the stream ends early."""
     def data(obj) -> str:
@@ -180,10 +179,10 @@ async def _sse(events: _Events, job: Job, ask, rid: str, model: str, n_prompt: i
             if event[0] == "text":
                 yield data(chunk(ask, rid, model, event[1], None))
             elif event[0] == "done":
-                _, finish, n_prompt, n_gen = event
+                _, finish, *counts = event
                 yield data(chunk(ask, rid, model, None, finish))
                 if ask.include_usage:
-                    yield data(chunk(ask, rid, model, None, None, use=usage(n_prompt, n_gen)))
+                    yield data(chunk(ask, rid, model, None, None, use=usage(*counts)))
                 break
             else:
                 yield data(event[1].body())

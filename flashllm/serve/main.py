@@ -12,7 +12,7 @@ import signal
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from flashllm.serve.worker import Worker, each_pass
+from flashllm.serve.worker import Worker
 
 Log = Callable[[str], None]
 
@@ -36,11 +36,11 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def serve(engine, listen: Listen, log: Log, run_pass: Callable = each_pass) -> None:
+def serve(engine, listen: Listen, log: Log) -> None:
     """Run the worker and the HTTP server until a signal stops them."""
     import uvicorn
     from flashllm.serve.app import Server
-    worker = Worker(engine, run_pass, queue_size=listen.queue_size)
+    worker = Worker(engine, queue_size=listen.queue_size)
     ids = tuple(dict.fromkeys((engine.name,)))
     server = Server(worker, ids, listen.api_key, max_tokens=engine.n_ctx)
 

@@ -1,10 +1,13 @@
 """The one thread that owns the model: requests come in through a bounded queue, each is given a
-slot (a network with its own KV cache), and every pass advances every active slot: the next
-chunk of a prompt being prefilled, or the next token of an answer. HTTP handlers never touch
-the model: they put a Job in the queue and read its events.
+slot (a network with its own KV cache). Each round, one decode pass carries the next token of
+every answering slot (runtime/batch.py: one forward pass, so the FFN's flash reads serve them
+all), then one slot prefilling a prompt runs its next chunk: a new request joins at the next
+round, and a long prompt never stalls the answers for more than one chunk. HTTP handlers never
+touch the model: they put a Job in the queue and read its events.
 
 A job's events, in order: ("start", n_prompt), ("text", piece)..., ("done", finish_reason,
-n_prompt, n_gen); or one ("error", ApiError). A job whose client went away (cancelled) leaves
+n_prompt, n_gen, n_cached); or one ("error", ApiError). n_cached: the prompt tokens whose keys
+and values the slot already held. A job whose client went away (cancelled) leaves
 its slot at the next pass. A slot keeps its KV cache after a job: the next job whose prompt
 starts with the same tokens prefills only the rest (the slot with the longest such prefix is
 chosen).
@@ -16,9 +19,12 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+import numpy as np
+
 from flashllm.errors import FlashError
 from flashllm.generation.chat import common_prefix
 from flashllm.generation.sampler import Sampler
+from flashllm.runtime.batch import decode_rows
 from flashllm.serve.api import ApiError, Ask
 from flashllm.serve.stops import StopText
 
@@ -47,6 +53,7 @@ class Slot:
     history: list = field(default_factory=list)   # prompt + answer ids
     fed: int = 0                                  # positions whose KV is in the cache
     n_prompt: int = 0
+    n_cached: int = 0                             # prompt tokens the slot already held
     n_gen: int = 0
     limit: int = 0
     sampler: object = None
@@ -59,16 +66,14 @@ class Slot:
 
 
 class Worker:
-    """The model's thread. run_pass(entries) runs one pass over [(net, tokens (T,), pos0,
-    prefill)] and returns each entry's next-token logits (vocab,)."""
+    """The model's thread over an Engine (serve/model.py)."""
 
-    def __init__(self, engine, run_pass: Callable, queue_size: int = 64,
-                 chunk: int = PREFILL_CHUNK):
+    def __init__(self, engine, queue_size: int = 64, chunk: int = PREFILL_CHUNK):
         self.engine = engine
-        self.run_pass = run_pass
         self.slots = [Slot(net) for net in engine.nets]
         self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self.chunk = chunk
+        self.passes = self.rows = 0         # decode passes run, and the tokens they carried
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="flashllm-model", daemon=True)
 
@@ -86,7 +91,8 @@ class Worker:
     def counts(self) -> dict:
         busy = sum(s.job is not None for s in self.slots)
         return {"slots_idle": len(self.slots) - busy, "slots_processing": busy,
-                "queued": self.queue.qsize()}
+                "queued": self.queue.qsize(), "decode_passes": self.passes,
+                "decode_rows": self.rows}
 
     def start(self) -> None:
         self.thread.start()
@@ -150,7 +156,7 @@ class Worker:
         limit = n_ctx - len(ids) + 1          # the last token made is never fed
         slot.job, slot.history, slot.fed, slot.n_prompt, slot.n_gen = job, list(ids), keep, \
             len(ids), 0
-        slot.cached = slot.cached[:keep]
+        slot.cached, slot.n_cached = slot.cached[:keep], keep
         slot.limit = min(job.ask.max_tokens or limit, limit)
         slot.sampler = Sampler(job.ask.params)
         slot.detok = self.engine.tok.detokenizer()
@@ -176,32 +182,46 @@ class Worker:
         return ids
 
     def _pass(self, active: list) -> None:
-        """One pass: cancelled jobs leave; every other slot feeds its next chunk or token."""
-        work = []
+        """Cancelled jobs leave; one decode pass carries the next token of every answering
+        slot; then one slot prefilling a prompt runs its next chunk."""
         for slot in active:
             if slot.job.cancelled.is_set():
                 self._finish(slot, "cancelled")
-                continue
-            if slot.prefilling:
-                end = min(slot.n_prompt, slot.fed + self.chunk)
-                work.append((slot, slot.history[slot.fed:end], True))
-            else:
-                work.append((slot, slot.history[-1:], False))
-        if not work:
-            return
+        answering = [s for s in active if s.job is not None and not s.prefilling]
+        if answering:
+            self._guarded(answering, self._decode)
+        filling = [s for s in active if s.job is not None and s.prefilling]
+        if filling:
+            self._guarded(filling[:1], self._prefill)
+
+    def _guarded(self, slots: list, step: Callable) -> None:
+        """step(slots); a failure fails their jobs (500), not the server."""
         try:
-            rows = self.run_pass([(s.net, t, s.fed, p) for s, t, p in work])
-        except Exception as e:              # a pass that failed fails its jobs, not the server
-            for slot, _, _ in work:
+            step(slots)
+        except Exception as e:
+            for slot in slots:
                 slot.job.emit(("error", ApiError(500, f"the model failed: {e}",
                                                  kind="server_error")))
-                slot.fed, slot.job = 0, None
-                slot.cached = []
-            return
-        for (slot, tokens, _), logits in zip(work, rows):
-            slot.fed += len(tokens)
-            if logits is not None and not slot.prefilling:
-                self._advance(slot, logits)
+                slot.fed, slot.job, slot.cached = 0, None, []
+
+    def _decode(self, slots: list) -> None:
+        rows = decode_rows([s.net for s in slots], [s.history[-1] for s in slots],
+                           [s.fed for s in slots])                       # (B, vocab)
+        self.passes += 1
+        self.rows += len(slots)
+        for slot, logits in zip(slots, rows):
+            slot.fed += 1
+            self._advance(slot, logits)
+
+    def _prefill(self, slots: list) -> None:
+        """The next chunk of a prompt (the last one also samples the first token)."""
+        slot = slots[0]
+        end = min(slot.n_prompt, slot.fed + self.chunk)
+        tokens = np.asarray(slot.history[slot.fed:end], dtype=np.int32)  # (T,)
+        logits = slot.net.forward(tokens, slot.fed, last_only=True)[0]   # (vocab,)
+        slot.fed = end
+        if not slot.prefilling:
+            self._advance(slot, logits)
 
     def _advance(self, slot: Slot, logits) -> None:
         """Sample the slot's next token from logits (vocab,) and send its text, or finish."""
@@ -225,17 +245,7 @@ class Worker:
             text += slot.stop.flush()
             if text:
                 job.emit(("text", text))
-        job.emit(("done", reason, slot.n_prompt, slot.n_gen))
+        job.emit(("done", reason, slot.n_prompt, slot.n_gen, slot.n_cached))
         slot.cached = slot.history[:slot.fed]
         slot.job = None
 
-
-def each_pass(entries: list) -> list:
-    """run_pass one network at a time: [(net, tokens, pos0, prefill)] -> logits (vocab,) each
-    (a prompt's chunk: its last row's)."""
-    import numpy as np
-    out = []
-    for net, tokens, pos0, prefill in entries:
-        rows = net.forward(np.asarray(tokens, dtype=np.int32), pos0, last_only=prefill)
-        out.append(rows[-1])                                             # (vocab,)
-    return out

@@ -1,0 +1,128 @@
+"""`flashllm serve` under concurrent streaming clients: aggregate and per-stream decode tok/s,
+time to first token (p50 / p95), the streams a decode pass carried, the server's peak RSS.
+
+Run:  python -m scripts.bench.serve MODEL [--dram-budget 560MiB] [--clients 1,4] [--tokens 64]
+                                          [--parallel 4] [--ctx-size 512] [-t 2]
+
+The server starts in a subprocess on a free loopback port (as `flashllm serve MODEL --parallel
+P`), answers one warm-up request, then for each K in --clients, K openai-client streams start
+at once, each a different code prompt completed greedily for --tokens tokens. Aggregate tok/s:
+all tokens made / the round's wall time; decode tok/s: tokens after the first / (last token -
+first token) of each stream, summed over streams for the aggregate.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPTS = ["def fibonacci(n):", "def quicksort(items):", "class Stack:\n    def __init__(self):",
+           "def is_prime(n):", "def read_csv(path):", "def binary_search(a, x):",
+           "def merge_sorted(a, b):", "def word_count(text):"]
+
+
+def start_server(model: str, args: list) -> tuple:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(f"/tmp/bench-serve-{port}.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "flashllm", "serve", model, "--port",
+                             str(port), *args], stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    import httpx
+    for _ in range(3000):
+        if proc.poll() is not None:
+            sys.exit(f"serve exited with {proc.returncode}: see {log.name}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    sys.exit("serve did not start")
+
+
+def one_stream(client, prompt: str, tokens: int, out: list) -> None:
+    t0 = time.perf_counter()
+    stamps = []
+    stream = client.completions.create(model="m", prompt=prompt, max_tokens=tokens,
+                                       temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    n = 0
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            stamps.append(time.perf_counter())
+        if chunk.usage is not None:
+            n = chunk.usage.completion_tokens
+    out.append({"start": t0, "first": stamps[0], "end": stamps[-1], "tokens": n})
+
+
+def round_of(url: str, k: int, tokens: int) -> dict:
+    import httpx
+    import openai
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
+    before = httpx.get(url + "/health").json()
+    out: list = []
+    threads = [threading.Thread(target=one_stream, args=(client, PROMPTS[i % len(PROMPTS)],
+                                                         tokens, out)) for i in range(k)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    after = httpx.get(url + "/health").json()
+    ttft = sorted(s["first"] - s["start"] for s in out)
+    per = [(s["tokens"] - 1) / (s["end"] - s["first"]) for s in out if s["end"] > s["first"]]
+    passes = after["decode_passes"] - before["decode_passes"]
+    return {"clients": k, "tokens": sum(s["tokens"] for s in out), "wall_s": round(wall, 2),
+            "aggregate_tps": round(sum(s["tokens"] for s in out) / wall, 2),
+            "aggregate_decode_tps": round(sum(per), 2),
+            "per_stream_decode_tps": round(sum(per) / len(per), 2),
+            "ttft_p50_s": round(ttft[len(ttft) // 2], 2),
+            "ttft_p95_s": round(ttft[min(len(ttft) - 1, int(0.95 * len(ttft)))], 2),
+            "streams_per_pass": round((after["decode_rows"] - before["decode_rows"])
+                                      / max(1, passes), 2)}
+
+
+def peak_rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) << 10
+    return 0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("--dram-budget")
+    ap.add_argument("--clients", default="1,4")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--parallel", type=int, default=4)
+    ap.add_argument("--ctx-size", type=int, default=512)
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    a = ap.parse_args()
+    args = ["--parallel", str(a.parallel), "-c", str(a.ctx_size), "-t", str(a.threads),
+            "--queue-size", "64"] + (["--dram-budget", a.dram_budget] if a.dram_budget else [])
+    proc, url = start_server(a.model, args)
+    try:
+        round_of(url, 1, 8)                                   # warm-up
+        for k in (int(c) for c in a.clients.split(",")):
+            row = round_of(url, k, a.tokens)
+            row.update(budget=a.dram_budget or "none", peak_rss_mib=peak_rss(proc.pid) >> 20)
+            print(json.dumps(row), flush=True)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""Continuous batching: a decode pass over several streams (runtime/batch.py) gives each
+stream the logits it gets alone, bit for bit (dense and streamed FFN, quantized weights: their
+int8 tiles give every token its one-token numbers; f32 / f16 weights' 4x4 float tiles sum in
+another order from 4 rows on); through the server, a greedy request's answer does not depend
+on what else is in flight; a budget must hold every stream's KV cache."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+from flashllm.convert.convert import convert_source
+from flashllm.format.reader import open_flash
+from flashllm.runtime.assemble import FlashOptions, make_ffn, make_weights, plan_run, stream_dense
+from flashllm.runtime.batch import decode_rows
+from flashllm.runtime.model import Model
+from serve_helpers import ROOT
+from tiny_sources import ArraySource, tiny_arrays, tiny_config
+
+
+QUANT = dict(d_model=128, n_heads=4, n_kv_heads=2, head_dim=32, n_ff=256)   # rows of 32s
+
+
+@pytest.fixture(scope="module", params=["q8_0", "q4_0"])
+def folder(tmp_path_factory, request):
+    cfg = tiny_config(context_length=256, **QUANT)
+    return convert_source(ArraySource(cfg, tiny_arrays(cfg, seed=3)),
+                          tmp_path_factory.mktemp("batch") / "m", request.param)
+
+
+def _nets(folder, n: int, budget=None, naive=False, cache=None):
+    flash = open_flash(folder)
+    fopts = FlashOptions(budget, naive=naive, keep_tokenizer=True)
+    plan = plan_run(folder, fopts, 64 * n, 0)
+    ffn = make_ffn(flash, fopts, plan, 1, cache)
+    weights = make_weights(flash, plan, 1)
+    stream_dense(flash, ffn, weights)
+    return [Model(flash, n_threads=1, n_ctx=64, ffn=ffn, weights=weights, kv_dtype="f16")
+            for _ in range(n)], [ffn, weights]
+
+
+@pytest.mark.parametrize("naive", [False, True])
+def test_a_batched_pass_gives_each_stream_its_own_logits(folder, tmp_path, naive):
+    """Four streams with different prompts decode 6 greedy tokens together and one by one
+    (each alone through Model.forward, `run`'s path): the same logits, bit for bit."""
+    prompts = [[1, 2, 3], [5, 6, 7, 8, 9], [4], [10, 11]]
+    runs = []
+    for batched in (False, True):
+        nets, parts = _nets(folder, 4, naive=naive, cache=tmp_path)
+        last = [int(np.argmax(n.forward(np.array(p, np.int32), 0, last_only=True)[0]))
+                for n, p in zip(nets, prompts)]
+        pos, seen = [len(p) for p in prompts], []
+        for _ in range(6):
+            if batched:
+                rows = decode_rows(nets, last, pos)                       # (4, vocab)
+            else:
+                rows = np.stack([n.forward(np.array([t], np.int32), p)[0]
+                                 for n, t, p in zip(nets, last, pos)])   # (4, vocab)
+            seen.append(rows)
+            last, pos = [int(np.argmax(r)) for r in rows], [p + 1 for p in pos]
+        runs.append(np.stack(seen))                                       # (6, 4, vocab)
+        for part in parts:
+            if part is not None:
+                part.close()
+    assert np.array_equal(runs[0], runs[1])
+
+
+def test_the_budget_holds_every_stream_and_names_the_least(folder):
+    def serve(parallel: int) -> str:
+        out = subprocess.run([sys.executable, "-m", "flashllm", "serve", str(folder),
+                              "--dram-budget", "64KiB", "--parallel", str(parallel), "-c",
+                              "4096"], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert out.returncode == 1
+        assert f"--parallel {parallel} streams" in out.stderr, out.stderr
+        return out.stderr.split("the least --dram-budget that works for this model and "
+                                "context: ")[1].split(")")[0]
+
+    from flashllm.units import parse_size
+    kv = 2 * 2 * 2 * 32 * 2 * 4096           # a stream's f16 keys and values: 2 MiB
+    assert parse_size(serve(8)) - parse_size(serve(1)) >= 7 * kv - (2 << 20)
+
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+
+
+def test_a_greedy_answer_is_the_same_alone_and_among_three_others(tmp_path):
+    import httpx
+    from serve_helpers import Served, build_tiny
+    from test_serve import PROMPT, client
+    tiny = build_tiny(tmp_path / "tiny", "q8_0", **QUANT)
+    served = Served(tiny, "--parallel", "4", "-c", "512", "-t", "1")
+    try:
+        c = client(served)
+        ask = dict(model="tiny", max_tokens=300, temperature=0)
+        alone = c.completions.create(prompt=PROMPT, **ask).choices[0].text
+        others = ["a b c", "fine thanks", "you are there hello"]
+        results = {}
+
+        def one(prompt):
+            results[prompt] = c.completions.create(prompt=prompt, **ask)
+
+        threads = [threading.Thread(target=one, args=(p,)) for p in [PROMPT] + others]
+        before = httpx.get(served.url + "/health").json()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        after = httpx.get(served.url + "/health").json()
+        rows = after["decode_rows"] - before["decode_rows"]
+        passes = after["decode_passes"] - before["decode_passes"]
+        assert rows / passes > 2.5, (rows, passes)       # they ran together
+        assert results[PROMPT].choices[0].text == alone
+        assert all(results[p].usage.completion_tokens == 300 for p in others)
+    finally:
+        assert served.stop() == 0, served.output()
+
+
+def test_the_next_turn_of_a_chat_prefills_only_what_is_new(tmp_path):
+    """Turn 2 of a chat (turn 1 and its answer, then a new message) starts with what a stream's
+    KV cache holds: only the rest is prefilled (usage's cached_tokens), and the answer is the
+    one a whole prefill of the conversation gives (generation.generate, as `run` prefills)."""
+    from flashllm.generation.generate import generate
+    from flashllm.generation.sampler import Sampler, SamplerParams
+    from flashllm.generation.tokenizer import Tokenizer
+    from flashllm.serve.model import chat_template
+    from serve_helpers import Served, build_tiny
+    from test_serve import client
+    tiny = build_tiny(tmp_path / "tiny", "q8_0", **QUANT)
+    served = Served(tiny, "--parallel", "2", "-c", "256", "-t", "1")
+    try:
+        c = client(served)
+        turn = [{"role": "system", "content": "hello there"},
+                {"role": "user", "content": "how are you"}]
+        first = c.chat.completions.create(model="tiny", messages=turn, max_tokens=8,
+                                          temperature=0)
+        turn += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "fine thanks a b c"}]
+        second = c.chat.completions.create(model="tiny", messages=turn, max_tokens=8,
+                                           temperature=0)
+    finally:
+        assert served.stop() == 0, served.output()
+    flash = open_flash(tiny)
+    tok = Tokenizer.from_flash(flash)
+    ids = tok.encode(chat_template(flash, tok).render(turn), add_special=False)
+    made: list = []
+    generate(Model(flash, n_threads=1, n_ctx=256, kv_dtype="f16"), Sampler(SamplerParams(temp=0)),
+             ids, 8, on_token=made.append)
+    assert second.choices[0].message.content == tok.decode(made)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    held = first.usage.prompt_tokens + first.usage.completion_tokens - 1
+    assert first.usage.prompt_tokens <= cached <= held and cached < len(ids)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
