@@ -6,6 +6,7 @@ import os
 import signal
 import socket
 import subprocess
+import tempfile
 import sys
 import time
 from pathlib import Path
@@ -47,7 +48,7 @@ class Served:
         import httpx
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"serve-{self.port}.log", "w+")
+        self.log = open(Path(tempfile.gettempdir()) / f"serve-{self.port}.log", "w+")
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         self.proc = subprocess.Popen([sys.executable, "-m", "flashllm", "serve", str(model),
                                       "--port", str(self.port), *args], stdout=self.log,

@@ -18,6 +18,7 @@ import os
 import signal
 import socket
 import subprocess
+import tempfile
 import sys
 import threading
 import time
@@ -33,7 +34,7 @@ def start_server(model: str, args: list) -> tuple:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    log = open(f"/tmp/bench-serve-{port}.log", "w")
+    log = open(Path(tempfile.gettempdir()) / f"bench-serve-{port}.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "flashllm", "serve", model, "--port",
                              str(port), *args], stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
@@ -50,10 +51,10 @@ def start_server(model: str, args: list) -> tuple:
     sys.exit("serve did not start")
 
 
-def one_stream(client, prompt: str, tokens: int, out: list) -> None:
+def one_stream(client, model: str, prompt: str, tokens: int, out: list) -> None:
     t0 = time.perf_counter()
     stamps = []
-    stream = client.completions.create(model="m", prompt=prompt, max_tokens=tokens,
+    stream = client.completions.create(model=model, prompt=prompt, max_tokens=tokens,
                                        temperature=0, stream=True,
                                        stream_options={"include_usage": True})
     n = 0
@@ -69,9 +70,10 @@ def round_of(url: str, k: int, tokens: int) -> dict:
     import httpx
     import openai
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
+    model = client.models.list().data[0].id
     before = httpx.get(url + "/health").json()
     out: list = []
-    threads = [threading.Thread(target=one_stream, args=(client, PROMPTS[i % len(PROMPTS)],
+    threads = [threading.Thread(target=one_stream, args=(client, model, PROMPTS[i % len(PROMPTS)],
                                                          tokens, out)) for i in range(k)]
     t0 = time.perf_counter()
     for t in threads:
@@ -81,6 +83,8 @@ def round_of(url: str, k: int, tokens: int) -> dict:
     wall = time.perf_counter() - t0
     after = httpx.get(url + "/health").json()
     ttft = sorted(s["first"] - s["start"] for s in out)
+    if len(out) < k:
+        sys.exit(f"{k - len(out)} of {k} streams failed")
     per = [(s["tokens"] - 1) / (s["end"] - s["first"]) for s in out if s["end"] > s["first"]]
     passes = after["decode_passes"] - before["decode_passes"]
     return {"clients": k, "tokens": sum(s["tokens"] for s in out), "wall_s": round(wall, 2),
