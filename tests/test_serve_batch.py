@@ -16,7 +16,7 @@ import pytest
 from flashllm.convert.convert import convert_source
 from flashllm.format.reader import open_flash
 from flashllm.runtime.assemble import FlashOptions, make_ffn, make_weights, plan_run, stream_dense
-from flashllm.runtime.batch import decode_rows
+from flashllm.runtime.batch import pass_rows
 from flashllm.runtime.model import Model
 from serve_helpers import ROOT
 from tiny_sources import ArraySource, tiny_arrays, tiny_config
@@ -45,24 +45,28 @@ def _nets(folder, n: int, budget=None, naive=False, cache=None):
 
 @pytest.mark.parametrize("naive", [False, True])
 def test_a_batched_pass_gives_each_stream_its_own_logits(folder, tmp_path, naive):
-    """Four streams with different prompts decode 6 greedy tokens together and one by one
-    (each alone through Model.forward, `run`'s path): the same logits, bit for bit."""
-    prompts = [[1, 2, 3], [5, 6, 7, 8, 9], [4], [10, 11]]
+    """Four prompts of different lengths prefilled, then 6 greedy tokens decoded together,
+    against each stream alone through Model.forward (`run`'s path): the same logits, bit for
+    bit. Prompts of up to 10 tokens in all batch exactly too (the FFN's panels start above)."""
+    prompts = [[1, 2, 3], [5, 6, 7], [4], [10, 11]]
     runs = []
     for batched in (False, True):
         nets, parts = _nets(folder, 4, naive=naive, cache=tmp_path)
-        last = [int(np.argmax(n.forward(np.array(p, np.int32), 0, last_only=True)[0]))
-                for n, p in zip(nets, prompts)]
-        pos, seen = [len(p) for p in prompts], []
+        if batched:
+            seen = [pass_rows(nets, prompts, [0] * 4, prefill=True)]     # (4, vocab)
+        else:
+            seen = [np.stack([n.forward(np.array(p, np.int32), 0, last_only=True)[0]
+                              for n, p in zip(nets, prompts)])]          # (4, vocab)
+        last, pos = [int(np.argmax(r)) for r in seen[0]], [len(p) for p in prompts]
         for _ in range(6):
             if batched:
-                rows = decode_rows(nets, last, pos)                       # (4, vocab)
+                rows = pass_rows(nets, [[t] for t in last], pos)          # (4, vocab)
             else:
                 rows = np.stack([n.forward(np.array([t], np.int32), p)[0]
                                  for n, t, p in zip(nets, last, pos)])   # (4, vocab)
             seen.append(rows)
             last, pos = [int(np.argmax(r)) for r in rows], [p + 1 for p in pos]
-        runs.append(np.stack(seen))                                       # (6, 4, vocab)
+        runs.append(np.stack(seen))                                       # (7, 4, vocab)
         for part in parts:
             if part is not None:
                 part.close()
@@ -90,33 +94,41 @@ pytest.importorskip("uvicorn")
 
 
 def test_a_greedy_answer_is_the_same_alone_and_among_three_others(tmp_path):
+    """A short prompt and a long one (prefilled in chunks) answer greedily alone, then (on a
+    fresh server: no KV cache to reuse) each among three other requests in flight: the same
+    answers; the decode passes carried several streams."""
     import httpx
     from serve_helpers import Served, build_tiny
     from test_serve import PROMPT, client
     tiny = build_tiny(tmp_path / "tiny", "q8_0", **QUANT)
-    served = Served(tiny, "--parallel", "4", "-c", "512", "-t", "1")
+    args = ("--parallel", "4", "-c", "1024", "-t", "1")
+    long = "how are you fine thanks a b c " * 80                     # 640 tokens
+    ask = dict(model="tiny", max_tokens=200, temperature=0)
+    served = Served(tiny, *args)
     try:
-        c = client(served)
-        ask = dict(model="tiny", max_tokens=300, temperature=0)
-        alone = c.completions.create(prompt=PROMPT, **ask).choices[0].text
-        others = ["a b c", "fine thanks", "you are there hello"]
+        alone = {p: client(served).completions.create(prompt=p, **ask).choices[0].text
+                 for p in (PROMPT, long)}
+    finally:
+        assert served.stop() == 0, served.output()
+    served = Served(tiny, *args)
+    try:
         results = {}
 
         def one(prompt):
-            results[prompt] = c.completions.create(prompt=prompt, **ask)
+            results[prompt] = client(served).completions.create(prompt=prompt, **ask)
 
-        threads = [threading.Thread(target=one, args=(p,)) for p in [PROMPT] + others]
-        before = httpx.get(served.url + "/health").json()
+        prompts = [PROMPT, long, "a b c", "fine thanks"]
+        threads = [threading.Thread(target=one, args=(p,)) for p in prompts]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        after = httpx.get(served.url + "/health").json()
-        rows = after["decode_rows"] - before["decode_rows"]
-        passes = after["decode_passes"] - before["decode_passes"]
-        assert rows / passes > 2.5, (rows, passes)       # they ran together
-        assert results[PROMPT].choices[0].text == alone
-        assert all(results[p].usage.completion_tokens == 300 for p in others)
+        health = httpx.get(served.url + "/health").json()
+        assert health["decode_rows"] / health["decode_passes"] > 2.5, health   # together
+        assert {p: results[p].choices[0].text for p in alone} == alone
+        assert results[long].usage.prompt_tokens == 640
+        assert all(results[p].usage.completion_tokens == 200 for p in prompts)
+        assert all(results[p].usage.prompt_tokens_details.cached_tokens == 0 for p in prompts)
     finally:
         assert served.stop() == 0, served.output()
 
@@ -156,3 +168,12 @@ def test_the_next_turn_of_a_chat_prefills_only_what_is_new(tmp_path):
     held = first.usage.prompt_tokens + first.usage.completion_tokens - 1
     assert first.usage.prompt_tokens <= cached <= held and cached < len(ids)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_the_streams_share_one_ffn_and_one_set_of_weights(folder):
+    """All in DRAM (no budget: Model builds its own FFN and weights when given none), the
+    streams still hold one copy: only their KV caches are their own."""
+    from flashllm.serve.model import EngineSpec, stream_nets
+    nets = stream_nets(open_flash(folder), None, None, EngineSpec(folder, "m", parallel=3))
+    assert len({id(n.ffn) for n in nets}) == len({id(n.w) for n in nets}) == 1
+    assert len({id(n.k_cache) for n in nets}) == 3

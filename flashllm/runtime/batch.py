@@ -1,14 +1,18 @@
-"""A decode pass over several streams: the next token of each, through one forward pass.
+"""A pass over several streams: a chunk of tokens of each (the next token of an answer, or part
+of a prompt), through one forward pass.
 
 Each stream is a Model with its own KV cache; all share one FFN strategy, one set of dense
 weights and one output head. Per layer, the layer's dense weights are taken once (a streamed
 layer is read once for all streams), attention runs per stream on its own KV cache, and the FFN
 runs on the stacked rows of every stream, so its flash reads (cold neurons, the read-ahead's
-bundles, a streamed head) serve every stream in one go. A row's sums do not depend on the other
-rows (the kernels keep a token's sums independent of the pass's size), so a stream's greedy
-tokens are the same alone or batched — except where a trained predictor chooses the FFN's
-neurons: a decode pass takes the union of its rows' predictions, so a batched row may get
-neurons its own prediction left out (as draft guesses do in `run`).
+bundles, a streamed head) serve every stream in one go. In a decode pass (one row a stream) a
+row's sums do not depend on the other rows for quantized weights (their int8 tiles give every
+token its one-token numbers; f32 / f16 weights' 4x4 float tiles sum in another order from 4
+rows on), so a stream's greedy tokens are the same alone or batched — except where a trained
+predictor chooses the FFN's neurons: a decode pass takes the union of its rows' predictions,
+so a batched row may get neurons its own prediction left out (as draft guesses do in `run`).
+Above 10 rows the FFN's GEMM panels sum in another order than smaller passes: prompts batched
+together would change each other's numbers (the server prefills each prompt alone).
 """
 from __future__ import annotations
 
@@ -19,24 +23,32 @@ import numpy as np
 from flashllm.runtime.model import ContextError
 
 
-def decode_rows(nets: Sequence, tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
-    """logits (B, vocab) of feeding tokens[b] (B,) to nets[b] at positions[b] (B,); their keys
-    and values enter each net's KV cache. One stream runs Model.forward (`run`'s decode path)."""
+def pass_rows(nets: Sequence, chunks: Sequence[Sequence[int]], positions: Sequence[int],
+              prefill: bool = False) -> np.ndarray:
+    """logits (B, vocab) of each stream's last row after feeding chunks[b] (T_b,) to nets[b] at
+    positions[b] ..; their keys and values enter each net's KV cache. prefill: the chunks are
+    prompts' (the FFN's prefill path), else answers' next tokens. One stream runs
+    Model.forward, as `run` does."""
     if len(nets) == 1:
-        return nets[0].forward(np.array(tokens[:1], dtype=np.int32), int(positions[0]))
+        rows = nets[0].forward(np.asarray(chunks[0], dtype=np.int32), int(positions[0]),
+                               last_only=prefill)
+        return rows[-1:]                                                  # (1, vocab)
     base = nets[0]
-    tok = np.asarray(tokens, dtype=np.int32)                              # (B,)
-    pos = np.asarray(positions, dtype=np.int32)                           # (B,)
-    for net, t, p in zip(nets, tok, pos):
-        if not 0 <= p < net.n_ctx:
-            raise ContextError(f"cannot run a token at position {p}: the context holds "
-                               f"{net.n_ctx}")
-        net.fed[p] = t
-    base.ffn.start_pass(len(tok), prefill=False, pos0=int(pos.min()))
-    x = base.embed_rows(tok, pos)                                         # (B, d_model)
+    tok = np.concatenate([np.asarray(c, dtype=np.int32) for c in chunks])  # (T,)
+    pos = np.concatenate([np.arange(p, p + len(c), dtype=np.int32)
+                          for c, p in zip(chunks, positions)])            # (T,)
+    ends = np.cumsum([len(c) for c in chunks])                            # (B,)
+    for net, c, p in zip(nets, chunks, positions):
+        if not c or p < 0 or p + len(c) > net.n_ctx:
+            raise ContextError(f"cannot run {len(c)} tokens at position {p}: the context "
+                               f"holds {net.n_ctx}")
+        net.fed[p:p + len(c)] = c
+    base.ffn.start_pass(len(tok), prefill=prefill, pos0=int(pos.min()))
+    x = base.embed_rows(tok, pos)                                         # (T, d_model)
     for i in range(base.config.n_layers):
         layer = base.w.layer(i)                   # a streamed layer: read once for all streams
-        for b, net in enumerate(nets):
-            net.attention_rows(i, layer, x[b:b + 1], pos[b:b + 1])        # x[b] += attention
-        base.ffn_rows(i, layer, x)                                        # x (B, d_model) += ffn
-    return base.output_rows(x, pos, tok)                                  # (B, vocab)
+        for net, a, e in zip(nets, ends - [len(c) for c in chunks], ends):
+            net.attention_rows(i, layer, x[a:e], pos[a:e])                # x[a:e] += attention
+        base.ffn_rows(i, layer, x)                                        # x (T, d_model) += ffn
+    last = ends - 1                                                       # (B,)
+    return base.output_rows(np.ascontiguousarray(x[last]), pos[last], tok[last])  # (B, vocab)

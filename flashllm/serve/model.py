@@ -75,11 +75,14 @@ def open_engine(spec: EngineSpec, cache: Path, log: Log,
 
 
 def stream_nets(flash, ffn, weights, spec: EngineSpec) -> list:
-    """spec.parallel networks over one FFN and one set of dense weights, each with its own
-    f16 KV cache of spec.n_ctx positions (as `run` keeps it)."""
+    """spec.parallel networks over one FFN and one set of dense weights (the first network's,
+    where ffn or weights is None: all in DRAM), each with its own f16 KV cache of spec.n_ctx
+    positions (as `run` keeps it)."""
     from flashllm.runtime.model import Model
-    return [Model(flash, n_threads=spec.threads, n_ctx=spec.n_ctx, ffn=ffn, weights=weights,
-                  kv_dtype="f16") for _ in range(spec.parallel)]
+    first = Model(flash, n_threads=spec.threads, n_ctx=spec.n_ctx, ffn=ffn, weights=weights,
+                  kv_dtype="f16")
+    return [first] + [Model(flash, n_threads=spec.threads, n_ctx=spec.n_ctx, ffn=first.ffn,
+                            weights=first.w, kv_dtype="f16") for _ in range(spec.parallel - 1)]
 
 
 def chat_template(flash, tok):

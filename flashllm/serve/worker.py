@@ -1,8 +1,9 @@
 """The one thread that owns the model: requests come in through a bounded queue, each is given a
 slot (a network with its own KV cache). Each round, one decode pass carries the next token of
 every answering slot (runtime/batch.py: one forward pass, so the FFN's flash reads serve them
-all), then one slot prefilling a prompt runs its next chunk: a new request joins at the next
-round, and a long prompt never stalls the answers for more than one chunk. HTTP handlers never
+all), then the prompts waiting run their next chunks (PREFILL_CHUNK tokens in all a round): a
+new request joins at the next round, and a long prompt never stalls the answers for more than
+one chunk. HTTP handlers never
 touch the model: they put a Job in the queue and read its events.
 
 A job's events, in order: ("start", n_prompt), ("text", piece)..., ("done", finish_reason,
@@ -19,16 +20,14 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-import numpy as np
-
 from flashllm.errors import FlashError
 from flashllm.generation.chat import common_prefix
 from flashllm.generation.sampler import Sampler
-from flashllm.runtime.batch import decode_rows
+from flashllm.runtime.batch import pass_rows
 from flashllm.serve.api import ApiError, Ask
 from flashllm.serve.stops import StopText
 
-PREFILL_CHUNK = 256          # prompt tokens a slot prefills in one pass
+PREFILL_CHUNK = 256          # prompt tokens a round prefills (of all slots)
 
 
 class Busy(Exception):
@@ -183,7 +182,7 @@ class Worker:
 
     def _pass(self, active: list) -> None:
         """Cancelled jobs leave; one decode pass carries the next token of every answering
-        slot; then one slot prefilling a prompt runs its next chunk."""
+        slot; then the prompts waiting run their next chunks."""
         for slot in active:
             if slot.job.cancelled.is_set():
                 self._finish(slot, "cancelled")
@@ -192,7 +191,7 @@ class Worker:
             self._guarded(answering, self._decode)
         filling = [s for s in active if s.job is not None and s.prefilling]
         if filling:
-            self._guarded(filling[:1], self._prefill)
+            self._guarded(filling, self._prefill)
 
     def _guarded(self, slots: list, step: Callable) -> None:
         """step(slots); a failure fails their jobs (500), not the server."""
@@ -205,8 +204,8 @@ class Worker:
                 slot.fed, slot.job, slot.cached = 0, None, []
 
     def _decode(self, slots: list) -> None:
-        rows = decode_rows([s.net for s in slots], [s.history[-1] for s in slots],
-                           [s.fed for s in slots])                       # (B, vocab)
+        rows = pass_rows([s.net for s in slots], [s.history[-1:] for s in slots],
+                         [s.fed for s in slots])                         # (B, vocab)
         self.passes += 1
         self.rows += len(slots)
         for slot, logits in zip(slots, rows):
@@ -214,14 +213,23 @@ class Worker:
             self._advance(slot, logits)
 
     def _prefill(self, slots: list) -> None:
-        """The next chunk of a prompt (the last one also samples the first token)."""
-        slot = slots[0]
-        end = min(slot.n_prompt, slot.fed + self.chunk)
-        tokens = np.asarray(slot.history[slot.fed:end], dtype=np.int32)  # (T,)
-        logits = slot.net.forward(tokens, slot.fed, last_only=True)[0]   # (vocab,)
-        slot.fed = end
-        if not slot.prefilling:
-            self._advance(slot, logits)
+        """The next chunks of the prompts waiting, each in its own pass, self.chunk tokens in
+        all a round (at least one chunk). A prompt's chunks end at fixed places (multiples of
+        self.chunk past where its prefill began), so its numbers never depend on other
+        requests: a pass's sums do above 10 rows (the kernels' GEMM panels). A prompt's last
+        chunk also samples its first token."""
+        spent = 0
+        for slot in slots:
+            start = slot.fed - slot.n_cached
+            end = min(slot.n_prompt, slot.n_cached + (start // self.chunk + 1) * self.chunk)
+            if spent and spent + end - slot.fed > self.chunk:
+                break
+            logits = pass_rows([slot.net], [slot.history[slot.fed:end]], [slot.fed],
+                               prefill=True)[0]                          # (vocab,)
+            spent += end - slot.fed
+            slot.fed = end
+            if not slot.prefilling:
+                self._advance(slot, logits)
 
     def _advance(self, slot: Slot, logits) -> None:
         """Sample the slot's next token from logits (vocab,) and send its text, or finish."""

@@ -40,15 +40,17 @@ def start_server(model: str, args: list) -> tuple:
                             env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     import httpx
-    for _ in range(3000):
+    deadline = time.monotonic() + 3600        # a first run converts and calibrates the model
+    while time.monotonic() < deadline:
         if proc.poll() is not None:
             sys.exit(f"serve exited with {proc.returncode}: see {log.name}")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return proc, url
         except httpx.HTTPError:
-            time.sleep(0.2)
-    sys.exit("serve did not start")
+            time.sleep(0.5)
+    proc.kill()
+    sys.exit(f"serve did not start in an hour: see {log.name}")
 
 
 def one_stream(client, model: str, prompt: str, tokens: int, out: list) -> None:
