@@ -91,7 +91,7 @@ def chat_template(flash, tok):
     cfg = flash.config
     bos = tok.hf.id_to_token(cfg.bos_token_id) if cfg.bos_token_id is not None else None
     eos = tok.hf.id_to_token(cfg.eos_token_ids[0]) if cfg.eos_token_ids else None
-    return load_template(flash.chat_template, None, bos or "", eos or "")[0]
+    return load_template(flash.chat_template, None, bos or "", eos or "", cfg.arch)[0]
 
 
 def _load_code() -> None:
