@@ -167,8 +167,13 @@ class Model:
 
     def attention_rows(self, i: int, layer: Layer, x: np.ndarray, pos: np.ndarray) -> None:
         """x (T, d_model) += layer i's attention of x, a chain at positions pos (T,) of this
-        model's KV cache."""
-        self._attention_block(i, layer, x, pos, len(pos))
+        model's KV cache (one token: in one C call where the layer qualifies, as forward)."""
+        blocks = self._token_blocks() if len(pos) == 1 and self.token_blocks else None
+        attn = blocks[i][0] if blocks else None
+        if attn:
+            attn(x, int(pos[0]), self.n_threads)                         # x (1, d_model) += attn
+        else:
+            self._attention_block(i, layer, x, pos, len(pos))
 
     def ffn_rows(self, i: int, layer: Layer, x: np.ndarray) -> None:
         """x (T, d_model) += layer i's FFN of x (rows of any streams: the FFN is shared)."""
