@@ -1,14 +1,16 @@
 """`flashllm serve` under concurrent streaming clients: aggregate and per-stream decode tok/s,
 time to first token (p50 / p95), the streams a decode pass carried, the server's peak RSS.
 
-Run:  python -m scripts.bench.serve MODEL [--dram-budget 560MiB] [--clients 1,4] [--tokens 64]
-                                          [--parallel 4] [--ctx-size 512] [-t 2]
+Run:  python -m scripts.bench.serve MODEL [--dram-budget 560MiB] [--cap 560MiB] [--clients 1,4]
+                                          [--tokens 64] [--parallel 4] [--ctx-size 512] [-t 2]
 
 The server starts in a subprocess on a free loopback port (as `flashllm serve MODEL --parallel
 P`), answers one warm-up request, then for each K in --clients, K openai-client streams start
 at once, each a different code prompt completed greedily for --tokens tokens. Aggregate tok/s:
 all tokens made / the round's wall time; decode tok/s: tokens after the first / (last token -
-first token) of each stream, summed over streams for the aggregate.
+first token) of each stream, summed over streams for the aggregate. --cap: the server runs
+under a cgroup-v1 memory cap (scripts/bench/cgroup_run.py, root), whose peak (anonymous memory
+and page cache) and failcnt are printed once the server has stopped.
 """
 from __future__ import annotations
 
@@ -30,14 +32,20 @@ PROMPTS = ["def fibonacci(n):", "def quicksort(items):", "class Stack:\n    def 
            "def merge_sorted(a, b):", "def word_count(text):"]
 
 
-def start_server(model: str, args: list) -> tuple:
+def start_server(model: str, args: list, cap=None) -> tuple:
+    """(the process, with its log's path as .log; the server's url); with cap, the process is
+    cgroup_run's (its child serves)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = open(Path(tempfile.gettempdir()) / f"bench-serve-{port}.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "flashllm", "serve", model, "--port",
-                             str(port), *args], stdout=log, stderr=subprocess.STDOUT,
+    cmd = [sys.executable, "-m", "flashllm", "serve", model, "--port", str(port), *args]
+    if cap:
+        cmd = [sys.executable, "-m", "scripts.bench.cgroup_run", "--limit", cap, "--json",
+               "--", *cmd]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
+    proc.log = log.name
     url = f"http://127.0.0.1:{port}"
     import httpx
     deadline = time.monotonic() + 3600        # a first run converts and calibrates the model
@@ -99,6 +107,14 @@ def round_of(url: str, k: int, tokens: int) -> dict:
                                       / max(1, passes), 2)}
 
 
+def server_pid(proc, cap) -> int:
+    """The serving process: proc, or under a cap cgroup_run's child."""
+    if not cap:
+        return proc.pid
+    out = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True)
+    return int(out.stdout.split()[0])
+
+
 def peak_rss(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -106,10 +122,22 @@ def peak_rss(pid: int) -> int:
     return 0
 
 
+def stop(proc, pid: int, cap) -> None:
+    """SIGTERM the server; under a cap, print cgroup_run's peak and failcnt."""
+    os.kill(pid, signal.SIGTERM)
+    proc.wait(120)
+    if cap:
+        res = json.loads(Path(proc.log).read_text().strip().splitlines()[-1])
+        print(json.dumps({"cap": cap, "peak_mib": round(res["peak_bytes"] / 2**20, 1),
+                          "failcnt": res["failcnt"], "oom_kills": res["oom_kills"],
+                          "returncode": res["returncode"]}), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
     ap.add_argument("--dram-budget")
+    ap.add_argument("--cap", help="a cgroup memory cap for the server, e.g. 560MiB (root)")
     ap.add_argument("--clients", default="1,4")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--parallel", type=int, default=4)
@@ -118,16 +146,16 @@ def main() -> None:
     a = ap.parse_args()
     args = ["--parallel", str(a.parallel), "-c", str(a.ctx_size), "-t", str(a.threads),
             "--queue-size", "64"] + (["--dram-budget", a.dram_budget] if a.dram_budget else [])
-    proc, url = start_server(a.model, args)
+    proc, url = start_server(a.model, args, a.cap)
+    pid = server_pid(proc, a.cap)
     try:
         round_of(url, 1, 8)                                   # warm-up
         for k in (int(c) for c in a.clients.split(",")):
             row = round_of(url, k, a.tokens)
-            row.update(budget=a.dram_budget or "none", peak_rss_mib=peak_rss(proc.pid) >> 20)
+            row.update(budget=a.dram_budget or "none", peak_rss_mib=peak_rss(pid) >> 20)
             print(json.dumps(row), flush=True)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
+        stop(proc, pid, a.cap)
 
 
 if __name__ == "__main__":
