@@ -7,8 +7,8 @@ Run:  python -m scripts.bench.serve MODEL [--dram-budget 560MiB] [--cap 560MiB] 
 The server starts in a subprocess on a free loopback port (as `flashllm serve MODEL --parallel
 P`), answers one warm-up request, then for each K in --clients, K openai-client streams start
 at once, each a different code prompt completed greedily for --tokens tokens. Aggregate tok/s:
-all tokens made / the round's wall time; decode tok/s: tokens after the first / (last token -
-first token) of each stream, summed over streams for the aggregate. --cap: the server runs
+all tokens made / the round's wall time; decode tok/s: the tokens after each stream's first /
+(the last token of any stream - the first token of any), and per stream its own (last - first). --cap: the server runs
 under a cgroup-v1 memory cap (scripts/bench/cgroup_run.py, root), whose peak (anonymous memory
 and page cache) and failcnt are printed once the server has stopped.
 """
@@ -99,7 +99,8 @@ def round_of(url: str, k: int, tokens: int) -> dict:
     passes = after["decode_passes"] - before["decode_passes"]
     return {"clients": k, "tokens": sum(s["tokens"] for s in out), "wall_s": round(wall, 2),
             "aggregate_tps": round(sum(s["tokens"] for s in out) / wall, 2),
-            "aggregate_decode_tps": round(sum(per), 2),
+            "aggregate_decode_tps": round(sum(s["tokens"] - 1 for s in out) / (
+                max(s["end"] for s in out) - min(s["first"] for s in out)), 2),
             "per_stream_decode_tps": round(sum(per) / len(per), 2),
             "ttft_p50_s": round(ttft[len(ttft) // 2], 2),
             "ttft_p95_s": round(ttft[min(len(ttft) - 1, int(0.95 * len(ttft)))], 2),
