@@ -266,7 +266,7 @@ def test_smollm2_answers_as_run_does():
     gguf = gguf_path("smollm2-135m")
     prompt = "The three primary colors are"
     want = run_cli(gguf, prompt, 24)                 # converts it once into the user cache
-    served = Served(gguf, "--parallel", "2", "-c", "512", "-t", "1")
+    served = Served(gguf, "--parallel", "4", "-c", "512", "-t", "1")
     try:
         c = client(served)
         got = c.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=24,
@@ -281,6 +281,19 @@ def test_smollm2_answers_as_run_does():
         chat = c.chat.completions.create(model="smollm2-135m", messages=messages,
                                          max_tokens=24, temperature=0)
         assert chat.choices[0].message.content == answer and answer
+        together = {}                     # alongside three others: the same answer
+
+        def one(p):
+            together[p] = c.completions.create(model="smollm2-135m", prompt=p, max_tokens=24,
+                                               temperature=0).choices[0].text
+
+        others = ["Once upon a time", "The capital of Italy is", "def add(a, b):"]
+        threads = [threading.Thread(target=one, args=(p,)) for p in [prompt] + others]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert together[prompt] == want
     finally:
         assert served.stop() == 0, served.output()
 
