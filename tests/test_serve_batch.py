@@ -124,7 +124,7 @@ def test_a_greedy_answer_is_the_same_alone_and_among_three_others(tmp_path):
         for t in threads:
             t.join()
         health = httpx.get(served.url + "/health").json()
-        assert health["decode_rows"] / health["decode_passes"] > 2.5, health   # together
+        assert health["decode_rows"] / health["decode_passes"] > 1.5, health   # together
         assert {p: results[p].choices[0].text for p in alone} == alone
         assert results[long].usage.prompt_tokens == 640
         assert all(results[p].usage.completion_tokens == 200 for p in prompts)
