@@ -15,7 +15,7 @@ import pytest
 
 from flashllm.convert.convert import convert_source
 from flashllm.format.reader import open_flash
-from flashllm.runtime.assemble import FlashOptions, make_ffn, make_weights, plan_run, stream_dense
+from flashllm.runtime.assemble import FlashOptions, make_parts, plan_run
 from flashllm.runtime.batch import pass_rows
 from flashllm.runtime.model import Model
 from serve_helpers import ROOT
@@ -36,9 +36,7 @@ def _nets(folder, n: int, budget=None, naive=False, cache=None):
     flash = open_flash(folder)
     fopts = FlashOptions(budget, naive=naive, keep_tokenizer=True)
     plan = plan_run(folder, fopts, 64 * n, 0)
-    ffn = make_ffn(flash, fopts, plan, 1, cache)
-    weights = make_weights(flash, plan, 1)
-    stream_dense(flash, ffn, weights)
+    ffn, weights, _ = make_parts(flash, fopts, plan, None, 1, cache)
     return [Model(flash, n_threads=1, n_ctx=64, ffn=ffn, weights=weights, kv_dtype="f16")
             for _ in range(n)], [ffn, weights]
 

@@ -52,8 +52,7 @@ def open_engine(spec: EngineSpec, cache: Path, log: Log,
     from flashllm.format.integrity import verify_on_first_load
     from flashllm.format.reader import open_flash
     from flashllm.generation.tokenizer import Tokenizer
-    from flashllm.runtime.assemble import FlashOptions, make_ffn, make_weights, plan_run
-    from flashllm.runtime.assemble import stream_dense
+    from flashllm.runtime.assemble import FlashOptions, make_parts, plan_run
     from flashllm.ffi.heap import trim_heap
     from flashllm.runtime.budget import process_rss
     _load_code()
@@ -66,9 +65,7 @@ def open_engine(spec: EngineSpec, cache: Path, log: Log,
     flash = open_flash(spec.path)
     verify_on_first_load(flash)
     tok = Tokenizer.from_flash(flash, word_cache=True)
-    ffn = make_ffn(flash, fopts, plan, spec.threads, cache, log=log)
-    weights = make_weights(flash, plan, spec.threads)
-    stream_dense(flash, ffn, weights, sparse_head=False)
+    ffn, weights, _ = make_parts(flash, fopts, plan, None, spec.threads, cache, log=log)
     nets = stream_nets(flash, ffn, weights, spec)
     return Engine(spec.name, flash, tok, chat_template(flash, tok), nets, nets[0].n_ctx,
                   [ffn, weights])
