@@ -303,3 +303,10 @@ def _converted_folder(gguf):
     from flashllm.cli.app import cache_dir
     from flashllm.convert.resolve import resolve_model
     return resolve_model(str(gguf), cache_dir(), ROOT / "models.toml", log=lambda m: None)
+
+
+def test_ctrl_c_stops_as_sigterm_does(tiny):
+    import signal
+    served = Served(tiny, "--parallel", "1", "-c", "64", "-t", "1")
+    served.proc.send_signal(signal.SIGINT)
+    assert served.proc.wait(60) == 0 and "stopped" in served.output(), served.output()
