@@ -11,8 +11,9 @@ token its one-token numbers; f32 / f16 weights' 4x4 float tiles sum in another o
 rows on), so a stream's greedy tokens are the same alone or batched — except where a trained
 predictor chooses the FFN's neurons: a decode pass takes the union of its rows' predictions,
 so a batched row may get neurons its own prediction left out (as draft guesses do in `run`).
-Above 10 rows the FFN's GEMM panels sum in another order than smaller passes: prompts batched
-together would change each other's numbers (the server prefills each prompt alone).
+Prompts' chunks batch the same way up to 10 rows in all; above that the FFN's GEMM panels sum
+in another order than smaller passes, so prompts batched together would change each other's
+numbers (the server shares a prefill pass only up to 10 rows: serve/worker.py).
 """
 from __future__ import annotations
 

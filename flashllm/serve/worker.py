@@ -28,6 +28,9 @@ from flashllm.serve.api import ApiError, Ask
 from flashllm.serve.stops import StopText
 
 PREFILL_CHUNK = 256          # prompt tokens a round prefills (of all slots)
+SHARED_ROWS = 10             # prompts' chunks share a pass up to this many rows: the FFN's
+                             # quantized paths give each row its own numbers up to 10 tokens
+                             # (GEMM panels above: docs/KERNELS.md, ffn_quant.c)
 
 
 class Busy(Exception):
@@ -213,21 +216,30 @@ class Worker:
             self._advance(slot, logits)
 
     def _prefill(self, slots: list) -> None:
-        """The next chunks of the prompts waiting, each in its own pass, self.chunk tokens in
-        all a round (at least one chunk). A prompt's chunks end at fixed places (multiples of
-        self.chunk past where its prefill began), so its numbers never depend on other
-        requests: a pass's sums do above 10 rows (the kernels' GEMM panels). A prompt's last
+        """The next chunks of the prompts waiting, self.chunk tokens in all a round (at least
+        one chunk). A prompt's chunks end at fixed places (multiples of self.chunk past where
+        its prefill began), and chunks share a pass only while the pass stays within
+        SHARED_ROWS rows, so a prompt's numbers never depend on other requests. A prompt's last
         chunk also samples its first token."""
-        spent = 0
+        spent, group = 0, []
         for slot in slots:
             start = slot.fed - slot.n_cached
             end = min(slot.n_prompt, slot.n_cached + (start // self.chunk + 1) * self.chunk)
             if spent and spent + end - slot.fed > self.chunk:
                 break
-            logits = pass_rows([slot.net], [slot.history[slot.fed:end]], [slot.fed],
-                               prefill=True)[0]                          # (vocab,)
+            if group and sum(len(c) for _, c in group) + end - slot.fed > SHARED_ROWS:
+                self._prefill_pass(group)
+                group = []
+            group.append((slot, slot.history[slot.fed:end]))
             spent += end - slot.fed
-            slot.fed = end
+        self._prefill_pass(group)
+
+    def _prefill_pass(self, group: list) -> None:
+        """One pass over [(slot, its chunk)]; a slot whose prompt is done samples."""
+        rows = pass_rows([s.net for s, _ in group], [c for _, c in group],
+                         [s.fed for s, _ in group], prefill=True)        # (B, vocab)
+        for (slot, chunk), logits in zip(group, rows):
+            slot.fed += len(chunk)
             if not slot.prefilling:
                 self._advance(slot, logits)
 
