@@ -15,7 +15,9 @@ import pytest
 
 from flashllm.convert.convert import convert_source
 from flashllm.format.reader import open_flash
-from flashllm.runtime.assemble import FlashOptions, make_parts, plan_run
+from flashllm.format.manifest import read_manifest
+from flashllm.runtime.assemble import make_parts
+from flashllm.runtime.plan import FlashOptions, choose_plan
 from flashllm.runtime.batch import pass_rows
 from flashllm.runtime.model import Model
 from serve_helpers import ROOT
@@ -32,10 +34,10 @@ def folder(tmp_path_factory, request):
                           tmp_path_factory.mktemp("batch") / "m", request.param)
 
 
-def _nets(folder, n: int, budget=None, naive=False, cache=None):
+def _nets(folder, n: int, naive=False, cache=None):
     flash = open_flash(folder)
-    fopts = FlashOptions(budget, naive=naive, keep_tokenizer=True)
-    plan = plan_run(folder, fopts, 64 * n, 0)
+    fopts = FlashOptions(None, naive=naive, keep_tokenizer=True)
+    plan = choose_plan(read_manifest(folder), fopts, 64 * n, 0).plan
     ffn, weights, _ = make_parts(flash, fopts, plan, None, 1, cache)
     return [Model(flash, n_threads=1, n_ctx=64, ffn=ffn, weights=weights, kv_dtype="f16")
             for _ in range(n)], [ffn, weights]

@@ -8,6 +8,7 @@ import typer
 
 from flashllm.cli.app import (MODEL_HELP, DEFAULT_THREADS, MAX_THREADS, cache_dir, command, err,
                               fail, model_path)
+from flashllm.errors import FlashError
 
 
 @command
@@ -36,21 +37,23 @@ def serve(
         import uvicorn  # noqa: F401
     except ImportError:
         fail("serve needs the `serve` extra: pip install 'flashllm[serve]' (starlette, uvicorn)")
-    from flashllm.cli.calibration import calibrate_once
-    from flashllm.runtime.budget import BudgetError
     from flashllm.serve.main import Listen, is_loopback, serve as serve_engine
     from flashllm.serve.model import EngineSpec, open_engine
+    from flashllm.session.options import parse_budget
     log = lambda m: err.print(m, markup=False, soft_wrap=True)          # noqa: E731
+    budget = parse_budget(dram_budget) if dram_budget is not None else None   # one line if bad
     if not is_loopback(host) and api_key is None:
         log(f"warning: serving on {host} without --api-key: anyone who reaches this address "
             "can use the model")
     path = model_path(model, apart=dram_budget is not None)
     name = Path(model).name.removesuffix(".gguf") if Path(model).exists() else model
-    spec = EngineSpec(path, name, parallel, ctx_size, threads, dram_budget)
-    calibrate = None if Path(model).is_dir() else calibrate_once
+    spec = EngineSpec(path, name, parallel, ctx_size, threads, budget,
+                      calibrate="" if Path(model).is_dir() else model)   # ours: a name's, a .gguf's
     try:
-        engine = open_engine(spec, cache_dir(), log, calibrate)
-    except BudgetError as e:
+        engine = open_engine(spec, cache_dir(), log)
+    except FlashError as e:
+        if budget is None or "least --dram-budget" not in str(e):
+            raise
         fail(f"{e} — with --parallel {parallel} streams of --ctx-size {ctx_size} tokens each")
     try:
         serve_engine(engine, Listen(host, port, api_key, queue_size), log)

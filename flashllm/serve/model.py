@@ -1,13 +1,13 @@
-"""The served model: one converted model opened once, planned for every stream's KV cache, with
-its tokenizer, its chat template and one network per stream (each its own KV cache, all sharing
-the FFN, the dense weights and the head). The one place the server assembles a run: the rest of
-flashllm/serve/ sees only Engine.
+"""The served model: one converted model assembled by the session layer (as `run` assembles
+it), planned for every stream's KV cache, with its tokenizer, its chat template and one network
+per stream (each its own KV cache, all sharing the FFN, the dense weights and the head). The
+rest of flashllm/serve/ sees only Engine.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
 Log = Callable[[str], None]
 
@@ -15,20 +15,23 @@ Log = Callable[[str], None]
 @dataclass(frozen=True)
 class EngineSpec:
     """What `serve` asks for: the converted folder, its name for the API, the streams in flight
-    (parallel), each one's context (n_ctx), threads and the DRAM budget (None: all in DRAM)."""
+    (parallel), each one's context (n_ctx), threads, the DRAM budget (a runtime Budget; None:
+    all in DRAM) and the model as the user named it when its conversion is ours (calibrated
+    once under a budget, as `run` does; "": a folder the user gave)."""
 
     path: Path
     name: str
     parallel: int = 1
     n_ctx: int = 2048
     threads: int = 1
-    dram_budget: Optional[str] = None
+    dram_budget: object = None
+    calibrate: str = ""
 
 
 @dataclass
 class Engine:
     """An opened model for the worker thread: the networks (one per stream), the tokenizer, the
-    chat template, each stream's context and the flash parts to close."""
+    chat template, each stream's context and the assembled run to close."""
 
     name: str
     flash: object
@@ -36,39 +39,28 @@ class Engine:
     template: object
     nets: list
     n_ctx: int
-    parts: list = field(default_factory=list)
+    parts: object = None
 
     def close(self) -> None:
-        for part in self.parts:
-            if part is not None:
-                part.close()
+        if self.parts is not None:
+            self.parts.close()
 
 
-def open_engine(spec: EngineSpec, cache: Path, log: Log,
-                calibrate: Optional[Callable[[Path, Log], bool]] = None) -> Engine:
-    """Plan (the budget must hold every stream's KV cache: refused before anything loads,
-    naming the least budget that works), calibrate once (calibrate: a models.toml model's own
-    conversion), open, and build the tokenizer, the template and spec.parallel networks."""
-    from flashllm.format.integrity import verify_on_first_load
-    from flashllm.format.reader import open_flash
-    from flashllm.generation.tokenizer import Tokenizer
-    from flashllm.runtime.assemble import FlashOptions, make_parts, plan_run
-    from flashllm.ffi.heap import trim_heap
-    from flashllm.runtime.budget import process_rss
-    _load_code()
-    trim_heap()
+def open_engine(spec: EngineSpec, cache: Path, log: Log) -> Engine:
+    """The run assembled by the session layer for a context of every stream's positions (so
+    its plan holds every KV cache: a budget that cannot is refused before anything loads,
+    naming the least that can), then spec.parallel networks over its FFN and weights. The
+    assembled network itself is dropped: its KV cache was never written, so never resident."""
+    from flashllm.runtime.plan import FlashOptions
+    from flashllm.session.run import Drafting, RunRequest, assemble
     fopts = FlashOptions(spec.dram_budget, keep_tokenizer=True)
-    kv_ctx = spec.n_ctx * spec.parallel       # the plan holds every stream's KV cache
-    plan = plan_run(spec.path, fopts, kv_ctx, process_rss())
-    if calibrate is not None and plan is not None and calibrate(spec.path, log):
-        plan = plan_run(spec.path, fopts, kv_ctx, process_rss())
-    flash = open_flash(spec.path)
-    verify_on_first_load(flash)
-    tok = Tokenizer.from_flash(flash, word_cache=True)
-    ffn, weights, _ = make_parts(flash, fopts, plan, None, spec.threads, cache, log=log)
-    nets = stream_nets(flash, ffn, weights, spec)
-    return Engine(spec.name, flash, tok, chat_template(flash, tok), nets, nets[0].n_ctx,
-                  [ffn, weights])
+    req = RunRequest(spec.path, fopts, None, spec.threads, spec.n_ctx * spec.parallel,
+                     Drafting(0, "lookup"), 0, None, spec.calibrate)
+    parts = assemble(req, cache, log)
+    nets = stream_nets(parts.flash, parts.net.ffn, parts.net.w, spec)
+    parts.net = None
+    return Engine(spec.name, parts.flash, parts.tok, chat_template(parts.flash, parts.tok), nets,
+                  nets[0].n_ctx, parts)
 
 
 def stream_nets(flash, ffn, weights, spec: EngineSpec) -> list:
@@ -89,12 +81,3 @@ def chat_template(flash, tok):
     bos = tok.hf.id_to_token(cfg.bos_token_id) if cfg.bos_token_id is not None else None
     eos = tok.hf.id_to_token(cfg.eos_token_ids[0]) if cfg.eos_token_ids else None
     return load_template(flash.chat_template, None, bos or "", eos or "", cfg.arch)[0]
-
-
-def _load_code() -> None:
-    """Import what serving loads once it has started, so the process size a --dram-budget plan
-    measures already holds it (as `run` does)."""
-    import numpy.ma  # noqa: F401
-    import numpy.random  # noqa: F401
-    import flashllm.generation.generate  # noqa: F401
-    import flashllm.runtime.sparse_ffn  # noqa: F401
