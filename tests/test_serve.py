@@ -47,14 +47,14 @@ def client(served, key: str = "none"):
 
 
 def run_cli(model, prompt: str, n: int) -> str:
-    """What `flashllm run MODEL -p PROMPT -n N --temp 0` writes to stdout (its final newline
-    dropped)."""
+    """What `flashllm run MODEL -p PROMPT -n N --temp 0` writes to stdout (into a pipe: the
+    tokens alone, no newline added)."""
     out = subprocess.run([sys.executable, "-m", "flashllm", "run", str(model), "-p", prompt,
                           "-n", str(n), "--temp", "0", "--no-timings", "-t", "1"],
                          capture_output=True, text=True, timeout=600, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, stdin=subprocess.DEVNULL)
     assert out.returncode == 0, out.stderr
-    return out.stdout[:-1]
+    return out.stdout
 
 
 def chat_answer(folder, messages: list, n: int) -> str:
