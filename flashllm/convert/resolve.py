@@ -23,7 +23,7 @@ def resolve_model(model: str, cache_dir: Path, registry_path: Path, log: Log,
     one's (a run under --dram-budget measures its own size to plan)."""
     path = Path(model)
     if os.path.lexists(path):               # a path the user gave: a file or folder to read
-        from flashllm.convert.sources.base import check_path
+        from flashllm.convert.paths import check_path
         check_path(path)
     if path.is_dir() and (path / "manifest.json").is_file():
         return path

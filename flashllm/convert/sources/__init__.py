@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flashllm.convert.sources.base import GGUF_MAGIC, Source, check_path
+from flashllm.convert.paths import check_path
+from flashllm.convert.sources.base import GGUF_MAGIC, Source
 from flashllm.convert.sources.gguf import GGUFSource
 from flashllm.convert.sources.hf import HFSource
 from flashllm.errors import SourceError

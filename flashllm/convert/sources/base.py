@@ -2,7 +2,6 @@
 semantics), and the GGUF magic that `open_source` and the GGUF reader share."""
 from __future__ import annotations
 
-import stat
 from abc import ABC, abstractmethod
 from pathlib import Path
 
@@ -78,16 +77,3 @@ class Source(ABC):
 
     def _unknown(self, name: str) -> SourceError:
         return SourceError(f"{self.path}: no tensor named {name!r}")
-
-
-def check_path(path: Path) -> None:
-    """SourceError (one line) unless path is a regular file or a folder: missing, a symlink loop,
-    unreadable, or a FIFO, device or socket (reading one would wait forever)."""
-    try:
-        mode = path.stat().st_mode
-    except FileNotFoundError:
-        raise SourceError(f"{path}: no such file or folder") from None
-    except OSError as e:                     # ELOOP: a symlink loop; EACCES ...
-        raise SourceError(f"{path}: {e.strerror or e}") from None
-    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-        raise SourceError(f"{path}: not a regular file or folder (a FIFO, device or socket)")
