@@ -162,7 +162,8 @@ def _load_source(path: Path) -> None:
         for name in src.tensor_names():
             src.load(name)
         if src.tokenizer_json:
-            Tokenizer.from_json(src.tokenizer_json).encode("ab a")
+            text = src.tokenizer_json     # a GGUF source streams it: its text()
+            Tokenizer.from_json(text if isinstance(text, str) else text.text()).encode("ab a")
 
 
 def _load_profile(cache: Path, device: Device) -> None:

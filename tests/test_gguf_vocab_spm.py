@@ -135,8 +135,10 @@ def test_compact_merges_encode_as_the_pairs(seed, space_prefix):
     text as the pair form that tokenizers writes."""
     import json
     from flashllm.convert.merges import compact_merges
-    pairs = gguf_tokenizer_json(spm_fields(seed, space_prefix))
+    from gguf_vocab_reference import reference_json
+    pairs = reference_json(spm_fields(seed, space_prefix))            # built whole by tokenizers
     text, form = compact_merges(pairs)
+    assert gguf_tokenizer_json(spm_fields(seed, space_prefix)) == text          # streamed alike
     merges = json.loads(text)["model"]["merges"]
     assert form == "strings" and merges and all(isinstance(m, str) for m in merges)
     assert [m.split(" ") for m in merges] == json.loads(pairs)["model"]["merges"]

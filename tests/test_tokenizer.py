@@ -227,7 +227,7 @@ def real(request):
     from conftest import gguf_path
     path = gguf_path({"qwen05": "qwen2.5-coder-0.5b"}.get(request.param, request.param))
     with open_source(path) as src:
-        return request.param, path, Tokenizer.from_json(src.tokenizer_json, src.config.eos_token_ids)
+        return request.param, path, Tokenizer.from_json(src.tokenizer_json.text(), src.config.eos_token_ids)
 
 
 @pytest.mark.realmodel

@@ -69,6 +69,7 @@ class FlashWriter:
         self.layers: list[dict] = []
         self.orders: list[np.ndarray | None] = []
         self.tokenizer_json: str | None = None
+        self._tokenizer_file: dict | None = None   # its manifest entry, when streamed already
         self.chat_template: str | None = None
         self.merges: str | None = None
         self.strides = [ffn_stride(self.ffn_dtype, config.d_model, config.glu, dd)
@@ -270,11 +271,17 @@ class FlashWriter:
 
     # ---- tokenizer, manifest, install -------------------------------------------------------
 
-    def set_tokenizer(self, tokenizer_json: str | None, chat_template: str | None,
+    def set_tokenizer(self, tokenizer_json: str | object | None, chat_template: str | None,
                       merges: str | None = None) -> None:
-        """merges: the form of the JSON's BPE merges (layout.MERGES_FORMS), or None."""
+        """tokenizer_json: the text, or an object whose write(put) streams it to put(bytes), written
+        now (gguf_vocab.GGUFVocab: never held as one text); merges: the form of the JSON's BPE
+        merges (layout.MERGES_FORMS), or None."""
         self._require(WriterState.OPEN, WriterState.DENSE, WriterState.FFN, what="set_tokenizer")
         self.tokenizer_json, self.chat_template, self.merges = tokenizer_json, chat_template, merges
+        self._tokenizer_file = None
+        if not isinstance(tokenizer_json, (str, type(None))):
+            self._tokenizer_file = self._stream_file(TOKENIZER_FILE, tokenizer_json.write)
+            self.tokenizer_json = None
 
     def finish(self) -> Path:
         """Write the remaining files and the manifest, then rename the folder into place."""
@@ -299,9 +306,9 @@ class FlashWriter:
 
     def _write_tokenizer(self) -> dict:
         entry = {"file": None, "chat_template": self.chat_template}
-        if self.tokenizer_json is not None:
-            data = self.tokenizer_json.encode("utf-8")
-            entry.update(self._write_file(TOKENIZER_FILE, data))
+        if self.tokenizer_json is not None or self._tokenizer_file is not None:
+            entry.update(self._tokenizer_file or
+                         self._write_file(TOKENIZER_FILE, self.tokenizer_json.encode("utf-8")))
             if self.merges is not None:
                 entry["merges"] = self.merges
         return entry
@@ -324,15 +331,21 @@ class FlashWriter:
                 "shape": list(table.shape)}
 
     def _write_file(self, name: str, data: bytes) -> dict:
-        def write(f) -> None:
+        return self._stream_file(name, lambda put: put(data))
+
+    def _stream_file(self, name: str, stream) -> dict:
+        """A file whose bytes stream(put) puts, and its manifest entry (nbytes, crc32)."""
+        sums = [0, 0]                                      # bytes written, their crc32
+
+        def put(f, data: bytes) -> None:
             f.write(data)
-            sync_close(f)
+            sums[:] = sums[0] + len(data), zlib.crc32(data, sums[1])
         try:
             f = open(self.tmp / name, "wb")
         except OSError as e:
             raise FormatError(f"cannot write {self.tmp / name}: {why(e)}") from None
-        self._io(f, write)
-        return {"file": name, "nbytes": len(data), "crc32": crc32_array(np.frombuffer(data, np.uint8))}
+        self._io(f, lambda f: (stream(lambda data: put(f, data)), sync_close(f)))
+        return {"file": name, "nbytes": sums[0], "crc32": sums[1]}
 
     def _manifest(self, files: dict) -> dict:
         cfg, pb = self.cfg, row_bytes(self.ffn_dtype, self.cfg.d_model)

@@ -18,7 +18,8 @@ class Source(ABC):
 
     path: Path
     config: ModelConfig
-    tokenizer_json: str | None     # Hugging Face tokenizers JSON, or None when the checkpoint has none
+    tokenizer_json: object         # Hugging Face tokenizers JSON (a str, or an object whose
+    #                                write(binary file) streams it: gguf_vocab.GGUFVocab), or None
     chat_template: str | None      # Jinja chat template, or None
     stores_blocks = False          # True: 2-D tensors have stored blocks (load_blocks), as in a GGUF
 

@@ -19,7 +19,7 @@ from flashllm.model.archs import arch_for_gguf
 from flashllm.model.archs.gguf import gguf_config
 from flashllm.model.archs.tensors import check_tensor_set
 from flashllm.errors import FlashError, SourceError
-from flashllm.convert.gguf_vocab import gguf_tokenizer_json
+from flashllm.convert.gguf_vocab import gguf_vocab
 from flashllm.convert.sources.base import GGUF_MAGIC, Source
 from flashllm.convert.sources.gguf_file import STRING, GGUFFile
 
@@ -130,7 +130,7 @@ class GGUFSource(Source):
         rope_freqs = tuple(dequantize(freqs.data, freqs.tensor_type).reshape(-1)) if freqs else ()
         self.config = gguf_config(arch, meta, self._tensors, vocab, _eos_ids(reader, meta), rope_freqs)
         self._tensors = self._split(arch)
-        self.tokenizer_json = gguf_tokenizer_json(reader.fields)
+        self.tokenizer_json = gguf_vocab(reader.fields)      # streamed by the writer
         check_tensor_set(self.config, self._tensors, str(self.path))
         template = meta.get("tokenizer.chat_template")
         if template is not None and not isinstance(template, str):
