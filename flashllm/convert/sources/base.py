@@ -19,7 +19,7 @@ class Source(ABC):
     path: Path
     config: ModelConfig
     tokenizer_json: object         # Hugging Face tokenizers JSON (a str, or an object whose
-    #                                write(binary file) streams it: gguf_vocab.GGUFVocab), or None
+    #                                write(put) streams its bytes: gguf_vocab.GGUFVocab), or None
     chat_template: str | None      # Jinja chat template, or None
     stores_blocks = False          # True: 2-D tensors have stored blocks (load_blocks), as in a GGUF
 
