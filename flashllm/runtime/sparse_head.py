@@ -46,6 +46,8 @@ PAGE = 4096
 HEAD_ROWS_READ = 2 << 20   # candidate rows a token reads, planned for a head calibration has not
                            # measured (greedy reads ~1 MB on the 1.5B, top-k 40 more)
 MEASURED_TOPS = (1, 40)    # the samplers calibration measures: greedy, and `run`'s default top-k
+MEASURE_CHUNK = 32     # positions measure_reads estimates at once: (32, vocab) f32 (19 MB
+                       # on a 151,936-token vocabulary), then one position's bounds at a time
 BOUNDS_ARRAYS = 4      # (vocab,) arrays alive while a position's candidates are found:
                        # its upper and lower ends, the partition's copy, the mask
 
@@ -109,14 +111,18 @@ def measure_reads(flash: FlashModel, weights: DenseWeights, x: np.ndarray, n_thr
     head = SparseHead(flash, weights, HeadNeed(1), n_threads)
     head.exact_dims(x[len(x) // 2:len(x) // 2 + 1])
     seen = {k: [] for k in tops}                        # k -> [(rows, bytes)] per position
-    for s0 in range(0, len(x), 32):                     # (32, vocab) bounds at a time
-        hi, lo = head.bounds(x[s0:s0 + 32])
-        for t in range(len(hi)):
+    for s0 in range(0, len(x), MEASURE_CHUNK):          # a chunk's estimates, then a position's
+        s, xb, slack = head.estimate(x[s0:s0 + MEASURE_CHUNK])  # (C, vocab) (C, d_pad/256) (C,)
+        for t in range(len(s)):
+            hi, lo = head.bounds_of(s[t], xb[t], slack[t])              # (vocab,) each
             for k in tops:
-                cand = head.candidates(hi[t], lo[t], HeadNeed(k))
+                cand = head.candidates(hi, lo, HeadNeed(k))
                 pages = head.pages_of(cand) * PAGE
                 seen[k].append((len(cand), head.head_bytes
                                 if pages > MAX_READ_SHARE * head.head_bytes else pages))
+            del hi, lo
+        del s
+        trim_heap()                                     # the chunk's (C, vocab) estimate
     out = {}
     for k, v in seen.items():
         a = np.array(v, np.float64)                                       # (n, 2)
