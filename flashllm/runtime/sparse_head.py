@@ -207,8 +207,11 @@ class SparseHead:
         xk = xp[:, self.dims].copy()                                      # (T, k)
         xp[:, self.dims] = 0.0
         s = self._sketch_logits(xp)                                       # (T, vocab)
-        for j in range(len(self.dims)):                  # k axpys: no (vocab, k) f32 temporary
-            s += xk[:, j:j + 1] * self.columns[j].astype(np.float32)
+        col, prod = np.empty((2, self.vocab), np.float32)                 # (vocab,) each
+        for j in range(len(self.dims)):    # k axpys a row at a time: no (T, vocab) temporary
+            np.copyto(col, self.columns[j])
+            for t in range(len(s)):
+                s[t] += np.multiply(xk[t, j], col, out=prod)
         xb = (xp * xp).reshape(len(x), -1, 256).sum(axis=2)              # (T, d_pad / 256)
         xb /= np.float32(self.var_scale)                  # var_t holds var * var_scale
         slack = np.abs(xk) @ (self.col_max * F16_EPS + F16_TINY)         # (T,)
