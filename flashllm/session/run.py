@@ -151,7 +151,10 @@ def assemble(req: RunRequest, cache: Path, log: Log) -> Parts:
         man = read_manifest(req.path)
         check_before_loading(man, req.flash, req.n_ctx, process)
     flash = open_flash(req.path, manifest=man)
-    verify_on_first_load(flash)
+    try:
+        verify_on_first_load(flash)
+    except FlashError as e:                       # a damaged folder: say how to make it anew
+        raise FlashError(f"{e}; {repair_hint(req.path, req.calibrate)}") from None
     tok = Tokenizer.from_flash(flash, word_cache=req.one_shot is None)   # one-shot: encodes once
     ids, n_ctx = None, req.n_ctx
     if req.one_shot is not None:     # the KV cache holds the prompt and the tokens to make
@@ -176,6 +179,16 @@ def assemble(req: RunRequest, cache: Path, log: Log) -> Parts:
                 kv_dtype="f16", head=head)
     return Parts(flash, tok, ids, net, ffn, weights, head, drafting,
                  plan.draft_rows if plan is not None else 0)
+
+
+def repair_hint(path: Path, name: str) -> str:
+    """How to replace a damaged converted folder: flashllm's own conversion of name (a models.toml
+    name or a GGUF file: "" for a folder the user gave) is removed and made again by the next run;
+    a user's folder is converted again from its source."""
+    if name:
+        return (f"{path} is flashllm's own conversion of {name}: remove it (rm -r '{path}') and "
+                f"run again to convert it anew")
+    return f"convert its source again: flashllm convert SOURCE -o '{path}' --force"
 
 
 def check_context_memory(cfg, n_ctx: int) -> None:
