@@ -127,3 +127,33 @@ def test_a_waiter_says_it_waits_and_no_lock_file_is_left(tmp_path):
     t.join(timeout=10)
     assert order == ["first", "second"] and said == ["waiting for the first"]
     assert not lock.exists()
+
+
+def test_a_damaged_conversion_says_how_to_make_it_anew(tiny, tmp_path):  # noqa: F811
+    import shutil
+    bad = tmp_path / "m"
+    shutil.copytree(tiny[0].path, bad)
+    (bad / ".verified").unlink(missing_ok=True)
+    with open(bad / "dense.bin", "r+b") as f:              # one byte of the dense weights
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    r = CliRunner().invoke(app, ["run", str(bad), "-p", "hello", "-n", "2"])
+    lines = r.output.strip().splitlines()
+    assert r.exit_code == 1 and len(lines) == 1 and "checksum mismatch" in lines[0], r.output
+    assert f"flashllm convert SOURCE -o '{bad}' --force" in lines[0]
+
+
+def test_a_refused_budget_names_one_minimum(tiny):  # noqa: F811
+    """-i -c 10000000 --dram-budget 300MiB named 'give at least 4610 MiB' and 'the least that
+    works: 1537 MiB' in one line: the bisection's upper end was never checked, and the
+    resident estimate is not what works. Now both say the least budget the planner accepts."""
+    import re
+    r = CliRunner().invoke(app, ["run", str(tiny[0].path), "-i", "-c", "2000000",
+                                 "--dram-budget", "1MiB"], input="")
+    line = r.output.strip().splitlines()[-1]
+    named = set(re.findall(r"give at least ([0-9]+) MiB|works for this model and context: "
+                           r"([0-9]+) MiB", line))
+    numbers = {n for pair in named for n in pair if n}
+    assert r.exit_code == 1 and len(numbers) == 1, line

@@ -6,6 +6,7 @@ make tokens fastest, or refuses naming the least budget that works.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -142,9 +143,10 @@ def _plan_or_least(man, budget: Budget, n_ctx: int, process: int, kwargs: dict) 
 
 def _with_least(e: BudgetError, man, n_ctx: int, process: int, kwargs: dict) -> BudgetError:
     """e's refusal, naming the least budget that works for the same arguments (least_budget)."""
-    least = least_budget(man, n_ctx, process, **kwargs)
-    return BudgetError(f"{e} (the least --dram-budget that works for this model and context: "
-                       f"{format_size(least, 'MiB', up=True)})")
+    least = format_size(least_budget(man, n_ctx, process, **kwargs), "MiB", up=True)
+    said = re.sub(r"give at least [0-9]+ MiB", f"give at least {least}", str(e))   # one minimum
+    return BudgetError(f"{said} (the least --dram-budget that works for this model and context: "
+                       f"{least})")
 
 
 def _finish(plan: BudgetPlan, opts: FlashOptions) -> BudgetPlan:
@@ -170,8 +172,11 @@ def _sketch(man, opts: FlashOptions) -> tuple[int, int]:
 
 def least_budget(man, n_ctx: int, process: int, **kwargs) -> int:
     """The smallest budget (bytes, to 1 MiB) that plan_budget accepts, by bisection: the plan is
-    arithmetic on the manifest, so this costs nothing next to a run."""
+    arithmetic on the manifest, so this costs nothing next to a run. The upper end is doubled
+    until it is accepted (a long context's KV cache can pass the model's size many times)."""
     lo, hi = 0, 4 * model_bytes(man) + process + (1 << 30)   # refused / accepted
+    while not _accepts(man, hi, n_ctx, process, kwargs):
+        lo, hi = hi, 2 * hi
     while hi - lo > (1 << 20):
         mid = (lo + hi) // 2
         try:
@@ -180,6 +185,14 @@ def least_budget(man, n_ctx: int, process: int, **kwargs) -> int:
         except BudgetError:
             lo = mid
     return hi
+
+
+def _accepts(man, nbytes: int, n_ctx: int, process: int, kwargs: dict) -> bool:
+    try:
+        plan_budget(man, Budget.of_bytes(nbytes), n_ctx, process, **kwargs)
+        return True
+    except BudgetError:
+        return False
 
 
 def draft_head_rows(man, plan: BudgetPlan, n_ctx: int) -> int:
