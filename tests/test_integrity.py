@@ -32,6 +32,7 @@ def test_run_refuses_a_flipped_byte_before_generating(tmp_path):
     ffn.write_bytes(bytes(data))
     r = CliRunner().invoke(app, ["run", str(path), "-p", "hi", "-n", "2", "--ctx-size", "64"])
     assert r.exit_code == 1
-    assert r.output.strip().splitlines()[-1] == (
-        f"error: {ffn}: checksum mismatch in FFN layer 0")
+    last = r.output.strip().splitlines()[-1]
+    assert last.startswith(f"error: {ffn}: checksum mismatch in FFN layer 0; ")
+    assert "flashllm convert SOURCE -o" in last and last.endswith(" --force")
     assert not (path / STAMP).exists()
