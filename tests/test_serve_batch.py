@@ -170,10 +170,18 @@ def test_the_next_turn_of_a_chat_prefills_only_what_is_new(tmp_path):
     assert first.usage.prompt_tokens_details.cached_tokens == 0
 
 
-def test_the_streams_share_one_ffn_and_one_set_of_weights(folder):
+def test_the_streams_share_one_ffn_and_one_set_of_weights(tmp_path):
     """All in DRAM (no budget: Model builds its own FFN and weights when given none), the
-    streams still hold one copy: only their KV caches are their own."""
-    from flashllm.serve.model import EngineSpec, stream_nets
-    nets = stream_nets(open_flash(folder), None, None, EngineSpec(folder, "m", parallel=3))
+    streams the session assembles for a server still hold one copy: only their KV caches are
+    their own."""
+    from flashllm.session.run import Drafting, RunRequest, assemble
+    from serve_helpers import build_tiny
+    tiny = build_tiny(tmp_path / "tiny", "q8_0", **QUANT)
+    req = RunRequest(tiny, FlashOptions(None, keep_tokenizer=True), None, 1, 64,
+                     Drafting(0, "lookup"), 0, None, streams=3)
+    parts = assemble(req, tmp_path, lambda m: None)
+    nets = parts.nets
+    assert nets[0] is parts.net and [n.n_ctx for n in nets] == [64] * 3
     assert len({id(n.ffn) for n in nets}) == len({id(n.w) for n in nets}) == 1
-    assert len({id(n.k_cache) for n in nets}) == 3
+    assert len({id(n.k_cache) for n in nets}) == len({id(n.v_cache) for n in nets}) == 3
+    assert len({id(n.fed) for n in nets}) == 3

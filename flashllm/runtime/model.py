@@ -46,6 +46,8 @@ class ContextError(FlashError):
 
 
 KV_DTYPES = {"f32": np.float32, "f16": np.float16}   # the KV cache's element type
+ROW_TILE = 10         # rows a product gives each its one-token sums (FL_SMALL_T, native/qgemm.h:
+                      # more meet the int8 GEMM panels, which sum in another order)
 
 
 class Model:
@@ -91,6 +93,17 @@ class Model:
         other = copy.copy(self)
         other.ffn, other.w, other.head = ffn, weights, None
         other._blocks = None          # its own, from its FFN and weights
+        return other
+
+    def new_stream(self) -> "Model":
+        """Another network over this one's FFN, dense weights and head, with its own empty KV
+        cache of n_ctx positions (a server's next stream: runtime/batch.py passes them
+        together). Its cache's pages are not touched until written."""
+        other = copy.copy(self)
+        other.fed = np.zeros(self.fed.shape, self.fed.dtype)             # (n_ctx,)
+        other.k_cache = np.zeros(self.k_cache.shape, self.k_cache.dtype)  # (n_layers, n_ctx, n_kv, hd)
+        other.v_cache = np.zeros(self.v_cache.shape, self.v_cache.dtype)  # (n_layers, n_ctx, n_kv, hd)
+        other._blocks = None          # its own, over its own cache
         return other
 
     def reset(self) -> None:
@@ -165,15 +178,26 @@ class Model:
         """The first layer's rows (T, d_model) of tokens (T,) at positions pos (T,)."""
         return self._embed(tokens, pos)
 
-    def attention_rows(self, i: int, layer: Layer, x: np.ndarray, pos: np.ndarray) -> None:
-        """x (T, d_model) += layer i's attention of x, a chain at positions pos (T,) of this
-        model's KV cache (one token: in one C call where the layer qualifies, as forward)."""
-        blocks = self._token_blocks() if len(pos) == 1 and self.token_blocks else None
-        attn = blocks[i][0] if blocks else None
-        if attn:
-            attn(x, int(pos[0]), self.n_threads)                         # x (1, d_model) += attn
-        else:
-            self._attention_block(i, layer, x, pos, len(pos))
+    def attention_rows(self, i: int, layer: Layer, x: np.ndarray, pos: np.ndarray,
+                       spans: Sequence[tuple]) -> None:
+        """x (T, d_model) += layer i's attention of x, whose rows a .. e-1 are net's chain at
+        positions pos[a:e] for each (net, a, e) of spans (networks over this one's weights:
+        runtime/batch.py). The norm and the q / k / v and output products run over all rows
+        at once, ROW_TILE rows a call (a streamed layer read once for every stream, a resident
+        one's weights streamed from DRAM once); the attention on each net's KV cache."""
+        cfg, nt, ex = self.config, self.n_threads, self.exact
+        h = self._norm(x, layer.attn_norm, layer.attn_norm_b)            # (T, d_model)
+        tiles = [slice(a, a + ROW_TILE) for a in range(0, len(h), ROW_TILE)]
+        parts = [self.qkv_rows(i, layer, h[t], pos[t]) for t in tiles]   # [(q, k, v)] a tile
+        q, k, v = (np.concatenate(p) for p in zip(*parts))   # (T, n_heads, hd), (T, n_kv, hd) x 2
+        o = np.empty((len(h), cfg.n_heads * cfg.head_dim), np.float32)  # (T, n_heads * hd)
+        for net, a, e in spans:
+            o[a:e] = net.attend(i, q[a:e], k[a:e], v[a:e], pos[a:e], e - a)
+        a = np.concatenate([kernel.matmul(layer.wo, o[t], layer.bo, nt, ex)
+                            for t in tiles])                              # (T, d_model)
+        if layer.post_attn_norm is not None:                             # sandwich norm
+            a = self._norm(a, layer.post_attn_norm, None)                # (T, d_model)
+        self._residual(x, a)
 
     def ffn_rows(self, i: int, layer: Layer, x: np.ndarray) -> None:
         """x (T, d_model) += layer i's FFN of x (rows of any streams: the FFN is shared)."""
@@ -275,8 +299,15 @@ class Model:
     def _attention(self, i: int, L: Layer, h: np.ndarray, pos: np.ndarray, n: int):
         """Layer i's attention of h (T, d_model): the first n tokens a chain from pos[0], the
         rest siblings (forward)."""
-        cfg, nt, ex = self.config, self.n_threads, self.exact
-        T, hd = len(h), cfg.head_dim
+        q, k, v = self.qkv_rows(i, L, h, pos)              # (T, n_heads, hd), (T, n_kv, hd) x 2
+        o = self.attend(i, q, k, v, pos, n)                               # (T, n_heads * hd)
+        return kernel.matmul(L.wo, o, L.bo, self.n_threads, self.exact)   # (T, d_model)
+
+    def qkv_rows(self, i: int, L: Layer, h: np.ndarray, pos: np.ndarray) -> tuple:
+        """Layer i's q (T, n_heads, hd), k and v (T, n_kv, hd) of h (T, d_model) at positions
+        pos (T,): projected, QK-normed, rotated. Each row's numbers are its own (any rows of
+        any streams may share the call, up to ROW_TILE of them: runtime/batch.py)."""
+        cfg, T, hd = self.config, len(h), self.config.head_dim
         q, k, v = self._qkv(L, h)                          # (T, n_heads * hd), (T, n_kv * hd) x 2
         if cfg.qk_norm_full:                                              # QK-norm, whole q / k
             q = kernel.rmsnorm(q, L.q_norm, cfg.norm_eps)                 # (T, n_heads * hd)
@@ -289,10 +320,18 @@ class Model:
         if cfg.pos == "rope":
             kernel.rope(q, pos, self.rope_inv[i])
             kernel.rope(k, pos, self.rope_inv[i])
+        return q, k, v
+
+    def attend(self, i: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, pos: np.ndarray,
+               n: int) -> np.ndarray:
+        """(T, n_heads * hd): layer i's attention of q (T, n_heads, hd) over this model's KV
+        cache, whose positions pos[:n] (a chain from pos[0]) take k, v (T, n_kv, hd) first; the
+        rest are siblings (forward)."""
+        cfg, nt, T = self.config, self.n_threads, len(q)
         pos0 = int(pos[0])
         self.k_cache[i, pos0:pos0 + n] = k[:n]
         self.v_cache[i, pos0:pos0 + n] = v[:n]
-        o = np.empty((T, cfg.n_heads * hd), np.float32)                  # (T, n_heads * hd)
+        o = np.empty((T, cfg.n_heads * cfg.head_dim), np.float32)        # (T, n_heads * hd)
         o[:n] = kernel.attention(q[:n], self.k_cache[i], self.v_cache[i], pos0, self.attn_scale,
                                  n_threads=nt, window=self.windows[i])
         for s in range(n, T):       # a sibling: its keys in its position's slot for one query
@@ -303,7 +342,7 @@ class Model:
             o[s] = kernel.attention(q[s:s + 1], kc, vc, p, self.attn_scale, n_threads=nt,
                                     window=self.windows[i])[0]
             kc[p], vc[p] = chain_k, chain_v
-        return kernel.matmul(L.wo, o, L.bo, nt, ex)                       # (T, d_model)
+        return o
 
     def _qkv(self, L: Layer, h: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """q (T, n_heads * hd), k and v (T, n_kv * hd) of h (T, d_model), each C-contiguous:

@@ -41,37 +41,27 @@ class Engine:
     n_ctx: int
     parts: object = None
 
+    def forget_records(self) -> None:
+        """Drop the FFN's per-pass --stats records (they would grow with every pass)."""
+        self.nets[0].ffn.forget_records()
+
     def close(self) -> None:
         if self.parts is not None:
             self.parts.close()
 
 
 def open_engine(spec: EngineSpec, cache: Path, log: Log) -> Engine:
-    """The run assembled by the session layer for a context of every stream's positions (so
-    its plan holds every KV cache: a budget that cannot is refused before anything loads,
-    naming the least that can), then spec.parallel networks over its FFN and weights. The
-    assembled network itself is dropped: its KV cache was never written, so never resident."""
+    """The run assembled by the session layer with a network per stream (its plan holds every
+    stream's KV cache: a budget that cannot is refused before anything loads, naming the least
+    that can), all over one FFN, one set of dense weights and one head."""
     from flashllm.runtime.plan import FlashOptions
     from flashllm.session.run import Drafting, RunRequest, assemble
     fopts = FlashOptions(spec.dram_budget, keep_tokenizer=True)
-    req = RunRequest(spec.path, fopts, None, spec.threads, spec.n_ctx * spec.parallel,
-                     Drafting(0, "lookup"), 0, None, spec.calibrate)
+    req = RunRequest(spec.path, fopts, None, spec.threads, spec.n_ctx, Drafting(0, "lookup"), 0,
+                     None, spec.calibrate, streams=spec.parallel)
     parts = assemble(req, cache, log)
-    nets = stream_nets(parts.flash, parts.net.ffn, parts.net.w, spec)
-    parts.net = None
-    return Engine(spec.name, parts.flash, parts.tok, chat_template(parts.flash, parts.tok), nets,
-                  nets[0].n_ctx, parts)
-
-
-def stream_nets(flash, ffn, weights, spec: EngineSpec) -> list:
-    """spec.parallel networks over one FFN and one set of dense weights (the first network's,
-    where ffn or weights is None: all in DRAM), each with its own f16 KV cache of spec.n_ctx
-    positions (as `run` keeps it)."""
-    from flashllm.runtime.model import Model
-    first = Model(flash, n_threads=spec.threads, n_ctx=spec.n_ctx, ffn=ffn, weights=weights,
-                  kv_dtype="f16")
-    return [first] + [Model(flash, n_threads=spec.threads, n_ctx=spec.n_ctx, ffn=first.ffn,
-                            weights=first.w, kv_dtype="f16") for _ in range(spec.parallel - 1)]
+    return Engine(spec.name, parts.flash, parts.tok, chat_template(parts.flash, parts.tok),
+                  parts.nets, parts.net.n_ctx, parts)
 
 
 def chat_template(flash, tok):

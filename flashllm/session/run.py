@@ -6,7 +6,7 @@ stream).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -49,8 +49,10 @@ class RunRequest:
     """What a run asks for: the converted folder, its flash options (runtime FlashOptions), the
     sampler's head need (sparse_head.head_need), threads, the context, the drafting asked, the
     self draft's head rows (AUTO_ROWS: the plan's), a one-shot prompt (text, n_predict,
-    ctx_size; None: a chat) and whether to calibrate the conversion once (a models.toml name's
-    or a GGUF's, never a folder the user gave)."""
+    ctx_size; None: a chat), whether to calibrate the conversion once (a models.toml name's
+    or a GGUF's, never a folder the user gave) and how many networks to build (a server's
+    streams: each its own KV cache of n_ctx positions over one FFN and one set of weights;
+    the plan holds them all)."""
 
     path: Path
     flash: object
@@ -61,12 +63,14 @@ class RunRequest:
     head_rows: int
     one_shot: Optional[tuple] = None
     calibrate: str = ""               # the model as the user named it, when its conversion is ours
+    streams: int = 1
 
 
 @dataclass
 class Parts:
     """A run's model, assembled: what it reads from, its tokenizer and prompt ids (None in a
-    chat), the network and the flash parts to close, and the drafting the plan settled."""
+    chat), the network (and every stream's: nets[0] is net) and the flash parts to close, and
+    the drafting the plan settled."""
 
     flash: object
     tok: object
@@ -77,6 +81,7 @@ class Parts:
     head: object
     drafting: Drafting
     head_rows: int                # the output head rows a self draft holds (the plan's)
+    nets: list = field(default_factory=list)   # a network per stream (RunRequest.streams)
 
     def close(self) -> None:
         for part in (self.ffn, self.weights):
@@ -143,13 +148,14 @@ def assemble(req: RunRequest, cache: Path, log: Log) -> Parts:
     trim_heap()                      # the imports' freed heap: ~1 MiB the plan need not count
     process = process_rss()
     man = read_manifest(req.path)
-    check_context_memory(man["config"], req.n_ctx)
-    check_before_loading(man, req.flash, req.n_ctx, process)
+    held = req.n_ctx * req.streams                  # the positions every KV cache holds
+    check_context_memory(man["config"], held)
+    check_before_loading(man, req.flash, held, process)
     if req.calibrate and req.flash.flash and not is_calibrated(man) and \
             calibrate_once(req.path, log, req.calibrate, req.flash.dram_budget):
         process = process_rss()                      # the plan of the calibrated folder
         man = read_manifest(req.path)
-        check_before_loading(man, req.flash, req.n_ctx, process)
+        check_before_loading(man, req.flash, held, process)
     flash = open_flash(req.path, manifest=man)
     try:
         verify_on_first_load(flash)
@@ -166,7 +172,7 @@ def assemble(req: RunRequest, cache: Path, log: Log) -> Parts:
         log(f"warning: a context of {n_ctx} tokens is past the {trained} the model was trained "
             "on: text beyond them may lose coherence")
     drafting = req.drafting
-    choice = choose_plan(man, req.flash, n_ctx, process,
+    choice = choose_plan(man, req.flash, n_ctx * req.streams, process,
                          auto_rows=req.head_rows if drafting.auto else 0)
     if drafting.auto:
         drafting = Drafting(AUTO_DRAFT, "self") if choice.auto_drafted else \
@@ -177,8 +183,9 @@ def assemble(req: RunRequest, cache: Path, log: Log) -> Parts:
     ffn, weights, head = make_parts(flash, fopts, plan, req.need, req.threads, cache, log=log)
     net = Model(flash, n_threads=req.threads, n_ctx=n_ctx, ffn=ffn, weights=weights,
                 kv_dtype="f16", head=head)
+    nets = [net] + [net.new_stream() for _ in range(req.streams - 1)]
     return Parts(flash, tok, ids, net, ffn, weights, head, drafting,
-                 plan.draft_rows if plan is not None else 0)
+                 plan.draft_rows if plan is not None else 0, nets)
 
 
 def repair_hint(path: Path, name: str) -> str:
