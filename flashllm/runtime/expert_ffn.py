@@ -146,6 +146,9 @@ class ExpertFlashFfn(FfnStrategy):
     def stats(self) -> dict:
         return {**self.rec.to_dict(lambda size: 0.0), "read_threads": self.reader.n_threads}
 
+    def forget_records(self) -> None:
+        self.rec.tokens.clear()
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         self.reader.close()

@@ -37,6 +37,10 @@ class FfnStrategy(Protocol):
         """The --stats counters (runtime/stats.py); {} when it reads nothing."""
         ...
 
+    def forget_records(self) -> None:
+        """Drop the per-pass records kept for --stats (a server's passes never end: they
+        would grow without bound); by default it keeps none."""
+
     def close(self) -> None:
         """Stop its threads and close its readers; by default it holds none."""
 

@@ -132,6 +132,9 @@ class SparseFlashFfn(FfnStrategy):
         return {**self.rec.to_dict(lambda size: self.cost.gib_s(threads, max(size, 1.0))),
                 "read_threads": threads}
 
+    def forget_records(self) -> None:
+        self.rec.tokens.clear()
+
     def close(self) -> None:
         """Stop reading ahead, close the readers (the FFN's and the stream's dense one)."""
         if self.stream is not None:

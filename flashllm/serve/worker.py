@@ -23,14 +23,37 @@ from typing import Callable, Optional
 from flashllm.errors import FlashError
 from flashllm.generation.chat import common_prefix
 from flashllm.generation.sampler import Sampler
-from flashllm.runtime.batch import pass_rows
+from flashllm.runtime.batch import ROW_TILE, pass_rows
 from flashllm.serve.api import ApiError, Ask
 from flashllm.serve.stops import StopText
 
 PREFILL_CHUNK = 256          # prompt tokens a round prefills (of all slots)
-SHARED_ROWS = 10             # prompts' chunks share a pass up to this many rows: the FFN's
+FORGET_EVERY = 256           # decode passes between drops of the FFN's per-pass records
+SHARED_ROWS = ROW_TILE       # prompts' chunks share a pass up to this many rows: the FFN's
                              # quantized paths give each row its own numbers up to 10 tokens
                              # (GEMM panels above: docs/KERNELS.md, ffn_quant.c)
+
+
+PIECE_CHARS = 16384          # a longer prompt is first counted in pieces of this many characters
+
+
+def count_over(tok, text: str, limit: int):
+    """At least how many tokens text has, when that is limit or more (it cannot fit a context
+    of limit tokens with room for an answer), told from pieces of PIECE_CHARS characters cut
+    before a space and encoded one at a time (a whole encode of a 1 MB prompt held ~150 MB at
+    once); None when it may fit. A cut can change the tokens at its edges: 2 a piece are
+    allowed for."""
+    n, start = 0, 0
+    while start < len(text):
+        end = min(len(text), start + PIECE_CHARS)
+        if end < len(text):
+            cut = text.rfind(" ", start + 1, end)
+            end = cut if cut > start else end
+        n += len(tok.encode(text[start:end], add_special=False)) - 2
+        if n >= limit:
+            return n
+        start = end
+    return None
 
 
 class Busy(Exception):
@@ -119,6 +142,8 @@ class Worker:
                     break
                 continue
             self._pass(active)
+            if self.passes % FORGET_EVERY == 0:
+                self.engine.forget_records()
         self._refuse_queued()
 
     def _admit(self) -> None:
@@ -166,21 +191,21 @@ class Worker:
         job.emit(("start", len(ids)))
 
     def _prompt_ids(self, ask: Ask) -> list:
-        eng = self.engine
+        eng, param = self.engine, "messages" if ask.chat else "prompt"
         try:
-            if ask.chat:
-                text = eng.template.render(list(ask.messages), add_generation_prompt=True)
-                ids = eng.tok.encode(text, add_special=False)
-            else:
-                ids = eng.tok.encode(ask.prompt, add_special=True)
+            text = eng.template.render(list(ask.messages), add_generation_prompt=True) \
+                if ask.chat else ask.prompt
+            n = None if len(text) <= PIECE_CHARS else count_over(eng.tok, text, eng.n_ctx)
+            ids = [] if n is not None else eng.tok.encode(text, add_special=not ask.chat)
         except FlashError as e:
-            raise ApiError(400, str(e), "messages" if ask.chat else "prompt") from None
-        if not ids:
+            raise ApiError(400, str(e), param) from None
+        if n is None and not ids:
             raise ApiError(400, "the prompt is empty (no tokens to start from)", "prompt")
-        if len(ids) >= eng.n_ctx:
+        if n is not None or len(ids) >= eng.n_ctx:
+            has = f"at least {n}" if n is not None else len(ids)
             raise ApiError(400, f"This model's context holds {eng.n_ctx} tokens per stream; "
-                           f"the prompt has {len(ids)} (no room for an answer)",
-                           "messages" if ask.chat else "prompt", "context_length_exceeded")
+                           f"the prompt has {has} (no room for an answer)", param,
+                           "context_length_exceeded")
         return ids
 
     def _pass(self, active: list) -> None:
@@ -207,13 +232,17 @@ class Worker:
                 slot.fed, slot.job, slot.cached = 0, None, []
 
     def _decode(self, slots: list) -> None:
-        rows = pass_rows([s.net for s in slots], [s.history[-1:] for s in slots],
-                         [s.fed for s in slots])                         # (B, vocab)
-        self.passes += 1
-        self.rows += len(slots)
-        for slot, logits in zip(slots, rows):
-            slot.fed += 1
-            self._advance(slot, logits)
+        """The next token of every slot, ROW_TILE slots a pass (more would change each row's
+        sums: runtime/batch.py)."""
+        for a in range(0, len(slots), ROW_TILE):
+            group = slots[a:a + ROW_TILE]
+            rows = pass_rows([s.net for s in group], [s.history[-1:] for s in group],
+                             [s.fed for s in group])                     # (B, vocab)
+            self.passes += 1
+            self.rows += len(group)
+            for slot, logits in zip(group, rows):
+                slot.fed += 1
+                self._advance(slot, logits)
 
     def _prefill(self, slots: list) -> None:
         """The next chunks of the prompts waiting, self.chunk tokens in all a round (at least
