@@ -1,16 +1,20 @@
 """`flashllm serve` under concurrent streaming clients: aggregate and per-stream decode tok/s,
-time to first token (p50 / p95), the streams a decode pass carried, the server's peak RSS.
+time to first token (p50 / p95), the streams a decode pass carried, device bytes read per token
+made, the server's peak memory.
 
 Run:  python -m scripts.bench.serve MODEL [--dram-budget 560MiB] [--cap 560MiB] [--clients 1,4]
                                           [--tokens 64] [--parallel 4] [--ctx-size 512] [-t 2]
 
 The server starts in a subprocess on a free loopback port (as `flashllm serve MODEL --parallel
-P`), answers one warm-up request, then for each K in --clients, K openai-client streams start
-at once, each a different code prompt completed greedily for --tokens tokens. Aggregate tok/s:
-all tokens made / the round's wall time; decode tok/s: the tokens after each stream's first /
-(the last token of any stream - the first token of any), and per stream its own (last - first). --cap: the server runs
-under a cgroup-v1 memory cap (scripts/bench/cgroup_run.py, root), whose peak (anonymous memory
-and page cache) and failcnt are printed once the server has stopped.
+P`), answers one warm-up request, then for each K in --clients (a list: 1,4,1,4 alternates), K
+openai-client streams start at once, each a different code prompt completed greedily for
+--tokens tokens. Aggregate tok/s: all tokens made / the round's wall time; decode tok/s: the
+tokens after each stream's first / (the last token of any stream - the first token of any), and
+per stream its own (last - first). MiB a token: the server's device reads in the round
+(/proc/PID/io read_bytes: direct I/O included) / the tokens made. --cap: the server runs under a
+cgroup-v1 memory cap (scripts/bench/cgroup_run.py, root), whose peak (anonymous memory and page
+cache) and failcnt are printed once the server has stopped.
+`make bench`'s "Serving" section (bench.py --sections serve) is serve_rows + serve_section.
 """
 from __future__ import annotations
 
@@ -32,9 +36,9 @@ PROMPTS = ["def fibonacci(n):", "def quicksort(items):", "class Stack:\n    def 
            "def merge_sorted(a, b):", "def word_count(text):"]
 
 
-def start_server(model: str, args: list, cap=None) -> tuple:
+def start_server(model: str, args: list, cap=None, cold: bool = False) -> tuple:
     """(the process, with its log's path as .log; the server's url); with cap, the process is
-    cgroup_run's (its child serves)."""
+    cgroup_run's (its child serves; cold: from a dropped page cache)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -42,7 +46,7 @@ def start_server(model: str, args: list, cap=None) -> tuple:
     cmd = [sys.executable, "-m", "flashllm", "serve", model, "--port", str(port), *args]
     if cap:
         cmd = [sys.executable, "-m", "scripts.bench.cgroup_run", "--limit", cap, "--json",
-               "--", *cmd]
+               *(["--cold"] if cold else []), "--", *cmd]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
     proc.log = log.name
@@ -76,12 +80,21 @@ def one_stream(client, model: str, prompt: str, tokens: int, out: list) -> None:
     out.append({"start": t0, "first": stamps[0], "end": stamps[-1], "tokens": n})
 
 
-def round_of(url: str, k: int, tokens: int) -> dict:
+def read_bytes(pid: int) -> int:
+    """Bytes the process (all its threads) had the device read: /proc/PID/io read_bytes."""
+    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    return 0
+
+
+def round_of(url: str, k: int, tokens: int, pid: int) -> dict:
     import httpx
     import openai
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
     model = client.models.list().data[0].id
     before = httpx.get(url + "/health").json()
+    io0 = read_bytes(pid)
     out: list = []
     threads = [threading.Thread(target=one_stream, args=(client, model, PROMPTS[i % len(PROMPTS)],
                                                          tokens, out)) for i in range(k)]
@@ -92,6 +105,7 @@ def round_of(url: str, k: int, tokens: int) -> dict:
         t.join()
     wall = time.perf_counter() - t0
     after = httpx.get(url + "/health").json()
+    io = read_bytes(pid) - io0
     ttft = sorted(s["first"] - s["start"] for s in out)
     if len(out) < k:
         sys.exit(f"{k - len(out)} of {k} streams failed")
@@ -105,7 +119,8 @@ def round_of(url: str, k: int, tokens: int) -> dict:
             "ttft_p50_s": round(ttft[len(ttft) // 2], 2),
             "ttft_p95_s": round(ttft[min(len(ttft) - 1, int(0.95 * len(ttft)))], 2),
             "streams_per_pass": round((after["decode_rows"] - before["decode_rows"])
-                                      / max(1, passes), 2)}
+                                      / max(1, passes), 2),
+            "mib_read_per_token": round(io / 2**20 / max(1, sum(s["tokens"] for s in out)), 1)}
 
 
 def server_pid(proc, cap) -> int:
@@ -123,15 +138,111 @@ def peak_rss(pid: int) -> int:
     return 0
 
 
-def stop(proc, pid: int, cap) -> None:
-    """SIGTERM the server; under a cap, print cgroup_run's peak and failcnt."""
+def stop(proc, pid: int, cap) -> dict:
+    """SIGTERM the server; under a cap, cgroup_run's peak and failcnt ({} uncapped)."""
     os.kill(pid, signal.SIGTERM)
     proc.wait(120)
-    if cap:
-        res = json.loads(Path(proc.log).read_text().strip().splitlines()[-1])
-        print(json.dumps({"cap": cap, "peak_mib": round(res["peak_bytes"] / 2**20, 1),
-                          "failcnt": res["failcnt"], "oom_kills": res["oom_kills"],
-                          "returncode": res["returncode"]}), flush=True)
+    if not cap:
+        return {}
+    res = json.loads(Path(proc.log).read_text().strip().splitlines()[-1])
+    return {"cap": cap, "peak_mib": round(res["peak_bytes"] / 2**20, 1),
+            "failcnt": res["failcnt"], "oom_kills": res["oom_kills"],
+            "returncode": res["returncode"]}
+
+
+def measure(model: str, args: list, cap, clients: list, tokens: int, cold: bool = False,
+            log=lambda m: None) -> tuple:
+    """([a row per round of clients], the cap's outcome) of one server's life."""
+    proc, url = start_server(model, args, cap, cold)
+    pid = server_pid(proc, cap)
+    rows = []
+    try:
+        round_of(url, 1, 8, pid)                              # warm-up
+        for k in clients:
+            rows.append({**round_of(url, k, tokens, pid), "peak_rss_mib": peak_rss(pid) >> 20})
+            log(json.dumps(rows[-1]))
+    finally:
+        outcome = stop(proc, pid, cap)
+    return rows, outcome
+
+
+MODEL = Path("converted") / "qwen2.5-coder-1.5b-native-cal"    # in the user cache: bench.py's
+SECTION_CLIENTS = [1, 2, 4, 8]
+SECTION_SERVER = dict(parallel=4, ctx=256, threads=2)    # 8 clients: 4 served, 4 queued
+
+
+def serve_rows(cache: Path, caps: list, tokens: int = 64, log=lambda m: None) -> list:
+    """Per cap (None: uncapped; else the server's --dram-budget and its cgroup cap, from a cold
+    page cache) one server's rounds of SECTION_CLIENTS clients: [{cap, cmd, rows, outcome}]."""
+    out = []
+    for cap in caps:
+        args = server_args(budget=cap, **SECTION_SERVER)
+        cmd = " ".join(["flashllm serve", str(cache / MODEL), *args])
+        try:
+            rows, outcome = measure(str(cache / MODEL), args, cap, SECTION_CLIENTS, tokens,
+                                    cold=cap is not None, log=log)
+            out.append({"cap": cap, "cmd": cmd, "rows": rows, "outcome": outcome})
+        except (SystemExit, OSError, RuntimeError) as e:     # a server that did not start
+            out.append({"cap": cap, "cmd": cmd, "rows": [], "outcome": {}, "error": str(e)})
+    return out
+
+
+def serve_table(runs: list) -> list:
+    out = ["| cap | clients | aggregate tok/s | aggregate decode tok/s | × 1 client | per-stream "
+           "decode tok/s | TTFT p50 / p95 (s) | streams a pass | MiB read a token | peak MiB |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for run in runs:
+        cap = run["cap"] or "none"
+        if run.get("error"):
+            out.append(f"| {cap} | – | {run['error'][:100]} | | | | | | | |")
+            continue
+        one = next((r["aggregate_decode_tps"] for r in run["rows"] if r["clients"] == 1), None)
+        peak = run["outcome"].get("peak_mib")
+        for r in run["rows"]:
+            ratio = f"{r['aggregate_decode_tps'] / one:.2f}" if one else "–"
+            out.append(f"| {cap} | {r['clients']} | {r['aggregate_tps']:.2f} | "
+                       f"{r['aggregate_decode_tps']:.2f} | {ratio} | "
+                       f"{r['per_stream_decode_tps']:.2f} | {r['ttft_p50_s']:.2f} / "
+                       f"{r['ttft_p95_s']:.2f} | {r['streams_per_pass']:.2f} | "
+                       f"{r['mib_read_per_token']:.1f} | "
+                       f"{peak if peak is not None else r['peak_rss_mib']} |")
+    return out
+
+
+def serve_section(runs: list, load: tuple) -> str:
+    """The BENCHMARKS.md "## Serving" section of serve_rows' runs, with each server's command."""
+    srv = SECTION_SERVER
+    text = ["## Serving", "",
+            "`flashllm serve` on Qwen2.5-Coder-1.5B (the calibrated native model), "
+            f"`--parallel {srv['parallel']} -c {srv['ctx']} -t {srv['threads']}`; "
+            "scripts/bench/serve.py: after one warm-up request, rounds of 1, 2, 4 and 8 "
+            "concurrent streaming clients (the `openai` client, one thread each), each a "
+            "different short code prompt completed greedily for 64 tokens; 8 clients: 4 served, "
+            "4 queued until a stream frees. Aggregate tok/s: the tokens of all clients / the "
+            "round's wall time; aggregate decode tok/s: the tokens after each stream's first / "
+            "(the last token of any stream - the first of any), and × 1 client its ratio to the "
+            "1-client round; per-stream: each stream's own (tokens - 1) / (last - first), "
+            "averaged; TTFT from the request to its first text; streams a pass: the rows a "
+            "decode pass carried (/health); MiB read a token: the server's device reads in the "
+            "round (/proc/PID/io read_bytes) / the tokens made. A cap: `--dram-budget CAP` and "
+            "the server in a memory cgroup of CAP from a cold page cache "
+            "(scripts/bench/cgroup_run.py), its peak column the group's peak (anonymous memory "
+            "and page cache) over the server's life; uncapped: the process's peak RSS so far. "
+            f"Load average {load[0]} at the start, {load[1]} at the end.", ""]
+    text += serve_table(runs)
+    text += ["", "Commands (from the repository root; a cap's server in "
+             "`python -m scripts.bench.cgroup_run --cold --limit CAP --json --`):", ""]
+    for run in runs:
+        o = run["outcome"]
+        tail = f"; peak {o['peak_mib']} MiB, failcnt {o['failcnt']}, OOM kills " \
+               f"{o['oom_kills']}" if o else ""
+        text.append(f"- cap {run['cap'] or 'none'}: `{run['cmd']}`{tail}")
+    return "\n".join(text) + "\n"
+
+
+def server_args(parallel: int, ctx: int, threads: int, budget=None) -> list:
+    return ["--parallel", str(parallel), "-c", str(ctx), "-t", str(threads), "--queue-size",
+            "64"] + (["--dram-budget", budget] if budget else [])
 
 
 def main() -> None:
@@ -145,18 +256,11 @@ def main() -> None:
     ap.add_argument("--ctx-size", type=int, default=512)
     ap.add_argument("-t", "--threads", type=int, default=2)
     a = ap.parse_args()
-    args = ["--parallel", str(a.parallel), "-c", str(a.ctx_size), "-t", str(a.threads),
-            "--queue-size", "64"] + (["--dram-budget", a.dram_budget] if a.dram_budget else [])
-    proc, url = start_server(a.model, args, a.cap)
-    pid = server_pid(proc, a.cap)
-    try:
-        round_of(url, 1, 8)                                   # warm-up
-        for k in (int(c) for c in a.clients.split(",")):
-            row = round_of(url, k, a.tokens)
-            row.update(budget=a.dram_budget or "none", peak_rss_mib=peak_rss(pid) >> 20)
-            print(json.dumps(row), flush=True)
-    finally:
-        stop(proc, pid, a.cap)
+    args = server_args(a.parallel, a.ctx_size, a.threads, a.dram_budget)
+    rows, outcome = measure(a.model, args, a.cap, [int(c) for c in a.clients.split(",")],
+                            a.tokens, log=lambda m: print(m, flush=True))
+    if outcome:
+        print(json.dumps(outcome), flush=True)
 
 
 if __name__ == "__main__":
