@@ -73,13 +73,13 @@ def test_merge_keeps_other_sections(tmp_path):
 
 def test_benchmarks_md_is_the_reference_not_the_log():
     """BENCHMARKS.md: make bench's sections and the I/O and Quality tables, no dated section (those
-    go to docs/history/), the picture, ≤ 400 lines; a new bench run keeps that (its sections
-    replace theirs, the header is made again)."""
+    go to docs/history/), the picture, ≤ 430 lines (400 before "Serving"); a new bench run keeps
+    that (its sections replace theirs, the header is made again)."""
     path = Path(__file__).resolve().parents[1] / "BENCHMARKS.md"
     again = report.merge(path, report.header(dict.fromkeys(
         ("date", "mode", "load", "machine", "llama_cpp"), "x")), {})
     for text in (path.read_text(encoding="utf-8"), again):
-        assert len(text.splitlines()) <= 400
+        assert len(text.splitlines()) <= 430
         assert re.findall(r"(?m)^## (.*)$", text) == [t[3:] for t in report.MINE] + ["I/O", "Quality"]
         assert not re.search(r"(?m)^#+ .*(session \d|20\d\d-\d\d-\d\d)", text)
         assert report.PICTURE in text
@@ -221,5 +221,5 @@ def test_the_serving_section_sets_each_round_against_one_client():
     lines = [ln for ln in text.splitlines() if ln.startswith("| 560MiB") or
              ln.startswith("| 280MiB")]
     assert [ln.split(" | ")[4] for ln in lines[:2]] == ["1.00", "3.25"]
-    assert lines[0].rstrip(" |").endswith("501.5") and "serve exited with 1" in lines[2]
+    assert lines[0].rstrip(" |").endswith("501.5 / 300") and "serve exited with 1" in lines[2]
     assert text.startswith("## Serving\n") and "peak 501.5 MiB, failcnt 0" in text

@@ -205,7 +205,7 @@ def serve_table(runs: list) -> list:
                        f"{r['per_stream_decode_tps']:.2f} | {r['ttft_p50_s']:.2f} / "
                        f"{r['ttft_p95_s']:.2f} | {r['streams_per_pass']:.2f} | "
                        f"{r['mib_read_per_token']:.1f} | "
-                       f"{peak if peak is not None else r['peak_rss_mib']} |")
+                       f"{'' if peak is None else f'{peak} / '}{r['peak_rss_mib']} |")
     return out
 
 
@@ -226,8 +226,9 @@ def serve_section(runs: list, load: tuple) -> str:
             "decode pass carried (/health); MiB read a token: the server's device reads in the "
             "round (/proc/PID/io read_bytes) / the tokens made. A cap: `--dram-budget CAP` and "
             "the server in a memory cgroup of CAP from a cold page cache "
-            "(scripts/bench/cgroup_run.py), its peak column the group's peak (anonymous memory "
-            "and page cache) over the server's life; uncapped: the process's peak RSS so far. "
+            "(scripts/bench/cgroup_run.py); peak MiB: the group's peak over the server's life "
+            "(anonymous memory and page cache, which the files' buffered reads fill up to the "
+            "cap and the cap reclaims: failcnt), then the process's peak RSS (VmHWM) so far. "
             f"Load average {load[0]} at the start, {load[1]} at the end.", ""]
     text += serve_table(runs)
     text += ["", "Commands (from the repository root; a cap's server in "
