@@ -1,7 +1,7 @@
-/* q0pack.c — Q8_0 and Q5_0 matrices repacked 16 rows at a time for the matmul of resident
+/* q0pack.c — Q8_0, Q5_0 and Q4_0 matrices repacked 16 rows at a time for the matmul of resident
  * weights (pack.c dispatches; q4kpack.c's idea: one broadcast of 4 activation bytes meets 4
  * values of 16 rows, one row per int32 lane). Qwen2.5-Coder-0.5B's output head is Q8_0, its
- * attention and gate / up rows Q5_0. The packed group is exactly as large as its rows, so it
+ * attention and gate / up rows Q5_0; a Q4_0 mixture of experts' expert rows Q4_0. The packed group is exactly as large as its rows, so it
  * packs in place. AVX-512 VNNI (16 rows a zmm) and AVX2 (8 rows a ymm: each 64-byte vector
  * below is two, rows 0..7 and 8..15) read the same layout.
  *
@@ -14,10 +14,13 @@
  *        (lo) and 16 + 4k + i (hi) of row r, k < 4, i < 4: vector k at 64 k holds lo | (hi & 7)
  *        << 5 at 4 r + i; [256, 320) holds hi >> 3 of every k at bits 2k, 2k+1 of byte 4 r + i;
  *        16 x 22 bytes a block. lo is one AND away, hi a shift and AND of each part and an OR.
+ *   q4_0 (VB 256 = 16 x 16): vector k < 4 at 64 k holds the row's bytes qs[4k .. 4k+3] at 4 r:
+ *        values 4k + i in their low nibbles, 16 + 4k + i in their high ones (u = w + 8);
+ *        16 x 18 bytes a block.
  * Per block and token the 16 rows' exact integer dots with the int8 activations, then one
  * convert and FMA by d_w d_x (fl_matmul's block sums; it adds the blocks in another order, so the
  * bits may differ). The weight side of vpdpbusd / vpmaddubsw is unsigned: q5_0's 5-bit value
- * (w + 16; the xq correction lanes carry -16 sum(q), fli_xq_quantize); q8_0 w ^ 0x80 = w + 128
+ * (w + 16; the xq correction lanes carry -16 sum(q), fli_xq_quantize), q4_0's nibble (w + 8, -8 sum(q)); q8_0 w ^ 0x80 = w + 128
  * against -128 sum(q) under AVX-512 VNNI, |w| against sign(q, w) under AVX2 (no offset, so its
  * sums start from 0 whatever the correction lanes hold).
  */
@@ -48,7 +51,7 @@ static size_t value_bytes(int32_t dtype) {
 
 size_t fli_q0_group_bytes(int32_t dtype, int64_t cols) {
 #if defined(Q0_SIMD)
-    if ((dtype == FL_Q8_0 || dtype == FL_Q5_0) && cols > 0 && cols % FL_QK == 0)
+    if ((dtype == FL_Q8_0 || dtype == FL_Q5_0 || dtype == FL_Q4_0) && cols > 0 && cols % FL_QK == 0)
         return (size_t)(cols / FL_QK) * (32 + value_bytes(dtype));
 #endif
     (void)dtype, (void)cols;
@@ -61,8 +64,9 @@ static void pack_block(int32_t dtype, const uint8_t *src, size_t rb, uint8_t *d,
     for (int r = 0; r < Q0_R; r++) {
         const uint8_t *blk = src + (size_t)r * rb;
         memcpy(d + 2 * r, blk, 2);
-        if (dtype == FL_Q8_0) {
-            for (int k = 0; k < 8; k++) memcpy(v + 64 * k + 4 * r, blk + 2 + 4 * k, 4);
+        if (dtype == FL_Q8_0 || dtype == FL_Q4_0) {
+            for (int k = 0; k < (dtype == FL_Q8_0 ? 8 : 4); k++)
+                memcpy(v + 64 * k + 4 * r, blk + 2 + 4 * k, 4);
             continue;
         }
         const uint32_t qh = fli_q5_qh(dtype, blk);
@@ -96,6 +100,11 @@ static inline vi v_bits5(vi a, vi hb, int k, int hi) {
     const __m512i top = k < 2 ? _mm512_slli_epi16(hb, 3 - 2 * k) : _mm512_srli_epi16(hb, 2 * k - 3);
     return _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(a, 5), _mm512_set1_epi8(0x07)),
                            _mm512_and_si512(top, _mm512_set1_epi8(0x18)));
+}
+
+/* q4_0's unsigned values of vector a: its low nibbles, or its high ones */
+static inline vi v_nib(vi a, int hi) {
+    return _mm512_and_si512(hi ? _mm512_srli_epi16(a, 4) : a, _mm512_set1_epi8(0x0F));
 }
 
 /* acc + per row the dots of unsigned bytes a, b with the 4 int8 at qa, qb */
@@ -147,6 +156,12 @@ static inline vi v_bits5(vi a, vi hb, int k, int hi) {
         u.h[i] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a.h[i], 5), _mm256_set1_epi8(0x07)),
                                  _mm256_and_si256(top, _mm256_set1_epi8(0x18)));
     }
+    return u;
+}
+static inline vi v_nib(vi a, int hi) {
+    vi u;
+    for (int i = 0; i < 2; i++)
+        u.h[i] = _mm256_and_si256(hi ? _mm256_srli_epi16(a.h[i], 4) : a.h[i], _mm256_set1_epi8(0x0F));
     return u;
 }
 /* unsigned a, b < 32: the int16 pairs of both add up without saturating (4 x 31 x 127 < 2^15) */
@@ -209,18 +224,33 @@ static inline __attribute__((always_inline)) void dots_q5(const uint8_t *v, cons
     }
 }
 
+static inline __attribute__((always_inline)) void dots_q4(const uint8_t *v, const int8_t *const *q,
+                                                          int NT, vi acc[4][Q0_CHAINS]) {
+    for (int k = 0; k < 4; k++) {
+        const vi a = v_load(v + 64 * k);
+        const vi lo = v_nib(a, 0), hi = v_nib(a, 1);
+        for (int t = 0; t < NT; t++) {
+            vi *c = &acc[t][k % Q0_CHAINS];
+            *c = v_dot_u2(*c, lo, q[t] + 4 * k, hi, q[t] + 16 + 4 * k);
+        }
+    }
+}
+
 typedef struct {  // the token side (fli_xq_bytes layout)
     const int8_t *q;      // (n)
     const float *d;       // (nb, FL_XQ_LANES) scales, lane 0 read
     const int32_t *corr;  // (nb, FL_XQ_LANES) -bias * sum(q), lane 0 read
 } tok0;
 
-/* y[t * ld + r] (+ bias) for the 16 rows r of group gp (n values) and NT tokens */
-static inline __attribute__((always_inline)) void group0(int Q8, const uint8_t *gp, int64_t n,
+/* y[t * ld + r] (+ bias) for the 16 rows r of group gp (n values) and NT tokens; K: the dtype
+ * (Q0_Q5, Q0_Q8, Q0_Q4) */
+enum { Q0_Q5, Q0_Q8, Q0_Q4 };
+static inline __attribute__((always_inline)) void group0(int K, const uint8_t *gp, int64_t n,
                                                          const tok0 *x, int NT, float *y,
                                                          int64_t ld, const float *bias) {
     const int64_t nb = n / FL_QK;
-    const size_t vb = Q8 ? 16 * 32 : 16 * 20;
+    const int Q8 = K == Q0_Q8;
+    const size_t vb = Q8 ? 16 * 32 : K == Q0_Q4 ? 16 * 16 : 16 * 20;
     const uint8_t *vals = gp + 32 * nb;
     vf out[4];
     for (int t = 0; t < NT; t++) out[t] = v_fzero();
@@ -236,6 +266,8 @@ static inline __attribute__((always_inline)) void group0(int Q8, const uint8_t *
         }
         if (Q8)
             dots_q8(v, q, NT, acc);
+        else if (K == Q0_Q4)
+            dots_q4(v, q, NT, acc);
         else
             dots_q5(v, q, NT, acc);
         for (int t = 0; t < NT; t++) {
@@ -246,7 +278,10 @@ static inline __attribute__((always_inline)) void group0(int Q8, const uint8_t *
     for (int t = 0; t < NT; t++) v_store(y + t * ld, out[t], bias);
 }
 
-#define GROUP0(NT) (q8 ? group0(1, gp, n, x, NT, y, ld, bias) : group0(0, gp, n, x, NT, y, ld, bias))
+#define GROUP0(NT)                                                                             \
+    (k == Q0_Q8   ? group0(Q0_Q8, gp, n, x, NT, y, ld, bias)                                   \
+     : k == Q0_Q4 ? group0(Q0_Q4, gp, n, x, NT, y, ld, bias)                                   \
+                  : group0(Q0_Q5, gp, n, x, NT, y, ld, bias))
 #endif
 
 void fli_q0_group(int32_t dtype, const uint8_t *gp, int64_t n, const uint8_t *xq, size_t xb,
@@ -260,7 +295,7 @@ void fli_q0_group(int32_t dtype, const uint8_t *gp, int64_t n, const uint8_t *xq
         x[t].d = (const float *)(xt + n);
         x[t].corr = (const int32_t *)(x[t].d + nb * FL_XQ_LANES);
     }
-    const int q8 = dtype == FL_Q8_0;
+    const int k = dtype == FL_Q8_0 ? Q0_Q8 : dtype == FL_Q4_0 ? Q0_Q4 : Q0_Q5;
     switch (NT) {
     case 1: GROUP0(1); break;
     case 2: GROUP0(2); break;

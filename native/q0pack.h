@@ -1,4 +1,4 @@
-/* q0pack.h — the packed layout of 16 q8_0 or q5_0 rows and its kernel (q0pack.c; AVX-512 VNNI
+/* q0pack.h — the packed layout of 16 q8_0, q5_0 or q4_0 rows and its kernel (q0pack.c; AVX-512 VNNI
  * or AVX2 builds, else 0 bytes), as q4kpack.h's for these dtypes (the dtype an argument).
  * Reached by dtype through the traits table (traits.h). Internal: not seen by cffi. */
 #ifndef FLASHLLM_Q0PACK_H

@@ -83,6 +83,7 @@ QK_TILE(q2k, fli_q2k_tile)
 QK_TILE(q6k, fli_q6k_tile)
 Q0_PACK(q8_0, FL_Q8_0)
 Q0_PACK(q5_0, FL_Q5_0)
+Q0_PACK(q4_0, FL_Q4_0)
 
 #if defined(FLI_Q4K_TILEN)
 #define Q4K_PANEL 0 /* AVX2: q4_k's integer tiles beat its expanded panels */
@@ -108,7 +109,8 @@ const fli_traits fli_type_traits[FLI_N_DTYPES] = {
                 .dot = fli_f16_dot, .axpy = fli_f16_axpy, .axpy4 = fli_f16_axpy4},
     [FL_Q8_0] = {BLOCK32(q8_0), .group_bytes = q8_0_group_bytes,
                  .pack_group = q8_0_pack_group, .group = q8_0_group},
-    [FL_Q4_0] = {BLOCK32(q4_0)},
+    [FL_Q4_0] = {BLOCK32(q4_0), .group_bytes = q4_0_group_bytes,
+                 .pack_group = q4_0_pack_group, .group = q4_0_group},
     [FL_Q4_1] = {BLOCK32(q4_1)},
     [FL_Q5_0] = {BLOCK32(q5_0), .group_bytes = q5_0_group_bytes,
                  .pack_group = q5_0_pack_group, .group = q5_0_group},

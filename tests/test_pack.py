@@ -1,7 +1,7 @@
-"""Resident q4_k, q6_k, q8_0 and q5_0 weights repacked 16 rows at a time (native/pack.c and the
+"""Resident q4_k, q6_k, q8_0, q5_0 and q4_0 weights repacked 16 rows at a time (native/pack.c and the
 layouts of q4kpack.c, q6kpack.c, q0pack.c; kernel.pack): the packed matmul against gguf-py's
 dequantization of the same bytes, on activations rounded to int8 as the kernel rounds them (per
-256 values for the k-quants: llama.cpp's q8_K; per 32 for q8_0 / q5_0: its q8_0), up to f32
+256 values for the k-quants: llama.cpp's q8_K; per 32 for q8_0 / q5_0 / q4_0: its q8_0), up to f32
 sums; and against the unpacked matmul of the same weight."""
 import numpy as np
 import pytest
@@ -17,10 +17,10 @@ from test_down_rows import int8
 ROWS, COLS = 48, 512
 
 # bytes of 256 values of 16 packed rows: q4_k +2.8% over 16 x 144 (scales unpacked); q6_k, q8_0,
-# q5_0 the rows' own 16 x 210, 16 x 8 x 34, 16 x 8 x 22
-GROUP_SB = {"q4_k": 2368, "q6_k": 3360, "q8_0": 4352, "q5_0": 2816}
-TYPES = {"q4_k": Q.Q4_K, "q6_k": Q.Q6_K, "q8_0": Q.Q8_0, "q5_0": Q.Q5_0}
-BLOCK = {Q.Q8_0: 34, Q.Q5_0: 22}          # bytes of a block of 32 (f16 d first)
+# q5_0, q4_0 the rows' own 16 x 210, 16 x 8 x 34, 16 x 8 x 22, 16 x 8 x 18
+GROUP_SB = {"q4_k": 2368, "q6_k": 3360, "q8_0": 4352, "q5_0": 2816, "q4_0": 2304}
+TYPES = {"q4_k": Q.Q4_K, "q6_k": Q.Q6_K, "q8_0": Q.Q8_0, "q5_0": Q.Q5_0, "q4_0": Q.Q4_0}
+BLOCK = {Q.Q8_0: 34, Q.Q5_0: 22, Q.Q4_0: 18}   # bytes of a block of 32 (f16 d first)
 
 
 def rows_of(rng, qtype, rows: int, cols: int) -> np.ndarray:
@@ -93,8 +93,8 @@ def test_an_odd_number_of_blocks(name, T, threads):
 def test_shapes_without_a_packed_layout_are_refused():
     other = QTensor(np.zeros((20, 144), np.uint8), "q4_k", 20, 256)        # rows not 16k
     assert kernel.pack(other) is None
-    for name, bb in (("q8_0", 34), ("q5_0", 22), ("q4_0", 18)):            # q4_0: no layout
-        rows = 20 if name != "q4_0" else 16
+    for name, bb in (("q8_0", 34), ("q5_0", 22), ("q4_0", 18), ("q4_1", 20)):  # q4_1: no layout
+        rows = 20 if name != "q4_1" else 16
         assert kernel.pack(QTensor(np.zeros((rows, bb * 8), np.uint8), name, rows, 256)) is None
 
 
@@ -106,9 +106,9 @@ def test_a_packed_weight_has_no_exact_path(weight):
         kernel.matmul(p, np.zeros((1, COLS), np.float32), exact=True)
 
 
-@pytest.mark.parametrize("name", ["q6_k", "q8_0", "q5_0"])
+@pytest.mark.parametrize("name", ["q6_k", "q8_0", "q5_0", "q4_0"])
 def test_packs_in_place_to_the_same_bytes(name):
-    """A q6_k, q8_0 or q5_0 layout is as large as its rows: packed over them (no second copy of a
+    """A q6_k, q8_0, q5_0 or q4_0 layout is as large as its rows: packed over them (no second copy of a
     large head), it is the layout a separate array gets, and w's array now holds it."""
     data = rows_of(np.random.default_rng(9), TYPES[name], ROWS, COLS)      # (ROWS, row bytes)
     apart = kernel.pack(QTensor(data.copy(), name, ROWS, COLS))

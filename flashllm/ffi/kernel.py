@@ -103,8 +103,8 @@ def packed_nbytes(dtype: str, rows: int, cols: int) -> int:
 
 def pack(w: QTensor, in_place: bool = False) -> PackedTensor | None:
     """w repacked for this build's resident matmul (fl_pack: q4_k and q6_k rows 16 at a time
-    under AVX-512 VNNI, q8_0 and q5_0 under AVX-512 VNNI or AVX2), or None when the build or w
-    has no packed layout (use w as it is). in_place: a layout of w's own size (q6_k, q8_0, q5_0)
+    under AVX-512 VNNI, q8_0, q5_0 and q4_0 under AVX-512 VNNI or AVX2), or None when the build or w
+    has no packed layout (use w as it is). in_place: a layout of w's own size (q6_k, q8_0, q5_0, q4_0)
     is written over w's bytes (w is then spent), so packing a large matrix takes no second
     copy; other layouts get a new array."""
     k = _native()
