@@ -52,6 +52,11 @@ def _experts(cfg: dict) -> str:
     return f" × {cfg['n_experts']} experts (top {cfg['n_experts_used']}){shared}"
 
 
+def _ffn_kind(ffn: dict) -> str:
+    """'bundles', or for experts stored as their source's rows 'expert rows'."""
+    return "expert rows" if ffn.get("expert_rows") else "bundles"
+
+
 def summary_table(s: dict) -> Table:
     """Two columns, field and value, for `flashllm inspect`."""
     cfg = s["config"]
@@ -63,7 +68,7 @@ def summary_table(s: dict) -> Table:
                   + _experts(cfg) + ", "
                   f"{cfg['n_heads']}/{cfg['n_kv_heads']} heads × {cfg['head_dim']}, vocab {cfg['vocab_size']}, "
                   f"context {cfg['context_length']}"),
-        ("ffn", f"{s['ffn']['dtype']} bundles [{' | '.join(s['ffn']['parts'])}] (down "
+        ("ffn", f"{s['ffn']['dtype']} {_ffn_kind(s['ffn'])} [{' | '.join(s['ffn']['parts'])}] (down "
                 f"{_counted(s['ffn']['down_dtype'])}) of {_bytes_of(s['ffn']['bundle_bytes'])} B, "
                 f"{s['ffn']['bundles']} bundles, {format_size(s['ffn']['nbytes'])}"
                 + (", hot-first order" if s["ffn"]["hot_first_order"] else "")),

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from flashllm.convert import head_sketch, native
+from flashllm.convert import head_sketch, native, native_moe
 from flashllm.convert.merges import compact_merges
 from flashllm.format.layout import (NATIVE, SKETCH_NAMES, ffn_parts, ffn_weight,
                                     required_tensors)
@@ -53,12 +53,16 @@ def convert_source(source, out: Path, dtype: str, *, force: bool = False,
                           "q4_0 or q8_0)")
     if dtype == "q4_k":
         _check_q4_k(source, ffn)
-    plan = native.plan(source, ffn, step_up) if dtype == NATIVE else None
+    plan = None
+    if dtype == NATIVE:
+        plan = native_moe.plan_experts(source, ffn) if cfg.n_experts else \
+            native.plan(source, ffn, step_up)
     nbytes = {n: source.tensor_nbytes(n) for n in source.tensor_names()}   # as the source stores them
     total, done = sum(nbytes.values()), 0
     tick = progress or (lambda done, total: None)
     with FlashWriter(out, cfg, dtype, force=force, source=description,
-                     ffn_dtypes=plan and (plan.ffn_dtype, list(plan.down_dtypes))) as w:
+                     ffn_dtypes=plan and (plan.ffn_dtype, list(plan.down_dtypes)),
+                     expert_rows=bool(plan and cfg.n_experts)) as w:
         text, merges = compact_merges(source.tokenizer_json) \
             if source.tokenizer_json is not None else (None, None)
         w.set_tokenizer(text, source.chat_template, merges)
@@ -71,7 +75,9 @@ def convert_source(source, out: Path, dtype: str, *, force: bool = False,
                           *source.tensor_shape(head))
         for layer in range(cfg.n_layers):
             groups = ffn[layer]
-            if cfg.n_experts:
+            if cfg.n_experts and plan:
+                native_moe.write_expert_layer(w, source, layer, groups, plan)
+            elif cfg.n_experts:
                 _write_experts(source, w, layer, groups)
             elif plan:
                 native.write_ffn_layer(w, source, layer, groups[""], plan)

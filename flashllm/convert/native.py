@@ -27,7 +27,7 @@ import numpy as np
 
 from flashllm.errors import SourceError
 from flashllm.ffi.quant import dequantize_rows, quantize_rows
-from flashllm.format.layout import NATIVE, SKETCH, fits
+from flashllm.format.layout import EXPERT_ROWS, NATIVE, SKETCH, fits
 from flashllm.model.tensor import FROM_GGML, QTensor
 
 FALLBACK = "q8_0"     # the down columns, and what any type the kernel lacks becomes
@@ -56,17 +56,19 @@ def down_column(stored: str, d_model: int, step_up: bool = False) -> str:
     return FALLBACK if fits(FALLBACK, d_model) else "f16"
 
 
-def plan(source, ffn: list[dict[str, dict[str, str]]], step_up: bool = False) -> NativePlan:
-    """The FFN dtypes of a native conversion of source (ffn: per layer {group: {part: tensor
-    name}}, group "" a dense FFN's). A mixture of experts' FFN is re-quantized to q8_0 (its
-    expert tensors are written one expert at a time from f32). step_up: k-quant down columns
-    one type finer than the source's (down_column)."""
+def check_source(source) -> None:
+    """SourceError unless source stores its own types (a GGUF)."""
     if not source.stores_blocks:
         raise SourceError(f"{source.path}: a native conversion keeps a GGUF's own types; this "
                           "source has none (choose --dtype)")
+
+
+def plan(source, ffn: list[dict[str, dict[str, str]]], step_up: bool = False) -> NativePlan:
+    """The FFN dtypes of a native conversion of source (ffn: per layer {"": {part: tensor
+    name}}; a mixture of experts': convert/native_moe.py). step_up: k-quant down columns one
+    type finer than the source's (down_column)."""
+    check_source(source)
     d = source.config.d_model
-    if source.config.n_experts:
-        return NativePlan(FALLBACK, False, (FALLBACK,) * source.config.n_layers)
     stored = [source.stored_type(g[""]["down"]) for g in ffn]
     types = {source.stored_type(n) for groups in ffn for p, n in groups[""].items() if p != "down"}
     dt = FROM_GGML.get(types.pop()) if len(types) == 1 else None
@@ -190,7 +192,8 @@ def outdated(manifest: dict) -> str | None:
     if not any(t["name"] == SKETCH for t in manifest["dense"]["tensors"]):
         return "it has no output head sketch"
     if manifest["config"].get("n_experts"):
-        return None
+        return None if manifest["ffn"].get("experts") == EXPERT_ROWS else \
+            "its experts are re-quantized q8_0 bundles; this flashllm keeps the GGUF's own rows"
     d = manifest["config"]["d_model"]
     stored = [(e.get("origin") or {}).get("down", {}).get("from") for e in manifest["ffn"]["layers"]]
     if "down_rows" not in manifest and keeps_rows(stored, manifest["config"]["n_ff"]):

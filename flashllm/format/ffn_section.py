@@ -12,9 +12,9 @@ import numpy as np
 from flashllm.errors import FormatError
 from flashllm.format.checks import file_size as _file_size, get as _get, nat as _nat, \
     side_file as _side_file
-from flashllm.format.layout import (DTYPE_CODES, FFN_ALIGN, FFN_HEADER, FFN_MAGIC, FORMAT_VERSION,
-                                    MANIFEST_FILE, STRIDE_ALIGN, align_up, ffn_part_bytes,
-                                    ffn_parts, fits)
+from flashllm.format.layout import (DTYPE_CODES, EXPERT_ROWS, FFN_ALIGN, FFN_HEADER, FFN_MAGIC,
+                                    MANIFEST_FILE, STRIDE_ALIGN, align_up, expert_rows_version,
+                                    ffn_part_bytes, ffn_parts, fits)
 from flashllm.model.config import ModelConfig
 from flashllm.model.tensor import DOWN_DTYPES, companion, row_bytes
 
@@ -34,7 +34,10 @@ class FfnLayout:
     neuron_order: np.ndarray | None   # (n_layers, n_ff) int32, slot j holds neuron order[l, j]; None: j
     down_dtype: str                   # the manifest's down dtype (companion(dtype) in older folders)
     strides: tuple[int, ...]          # per layer: bytes per bundle slot (parts + padding)
-    down_dtypes: tuple[str, ...]      # per layer: the down column's dtype
+    down_dtypes: tuple[str, ...]      # per layer: the down column's dtype (with expert_rows:
+                                      # the down rows')
+    expert_rows: bool = False         # each expert's slots hold its gate, up and down rows as
+                                      # the source stores them (EXPERT_ROWS), not bundles
 
     @property
     def down_offset(self) -> int:
@@ -56,8 +59,9 @@ def check_ffn(path: Path, m: dict, cfg: ModelConfig) -> FfnLayout:
     and header and the neuron order file: its FfnLayout."""
     where, f = f"{path / MANIFEST_FILE} ffn", m["ffn"]
     dtype = _get(f, "dtype", str, where)
+    rows = _expert_rows(f, m, cfg, where)
     down = f.get("down_dtype", companion(dtype) if dtype in DTYPE_CODES else dtype)
-    if not fits(dtype, cfg.d_model) or down not in DOWN_DTYPES or not fits(down, cfg.d_model):
+    if not fits(dtype, cfg.d_model) or not _down_fits(down, cfg, rows):
         raise FormatError(f"{where}: dtype {dtype!r} / down_dtype {down!r} cannot store rows of "
                           f"d_model={cfg.d_model}")
     want = {"glu": cfg.glu, "d_model": cfg.d_model, "n_ff": cfg.ffn_slots, "n_layers": cfg.n_layers,
@@ -71,7 +75,7 @@ def check_ffn(path: Path, m: dict, cfg: ModelConfig) -> FfnLayout:
     layers = _get(f, "layers", list, where)
     if len(layers) != cfg.n_layers:
         raise FormatError(f"{where}: {len(layers)} layers listed, the config has {cfg.n_layers}")
-    strides, downs = _layer_strides(layers, cfg, dtype, (stride, layer_bytes, down), where)
+    strides, downs = _layer_strides(layers, cfg, dtype, (stride, layer_bytes, down), where, rows)
     offsets = [_nat(e, "offset", f"{where}.layers[{i}]") for i, e in enumerate(layers)]
     crcs = [_nat(e, "crc32", f"{where}.layers[{i}]") for i, e in enumerate(layers)]
     end = FFN_ALIGN
@@ -83,13 +87,37 @@ def check_ffn(path: Path, m: dict, cfg: ModelConfig) -> FfnLayout:
                               f"outside {file.name} ({size} bytes)")
         end = off + region
     _check_ffn_header(file, size, (DTYPE_CODES[dtype], int(cfg.glu), cfg.n_layers,
-                      cfg.d_model, cfg.ffn_slots, want["part_bytes"], stride, layer_bytes, size))
+                      cfg.d_model, cfg.ffn_slots, want["part_bytes"], stride, layer_bytes, size),
+                      m["format_version"])
     return FfnLayout(file, dtype, cfg.glu, cfg.d_model, cfg.ffn_slots, want["part_bytes"], stride,
                      offsets, crcs, _read_order(path, f.get("neuron_order"), cfg), down,
-                     tuple(strides), tuple(downs))
+                     tuple(strides), tuple(downs), rows)
 
 
-def _layer_strides(layers: list, cfg: ModelConfig, dtype: str, top: tuple, where: str):
+def _expert_rows(f: dict, m: dict, cfg: ModelConfig, where: str) -> bool:
+    """Whether the section holds experts as rows (`experts`: "rows"; absent: bundles), which
+    needs a mixture of experts without a neuron order, and the format version that says so."""
+    rows = f.get("experts") == EXPERT_ROWS
+    if "experts" in f and (not rows or not cfg.n_experts or f.get("neuron_order")):
+        raise FormatError(f"{where}: experts={f['experts']!r} needs a mixture of experts without "
+                          f"a neuron order (and is {EXPERT_ROWS!r} or absent)")
+    if m.get("format_version") != expert_rows_version(rows):
+        raise FormatError(f"{where}: format version {m.get('format_version')} "
+                          f"{'with' if rows else 'without'} expert rows")
+    return rows
+
+
+def _down_fits(down: str, cfg: ModelConfig, rows: bool) -> bool:
+    """Whether the down part can be `down`: a bundle's column of d_model values, or with expert
+    rows also rows of n_ff (and n_ff_shared) values."""
+    if not rows:
+        return down in DOWN_DTYPES and fits(down, cfg.d_model)
+    return fits(down, cfg.d_model) and fits(down, cfg.n_ff) and \
+        (not cfg.n_ff_shared or fits(down, cfg.n_ff_shared))
+
+
+def _layer_strides(layers: list, cfg: ModelConfig, dtype: str, top: tuple, where: str,
+                   rows: bool = False):
     """([stride], [down dtype]) per layer: a layer entry's own `stride` / `down_dtype`, else the
     section's (top: stride, layer_bytes, down_dtype). The widest stride is the section's."""
     stride, layer_bytes, down = top
@@ -99,7 +127,7 @@ def _layer_strides(layers: list, cfg: ModelConfig, dtype: str, top: tuple, where
         s = _nat(e, "stride", w) if "stride" in e else stride
         dd = _get(e, "down_dtype", str, w) if "down_dtype" in e else down
         used = sum(ffn_part_bytes(dtype, cfg.d_model, cfg.glu, dd)) \
-            if dd in DOWN_DTYPES and fits(dd, cfg.d_model) else None
+            if _down_fits(dd, cfg, rows) else None
         if used is None or s < used or s % STRIDE_ALIGN or s > stride:
             raise FormatError(f"{w}: stride {s} / down_dtype {dd!r} do not fit a bundle of "
                               f"d_model={cfg.d_model} (the widest stride is {stride})")
@@ -111,7 +139,7 @@ def _layer_strides(layers: list, cfg: ModelConfig, dtype: str, top: tuple, where
     return strides, downs
 
 
-def _check_ffn_header(file: Path, size: int, want: tuple) -> None:
+def _check_ffn_header(file: Path, size: int, want: tuple, format_version: int) -> None:
     _file_size(file, size)
     with open(file, "rb") as fh:
         raw = fh.read(FFN_HEADER.size)
@@ -120,8 +148,8 @@ def _check_ffn_header(file: Path, size: int, want: tuple) -> None:
     magic, version, header_bytes, *fields = FFN_HEADER.unpack(raw)
     if magic != FFN_MAGIC:
         raise FormatError(f"{file}: bad magic {magic!r} (not a flashllm FFN section)")
-    if version != FORMAT_VERSION:
-        raise FormatError(f"{file}: format version {version}, this flashllm reads {FORMAT_VERSION}")
+    if version != format_version:
+        raise FormatError(f"{file}: format version {version}, the manifest's is {format_version}")
     if header_bytes != FFN_ALIGN or tuple(fields) != want:
         raise FormatError(f"{file}: header {tuple(fields)} does not match the manifest {want}")
 

@@ -20,6 +20,13 @@ MAGIC = "flashllm"
 # FFN's in ffn.dtype / ffn.down_dtype)
 NATIVE = "native"
 FORMAT_VERSION = 1
+# a folder whose mixture-of-experts layers hold each expert as its source's rows (EXPERT_ROWS,
+# below): an older reader must refuse it rather than read its experts as bundles
+EXPERT_ROWS_VERSION = 2
+READ_VERSIONS = (FORMAT_VERSION, EXPERT_ROWS_VERSION)
+# ffn.experts of a native MoE conversion: an expert's n_ff slots hold its gate rows, its up rows,
+# then its down rows (d_model rows of n_ff values), each as the GGUF stores them
+EXPERT_ROWS = "rows"
 MANIFEST_FILE = "manifest.json"
 DENSE_FILE = "dense.bin"
 FFN_FILE = "ffn.bin"
@@ -113,6 +120,18 @@ def ffn_part_bytes(dtype: str, d_model: int, glu: bool,
 def ffn_stride(dtype: str, d_model: int, glu: bool, down_dtype: str | None = None) -> int:
     """Bytes of one bundle slot: the parts back to back, rounded up to STRIDE_ALIGN."""
     return align_up(sum(ffn_part_bytes(dtype, d_model, glu, down_dtype)), STRIDE_ALIGN)
+
+
+def expert_rows_version(expert_rows: bool) -> int:
+    """The format version of a folder with (or without) expert rows."""
+    return EXPERT_ROWS_VERSION if expert_rows else FORMAT_VERSION
+
+
+def expert_spans(dtype: str, down_dtype: str, d_model: int, n: int) -> tuple[int, int, int]:
+    """(gate rows, up rows, down rows) bytes of an expert of n neurons stored as rows
+    (EXPERT_ROWS): n rows of d_model values each for gate and up, d_model rows of n for down."""
+    return n * row_bytes(dtype, d_model), n * row_bytes(dtype, d_model), \
+        d_model * row_bytes(down_dtype, n)
 
 
 def layer_strides(ffn: dict) -> list[int]:

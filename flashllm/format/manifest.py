@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Iterator
 
 from flashllm.errors import FormatError
-from flashllm.format.layout import FORMAT_VERSION, MAGIC, MANIFEST_FILE
+from flashllm.format.layout import (EXPERT_ROWS, MAGIC, MANIFEST_FILE, READ_VERSIONS,
+                                    expert_rows_version)
 
 SECTIONS = ("config", "dense", "ffn", "tokenizer", "sparsity", "predictor")   # JSON objects
 
@@ -78,10 +79,14 @@ def parse_manifest(m, path: Path) -> Manifest:
     """m, a manifest's JSON object, validated: its magic, version and sections."""
     if not isinstance(m, dict) or m.get("magic") != MAGIC:
         raise FormatError(f"{path}: bad magic (not a flashllm manifest)")
-    if m.get("format_version") != FORMAT_VERSION:
+    if m.get("format_version") not in READ_VERSIONS:
         raise FormatError(f"{path}: format version {m.get('format_version')!r}, "
-                          f"this flashllm reads version {FORMAT_VERSION}")
+                          f"this flashllm reads versions {', '.join(map(str, READ_VERSIONS))}")
     for key in SECTIONS:
         if not isinstance(m.get(key), dict):
             raise FormatError(f"{path}: field {key!r} missing or not dict")
+    rows = m["ffn"].get("experts") == EXPERT_ROWS
+    if m["format_version"] != expert_rows_version(rows):
+        raise FormatError(f"{path}: format version {m['format_version']} "
+                          f"{'with' if rows else 'without'} expert rows")
     return Manifest(m, path)

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from flashllm.format.layout import (NATIVE, DENSE_FILE, DENSE_HEADER, DENSE_MAGIC, DTYPE_CODES,
-                                    FFN_FILE, FORMAT_VERSION, MANIFEST_FILE, MERGES_FORMS,
+                                    FFN_FILE, MANIFEST_FILE, MERGES_FORMS,
                                     crc32_file, fits, ffn_weight, required_tensors, tensor_nbytes)
 from flashllm.format.checks import check_down_rows, file_size as _file_size, get as _get, nat as _nat, \
     side_file as _side_file
@@ -249,8 +249,8 @@ def _check_dense_header(file: Path, m: dict, tensors: dict[str, dict]) -> None:
     magic, version, header_bytes, n_tensors, file_bytes = DENSE_HEADER.unpack(raw)
     if magic != DENSE_MAGIC:
         raise FormatError(f"{file}: bad magic {magic!r} (not a flashllm dense section)")
-    if version != FORMAT_VERSION:
-        raise FormatError(f"{file}: format version {version}, this flashllm reads {FORMAT_VERSION}")
+    if version != m["format_version"]:
+        raise FormatError(f"{file}: format version {version}, the manifest's is {m['format_version']}")
     size = m["dense"]["nbytes"]
     if (n_tensors, file_bytes) != (len(tensors), size) or header_bytes < DENSE_HEADER.size:
         raise FormatError(f"{file}: header ({n_tensors} tensors, {file_bytes} bytes) does not match "

@@ -19,9 +19,10 @@ import numpy as np
 from flashllm import __version__
 from flashllm.format.files import check_target, fsync_dir, install, sweep_leftovers, sync_close, why
 from flashllm.format.layout import (NATIVE, DENSE_ALIGN, DENSE_FILE, DENSE_HEADER, DENSE_MAGIC, DTYPE_CODES,
-                            DOWN_ALIGN, DOWN_FILE, FFN_ALIGN, FFN_FILE, FFN_HEADER, FFN_MAGIC, FORMAT_VERSION, MAGIC,
+                            DOWN_ALIGN, DOWN_FILE, FFN_ALIGN, FFN_FILE, FFN_HEADER, FFN_MAGIC, EXPERT_ROWS, MAGIC,
                             MANIFEST_FILE, ORDER_FILE, TOKENIZER_FILE, align_up, crc32_array,
-                            ffn_part_bytes, ffn_part_dtypes, ffn_parts, ffn_stride, ffn_weight,
+                            expert_rows_version, ffn_part_bytes, ffn_part_dtypes, ffn_parts, ffn_stride,
+                            ffn_weight,
                             fits, required_tensors, tensor_dtype)
 from flashllm.model.config import ModelConfig
 from flashllm.errors import FormatError
@@ -43,11 +44,13 @@ class FlashWriter:
 
     def __init__(self, out: Path, config: ModelConfig, dtype: str, *, force: bool = False,
                  source: dict | None = None,
-                 ffn_dtypes: tuple[str, str | list[str]] | None = None) -> None:
+                 ffn_dtypes: tuple[str, str | list[str]] | None = None,
+                 expert_rows: bool = False) -> None:
         """dtype: the conversion's (a storage dtype, or NATIVE: every 2-D tensor comes as a
         QTensor); ffn_dtypes: (gate / up, down) of the bundles, by default (dtype,
         companion(dtype)); down may be a list, one dtype per layer (each layer then has its own
-        stride)."""
+        stride). expert_rows: a mixture of experts' layers are written as each expert's rows
+        (add_expert_rows; docs/FORMAT.md, EXPERT_ROWS), down in the layer's down dtype."""
         if dtype not in DTYPE_CODES and not (dtype == NATIVE and ffn_dtypes):
             raise FormatError(f"unknown storage dtype {dtype!r} (one of {', '.join(DTYPE_CODES)})")
         self.ffn_dtype, down = ffn_dtypes or (dtype, companion(dtype))
@@ -59,8 +62,9 @@ class FlashWriter:
                 raise FormatError(f"d_model={config.d_model} is not a multiple of "
                                   f"{BLOCK_SIZE.get(dt, '?')}: the FFN cannot be stored as {dt} "
                                   "(use f16 or f32)")
-        if not set(self.downs) <= set(DOWN_DTYPES):
-            raise FormatError(f"a bundle's down column cannot be {sorted(set(self.downs))}")
+        self.expert_rows = expert_rows
+        _check_downs(config, self.downs, expert_rows)
+        self.version = expert_rows_version(expert_rows)
         self.out, self.cfg, self.dtype, self.force = Path(out), config.validate(), dtype, force
         self.source = source or {}
         self._check_target()
@@ -154,7 +158,7 @@ class FlashWriter:
     def _close_dense(self) -> None:
         f = self._dense
         size = align_up(f.tell(), DENSE_ALIGN)
-        header = DENSE_HEADER.pack(DENSE_MAGIC, FORMAT_VERSION, DENSE_ALIGN, len(self.tensors), size)
+        header = DENSE_HEADER.pack(DENSE_MAGIC, self.version, DENSE_ALIGN, len(self.tensors), size)
 
         def finish(f) -> None:
             f.write(bytes(size - f.tell()))
@@ -211,11 +215,44 @@ class FlashWriter:
         self._require(WriterState.DENSE, WriterState.FFN, what=f"add_ffn_rows({layer})")
         if layer != len(self.layers):
             raise FormatError(f"FFN layer {layer} written out of order (expected layer {len(self.layers)})")
+        if self.expert_rows:
+            raise FormatError(f"FFN layer {layer}: this folder's experts are rows (add_expert_rows)")
+        bundles = self._bundles(layer, gate, up, down, order,
+                                self.cfg.ffn_slots - self._rows[0])            # (n, stride)
+        self._append(layer, bundles, order, origin)
+
+    def add_expert_rows(self, layer: int, gate: QTensor, up: QTensor, down: QTensor,
+                        origin: dict | None = None) -> None:
+        """Append the next expert of layer `layer` (each routed expert, then the shared one) as
+        its rows (EXPERT_ROWS): gate, up (n, d_model) in the FFN dtype, down (d_model, n) in the
+        layer's down dtype, their bytes back to back in n slots (zero padding at the end)."""
+        self._require(WriterState.DENSE, WriterState.FFN, what=f"add_expert_rows({layer})")
+        if not self.expert_rows:
+            raise FormatError(f"FFN layer {layer}: this folder's experts are bundles (add_ffn_rows)")
+        n, d, dd = gate.rows, self.cfg.d_model, self.downs[min(layer, len(self.downs) - 1)]
+        for part, w, want in (("gate", gate, (n, d, self.ffn_dtype)), ("up", up, (n, d, self.ffn_dtype)),
+                              ("down", down, (d, n, dd))):
+            if (w.rows, w.cols, w.dtype) != want:
+                raise FormatError(f"layer {layer}: expert {part} rows are {(w.rows, w.cols, w.dtype)}, "
+                                  f"expected {want}")
+        if n > self.cfg.ffn_slots - self._rows[0]:
+            raise FormatError(f"layer {layer}: {n} FFN slots given, "
+                              f"{self.cfg.ffn_slots - self._rows[0]} left to write")
+        block = np.zeros(n * self.strides[layer], np.uint8)                    # (n stride,)
+        at = 0
+        for w in (gate, up, down):
+            block[at:at + w.data.nbytes] = w.data.reshape(-1)
+            at += w.data.nbytes
+        self._append(layer, block.reshape(n, -1), None, origin)
+
+    def _append(self, layer: int, bundles: np.ndarray, order, origin: dict | None) -> None:
+        """Write the next slots (n, stride) of layer `layer`; complete at cfg.ffn_slots slots."""
+        if layer != len(self.layers):
+            raise FormatError(f"FFN layer {layer} written out of order (expected layer {len(self.layers)})")
         if self.state is WriterState.DENSE:
             self._close_dense()
             self._open_ffn()
         done, crc = self._rows
-        bundles = self._bundles(layer, gate, up, down, order, self.cfg.ffn_slots - done)  # (n, stride)
         offset, stride = self.offsets[layer], self.strides[layer]
         self._io(self._ffn, lambda f: (f.seek(offset + done * stride), f.write(bundles)))
         done, crc = done + len(bundles), zlib.crc32(memoryview(bundles).cast("B"), crc)
@@ -259,7 +296,7 @@ class FlashWriter:
 
     def _open_ffn(self) -> None:
         n_layers = self.cfg.n_layers
-        header = FFN_HEADER.pack(FFN_MAGIC, FORMAT_VERSION, FFN_ALIGN, DTYPE_CODES[self.ffn_dtype],
+        header = FFN_HEADER.pack(FFN_MAGIC, self.version, FFN_ALIGN, DTYPE_CODES[self.ffn_dtype],
                                  int(self.cfg.glu), n_layers, self.cfg.d_model, self.cfg.ffn_slots,
                                  row_bytes(self.ffn_dtype, self.cfg.d_model), self.stride,
                                  self.layer_bytes, self.ffn_bytes)
@@ -354,11 +391,12 @@ class FlashWriter:
                "down_dtype": self.down_dtype, "glu": cfg.glu,
                "parts": list(ffn_parts(cfg.glu)), "d_model": cfg.d_model, "n_ff": cfg.ffn_slots,
                "n_layers": cfg.n_layers, "part_bytes": pb, "stride": self.stride,
-               "layer_bytes": self.layer_bytes, "layers": self.layers, "neuron_order": files["order"]}
+               "layer_bytes": self.layer_bytes, "layers": self.layers, "neuron_order": files["order"],
+               **({"experts": EXPERT_ROWS} if self.expert_rows else {})}
         dense = {"file": DENSE_FILE, "nbytes": self.dense_bytes, "header_bytes": DENSE_ALIGN,
                  "alignment": DENSE_ALIGN, "compression": None, "tensors": self.tensors}
         down = {"down_rows": files["down_rows"]} if files["down_rows"] else {}
-        return {"magic": MAGIC, "format_version": FORMAT_VERSION, "created_by": f"flashllm {__version__}",
+        return {"magic": MAGIC, "format_version": self.version, "created_by": f"flashllm {__version__}",
                 "source": self.source, "config": cfg.to_dict(), "dtype": self.dtype, "dense": dense,
                 "ffn": ffn, **down, "tokenizer": files["tokenizer"], "sparsity": {}, "predictor": {}}
 
@@ -397,6 +435,21 @@ class FlashWriter:
             action(f)
         except OSError as e:
             raise FormatError(f"cannot write {f.name}: {why(e)}") from None
+
+
+def _check_downs(cfg: ModelConfig, downs: list[str], expert_rows: bool) -> None:
+    """FormatError unless every layer's down dtype can hold its part: a bundle's column of
+    d_model values, or with expert rows (a mixture of experts) rows of n_ff values."""
+    if not expert_rows:
+        if not set(downs) <= set(DOWN_DTYPES):
+            raise FormatError(f"a bundle's down column cannot be {sorted(set(downs))}")
+        return
+    if not cfg.n_experts:
+        raise FormatError("expert rows need a mixture of experts")
+    for n in filter(None, (cfg.n_ff, cfg.n_ff_shared)):
+        bad = sorted(dt for dt in set(downs) if not fits(dt, n))
+        if bad:
+            raise FormatError(f"an expert's down rows of {n} values cannot be {bad}")
 
 
 def _part_rows(layer: int, w, dtype: str, order) -> np.ndarray:

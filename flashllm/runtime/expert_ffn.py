@@ -29,6 +29,7 @@ from flashllm.ffi import kernel
 from flashllm.ffi.reader import Reader, aligned_empty
 from flashllm.format.reader import FlashModel
 from flashllm.runtime.budget import BudgetPlan
+from flashllm.runtime.expert_math import ExpertMath
 from flashllm.runtime.interfaces import FfnStrategy
 from flashllm.runtime.moe import Routers, add_shared, mix_experts, top_k
 from flashllm.runtime.stats import FlashStats, TokenStats
@@ -100,17 +101,19 @@ class ExpertFlashFfn(FfnStrategy):
         self.d, self.act, self.n_ff, self.n_layers = cfg.d_model, cfg.act, cfg.n_ff, cfg.n_layers
         self.n_experts, self.n_shared, self.eps = cfg.n_experts, cfg.n_ff_shared, cfg.norm_eps
         self.routers = Routers(flash, n_threads)
+        self.math = ExpertMath(f, cfg.act, n_threads, exact)
         self.next_norm = [flash.tensor(f"blk.{i}.ffn_norm.weight")           # (d_model,)
                           for i in range(1, cfg.n_layers)]
-        self.expert_bytes = cfg.n_ff * f.stride
         rows = 0 if naive else plan.capacity
         shared_resident = bool(cfg.n_ff_shared) and rows >= cfg.n_ff_shared
         rows -= cfg.n_ff_shared if shared_resident else 0
         capacity = min(cfg.n_experts, rows // cfg.n_ff)
         self.prefetch = prefetch and not naive and capacity > cfg.n_experts_used
-        self.caches = [ExpertCache(cfg.n_experts, capacity, self.expert_bytes)
-                       for _ in range(cfg.n_layers)]
-        self.staging = aligned_empty(max(1, plan.staging_rows) * f.stride).reshape(-1, f.stride)
+        self.caches = [ExpertCache(cfg.n_experts, capacity, cfg.n_ff * f.strides[i])
+                       for i in range(cfg.n_layers)]
+        # expert rows are computed whole: the staging buffer holds an expert at least
+        staging = max(1, plan.staging_rows, *((cfg.n_ff, cfg.n_ff_shared) if f.expert_rows else ()))
+        self.staging = aligned_empty(staging * f.stride).reshape(-1, f.stride)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="flashllm-experts")
         self.shared = [self._read_now(i, cfg.n_experts * cfg.n_ff, cfg.n_ff_shared)
                        if shared_resident else None for i in range(cfg.n_layers)]
@@ -206,8 +209,8 @@ class ExpertFlashFfn(FfnStrategy):
         """Expert e's bundles → its cache slot: one sequential read (the worker thread)."""
         cache = self.caches[layer]
         out = cache.matrix[cache.slot_of[e]]                             # (slot_bytes,)
-        start = self.f.layer_offsets[layer] + e * self.expert_bytes
-        self._counted(t, np.array([start]), np.array([self.expert_bytes]), out)
+        start = self.f.layer_offsets[layer] + e * cache.expert_bytes
+        self._counted(t, np.array([start]), np.array([cache.expert_bytes]), out)
 
     def _counted(self, t: TokenStats, offsets: np.ndarray, lengths: np.ndarray,
                  out: np.ndarray) -> None:
@@ -216,10 +219,11 @@ class ExpertFlashFfn(FfnStrategy):
         t.add_reads(reader_delta(before, self.reader.stats()))
 
     def _read_now(self, layer: int, first: int, n: int) -> np.ndarray:
-        """Slots first .. first+n-1 of layer, read now into a new (n, stride) array."""
-        out = aligned_empty(n * self.f.stride).reshape(n, self.f.stride)  # (n, stride)
-        start = self.f.layer_offsets[layer] + first * self.f.stride
-        self.reader.read(np.array([start]), np.array([n * self.f.stride]), out.reshape(-1),
+        """Slots first .. first+n-1 of layer, read now into a new (n, its stride) array."""
+        stride = self.f.strides[layer]
+        out = aligned_empty(n * stride).reshape(n, stride)                # (n, stride)
+        start = self.f.layer_offsets[layer] + first * stride
+        self.reader.read(np.array([start]), np.array([n * stride]), out.reshape(-1),
                          np.array([0]), max_gap=0, max_run=0)
         return out
 
@@ -237,31 +241,29 @@ class ExpertFlashFfn(FfnStrategy):
             job.result()
             t.io_s += clock() - t0
         t0 = clock()
-        self._ffn(cache.rows(e, self.f.stride), hs, ys)
+        self.math.run(layer, cache.rows(e, self.f.strides[layer]), hs, ys)
         t.compute_s += clock() - t0
 
     def _run_shared(self, layer: int, hs: np.ndarray, ys: np.ndarray) -> None:
         if self.shared[layer] is not None:
-            self._ffn(self.shared[layer], hs, ys)
+            self.math.run(layer, self.shared[layer], hs, ys)
         else:
             self._stream(layer, self.n_experts * self.n_ff, self.n_shared, hs, ys)
 
     def _stream(self, layer: int, first: int, n: int, hs: np.ndarray, ys: np.ndarray) -> None:
         """ys += the FFN over slots first .. first+n-1, read chunk by chunk into the staging
-        buffer (no DRAM to keep them)."""
-        t, step = self._token, len(self.staging)
+        buffer (no DRAM to keep them; expert rows: the whole expert at once)."""
+        t, stride = self._token, self.f.strides[layer]
+        step = n if self.f.expert_rows else len(self.staging) * self.f.stride // stride
+        staging = self.staging.reshape(-1)[:step * stride].reshape(step, stride)  # (step, stride)
         for a in range(first, first + n, step):
             m = min(step, first + n - a)
             t0 = clock()
-            start = np.array([self.f.layer_offsets[layer] + a * self.f.stride])
-            self._pool.submit(self._counted, t, start, np.array([m * self.f.stride]),
-                              self.staging[:m]).result()
+            start = np.array([self.f.layer_offsets[layer] + a * stride])
+            self._pool.submit(self._counted, t, start, np.array([m * stride]),
+                              staging[:m]).result()
             t1 = clock()
-            self._ffn(self.staging[:m], hs, ys)
+            self.math.run(layer, staging[:m], hs, ys)
             t.io_s += t1 - t0
             t.compute_s += clock() - t1
             t.streamed += m
-
-    def _ffn(self, bundles: np.ndarray, hs: np.ndarray, ys: np.ndarray) -> None:
-        kernel.ffn_bundles(bundles, self.f.dtype, self.d, True, self.act, hs, ys,
-                           n_threads=self.n_threads, exact=self.exact)

@@ -13,6 +13,7 @@ streams them (runtime/expert_ffn.py) computes the same sums over bundles it read
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Optional
 
 import numpy as np
@@ -20,6 +21,7 @@ import numpy as np
 from flashllm.model.archs.tensors import ROUTER, SHARED_GATE
 from flashllm.ffi import kernel
 from flashllm.format.reader import FlashModel
+from flashllm.runtime.expert_math import ExpertMath
 from flashllm.runtime.interfaces import FfnStrategy
 
 RunExpert = Callable[[int, np.ndarray, np.ndarray], None]   # (expert, h (n, d), y (n, d)): y += FFN
@@ -82,33 +84,45 @@ def add_shared(h: np.ndarray, x: np.ndarray, gate: np.ndarray, run: Callable) ->
 
 
 class MoeFfn(FfnStrategy):
-    """Every expert of every layer read into DRAM once; each token runs its top-k experts."""
+    """Every expert of every layer read into DRAM once (expert rows repacked for this build's
+    matmul where it has a packed layout: runtime/expert_math.py); each token runs its top-k
+    experts."""
 
     def __init__(self, flash: FlashModel, n_threads: int = 1, exact: bool = False):
         cfg = flash.config
-        self.dtype, self.d, self.act, self.n_ff = flash.ffn.dtype, cfg.d_model, cfg.act, cfg.n_ff
-        self.n_experts, self.n_threads, self.exact = cfg.n_experts, n_threads, exact
+        self.n_ff, self.n_experts = cfg.n_ff, cfg.n_experts
         self.routers = Routers(flash, n_threads)
-        self.bundles = [np.ascontiguousarray(flash.read_ffn_layer(i))   # (slots, stride) uint8
-                        for i in range(cfg.n_layers)]
+        self.math = ExpertMath(flash.ffn, cfg.act, n_threads, exact)
+        self.experts = [self._load(flash, i) for i in range(cfg.n_layers)]  # per layer, expert
+
+    def _load(self, flash: FlashModel, layer: int) -> list:
+        """Layer's experts (then the shared one, if any), each what ExpertMath.run takes, in
+        arrays of their own (the layer's read buffer is let go)."""
+        rows, n = flash.read_ffn_layer(layer), self.n_ff                 # (slots, stride) uint8
+        spans = [(e * n, (e + 1) * n) for e in range(self.n_experts)]
+        if len(rows) > self.n_experts * n:
+            spans.append((self.n_experts * n, len(rows)))
+        return [own(self.math.matrices(layer, rows[a:b], pack=True), rows) for a, b in spans]
 
     def start_pass(self, n_tokens: int, prefill: bool, pos0: int = 0) -> None:
         pass
 
     def __call__(self, layer: int, h: np.ndarray, x: np.ndarray) -> None:
         experts, weights = self.routers.route(layer, h)                  # (T, k), (T, k)
-        rows = self.bundles[layer]                                       # (slots, stride)
-        n = self.n_ff
+        held = self.experts[layer]
         mix_experts(h, x, experts, weights,
-                    lambda e, hs, ys: self.run(rows[e * n:(e + 1) * n], hs, ys))
+                    lambda e, hs, ys: self.math.run(layer, held[e], hs, ys))
         gate = self.routers.shared_gate[layer]
         if gate is not None:
-            add_shared(h, x, gate, lambda hs, ys: self.run(rows[self.n_experts * n:], hs, ys))
-
-    def run(self, bundles: np.ndarray, h: np.ndarray, y: np.ndarray) -> None:
-        """y (n, d) += the gated FFN of h (n, d) over bundles (m, stride)."""
-        kernel.ffn_bundles(bundles, self.dtype, self.d, True, self.act, h, y,
-                           n_threads=self.n_threads, exact=self.exact)
+            add_shared(h, x, gate, lambda hs, ys: self.math.run(layer, held[-1], hs, ys))
 
     def stats(self) -> dict:
         return {"ffn": "moe (dense)"}
+
+
+def own(expert, buf: np.ndarray):
+    """expert (slots (n, stride), or its matrices) in memory of its own, not a view of buf."""
+    if isinstance(expert, np.ndarray):
+        return expert.copy() if np.may_share_memory(expert, buf) else expert
+    return tuple(dataclasses.replace(m, data=m.data.copy()) if np.may_share_memory(m.data, buf) else m
+                 for m in expert)

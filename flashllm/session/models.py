@@ -95,7 +95,8 @@ def flash_summary(flash, verify: bool = False) -> dict:
                 "parts": list(m["ffn"]["parts"]),
                 "bundle_bytes": ffn.stride if ffn.uniform else list(ffn.strides),
                 "bundles": cfg.n_layers * cfg.ffn_slots, "nbytes": m["ffn"]["nbytes"],
-                "hot_first_order": ffn.neuron_order is not None},
+                "hot_first_order": ffn.neuron_order is not None,
+                "expert_rows": ffn.expert_rows},
         "tokenizer": m["tokenizer"].get("file") is not None, "chat_template": flash.chat_template is not None,
         "calibrated": _calibrated(m),
         "sparsity": m["sparsity"], "predictor": m["predictor"],
@@ -114,8 +115,12 @@ def tensor_rows(m: dict) -> list[dict]:
     for i, layer in enumerate(f["layers"]):
         dts = {"gate": f["dtype"], "up": f["dtype"],
                "down": layer.get("down_dtype", f.get("down_dtype", companion(f["dtype"])))}
-        rows += [{"name": f"blk.{i}.ffn_{p}", "dtype": dts[p], "shape": None,
-                  "origin": (layer.get("origin") or {}).get(p)} for p in f["parts"]]
+        origin = layer.get("origin") or {}
+        names = {p: f"blk.{i}.ffn_{p}" + ("_exps" if f.get("experts") else "") for p in f["parts"]}
+        names.update({f"shexp_{p}": f"blk.{i}.ffn_{p}_shexp" for p in f["parts"]
+                      if f"shexp_{p}" in origin})
+        rows += [{"name": name, "dtype": dts[key.removeprefix("shexp_")], "shape": None,
+                  "origin": origin.get(key)} for key, name in names.items()]
     return rows
 
 

@@ -1,14 +1,19 @@
 """Mixture-of-experts decode, flashllm against llama.cpp, under memory caps of 1/2 and 1/4 of the file.
 
 flashllm streams the routed experts from flash, llama.cpp maps the GGUF; each runs in a cgroup
-capped at 1/2 and 1/4 of the GGUF's size, from a cold page cache, in the same run.
+capped at 1/2 and 1/4 of the GGUF's size, from a cold page cache (the page cache is dropped
+before every run: root, cgroup v1), in the same run.
 
-Run:  python -m scripts.bench.moe [--n-gen 16] [--caps 1/2,1/4]      (root, cgroup v1; else the
-      capped rows are skipped with the reason)
+Run:  python -m scripts.bench.moe [--n-gen 16] [--caps 1/2,1/4] [--kinds q4_0,q4_k_m]
+          [--dtypes native] [--build build/moe]
+      (root, cgroup v1; else the capped rows are skipped with the reason)
 
-The model is scripts/fixtures/make_moe_gguf.py's random-weight GGUF in OLMoE-1B-7B's shape
-(16 layers, 64 experts, top-8, d_model 2048, expert n_ff 1024, Q4_0), made into build/moe/ when
-absent and converted there by `flashllm convert --dtype q4_0`. Its routing is near-uniform (the
+The models are scripts/fixtures/make_moe_gguf.py's random-weight GGUFs in OLMoE-1B-7B's shape
+(16 layers, 64 experts, top-8, d_model 2048, expert n_ff 1024): `q4_0` (every matrix Q4_0, 3.63
+GiB) and `q4_k_m` (llama.cpp's Q4_K_M mix: Q4_K gate / up, Q6_K / Q4_K down by layer), made
+into --build when absent and converted there by the default conversion (`flashllm convert X.gguf`,
+what `run X.gguf` does: native, each expert the GGUF's own rows, docs/FORMAT.md); --dtypes
+native,q4_0 adds a `--dtype q4_0` conversion's rows. Routing is near-uniform (the
 residual stream carries the token; scripts/bench/moe_routing.py measures it): the worst case for
 flashllm's expert cache (real text is skewed). Per cap: llama.cpp through
 scripts/bench/llamacpp.py (64 fixed token ids, --n-gen tokens, file-backed weights, OpenMP
@@ -16,7 +21,7 @@ passive; it feeds varying token ids), flashllm `run` on a 64-byte prompt with --
 the cap, sampling at temperature 1 (greedy decoding of random weights repeats one token, and with
 it the same experts: a best case, not the one measured), --stats --json. Rows:
 decode tok/s, flashllm × llama.cpp, cgroup peak, bytes read per token against the routed experts'
-bytes, the read-ahead's figures. Raw results: build/moe/results.json.
+bytes, the read-ahead's figures. Raw results: BUILD/results.json.
 """
 from __future__ import annotations
 
@@ -26,6 +31,8 @@ import sys
 from fractions import Fraction
 from pathlib import Path
 
+from flashllm.convert import native
+from flashllm.format.layout import NATIVE, layer_strides
 from scripts.bench.flashllm_cli import ROOT, Flashllm, run_cmd
 from scripts.fixtures.make_moe_gguf import write as write_gguf
 
@@ -45,10 +52,24 @@ def last_json(text: str) -> dict:
 
 
 def active_bytes(model: Path) -> int:
-    """Bytes of the experts a token is routed to: layers × top-k × n_ff × bundle stride."""
+    """Bytes of the experts a token is routed to: Σ over layers of top-k × n_ff × its stride."""
     man = json.loads((model / "manifest.json").read_text())
     c = man["config"]
-    return c["n_layers"] * c["n_experts_used"] * c["n_ff"] * man["ffn"]["stride"]
+    return c["n_experts_used"] * c["n_ff"] * sum(layer_strides(man["ffn"]))
+
+
+def converted(fl: Flashllm, gguf: Path, model: Path, dtype: str) -> Path:
+    """model, the conversion of gguf in dtype ("native": the default, no --dtype), made when
+    absent or an older recipe (native.outdated)."""
+    man = model / "manifest.json"
+    if man.is_file() and native.outdated(json.loads(man.read_text())) is None:
+        return model
+    extra = [] if dtype == NATIVE else ["--dtype", dtype]
+    r = run_cmd(fl.argv + ["convert", str(gguf), "-o", str(model), "--force"] + extra, None,
+                cold=False, timeout=7200)
+    if r.get("rc") != 0:
+        raise SystemExit(f"converting {gguf} failed: {(r.get('stderr') or r.get('error'))[-400:]}")
+    return model
 
 
 def llamacpp(gguf: Path, cap: int, n_gen: int) -> dict:
@@ -74,49 +95,56 @@ def flashllm(fl: Flashllm, model: Path, prompt: Path, cap: int, n_gen: int) -> d
             "summary": s, "plan": ((out.get("flash") or {}).get("plan") or {}).get("summary")}
 
 
-def row(cap_name: str, cap: int, ll: dict, fl: dict, active: int) -> str:
+def row(label: str, cap_name: str, cap: int, ll: dict, fl: dict, active: int) -> str:
     mib = lambda n: "–" if n is None else f"{n / 2**20:.0f}"               # noqa: E731
     s, ratio = fl["summary"], "–"
     if fl["decode_tps"] and ll["decode_tps"]:
         ratio = f"{fl['decode_tps'] / ll['decode_tps']:.1f}"
     per_tok = s.get("io_bytes_per_token")
     pf = s.get("prefetch_hit_rate")
-    return (f"| {cap_name} ({mib(cap)} MiB) | {ll['decode_tps'] or ll['error']} | "
+    return (f"| {label} | {cap_name} ({mib(cap)} MiB) | {ll['decode_tps'] or ll['error']} | "
             f"{fl['decode_tps'] or fl['error']} | {ratio} | {mib(ll['peak'])} / {mib(fl['peak'])} | "
             f"{mib(per_tok)} / {mib(active)} = {per_tok / active:.2f} | "
             f"{s.get('experts_cached_per_token', 0):.1f} / {s.get('experts_read_per_token', 0):.1f} / "
             f"{s.get('experts_prefetched_per_token', 0):.1f} | "
             f"{'–' if pf is None else f'{pf:.0%}'} / {s.get('guess_recall') or 0:.0%} |"
-            if per_tok is not None else f"| {cap_name} | {ll} | {fl} |")
+            if per_tok is not None else f"| {label} | {cap_name} | {ll} | {fl} |")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--gguf", type=Path, default=BUILD / "olmoe-shape-q4_0.gguf")
+    ap.add_argument("--build", type=Path, default=BUILD, help="where the fixtures and conversions live")
+    ap.add_argument("--kinds", default="q4_0,q4_k_m", help="fixtures (make_moe_gguf --type)")
+    ap.add_argument("--dtypes", default=NATIVE, help="conversions: native (the default) and any --dtype")
     ap.add_argument("--n-gen", type=int, default=16)
     ap.add_argument("--caps", default="1/2,1/4", help="fractions of the GGUF's size")
     args = ap.parse_args()
-    if not args.gguf.is_file():
-        write_gguf(args.gguf, "q4_0")
     fl = Flashllm.find(sys.executable)
-    model = BUILD / "olmoe-q4_0"
-    if not (model / "manifest.json").is_file():
-        run_cmd(fl.argv + ["convert", str(args.gguf), "-o", str(model), "--dtype", "q4_0"], None,
-                cold=False, timeout=7200)
-    prompt = BUILD / "prompt.txt"
+    prompt = args.build / "prompt.txt"
+    args.build.mkdir(parents=True, exist_ok=True)
     prompt.write_text(PROMPT, encoding="utf-8")
-    size, active, results = args.gguf.stat().st_size, active_bytes(model), []
-    print("| cap | llama.cpp tok/s | flashllm tok/s | × llama.cpp | peak MiB (llama.cpp / flashllm) "
-          "| MiB read per token / routed experts' MiB | experts per token cached / read / "
-          "prefetched | prefetch used / guess recall |")
-    print("|---|---:|---:|---:|---|---|---|---|")
-    for text in args.caps.split(","):
-        cap = int(size * Fraction(text))
-        ll = llamacpp(args.gguf, cap, args.n_gen)
-        fr = flashllm(fl, model, prompt, cap, args.n_gen)
-        results.append({"cap": text, "cap_bytes": cap, "llama.cpp": ll, "flashllm": fr})
-        print(row(text, cap, ll, fr, active), flush=True)
-    (BUILD / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    print("| GGUF, conversion | cap | llama.cpp tok/s | flashllm tok/s | × llama.cpp | peak MiB "
+          "(llama.cpp / flashllm) | MiB read per token / routed experts' MiB | experts per token "
+          "cached / read / prefetched | prefetch used / guess recall |")
+    print("|---|---|---:|---:|---:|---|---|---|---|")
+    results = []
+    for kind in args.kinds.split(","):
+        gguf = args.build / f"olmoe-shape-{kind}.gguf"
+        if not gguf.is_file():
+            write_gguf(gguf, kind)
+        models = {dt: converted(fl, gguf, args.build / f"olmoe-{kind}-{dt}", dt)
+                  for dt in args.dtypes.split(",")}
+        size = gguf.stat().st_size
+        for text in args.caps.split(","):
+            cap = int(size * Fraction(text))
+            ll = llamacpp(gguf, cap, args.n_gen)
+            for dt, model in models.items():
+                fr = flashllm(fl, model, prompt, cap, args.n_gen)
+                label = f"{kind.upper()}, " + ("default (native)" if dt == NATIVE else f"--dtype {dt}")
+                results.append({"gguf": kind, "dtype": dt, "cap": text, "cap_bytes": cap,
+                                "llama.cpp": ll, "flashllm": fr})
+                print(row(label, text, cap, ll, fr, active_bytes(model)), flush=True)
+    (args.build / "results.json").write_text(json.dumps(results, indent=1, default=str))
 
 
 if __name__ == "__main__":

@@ -66,6 +66,10 @@ class Source(ABC):
         """A 2-D tensor's stored bytes, unconverted: (rows, bytes per row) uint8."""
         raise SourceError(f"{self.path}: tensor {name!r} has no stored blocks to copy")
 
+    def load_expert_blocks(self, name: str, expert: int) -> np.ndarray:
+        """Expert `expert` of a 3-D MoE tensor as stored, unconverted: (rows, bytes per row) uint8."""
+        raise SourceError(f"{self.path}: tensor {name!r} has no stored blocks to copy")
+
     @abstractmethod
     def close(self) -> None:
         """Release file handles and maps; the source is unusable afterwards."""

@@ -243,5 +243,13 @@ class GGUFSource(Source):
         part = self._dequantized(name, t.data[expert])                 # (rows, cols)
         return np.ascontiguousarray(part, dtype=np.float32).reshape(shape[1:])
 
+    def load_expert_blocks(self, name: str, expert: int) -> np.ndarray:
+        shape = self._shape_of(name)
+        t = self._tensors[name]
+        if len(shape) != 3 or not 0 <= expert < shape[0] or t.data.shape[0] != shape[0] \
+                or t.data.ndim != 3:
+            raise SourceError(f"{self.path}: tensor {name!r} {list(shape)} has no expert {expert}")
+        return np.ascontiguousarray(t.data[expert]).view(np.uint8).reshape(shape[1], -1)  # (rows, bytes)
+
     def close(self) -> None:
         self._tensors = {}
