@@ -11,7 +11,9 @@ Per layer and pass (runtime/moe.py has the math):
     lookahead: the next layer's router applied to the current residual x (normed by the next
         layer's ffn_norm) guesses its experts; the ones not cached are read into its cache now,
         while this layer computes (stats: how often the guess named a routed expert)
-    x += Σ w · expert(h): hits first, then each read as it lands
+    x += Σ w · expert(h): hits first, then each read as it lands (expert rows whose layout
+        packs in place — q4_0, q5_0, q8_0, q6_k — are repacked in their cache slot by the read
+        thread once read, so every later use takes the packed matmul: runtime/expert_math.py)
 
 Reads go through one worker thread in order (one batch at a time per Reader); the C reader
 splits each expert's read across its own threads. The shared expert (Qwen2-MoE) is read once at
@@ -29,7 +31,7 @@ from flashllm.ffi import kernel
 from flashllm.ffi.reader import Reader, aligned_empty
 from flashllm.format.reader import FlashModel
 from flashllm.runtime.budget import BudgetPlan
-from flashllm.runtime.expert_math import ExpertMath
+from flashllm.runtime.expert_math import ExpertMath, packs_in_place
 from flashllm.runtime.interfaces import FfnStrategy
 from flashllm.runtime.moe import Routers, add_shared, mix_experts, top_k
 from flashllm.runtime.stats import FlashStats, TokenStats
@@ -102,6 +104,8 @@ class ExpertFlashFfn(FfnStrategy):
         self.n_experts, self.n_shared, self.eps = cfg.n_experts, cfg.n_ff_shared, cfg.norm_eps
         self.routers = Routers(flash, n_threads)
         self.math = ExpertMath(f, cfg.act, n_threads, exact)
+        # per layer: experts read into the cache are repacked there for the matmul
+        self.pack = [not exact and packs_in_place(f, i, cfg.n_ff) for i in range(cfg.n_layers)]
         self.next_norm = [flash.tensor(f"blk.{i}.ffn_norm.weight")           # (d_model,)
                           for i in range(1, cfg.n_layers)]
         rows = 0 if naive else plan.capacity
@@ -211,6 +215,8 @@ class ExpertFlashFfn(FfnStrategy):
         out = cache.matrix[cache.slot_of[e]]                             # (slot_bytes,)
         start = self.f.layer_offsets[layer] + e * cache.expert_bytes
         self._counted(t, np.array([start]), np.array([cache.expert_bytes]), out)
+        if self.pack[layer]:
+            self.math.pack_slots(layer, cache.rows(e, self.f.strides[layer]))
 
     def _counted(self, t: TokenStats, offsets: np.ndarray, lengths: np.ndarray,
                  out: np.ndarray) -> None:
@@ -241,7 +247,9 @@ class ExpertFlashFfn(FfnStrategy):
             job.result()
             t.io_s += clock() - t0
         t0 = clock()
-        self.math.run(layer, cache.rows(e, self.f.strides[layer]), hs, ys)
+        rows = cache.rows(e, self.f.strides[layer])                       # (n_ff, stride)
+        self.math.run(layer, self.math.packed_views(layer, rows) if self.pack[layer] else rows,
+                      hs, ys)
         t.compute_s += clock() - t0
 
     def _run_shared(self, layer: int, hs: np.ndarray, ys: np.ndarray) -> None:

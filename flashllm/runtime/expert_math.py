@@ -35,6 +35,14 @@ def expert_rows(f: FfnLayout, layer: int, slots: np.ndarray) -> tuple[QTensor, Q
     return gate_up, down
 
 
+def packs_in_place(f: FfnLayout, layer: int, n: int) -> bool:
+    """Whether an expert of n neurons of layer, stored as rows, repacks over its own bytes
+    (kernel.pack in place: q4_0, q5_0, q8_0, q6_k layouts under AVX-512 VNNI / AVX2)."""
+    g, u, dn = expert_spans(f.dtype, f.down_dtypes[layer], f.d_model, n)
+    return f.expert_rows and kernel.packed_nbytes(f.dtype, 2 * n, f.d_model) == g + u and \
+        kernel.packed_nbytes(f.down_dtypes[layer], f.d_model, n) == dn
+
+
 def packed(w: QTensor) -> Matrix:
     """w repacked for this build's matmul (a new array, or w's bytes), or w when it has none."""
     return kernel.pack(w, in_place=True) or w
@@ -55,6 +63,17 @@ class ExpertMath:
         if pack and not self.exact:
             return packed(gate_up), packed(down)
         return gate_up, down
+
+    def pack_slots(self, layer: int, slots: np.ndarray) -> None:
+        """Repack an expert's rows over its own bytes in slots (n, stride) (packs_in_place)."""
+        for w in expert_rows(self.f, layer, slots):
+            kernel.pack(w, in_place=True)
+
+    def packed_views(self, layer: int, slots: np.ndarray) -> tuple[PackedTensor, PackedTensor]:
+        """The two matrices of an expert pack_slots repacked, as views of slots (n, stride)."""
+        gate_up, down = expert_rows(self.f, layer, slots)
+        return tuple(PackedTensor(w.data.reshape(-1), w.dtype, w.rows, w.cols)
+                     for w in (gate_up, down))
 
     def run(self, layer: int, expert, h: np.ndarray, y: np.ndarray) -> None:
         """y (T, d) += the expert's gated FFN of h (T, d); expert: matrices() or slots (n,
