@@ -12,8 +12,9 @@ Per layer and pass (runtime/moe.py has the math):
         layer's ffn_norm) guesses its experts; the ones not cached are read into its cache now,
         while this layer computes (stats: how often the guess named a routed expert)
     x += Σ w · expert(h): hits first, then each read as it lands (expert rows whose layout
-        packs in place — q4_0, q5_0, q8_0, q6_k — are repacked in their cache slot by the read
-        thread once read, so every later use takes the packed matmul: runtime/expert_math.py)
+        packs in place — q4_0, q5_0, q8_0, q6_k — are repacked in their cache slot the first
+        time they are used again from it, so later uses take the packed matmul and experts read
+        for one use are not packed: runtime/expert_math.py)
 
 Reads go through one worker thread in order (one batch at a time per Reader); the C reader
 splits each expert's read across its own threads. The shared expert (Qwen2-MoE) is read once at
@@ -53,6 +54,7 @@ class ExpertCache:
         self.expert_of = np.full(max(capacity, 1), -1, dtype=np.int32)  # (capacity,) expert or -1
         self.freq = np.zeros(n_experts, dtype=np.float32)           # (n_experts,) decayed routings
         self.last = np.zeros(max(capacity, 1), dtype=np.int64)      # (capacity,) token of last use
+        self.packed = np.zeros(max(capacity, 1), dtype=bool)        # (capacity,) repacked in place
         self.pending: dict[int, Future] = {}                         # expert -> its read in flight
         self.prefetched: set = set()                                 # read on a guess, not yet used
         self.now = 0
@@ -90,6 +92,7 @@ class ExpertCache:
             self.slot_of[held[slot]] = -1
             self.prefetched.discard(int(held[slot]))
         self.expert_of[slot], self.slot_of[expert], self.last[slot] = expert, slot, self.now
+        self.packed[slot] = False
         return slot
 
 
@@ -215,8 +218,6 @@ class ExpertFlashFfn(FfnStrategy):
         out = cache.matrix[cache.slot_of[e]]                             # (slot_bytes,)
         start = self.f.layer_offsets[layer] + e * cache.expert_bytes
         self._counted(t, np.array([start]), np.array([cache.expert_bytes]), out)
-        if self.pack[layer]:
-            self.math.pack_slots(layer, cache.rows(e, self.f.strides[layer]))
 
     def _counted(self, t: TokenStats, offsets: np.ndarray, lengths: np.ndarray,
                  out: np.ndarray) -> None:
@@ -247,8 +248,11 @@ class ExpertFlashFfn(FfnStrategy):
             job.result()
             t.io_s += clock() - t0
         t0 = clock()
-        rows = cache.rows(e, self.f.strides[layer])                       # (n_ff, stride)
-        self.math.run(layer, self.math.packed_views(layer, rows) if self.pack[layer] else rows,
+        rows, slot = cache.rows(e, self.f.strides[layer]), cache.slot_of[e]  # (n_ff, stride)
+        if self.pack[layer] and job is None and not cache.packed[slot]:
+            self.math.pack_slots(layer, rows)       # used again from the cache: worth packing
+            cache.packed[slot] = True
+        self.math.run(layer, self.math.packed_views(layer, rows) if cache.packed[slot] else rows,
                       hs, ys)
         t.compute_s += clock() - t0
 
