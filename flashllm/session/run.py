@@ -61,6 +61,8 @@ class RunRequest:
     head_rows: int
     one_shot: Optional[tuple] = None
     calibrate: str = ""               # the model as the user named it, when its conversion is ours
+    constrained: bool = False         # a grammar's token table is built after the plan: its
+                                      # memory is set aside (generation/grammar.table_bytes)
 
 
 @dataclass
@@ -100,12 +102,14 @@ class FlashAsked:
 
 
 def request(path: Path, asked: FlashAsked, sampling, drafting: Drafting, threads: int,
-            ctx_size: int, one_shot: Optional[tuple], calibrate: str = "") -> RunRequest:
+            ctx_size: int, one_shot: Optional[tuple], calibrate: str = "",
+            constrained: bool = False) -> RunRequest:
     """The RunRequest of `run` (one_shot: (text, n_predict); None: a chat, whose context is
     ctx_size): a one-shot run's context first bounded by the prompt's bytes, the tokenizer kept
     in a chat or where it cannot decode through a byte table. calibrate: the model as the user
     named it when its conversion is flashllm's own (a name's, a .gguf's), calibrated once under a
-    budget; "" for a folder the user gave."""
+    budget; "" for a folder the user gave. constrained: a grammar constrains the output (its
+    token table's memory is counted with the process's)."""
     from flashllm.runtime.plan import AUTO_ROWS, FlashOptions
     need = sampling.head_need() if asked.sparse_head is not False else None
     rows = asked.draft_head_rows or AUTO_ROWS     # the draft's head rows: asked, or the plan's
@@ -120,7 +124,8 @@ def request(path: Path, asked: FlashAsked, sampling, drafting: Drafting, threads
         text, n_predict = one_shot
         n_ctx = min(ctx_size, len(text.encode()) + n_predict + 2)
         one_shot = (text, n_predict, ctx_size)
-    return RunRequest(path, fopts, need, threads, n_ctx, drafting, rows, one_shot, calibrate)
+    return RunRequest(path, fopts, need, threads, n_ctx, drafting, rows, one_shot, calibrate,
+                      constrained)
 
 
 def assemble(req: RunRequest, cache: Path, log: Log) -> Parts:
@@ -141,13 +146,13 @@ def assemble(req: RunRequest, cache: Path, log: Log) -> Parts:
     from flashllm.runtime.model import Model
     load_code()
     trim_heap()                      # the imports' freed heap: ~1 MiB the plan need not count
-    process = process_rss()
     man = read_manifest(req.path)
+    process = process_rss() + set_aside(req, man)
     check_context_memory(man["config"], req.n_ctx)
     check_before_loading(man, req.flash, req.n_ctx, process)
     if req.calibrate and req.flash.flash and not is_calibrated(man) and \
             calibrate_once(req.path, log, req.calibrate, req.flash.dram_budget):
-        process = process_rss()                      # the plan of the calibrated folder
+        process = process_rss() + set_aside(req, man)   # the plan of the calibrated folder
         man = read_manifest(req.path)
         check_before_loading(man, req.flash, req.n_ctx, process)
     flash = open_flash(req.path, manifest=man)
@@ -179,6 +184,15 @@ def assemble(req: RunRequest, cache: Path, log: Log) -> Parts:
                 kv_dtype="f16", head=head)
     return Parts(flash, tok, ids, net, ffn, weights, head, drafting,
                  plan.draft_rows if plan is not None else 0)
+
+
+def set_aside(req: RunRequest, man) -> int:
+    """Bytes the run will hold besides what its plan places: a grammar's token table (lean
+    under a budget: session/structured.token_env_of)."""
+    if not req.constrained:
+        return 0
+    from flashllm.generation.grammar import table_bytes
+    return table_bytes(man["config"]["vocab_size"], lean=req.flash.dram_budget is not None)
 
 
 def repair_hint(path: Path, name: str) -> str:
