@@ -40,6 +40,17 @@ class Engine:
     nets: list
     n_ctx: int
     parts: object = None
+    lean: bool = False            # under a DRAM budget: grammars' token table without slices
+    _env: object = None
+
+    def token_env(self):
+        """The model's token table for response_format grammars (generation/grammar.py),
+        built once, at the first request that has one (the worker's thread)."""
+        if self._env is None:
+            from flashllm.generation.grammar import token_env
+            cfg = self.flash.config
+            self._env = token_env(self.tok, cfg.vocab_size, cfg.bos_token_id, self.lean)
+        return self._env
 
     def close(self) -> None:
         if self.parts is not None:
@@ -60,7 +71,7 @@ def open_engine(spec: EngineSpec, cache: Path, log: Log) -> Engine:
     nets = stream_nets(parts.flash, parts.net.ffn, parts.net.w, spec)
     parts.net = None
     return Engine(spec.name, parts.flash, parts.tok, chat_template(parts.flash, parts.tok), nets,
-                  nets[0].n_ctx, parts)
+                  nets[0].n_ctx, parts, lean=spec.dram_budget is not None)
 
 
 def stream_nets(flash, ffn, weights, spec: EngineSpec) -> list:
