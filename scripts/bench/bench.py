@@ -1,7 +1,7 @@
 """`make bench`: docs/DESIGN.md's benchmark protocol, written to BENCHMARKS.md (sections "Dense
 decode", "Flash inference" and "Speculative decoding"; every other section of the file is kept).
 
-Run:  python -m scripts.bench.bench [--quick] [--sections dense,flash,draft] [--out BENCHMARKS.md]
+Run:  python -m scripts.bench.bench [--quick] [--sections dense,flash,draft,grammar] [--out BENCHMARKS.md]
 
 Dense decode (issue 2): SmolLM2-135M converted at f16 / q8_0 / q4_0 / q4_1, `flashllm run` decode and
 prefill tok/s (median of 3), next to llama.cpp on the same GGUF with both OMP wait policies (the
@@ -13,6 +13,9 @@ Each capped flashllm row is bracketed by two 4-s read probes (read_probe.py) so 
 can be set against the device's rate of those minutes.
 Speculative decoding: draft.py's editing prompt, flashllm --draft 0 / 8 and llama.cpp
 plain / prompt lookup, uncapped, 560 MiB and 280 MiB (not with --quick).
+Structured output (issue 51): scripts/bench/grammar.py's JSON schemas at temperature 0.8 (valid /
+cut / invalid), the mask's cost in DRAM and a constrained token's head bytes under 560 MiB
+(--quick: SmolLM2, 5 prompts, no budget run).
 Paths in BENCHMARKS.md are written portably (report.portable: $FLASHLLM_CACHE/..., build/...).
 Raw results (stderr tails, stats JSON) go to build/bench.json.
 """
@@ -335,7 +338,7 @@ def draw_picture(rows: List[dict], info: Dict[str, str]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="SmolLM2 only, 32 tokens, one run each")
-    ap.add_argument("--sections", default="dense,flash,draft")
+    ap.add_argument("--sections", default="dense,flash,draft,grammar")
     ap.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
     ap.add_argument("--models-dir", type=Path, default=None,
                     help="a folder of GGUF files named as in MODELS (default: `flashllm pull` them)")
@@ -372,6 +375,10 @@ def main() -> None:
         caps = [None] + (["560MiB", "280MiB"] if not unavailable_reason() else [])
         raw["draft"] = draft_rows(args.cache, caps, 128, 8, log)
         sections["## Speculative decoding"] = draft_section(raw["draft"], (start, loadavg()))
+    if "grammar" in wanted:
+        from scripts.bench import grammar
+        raw["grammar"] = grammar.collect(grammar.QUICK if args.quick else grammar.FULL, log)
+        sections["## Structured output"] = grammar.grammar_section(raw["grammar"])
     sections = {title: portable(text, args.cache, ROOT) for title, text in sections.items()}
     args.out.write_text(merge(args.out, header(info), sections), encoding="utf-8")
     (ROOT / "build" / "bench.json").write_text(json.dumps(raw, indent=1, default=str))

@@ -14,8 +14,9 @@ mask: on the first model of --mask-model, in DRAM, one pass a token (no forced-t
   --pairs pairs of the same prompt constrained (the object schema) and unconstrained, run
   alternately; ms a token (decode + sampling) of each, and the masks' own seconds
   (ConstrainedSampler.mask_s) as a share of the constrained run's.
-head: `flashllm run --budget-model --dram-budget --budget --stats --json` (subprocesses), the
-  object schema against no schema, greedy, the same prompt: the head's bytes a token (the
+head: `flashllm run --budget-model --dram-budget --budget --sparse-head --stats --json`
+  (subprocesses; a folder is run as it is, a name is calibrated once first), the object schema
+  against no schema, greedy, the same prompt, alternating: the head's bytes a token (the
   sketch's and the rows') and decode tok/s.
 """
 from __future__ import annotations
@@ -185,7 +186,8 @@ def head_reads(name: str, budget: str, n: int, threads: int, log) -> dict:
     out = {}
     for kind in ("free", "constrained", "free", "constrained"):
         argv = [sys.executable, "-m", "flashllm", "run", name, "-p", prompt, "-n", str(n),
-                "--temp", "0", "-t", str(threads), "--dram-budget", budget, "--stats", "--json"]
+                "--temp", "0", "-t", str(threads), "--dram-budget", budget, "--sparse-head",
+                "--stats", "--json"]
         if kind == "constrained":
             argv += ["-j", json.dumps(SCHEMAS["object"])]
         p = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=3600)
@@ -199,6 +201,8 @@ def head_reads(name: str, budget: str, n: int, threads: int, log) -> dict:
                "allowed_only": h.get("head_allowed_only"), "rc": p.returncode,
                "text": p.stdout[:120], "cmd": "flashllm " + " ".join(argv[3:])}
         row["head_bytes_per_token"] = row["sketch_bytes_per_token"] + row["row_bytes_per_token"]
+        row["head_bytes_per_made"] = row["head_bytes_per_token"] * tokens / max(d.get("n_gen")
+                                                                                or 1, 1)
         out.setdefault(kind, []).append(row)
         log(f"head reads {kind}: {row}")
     return out
@@ -276,11 +280,15 @@ def grammar_section(raw: dict) -> str:
     if "head" in raw:
         cells = []
         for kind, rows in raw["head"].items():
-            b = statistics.median(r["head_bytes_per_token"] for r in rows) / 2**20
+            b = statistics.median(r["head_bytes_per_made"] for r in rows) / 2**20
             tps = statistics.median(r["decode_tps"] or 0 for r in rows)
-            cells.append(f"{kind} {b:.2f} MiB, {tps:.2f} tok/s")
-        lines.append(f"- {a.get('budget_model')} under `--dram-budget {a.get('budget')}`, greedy, "
-                     f"head bytes a token (sketch + rows, `--stats`): " + "; ".join(cells) + ".")
+            only = sum(r["allowed_only"] or 0 for r in rows)
+            rows_read = sum(r["head_tokens"] or 0 for r in rows)
+            cells.append(f"{kind} {b:.1f} MiB, {tps:.2f} tok/s ({only} of {rows_read} rows "
+                         "read their allowed rows alone)")
+        lines.append(f"- {a.get('budget_model')} under `--dram-budget {a.get('budget')} "
+                     f"--sparse-head`, greedy, the head's bytes (sketch + rows, `--stats`) a "
+                     "token made: " + "; ".join(cells) + ".")
     return "\n".join(lines) + "\n"
 
 if __name__ == "__main__":
