@@ -15,13 +15,13 @@ $(BIN)/flashllm: pyproject.toml setup.py native/build_ffi.py
 	@touch $@
 
 ## setup-test: what the tests add: pytest, hypothesis, pexpect, the server's stack and clients (serve,
-## openai, httpx) and the references they compare against
+## openai, httpx), llguidance (grammar) and jsonschema, and the references they compare against
 ## (transformers on the CPU build of torch, ~1 GB)
 setup-test: $(VENV)/test-stamp
 
 $(VENV)/test-stamp: $(BIN)/flashllm
 	$(BIN)/pip install -q $(TORCH)   # the CPU wheel from local disk; must come before transformers
-	$(BIN)/pip install -q -e '.[dev,ref,serve]'
+	$(BIN)/pip install -q -e '.[dev,ref,serve,grammar]'
 	@touch $@
 
 ## native: rebuild the C kernel in place after editing native/
@@ -90,7 +90,7 @@ bench: $(VENV)/bench-stamp $(BIN)/llama-cpp-stamp
 
 # the bench extra (matplotlib: docs/budget.png, the README's picture) on top of the test tools
 $(VENV)/bench-stamp: $(VENV)/test-stamp
-	$(BIN)/pip install -q -e '.[dev,ref,bench]'
+	$(BIN)/pip install -q -e '.[dev,ref,serve,bench,grammar]'
 	@touch $@
 
 # llama.cpp, the benchmark's peer: built from source (~8 min on 2 cores) for the CPU it runs on, with

@@ -346,6 +346,12 @@ int32_t fl_readahead_open(fl_reader **readers, int32_t n_readers,
 int32_t fl_readahead_take(fl_readahead *ra, int64_t pos, int32_t *buffer,
                           fl_reader_stats_t *delta, double *idle);
 
+/* Positions [from, to) (absolute, as take's pos) are not read: the thread hands their buffers
+ * over as read, with zero counters and unchanged bytes, so the consumer takes and releases them
+ * in order and the ring keeps its place (a position already read when this is called stays
+ * read). One range at a time: a call replaces the last one. */
+int32_t fl_readahead_skip(fl_readahead *ra, int64_t from, int64_t to);
+
 /* The buffer of the oldest take not yet released may be read into again. */
 int32_t fl_readahead_release(fl_readahead *ra);
 

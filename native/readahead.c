@@ -51,6 +51,7 @@ struct fl_readahead {
     int64_t expect;             /* the position the next take() should ask for */
     int32_t k_take;             /* ring index of the next take() */
     ra_done *done;              /* (n_buf) by ring index */
+    int64_t skip_from, skip_to; /* positions [from, to) the thread marks done without a read */
 };
 
 static void *dup_array(const void *src, size_t n, size_t size) {
@@ -91,11 +92,13 @@ static void *ra_main(void *arg) {
         pthread_mutex_lock(&ra->mu);
         while (ra->n_free == 0 && !ra->halt) pthread_cond_wait(&ra->cv, &ra->mu);
         int32_t halt = ra->halt;
+        int32_t skip = pos >= ra->skip_from && pos < ra->skip_to;
         if (!halt) ra->n_free--;
         pthread_mutex_unlock(&ra->mu);
         if (halt) return NULL;
         ra_done d = {.pos = pos, .idle = ra_now() - t0};
-        d.status = read_entry(ra, pos % ra->n_entries, ra->buffers + k * ra->buf_bytes, &d.delta);
+        d.status = skip ? FL_OK : read_entry(ra, pos % ra->n_entries,
+                                             ra->buffers + k * ra->buf_bytes, &d.delta);
         pthread_mutex_lock(&ra->mu);
         ra->done[k] = d;
         ra->n_full++;
@@ -212,6 +215,15 @@ int32_t fl_readahead_take(fl_readahead *ra, int64_t pos, int32_t *buffer,
     *idle = d.idle;
     ra->k_take = (ra->k_take + 1) % ra->n_buf;
     ra->expect = pos + 1;
+    return FL_OK;
+}
+
+int32_t fl_readahead_skip(fl_readahead *ra, int64_t from, int64_t to) {
+    if (!ra || from < 0 || to < from) return FL_EINVAL;
+    pthread_mutex_lock(&ra->mu);
+    ra->skip_from = from;
+    ra->skip_to = to;
+    pthread_mutex_unlock(&ra->mu);
     return FL_OK;
 }
 

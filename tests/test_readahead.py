@@ -80,6 +80,33 @@ def test_a_jump_restarts_the_ring_where_asked(ffn_file):
         close(ring, readers)
 
 
+def test_skipped_positions_are_handed_over_unread_in_place(ffn_file):
+    """skip(a, b): positions a .. b-1 come back in order with zero counters and no read (the
+    readers' byte counts say so), the ring keeps running (no restart), and the positions after
+    them hold the file's bytes."""
+    path, data = ffn_file
+    schedule = [(layer, c, 8) for layer in range(3) for c in (0, 8)]     # 6 entries a lap
+    ring, readers = make_ring(path, schedule, n_buf=2)
+    try:
+        ring.take(0)
+        ring.skip(9, 11)                                           # lap 2: layer 1's two chunks
+        ring.release()
+        for pos in range(1, 18):
+            layer, first, n = schedule[pos % len(schedule)]
+            rows, counters = ring.take(pos)                        # (n, stride)
+            if 9 <= pos < 11:
+                assert counters["bytes_requested"] == 0 and counters["reads"] == 0
+            else:
+                assert counters["bytes_requested"] == n * STRIDE
+                np.testing.assert_array_equal(rows, data[layer, first:first + n])
+            ring.release()
+            assert ring.running
+        total = sum(r.stats().bytes_requested for r in readers)   # 16 taken, 2 unread,
+        assert 16 * 8 * STRIDE <= total <= 18 * 8 * STRIDE           # at most 2 read ahead
+    finally:
+        close(ring, readers)
+
+
 def test_a_consumer_that_holds_every_buffer_stalls_only_the_reader(ffn_file):
     path, data = ffn_file
     schedule = [(layer, 0, 8) for layer in range(3)]

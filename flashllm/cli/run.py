@@ -12,6 +12,7 @@ from typing import Optional
 import typer
 
 from flashllm.session.options import AUTO_DRAFT, DRAFT_KINDS, PREDICTOR_MODES, parse_budget
+from flashllm.session.structured import CUT_NOTE
 from flashllm.cli.app import (finite, MODEL_HELP, DEFAULT_THREADS, MAX_THREADS, cache_dir, choice,
                               command, err, fail, model_path)
 from flashllm.cli.progress import eta_progress
@@ -92,16 +93,27 @@ def run(
                                                  "of the model's."),
     as_json: bool = typer.Option(False, "--json", help="Timings as one JSON object on stderr "
                                  "(instead of the text lines)."),
+    json_schema: Optional[str] = typer.Option(None, "-j", "--json-schema", help="Constrain the "
+                                              "output (each answer in a chat) to JSON valid "
+                                              "under this JSON schema (text)."),
+    json_schema_file: Optional[Path] = typer.Option(None, "--json-schema-file", help="As "
+                                                    "--json-schema, the schema read from FILE."),
+    grammar_file: Optional[Path] = typer.Option(None, "--grammar-file", help="Constrain the "
+                                                "output to a GBNF grammar (llama.cpp's format) "
+                                                "read from FILE."),
 ) -> None:
     """Generate text from a prompt (tokens stream to stdout as they are made), or chat (-i)."""
-    from flashllm.session.run import Drafting, FlashAsked, assemble, drafter, request
+    from flashllm.session.run import Drafting, FlashAsked, assemble, request
     from flashllm.session.stream import Sampling
+    from flashllm.session.structured import output_format
 
     if interactive and (prompt is not None or file is not None):
         fail("give a prompt (-p/-f) or -i/--chat, not both")
     if not interactive and (system is not None or chat_template is not None):
         fail("-sys/--system and --chat-template are for a chat: give -i/--chat (a one-shot "
              "prompt is completed as it is)")
+    fmt = output_format(json_schema, json_schema_file, grammar_file)
+    grammar = fmt.compile() if fmt is not None else None     # before the model loads
     budget = parse_budget(dram_budget) if dram_budget is not None else None   # one line if bad
     drafting = Drafting.asked(draft, draft_kind and draft_kind.value, dram_budget is not None,
                               auto=not (naive or dense or interactive))
@@ -115,29 +127,53 @@ def run(
     asked = FlashAsked(budget, window, naive, dense, check_recall, predictor.value,
                        sparse_head, draft_head_rows)
     req = request(path, asked, sampling, drafting, threads, ctx_size,
-                  None if interactive else (text, n_predict), calibrate)
+                  None if interactive else (text, n_predict), calibrate,
+                  constrained=grammar is not None)
     parts = assemble(req, cache_dir(), lambda m: err.print(m, markup=False, soft_wrap=True))
-    sampler = sampling.sampler()
     try:
-        guesser = drafter(parts.net, sampler, parts.drafting, draft_p_min, parts.head_rows)
+        sampler, guesser = _stream(parts, sampling, grammar, draft_p_min, budget is not None)
         if interactive:
             _chat(parts, sampler, system, chat_template, n_predict, as_json, guesser)
         else:
             stats = _complete(parts, sampler, n_predict, guesser)
-            _report(stats, parts, flash_stats, as_json, no_timings)
+            if grammar is not None and not sampler.accepting():
+                err.print(CUT_NOTE, markup=False, soft_wrap=True)
+            _report(stats, parts, flash_stats, as_json, no_timings,
+                    _grammar_json(sampler, guesser) if grammar is not None else None)
         if flash_stats and not as_json:
             _print_flash_stats(parts)
     finally:                      # stop the read-ahead before the buffers go away
         parts.close()
 
 
-def _report(stats, parts, flash_stats: bool, as_json: bool, no_timings: bool) -> None:
+def _stream(parts, sampling, grammar: Optional[str], p_min: float, lean: bool):
+    """The run's sampler and drafter: constrained by the compiled grammar when there is one
+    (its forced tokens drafted, the drafter's guesses kept to what it allows; lean: its token
+    table in less memory, under a budget)."""
+    from flashllm.session.run import drafter
+    from flashllm.session.structured import constrained, grammar_draft, token_env_of
+    if grammar is None:
+        sampler = sampling.sampler()
+        return sampler, drafter(parts.net, sampler, parts.drafting, p_min, parts.head_rows)
+    sampler = constrained(sampling.params(), token_env_of(parts.tok, parts.flash, lean), grammar)
+    inner = drafter(parts.net, sampler, parts.drafting, p_min, parts.head_rows)
+    return sampler, grammar_draft(sampler, inner)
+
+
+def _grammar_json(sampler, draft) -> dict:
+    """--json's "grammar" section: the masks' seconds, the forced tokens drafted, whether the
+    output is a whole sentence of the grammar."""
+    return {"mask_s": sampler.mask_s, "forced": draft.n_forced, "complete": sampler.accepting()}
+
+
+def _report(stats, parts, flash_stats: bool, as_json: bool, no_timings: bool,
+            grammar: Optional[dict] = None) -> None:
     """A one-shot run's timings on stderr: the llama.cpp-style lines, or one JSON object (with
-    the flash counters under --stats)."""
+    the flash counters under --stats, a grammar's under "grammar")."""
     from flashllm.session.stream import flash_json, stats_json
     if as_json:
-        err.print(stats_json(stats, flash_json(parts) if flash_stats else None), markup=False,
-                  soft_wrap=True, highlight=False)
+        err.print(stats_json(stats, flash_json(parts) if flash_stats else None, grammar),
+                  markup=False, soft_wrap=True, highlight=False)
     elif not no_timings:
         err.print(stats.summary(), markup=False, soft_wrap=True)
 

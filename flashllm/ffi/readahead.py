@@ -72,6 +72,10 @@ class ReadAheadRing:
         check(status, f"read-ahead of schedule position {pos} ({what})")
         return int(self._k[0]), read_stats(self._delta), float(self._idle[0])
 
+    def skip(self, start: int, stop: int) -> None:
+        """Schedule positions [start, stop) are handed over unread (fl_readahead_skip)."""
+        check(self._lib.fl_readahead_skip(self._h, start, stop), "read-ahead skip")
+
     def release(self) -> None:
         check(self._lib.fl_readahead_release(self._h), "read-ahead release")
 

@@ -31,7 +31,8 @@ class TurnStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     n_dropped: int = 0         # messages dropped to make room
-    stop: str = ""             # "eos", "limit", "interrupted", "context"
+    stop: str = ""             # "eos", "limit", "interrupted", "context", "complete" (a
+                               # grammar that allows nothing more), "cut" (-n before it did)
 
     def to_dict(self) -> dict:
         return {**self.__dict__,
@@ -130,7 +131,9 @@ class ChatSession:
         detok, n_ctx, limit = self.tokenizer.detokenizer(), self.model.n_ctx, self.limit
         stops, answer = set(self.tokenizer.eos_ids), []
         t0 = time.perf_counter()
-        logits = prefill(self.model, ids[keep:], keep)                       # (vocab,)
+        self.sampler.begin(len(ids))         # a grammar constrains each answer from its start
+        logits = prefill(self.model, ids[keep:], keep,
+                         allowed=self.sampler.rows_allowed(ids, [], {}))     # (vocab,)
         stats.prefill_s = time.perf_counter() - t0
         self.cached = list(ids)
         context = list(ids)                  # + the answer so far; ends with the token to feed
@@ -144,8 +147,11 @@ class ChatSession:
                 context.append(token)
                 stats.n_gen += 1
                 on_text(detok.push(token))
+                if self.sampler.finished(context):       # a complete grammar
+                    stats.stop = "complete"
+                    break
                 if limit is not None and stats.n_gen >= limit:
-                    stats.stop = "limit"
+                    stats.stop = "limit" if self.sampler.accepting(context) else "cut"
                     break
             if stats.stop:
                 break
@@ -204,7 +210,8 @@ COMMANDS = {"/exit": "leave (or Ctrl-D)", "/reset": "forget the conversation",
             "/stats": "context use and speeds", "/help": "this list"}
 STOP_NOTES = {"interrupted": "[answer stopped]",
               "limit": "[answer cut at the -n limit of {n} tokens: raise -n for longer answers]",
-              "context": "[context full: the oldest turns are dropped on the next turn]"}
+              "context": "[context full: the oldest turns are dropped on the next turn]",
+              "cut": "[output cut by -n before the grammar completed ({n} tokens): raise -n]"}
 
 
 @dataclass

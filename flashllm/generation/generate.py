@@ -25,7 +25,7 @@ class GenStats:
     decode_s: float = 0.0  # decode forward passes (and the drafting of their guesses)
     draft_s: float = 0.0   # of it, drafting guesses (a self-speculative draft computes them)
     sample_s: float = 0.0  # sampler calls
-    stopped: bool = False  # ended on a stop token
+    stopped: bool = False  # ended on a stop token (or a complete grammar: Sampler.finished)
 
     @staticmethod
     def _line(label: str, seconds: float, n: int, unit: str) -> str:
@@ -72,13 +72,15 @@ Progress = Callable[[int, int], None]      # (layers done, n_layers) of a prefil
 
 
 def prefill(model, ids: Sequence[int], pos0: int = 0,
-            progress: Optional[Progress] = None) -> np.ndarray:
+            progress: Optional[Progress] = None, allowed: Optional[list] = None) -> np.ndarray:
     """Run the prompt ids (T,) at positions pos0..; the next-token logits (vocab,).
-    progress(layers done, n_layers) after each layer, when given."""
+    progress(layers done, n_layers) after each layer, when given; allowed: a grammar's mask of
+    the next token ([(vocab,) bool], Model.forward's), when there is one."""
     tokens = np.asarray(ids, dtype=np.int32)                                       # (T,)
-    if progress is None:
-        return model.forward(tokens, pos0, last_only=True)[0]                     # (vocab,)
-    return model.forward(tokens, pos0, last_only=True, progress=progress)[0]      # (vocab,)
+    more = {} if progress is None else {"progress": progress}
+    if allowed is not None:
+        more["allowed"] = allowed
+    return model.forward(tokens, pos0, last_only=True, **more)[0]                 # (vocab,)
 
 
 def generate(model, sampler, prompt_ids: Sequence[int], n_predict: int,
@@ -87,7 +89,8 @@ def generate(model, sampler, prompt_ids: Sequence[int], n_predict: int,
              on_prefill: Optional[Progress] = None) -> GenStats:
     """Prefill prompt_ids at pos0, then sample up to n_predict tokens (n_predict < 0: until a
     stop token or the context is full). Each emitted token goes to on_token; a stop token ends
-    the loop without being emitted. With a draft (speculate.NgramDraft), each pass also checks
+    the loop without being emitted, as does a sampler's complete grammar (Sampler.finished:
+    nothing but the end may follow, so no pass runs for it). With a draft (speculate.NgramDraft), each pass also checks
     the draft's guesses and may yield several tokens, distributed as without it. on_prefill:
     prefill's progress."""
     stops = set(int(t) for t in stop_ids)
@@ -95,7 +98,9 @@ def generate(model, sampler, prompt_ids: Sequence[int], n_predict: int,
     stats = GenStats(n_prompt=len(history))
     clock = time.perf_counter
     t0 = clock()
-    logits = prefill(model, history, pos0, on_prefill)      # (vocab,)
+    sampler.begin(len(history))
+    allowed = sampler.rows_allowed(history, [], {})         # a grammar's first mask, or None
+    logits = prefill(model, history, pos0, on_prefill, allowed)   # (vocab,)
     stats.prefill_s = clock() - t0
     pos = pos0 + len(history)                               # where the next fed token goes
     limit = n_predict if n_predict >= 0 else model.n_ctx - pos + 1
@@ -113,6 +118,9 @@ def generate(model, sampler, prompt_ids: Sequence[int], n_predict: int,
             stats.n_gen += 1
             if on_token is not None:
                 on_token(token)
+            if sampler.finished(history):        # a complete grammar: only the end may follow
+                stats.stopped = True
+                return stats
             if stats.n_gen == limit:
                 return stats
         if pos >= model.n_ctx:
@@ -146,7 +154,9 @@ def decode_pass(model, sampler, draft: Optional[Draft], history: list, pos: int,
     t1 = time.perf_counter()
     order = sorted(sib)
     tokens = np.array(history[-1:] + list(guesses) + [sib[j] for j in order], dtype=np.int32)
-    rows = model.forward(tokens, pos, siblings=[1 + j for j in order])
+    allowed = sampler.rows_allowed(history, guesses, sib)   # None, or a grammar's mask a row
+    more = {} if allowed is None else {"allowed": allowed}
+    rows = model.forward(tokens, pos, siblings=[1 + j for j in order], **more)
     # rows (1 + k + S, vocab): after the fed token, each guess, each sibling
     seconds = time.perf_counter() - t0
     new, kept = verify_tree(sampler, rows, guesses, sib, history)

@@ -6,7 +6,7 @@ penalized argmax. The draw uses a numpy Generator seeded from SamplerParams.seed
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -93,6 +93,25 @@ class Sampler:
         self.params = params.validate()
         self.rng = np.random.default_rng(params.seed)
 
+    def begin(self, n_context: int) -> None:
+        """A new text starts after the first n_context tokens of the history (a constrained
+        sampler's grammar starts there: generation/constrain.py); nothing for this one."""
+
+    def finished(self, history: Sequence[int]) -> bool:
+        """Whether nothing but the end may follow history (a complete grammar); never here."""
+        return False
+
+    def accepting(self, history: Optional[Sequence[int]] = None) -> bool:
+        """Whether history (None: what the sampler last saw) may end here as far as a grammar
+        goes (always, without one)."""
+        return True
+
+    def rows_allowed(self, history: Sequence[int], guesses: Sequence[int],
+                     siblings: dict) -> Optional[list]:
+        """The tokens each row of a decode pass may take ((vocab,) bool masks, Model.forward's
+        allowed), or None: any (no grammar)."""
+        return None
+
     def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
         """logits (vocab,) of the next token; history: the token ids so far (prompt included)."""
         ids, probs = self.distribution(logits, history)  # (n,), (n,)
@@ -128,11 +147,15 @@ class Sampler:
     def distribution(self, logits: np.ndarray, history: Sequence[int] = ()):
         """The candidates left by the chain and their probabilities: (ids (n,), probs (n,)).
         Greedy (temp <= 0) leaves one candidate with probability 1."""
-        prm = self.params
         logits = self._penalized(logits, history)       # (vocab,)
+        return self.chain(np.arange(len(logits)), logits)
+
+    def chain(self, ids: np.ndarray, logits: np.ndarray):
+        """The chain after the penalties over candidates ids (n,) with their logits (n,):
+        (ids (k,), probs (k,)); greedy: the argmax alone (the first of ties)."""
+        prm = self.params
         if prm.temp <= 0.0:
-            return np.array([int(np.argmax(logits))]), np.ones(1)
-        ids = np.arange(len(logits))                    # (vocab,)
+            return np.array([int(ids[np.argmax(logits)])]), np.ones(1)
         ids, cand = top_k(ids, logits, prm.top_k)       # (n,), (n,) sorted descending
         ids, cand = top_p(ids, cand, prm.top_p)
         ids, cand = min_p(ids, cand, prm.min_p)

@@ -113,7 +113,8 @@ class Model:
 
     def forward(self, tokens, pos0: int, last_only: bool = False,
                 siblings: Sequence[int] = (),
-                progress: Optional[Callable[[int, int], None]] = None) -> np.ndarray:
+                progress: Optional[Callable[[int, int], None]] = None,
+                allowed: Optional[list] = None) -> np.ndarray:
         """logits (T, vocab) f32 for tokens (T,) at positions pos0 .. pos0+T-1; (1, vocab) for
         the last position only when last_only (a prompt's prefill: the FFN's stats count the pass
         as prefill, any other as decode). Keys/values of those positions enter the cache.
@@ -123,7 +124,9 @@ class Model:
         token there, after the chain's tokens before it. Its logits are the ones a pass with it
         in the chain would give, bit for bit (each query attends to exactly those keys, in the
         same order); its keys and values stay aside until keep_sibling puts them in the cache.
-        progress(layers done, n_layers) after each layer (a long prompt's prefill shows it)."""
+        progress(layers done, n_layers) after each layer (a long prompt's prefill shows it).
+        allowed: a grammar's (vocab,) bool mask of each returned row (None: any token): the
+        sparse head reads only allowed rows, a logit it does not read is -inf."""
         tokens = np.ascontiguousarray(tokens, dtype=np.int32).reshape(-1)  # (T,)
         sib = np.asarray(siblings, dtype=np.int32).reshape(-1)           # (S,)
         T, n = len(tokens), len(tokens) - len(sib)
@@ -138,6 +141,8 @@ class Model:
         self.fed[pos0:pos0 + n] = tokens[:n]
         self._sibling_kv(tokens[n:])
         self.ffn.start_pass(T, prefill=last_only, pos0=pos0)
+        if allowed is not None and self.head is not None:
+            self.head.prepare(allowed)      # a grammar's few rows: the sketch's reads skipped
         x = self._embed(tokens, pos)                                     # (T, d_model)
         blocks = self._token_blocks() if T == 1 and self.token_blocks else None
         for i in range(self.config.n_layers):
@@ -155,17 +160,18 @@ class Model:
                 progress(i + 1, self.config.n_layers)
         if last_only:
             x = np.ascontiguousarray(x[-1:])                             # (1, d_model)
-        return self.output_rows(x, pos[-len(x):], tokens[-len(x):])      # (T, vocab)
+        return self.output_rows(x, pos[-len(x):], tokens[-len(x):], allowed)  # (T, vocab)
 
-    def output_rows(self, x: np.ndarray, pos: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    def output_rows(self, x: np.ndarray, pos: np.ndarray, tokens: np.ndarray,
+                    allowed: Optional[list] = None) -> np.ndarray:
         """logits (T, vocab) of the last layer's rows x (T, d_model), at positions pos (T,)
-        fed tokens (T,): the final norm, the output head and the soft cap."""
+        fed tokens (T,): the final norm, the output head and the soft cap. allowed: forward's."""
         x = self._norm(x, self.w.out_norm, self.w.out_norm_b)            # (T, d_model)
         if self.w.proj_out is not None:
             x = kernel.matmul(self.w.proj_out, x, None, self.n_threads, self.exact)  # (T, d_embed)
         if self.config.logit_scale != 1.0:       # head(x) / s as head(x / s): the sparse head too
             x = x / np.float32(self.config.logit_scale)                  # (T, embed_dim)
-        logits = self._output(x, pos, tokens)                            # (T, vocab)
+        logits = self._output(x, pos, tokens, allowed)                   # (T, vocab)
         cap = self.config.final_softcap
         if not cap:
             return logits
@@ -268,15 +274,17 @@ class Model:
         self._sib_k = np.zeros(shape, self.k_cache.dtype)                # (n_layers, S, n_kv, hd)
         self._sib_v = np.zeros(shape, self.v_cache.dtype)                # (n_layers, S, n_kv, hd)
 
-    def _output(self, x: np.ndarray, pos: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    def _output(self, x: np.ndarray, pos: np.ndarray, tokens: np.ndarray,
+                allowed: Optional[list] = None) -> np.ndarray:
         """(T, vocab) logits of x at positions pos (T,) fed tokens (T,): resident or streamed
-        head, or the sparse head's (-inf where the sampler cannot keep a token)."""
+        head, or the sparse head's (-inf where the sampler cannot keep a token, or a grammar's
+        mask in allowed forbids it)."""
         if self.head is None:
             return self.w.output(x, self.exact)                          # (T, vocab)
         n = self.head.need.recent
         recent = [np.append(self.fed[0 if n < 0 else max(0, p + 1 - n):p], t) if n
                   else self.fed[:0] for p, t in zip(pos, tokens)]        # (<= n,) each
-        return self.head.logits(x, recent, self.exact)                   # (T, vocab)
+        return self.head.logits(x, recent, self.exact, allowed)          # (T, vocab)
 
     def _embed(self, tokens: np.ndarray, pos: np.ndarray) -> np.ndarray:
         cfg = self.config

@@ -42,6 +42,9 @@ EXACT_SHARE = 0.01     # ... each holding at least this share of the first hidde
 F16_EPS = 2.0 ** -11   # f16 rounding: |w16 - w| <= F16_EPS |w| + F16_TINY
 F16_TINY = 2.0 ** -25
 MAX_READ_SHARE = 0.5   # candidate pages above this share of the head's bytes: read it whole
+ALLOWED_SHARE = 0.25   # a grammar's allowed rows up to this share of the sketch's bytes are
+                       # read on their own, the sketch not at all (scattered rows read slower
+                       # than the sketch's one sequential stream)
 PAGE = 4096
 HEAD_ROWS_READ = 2 << 20   # candidate rows a token reads, planned for a head calibration has not
                            # measured (greedy reads ~1 MB on the 1.5B, top-k 40 more)
@@ -155,23 +158,42 @@ class SparseHead:
         self.dtype, (self.vocab, self.cols) = t["dtype"], t["shape"]
         self.row_bytes, self.offset = t["nbytes"] // self.vocab, t["offset"]
         self.head_bytes = t["nbytes"]
+        self.sketch_bytes = flash.dense_entry(SKETCH)["nbytes"]
         self.dims = None           # (k,) the hidden dims whose columns are exact, from the first x
         self.columns = None        # (k, vocab) f16 those columns of the head
         self.col_max = None        # (k,) f32 the largest |value| of each
         self.tokens = self.rows = self.pages = self.fallbacks = 0
+        self.allowed_only = 0      # tokens whose allowed rows were read without the sketch
+        self.sketch_read = 0       # bytes of the sketch read (streamed)
         self.sketch_s = self.exact_s = 0.0
 
-    def logits(self, x: np.ndarray, recent: list[np.ndarray], exact: bool) -> np.ndarray:
+    def logits(self, x: np.ndarray, recent: list[np.ndarray], exact: bool,
+               allowed: Optional[list] = None) -> np.ndarray:
         """(T, vocab) f32 logits of x (T, cols): exact over the candidates, -inf elsewhere;
-        recent[t] (n,) the tokens fed up to row t that a repeat penalty looks at."""
+        recent[t] (n,) the tokens fed up to row t that a repeat penalty looks at. allowed[t]
+        (vocab,) bool: a grammar's mask of row t (None: any token), every candidate within it;
+        when reading all the allowed rows costs fewer bytes than the sketch, exactly those are
+        read and the sketch is not (prepare told a read-ahead ring to skip it)."""
         T = len(x)
         if self.dims is None:
             self.exact_dims(x)
         t0 = time.perf_counter()
-        s, xb, slack = self.estimate(x)                    # (T, vocab) (T, d_pad / 256) (T,)
-        cand = np.unique(np.concatenate(
-            [self.candidates(*self.bounds_of(s[t], xb[t], slack[t])) for t in range(T)]
-            + [np.asarray(r, np.int64) for r in recent]))                 # (k,)
+        few = self.allowed_rows(allowed, recent)                          # (k,) or None
+        if few is not None:
+            s, cand = np.empty((T, self.vocab), np.float32), few         # (T, vocab), (k,)
+            self.allowed_only += T
+            if self._in_ring():                 # skipped (prepare), or read all the same
+                drained = self.stream.drain_head()
+                self.w.count(drained)
+                self.sketch_read += drained.get("bytes_requested", 0)
+        else:
+            read0 = self.w.bytes_read
+            s, xb, slack = self.estimate(x)               # (T, vocab) (T, d_pad / 256) (T,)
+            self.sketch_read += self.w.bytes_read - read0
+            cand = np.unique(np.concatenate(
+                [self.candidates(*self.bounds_of(s[t], xb[t], slack[t]),
+                                 allowed=None if allowed is None else allowed[t])
+                 for t in range(T)] + [self._recent(r, allowed) for r in recent]))   # (k,)
         self.sketch_s += time.perf_counter() - t0
         self.tokens += T
         pages = self.pages_of(cand)
@@ -188,6 +210,36 @@ class SparseHead:
         self.exact_s += time.perf_counter() - t1
         self.rows, self.pages = self.rows + len(cand), self.pages + pages
         return s
+
+    def prepare(self, allowed: Optional[list]) -> None:
+        """Before a pass whose rows a grammar masks (allowed, as logits'): when only the allowed
+        rows will be read, the read-ahead ring carrying the sketch skips its extents."""
+        if self._in_ring() and self.allowed_rows(allowed, []) is not None:
+            self.stream.skip_head(SKETCH)
+
+    def _in_ring(self) -> bool:
+        return self.stream is not None and self.stream.head_chunks(SKETCH) is not None
+
+    def allowed_rows(self, allowed: Optional[list], recent: list) -> Optional[np.ndarray]:
+        """The ids (k,) of every row a grammar allows in any of a pass's rows, when reading them
+        costs fewer bytes than the sketch; else None (the sketch ranks them). recent: as
+        logits' (the penalty's tokens; those the grammar allows are read too)."""
+        if allowed is None:
+            return None
+        union = np.logical_or.reduce(allowed)                            # (vocab,)
+        most = ALLOWED_SHARE * self.sketch_bytes
+        if np.count_nonzero(union) * self.row_bytes >= most:
+            return None
+        rows = np.unique(np.concatenate([np.flatnonzero(union)] +
+                                        [self._recent(r, allowed) for r in recent]))  # (k,)
+        return rows if self.pages_of(rows) * PAGE < most else None
+
+    @staticmethod
+    def _recent(tokens, allowed: Optional[list]) -> np.ndarray:
+        """The recent tokens (n,) a penalty changes, those some row allows when a grammar
+        masks them (a forbidden token's logit is -inf whatever it is)."""
+        r = np.asarray(tokens, np.int64)                                 # (n,)
+        return r if allowed is None else r[np.logical_or.reduce(allowed)[r]]
 
     def exact_dims(self, x: np.ndarray, most: int = EXACT_DIMS, share: float = EXACT_SHARE):
         """Choose the dims that hold at least `share` of hidden states x's (T, cols) energy (a
@@ -245,16 +297,22 @@ class SparseHead:
         chunks = self.stream.head_chunks(SKETCH) if self.stream is not None else None
         return self.w.sketch_output(xp, chunks)                           # (T, vocab)
 
-    def candidates(self, hi: np.ndarray, lo: np.ndarray, need: Optional[HeadNeed] = None):
+    def candidates(self, hi: np.ndarray, lo: np.ndarray, need: Optional[HeadNeed] = None,
+                   allowed: Optional[np.ndarray] = None):
         """Row ids (k,) whose exact logit may be one the sampler keeps (need, default the
-        head's), from one position's bounds hi, lo (vocab,)."""
+        head's), from one position's bounds hi, lo (vocab,); among allowed (vocab,) bool when
+        a grammar masks the row (the top k and the margin then count allowed rows only)."""
         need = need or self.need
+        if allowed is not None:
+            lo = np.where(allowed, lo, -np.inf).astype(np.float32)        # (vocab,)
         keep = np.zeros(self.vocab, bool)                                 # (vocab,)
         if need.top:
             k = min(need.top, self.vocab)
             keep |= hi >= np.partition(lo, self.vocab - k)[self.vocab - k]
         if need.margin:
             keep |= hi >= lo.max() - np.float32(need.margin)
+        if allowed is not None:
+            keep &= allowed
         return np.flatnonzero(keep)
 
     def pages_of(self, rows: np.ndarray) -> int:
@@ -266,7 +324,9 @@ class SparseHead:
 
     def stats(self) -> dict:
         return {"head_tokens": self.tokens, "head_rows": self.rows, "head_pages": self.pages,
-                "head_fallbacks": self.fallbacks, "head_sketch_s": self.sketch_s,
+                "head_fallbacks": self.fallbacks, "head_allowed_only": self.allowed_only,
+                "head_sketch_bytes": self.sketch_read,
+                "head_sketch_s": self.sketch_s,
                 "head_exact_s": self.exact_s}
 
 

@@ -14,6 +14,7 @@ across layers and passes.
     first, rows, counters = stream.take_ffn(layer, j)  j < stream.ffn_chunks(layer); release()
     buf, counters = stream.attention(layer)          bytes valid until the next take
     for j, buf, counters in stream.head_chunks(name): the head's (or its sketch's) extents
+    stream.skip_head(name) ... stream.drain_head()    a pass that needs none of them: unread
 
 A pass takes its entries in schedule order. The position of a take is the next one at or after
 the cursor that holds that entry, so a pass that was cut short (an error, a pass that did not
@@ -91,10 +92,32 @@ class PassStream(ReadStream):
             return None
         return self._take_head()
 
+    def skip_head(self, name: str) -> bool:
+        """The next pass needs none of matrix `name`'s extents (a grammar allows few rows of the
+        head, read on their own): the ring hands them over unread, and drain_head takes them.
+        False when the stream does not carry that matrix or the ring is not running."""
+        if not self.head_extents or name != self.head_matrix or self.ring is None:
+            return False
+        n = len(self.entries)
+        at = [self._cursor + (self._pos[("head", j)] - self._cursor) % n
+              for j in range(len(self.head_extents))]
+        self.ring.skip(min(at), max(at) + 1)
+        return True
+
+    def drain_head(self) -> dict:
+        """Take and release the head's extents of this pass unused (after skip_head); the
+        counters of what was read all the same (a skip that came late), summed."""
+        total: dict = {}
+        for _, _, counters in self._take_head():
+            for k, v in counters.items():
+                total[k] = total.get(k, 0) + v
+        return total
+
     def _take_head(self) -> HeadChunks:
         for j, (_, nbytes, lead) in enumerate(self.head_extents):
             rows, counters = self.take(("head", j))                        # (n, stride)
-            counters = {**counters, "bytes_requested": counters["bytes_requested"] - lead}  # as
+            counters = {**counters, "bytes_requested": max(counters["bytes_requested"] - lead,
+                                                           0)}   # (0: skipped) as
             # the reader's own rounding to pages, the lead is not counted
             try:
                 yield j, rows.reshape(-1)[lead:nbytes], counters

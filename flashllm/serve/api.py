@@ -3,10 +3,12 @@
 Validation follows OpenAI's API: a field of the wrong type or out of range is a 400 naming it
 (`param`); unknown fields are ignored (as llama.cpp's server and vLLM do, so clients that send
 their own extensions still work); fields we know but cannot honour (n > 1, logprobs, echo,
-tools, presence/frequency penalties) are a 400. Sampling defaults are `flashllm run`'s.
+tools, presence/frequency penalties) are a 400. response_format (json_object, json_schema) is
+compiled here: a schema that does not compile is a 400. Sampling defaults are `flashllm run`'s.
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -45,6 +47,7 @@ class Ask:
     stops: tuple
     stream: bool
     include_usage: bool = False
+    grammar: Optional[str] = None       # response_format's, compiled (generation/grammar.py)
 
 
 def parse_ask(body, chat: bool, model_ids: tuple, max_tokens_cap: int) -> Ask:
@@ -73,7 +76,36 @@ def parse_ask(body, chat: bool, model_ids: tuple, max_tokens_cap: int) -> Ask:
         raise ApiError(400, "stream_options must be an object", "stream_options")
     usage = stream and bool((options or {}).get("include_usage", False))
     prompt, messages = (None, _messages(body)) if chat else (_prompt(body), None)
-    return Ask(chat, prompt, messages, params, max_tokens, _stops(body), stream, usage)
+    return Ask(chat, prompt, messages, params, max_tokens, _stops(body), stream, usage,
+               _response_format(body))
+
+
+def _response_format(body: dict) -> Optional[str]:
+    """The compiled grammar of response_format: {"type": "json_object"} (any JSON object) or
+    {"type": "json_schema", "json_schema": {"schema": {...}}}; None for none or "text". 400 for
+    any other, or a schema that does not compile."""
+    from flashllm.generation.grammar import GrammarError, compile_grammar
+    fmt = body.get("response_format")
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        schema = {"type": "object"}
+    elif kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, (dict, bool)):
+            raise ApiError(400, "response_format.json_schema.schema must be a JSON schema "
+                           "(an object)", "response_format")
+    else:
+        raise ApiError(400, "response_format.type must be one of text, json_object, "
+                       "json_schema", "response_format")
+    try:
+        return compile_grammar("json_schema", json.dumps(schema))
+    except GrammarError as e:
+        raise ApiError(400, f"response_format: {e}", "response_format") from None
 
 
 def _refuse_unsupported(body: dict, chat: bool) -> None:

@@ -40,6 +40,17 @@ class Engine:
     nets: list
     n_ctx: int
     parts: object = None
+    lean: bool = False            # under a DRAM budget: grammars' token table without slices
+    _env: object = None
+
+    def token_env(self):
+        """The model's token table for response_format grammars (generation/grammar.py),
+        built once, at the first request that has one (the worker's thread)."""
+        if self._env is None:
+            from flashllm.generation.grammar import token_env
+            cfg = self.flash.config
+            self._env = token_env(self.tok, cfg.vocab_size, cfg.bos_token_id, self.lean)
+        return self._env
 
     def forget_records(self) -> None:
         """Drop the FFN's per-pass --stats records (they would grow with every pass)."""
@@ -61,7 +72,8 @@ def open_engine(spec: EngineSpec, cache: Path, log: Log) -> Engine:
                      None, spec.calibrate, streams=spec.parallel)
     parts = assemble(req, cache, log)
     return Engine(spec.name, parts.flash, parts.tok, chat_template(parts.flash, parts.tok),
-                  parts.nets, parts.net.n_ctx, parts)
+                  parts.nets, parts.net.n_ctx, parts,
+                  lean=spec.dram_budget is not None)
 
 
 def chat_template(flash, tok):

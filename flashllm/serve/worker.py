@@ -173,6 +173,7 @@ class Worker:
         """Tokenize the job's prompt, check it fits, and put it in the best free slot."""
         try:
             ids = self._prompt_ids(job.ask)
+            sampler = self._sampler(job.ask)
         except ApiError as e:
             job.emit(("error", e))
             return
@@ -185,10 +186,22 @@ class Worker:
             len(ids), 0
         slot.cached, slot.n_cached = slot.cached[:keep], keep
         slot.limit = min(job.ask.max_tokens or limit, limit)
-        slot.sampler = Sampler(job.ask.params)
+        slot.sampler = sampler
+        slot.sampler.begin(len(ids))
         slot.detok = self.engine.tok.detokenizer()
         slot.stop = StopText(job.ask.stops)
         job.emit(("start", len(ids)))
+
+    def _sampler(self, ask: Ask) -> Sampler:
+        """The job's sampler: constrained by its response_format's grammar (each stream its own
+        matcher over the model's token table, built at the first such job)."""
+        if ask.grammar is None:
+            return Sampler(ask.params)
+        from flashllm.generation.constrain import ConstrainedSampler
+        try:
+            return ConstrainedSampler(ask.params, self.engine.token_env(), ask.grammar)
+        except FlashError as e:
+            raise ApiError(400, f"response_format: {e}", "response_format") from None
 
     def _prompt_ids(self, ask: Ask) -> list:
         eng, param = self.engine, "messages" if ask.chat else "prompt"
@@ -284,6 +297,8 @@ class Worker:
             slot.job.emit(("text", text))
         if stopped:
             return self._finish(slot, "stop", flush=False)
+        if slot.sampler.finished(slot.history):       # a complete response_format
+            return self._finish(slot, "stop")
         if slot.n_gen >= slot.limit or slot.fed >= self.engine.n_ctx:
             self._finish(slot, "length")
 

@@ -64,6 +64,8 @@ class RunRequest:
     one_shot: Optional[tuple] = None
     calibrate: str = ""               # the model as the user named it, when its conversion is ours
     streams: int = 1
+    constrained: bool = False         # a grammar's token table is built after the plan: its
+                                      # memory is set aside (generation/grammar.table_bytes)
 
 
 @dataclass
@@ -105,12 +107,14 @@ class FlashAsked:
 
 
 def request(path: Path, asked: FlashAsked, sampling, drafting: Drafting, threads: int,
-            ctx_size: int, one_shot: Optional[tuple], calibrate: str = "") -> RunRequest:
+            ctx_size: int, one_shot: Optional[tuple], calibrate: str = "",
+            constrained: bool = False) -> RunRequest:
     """The RunRequest of `run` (one_shot: (text, n_predict); None: a chat, whose context is
     ctx_size): a one-shot run's context first bounded by the prompt's bytes, the tokenizer kept
     in a chat or where it cannot decode through a byte table. calibrate: the model as the user
     named it when its conversion is flashllm's own (a name's, a .gguf's), calibrated once under a
-    budget; "" for a folder the user gave."""
+    budget; "" for a folder the user gave. constrained: a grammar constrains the output (its
+    token table's memory is counted with the process's)."""
     from flashllm.runtime.plan import AUTO_ROWS, FlashOptions
     need = sampling.head_need() if asked.sparse_head is not False else None
     rows = asked.draft_head_rows or AUTO_ROWS     # the draft's head rows: asked, or the plan's
@@ -125,7 +129,8 @@ def request(path: Path, asked: FlashAsked, sampling, drafting: Drafting, threads
         text, n_predict = one_shot
         n_ctx = min(ctx_size, len(text.encode()) + n_predict + 2)
         one_shot = (text, n_predict, ctx_size)
-    return RunRequest(path, fopts, need, threads, n_ctx, drafting, rows, one_shot, calibrate)
+    return RunRequest(path, fopts, need, threads, n_ctx, drafting, rows, one_shot, calibrate,
+                      constrained=constrained)
 
 
 def assemble(req: RunRequest, cache: Path, log: Log) -> Parts:
@@ -146,14 +151,14 @@ def assemble(req: RunRequest, cache: Path, log: Log) -> Parts:
     from flashllm.runtime.model import Model
     load_code()
     trim_heap()                      # the imports' freed heap: ~1 MiB the plan need not count
-    process = process_rss()
     man = read_manifest(req.path)
+    process = process_rss() + set_aside(req, man)
     held = req.n_ctx * req.streams                  # the positions every KV cache holds
     check_context_memory(man["config"], held)
     check_before_loading(man, req.flash, held, process)
     if req.calibrate and req.flash.flash and not is_calibrated(man) and \
             calibrate_once(req.path, log, req.calibrate, req.flash.dram_budget):
-        process = process_rss()                      # the plan of the calibrated folder
+        process = process_rss() + set_aside(req, man)   # the plan of the calibrated folder
         man = read_manifest(req.path)
         check_before_loading(man, req.flash, held, process)
     flash = open_flash(req.path, manifest=man)
@@ -186,6 +191,15 @@ def assemble(req: RunRequest, cache: Path, log: Log) -> Parts:
     nets = [net] + [net.new_stream() for _ in range(req.streams - 1)]
     return Parts(flash, tok, ids, net, ffn, weights, head, drafting,
                  plan.draft_rows if plan is not None else 0, nets)
+
+
+def set_aside(req: RunRequest, man) -> int:
+    """Bytes the run will hold besides what its plan places: a grammar's token table (lean
+    under a budget: session/structured.token_env_of)."""
+    if not req.constrained:
+        return 0
+    from flashllm.generation.grammar import table_bytes
+    return table_bytes(man["config"]["vocab_size"], lean=req.flash.dram_budget is not None)
 
 
 def repair_hint(path: Path, name: str) -> str:

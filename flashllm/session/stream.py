@@ -95,9 +95,12 @@ def flash_stats_lines(parts) -> list[str]:
     if head is not None:
         h = head.stats()
         n = max(1, h["head_tokens"])
+        only = f", {h['head_allowed_only']} only a grammar's allowed rows (no sketch)" \
+            if h["head_allowed_only"] else ""
         lines.append(f"sparse head: {h['head_rows'] / n:.0f} rows ({h['head_pages'] * 4 / n:.0f} "
-                     f"KiB) read a token, {h['head_fallbacks']} of {h['head_tokens']} read the "
-                     f"whole head; sketch {h['head_sketch_s'] * 1e3 / n:.1f} ms, rows "
+                     f"KiB) and {h['head_sketch_bytes'] / n / 2**20:.1f} MiB of sketch read a "
+                     f"token, {h['head_fallbacks']} of {h['head_tokens']} read the whole "
+                     f"head{only}; sketch {h['head_sketch_s'] * 1e3 / n:.1f} ms, rows "
                      f"{h['head_exact_s'] * 1e3 / n:.1f} ms a token")
     return lines
 
@@ -112,12 +115,13 @@ def flash_json(parts) -> dict:
     return d
 
 
-def stats_json(stats, flash: Optional[dict] = None) -> str:
+def stats_json(stats, flash: Optional[dict] = None, grammar: Optional[dict] = None) -> str:
     """One JSON object of a generation's counts, times and speeds (and the flash FFN's
-    per-token stats under "flash" with --stats)."""
+    per-token stats under "flash" with --stats, a grammar's counts under "grammar")."""
     import dataclasses
     import json
-    extra = {} if flash is None else {"flash": flash}
+    extra = ({} if flash is None else {"flash": flash}) | \
+        ({} if grammar is None else {"grammar": grammar})
     return json.dumps({**dataclasses.asdict(stats), "prefill_tps": stats.prefill_tps,
                        "decode_tps": stats.decode_tps, **extra})
 

@@ -14,7 +14,7 @@ a + c/B fit bends above the device's bandwidth ceiling at MiB reads — and keep
 most reads in flight among those within 10% of the fastest: the model leaves out what extra
 depth hides (copying merged reads out of staging while others are in flight, the uneven end of
 a batch) — on the 1.5B's 50% batches 32 in flight with ~170 KiB reads beat the model's pick of
-4 threads with 1 MiB reads by ×1.3–1.6 (BENCHMARKS.md "## I/O").
+4 threads with 1 MiB reads by ×1.3–1.6 (docs/IO.md).
 """
 from __future__ import annotations
 

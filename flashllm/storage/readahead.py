@@ -127,6 +127,11 @@ class ReadAhead:
         rows = self.buffers[k, :self.schedule[pos % len(self.schedule)].rows]   # (n, stride)
         return rows, {**read_counters(delta), "ring_idle_s": idle}
 
+    def skip(self, start: int, stop: int) -> None:
+        """Positions [start, stop) are handed over unread: their take() gives stale bytes and
+        zero counters (a consumer that needs none of them, as a grammar's head)."""
+        self._ring.skip(start, stop)
+
     def release(self) -> None:
         """The buffer of the last take() may be read into again."""
         self._ring.release()

@@ -1,8 +1,8 @@
 """`make bench`: docs/DESIGN.md's benchmark protocol, written to BENCHMARKS.md (sections "Dense
-decode", "Flash inference", "Speculative decoding" and "Serving"; every other section of the file
-is kept).
+decode", "Flash inference", "Speculative decoding", "Serving" and "Structured output"; every other
+section of the file is kept).
 
-Run:  python -m scripts.bench.bench [--quick] [--sections dense,flash,draft,serve]
+Run:  python -m scripts.bench.bench [--quick] [--sections dense,flash,draft,serve,grammar]
                                     [--out BENCHMARKS.md]
 
 Dense decode (issue 2): SmolLM2-135M converted at f16 / q8_0 / q4_0 / q4_1, `flashllm run` decode and
@@ -17,6 +17,9 @@ Speculative decoding: draft.py's editing prompt, flashllm --draft 0 / 8 and llam
 plain / prompt lookup, uncapped, 560 MiB and 280 MiB (not with --quick).
 Serving (issue 49): `flashllm serve` on the 1.5B with 1, 2, 4 and 8 concurrent streaming
 clients, uncapped, 560 MiB and 280 MiB (serve.py; not with --quick).
+Structured output (issue 51): scripts/bench/grammar.py's JSON schemas at temperature 0.8 (valid /
+cut / invalid), the mask's cost in DRAM and a constrained token's head bytes under 560 MiB
+(--quick: SmolLM2, 5 prompts, no budget run).
 Paths in BENCHMARKS.md are written portably (report.portable: $FLASHLLM_CACHE/..., build/...).
 Raw results (stderr tails, stats JSON) go to build/bench.json.
 """
@@ -340,7 +343,7 @@ def draw_picture(rows: List[dict], info: Dict[str, str]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="SmolLM2 only, 32 tokens, one run each")
-    ap.add_argument("--sections", default="dense,flash,draft,serve")
+    ap.add_argument("--sections", default="dense,flash,draft,serve,grammar")
     ap.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
     ap.add_argument("--models-dir", type=Path, default=None,
                     help="a folder of GGUF files named as in MODELS (default: `flashllm pull` them)")
@@ -382,6 +385,10 @@ def main() -> None:
         caps = [None] + (["560MiB", "280MiB"] if not unavailable_reason() else [])
         raw["serve"] = serve_rows(args.cache, caps, 64, log)
         sections["## Serving"] = serve_section(raw["serve"], (start, loadavg()))
+    if "grammar" in wanted:
+        from scripts.bench import grammar
+        raw["grammar"] = grammar.collect(grammar.QUICK if args.quick else grammar.FULL, log)
+        sections["## Structured output"] = grammar.grammar_section(raw["grammar"])
     sections = {title: portable(text, args.cache, ROOT) for title, text in sections.items()}
     args.out.write_text(merge(args.out, header(info), sections), encoding="utf-8")
     (ROOT / "build" / "bench.json").write_text(json.dumps(raw, indent=1, default=str))

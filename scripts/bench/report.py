@@ -7,7 +7,8 @@ import re
 from pathlib import Path
 from typing import Dict, List, Optional
 
-MINE = ("## Dense decode", "## Flash inference", "## Speculative decoding", "## Serving")
+MINE = ("## Dense decode", "## Flash inference", "## Speculative decoding", "## Serving",
+        "## Structured output")
 TITLE = "# flashllm benchmarks"
 PICTURE = "![decode tok/s against the DRAM cap, flashllm and llama.cpp](docs/budget.png)"
 
@@ -55,7 +56,8 @@ def header(info: Dict[str, str]) -> str:
         "the platform's user cache folder, e.g. ~/.cache/flashllm on Linux), where `flashllm "
         "pull` puts models/NAME.gguf and the benchmark its converted/NAME-DTYPE folders.", "",
         "`make bench` (scripts/bench/bench.py) writes the sections \"Dense decode\", \"Flash "
-        "inference\", \"Speculative decoding\" and \"Serving\", and draws the 1.5B's rows of \"Flash "
+        "inference\", \"Speculative decoding\", \"Serving\" and \"Structured output\", and draws the "
+        "1.5B's rows of \"Flash "
         "inference\" as docs/budget.png (the README's picture); `make bench QUICK=1` is the "
         "SmolLM2-only development mode (no speculative section, no picture). \"## I/O\" and "
         "\"## Quality\" come from their own scripts (the command is given with each table); the "
