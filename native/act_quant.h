@@ -36,4 +36,22 @@ void fli_xq_quantize(int32_t dtype, const float *x, int64_t n, uint8_t *buf);
 
 #pragma GCC visibility pop
 
+/* superblock s (256 values) of a token quantized for a k-quant into buf (n values): its int8
+ * values, d and the int16 sums of its values per 32 and per 16 (the packed kernels' operand) */
+typedef struct {
+    const int8_t *q;     /* (256) */
+    const int16_t *bs32; /* (8) */
+    const int16_t *bs16; /* (16) */
+    float dx;
+} fli_xq_sb;
+
+static inline fli_xq_sb fli_xq_superblock(const uint8_t *buf, int64_t n, int64_t s) {
+    const int64_t nb = n / FL_QK;
+    const float *scale = (const float *)(buf + n);                            /* (nb, 8) */
+    const int16_t *bsum = (const int16_t *)(scale + 3 * nb * FL_XQ_LANES);    /* (nb) */
+    const fli_xq_sb o = {(const int8_t *)buf + s * FL_QK_K, bsum + 8 * s,
+                         bsum + (nb + 7) / 8 * 8 + 16 * s, scale[s * 8 * FL_XQ_LANES]};
+    return o;
+}
+
 #endif /* FLASHLLM_ACT_QUANT_H */

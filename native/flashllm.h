@@ -107,15 +107,15 @@ int32_t fl_get_rows(const void *w, int32_t dtype, int64_t rows, int64_t cols,
 int32_t fl_matmul(const void *w, int32_t dtype, int64_t rows, int64_t cols, const float *bias,
                   const float *x, int64_t T, float *y, int32_t exact, int32_t n_threads);
 
-/* Resident weights repacked for the matmul (pack.c; layouts q4kpack.c, q6kpack.c, q0pack.c): a
- * q4_k, q6_k, q8_0 or q5_0 w (rows, cols) rearranged 16 rows at a time so one broadcast of 4 int8
- * activations meets 4 values of 16 rows (llama.cpp's repacked q4_K idea); the values are w's,
- * only their order changes. fl_packed_bytes: the packed size, or 0 when this build or shape has
- * no packed kernel (q4_k / q6_k: AVX-512 VNNI; q8_0 / q5_0: AVX-512 VNNI or AVX2; rows a
- * multiple of 16): then multiply w as it is. A q6_k, q8_0 or q5_0 w may be packed in place
- * (out == w: the packed bytes are as many). fl_pack writes it (FL_EUNSUPPORTED when 0);
- * fl_matmul_packed is fl_matmul on it, int8 activations as fl_matmul's (its sums in another
- * order, so not fl_matmul's bits). */
+/* Resident weights repacked for the matmul (pack.c; layouts q4kpack.c, q6kpack.c, q5kpack.c,
+ * q23pack.c, q0pack.c): a q4_k, q6_k, q5_k, q2_k, q3_k, q8_0, q5_0 or q4_0 w (rows, cols)
+ * rearranged 16 rows at a time so one broadcast of 4 int8 activations meets 4 values of 16 rows
+ * (llama.cpp's repacked q4_K idea); the values are w's, only their order changes.
+ * fl_packed_bytes: the packed size, or 0 when this build or shape has no packed kernel (the
+ * k-quants: AVX-512 VNNI; q8_0 / q5_0 / q4_0: AVX-512 VNNI or AVX2; rows a multiple of 16): then
+ * multiply w as it is. Every one but q4_k may be packed in place (out == w: the packed bytes are
+ * as many). fl_pack writes it (FL_EUNSUPPORTED when 0); fl_matmul_packed is fl_matmul on it, int8
+ * activations as fl_matmul's (its sums in another order, so not fl_matmul's bits). */
 size_t fl_packed_bytes(int32_t dtype, int64_t rows, int64_t cols);
 int32_t fl_pack(int32_t dtype, const void *w, int64_t rows, int64_t cols, void *out);
 int32_t fl_matmul_packed(const void *p, int32_t dtype, int64_t rows, int64_t cols,

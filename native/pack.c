@@ -2,9 +2,10 @@
  * fl_matmul_packed in flashllm.h): the loop over groups of 16 rows and the threads over groups;
  * which dtypes have a packed layout is in the traits table (traits.c). Each layout and its
  * kernel live in their own file:
- * q4kpack.c (Q4_K), q6kpack.c (Q6_K), q0pack.c (Q8_0, Q5_0, Q4_0). All of them put one row in each
- * int32 lane of a zmm, so one broadcast of 4 int8 activations meets 4 values of 16 rows in one
- * vpdpbusd (AVX-512 VNNI builds only; elsewhere fl_packed_bytes is 0 and w is used as it is).
+ * q4kpack.c (Q4_K), q6kpack.c (Q6_K), q5kpack.c (Q5_K), q23pack.c (Q2_K, Q3_K), q0pack.c (Q8_0,
+ * Q5_0, Q4_0). All of them put one row in each int32 lane of a zmm, so one broadcast of 4 int8
+ * activations meets 4 values of 16 rows in one vpdpbusd (AVX-512 VNNI builds only; q0pack.c
+ * also AVX2; elsewhere fl_packed_bytes is 0 and w is used as it is).
  */
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -28,8 +29,8 @@ size_t fl_packed_bytes(int32_t dtype, int64_t rows, int64_t cols) {
     return (size_t)(rows / PACK_R) * group_bytes(dtype, cols);
 }
 
-/* out may be w when the layout is as large as the rows (q6_k, q8_0, q5_0, q4_0): each group is copied
- * aside first, so packing a large head in place takes no second copy of it */
+/* out may be w when the layout is as large as the rows (all but q4_k's): each
+ * group is copied aside first, so packing a large head in place takes no second copy of it */
 int32_t fl_pack(int32_t dtype, const void *w, int64_t rows, int64_t cols, void *out) {
     const size_t n = fl_packed_bytes(dtype, rows, cols);
     if (!w || !out || n == 0) return n == 0 ? FL_EUNSUPPORTED : FL_EINVAL;

@@ -8,8 +8,10 @@
 #include "kaxpy.h"
 #include "kquant.h"
 #include "q0pack.h"
+#include "q23pack.h"
 #include "q4k.h"
 #include "q4kpack.h"
+#include "q5kpack.h"
 #include "q6kpack.h"
 #include "qdot.h"
 #include "qk.h"
@@ -54,15 +56,15 @@
         (void)ex;                                                                              \
         fn(w, x, n_tok, n, out);                                                               \
     }
-/* the packed layout of q0pack.c bound to dtype DT */
-#define Q0_PACK(t, DT)                                                                         \
-    static size_t t##_group_bytes(int64_t cols) { return fli_q0_group_bytes(DT, cols); }      \
+/* the packed layout of module m (fli_m_group_bytes, ...: q0pack.c, q23pack.c) bound to dtype DT */
+#define DT_PACK(t, DT, m)                                                                      \
+    static size_t t##_group_bytes(int64_t cols) { return fli_##m##_group_bytes(DT, cols); }    \
     static void t##_pack_group(const uint8_t *w, size_t rb, int64_t cols, uint8_t *dst) {      \
-        fli_q0_pack_group(DT, w, rb, cols, dst);                                               \
+        fli_##m##_pack_group(DT, w, rb, cols, dst);                                            \
     }                                                                                          \
     static void t##_group(const uint8_t *gp, int64_t n, const uint8_t *xq, size_t xb, int NT,  \
                           float *y, int64_t ld, const float *bias) {                           \
-        fli_q0_group(DT, gp, n, xq, xb, NT, y, ld, bias);                                      \
+        fli_##m##_group(DT, gp, n, xq, xb, NT, y, ld, bias);                                   \
     }
 
 QK_DEQUANT(q2k, FL_Q2_K)
@@ -81,9 +83,11 @@ QK_ROWS_TILE(q3k, FL_Q3_K)
 QK_ROWS_TILE(q5k, FL_Q5_K)
 QK_TILE(q2k, fli_q2k_tile)
 QK_TILE(q6k, fli_q6k_tile)
-Q0_PACK(q8_0, FL_Q8_0)
-Q0_PACK(q5_0, FL_Q5_0)
-Q0_PACK(q4_0, FL_Q4_0)
+DT_PACK(q8_0, FL_Q8_0, q0)
+DT_PACK(q5_0, FL_Q5_0, q0)
+DT_PACK(q4_0, FL_Q4_0, q0)
+DT_PACK(q2k, FL_Q2_K, q23)
+DT_PACK(q3k, FL_Q3_K, q23)
 
 #if defined(FLI_Q4K_TILEN)
 #define Q4K_PANEL 0 /* AVX2: q4_k's integer tiles beat its expanded panels */
@@ -122,16 +126,19 @@ const fli_traits fli_type_traits[FLI_N_DTYPES] = {
                  .pack_group = fli_q4k_pack_group, .group = fli_q4k_group},
     [FL_Q5_K] = {.name = "q5_k", .dequant = q5k_dequant, .quantize = fli_q5k_quantize,
                  .dot = q5k_dot, .axpy = q5k_axpy, .axpy4 = q5k_axpy4,
-                 .qdot_tile = q5k_tile},
+                 .qdot_tile = q5k_tile, .group_bytes = fli_q5k_group_bytes,
+                 .pack_group = fli_q5k_pack_group, .group = fli_q5k_group},
     [FL_Q6_K] = {.name = "q6_k", .dequant = fli_q6k_dequant, .quantize = fli_q6k_quantize,
                  .dot = q6k_dot, .axpy = q6k_axpy, .axpy4 = q6k_axpy4,
                  .qdot_tile = q6k_tile, .tile_exact = 1, .group_bytes = fli_q6k_group_bytes,
                  .pack_group = fli_q6k_pack_group, .group = fli_q6k_group},
     [FL_Q2_K] = {.name = "q2_k", .dequant = q2k_dequant, .quantize = fli_q2k_quantize,
                  .dot = q2k_dot, .axpy = q2k_axpy, .axpy4 = q2k_axpy4,
-                 .qdot_tile = q2k_tile, .tile_exact = 1},
+                 .qdot_tile = q2k_tile, .tile_exact = 1, .group_bytes = q2k_group_bytes,
+                 .pack_group = q2k_pack_group, .group = q2k_group},
     [FL_Q3_K] = {.name = "q3_k", .dequant = q3k_dequant, .dot = q3k_dot, .axpy = q3k_axpy,
-                 .axpy4 = q3k_axpy4, .qdot_tile = q3k_tile},
+                 .axpy4 = q3k_axpy4, .qdot_tile = q3k_tile, .group_bytes = q3k_group_bytes,
+                 .pack_group = q3k_pack_group, .group = q3k_group},
 };
 
 size_t fl_row_bytes(int32_t dtype, int64_t n) {

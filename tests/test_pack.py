@@ -1,8 +1,9 @@
-"""Resident q4_k, q6_k, q8_0, q5_0 and q4_0 weights repacked 16 rows at a time (native/pack.c and the
-layouts of q4kpack.c, q6kpack.c, q0pack.c; kernel.pack): the packed matmul against gguf-py's
-dequantization of the same bytes, on activations rounded to int8 as the kernel rounds them (per
-256 values for the k-quants: llama.cpp's q8_K; per 32 for q8_0 / q5_0 / q4_0: its q8_0), up to f32
-sums; and against the unpacked matmul of the same weight."""
+"""Resident q4_k, q6_k, q5_k, q2_k, q3_k, q8_0, q5_0 and q4_0 weights repacked 16 rows at a time
+(native/pack.c and the layouts of q4kpack.c, q6kpack.c, q5kpack.c, q23pack.c, q0pack.c;
+kernel.pack): the packed matmul against gguf-py's dequantization of the same bytes, on
+activations rounded to int8 as the kernel rounds them (per 256 values for the k-quants:
+llama.cpp's q8_K; per 32 for q8_0 / q5_0 / q4_0: its q8_0), up to f32 sums; and against the
+unpacked matmul of the same weight."""
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
@@ -16,10 +17,13 @@ from test_down_rows import int8
 
 ROWS, COLS = 48, 512
 
-# bytes of 256 values of 16 packed rows: q4_k +2.8% over 16 x 144 (scales unpacked); q6_k, q8_0,
-# q5_0, q4_0 the rows' own 16 x 210, 16 x 8 x 34, 16 x 8 x 22, 16 x 8 x 18
-GROUP_SB = {"q4_k": 2368, "q6_k": 3360, "q8_0": 4352, "q5_0": 2816, "q4_0": 2304}
-TYPES = {"q4_k": Q.Q4_K, "q6_k": Q.Q6_K, "q8_0": Q.Q8_0, "q5_0": Q.Q5_0, "q4_0": Q.Q4_0}
+# bytes of 256 values of 16 packed rows: q4_k +2.8% over 16 x 144 (scales unpacked); q6_k, q5_k,
+# q2_k, q3_k, q8_0, q5_0, q4_0 the rows' own 16 x 210, 16 x 176, 16 x 84, 16 x 110, 16 x 8 x 34,
+# 16 x 8 x 22, 16 x 8 x 18
+GROUP_SB = {"q4_k": 2368, "q6_k": 3360, "q5_k": 2816, "q2_k": 1344, "q3_k": 1760, "q8_0": 4352,
+            "q5_0": 2816, "q4_0": 2304}
+TYPES = {"q4_k": Q.Q4_K, "q6_k": Q.Q6_K, "q5_k": Q.Q5_K, "q2_k": Q.Q2_K, "q3_k": Q.Q3_K,
+         "q8_0": Q.Q8_0, "q5_0": Q.Q5_0, "q4_0": Q.Q4_0}
 BLOCK = {Q.Q8_0: 34, Q.Q5_0: 22, Q.Q4_0: 18}   # bytes of a block of 32 (f16 d first)
 
 
@@ -106,10 +110,11 @@ def test_a_packed_weight_has_no_exact_path(weight):
         kernel.matmul(p, np.zeros((1, COLS), np.float32), exact=True)
 
 
-@pytest.mark.parametrize("name", ["q6_k", "q8_0", "q5_0", "q4_0"])
+@pytest.mark.parametrize("name", ["q6_k", "q5_k", "q2_k", "q3_k", "q8_0", "q5_0", "q4_0"])
 def test_packs_in_place_to_the_same_bytes(name):
-    """A q6_k, q8_0, q5_0 or q4_0 layout is as large as its rows: packed over them (no second copy of a
-    large head), it is the layout a separate array gets, and w's array now holds it."""
+    """A q6_k, q5_k, q2_k, q3_k, q8_0, q5_0 or q4_0 layout is as large as its rows: packed over them
+    (no second copy of a large head), it is the layout a separate array gets, and w's array now
+    holds it."""
     data = rows_of(np.random.default_rng(9), TYPES[name], ROWS, COLS)      # (ROWS, row bytes)
     apart = kernel.pack(QTensor(data.copy(), name, ROWS, COLS))
     if apart is None:
@@ -118,3 +123,22 @@ def test_packs_in_place_to_the_same_bytes(name):
     got = kernel.pack(w, in_place=True)
     assert np.shares_memory(got.data, data)
     np.testing.assert_array_equal(got.data.reshape(-1), apart.data.reshape(-1))
+
+
+@pytest.mark.parametrize("name", ["q2_k", "q3_k", "q5_k"])
+def test_the_largest_sub_block_dots(name):
+    """Every value at its largest (Q2_K u = 3, Q3_K 7, Q5_K 31) against activations all 127 or
+    all -127: a Q2_K / Q3_K sub-block's dot (16 x 7 x 127) is the largest the kernel pairs into
+    int16."""
+    rows, cols = 16, 512
+    data = rows_of(np.random.default_rng(3), TYPES[name], rows, cols)     # (rows, row bytes)
+    sb = data.reshape(rows, cols // 256, -1)                              # (rows, 2, sb bytes)
+    values = {"q2_k": slice(16, 80), "q3_k": slice(0, 96), "q5_k": slice(16, 176)}[name]
+    sb[:, :, values] = 0xFF
+    p = kernel.pack(QTensor(data, name, rows, cols))
+    if p is None:
+        pytest.skip("this build has no packed layout (AVX-512 VNNI)")
+    x = np.stack([np.ones(cols), -np.ones(cols)]).astype(np.float32)      # (2, cols)
+    want = x.astype(np.float64) @ reference(data, TYPES[name], rows, cols).T  # (2, rows)
+    y = kernel.matmul(p, x, None, 1)                                      # (2, rows)
+    assert np.abs(y - want).max() <= 1e-5 * np.abs(want).max()

@@ -102,11 +102,11 @@ def packed_nbytes(dtype: str, rows: int, cols: int) -> int:
 
 
 def pack(w: QTensor, in_place: bool = False) -> PackedTensor | None:
-    """w repacked for this build's resident matmul (fl_pack: q4_k and q6_k rows 16 at a time
-    under AVX-512 VNNI, q8_0, q5_0 and q4_0 under AVX-512 VNNI or AVX2), or None when the build or w
-    has no packed layout (use w as it is). in_place: a layout of w's own size (q6_k, q8_0, q5_0, q4_0)
-    is written over w's bytes (w is then spent), so packing a large matrix takes no second
-    copy; other layouts get a new array."""
+    """w repacked for this build's resident matmul (fl_pack: q4_k, q6_k, q5_k, q2_k and q3_k rows
+    16 at a time under AVX-512 VNNI, q8_0, q5_0 and q4_0 under AVX-512 VNNI or AVX2), or None when
+    the build or w has no packed layout (use w as it is). in_place: a layout of w's own size (all
+    but q4_k's) is written over w's bytes (w is then spent), so packing a large matrix takes no
+    second copy; other layouts get a new array."""
     k = _native()
     n = k.fl_packed_bytes(w.code, w.rows, w.cols)
     if n == 0:

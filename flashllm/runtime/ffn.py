@@ -56,7 +56,7 @@ class DenseFfn(FfnStrategy):
     """The whole FFN in DRAM; each token runs all of it. A folder with the source's own down
     matrices (down.bin) runs as three matrix products per layer — gate and up rows (copied out
     of the bundles) times x, the activation, the down rows times h — as llama.cpp does (`rows`;
-    q4_k / q6_k / q8_0 / q5_0 matrices repacked 16 rows at a time where the build has that
+    k-quant, q8_0, q5_0 and q4_0 matrices repacked 16 rows at a time where the build has that
     kernel: kernel.pack);
     otherwise (older folders, `exact`, or magnitude thresholds) over the bundles, the down
     columns added one neuron at a time (fl_ffn_bundles)."""

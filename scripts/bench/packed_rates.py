@@ -6,8 +6,10 @@ repeated, is its arithmetic alone (docs/MEASUREMENTS.md).
     python -m scripts.bench.packed_rates q4_k 17920 1536 --count 28     # the 1.5B's gate/up
     python -m scripts.bench.packed_rates q5_0 9728 896 --count 24       # the 0.5B's gate/up
     python -m scripts.bench.packed_rates q8_0 151936 896                # the 0.5B's head
+    python -m scripts.bench.packed_rates q2_k 17920 1536 --count 28     # a Q2_K 1.5B's gate/up
 
-Prints GB/s of weight bytes (best of --reps passes over all matrices) per thread count.
+Prints GB/s of weight bytes (best of --reps passes over all matrices) per thread count; --tokens
+multiplies each matrix by T tokens a call (a prefill's product).
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ from flashllm.model.tensor import QTensor, row_bytes
 # (block bytes, offset of its f16 scale, scale) per dtype: random bytes with a small scale keep
 # the sums finite (a random f16 d may be inf or NaN)
 SCALES = {"q4_k": (144, 0, [0.01, 0.001]), "q6_k": (210, 208, [0.01]),
-          "q8_0": (34, 0, [0.01]), "q5_0": (22, 0, [0.01])}
+          "q5_k": (176, 0, [0.01, 0.001]), "q2_k": (84, 80, [0.01, 0.001]),
+          "q3_k": (110, 108, [0.01]), "q8_0": (34, 0, [0.01]), "q5_0": (22, 0, [0.01])}
 
 
 def random_matrix(rng, dtype: str, rows: int, cols: int):
@@ -43,12 +46,13 @@ def main() -> None:
     ap.add_argument("--count", type=int, default=1, help="distinct matrices, cycled")
     ap.add_argument("--repeat", type=int, default=1, help="calls per matrix in a pass")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=1, help="tokens a call (prefill: 64)")
     a = ap.parse_args()
     rng = np.random.default_rng(0)
     ws = [random_matrix(rng, a.dtype, a.rows, a.cols) for _ in range(a.count)]
-    x = rng.standard_normal(a.cols).astype(np.float32)                    # (cols,)
+    x = rng.standard_normal((a.tokens, a.cols)).astype(np.float32)        # (T, cols)
     nbytes = a.count * a.repeat * a.rows * row_bytes(a.dtype, a.cols)
-    print(f"{a.dtype} {a.rows}x{a.cols} x{a.count}, {type(ws[0]).__name__}")
+    print(f"{a.dtype} {a.rows}x{a.cols} x{a.count}, T = {a.tokens}, {type(ws[0]).__name__}")
     for threads in (1, 2):
         best = float("inf")
         for _ in range(a.reps + 1):                                       # the first warms

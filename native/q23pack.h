@@ -1,0 +1,22 @@
+/* q23pack.h — the packed layouts of 16 Q2_K or Q3_K rows and their kernel (q23pack.c; AVX-512
+ * VNNI builds, else 0 bytes): the bytes of one group of 16 rows of cols values of dtype (0: no
+ * layout), the packing of rows 0..15 of w (row bytes rb) into dst, and y (NT <= 4 tokens, ld
+ * floats apart) [+ bias] for one group gp against tokens xq (xb bytes apart) quantized by
+ * fli_xq_quantize. Reached by dtype through the traits table (traits.h). Internal: not seen by
+ * cffi. */
+#ifndef FLASHLLM_Q23PACK_H
+#define FLASHLLM_Q23PACK_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#pragma GCC visibility push(hidden)
+
+size_t fli_q23_group_bytes(int32_t dtype, int64_t cols);
+void fli_q23_pack_group(int32_t dtype, const uint8_t *w, size_t rb, int64_t cols, uint8_t *dst);
+void fli_q23_group(int32_t dtype, const uint8_t *gp, int64_t n, const uint8_t *xq, size_t xb,
+                   int NT, float *y, int64_t ld, const float *bias);
+
+#pragma GCC visibility pop
+
+#endif /* FLASHLLM_Q23PACK_H */
