@@ -32,11 +32,11 @@ int64_t fli_xq_bytes(int64_t n) {
     return n + nb * FL_XQ_LANES * 12 + (nb + 7) / 8 * 48;
 }
 
-/* q (32) = nearest-even(xb * id), id = 127 / m, m = max(amax, amax0); *sum = sum of q; the
- * block's d (its return value) is ggml's: f16(m / 127) for a block of its own (q8_0 / q8_1 keep
+/* q (32) = nearest-even(xb * id), id = 127 / top, top = max(amax, amax0); *sum = sum of q; the
+ * block's d (its return value) is ggml's: f16(top / 127) for a block of its own (q8_0 / q8_1 keep
  * d in f16, and their dots multiply that), 1 / id for a k-quant superblock (q8_K's d = 1 /
  * iscale, f32). (q4_1 / q5_1's m term uses d * sum(q) of this d; ggml's q8_1 keeps
- * f16(m / 127 * sum(q)) instead, a difference left alone.)
+ * f16(top / 127 * sum(q)) instead, a difference left alone.)
  * amax0: 0, or the amax of the k-quant superblock xb is part of (kq: xb is in one).
  * Vector paths: the same f32 operations (cvtps rounds to nearest even as nearbyintf does under
  * the default rounding mode), so every path gives the same bytes. */
@@ -59,10 +59,10 @@ static inline float quantize_block(const float *xb, float amax0, int kq, int8_t 
     float amax = 0.0f;
     for (int j = 0; j < FL_QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
 #endif
-    const float m = amax > amax0 ? amax : amax0;
-    const float id = m != 0.0f ? 127.0f / m : 0.0f;
+    const float top = amax > amax0 ? amax : amax0;
+    const float id = top != 0.0f ? 127.0f / top : 0.0f;
     const float d = kq   ? (id != 0.0f ? 1.0f / id : 0.0f)
-                    : fl_fp16_to_fp32(fl_fp32_to_fp16(m / 127.0f));
+                    : fl_fp16_to_fp32(fl_fp32_to_fp16(top / 127.0f));
 #if XQ_W == 16
     const __m512i a = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(id)));
     const __m512i b = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(id)));

@@ -226,7 +226,8 @@ def test_gelu_tanh_f16_is_ggmls_table():
     """"gelu_tanh_f16" is llama.cpp's CPU GELU (ggml's GGML_GELU_FP16 table): the tanh form of
     x rounded to f16, evaluated (f64 here) and rounded to f16; 0 below -10, x from 10 on. Each
     of the 63488 finite f16 inputs in (-10, 10) is checked; an f32 tanhf a hair from an f16
-    rounding boundary may land on the other side: at most one f16 step, at a handful of inputs."""
+    rounding boundary may land on the other side: at most one f16 step, at a handful of inputs
+    (and at the ties x / 2 meets among the f16 subnormals near 0)."""
     h = np.arange(0, 1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)  # every f16
     x = h[np.isfinite(h) & (np.abs(h) < 10)].astype(np.float32)         # (n,) f16-exact inputs
     x = np.concatenate([x, np.float32([-10, -11, 10, 12.5, 0.1234567])])  # and f32 ones
@@ -235,9 +236,11 @@ def test_gelu_tanh_f16_is_ggmls_table():
     xr = x.astype(np.float16).astype(np.float64)
     want = (0.5 * xr * (1 + np.tanh(math.sqrt(2 / math.pi) * xr * (1 + 0.044715 * xr * xr))))
     want = np.where(x <= -10, 0.0, np.where(x >= 10, x, want.astype(np.float16)))   # (n,)
-    off = np.flatnonzero(got != want)
-    step = np.abs(want[off].astype(np.float16).astype(np.float64)) * 2.0 ** -10 + 6e-8
-    assert len(off) <= 20 and (np.abs(got[off] - want[off]) <= step).all()
+    # one f16 step, and 1 + tanh's cancellation in f32 where tanh is near -1 (ggml's table is
+    # made by the same f32 formula): up to |x| ulp(1) / 2
+    step = np.abs(want) * 2.0 ** -10 + 2.0 ** -24 + np.abs(x) * 2.0 ** -23   # (n,)
+    assert (np.abs(got - want) <= step).all()
+    assert ((got != want) & (np.abs(want) > 1e-3)).sum() <= 20   # where neither tiny nor tied
     assert got[-1] != np.float32(_act("gelu_tanh", np.float64(0.1234567)))   # rounded, unlike
     assert np.abs(kernel.act_mul("gelu_tanh", x, one) - got).max() > 0      # "gelu_tanh"
 
