@@ -88,7 +88,7 @@ void fli_silu_mul(const float *g, const float *u, float *h, int64_t n) {
 }
 
 int32_t fl_act_mul(int32_t act, const float *g, const float *u, float *h, int64_t n) {
-    if (!u || !h || n < 0 || act < FL_ACT_SILU || act > FL_ACT_GELU_TANH) return FL_EINVAL;
+    if (!u || !h || n < 0 || act < FL_ACT_SILU || act > FL_ACT_GELU_TANH_F16) return FL_EINVAL;
     if (g && act == FL_ACT_SILU) {
         fli_silu_mul(g, u, h, n);
         return FL_OK;

@@ -6,16 +6,27 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "base.h"
 #include "flashllm.h"
 
+/* ggml's GELU value of v through its f16 table: v and the result rounded to f16 */
+static inline float fli_gelu_f16(float v) {
+    if (v <= -10.0f) return 0.0f;
+    if (v >= 10.0f) return v;
+    const float x = fl_fp16_to_fp32(fl_fp32_to_fp16(v));
+    const float y = 0.5f * x * (1.0f + tanhf(0.79788456080286536f * x * (1.0f + 0.044715f * x * x)));
+    return fl_fp16_to_fp32(fl_fp32_to_fp16(y));
+}
+
 /* one FFN activation (FL_ACT_*): SiLU x*sigmoid(x); GELU the erf form; GELU_TANH the tanh
- * approximation; ReLU */
+ * approximation (GELU_TANH_F16 as llama.cpp rounds it); ReLU */
 static inline float fli_activate(int32_t act, float v) {
     switch (act) {
     case FL_ACT_SILU: return v / (1.0f + expf(-v));
     case FL_ACT_GELU: return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
     case FL_ACT_GELU_TANH:
         return 0.5f * v * (1.0f + tanhf(0.79788456080286536f * (v + 0.044715f * v * v * v)));
+    case FL_ACT_GELU_TANH_F16: return fli_gelu_f16(v);
     default: return v > 0.0f ? v : 0.0f;
     }
 }

@@ -32,11 +32,16 @@ int64_t fli_xq_bytes(int64_t n) {
     return n + nb * FL_XQ_LANES * 12 + (nb + 7) / 8 * 48;
 }
 
-/* q (32) = nearest-even(xb * (1 / d)), d = max(amax, amax0) / 127 (its return value); *sum = sum
- * of q. amax0: 0, or the amax of the Q4_K superblock xb is part of.
+/* q (32) = nearest-even(xb * id), id = 127 / top, top = max(amax, amax0); *sum = sum of q; the
+ * block's d (its return value) is ggml's: f16(top / 127) for a block of its own (q8_0 / q8_1 keep
+ * d in f16, and their dots multiply that), 1 / id for a k-quant superblock (q8_K's d = 1 /
+ * iscale, f32). (q4_1 / q5_1's m term uses d * sum(q) of this d; ggml's q8_1 keeps
+ * f16(top / 127 * sum(q)) instead, a difference left alone.)
+ * amax0: 0, or the amax of the k-quant superblock xb is part of (kq: xb is in one).
  * Vector paths: the same f32 operations (cvtps rounds to nearest even as nearbyintf does under
  * the default rounding mode), so every path gives the same bytes. */
-static inline float quantize_block(const float *xb, float amax0, int8_t *q, int32_t *sum) {
+static inline float quantize_block(const float *xb, float amax0, int kq, int8_t *q,
+                                   int32_t *sum) {
 #if XQ_W == 16
     const __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
@@ -54,8 +59,10 @@ static inline float quantize_block(const float *xb, float amax0, int8_t *q, int3
     float amax = 0.0f;
     for (int j = 0; j < FL_QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
 #endif
-    const float d = (amax > amax0 ? amax : amax0) / 127.0f;
-    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    const float top = amax > amax0 ? amax : amax0;
+    const float id = top != 0.0f ? 127.0f / top : 0.0f;
+    const float d = kq   ? (id != 0.0f ? 1.0f / id : 0.0f)
+                    : fl_fp16_to_fp32(fl_fp32_to_fp16(top / 127.0f));
 #if XQ_W == 16
     const __m512i a = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(id)));
     const __m512i b = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(id)));
@@ -112,10 +119,14 @@ void fli_xq_quantize(int32_t dtype, const float *x, int64_t n, uint8_t *buf) {
                                             : 0;
     const int kq = fli_is_kquant(dtype);
     float amax0 = 0.0f;  // k-quants: one d per superblock (as ggml's q8_K), so their scales combine
+    int sb = 0;          // this block is part of a whole superblock of a k-quant
     for (int64_t b = 0; b < nb; b++) {
-        if (b % 8 == 0) amax0 = kq && b + 8 <= nb ? amax_of(x + b * FL_QK) : 0.0f;
+        if (b % 8 == 0) {
+            sb = kq && b + 8 <= nb;
+            amax0 = sb ? amax_of(x + b * FL_QK) : 0.0f;
+        }
         int32_t sum;
-        const float d = quantize_block(x + b * FL_QK, amax0, q + b * FL_QK, &sum);
+        const float d = quantize_block(x + b * FL_QK, amax0, sb, q + b * FL_QK, &sum);
         if (kq) {
             int32_t half = 0;
             for (int j = 0; j < FL_QK / 2; j++) half += q[b * FL_QK + j];

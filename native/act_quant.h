@@ -30,8 +30,9 @@
 
 int64_t fli_xq_bytes(int64_t n);
 
-/* buf (fli_xq_bytes(n)) = x (n) quantized per block of 32: d = amax / 127, q = nearest-even(x/d);
- * for the k-quants d is the superblock's (256 values; a shorter tail per block of 32) */
+/* buf (fli_xq_bytes(n)) = x (n) quantized per block of 32: q = nearest-even(x * 127 / amax),
+ * d = f16(amax / 127) (ggml's q8_0); for the k-quants d = 1 / (127 / amax) of the superblock's
+ * amax (256 values, ggml's q8_K; a shorter tail per block of 32) */
 void fli_xq_quantize(int32_t dtype, const float *x, int64_t n, uint8_t *buf);
 
 #pragma GCC visibility pop

@@ -209,7 +209,8 @@ static int32_t ffn_checked(const fl_ffn_layer *layer, const int32_t *rows, int64
     const size_t rb = fl_row_bytes(dtype, d), rd = fl_row_bytes(ddt, d);
     if (rb == 0 || rd == 0 || !down_dtype_ok(ddt) || d <= 0 || n < 0 ||
         !parts_fit(layer, rb, rd) || n_threads < 1 || act < FL_ACT_SILU ||
-        act > FL_ACT_GELU_TANH || !indices_ok(ids, n, INT32_MAX) || !indices_ok(rows, n_rows, n) ||
+        act > FL_ACT_GELU_TANH_F16 || !indices_ok(ids, n, INT32_MAX) ||
+        !indices_ok(rows, n_rows, n) ||
         n_rows < 0 || !(threshold >= 0.0f) || (n > 0 && !bundles))
         return FL_EINVAL;
     int32_t status;

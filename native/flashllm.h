@@ -54,8 +54,10 @@ enum {
     FL_Q3_K = 11
 };
 
-/* FFN activations */
-enum { FL_ACT_SILU = 0, FL_ACT_GELU = 1, FL_ACT_RELU = 2, FL_ACT_GELU_TANH = 3 };
+/* FFN activations. GELU_TANH_F16: llama.cpp's CPU GELU (ggml's GGML_GELU_FP16 table): the
+ * tanh approximation of x rounded to f16, its value rounded to f16; 0 below -10, x from 10 */
+enum { FL_ACT_SILU = 0, FL_ACT_GELU = 1, FL_ACT_RELU = 2, FL_ACT_GELU_TANH = 3,
+       FL_ACT_GELU_TANH_F16 = 4 };
 
 /* ====================================================================================== */
 /* PART 1 — compute: quantization, dense ops, the bundled FFN                              */
@@ -97,9 +99,10 @@ int32_t fl_get_rows(const void *w, int32_t dtype, int64_t rows, int64_t cols,
 /* ---- dense ops (ops.c) ------------------------------------------------------------------- */
 
 /* y (T, rows) = x (T, cols) @ w (rows, cols)^T  [+ bias (rows) when bias != NULL]
- * For quantized weights each token of x is first quantized to int8 (d = amax / 127 in f32,
- * q = nearest-even(x / d): every value moves by at most d / 2), per block of 32 for q4_0 / q4_1 /
- * q5_0 / q5_1 / q8_0 and per superblock of 256 (as ggml's q8_K) for q4_k / q5_k / q6_k, and the
+ * For quantized weights each token of x is first quantized to int8 (q = nearest-even(x * 127 /
+ * amax), d = amax / 127 rounded to f16 as ggml's q8_0 keeps it), per block of 32 for q4_0 / q4_1
+ * / q5_0 / q5_1 / q8_0 and per superblock of 256 (as ggml's q8_K: d = 1 / (127 / amax) in f32)
+ * for q4_k / q5_k / q6_k, and the
  * block products are exact integer sums scaled by d_w * d (q4_1 / q5_1 add m_w * d * sum(q),
  * the block sum llama.cpp's q8_1 keeps; the k-quants combine their sub-block scales in integers
  * within a superblock), as llama.cpp does; exact != 0 keeps x in f32 instead (the dequantized

@@ -5,21 +5,29 @@ params Llama() starts from instead. llama_cpp is imported lazily, so callers can
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Callable, Iterator
 
 
 @contextlib.contextmanager
-def no_extra_bufts() -> Iterator[None]:
+def patched_defaults(factory: str, edit: Callable) -> Iterator[None]:
+    """llama_cpp.llama_cpp.<factory> (llama_model_default_params, llama_context_default_params)
+    returns its params after edit(params) while inside: the Llama() made there starts from them."""
     import llama_cpp.llama_cpp as llama_lib
-    original = llama_lib.llama_model_default_params
+    original = getattr(llama_lib, factory)
 
     def params():
         p = original()
-        p.use_extra_bufts = False
+        edit(p)
         return p
 
-    llama_lib.llama_model_default_params = params
+    setattr(llama_lib, factory, params)
     try:
         yield
     finally:
-        llama_lib.llama_model_default_params = original
+        setattr(llama_lib, factory, original)
+
+
+def no_extra_bufts():
+    """Llama() made inside keeps its weights file-backed (use_extra_bufts = False)."""
+    return patched_defaults("llama_model_default_params",
+                            lambda p: setattr(p, "use_extra_bufts", False))

@@ -20,6 +20,7 @@ from flashllm.format.reader import open_flash
 from flashllm.runtime.ffn import DenseFfn
 from flashllm.runtime.model import Model
 from test_convert_native import D, FF, TYPES, write_mixed_gguf
+from test_kernel import _quantize_x
 
 
 @pytest.fixture(scope="module")
@@ -60,12 +61,8 @@ def test_a_corrupt_down_file_fails_verification(mixed, tmp_path):
 
 def int8(x: np.ndarray, block: int = 256) -> np.ndarray:
     """x (T, n) rounded as the kernel's activations: per `block` values (256 for k-quant weights,
-    32 for the others) d = amax / 127 (f32), q = nearest-even(x * (1 / d)), back to d * q."""
-    T, n = x.shape
-    b = x.astype(np.float32).reshape(T, n // block, block)                 # (T, n/block, block)
-    d = np.abs(b).max(axis=2, keepdims=True) / np.float32(127)             # (T, n/block, 1)
-    inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
-    return (np.rint(b * inv) * d.astype(np.float64)).reshape(T, n)         # (T, n)
+    32 for the others), ggml's rule (test_kernel._quantize_x), back to d * q in f64."""
+    return _quantize_x(x, block)[0]
 
 
 def reference_ffn(stored, layer: int, x: np.ndarray, q=lambda v: v) -> np.ndarray:

@@ -33,14 +33,22 @@ def _qtensor(rows: int, cols: int, dtype: str, seed: int) -> tuple[QTensor, np.n
     return QTensor(np.ascontiguousarray(data), dtype, rows, cols), ref
 
 
-def _quantize_x(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """x (T, n) f32 -> (the f64 values the kernel sees (T, n), block scales d (T, n / 32))."""
-    xb = x.astype(np.float32).reshape(x.shape[0], -1, 32)  # (T, nb, 32)
-    d = (np.abs(xb).max(-1) / np.float32(127)).astype(np.float32)  # (T, nb)
-    inv = np.zeros_like(d)  # (T, nb)
-    np.divide(np.float32(1), d, out=inv, where=d != 0)
-    q = np.rint(xb * inv[..., None])  # (T, nb, 32) f32 products, ties to even
-    return (q * d[..., None]).reshape(x.shape).astype(np.float64), d
+def _quantize_x(x: np.ndarray, block: int = 32) -> tuple[np.ndarray, np.ndarray]:
+    """x (T, n) f32 -> (the f64 values the kernel's int8 activations stand for (T, n), the most
+    a value moves per block (T, n / block)), by ggml's rule: q = nearest-even(x * (127 / amax))
+    and d = amax / 127 kept in f16 per block of 32 (q8_0), d = 1 / (127 / amax) in f32 per
+    256-value superblock (q8_K, the k-quants' operand). A value moves by at most
+    d32 / 2 + 127 |d32 - d| (d32 = amax / 127 in f32)."""
+    xb = x.astype(np.float32).reshape(x.shape[0], -1, block)  # (T, nb, block)
+    amax = np.abs(xb).max(-1)  # (T, nb)
+    inv = np.zeros_like(amax)  # (T, nb)
+    np.divide(np.float32(127), amax, out=inv, where=amax != 0)
+    q = np.rint(xb * inv[..., None])  # (T, nb, block) f32 products, ties to even
+    d32 = (amax / np.float32(127)).astype(np.float32)  # (T, nb)
+    d = d32.astype(np.float16).astype(np.float32) if block == 32 else \
+        np.divide(np.float32(1), inv, out=np.zeros_like(inv), where=inv != 0)  # (T, nb)
+    step = d32.astype(np.float64) / 2 + 127 * np.abs(d32.astype(np.float64) - d)  # (T, nb)
+    return (q * d[..., None].astype(np.float64)).reshape(x.shape), step
 
 
 def _close(got: np.ndarray, ref: np.ndarray, rel: float = 2e-5) -> None:
@@ -131,8 +139,10 @@ def test_rope_rotate_half(n_rot, scaled):
     _close(kernel.rope(x, pos, inv), ref, rel=1e-6)
 
 
-def _attention_ref(q, k, v, pos0, scale, window=0):
-    """Causal softmax attention with grouped KV heads, f64; window > 0: the last `window` keys."""
+def _attention_ref(q, k, v, pos0, scale, window=0, f16=False):
+    """Causal softmax attention with grouped KV heads, f64; window > 0: the last `window` keys.
+    f16: as llama.cpp meets an f16 cache (ggml converts a mul_mat's f32 operand to f16): q
+    rounded to f16, the weights (softmax in f32) rounded to f16."""
     t, n_heads, hd = q.shape
     group = n_heads // k.shape[1]
     out = np.zeros((t, n_heads, hd))  # (T, H, hd)
@@ -140,9 +150,13 @@ def _attention_ref(q, k, v, pos0, scale, window=0):
         n = pos0 + i + 1
         first = max(0, n - window) if window else 0       # keys of positions first .. n-1
         for h in range(n_heads):
-            s = scale * (k[first:n, h // group].astype(np.float64) @ q[i, h])  # (n - first,)
+            qh = q[i, h].astype(np.float16) if f16 else q[i, h]  # (hd,)
+            s = scale * (k[first:n, h // group].astype(np.float64) @ qh)  # (n - first,)
             p = np.exp(s - s.max())
-            out[i, h] = (p / p.sum()) @ v[first:n, h // group]
+            p = p / p.sum()
+            if f16:
+                p = p.astype(np.float32).astype(np.float16).astype(np.float64)
+            out[i, h] = p @ v[first:n, h // group]
     return out.reshape(t, n_heads * hd)
 
 
@@ -151,14 +165,27 @@ def _attention_ref(q, k, v, pos0, scale, window=0):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("kv_dtype", [np.float32, np.float16])
 def test_attention_causal_gqa(T, pos0, n_heads, n_kv, threads, kv_dtype):
+    """f16 cache: llama.cpp's roundings (_attention_ref f16). An f32 softmax weight a few ulp
+    from an f16 rounding boundary may round the other way than the f64 reference's (2^-11 of
+    that weight), hence the max bound; the typical value is f32 summation noise."""
     hd, n_ctx = 24, 20
     rng = _rng(T + pos0)
     q = rng.standard_normal((T, n_heads, hd)).astype(np.float32)  # (T, H, hd)
     k = (rng.standard_normal((n_ctx, n_kv, hd)) * 4).astype(kv_dtype)  # (n_ctx, kv, hd)
     v = rng.standard_normal((n_ctx, n_kv, hd)).astype(kv_dtype)  # (n_ctx, kv, hd)
     got = kernel.attention(q, k, v, pos0, 1 / math.sqrt(hd), n_threads=threads)
-    _close(got, _attention_ref(q, k.astype(np.float32), v.astype(np.float32), pos0,
-                               1 / math.sqrt(hd)))
+    f16 = kv_dtype == np.float16
+    ref = _attention_ref(q, k.astype(np.float32), v.astype(np.float32), pos0,
+                         1 / math.sqrt(hd), f16=f16)
+    if not f16:
+        _close(got, ref)
+        return
+    err = np.abs(got - ref) / np.abs(ref).max()  # (T, H * hd)
+    plain = np.abs(got - _attention_ref(q, k.astype(np.float32), v.astype(np.float32), pos0,
+                                        1 / math.sqrt(hd))) / np.abs(ref).max()
+    assert np.median(err) < 2e-6 and err.max() < 1e-3
+    if pos0 + T > 1:                                 # one key: the weight is 1 either way
+        assert np.median(plain) > 10 * np.median(err)  # the roundings are llama.cpp's
 
 
 @pytest.mark.parametrize("T,pos0,window", [(1, 9, 4), (7, 0, 3), (6, 5, 1), (4, 2, 50)])
@@ -193,6 +220,29 @@ def _act(name: str, z: np.ndarray) -> np.ndarray:
     if name == "gelu_tanh":
         return 0.5 * z * (1 + np.tanh(math.sqrt(2 / math.pi) * (z + 0.044715 * z ** 3)))
     return np.maximum(z, 0)
+
+
+def test_gelu_tanh_f16_is_ggmls_table():
+    """"gelu_tanh_f16" is llama.cpp's CPU GELU (ggml's GGML_GELU_FP16 table): the tanh form of
+    x rounded to f16, evaluated (f64 here) and rounded to f16; 0 below -10, x from 10 on. Each
+    of the 63488 finite f16 inputs in (-10, 10) is checked; an f32 tanhf a hair from an f16
+    rounding boundary may land on the other side: at most one f16 step, at a handful of inputs
+    (and at the ties x / 2 meets among the f16 subnormals near 0)."""
+    h = np.arange(0, 1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)  # every f16
+    x = h[np.isfinite(h) & (np.abs(h) < 10)].astype(np.float32)         # (n,) f16-exact inputs
+    x = np.concatenate([x, np.float32([-10, -11, 10, 12.5, 0.1234567])])  # and f32 ones
+    one = np.ones_like(x)                                               # gelu(x) * 1
+    got = kernel.act_mul("gelu_tanh_f16", x, one)                       # (n,)
+    xr = x.astype(np.float16).astype(np.float64)
+    want = (0.5 * xr * (1 + np.tanh(math.sqrt(2 / math.pi) * xr * (1 + 0.044715 * xr * xr))))
+    want = np.where(x <= -10, 0.0, np.where(x >= 10, x, want.astype(np.float16)))   # (n,)
+    # one f16 step, and 1 + tanh's cancellation in f32 where tanh is near -1 (ggml's table is
+    # made by the same f32 formula): up to |x| ulp(1) / 2
+    step = np.abs(want) * 2.0 ** -10 + 2.0 ** -24 + np.abs(x) * 2.0 ** -23   # (n,)
+    assert (np.abs(got - want) <= step).all()
+    assert ((got != want) & (np.abs(want) > 1e-3)).sum() <= 20   # where neither tiny nor tied
+    assert got[-1] != np.float32(_act("gelu_tanh", np.float64(0.1234567)))   # rounded, unlike
+    assert np.abs(kernel.act_mul("gelu_tanh", x, one) - got).max() > 0      # "gelu_tanh"
 
 
 def _bundles(n: int, d: int, dtype: str, glu: bool, pad: int, seed: int):

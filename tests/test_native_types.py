@@ -4,8 +4,9 @@ conversion (q2_k is also the output head sketch's type).
 The reference is gguf-py: its `dequantize` for every type (the kernel's dequantization must equal
 it bit for bit) and its `quantize` for q5_0 / q5_1 (flashllm's quantizer too). The int8 products
 are checked against numpy in f64 on the gguf-py dequantized weights and on the int8 activations
-the kernel makes by the rule flashllm.h states (d = amax / 127 per 32 values, per 256 for the
-k-quants; q = nearest-even): the integer sums are exact, so they agree to f32 accumulation error
+the kernel makes by the rule flashllm.h states (ggml's: d = amax / 127 per 32 values in f16,
+per 256 for the k-quants; q = nearest-even(x * 127 / amax); test_kernel._quantize_x): the
+integer sums are exact, so they agree to f32 accumulation error
 (1e-5 of the scale). Every instruction set the kernel has a path for is built and run too (the
 extension itself is built for this CPU only).
 """
@@ -20,7 +21,8 @@ from flashllm.ffi import kernel
 from flashllm.ffi.quant import dequantize_rows, quantize_rows
 from flashllm.model.tensor import QTensor, row_bytes
 from test_kernel_isa import ISAS
-from test_q4_k import _isa_lib, int8_x, silu
+from test_kernel import _quantize_x
+from test_q4_k import _isa_lib, silu
 
 GG = {"q5_0": Q.Q5_0, "q5_1": Q.Q5_1, "q5_k": Q.Q5_K, "q6_k": Q.Q6_K, "q8_0": Q.Q8_0,
       "q4_1": Q.Q4_1, "q4_k": Q.Q4_K, "q2_k": Q.Q2_K, "q3_k": Q.Q3_K}
@@ -52,12 +54,7 @@ def ref_of(dtype: str, data: np.ndarray, cols: int) -> np.ndarray:
 
 def int8_of(dtype: str, x: np.ndarray) -> np.ndarray:
     """x (T, n) as the kernel's int8 activations for dtype's weights see it, f64."""
-    if dtype.endswith("_k"):
-        return int8_x(x)
-    xb = x.reshape(x.shape[0], -1, 32)                                     # (T, nb, 32)
-    d = (np.abs(xb).max(-1, keepdims=True) / np.float32(127)).astype(np.float32)
-    inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, 1), 0).astype(np.float32)
-    return (np.rint(xb * inv) * d).reshape(x.shape).astype(np.float64)
+    return _quantize_x(x, 256 if dtype.endswith("_k") else 32)[0]
 
 
 def close(got, ref, what=""):
@@ -116,9 +113,9 @@ def test_int8_error_is_bounded_by_activation_rounding(dtype):
     w = rows_of(dtype, rng, 64, D)
     wref = ref_of(dtype, w, D)                                             # (64, D)
     x = (rng.standard_normal((2, D)) * np.linspace(0.1, 10, D)).astype(np.float32)
-    step = np.abs(int8_of(dtype, x) - x)                                   # (2, D) <= d / 2
     blk = 256 if dtype in KQ else 32
-    d2 = np.abs(x).reshape(2, -1, blk).max(-1) / 127 / 2                   # (2, nb) d / 2
+    xq, d2 = _quantize_x(x, blk)                        # d2 (2, nb): the most a value moves
+    step = np.abs(xq - x)                                                  # (2, D) <= d2
     assert (step.reshape(2, -1, blk).max(-1) <= d2 * (1 + 1e-6)).all()
     bound = d2 @ np.abs(wref).reshape(64, -1, blk).sum(-1).T               # (2, 64)
     exact = x.astype(np.float64) @ wref.T

@@ -13,7 +13,7 @@ from flashllm.model.tensor import PackedTensor, QTensor, companion, dtype_code, 
 
 from flashllm.ffi.lib import check as _check, ffi, native as _native
 
-ACT_CODES = {"silu": 0, "gelu": 1, "relu": 2, "gelu_tanh": 3}
+ACT_CODES = {"silu": 0, "gelu": 1, "relu": 2, "gelu_tanh": 3, "gelu_tanh_f16": 4}
 def _as_f32(a, name: str, ndim: int) -> np.ndarray:
     """a as a C-contiguous float32 array of ndim dims (copied only when it is not one already)."""
     arr = np.ascontiguousarray(a, dtype=np.float32)

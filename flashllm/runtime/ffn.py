@@ -52,6 +52,13 @@ def gate_up_rows(flash: FlashModel, layer: int) -> QTensor:
     return QTensor(rows, f.dtype, k * f.n_ff, f.d_model)
 
 
+# The rows path multiplies a GGUF's own matrices on int8 activations as llama.cpp does, and
+# computes the activation as llama.cpp's CPU backend does too: its GELU goes through ggml's f16
+# table (the input and the value rounded to f16). On Gemma 3 those roundings decide which of
+# the down projection's 8-bit activations flip (docs/history/2026-11-29-gemma-agreement.md).
+LLAMACPP_ACT = {"gelu_tanh": "gelu_tanh_f16"}
+
+
 class DenseFfn(FfnStrategy):
     """The whole FFN in DRAM; each token runs all of it. A folder with the source's own down
     matrices (down.bin) runs as three matrix products per layer — gate and up rows (copied out
@@ -76,6 +83,7 @@ class DenseFfn(FfnStrategy):
         self.exact = exact                                    # f32 instead of int8 activations
         self.rows = flash.down_rows is not None and not exact and not any(self.threshold)
         if self.rows:      # repacked for this build's matmul where it has a packed layout
+            self.act = LLAMACPP_ACT.get(cfg.act, cfg.act)
             packed = lambda w: kernel.pack(w, in_place=True) or w
             self.gate_up = [packed(gate_up_rows(flash, i)) if i in held else None
                             for i in range(cfg.n_layers)]                     # (k n_ff, d)

@@ -120,7 +120,8 @@ static int check_silu(void) {
     return bad;
 }
 
-/* fli_xq_quantize against d = amax / 127, q = nearbyintf(x * (1 / d)), bytes and scales equal */
+/* fli_xq_quantize against ggml's q8_0: q = nearbyintf(x * (127 / amax)), d = f16(amax / 127);
+ * bytes and scales equal */
 static int check_quantize(void) {
     enum { N = 32 * 7 };
     float x[N];
@@ -134,7 +135,8 @@ static int check_quantize(void) {
     for (int b = 0; b < N / 32; b++) {
         float amax = 0.0f;
         for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[b * 32 + j]));
-        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+        const float d = fl_fp16_to_fp32(fl_fp32_to_fp16(amax / 127.0f));
         int32_t sum = 0;
         for (int j = 0; j < 32; j++) {
             const int8_t q = (int8_t)nearbyintf(x[b * 32 + j] * id);
