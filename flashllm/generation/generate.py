@@ -76,8 +76,6 @@ def prefill(model, ids: Sequence[int], pos0: int = 0,
     """Run the prompt ids (T,) at positions pos0..; the next-token logits (vocab,).
     progress(layers done, n_layers) after each layer, when given."""
     tokens = np.asarray(ids, dtype=np.int32)                                       # (T,)
-    if progress is None:
-        return model.forward(tokens, pos0, last_only=True)[0]                     # (vocab,)
     return model.forward(tokens, pos0, last_only=True, progress=progress)[0]      # (vocab,)
 
 
