@@ -21,7 +21,7 @@ class ScriptedModel:
         self.n_ctx = n_ctx
         self.calls = []
 
-    def forward(self, tokens, pos0, last_only=False, siblings=()):   # its drafts give none
+    def forward(self, tokens, pos0, last_only=False, siblings=(), progress=None):  # drafts: none
         tokens = np.asarray(tokens)                              # (T,)
         self.calls.append((tokens.tolist(), pos0))
         positions = range(pos0, pos0 + len(tokens))

@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "flashllm"
 
 # Lower layers first; a module may import its own package and any package of a lower layer.
 LAYERS = [
-    {"errors", "units"},
+    {"errors", "units", "limits"},
     {"model"},
     {"ffi"},
     {"format", "storage", "sparsity"},
@@ -21,9 +21,10 @@ LAYERS = [
     {"cli"},
 ]
 # What cli/ may import: the session layer (and through it the types it returns), the errors it
-# prints, the units it reads sizes with, the package's version; nothing else below it.
+# prints, the units it reads sizes with, the bounded reads of what users hand it, the package's
+# version; nothing else below it. serve/: a front end over the session layer, as cli/ is.
 CLI_MAY_IMPORT = ("flashllm.cli", "flashllm.session", "flashllm.serve", "flashllm.errors",
-                  "flashllm.units")   # serve/: a front end over the session layer, as cli/ is
+                  "flashllm.units", "flashllm.limits")
 
 
 def modules() -> dict[str, Path]:

@@ -58,3 +58,48 @@ def test_prefill_reports_every_layer_and_the_same_logits(tiny):  # noqa: F811
     n = flash.config.n_layers
     assert seen == [(i, n) for i in range(1, n + 1)]
     np.testing.assert_array_equal(a, b)
+
+
+def test_progress_at_zero_starts_the_clock_again():
+    """perplexity's progress starts when its first pass does: the time spent loading before it
+    does not count in the time left."""
+    clock, out = _Clock(), io.StringIO()
+    show = eta_progress("perplexity, tokens", out, clock)
+    clock.t = 100.0                  # loading and tokenizing took 100 s
+    show(0, 10)
+    clock.t = 103.0
+    show(5, 10)
+    assert out.getvalue() == "perplexity, tokens: 5/10 (50%), about 3 s left\n"
+
+
+def test_perplexity_reports_its_tokens_from_before_the_first_pass(tiny):  # noqa: F811
+    """progress(0, total) before any pass, then after each layer of each half of each chunk,
+    in tokens; the result is the same as without it."""
+    from flashllm.generation.perplexity import perplexity
+    flash, tok = tiny
+    ids = tok.encode("hello there how are you fine thanks " * 8, add_special=False)   # (56,)
+    seen = []
+    a = perplexity(Model(flash, n_threads=1, n_ctx=16), ids, n_ctx=16)
+    b = perplexity(Model(flash, n_threads=1, n_ctx=16), ids, n_ctx=16,
+                   progress=lambda done, total: seen.append((done, total)),
+                   on_chunk=lambda i, n, ppl: seen.append(("chunk", i)))
+    n = flash.config.n_layers
+    assert seen[0] == (0, 48) and seen[-1] == ("chunk", 3)
+    first = seen[1:seen.index(("chunk", 1))]
+    assert len(first) == 2 * n and first[-1] == (16, 48) and first[n - 1] == (8, 48)
+    done = [d for d, t in seen if d != "chunk"]
+    assert done == sorted(done) and done[-1] == 48
+    assert (a.ppl, a.running) == (b.ppl, b.running)
+
+
+def test_perplexity_says_what_it_measures_before_the_first_chunk(tiny, tmp_path):  # noqa: F811
+    from typer.testing import CliRunner
+    from flashllm.cli import app
+    text = tmp_path / "t.txt"
+    text.write_text("hello there how are you fine thanks " * 8)
+    r = CliRunner().invoke(app, ["perplexity", str(tiny[0].path), str(text), "-c", "16",
+                                 "-t", "1"])
+    lines = r.output.splitlines()
+    assert r.exit_code == 0, r.output
+    assert lines[0] == "perplexity of 3 chunks of 16 tokens (56 tokens in the text)", lines
+    assert lines[1].startswith("[1/3] ") and "min left" in lines[1]

@@ -151,6 +151,7 @@ BAD = [
     (json.dumps({"prompt": "a", "model": "gpt-4"}).encode(), 404, "model"),
     (json.dumps({"prompt": "hello " * 200_000}).encode(), 400, "prompt"),   # 1.2 MB
     (b'{"prompt": "' + b"a" * (5 << 20) + b'"}', 413, None),
+    (b"[" * 100_000, 400, None),            # nested past Python's stack: was a 500, a traceback
 ]
 
 

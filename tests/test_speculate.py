@@ -23,7 +23,7 @@ LOOP = [1, 7, 8, 9, 10, 11, 12, 13, 14, 15]      # a context that repeats: every
 class LoopModel(ScriptedModel):
     """Peaked on LOOP[(pos + 1) % len(LOOP)] whatever it is fed."""
 
-    def forward(self, tokens, pos0, last_only=False, siblings=()):   # its drafts give none
+    def forward(self, tokens, pos0, last_only=False, siblings=(), progress=None):  # drafts: none
         tokens = np.asarray(tokens)                                     # (T,)
         self.calls.append((tokens.tolist(), pos0))
         logits = np.zeros((len(tokens), 50), dtype=np.float32)          # (T, vocab)

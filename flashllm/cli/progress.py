@@ -4,20 +4,24 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Callable, TextIO
+from typing import Callable, Optional, TextIO
 
 QUIET_SECONDS = 2.0      # work that ends sooner shows nothing
 
 
-def eta_progress(what: str, stream: TextIO = sys.stderr,
+def eta_progress(what: str, stream: Optional[TextIO] = None,
                  clock: Callable[[], float] = time.perf_counter) -> Callable[[int, int], None]:
-    """progress(done, total) for `what` ("prefill of 4000 tokens"): after QUIET_SECONDS, the
-    share done and the time left; the terminal's line is cleared when done reaches total."""
-    t0, shown = clock(), [-1]          # the last quarter written off a terminal
+    """progress(done, total) for `what` ("prefill of 4000 tokens") on stream (None: stderr):
+    after QUIET_SECONDS, the share done and the time left; the terminal's line is cleared when
+    done reaches total. progress(0, total) starts the clock again (the work starts now)."""
+    stream = stream if stream is not None else sys.stderr
+    t0, shown = [clock()], [-1]        # the start, the last quarter written off a terminal
     tty = stream.isatty()
 
     def progress(done: int, total: int) -> None:
-        spent = clock() - t0
+        if done == 0:
+            t0[0] = clock()
+        spent = clock() - t0[0]
         if spent < QUIET_SECONDS or total <= 0:
             return
         left = spent / max(done, 1) * (total - done)
@@ -29,3 +33,11 @@ def eta_progress(what: str, stream: TextIO = sys.stderr,
             stream.write(line + "\n")
         stream.flush()
     return progress
+
+
+def clear_line(stream: Optional[TextIO] = None) -> None:
+    """On a terminal, clear the line eta_progress rewrites, so another message starts there."""
+    stream = stream if stream is not None else sys.stderr
+    if stream.isatty():
+        stream.write("\r\033[K")
+        stream.flush()

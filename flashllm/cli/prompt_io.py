@@ -9,25 +9,48 @@ from pathlib import Path
 from typing import Optional
 
 from flashllm.cli.app import err, fail
+from flashllm.limits import read_capped
+
+BYTES_PER_TOKEN = 256        # more than any vocabulary's longest token
+MAX_TEXT_BYTES = 64 << 20    # a prompt or chat message, whatever the context
 
 
-def read_prompt(prompt: Optional[str], file: Optional[Path]) -> str:
-    """The one-shot prompt: -p TEXT ('-': stdin), -f FILE ('-': stdin), or piped stdin."""
+def read_prompt(prompt: Optional[str], file: Optional[Path], ctx_size: int) -> str:
+    """The one-shot prompt: -p TEXT ('-': stdin), -f FILE ('-': stdin), or piped stdin; a file
+    or stdin is read up to what --ctx-size tokens could hold (text_limit), not to its end."""
     if prompt is not None and file is not None:
         fail("give the prompt with -p or -f, not both")
+    limit = text_limit(ctx_size)
     if file is not None and str(file) != "-":
         try:
-            return utf8(file.read_bytes(), f"prompt file {file}")
+            return utf8(_capped(file, limit, f"prompt file {file}", ctx_size),
+                        f"prompt file {file}")
         except OSError as e:
             fail(f"cannot read prompt file {file}: {e.strerror or e}")
     if prompt == "-" or file is not None or (prompt is None and not sys.stdin.isatty()):
-        return utf8(sys.stdin.buffer.read(), "the prompt on stdin")
+        return utf8(_capped(sys.stdin.buffer, limit, "the prompt on stdin", ctx_size),
+                    "the prompt on stdin")
     if prompt is None:
         fail("no prompt: give -p TEXT, -f FILE, or pipe text to stdin")
     if _piped():
         err.print("note: the text piped to stdin is not read: the prompt is -p's (-p - reads "
                   "stdin)", markup=False, soft_wrap=True)
     return utf8(prompt, "the -p prompt")
+
+
+def text_limit(n_ctx: int) -> int:
+    """The most bytes of text that n_ctx tokens could hold: BYTES_PER_TOKEN each (no
+    vocabulary's token is longer), at most MAX_TEXT_BYTES."""
+    return min(n_ctx * BYTES_PER_TOKEN, MAX_TEXT_BYTES)
+
+
+def _capped(source, limit: int, what: str, n_ctx: int) -> bytes:
+    """source's bytes (a path or a binary stream), refused past limit."""
+    data = read_capped(source, limit)
+    if data is None:
+        fail(f"{what} is more than {limit} bytes: it cannot fit a context of {n_ctx} tokens "
+             "(raise --ctx-size, or give less text)")
+    return data
 
 
 def _piped() -> bool:
@@ -51,12 +74,19 @@ def utf8(raw, what: str) -> str:
     return text
 
 
-def read_line(prompt: str) -> str:
-    """input() for a non-TTY stdin: no prompt echo (stdout carries answers only)."""
-    line = sys.stdin.buffer.readline()
-    if not line:
-        raise EOFError
-    return utf8(line, "this message")
+def line_reader(n_ctx: int):
+    """read(prompt) for a chat on a non-TTY stdin, as input() without the prompt's echo (stdout
+    carries answers only): a line of at most what n_ctx tokens could hold (text_limit)."""
+    limit = text_limit(n_ctx)
+
+    def read(prompt: str) -> str:
+        line = sys.stdin.buffer.readline(limit + 1)
+        if not line:
+            raise EOFError
+        if len(line) > limit:
+            fail(f"a message of more than {limit} bytes cannot fit the context of {n_ctx} tokens")
+        return utf8(line, "this message")
+    return read
 
 
 def read_tty(prompt: str) -> str:

@@ -16,13 +16,24 @@ Criterion = choice("Criterion", CRITERIA)
 PredictorKind = choice("PredictorKind", ("default", "none", *PREDICTOR_KINDS))
 
 
-def _chunk_line(t0: float):
-    """on_chunk for perplexity: the running value and the time left, one line per chunk."""
+def _measuring():
+    """perplexity's (on_chunk, progress) on stderr: from the first pass on, the share of the
+    tokens done and the time left (cli/progress.eta_progress, its clock started by progress(0,
+    n)); after each chunk a line of its own with the running value and the time left."""
+    from flashllm.cli.progress import clear_line, eta_progress
+    bar, t0 = eta_progress("perplexity, tokens"), [time.perf_counter()]
+
+    def progress(done: int, total: int) -> None:
+        if done == 0:
+            t0[0] = time.perf_counter()
+        bar(done, total)
+
     def show(i: int, n: int, ppl: float) -> None:
-        left = (time.perf_counter() - t0) / i * (n - i)
+        left = (time.perf_counter() - t0[0]) / i * (n - i)
+        clear_line()
         err.print(f"[{i}/{n}] {ppl:.4f}, about {left / 60:.1f} min left" if i < n else
                   f"[{i}/{n}] {ppl:.4f}", markup=False)
-    return show
+    return show, progress
 
 
 @command
@@ -52,7 +63,7 @@ def perplexity(
     file = file if file is not None else file_opt
     log = lambda m: err.print(m, markup=False, soft_wrap=True)                  # noqa: E731
     result, text = measure(model_path(model), file, ctx, chunks, sparsity, corpus.value, threads,
-                           log, _chunk_line(time.perf_counter()))
+                           log, *_measuring())
     if as_json:
         print(json.dumps({**result.to_dict(), "sparsity": sparsity, "text": text}))
     else:

@@ -11,12 +11,13 @@ from typing import Optional
 
 import typer
 
-from flashllm.session.options import AUTO_DRAFT, DRAFT_KINDS, PREDICTOR_MODES, parse_budget
+from flashllm.session.options import (AUTO_DRAFT, DRAFT_KINDS, MAX_DRAFT, PREDICTOR_MODES,
+                                      parse_budget)
 from flashllm.session.structured import CUT_NOTE
 from flashllm.cli.app import (finite, MODEL_HELP, DEFAULT_THREADS, MAX_THREADS, cache_dir, choice,
                               command, err, fail, model_path)
 from flashllm.cli.progress import eta_progress
-from flashllm.cli.prompt_io import read_line, read_prompt, read_tty
+from flashllm.cli.prompt_io import line_reader, read_prompt, read_tty
 
 PredictorMode = choice("PredictorMode", PREDICTOR_MODES)
 DraftKind = choice("DraftKind", DRAFT_KINDS)
@@ -54,9 +55,9 @@ def run(
     predictor: PredictorMode = typer.Option("auto", "--predictor", help="With --dram-budget: use the model's "
                                   "predictor (from calibrate): auto (when it is expected to make "
                                   "tokens faster within the budget), on, or off."),
-    draft: Optional[int] = typer.Option(None, "--draft", min=0, help="Speculative decoding: "
-                                        "check up to N guessed tokens in each pass (as many as "
-                                        "pay, learned while running; 0: off). Tokens are drawn "
+    draft: Optional[int] = typer.Option(None, "--draft", min=0, max=MAX_DRAFT, help="Speculative "
+                                        "decoding: check up to N guessed tokens in each pass (as "
+                                        "many as pay, learned while running; 0: off). Tokens are drawn "
                                         "from the same distributions. Default: under "
                                         f"--dram-budget, when the FFN streams, {AUTO_DRAFT} "
                                         "guesses of the model's resident part (--draft-kind "
@@ -119,7 +120,7 @@ def run(
                               auto=not (naive or dense or interactive))
     if n_predict is None:        # a chat answer may run long; 0 there means a quarter of n_ctx
         n_predict = 0 if interactive else 128
-    text = None if interactive else read_prompt(prompt, file)
+    text = None if interactive else read_prompt(prompt, file, ctx_size)
     path = model_path(model, apart=dram_budget is not None)
     calibrate = "" if Path(model).is_dir() or naive or dense else model   # ours: a name's, a .gguf's
     sampling = Sampling(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
@@ -218,7 +219,7 @@ def _chat(parts, sampler, system: Optional[str], template_file: Optional[Path],
         sys.stdout.flush()
 
     err.print(f"chat template: {origin}; context {parts.net.n_ctx} tokens", markup=False)
-    chat_loop(session, read_tty if tty else read_line, write,
+    chat_loop(session, read_tty if tty else line_reader(parts.net.n_ctx), write,
               lambda m: err.print(m, markup=False, soft_wrap=True), color,
               cache_dir() / "chat_history" if tty else None)
     if as_json:

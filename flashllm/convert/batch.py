@@ -24,6 +24,7 @@ from flashllm.convert import native
 from flashllm.convert.convert import ProgressFn, convert
 from flashllm.errors import FlashError
 from flashllm.format.layout import NATIVE, TOKENIZER_FILE
+from flashllm.format.lock import exclusive
 from flashllm.format.manifest import read_manifest
 from flashllm.units import format_size
 
@@ -129,7 +130,13 @@ def _one(src: Path, dest: Path | str, dtype: str | None, force: bool, progress: 
     try:
         if isinstance(dest, str):
             raise FlashError(dest)
-        convert(src, dest, dtype, force, progress)
+        if not dest.parent.is_dir():     # a new folder (the writer makes it, or says why not)
+            convert(src, dest, dtype, force, progress)
+        else:
+            with exclusive(dest.parent / f".{dest.name}.lock",   # a run's conversion's, calibrate's
+                           busy=f"another flashllm process is converting or calibrating {dest}: "
+                           "let it finish first"):
+                convert(src, dest, dtype, force, progress)
         return JobResult(src, dest, None, time.perf_counter() - t0)
     except (FlashError, OSError) as e:
         message = str(e) if str(src) in str(e) else f"{src}: {e}"

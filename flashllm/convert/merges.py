@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+from flashllm.limits import loads_json
 from flashllm.format.layout import MERGES_FORMS
 
 STRINGS, PAIRS, NONE = MERGES_FORMS
@@ -22,7 +23,7 @@ def compact_merges(tokenizer_json):
     if not isinstance(tokenizer_json, str):
         return tokenizer_json, tokenizer_json.merges
     try:
-        data = json.loads(tokenizer_json)
+        data = loads_json(tokenizer_json)
         model = data["model"]
     except (ValueError, KeyError, TypeError):
         return tokenizer_json, None

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from flashllm.limits import loads_json, read_capped
 from flashllm.errors import RegistryError
 from flashllm.format.files import fsync_dir
 from flashllm.format.layout import NATIVE
@@ -33,6 +34,7 @@ _PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([A-Za-z0-9][A-Za-z0-9.+!_-]*
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _HF_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _CHUNK = 1 << 20
+MAX_REGISTRY_BYTES = 16 << 20   # models.toml: a few KiB
 
 
 @dataclass(frozen=True)
@@ -77,10 +79,14 @@ class Registry:
 def load_registry(path: Path) -> Registry:
     """Read and validate models.toml; any bad entry fails naming the entry and the field."""
     try:
-        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        raw = read_capped(path, MAX_REGISTRY_BYTES)
+        if raw is None:
+            raise RegistryError(f"model registry {path} is more than {MAX_REGISTRY_BYTES >> 20} "
+                                "MiB: not a models.toml")
+        data = tomllib.loads(raw.decode("utf-8"))
     except OSError as e:
         raise RegistryError(f"cannot read model registry {path}: {e.strerror or e}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise RegistryError(f"model registry {path} is not valid TOML: {e}") from None
     models = data.get("models")
     if not isinstance(models, dict) or not models:
@@ -202,7 +208,7 @@ def _cached_ok(entry: Entry, dest: Path, log: Log) -> bool:
         log(f"{entry.name}: cached file has {st.st_size} bytes, expected {entry.size}: fetching again")
         return False
     try:
-        stamp = json.loads(_stamp(dest).read_text(encoding="utf-8"))
+        stamp = loads_json(_stamp(dest).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         stamp = None
     if stamp == {"sha256": entry.sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns}:

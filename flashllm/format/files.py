@@ -11,6 +11,7 @@ import re
 import shutil
 from pathlib import Path
 
+from flashllm.limits import loads_json
 from flashllm.errors import FormatError
 from flashllm.format.integrity import STAMP
 from flashllm.format.layout import MANIFEST_FILE
@@ -131,7 +132,7 @@ def own_files(folder: Path) -> set[str]:
     except FormatError:
         pass
     try:
-        names |= {n for n in json.loads((folder / REPLACING).read_text(encoding="utf-8"))
+        names |= {n for n in loads_json((folder / REPLACING).read_text(encoding="utf-8"))
                   if isinstance(n, str)}
     except (OSError, ValueError, TypeError):
         pass

@@ -31,6 +31,7 @@ MANIFEST_FILE = "manifest.json"
 DENSE_FILE = "dense.bin"
 FFN_FILE = "ffn.bin"
 TOKENIZER_FILE = "tokenizer.json"
+MAX_TOKENIZER_BYTES = 128 << 20    # a tokenizer.json (Gemma 3's 262k tokens: 12 MiB; in HF 33)
 # the manifest tokenizer entry's "merges": how tokenizer.json writes a BPE model's merges
 # ("left right" strings, or [left, right] pairs), "none" for a model without them; absent: a
 # conversion older than the field (or a JSON it could not read)

@@ -9,22 +9,25 @@ import os
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
+from flashllm.errors import FormatError
+
 
 @contextlib.contextmanager
 def exclusive(path: Path, log: Optional[Callable[[str], None]] = None,
-              waiting: str = "") -> Iterator[None]:
+              waiting: str = "", busy: Optional[str] = None) -> Iterator[None]:
     """Hold the exclusive lock of path for the with block. When another process holds it,
-    log(waiting) once, then wait. The holder removes the file before it lets go, so a process
-    that waited on the removed file locks the new one instead (it checks the inode it holds is
-    still the one at path)."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    log(waiting) once, then wait; with busy, do not wait: FormatError(busy). The holder removes
+    the file before it lets go, so a process that waited on the removed file locks the new one
+    instead (it checks the inode it holds is still the one at path)."""
     said = False
     while True:
-        f = open(path, "a")
+        f = _open(Path(path))
         try:
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
+                if busy is not None:
+                    raise FormatError(busy) from None
                 if log is not None and not said:
                     log(waiting or f"waiting for another flashllm process ({path})")
                     said = True
@@ -42,6 +45,15 @@ def exclusive(path: Path, log: Optional[Callable[[str], None]] = None,
             os.unlink(path)
         fcntl.flock(f, fcntl.LOCK_UN)
         f.close()
+
+
+def _open(path: Path):
+    """The lock file, its folder made if need be; FormatError naming the folder if it cannot be."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return open(path, "a")
+    except OSError as e:
+        raise FormatError(f"cannot write in {path.parent}: {e.strerror or e}") from None
 
 
 def _same_file(path: Path, f) -> bool:

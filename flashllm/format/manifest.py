@@ -8,7 +8,6 @@ and lists, as docs/FORMAT.md describes them) with typed accessors for what the p
 from __future__ import annotations
 
 import copy
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Iterator
@@ -16,8 +15,10 @@ from typing import Iterator
 from flashllm.errors import FormatError
 from flashllm.format.layout import (EXPERT_ROWS, MAGIC, MANIFEST_FILE, READ_VERSIONS,
                                     expert_rows_version)
+from flashllm.limits import loads_json, read_capped
 
 SECTIONS = ("config", "dense", "ffn", "tokenizer", "sparsity", "predictor")   # JSON objects
+MAX_MANIFEST_BYTES = 64 << 20   # a 28-layer model's manifest: ~72 KiB
 
 
 class Manifest(Mapping):
@@ -63,10 +64,14 @@ def read_manifest(folder: Path, validate: bool = True) -> Manifest:
     validate: any JSON object (what `models` lists of a folder, complete or not)."""
     path = Path(folder) / MANIFEST_FILE
     try:
-        m = json.loads(path.read_text(encoding="utf-8"))
+        raw = read_capped(path, MAX_MANIFEST_BYTES)
+        if raw is None:
+            raise FormatError(f"{path}: more than {MAX_MANIFEST_BYTES >> 20} MiB, more than any "
+                              "model's manifest (not a flashllm manifest)")
+        m = loads_json(raw.decode("utf-8"))
     except FileNotFoundError:
         raise FormatError(f"{path}: missing (not a converted flashllm model?)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, ValueError) as e:
         raise FormatError(f"{path}: not valid JSON ({e})") from None
     if not validate:
         if not isinstance(m, dict):

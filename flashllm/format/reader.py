@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from flashllm.format.layout import (NATIVE, DENSE_FILE, DENSE_HEADER, DENSE_MAGIC, DTYPE_CODES,
-                                    FFN_FILE, MANIFEST_FILE, MERGES_FORMS,
+                                    FFN_FILE, MANIFEST_FILE, MAX_TOKENIZER_BYTES, MERGES_FORMS,
                                     crc32_file, fits, ffn_weight, required_tensors, tensor_nbytes)
 from flashllm.format.checks import check_down_rows, file_size as _file_size, get as _get, nat as _nat, \
     side_file as _side_file
@@ -269,6 +269,9 @@ def _tokenizer_entry(path: Path, m: dict) -> tuple[tuple[Path, int] | None, str 
     if t.get("file") is None:
         return None, template
     file, nbytes = _side_file(path, t, where), _nat(t, "nbytes", where)
+    if nbytes > MAX_TOKENIZER_BYTES:
+        raise FormatError(f"{where}: {file.name} of {nbytes} bytes, more than any vocabulary's "
+                          f"({MAX_TOKENIZER_BYTES >> 20} MiB)")
     _file_size(file, nbytes)
     return (file, nbytes), template
 

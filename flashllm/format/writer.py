@@ -18,9 +18,10 @@ import numpy as np
 
 from flashllm import __version__
 from flashllm.format.files import check_target, fsync_dir, install, sweep_leftovers, sync_close, why
+from flashllm.format.side_files import TokenizerFile, write_file, write_order
 from flashllm.format.layout import (NATIVE, DENSE_ALIGN, DENSE_FILE, DENSE_HEADER, DENSE_MAGIC, DTYPE_CODES,
                             DOWN_ALIGN, DOWN_FILE, FFN_ALIGN, FFN_FILE, FFN_HEADER, FFN_MAGIC, EXPERT_ROWS, MAGIC,
-                            MANIFEST_FILE, ORDER_FILE, TOKENIZER_FILE, align_up, crc32_array,
+                            MANIFEST_FILE, align_up, crc32_array,
                             expert_rows_version, ffn_part_bytes, ffn_part_dtypes, ffn_parts, ffn_stride,
                             ffn_weight,
                             fits, required_tensors, tensor_dtype)
@@ -72,10 +73,7 @@ class FlashWriter:
         self.tensors: list[dict] = []
         self.layers: list[dict] = []
         self.orders: list[np.ndarray | None] = []
-        self.tokenizer_json: str | None = None
-        self._tokenizer_file: dict | None = None   # its manifest entry, when streamed already
-        self.chat_template: str | None = None
-        self.merges: str | None = None
+        self.tokenizer = TokenizerFile(self.tmp)
         self.strides = [ffn_stride(self.ffn_dtype, config.d_model, config.glu, dd)
                         for dd in self.downs]                        # per layer
         self.stride = max(self.strides)                              # the widest layer's
@@ -314,11 +312,7 @@ class FlashWriter:
         now (gguf_vocab.GGUFVocab: never held as one text); merges: the form of the JSON's BPE
         merges (layout.MERGES_FORMS), or None."""
         self._require(WriterState.OPEN, WriterState.DENSE, WriterState.FFN, what="set_tokenizer")
-        self.tokenizer_json, self.chat_template, self.merges = tokenizer_json, chat_template, merges
-        self._tokenizer_file = None
-        if not isinstance(tokenizer_json, (str, type(None))):
-            self._tokenizer_file = self._stream_file(TOKENIZER_FILE, tokenizer_json.write)
-            self.tokenizer_json = None
+        self.tokenizer.set(tokenizer_json, chat_template, merges)
 
     def finish(self) -> Path:
         """Write the remaining files and the manifest, then rename the folder into place."""
@@ -334,21 +328,14 @@ class FlashWriter:
             raise FormatError(f"finish() with down rows of {len(self.down_rows)} of "
                               f"{self.cfg.n_layers} layers")
         self._io(self._ffn, sync_close)
-        files = {"tokenizer": self._write_tokenizer(), "order": self._write_order(),
+        files = {"tokenizer": self.tokenizer.entry(),
+                 "order": write_order(self.tmp, self.orders, self.cfg.ffn_slots),
                  "down_rows": self._close_down()}
-        self._write_file(MANIFEST_FILE, (json.dumps(self._manifest(files), indent=1) + "\n").encode())
+        write_file(self.tmp, MANIFEST_FILE,
+                   (json.dumps(self._manifest(files), indent=1) + "\n").encode())
         self._install()
         self.state = WriterState.FINISHED
         return self.out
-
-    def _write_tokenizer(self) -> dict:
-        entry = {"file": None, "chat_template": self.chat_template}
-        if self.tokenizer_json is not None or self._tokenizer_file is not None:
-            entry.update(self._tokenizer_file or
-                         self._write_file(TOKENIZER_FILE, self.tokenizer_json.encode("utf-8")))
-            if self.merges is not None:
-                entry["merges"] = self.merges
-        return entry
 
     def _close_down(self) -> dict | None:
         """down.bin padded to a page and closed; its manifest section (None: not written)."""
@@ -357,32 +344,6 @@ class FlashWriter:
         size = align_up(self._down.tell(), DOWN_ALIGN)
         self._io(self._down, lambda f: (f.write(bytes(size - f.tell())), sync_close(f)))
         return {"file": DOWN_FILE, "nbytes": size, "layers": self.down_rows}
-
-    def _write_order(self) -> dict | None:
-        if all(o is None for o in self.orders):
-            return None
-        identity = np.arange(self.cfg.ffn_slots)
-        table = np.stack([identity if o is None else o for o in self.orders])   # (n_layers, n_ff)
-        table = table.astype("<i4")
-        return {**self._write_file(ORDER_FILE, table.tobytes()), "dtype": "int32",
-                "shape": list(table.shape)}
-
-    def _write_file(self, name: str, data: bytes) -> dict:
-        return self._stream_file(name, lambda put: put(data))
-
-    def _stream_file(self, name: str, stream) -> dict:
-        """A file whose bytes stream(put) puts, and its manifest entry (nbytes, crc32)."""
-        sums = [0, 0]                                      # bytes written, their crc32
-
-        def put(f, data: bytes) -> None:
-            f.write(data)
-            sums[:] = sums[0] + len(data), zlib.crc32(data, sums[1])
-        try:
-            f = open(self.tmp / name, "wb")
-        except OSError as e:
-            raise FormatError(f"cannot write {self.tmp / name}: {why(e)}") from None
-        self._io(f, lambda f: (stream(lambda data: put(f, data)), sync_close(f)))
-        return {"file": name, "nbytes": sums[0], "crc32": sums[1]}
 
     def _manifest(self, files: dict) -> dict:
         cfg, pb = self.cfg, row_bytes(self.ffn_dtype, self.cfg.d_model)

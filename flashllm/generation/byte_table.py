@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import mmap
+import os
 import re
 from array import array
 from pathlib import Path
@@ -24,6 +25,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from flashllm.errors import FormatError
+from flashllm.format.layout import MAX_TOKENIZER_BYTES
 
 BYTE_LEVEL, SPM, SPM_STRIP = "byte-level", "sentencepiece", "sentencepiece+strip"
 SPACE = "\u2581"                                         # SentencePiece's visible space
@@ -75,17 +77,25 @@ def decoder_of_file(file: Path):
     an object or null (a vocabulary's token "decoder" maps to a number). None when there is
     none, the file cannot be read, or the value does not parse."""
     try:
-        with open(file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            for key in _DECODER_KEY.finditer(m):
-                head = m[key.end():key.end() + _DECODER_WINDOW].decode("utf-8", "ignore")
-                try:
-                    value = json.JSONDecoder().raw_decode(head)[0]
-                except ValueError:
-                    return None
-                if value is None or isinstance(value, dict):
-                    return value
+        with open(file, "rb") as f:
+            if os.fstat(f.fileno()).st_size > MAX_TOKENIZER_BYTES:   # not scanned: the reader
+                return None                                          # refuses the folder
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                return _decoder_in(m)
     except (OSError, ValueError):
         return None
+
+
+def _decoder_in(m) -> dict | None:
+    """decoder_of_file's search of the file's bytes m."""
+    for key in _DECODER_KEY.finditer(m):
+        head = m[key.end():key.end() + _DECODER_WINDOW].decode("utf-8", "ignore")
+        try:
+            value = json.JSONDecoder().raw_decode(head)[0]
+        except (ValueError, RecursionError):
+            return None
+        if value is None or isinstance(value, dict):
+            return value
     return None
 
 

@@ -77,10 +77,8 @@ def prefill(model, ids: Sequence[int], pos0: int = 0,
     progress(layers done, n_layers) after each layer, when given; allowed: a grammar's mask of
     the next token ([(vocab,) bool], Model.forward's), when there is one."""
     tokens = np.asarray(ids, dtype=np.int32)                                       # (T,)
-    more = {} if progress is None else {"progress": progress}
-    if allowed is not None:
-        more["allowed"] = allowed
-    return model.forward(tokens, pos0, last_only=True, **more)[0]                 # (vocab,)
+    more = {} if allowed is None else {"allowed": allowed}      # scripted models take none
+    return model.forward(tokens, pos0, last_only=True, progress=progress, **more)[0]  # (vocab,)
 
 
 def generate(model, sampler, prompt_ids: Sequence[int], n_predict: int,

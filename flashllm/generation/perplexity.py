@@ -63,21 +63,27 @@ def token_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     return lse - z[np.arange(len(targets)), targets]
 
 
-def chunks(tokens: Sequence[int], n_ctx: int, n_chunks: Optional[int],
-           bos_id: Optional[int]) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Per chunk (model input (n_ctx,) with BOS in front when bos_id, original tokens (n_ctx,))."""
-    ids = np.asarray(tokens, dtype=np.int32)                       # (N,)
+def count_chunks(n_tokens: int, n_ctx: int, n_chunks: Optional[int]) -> int:
+    """How many chunks of n_ctx a text of n_tokens gives (at most n_chunks); PerplexityError
+    when not one (checked before a model of that context is made)."""
     if n_ctx < 4:
         raise PerplexityError(f"context size {n_ctx} is too small (at least 4)")
-    n_max = len(ids) // n_ctx
+    n_max = n_tokens // n_ctx
     if n_max == 0:
-        raise PerplexityError(f"the text has {len(ids)} tokens, one chunk needs {n_ctx} "
+        raise PerplexityError(f"the text has {n_tokens} tokens, one chunk needs {n_ctx} "
                               "(give a longer text or a smaller --ctx)")
     n = n_max if n_chunks is None else min(n_chunks, n_max)
     if n < 1:
         raise PerplexityError(f"--chunks must be at least 1, got {n_chunks}")
+    return n
+
+
+def chunks(tokens: Sequence[int], n_ctx: int, n_chunks: Optional[int],
+           bos_id: Optional[int]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per chunk (model input (n_ctx,) with BOS in front when bos_id, original tokens (n_ctx,))."""
+    ids = np.asarray(tokens, dtype=np.int32)                       # (N,)
     out = []
-    for i in range(n):
+    for i in range(count_chunks(len(ids), n_ctx, n_chunks)):
         orig = ids[i * n_ctx:(i + 1) * n_ctx]                      # (n_ctx,)
         inp = orig.copy()                                          # (n_ctx,)
         if bos_id is not None:
@@ -86,29 +92,48 @@ def chunks(tokens: Sequence[int], n_ctx: int, n_chunks: Optional[int],
     return out
 
 
-def chunk_nll(model, inp: np.ndarray, orig: np.ndarray) -> np.ndarray:
+Progress = Callable[[int, int], None]     # (tokens done, tokens in all chunks)
+
+
+def chunk_nll(model, inp: np.ndarray, orig: np.ndarray,
+              progress: Optional[Callable[[int], None]] = None) -> np.ndarray:
     """(n_ctx - first - 1,) NLL of one chunk from an empty context. The first half runs without
-    keeping logits, so only (n_ctx - first, vocab) logits are held at once."""
+    keeping logits, so only (n_ctx - first, vocab) logits are held at once. progress(tokens of
+    the chunk done) after each layer of each half, a layer's share of its half's tokens."""
     first = len(inp) // 2
     model.reset()
-    model.forward(inp[:first], 0, last_only=True)
-    logits = model.forward(inp[first:], first)                     # (n_ctx - first, vocab)
+    model.forward(inp[:first], 0, last_only=True, progress=_share(progress, 0, first))
+    logits = model.forward(inp[first:], first,                     # (n_ctx - first, vocab)
+                           progress=_share(progress, first, len(inp) - first))
     return token_nll(logits[:-1], orig[first + 1:])
+
+
+def _share(progress: Optional[Callable[[int], None]], start: int, n: int):
+    """A forward pass's progress(layers done, n_layers) over n tokens after start, as tokens."""
+    if progress is None:
+        return None
+    return lambda layer, n_layers: progress(start + n * layer // n_layers)
 
 
 def perplexity(model, tokens: Sequence[int], n_ctx: int = 512, n_chunks: Optional[int] = None,
                bos_id: Optional[int] = None,
-               on_chunk: Optional[Callable[[int, int, float], None]] = None) -> PerplexityResult:
+               on_chunk: Optional[Callable[[int, int, float], None]] = None,
+               progress: Optional[Progress] = None) -> PerplexityResult:
     """llama.cpp perplexity of tokens under model (any FFN strategy); on_chunk(i, n, running
-    PPL) after each chunk."""
+    PPL) after each chunk; progress(tokens done, tokens of all chunks): (0, total) before the
+    first pass, then after each layer of each pass."""
     if n_ctx > model.n_ctx:
         raise PerplexityError(f"--ctx {n_ctx} exceeds the model's context buffer {model.n_ctx}")
     work = chunks(tokens, n_ctx, n_chunks, bos_id)
+    total = len(work) * n_ctx
+    if progress is not None:
+        progress(0, total)
     t0 = time.perf_counter()
     nll = nll2 = 0.0
     count, running = 0, []
     for i, (inp, orig) in enumerate(work):
-        v = chunk_nll(model, inp, orig)                            # (n_ctx - first - 1,)
+        at = None if progress is None else lambda k, at=i * n_ctx: progress(at + k, total)
+        v = chunk_nll(model, inp, orig, at)                        # (n_ctx - first - 1,)
         nll += float(v.sum())
         nll2 += float((v * v).sum())
         count += len(v)

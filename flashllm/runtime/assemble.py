@@ -11,7 +11,8 @@ import numpy as np
 
 from flashllm.format.layout import SKETCH
 from flashllm.format.reader import FlashModel
-from flashllm.runtime.budget import BudgetError, BudgetPlan
+from flashllm.runtime.budget import BudgetPlan
+from flashllm.runtime.budget_given import BudgetError
 from flashllm.runtime.interfaces import FfnStrategy
 from flashllm.runtime.plan import READER_STAGE, READER_THREADS, FlashOptions
 from flashllm.runtime.sparse_head import HeadNeed, SparseHead

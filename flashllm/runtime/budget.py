@@ -30,14 +30,15 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from flashllm.errors import FlashError
 from flashllm.ffi import kernel
 from flashllm.format.layout import SKETCH_NAMES, layer_strides
-from flashllm.runtime.tokenizer_budget import (older_conversion, tokenizer_load_peak,
-                                               tokenizer_resident)
+# BudgetError and parse_budget are imported from here too (the tests, the scripts)
+from flashllm.runtime.budget_given import (Budget, BudgetError, check_tokenizer_load,  # noqa: F401
+                                           parse_budget, refuse)
+from flashllm.runtime.tokenizer_budget import tokenizer_resident
 from flashllm.runtime.layer import attn_names
 from flashllm.runtime.weights import CHUNK_BYTES, aligned_offsets
-from flashllm.units import MiB, SizeError, format_size, parse_size
+from flashllm.units import MiB, format_size
 
 PROCESS_STEP = 8 * MiB          # the process is counted in whole steps (process_rss)
 STAGING_BYTES = 16 * MiB       # the sparse FFN's staging buffer: prefill halves, the decode read-ahead ring
@@ -46,10 +47,6 @@ STAGING_BYTES = 16 * MiB       # the sparse FFN's staging buffer: prefill halves
 RING_BUFFERS = 4               # the read-ahead ring's buffers: each holds up to a whole layer's bundles
 ROW_MAP_BYTES = 4 + 8          # per cache row: slot_of (int32) + last_use (int64)
 WORK_FIXED = 10 * MiB          # activations, attention scratch, Python objects of a forward pass
-
-
-class BudgetError(FlashError):
-    """A --dram-budget that cannot be read or cannot hold what must stay resident."""
 
 
 @dataclass(frozen=True)
@@ -109,43 +106,6 @@ def _describe(names) -> str:
     parts += [w for n, w in (("output.weight", "output head"), ("token_embd.weight", "embeddings"))
               if n in names]
     return ", ".join(parts)
-
-
-@dataclass(frozen=True)
-class Budget:
-    """A --dram-budget, parsed once where it is given (parse_budget): bytes, or a percentage of
-    the converted model's bytes; text is what the user wrote, for the messages that name it."""
-
-    text: str
-    nbytes: int = 0                   # bytes, when not a percentage
-    percent: float = 0.0              # of the model's bytes, in (0, 100]; 0: nbytes
-
-    @classmethod
-    def of_bytes(cls, n: int) -> "Budget":
-        return cls(str(n), nbytes=int(n))
-
-    def bytes_of(self, model_bytes: int) -> int:
-        """The budget in bytes for a model of model_bytes."""
-        return int(model_bytes * self.percent / 100) if self.percent else self.nbytes
-
-
-def parse_budget(text: str) -> Budget:
-    """The Budget of '1.5GiB', '560MiB', '4096' or '50%' (of the converted model); BudgetError
-    (one line) for anything else: empty, NaN, zero or negative, a percentage past 100."""
-    t = text.strip()
-    if t.endswith("%"):
-        try:
-            pct = float(t[:-1])
-        except ValueError:
-            pct = -1.0
-        if not 0 < pct <= 100:
-            raise BudgetError(f"--dram-budget {text!r}: a percentage must be in (0, 100]")
-        return Budget(text, percent=pct)
-    try:
-        return Budget(text, nbytes=parse_size(t))
-    except SizeError:
-        raise BudgetError(f"--dram-budget {text!r} is not a size (e.g. 1.5GiB, 560MiB) or a "
-                          f"percentage of the model (e.g. 50%)") from None
 
 
 def process_rss(step: int = PROCESS_STEP) -> int:
@@ -308,7 +268,7 @@ def _floor(manifest: dict, budget_given: Budget, n_ctx: int, process: int, predi
     check_tokenizer_load(manifest, budget, budget_text, process)
     reserve = stream_reserve(manifest, n_ctx)        # everything streamed: the least it takes
     if budget - fixed - (dense_all - always) < 0 and budget - fixed < reserve:
-        _refuse(budget, budget_text, {**resident, "dense vectors": always,
+        refuse(budget, budget_text, {**resident, "dense vectors": always,
                                       "stream buffers": reserve}, fixed + reserve)
     return budget, staging_rows, resident, fixed
 
@@ -415,24 +375,3 @@ def _stream_plan(manifest: dict, n_ctx: int, avail: int, groups: list, embed: tu
             streamed += names
     streamed += embed[0]
     return kept, streamed, left + reserve - stream_reserve(manifest, n_ctx, set(streamed))
-
-
-def check_tokenizer_load(manifest: dict, budget: int, text: str, process: int) -> None:
-    """The tokenizers object peaks while it loads (before the model): it must fit then."""
-    need = process + tokenizer_load_peak(manifest["tokenizer"])
-    if budget < need:
-        have, peak = format_size(budget, "MiB", up=False), format_size(need, "MiB", up=True)
-        hint = "; this folder's converter wrote no merges form: converting its source again " \
-            "(`flashllm convert ... --force`) may cut the tokenizer's peak by ~40%" \
-            if older_conversion(manifest["tokenizer"]) else ""
-        raise BudgetError(f"--dram-budget {text} ({have}) cannot load the tokenizer: the process "
-                          f"and the tokenizer peak at {peak} while the prompt is encoded{hint}")
-
-
-def _refuse(budget: int, text: str, parts: dict, need: int) -> None:
-    mib = lambda n: format_size(n, "MiB", up=True)                  # noqa: E731
-    listed = ", ".join(f"{k} {mib(v)}" for k, v in parts.items() if v)
-    have = format_size(budget, "MiB", up=False)
-    raise BudgetError(f"--dram-budget {text} ({have}) is below the {mib(need)} that must stay "
-                      f"resident ({listed}); give at least {mib(need)}, or a shorter context "
-                      f"(--ctx-size, or the prompt + --n-predict)")

@@ -6,16 +6,18 @@ make tokens fastest, or refuses naming the least budget that works.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 
-from flashllm.runtime.budget import (Budget, BudgetError, BudgetPlan, check_budget, head_name,
-                                     model_bytes, plan_budget)
+from flashllm.runtime.budget import BudgetPlan, check_budget, head_name, model_bytes, plan_budget
+from flashllm.runtime.budget_given import Budget, BudgetError
 from flashllm.runtime.resident import carries, carry_bytes, head_rows_bytes, head_rows_fit
 from flashllm.runtime.sparse_head import sketch_bytes
+from flashllm.errors import FlashError
 from flashllm.units import KiB, format_size
 
 READER_STAGE = 256 * KiB        # per reader thread: the largest single read (64-256 KiB is best)
@@ -29,6 +31,7 @@ DRAFT_HEAD_SHARE = 0.06         # ... as far as they take this share of the cach
 DRAFT_HEAD_MIN = 1024           # ... and at least this many (draft_head_rows)
 AUTO_ROWS = -1                  # FlashOptions.draft_rows: as many as draft_head_rows gives
 AUTO_DRAFT = 6                  # guesses a pass may check when `run` drafts by default (self)
+MAX_DRAFT = 256                # guesses a pass may check at most (--draft): far past any that pays
 READ_GIB_S = 2.0                # the auto predictor rule's device and DRAM speeds: only their
 DRAM_GIB_S = 10.0               # ratio matters (measured: docs/MEASUREMENTS.md, "Device and DRAM")
 GATHER_COST = 1.5              # a predicted pass's FFN computes scattered rows: measured ~1.5x
@@ -115,6 +118,18 @@ def check_before_loading(man, opts: FlashOptions, n_ctx: int, process: int) -> N
         check_budget(man, opts.dram_budget, n_ctx, process, **base)
     except BudgetError as e:
         raise _with_least(e, man, n_ctx, process, base) from None
+
+
+def check_context_memory(cfg, n_ctx: int) -> None:
+    """FlashError (one line) when n_ctx's KV cache (f16 keys and values, every layer) of the
+    model of cfg (a validated ModelConfig: an open folder's) could not fit this machine's
+    memory at all: -c 99999999 is refused, not allocated."""
+    kv = 2 * 2 * cfg.n_layers * n_ctx * cfg.n_kv_heads * cfg.head_dim     # bytes
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if kv > ram:
+        raise FlashError(f"a context of {n_ctx} tokens needs {format_size(kv, 'GiB', up=True)} "
+                         f"of KV cache, more than this machine's {format_size(ram, 'GiB')} of "
+                         f"memory: lower --ctx-size")
 
 
 def _base(man, opts: FlashOptions) -> dict:

@@ -16,6 +16,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from flashllm.limits import loads_json
 from flashllm.serve.api import ApiError, chunk, new_id, parse_ask, response, usage
 from flashllm.serve.worker import Busy, Job
 
@@ -112,7 +113,7 @@ async def _json_body(request: Request):
         if len(body) > MAX_BODY:
             raise ApiError(413, f"the request body is larger than {MAX_BODY >> 20} MiB")
     try:
-        return json.loads(body)
+        return loads_json(bytes(body))
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 from flashllm.sparsity.corpus import builtin_text, file_text
 
 if TYPE_CHECKING:
-    from flashllm.runtime.budget import Budget
+    from flashllm.runtime.budget_given import Budget
 
 Log = Callable[[str], None]
 
@@ -82,7 +82,9 @@ def calibrate_folder(path: Path, opts: CalibrationOptions = CalibrationOptions()
     from flashllm.runtime.layer_pass import LayerPass
     from flashllm.sparsity.calibrate import calibrate_model, plan_calibration
     from flashllm.sparsity.train import DEFAULT_KIND
+    from flashllm.runtime.plan import check_context_memory
     flash = open_flash(path)
+    check_context_memory(flash.config, opts.ctx)     # -c 999999999: refused, not made
     predictor = opts.predictor
     if predictor == "default":
         predictor = DEFAULT_KIND["glu" if flash.config.glu else "plain"]

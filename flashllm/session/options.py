@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from flashllm.format.layout import NATIVE
 from flashllm.model.tensor import QUANTIZABLE
-from flashllm.runtime.budget import Budget, parse_budget
-from flashllm.runtime.plan import AUTO_DRAFT, AUTO_ROWS, DRAFT_KINDS, PREDICTOR_MODES
+from flashllm.runtime.budget_given import Budget, parse_budget
+from flashllm.runtime.plan import AUTO_DRAFT, AUTO_ROWS, DRAFT_KINDS, MAX_DRAFT, PREDICTOR_MODES
 from flashllm.session.calibration import CALIBRATION_TOKENS, CalibrationOptions
 from flashllm.sparsity.activations import CRITERIA
 from flashllm.sparsity.corpus import KINDS as CORPORA
@@ -14,5 +14,5 @@ from flashllm.sparsity.predictor import KINDS as PREDICTOR_KINDS
 DTYPES = (NATIVE, *QUANTIZABLE, "q4_k")      # convert --dtype; q4_k: a GGUF's Q4_K gate / up rows
 
 __all__ = ["AUTO_DRAFT", "AUTO_ROWS", "Budget", "CALIBRATION_TOKENS", "CORPORA", "CRITERIA",
-           "DRAFT_KINDS", "DTYPES", "PREDICTOR_KINDS", "PREDICTOR_MODES", "CalibrationOptions",
-           "parse_budget"]
+           "DRAFT_KINDS", "DTYPES", "MAX_DRAFT", "PREDICTOR_KINDS", "PREDICTOR_MODES",
+           "CalibrationOptions", "parse_budget"]

@@ -16,23 +16,31 @@ def quality_text(file: Optional[Path], split: str, kind: str, max_chars: Optiona
 
 
 def perplexity(path: Path, file: Optional[Path], ctx: int, chunks: Optional[int],
-               sparsity: Optional[float], corpus: str, threads: int, log: Log, on_chunk):
+               sparsity: Optional[float], corpus: str, threads: int, log: Log, on_chunk,
+               progress=None):
     """(llama.cpp's perplexity of the model at path on FILE or the shipped evaluation text,
-    dense or with the thresholds of `sparsity`, the text's description); on_chunk(i, n, ppl)."""
+    dense or with the thresholds of `sparsity`, the text's description); on_chunk(i, n, ppl);
+    progress(tokens done, tokens of all chunks) from before the first pass (perplexity's).
+    The text and the context are checked before a model of that context is made."""
     from flashllm.format.reader import open_flash
     from flashllm.sparsity.calibrate import text_tokens, thresholds_for
     from flashllm.session.calibration import CALIBRATION_TOKENS, calibration_ids
+    from flashllm.runtime.plan import check_context_memory
     from flashllm.runtime.ffn import DenseFfn
     from flashllm.runtime.model import Model
-    from flashllm.generation.perplexity import bos_to_add, perplexity as measure
+    from flashllm.generation.perplexity import bos_to_add, count_chunks, perplexity as measure
     from flashllm.generation.tokenizer import Tokenizer
     flash = open_flash(path)
     positions = flash.config.max_positions
     if positions is not None and ctx > positions:
         raise FlashError(f"--ctx {ctx} is more than the model's {positions} positions (learned "
                          f"position embeddings): give --ctx {positions} or less")
+    check_context_memory(flash.config, ctx)
     tok = Tokenizer.from_flash(flash)
     text = quality_text(file, "evaluation", corpus)
+    ids = text_tokens(tok, text.text)
+    n = count_chunks(len(ids), ctx, chunks)
+    log(f"perplexity of {n} chunks of {ctx} tokens ({len(ids)} tokens in the text)")
     ffn = None
     if sparsity is not None:
         cal = lambda: calibration_ids(tok, None, corpus, CALIBRATION_TOKENS)[1]  # noqa: E731
@@ -41,7 +49,7 @@ def perplexity(path: Path, file: Optional[Path], ctx: int, chunks: Optional[int]
                                                                 threads, log))
     net = Model(flash, n_threads=threads, n_ctx=ctx, ffn=ffn, kv_dtype="f16")   # as `run`
     bos = bos_to_add(tok, flash.config.bos_token_id)
-    result = measure(net, text_tokens(tok, text.text), ctx, chunks, bos, on_chunk=on_chunk)
+    result = measure(net, ids, ctx, chunks, bos, on_chunk=on_chunk, progress=progress)
     return result, text.description
 
 

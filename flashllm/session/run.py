@@ -144,7 +144,7 @@ def assemble(req: RunRequest, cache: Path, log: Log) -> Parts:
     from flashllm.format.reader import open_flash
     from flashllm.generation.tokenizer import Tokenizer
     from flashllm.runtime.assemble import make_parts
-    from flashllm.runtime.plan import check_before_loading, choose_plan
+    from flashllm.runtime.plan import check_before_loading, check_context_memory, choose_plan
     from flashllm.session.calibration import calibrate_once, is_calibrated
     from flashllm.ffi.heap import trim_heap
     from flashllm.runtime.budget import process_rss
@@ -154,7 +154,8 @@ def assemble(req: RunRequest, cache: Path, log: Log) -> Parts:
     man = read_manifest(req.path)
     process = process_rss() + set_aside(req, man)
     held = req.n_ctx * req.streams                  # the positions every KV cache holds
-    check_context_memory(man["config"], held)
+    check_context_memory(open_flash(req.path, manifest=man).config,   # a bad folder: refused
+                         held)                      # naming its fault, before any size from it
     check_before_loading(man, req.flash, held, process)
     if req.calibrate and req.flash.flash and not is_calibrated(man) and \
             calibrate_once(req.path, log, req.calibrate, req.flash.dram_budget):
@@ -210,19 +211,6 @@ def repair_hint(path: Path, name: str) -> str:
         return (f"{path} is flashllm's own conversion of {name}: remove it (rm -r '{path}') and "
                 f"run again to convert it anew")
     return f"convert its source again: flashllm convert SOURCE -o '{path}' --force"
-
-
-def check_context_memory(cfg, n_ctx: int) -> None:
-    """FlashError (one line) when n_ctx's KV cache (f16 keys and values, every layer) could not
-    fit this machine's memory at all: -c 99999999 is refused, not allocated."""
-    import os
-    from flashllm.units import format_size
-    kv = 2 * 2 * cfg["n_layers"] * n_ctx * cfg["n_kv_heads"] * cfg["head_dim"]   # bytes
-    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    if kv > ram:
-        raise FlashError(f"a context of {n_ctx} tokens needs {format_size(kv, 'GiB', up=True)} "
-                         f"of KV cache, more than this machine's {format_size(ram, 'GiB')} of "
-                         f"memory: lower --ctx-size")
 
 
 def prompt_ids(tok, text: str, n_predict: int, ctx_size: int,

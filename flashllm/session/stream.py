@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from flashllm.errors import FlashError
+from flashllm.limits import read_capped
+
+MAX_TEMPLATE_BYTES = 1 << 20     # a --chat-template file (real ones: a few KiB)
 
 
 @dataclass(frozen=True)
@@ -76,11 +79,15 @@ def chat_loop(session, read, write, note, color: bool, history) -> None:
 
 
 def read_template(path) -> str:
-    """A --chat-template file's text."""
+    """A --chat-template file's text (at most MAX_TEMPLATE_BYTES)."""
     try:
-        return path.read_text(encoding="utf-8")
+        raw = read_capped(path, MAX_TEMPLATE_BYTES)
+        if raw is not None:
+            return raw.decode("utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise FlashError(f"cannot read chat template {path}: {e}") from None
+    raise FlashError(f"chat template {path} is more than {MAX_TEMPLATE_BYTES >> 20} MiB (a "
+                     "template is a few KiB): not a chat template")
 
 
 def flash_stats_lines(parts) -> list[str]:

@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from flashllm.limits import loads_json
+
 Log = Callable[[str], None]
 
 
@@ -65,7 +67,7 @@ def known_failure(folder: Path, budget: Optional[int]) -> Optional[dict]:
     """The recorded failure that still holds for folder with budget bytes (None: no budget):
     same manifest, and a budget no larger than the failed one's; else None."""
     try:
-        entry = json.loads(failure_path(Path(folder)).read_text(encoding="utf-8"))
+        entry = loads_json(failure_path(Path(folder)).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     if not isinstance(entry, dict) or entry.get("manifest_sha256") != _manifest_sha(Path(folder)):

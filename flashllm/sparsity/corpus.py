@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import Optional
 
 from flashllm.errors import FlashError
+from flashllm.limits import read_capped
 
 SPLITS = ("calibration", "evaluation")
+MAX_TEXT_BYTES = 64 << 20     # a user's text file (wikitext-2's test set: 1.3 MiB)
 KINDS = ("code", "prose")
 
 # Present in CPython 3.11 .. 3.13; the two sets share no file.
@@ -103,9 +105,13 @@ def builtin_text(split: str, kind: str = "code", max_chars: Optional[int] = None
 def file_text(path: Path) -> Text:
     """A user's text file (UTF-8)."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        raw = read_capped(path, MAX_TEXT_BYTES)
+        text = raw.decode("utf-8") if raw is not None else ""
     except (OSError, UnicodeDecodeError) as e:
         raise CorpusError(f"cannot read text file {path}: {e}") from None
+    if raw is None:
+        raise CorpusError(f"text file {path} is more than {MAX_TEXT_BYTES >> 20} MiB (~16M "
+                          "tokens, days of passes): give a part of it")
     if not text.strip():
         raise CorpusError(f"text file {path} is empty")
     return Text(text, {"source": "file", "path": str(Path(path).resolve()), "chars": len(text),

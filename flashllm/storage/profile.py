@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 import contextlib
 from contextlib import contextmanager
@@ -20,6 +21,7 @@ from typing import Callable, Iterator, List, Optional, Sequence
 
 import numpy as np
 
+from flashllm.limits import loads_json
 from flashllm.errors import FlashError
 from flashllm.ffi.reader import Reader, aligned_empty
 from flashllm.units import GiB, KiB, MiB
@@ -31,6 +33,7 @@ SEQ_THREADS = (1, 4)
 DST_BYTES = 32 * MiB          # destination buffer reused by every batch of a cell
 BATCH_BYTES = 256 * MiB       # upper bound of one batch's requested bytes
 REPEATS = 3                   # passes over the grid; a cell is its median pass
+KEEP_FREE = 1 * GiB           # free space a scratch file must leave on its device
 
 
 class ProfileError(FlashError):
@@ -132,7 +135,7 @@ def profile_path(cache: Path, device: Device) -> Path:
 def save_profile(profile: Profile, cache: Path) -> Path:
     """Write atomically (temporary name, fsync, rename); returns the path."""
     path = profile_path(cache, profile.device)
-    tmp = path.with_suffix(".json.tmp")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")     # two profiles at once: each its own
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "w") as f:
@@ -153,7 +156,7 @@ def load_profile(cache: Path, device: Device) -> Optional[Profile]:
     if not path.is_file():
         return None
     try:
-        return Profile.from_dict(json.loads(path.read_text()))
+        return Profile.from_dict(loads_json(path.read_text()))
     except (ValueError, KeyError, TypeError) as e:
         raise ProfileError(f"profile {path} is unreadable ({e}); run `flashllm profile` again") from e
 
@@ -164,6 +167,11 @@ def scratch_file(folder: Path, size: int, progress: Callable[[int], None] = lamb
     """A file of `size` random bytes in folder, removed on exit (also on Ctrl-C)."""
     size = -(-size // SEQ_CHUNK) * SEQ_CHUNK  # whole MiB, rounded up
     path = Path(folder) / f".flashllm-profile-{os.getpid()}.tmp"
+    free = shutil.disk_usage(folder).free
+    if size > free - KEEP_FREE:               # the device stays usable while it is measured
+        raise ProfileError(f"a {size >> 20} MiB scratch file would leave less than "
+                           f"{KEEP_FREE >> 20} MiB of the {free >> 20} MiB free in {folder}: "
+                           "give a smaller --size")
     block = np.random.default_rng(0).integers(0, 256, min(size, 8 * MiB), dtype=np.uint8).tobytes()
     try:
         try:

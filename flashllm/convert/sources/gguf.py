@@ -21,7 +21,7 @@ from flashllm.model.archs.tensors import check_tensor_set
 from flashllm.errors import FlashError, SourceError
 from flashllm.convert.gguf_vocab import gguf_vocab
 from flashllm.convert.sources.base import GGUF_MAGIC, Source
-from flashllm.convert.sources.gguf_file import STRING, GGUFFile
+from flashllm.convert.sources.gguf_file import STRING, GGUFFile, HeaderTooLarge
 
 # llama.cpp treats these as end-of-generation when present (llama_vocab::load, auto-detection).
 EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
@@ -56,6 +56,8 @@ def _read(path: Path) -> GGUFFile:
         raise SourceError(f"{path}: not a GGUF file (magic {magic!r})")
     try:
         reader = GGUFFile(path)
+    except HeaderTooLarge as e:
+        raise SourceError(f"{path}: refused: {e}") from None
     except Exception:                     # ValueError, struct.error, UnicodeDecodeError, ...
         raise SourceError(f"{path}: corrupt GGUF: {_diagnose(path)}") from None
     size = path.stat().st_size

@@ -30,6 +30,16 @@ _PLAIN = {GGMLQuantizationType.F16: np.float16, GGMLQuantizationType.F32: np.flo
           GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32,
           GGMLQuantizationType.I64: np.int64}
 STRING, ARRAY = 8, 9
+# What the header may make this process hold, as Python objects: a string its bytes and ~64
+# more, an array item ~32 (an int or float and its pointer), a tensor ~512 (its entry and
+# views). Qwen2.5's 152k-token vocabulary costs ~27 MiB, Gemma 3's 262k ~35 MiB; a hostile file
+# is refused at this bound, not when memory runs out (a float array decodes to 8x its bytes).
+MAX_HEADER_OBJECTS = 512 << 20
+STR_COST, ITEM_COST, TENSOR_COST = 64, 32, 512
+
+
+class HeaderTooLarge(ValueError):
+    """A header whose metadata or tensor table would take more than MAX_HEADER_OBJECTS."""
 
 
 @dataclass
@@ -49,7 +59,7 @@ class GGUFFile:
 
     def __init__(self, path: Path):
         self._map = np.memmap(path, mode="r")                              # (file bytes,) uint8
-        self._at = 0
+        self._at, self._held = 0, 0
         magic, version, n_tensors, n_kv = self._unpack("<4sIQQ")
         if magic != b"GGUF":
             raise ValueError(f"bad magic {magic!r}")
@@ -58,11 +68,15 @@ class GGUFFile:
         self.fields: dict = {}
         self.types: dict[str, int] = {}
         for _ in range(n_kv):
+            self._hold(2 * ITEM_COST, "the metadata")       # its entries in fields and types
             key = self._string()
             if key in self.fields:
                 raise ValueError(f"duplicate metadata key {key}")
             self.fields[key] = self._value(key, self._unpack("<I")[0])
-        infos = [self._tensor_info() for _ in range(n_tensors)]
+        infos = []
+        for _ in range(n_tensors):
+            self._hold(TENSOR_COST, "the tensor table")
+            infos.append(self._tensor_info())
         align = self.fields.get("general.alignment", DEFAULT_ALIGNMENT)
         if self.types.get("general.alignment", 4) != 4 or align <= 0 or align & (align - 1):
             raise ValueError(f"bad general.alignment {align!r}")
@@ -74,10 +88,19 @@ class GGUFFile:
         self._at += struct.calcsize(fmt)
         return out
 
-    def _string(self) -> str:
+    def _hold(self, cost: int, what: str) -> None:
+        """Count cost bytes more of Python objects made from the header; HeaderTooLarge past
+        MAX_HEADER_OBJECTS."""
+        self._held += cost
+        if self._held > MAX_HEADER_OBJECTS:
+            raise HeaderTooLarge(f"{what} would take more than {MAX_HEADER_OBJECTS >> 20} MiB "
+                                 "of memory to read, more than any model's header")
+
+    def _string(self, what: str = "a string") -> str:
         n, = self._unpack("<Q")
         if self._at + n > len(self._map):
             raise ValueError("a string runs past the end of the file")
+        self._hold(n + STR_COST, what)
         s = self._map[self._at:self._at + n].tobytes().decode("utf-8")
         self._at += n
         return s
@@ -96,12 +119,13 @@ class GGUFFile:
         if item == STRING:
             if n > (len(self._map) - self._at) // 8:
                 raise ValueError(f"metadata {key}: {n} strings cannot fit the file")
-            return [self._string() for _ in range(n)]
+            return [self._string(f"metadata {key}") for _ in range(n)]
         if item not in _NUMPY:
             raise ValueError(f"metadata {key}: arrays of type {item} are unsupported")
         size = n * np.dtype(_NUMPY[item]).itemsize
         if self._at + size > len(self._map):
             raise ValueError(f"metadata {key}: the array runs past the end of the file")
+        self._hold(n * ITEM_COST, f"metadata {key}")
         values = np.frombuffer(self._map, _NUMPY[item], n, self._at).tolist()
         self._at += size
         return values

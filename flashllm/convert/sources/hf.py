@@ -6,7 +6,6 @@ bf16 is understood through ml_dtypes, which registers the dtype numpy lacks.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, so safetensors can hand it out)
@@ -17,18 +16,33 @@ from flashllm.model.archs import Arch, arch_for_hf
 from flashllm.model.archs.hf import eos_ids
 from flashllm.model.archs.tensors import SHARED_GATE, check_tensor_set
 from flashllm.model.config import ModelConfig
+from flashllm.format.layout import MAX_TOKENIZER_BYTES
+from flashllm.limits import loads_json, read_capped
 from flashllm.errors import FlashError, SourceError
 from flashllm.convert.sources.base import Source
 
 INDEX_NAME = "model.safetensors.index.json"
+MAX_JSON_BYTES = 64 << 20          # config.json, the index, tokenizer_config.json: KiBs to MiBs
+MAX_TEMPLATE_BYTES = 1 << 20       # chat_template.jinja (the largest known: tens of KiB)
 FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+
+def read_text(path: Path, limit: int = MAX_JSON_BYTES) -> str:
+    """A checkpoint's text file, at most limit bytes (SourceError past it, or not UTF-8)."""
+    try:
+        raw = read_capped(path, limit)
+        if raw is None:
+            raise SourceError(f"{path}: more than {limit >> 20} MiB, more than a checkpoint's "
+                              "file of its kind holds")
+        return raw.decode("utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise SourceError(f"{path}: cannot read it ({e})") from None
 
 
 def read_json(path: Path) -> dict:
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        data = loads_json(read_text(path))
+    except ValueError as e:
         raise SourceError(f"{path}: cannot read JSON ({e})") from None
     if not isinstance(data, dict):
         raise SourceError(f"{path}: expected a JSON object")
@@ -54,7 +68,7 @@ def read_chat_template(folder: Path) -> str | None:
     """chat_template.jinja, else tokenizer_config.json's chat_template (a string or named list)."""
     jinja = folder / "chat_template.jinja"
     if jinja.is_file():
-        return jinja.read_text(encoding="utf-8")
+        return read_text(jinja, MAX_TEMPLATE_BYTES)
     tok_cfg = folder / "tokenizer_config.json"
     if not tok_cfg.is_file():
         return None
@@ -96,7 +110,7 @@ class HFSource(Source):
             self.close()
             raise
         tok = self.path / "tokenizer.json"
-        self.tokenizer_json = tok.read_text(encoding="utf-8") if tok.is_file() else None
+        self.tokenizer_json = read_text(tok, MAX_TOKENIZER_BYTES) if tok.is_file() else None
         self.chat_template = read_chat_template(self.path)
 
     def _index_tensors(self) -> None:
