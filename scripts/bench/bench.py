@@ -354,6 +354,7 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     fl = Flashllm.find(sys.executable)
     opts = fl.options()
+    fl.fixed_length = opts["--ignore-eos"]          # every row makes its -n tokens
     info = machine_info(args)
     log(f"flashllm run options: {opts}; cgroup: {unavailable_reason() or 'available'}")
     sections, raw = {}, {"info": info, "options": opts}
