@@ -101,7 +101,8 @@ def ensure_calibrated(fl: Flashllm, src: Path, log) -> tuple[Path, str]:
     out = src.with_name(src.name + "-cal")
     argv = fl.argv + ["calibrate", str(out)]
     if not (out / ".calibrated").is_file() or _bundles(out) != _bundles(src) or \
-            any(_sparsity(out).get(k) is None for k in ("order_by", "head", "quality")):
+            any(_sparsity(out).get(k) is None for k in ("order_by", "head", "quality")) or \
+            "checked" not in _sparsity(out)["quality"]:   # checked on each text (issue 50)
         log(f"calibrating {out}")
         shutil.rmtree(out, ignore_errors=True)
         shutil.copytree(src, out)
