@@ -320,6 +320,31 @@ def test_cli_calibrate_then_sparse_perplexity(tiny, tmp_path):
         assert r.exit_code == 2 and f"'{bad}' is not one of" in said(r), r.output
 
 
+def test_cli_calibrates_on_the_mix_and_inspect_says_what_it_checked(tiny, tmp_path):
+    """calibrate's default text is the mix of the shipped kinds; it checks the target on each,
+    says how long it should take and took, and `inspect` says what each text cost."""
+    from typer.testing import CliRunner
+    from flashllm.cli import app
+    path = _fresh(tiny, "llama", tmp_path)
+    r = CliRunner().invoke(app, ["calibrate", str(path), "--tokens", "48", "--ctx", "24", "-t",
+                                 "1", "--predictor", "none", "--max-ppl-cost", "50"])
+    assert r.exit_code == 0, r.output
+    said = " ".join(r.output.split())
+    assert "calibrating on 48 tokens, layer by layer: about 1 min (up to" in said
+    assert "sparsity 0.5: perplexity" in said and " on english" in said
+    sec = open_flash(path).manifest["sparsity"]
+    checked = sec["quality"]["checked"]
+    assert [(c["text"], c["tokens"]) for c in checked] == [("code", 16), ("prose", 16),
+                                                           ("english", 16)]
+    assert sec["calibration"]["seconds"] > 0 and sec["calibration"]["text"]["source"] == "mix"
+    r = CliRunner().invoke(app, ["inspect", str(path)])
+    shown = " ".join(r.output.replace("│", " ").split())
+    assert r.exit_code == 0 and f"target {sec['target']}" in shown, r.output
+    for c in checked:
+        assert f"{c['ppl_cost']:+.1%} on {c['text']} (16 tokens)" in shown, shown
+    assert "48 tokens of code (python-stdlib, 16 tokens), prose" in shown and " took " in shown
+
+
 def test_calibrate_lowers_the_target_while_it_costs_perplexity(tiny, tmp_path):
     """With a bound, calibrate keeps the largest of the targets 0.5, 0.4, ..., 0 whose thresholds
     (numpy quantiles of the activations, layer by layer) cost at most the bound of perplexity
@@ -350,6 +375,75 @@ def test_calibrate_lowers_the_target_while_it_costs_perplexity(tiny, tmp_path):
     assert sec["target"] == 0.0 and sec["thresholds"] == [0.0] * len(scores)   # none within
     path = _fresh(tiny, "llama", tmp_path / "c")
     assert calibrate_model(*_flash_and_model(path), TOKENS, {}, 0.5)["target"] == 0.5
+
+
+def test_calibrate_keeps_a_target_within_the_bound_on_every_text(tiny, tmp_path):
+    """Calibrated on two texts (parts), each target's thresholds (numpy quantiles over all the
+    tokens) are checked on each text's own tokens against the same FFN without thresholds,
+    each cost measured here on its own models; the largest target within the bound on both is
+    kept — with a bound one text alone would have let a higher target through — and the
+    section says what it costs on each."""
+    from flashllm.generation.perplexity import perplexity
+    from flashllm.runtime.ffn import DenseFfn
+    path = _fresh(tiny, "llama", tmp_path)
+    flash = open_flash(path)
+    inputs = collect_ffn_inputs(Model(flash, n_ctx=N_CTX), TOKENS, n_ctx=N_CTX)
+    scores = [ffn_activations(flash, i, h) for i, h in enumerate(inputs)]   # per layer (N, n_ff)
+    parts = {"a": TOKENS[:24], "b": TOKENS[24:]}
+
+    def ppl(ths, ids):
+        ffn = DenseFfn(flash, 1, threshold=[1.0] * len(ths))             # the bundles' FFN
+        ffn.threshold = ths
+        return perplexity(Model(flash, n_ctx=N_CTX, ffn=ffn), ids, n_ctx=N_CTX).ppl
+
+    zeros = [0.0] * len(scores)
+    cost = {s: {name: ppl([threshold(x, s) for x in scores], ids) / ppl(zeros, ids) - 1
+                for name, ids in parts.items()} for s in (0.5, 0.4, 0.3, 0.2, 0.1)}
+    kept = lambda bound, names: max((s for s, c in cost.items()            # noqa: E731
+                                     if all(c[n] <= bound for n in names)), default=0.0)
+    bound = next(b + 1e-9 for b in sorted(c for by in cost.values() for c in by.values())
+                 if kept(b + 1e-9, "a") != kept(b + 1e-9, "ab") or
+                 kept(b + 1e-9, "b") != kept(b + 1e-9, "ab"))
+    want = kept(bound, "ab")
+    sec = calibrate_model(*_flash_and_model(path), TOKENS, {}, 0.5, max_cost=bound,
+                          parts=[("a", 24), ("b", 24)])
+    assert sec["target"] == want and sec["quality"]["requested"] == 0.5
+    assert [(c["text"], c["tokens"]) for c in sec["quality"]["checked"]] == [("a", 24), ("b", 24)]
+    for c in sec["quality"]["checked"]:
+        assert c["ppl_cost"] == pytest.approx(cost[want][c["text"]] if want else 0.0, abs=1e-4)
+    assert sec["quality"]["ppl_cost"] == max(c["ppl_cost"] for c in sec["quality"]["checked"])
+    assert sec["calibration"]["text"]["parts"] == [{"text": "a", "n_tokens": 24},
+                                                   {"text": "b", "n_tokens": 24}]
+
+
+def test_a_mix_is_every_shipped_kind_in_equal_shares(tmp_path):
+    """calibrate's default text: the first tokens of each shipped kind, n_tokens split evenly,
+    each a part of its own (what the checks measure separately)."""
+    from hf_tiny import write_tokenizer
+    from flashllm.session.calibration import calibration_ids, calibration_texts
+    from flashllm.generation.tokenizer import Tokenizer
+    write_tokenizer(tmp_path)
+    tok = Tokenizer.from_json((tmp_path / "tokenizer.json").read_bytes())
+    text, ids, parts = calibration_texts(tok, None, "mix", 2048)
+    assert parts == [("code", 683), ("prose", 683), ("english", 682)]
+    assert ids == sum((calibration_ids(tok, None, kind, n)[1] for kind, n in parts), [])
+    assert [t["kind"] for t in text["texts"]] == ["code", "prose", "english"]
+    text, ids, parts = calibration_texts(tok, None, "english", 300)
+    assert parts == [("english", 300)] and text["source"] == "flashllm-english"
+    with pytest.raises(CalibrationError, match="at least 12 tokens"):
+        calibration_texts(tok, None, "mix", 5)
+
+
+def test_a_calibration_checked_on_its_code_alone_is_calibrated_again():
+    """A conversion whose target was checked before every text was (no "checked") is not
+    calibrated for a budgeted run; one checked on each text, or kept as asked, is."""
+    from flashllm.session.calibration import is_calibrated
+    man = lambda q: {"config": {}, "ffn": {"neuron_order": {"file": "o"}},   # noqa: E731
+                     "sparsity": {"quality": q}}
+    assert not is_calibrated(man({"requested": 0.5, "ppl_cost": 0.01, "bound": 0.02}))
+    assert is_calibrated(man({"requested": 0.5, "ppl_cost": 0.01, "bound": 0.02,
+                              "checked": [{"text": "code", "tokens": 512, "ppl_cost": 0.01}]}))
+    assert is_calibrated(man({"requested": 0.4}))                   # --keep-target
 
 
 def _flash_and_model(path):

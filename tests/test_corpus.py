@@ -5,8 +5,8 @@ import hashlib
 
 import pytest
 
-from flashllm.sparsity.corpus import (CODE_FILES, CorpusError, builtin_text, code_text, file_text,
-                             prose_text, stdlib_dir)
+from flashllm.sparsity.corpus import (CODE_FILES, CorpusError, builtin_text, code_text,
+                                     english_text, file_text, prose_text, stdlib_dir)
 
 
 def test_code_sets_are_disjoint_and_exist():
@@ -27,7 +27,7 @@ def test_code_text_is_the_files_in_order():
 
 
 def test_texts_are_deterministic_and_disjoint():
-    for kind in ("code", "prose"):
+    for kind in ("code", "prose", "english"):
         a1, a2 = builtin_text("calibration", kind), builtin_text("calibration", kind)
         b = builtin_text("evaluation", kind)
         assert a1.text == a2.text and a1.description == a2.description
@@ -60,3 +60,17 @@ def test_file_text_and_errors(tmp_path):
         builtin_text("calibration", "poetry")
     with pytest.raises(CorpusError, match="cannot read standard-library file"):
         code_text("calibration", tmp_path)
+
+
+def test_english_splits_share_no_piece_and_are_long_enough(tmp_path):
+    """The shipped English prose: no paragraph of one split is in the other; the evaluation
+    split holds a perplexity fixture's 8 chunks of 512 tokens (~4.3 characters a token)."""
+    cal, ev = english_text("calibration"), english_text("evaluation")
+    paragraphs = lambda t: {p.strip() for p in t.text.split("\n\n") if len(p.strip()) > 40}  # noqa: E731
+    assert paragraphs(cal) and not paragraphs(cal) & paragraphs(ev)
+    assert len(cal.text) > 7000 and len(ev.text) > 8 * 512 * 4.3
+    assert cal.description["sha256"] == hashlib.sha256(cal.text.encode()).hexdigest()
+    cut = english_text("calibration", max_chars=1000)
+    assert cal.text.startswith(cut.text) and len(cut.text) <= 1000
+    with pytest.raises(CorpusError, match="cannot read the shipped text"):
+        english_text("calibration", root=tmp_path)

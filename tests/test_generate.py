@@ -91,3 +91,16 @@ def test_eval_line_counts_tokens_made_and_the_draft_line_the_passes():
                      r"\s+11\.77 tokens per second\)", text), text
     assert "20 passes, 3.15 tokens a pass" in text, text
     assert s.decode_tps == pytest.approx(63 / 5.35402)
+
+
+def test_ignore_eos_runs_past_the_stop_token_to_n_predict():
+    """A sampler that bans the stop token (--ignore-eos) never draws it: the run makes its
+    n_predict tokens, the script's next-best token (all logits but the peak are 0: the lowest
+    id, as numpy's argmax picks) where the stop token was."""
+    m, out = ScriptedModel(), []
+    ban = Sampler(SamplerParams(temp=0.0, banned=(2,)))
+    stats = generate(m, ban, SCRIPT[:3], 10, stop_ids=[2], on_token=out.append)
+    row = np.zeros(VOCAB, np.float32)              # the scripted row at the stop, 2 banned
+    row[2] = -np.inf
+    assert out == SCRIPT[3:8] + [int(np.argmax(row))] + SCRIPT[9:13]
+    assert 2 not in out and not stats.stopped and stats.n_gen == 10

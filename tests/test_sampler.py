@@ -115,3 +115,23 @@ def test_top_k_is_the_stable_full_sorts_first_k():
         ids, vals = top_k(np.arange(n) + 1000, logits, k)
         np.testing.assert_array_equal(ids, order + 1000)
         np.testing.assert_array_equal(vals, logits[order])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_banned_tokens_are_llama_cpps_minus_infinity_bias(case):
+    """--ignore-eos: llama.cpp adds a logit bias of -inf to the end-of-generation tokens before
+    the chain; the distribution is the reference chain's on those logits, and no draw is one of
+    them (the greedy argmax among them included)."""
+    banned = (int(np.argmax(LOGITS)), 17, 3)
+    biased = LOGITS.copy()
+    biased[list(banned)] = -np.inf
+    ref = reference_chain(biased, HISTORY, case["temp"], case["top_k"], case["top_p"],
+                          case["min_p"], case["repeat_penalty"], case["repeat_last_n"])
+    sampler = Sampler(SamplerParams(seed=5, banned=banned, **case))
+    ids, probs = sampler.distribution(LOGITS, HISTORY)
+    assert sorted(int(i) for i in ids) == sorted(ref)
+    got = dict(zip((int(i) for i in ids), probs))
+    for tok, pr in ref.items():
+        assert got[tok] == pytest.approx(pr, rel=1e-5, abs=1e-9)
+    assert not set(banned) & {sampler.sample(LOGITS, HISTORY) for _ in range(300)}
+    assert sampler.mode(LOGITS, HISTORY) not in banned

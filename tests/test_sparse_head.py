@@ -114,6 +114,29 @@ def test_candidates_hold_greedy_and_top_k_and_are_exact(smollm2):
     assert (out.argmax(1) == whole.argmax(1)).all()
 
 
+@pytest.mark.realmodel
+def test_candidates_ranked_without_the_eog_tokens_hold_the_banned_samplers_top(smollm2):
+    """--ignore-eos: a sampler never draws the end-of-generation tokens, so the candidates are
+    ranked without them and hold the top k of the logits with theirs -inf — also where an EOG
+    token would outrank every row (its bounds raised here), which alone would be the greedy
+    candidate of a head that ranked it."""
+    x, full, weights = hidden_and_logits(smollm2, 64)
+    eog = np.array(smollm2.config.eos_token_ids)                          # (e,)
+    full[:, eog] = -np.inf
+    head = SparseHead(smollm2, weights, HeadNeed(1, no_eog=True), n_threads=2)
+    head.exact_dims(x[1:])
+    hi, lo = head.bounds(x)                                               # (n, vocab) each
+    for t in range(len(x)):
+        up, down = hi[t].copy(), lo[t].copy()                             # (vocab,) each
+        up[eog] = down[eog] = 1e9
+        assert set(head.candidates(up, down, HeadNeed(1)).tolist()) == set(eog.tolist())
+        for k in (1, 40):
+            for h, l in ((hi[t], lo[t]), (up, down)):
+                cand = head.candidates(h, l, HeadNeed(k, no_eog=True))
+                assert np.isin(np.argsort(-full[t])[:k], cand).all(), (k, t)
+                assert not np.isin(eog, cand).any()
+
+
 def cli(*args, monkeypatch):
     monkeypatch.setattr(budget, "process_rss", lambda: 100 * MiB)
     return CliRunner().invoke(app, ["run", *args])
@@ -134,6 +157,31 @@ def test_cli_sparse_head_writes_the_full_heads_text(smollm2, monkeypatch):
     assert sparse.stdout == full.stdout
     assert "head sketch" in sparse.stderr and "sparse head:" in sparse.stderr
     assert "head sketch" not in full.stderr and "head sketch" not in auto.stderr
+
+
+EOS_PROMPT = ("<|im_start|>user\nWhat is the capital of France? Answer in one word.<|im_end|>\n"
+              "<|im_start|>assistant\n")
+
+
+@pytest.mark.realmodel
+def test_cli_ignore_eos_makes_its_n_tokens(smollm2, monkeypatch):
+    """Where greedy decoding ends on the end-of-turn token after a few tokens, --ignore-eos
+    (llama.cpp's) makes the -n tokens, those few first; under a budget the sparse head, ranked
+    without the end-of-generation tokens, writes the whole head's text."""
+    import json
+    args = [str(smollm2.path), "-p", EOS_PROMPT, "-n", "24", "--temp", "0", "--json"]
+    gen = lambda r: json.loads(r.stderr.strip().splitlines()[-1])          # noqa: E731
+    plain = cli(*args, monkeypatch=monkeypatch)
+    ignored = cli(*args, "--ignore-eos", monkeypatch=monkeypatch)
+    assert plain.exit_code == 0 and ignored.exit_code == 0, ignored.output
+    assert gen(plain)["stopped"] and gen(plain)["n_gen"] < 24
+    assert not gen(ignored)["stopped"] and gen(ignored)["n_gen"] == 24
+    assert ignored.stdout.startswith(plain.stdout) and len(ignored.stdout) > len(plain.stdout)
+    budget = [*args, "--ignore-eos", "--dram-budget", "180MiB"]
+    sparse = cli(*budget, "--sparse-head", monkeypatch=monkeypatch)
+    whole = cli(*budget, "--no-sparse-head", monkeypatch=monkeypatch)
+    assert sparse.exit_code == 0 and whole.exit_code == 0, sparse.output
+    assert sparse.stdout == whole.stdout and gen(sparse)["n_gen"] == gen(whole)["n_gen"] == 24
 
 
 def test_plan_streams_the_head_sparsely_only_when_it_reads_less(smollm2):

@@ -9,9 +9,11 @@ import typer
 
 from flashllm.cli.app import (finite, MODEL_HELP, DEFAULT_THREADS, MAX_THREADS, choice, command, err, fail,
                               model_path)
-from flashllm.session.options import CALIBRATION_TOKENS, CORPORA, CRITERIA, PREDICTOR_KINDS
+from flashllm.session.options import (CALIBRATION_CORPORA, CALIBRATION_TOKENS, CORPORA, CRITERIA,
+                                      PREDICTOR_KINDS)
 
 Corpus = choice("Corpus", CORPORA)
+CalibrationCorpus = choice("CalibrationCorpus", CALIBRATION_CORPORA)
 Criterion = choice("Criterion", CRITERIA)
 PredictorKind = choice("PredictorKind", ("default", "none", *PREDICTOR_KINDS))
 
@@ -48,7 +50,8 @@ def perplexity(
     chunks: Optional[int] = typer.Option(None, "--chunks", min=1, help="Chunks to score (default: all)."),
     sparsity: Optional[float] = typer.Option(None, "--sparsity", callback=finite, help="Drop FFN terms below the "
                                              "thresholds for this sparsity (0..1)."),
-    corpus: Corpus = typer.Option("code", "--corpus", help="Shipped text: code or prose."),
+    corpus: Corpus = typer.Option("code", "--corpus", help="Shipped text: code (Python), prose "
+                                  "(Python's documentation) or english (stories, letters, essays)."),
     threads: int = typer.Option(DEFAULT_THREADS, "-t", "--threads", min=1, max=MAX_THREADS,
                                help="Compute threads."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
@@ -87,17 +90,19 @@ def _stages():
 def calibrate(
     model: str = typer.Argument(..., help=MODEL_HELP),
     text: Optional[Path] = typer.Option(None, "-f", "--text", "--file", help="Calibration text file (default: "
-                                        "Python standard-library sources)."),
+                                        "the shipped texts, --corpus)."),
     sparsity: float = typer.Option(0.5, "--sparsity", callback=finite, help="Target fraction of inactive FFN neurons "
                                    "(lowered while it costs more than --max-ppl-cost)."),
     max_ppl_cost: float = typer.Option(2.0, "--max-ppl-cost", min=0.0, callback=finite, help="Percent of perplexity on "
-                                       "the calibration text the thresholds may cost; the target "
-                                       "is lowered in steps of 0.1 until they cost no more."),
+                                       "each calibration text the thresholds may cost; the target "
+                                       "is lowered in steps of 0.1 until they cost no more on any."),
     keep_target: bool = typer.Option(False, "--keep-target", help="Keep --sparsity as given (no "
                                      "perplexity check)."),
     tokens: int = typer.Option(CALIBRATION_TOKENS, "--tokens", min=1, help="Calibration tokens."),
     ctx: int = typer.Option(512, "-c", "--ctx", "--ctx-size", min=1, help="Tokens per pass."),
-    corpus: Corpus = typer.Option("code", "--corpus", help="Shipped text: code or prose."),
+    corpus: CalibrationCorpus = typer.Option("mix", "--corpus", help="Shipped text: mix (code, "
+                                             "prose and english in equal shares, each checked), "
+                                             "or one of them."),
     criterion: Optional[Criterion] = typer.Option(None, "--criterion", help="glu_product (GLU default), "
                                             "gate (CATS), relu, magnitude."),
     reorder: bool = typer.Option(True, "--reorder/--no-reorder", help="Rewrite the FFN hot-first."),

@@ -43,6 +43,10 @@ def run(
     repeat_last_n: int = typer.Option(64, "--repeat-last-n", min=0, help="How many recent tokens the penalty sees."),
     seed: Optional[int] = typer.Option(None, "--seed", min=-1,
                                        help="Random seed (default, or -1 as in llama.cpp: random)."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Never end on an end-of-generation "
+                                    "token: it is never drawn (its logit -inf, as llama.cpp's "
+                                    "--ignore-eos); a one-shot run makes -n tokens unless the "
+                                    "context fills first."),
     no_timings: bool = typer.Option(False, "--no-timings", help="Do not print the timings line."),
     dram_budget: Optional[str] = typer.Option(
         None, "--dram-budget", help="Stream the FFN from flash within this DRAM: 1.5GiB, 560MiB, "
@@ -124,7 +128,7 @@ def run(
     path = model_path(model, apart=dram_budget is not None)
     calibrate = "" if Path(model).is_dir() or naive or dense else model   # ours: a name's, a .gguf's
     sampling = Sampling(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
-                        None if seed == -1 else seed)
+                        None if seed == -1 else seed, ignore_eos)
     asked = FlashAsked(budget, window, naive, dense, check_recall, predictor.value,
                        sparse_head, draft_head_rows)
     req = request(path, asked, sampling, drafting, threads, ctx_size,
@@ -154,9 +158,10 @@ def _stream(parts, sampling, grammar: Optional[str], p_min: float, lean: bool):
     from flashllm.session.run import drafter
     from flashllm.session.structured import constrained, grammar_draft, token_env_of
     if grammar is None:
-        sampler = sampling.sampler()
+        sampler = sampling.sampler(parts.tok.eos_ids)
         return sampler, drafter(parts.net, sampler, parts.drafting, p_min, parts.head_rows)
-    sampler = constrained(sampling.params(), token_env_of(parts.tok, parts.flash, lean), grammar)
+    env = token_env_of(parts.tok, parts.flash, lean)
+    sampler = constrained(sampling.params(parts.tok.eos_ids), env, grammar)
     inner = drafter(parts.net, sampler, parts.drafting, p_min, parts.head_rows)
     return sampler, grammar_draft(sampler, inner)
 

@@ -77,7 +77,7 @@ def summary_table(s: dict) -> Table:
         ("on disk", format_size(s["disk_bytes"])),
         ("tokenizer", ("yes" if s["tokenizer"] else "no") + ", chat template "
                       + ("yes" if s["chat_template"] else "no")),
-        ("calibration", "calibrated" if s["calibrated"] else "not calibrated (dense: every neuron is read)"),
+        ("calibration", calibration_words(s)),
         ("source", str(s["source"])),
         ("format", f"version {s['format_version']}, {s['created_by']}"),
     ]
@@ -88,6 +88,32 @@ def summary_table(s: dict) -> Table:
     for field, value in rows:
         table.add_row(field, escape(value))
     return table
+
+
+def calibration_words(s: dict) -> str:
+    """`inspect`'s calibration row: the target kept, what it costs on each text checked, the
+    texts and tokens calibrated on, how long it took."""
+    from flashllm.session.calibration import checked_words
+    sec = s["sparsity"] or {}
+    if not s["calibrated"]:
+        return "not calibrated (dense: every neuron is read)"
+    if "target" not in sec:
+        return "calibrated (a predictor only)"
+    q, cal = sec.get("quality") or {}, sec.get("calibration") or {}
+    asked = f" (asked {q['requested']})" if q.get("requested", sec["target"]) != sec["target"] else ""
+    words = [f"target {sec['target']}{asked}"]
+    if "bound" in q:
+        words.append(f"perplexity {checked_words(q)}")
+    text = cal.get("text") or {}
+    texts = text.get("texts") or [text]
+    tokens = {p["text"]: p["n_tokens"] for p in text.get("parts", [])}
+    words.append(f"{cal.get('n_tokens')} tokens of " + ", ".join(
+        f"{t.get('kind', 'text')} ({t.get('path') or t.get('source')}"
+        + (f", {tokens[t['kind']]} tokens" if len(texts) > 1 and t.get("kind") in tokens else "")
+        + ")" for t in texts))
+    if cal.get("seconds") is not None:
+        words.append(f"took {cal['seconds'] / 60:.1f} min")
+    return "calibrated: " + "; ".join(words)
 
 
 def models_table(rows: list[dict], cache: Path) -> Table:

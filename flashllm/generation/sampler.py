@@ -1,4 +1,5 @@
-"""Token sampling in llama.cpp's chain order: penalties → top-k → top-p → min-p → temperature → draw.
+"""Token sampling in llama.cpp's chain order: banned tokens → penalties → top-k → top-p → min-p →
+temperature → draw.
 
 Each stage narrows a candidate set (token ids with their logits). temp <= 0 is greedy: the
 penalized argmax. The draw uses a numpy Generator seeded from SamplerParams.seed (None: random).
@@ -26,6 +27,8 @@ class SamplerParams:
     repeat_penalty: float = 1.0  # 1 disables
     repeat_last_n: int = 64      # 0 disables, -1 means the whole history
     seed: int | None = None
+    banned: tuple[int, ...] = ()  # never drawn (llama.cpp's --ignore-eos: the end-of-generation
+                                  # tokens' logits -inf)
 
     def validate(self) -> "SamplerParams":
         if not 0.0 < self.top_p <= 1.0:
@@ -162,8 +165,12 @@ class Sampler:
         return ids, softmax(cand.astype(np.float64) / prm.temp)   # (k,): a huge temp stays finite
 
     def _penalized(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
-        """logits (vocab,) as f32 with the repeat penalty of history applied (a copy if so)."""
+        """logits (vocab,) as f32, the banned tokens' -inf and the repeat penalty of history
+        applied (a copy if so)."""
         logits = np.asarray(logits, dtype=np.float32)   # (vocab,)
+        if self.params.banned:
+            logits = logits.copy()
+            logits[list(self.params.banned)] = -np.inf
         recent = self._recent(history)                  # (n_recent,)
         if self.params.repeat_penalty != 1.0 and len(recent):
             logits = apply_repeat_penalty(logits, recent, self.params.repeat_penalty)

@@ -59,11 +59,13 @@ BOUNDS_ARRAYS = 4      # (vocab,) arrays alive while a position's candidates are
 class HeadNeed:
     """Which logits a sampler reads: the `top` largest (0: none by rank), every one within
     `margin` of the largest (0: none by margin), and those of the last `recent` tokens fed
-    (-1: all; a repeat penalty changes them)."""
+    (-1: all; a repeat penalty changes them); no_eog: ranked among the tokens that are not
+    the model's end-of-generation ones (a sampler that never draws them: --ignore-eos)."""
 
     top: int = 1
     margin: float = 0.0
     recent: int = 0
+    no_eog: bool = False
 
 
 def head_need(params) -> Optional[HeadNeed]:
@@ -159,6 +161,7 @@ class SparseHead:
         self.row_bytes, self.offset = t["nbytes"] // self.vocab, t["offset"]
         self.head_bytes = t["nbytes"]
         self.sketch_bytes = flash.dense_entry(SKETCH)["nbytes"]
+        self.eog = np.asarray(flash.config.eos_token_ids, np.int64)     # (e,) never candidates
         self.dims = None           # (k,) the hidden dims whose columns are exact, from the first x
         self.columns = None        # (k, vocab) f16 those columns of the head
         self.col_max = None        # (k,) f32 the largest |value| of each
@@ -305,6 +308,9 @@ class SparseHead:
         need = need or self.need
         if allowed is not None:
             lo = np.where(allowed, lo, -np.inf).astype(np.float32)        # (vocab,)
+        if need.no_eog and len(self.eog):         # ranked without them, and none of them kept
+            hi, lo = hi.copy(), lo.copy()
+            hi[self.eog] = lo[self.eog] = -np.inf
         keep = np.zeros(self.vocab, bool)                                 # (vocab,)
         if need.top:
             k = min(need.top, self.vocab)

@@ -8,11 +8,13 @@ from flashllm.runtime.budget_given import Budget, parse_budget
 from flashllm.runtime.plan import AUTO_DRAFT, AUTO_ROWS, DRAFT_KINDS, MAX_DRAFT, PREDICTOR_MODES
 from flashllm.session.calibration import CALIBRATION_TOKENS, CalibrationOptions
 from flashllm.sparsity.activations import CRITERIA
-from flashllm.sparsity.corpus import KINDS as CORPORA
+from flashllm.sparsity.corpus import KINDS as CORPORA, MIX
+
+CALIBRATION_CORPORA = (MIX, *CORPORA)        # calibrate --corpus: the mix (default) or one kind
 from flashllm.sparsity.predictor import KINDS as PREDICTOR_KINDS
 
 DTYPES = (NATIVE, *QUANTIZABLE, "q4_k")      # convert --dtype; q4_k: a GGUF's Q4_K gate / up rows
 
-__all__ = ["AUTO_DRAFT", "AUTO_ROWS", "Budget", "CALIBRATION_TOKENS", "CORPORA", "CRITERIA",
-           "DRAFT_KINDS", "DTYPES", "MAX_DRAFT", "PREDICTOR_KINDS", "PREDICTOR_MODES",
-           "CalibrationOptions", "parse_budget"]
+__all__ = ["AUTO_DRAFT", "AUTO_ROWS", "Budget", "CALIBRATION_CORPORA", "CALIBRATION_TOKENS",
+           "CORPORA", "CRITERIA", "DRAFT_KINDS", "DTYPES", "MAX_DRAFT", "PREDICTOR_KINDS",
+           "PREDICTOR_MODES", "CalibrationOptions", "parse_budget"]

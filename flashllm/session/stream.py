@@ -23,21 +23,26 @@ class Sampling:
     repeat_penalty: float = 1.0
     repeat_last_n: int = 64
     seed: Optional[int] = None
+    ignore_eos: bool = False     # never draw an end-of-generation token (llama.cpp's --ignore-eos)
 
-    def params(self):
+    def params(self, eog_ids=()):
+        """SamplerParams; eog_ids: the model's end-of-generation tokens, banned by ignore_eos."""
         from flashllm.generation.sampler import SamplerParams
         return SamplerParams(temp=self.temp, top_k=self.top_k, top_p=self.top_p,
                              min_p=self.min_p, repeat_penalty=self.repeat_penalty,
-                             repeat_last_n=self.repeat_last_n, seed=self.seed)
+                             repeat_last_n=self.repeat_last_n, seed=self.seed,
+                             banned=tuple(int(t) for t in eog_ids) if self.ignore_eos else ())
 
-    def sampler(self):
+    def sampler(self, eog_ids=()):
         from flashllm.generation.sampler import Sampler
-        return Sampler(self.params())
+        return Sampler(self.params(eog_ids))
 
     def head_need(self):
         """What of the output head the sampler can keep (sparse_head.head_need; None: all)."""
+        import dataclasses
         from flashllm.runtime.sparse_head import head_need
-        return head_need(self.params())
+        need = head_need(self.params())
+        return dataclasses.replace(need, no_eog=True) if need and self.ignore_eos else need
 
 
 def complete(parts, sampler, n_predict: int, draft, write: Callable[[str], None],

@@ -24,7 +24,7 @@ from flashllm.sparsity.activations import (CalibrationError, check_criterion, co
                                            ffn_weights, frequencies, hot_share, threshold)
 from flashllm.sparsity.predictor import save_predictor
 from flashllm.sparsity.layer_stats import InputStore, LastLayer, LayerStats, layer_scores
-from flashllm.sparsity.quality import QUALITY_TOKENS, keep_quality, quality_steps
+from flashllm.sparsity.quality import check_spans, keep_quality, quality_steps
 from flashllm.sparsity.reorder import rewrite_hot_first, sweep_temporaries, write_frequency
 from flashllm.sparsity.train import DEFAULT_OPTIONS, train_predictor
 
@@ -146,12 +146,14 @@ def calibrate_model(flash: FlashModel, net, tokens: Sequence[int], text: dict, s
                     log: Callable[[str], None] = lambda m: None, predictor: Optional[str] = None,
                     max_cost: Optional[float] = None,
                     on_final: Optional[Callable[[np.ndarray], None]] = None,
-                    progress: Progress = lambda what, done, of: None) -> dict:
+                    progress: Progress = lambda what, done, of: None,
+                    parts: Optional[Sequence[tuple[str, int]]] = None) -> dict:
     """Calibrate the model folder of `flash` on tokens, run through `net` (a
     runtime/layer_pass.LayerPass over flash: layer by layer, in bounded memory): thresholds for
-    the target sparsity — lowered in steps while they cost more than max_cost of perplexity
-    (sparsity/quality.py, measured by net on the tokens' first QUALITY_TOKENS; None: the
-    target as asked) —, per-slot frequencies, (reorder) the hot-first FFN rewrite, and
+    the target sparsity — lowered in steps while they cost more than max_cost of perplexity on
+    any of the texts the tokens hold (parts: (name, tokens) in order, default one text named by
+    its kind; sparsity/quality.py, measured by net on each text's first tokens, check_spans;
+    None: the target as asked) —, per-slot frequencies, (reorder) the hot-first FFN rewrite, and
     (predictor: a kind of flashllm.sparsity.train) a trained predictor. on_final gets the final
     hidden states (N, d_model) of the dense pass. Writes and returns the manifest's sparsity
     section; the model stays valid if this is interrupted."""
@@ -181,9 +183,11 @@ def calibrate_model(flash: FlashModel, net, tokens: Sequence[int], text: dict, s
         if on_final is not None:
             on_final(x)
         del x
+        parts = list(parts or [(text.get("kind") or "text", len(tokens))])
         kept = {"requested": sparsity, "target": sparsity}
         if steps:
-            kept.update(keep_quality(per, _quality(net, tokens, progress), max_cost, log))
+            kept.update(_checked(net, tokens, per, parts, max_cost, log, progress))
+        text = {**text, "parts": [{"text": name, "n_tokens": n} for name, n in parts]}
         if reorder and flash.manifest.get("predictor"):   # trained in the slots it reorders
             update_manifest(flash.path, predictor={})
         section = _write(flash, tokens, text, criterion, kept, per, reorder, by, contrib,
@@ -197,14 +201,29 @@ def calibrate_model(flash: FlashModel, net, tokens: Sequence[int], text: dict, s
     return section
 
 
-def _quality(net, tokens: Sequence[int], progress: Progress) -> Callable[[list], float]:
-    """ppl(thresholds) for keep_quality: net's perplexity on the tokens' first QUALITY_TOKENS."""
-    ids = list(tokens[:QUALITY_TOKENS])
-    n = net.config.n_layers
+def _checked(net, tokens: Sequence[int], per: dict, parts: list, max_cost: float,
+             log: Callable[[str], None], progress: Progress) -> dict:
+    """The target kept (quality.keep_quality on each part's first tokens) and what it costs on
+    each text checked: {"target", "ppl_cost", "bound", "checked": [{"text", "tokens",
+    "ppl_cost"}]}."""
+    spans = check_spans(parts)
+    kept = keep_quality(per, _quality(net, tokens, spans, progress),
+                        [name for name, _, _ in spans], max_cost, log)
+    return {**kept, "checked": [{"text": name, "tokens": n, "ppl_cost": kept["checked"][name]}
+                                for name, _, n in spans]}
 
-    def ppl(thresholds: list) -> float:
-        what = "perplexity check" + (" (dense)" if not any(thresholds) else "")
-        return net.perplexity(ids, thresholds, on_layer=lambda i: progress(what, i + 1, n))
+
+def _quality(net, tokens: Sequence[int], spans: list,
+             progress: Progress) -> Callable[[str, list], float]:
+    """ppl(name, thresholds) for keep_quality: net's perplexity on the tokens of the text
+    `name`, its span (name, first token, tokens) of quality.check_spans."""
+    ids = {name: list(tokens[a:a + n]) for name, a, n in spans}
+    n_layers = net.config.n_layers
+
+    def ppl(name: str, thresholds: list) -> float:
+        what = f"perplexity check on {name}" + (" (dense)" if not any(thresholds) else "")
+        return net.perplexity(ids[name], thresholds,
+                              on_layer=lambda i: progress(what, i + 1, n_layers))
     return ppl
 
 
@@ -260,10 +279,12 @@ def fit_predictor(path, inputs, thresholds: list, criterion: str, kind: str, n_t
 
 
 def plan_calibration(flash, n_tokens: int, check: bool, predictor: Optional[str],
-                     budget: Optional[int], log: Callable[[str], None]) -> Optional[str]:
-    """Say how long calibrating flash on n_tokens will take (sparsity/cost.py); refuse a DRAM
-    budget (bytes, None: none) it cannot fit in; the predictor kind to train ("none": None):
-    none when the budget could not hold it (no run under that budget would use it)."""
+                     budget: Optional[int], log: Callable[[str], None],
+                     parts: Optional[Sequence[tuple[str, int]]] = None) -> Optional[str]:
+    """Say how long calibrating flash on n_tokens (parts: the texts they hold, as
+    calibrate_model takes them) will take (sparsity/cost.py); refuse a DRAM budget (bytes,
+    None: none) it cannot fit in; the predictor kind to train ("none": None): none when the
+    budget could not hold it (no run under that budget would use it)."""
     cfg = flash.config
     predictor = None if predictor == "none" else predictor
     if budget is not None:
@@ -277,10 +298,12 @@ def plan_calibration(flash, n_tokens: int, check: bool, predictor: Optional[str]
             log(f"no {predictor} predictor: its {format_size(cost.predictor_bytes(cfg, predictor))}"
                 f" would not fit a run's {format_size(budget, 'MiB')} budget")
             predictor = None
-    t = cost.seconds(cfg, n_tokens, min(n_tokens, QUALITY_TOKENS), 2 if check else 0,
-                     predictor is not None)
+    checked = sum(n for _, _, n in check_spans(parts or [("text", n_tokens)]))
+    t = cost.seconds(cfg, n_tokens, checked, 2 if check else 0, predictor is not None)
+    step = cost.seconds(cfg, 0, checked, 1, False)        # one more target tried, at most
     log(f"calibrating on {n_tokens} tokens, layer by layer: about {max(1, round(t / 60))} min"
-        + (" (more if the target must be lowered)" if check else ""))
+        + (f" (up to {step / 60:.1f} min more for each step the target is lowered)"
+           if check else ""))
     return predictor
 
 

@@ -2,9 +2,12 @@
 
 Code: the running Python's standard-library sources, calibration and evaluation from two disjoint
 fixed sets of modules. Prose: the English documentation in `pydoc_data.topics`, the sorted topic
-names split alternately. Users pass their own text with `--text FILE` (`file_text`). Every text
-carries a description (source, files, Python version, sha256) that calibration records in the
-manifest and the benchmarks print.
+names split alternately. English: general English prose (stories, letters, essays, reports)
+written for flashllm and placed in the public domain, shipped beside this module (texts/), one
+file of pieces per split, no piece in both. Calibration's default is their mix (MIX: every kind
+in equal shares, each checked on its own). Users pass their own text with `--text FILE`
+(`file_text`). Every text carries a description (source, files, Python version, sha256) that
+calibration records in the manifest and the benchmarks print.
 """
 from __future__ import annotations
 
@@ -20,7 +23,9 @@ from flashllm.limits import read_capped
 
 SPLITS = ("calibration", "evaluation")
 MAX_TEXT_BYTES = 64 << 20     # a user's text file (wikitext-2's test set: 1.3 MiB)
-KINDS = ("code", "prose")
+KINDS = ("code", "prose", "english")
+MIX = "mix"           # calibrate's default corpus: every kind of KINDS, in equal shares
+TEXTS = Path(__file__).resolve().parent / "texts"     # english-{split}.txt
 
 # Present in CPython 3.11 .. 3.13; the two sets share no file.
 CODE_FILES = {
@@ -92,13 +97,28 @@ def prose_text(split: str, max_chars: Optional[int] = None) -> Text:
                        "chars": len(text), "sha256": _sha256(text)})
 
 
+def english_text(split: str, max_chars: Optional[int] = None, root: Path = TEXTS) -> Text:
+    """The shipped English prose of `split` (texts/english-SPLIT.txt), cut to max_chars."""
+    if split not in SPLITS:
+        raise CorpusError(f"unknown text split {split!r} (expected one of {', '.join(SPLITS)})")
+    name = f"english-{split}.txt"
+    try:
+        text = _prefix((root / name).read_text(encoding="utf-8"), max_chars)
+    except (OSError, UnicodeDecodeError) as e:
+        raise CorpusError(f"cannot read the shipped text {root / name}: {e}") from None
+    return Text(text, {"source": "flashllm-english", "kind": "english", "split": split,
+                       "file": name, "chars": len(text), "sha256": _sha256(text)})
+
+
 def builtin_text(split: str, kind: str = "code", max_chars: Optional[int] = None,
                  root: Optional[Path] = None) -> Text:
-    """The shipped text of `kind` ("code" or "prose") for `split`."""
+    """The shipped text of `kind` (one of KINDS) for `split`."""
     if kind == "code":
         return code_text(split, root or stdlib_dir(), max_chars)
     if kind == "prose":
         return prose_text(split, max_chars)
+    if kind == "english":
+        return english_text(split, max_chars)
     raise CorpusError(f"unknown text kind {kind!r} (expected one of {', '.join(KINDS)})")
 
 

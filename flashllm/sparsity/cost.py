@@ -2,8 +2,9 @@
 against a DRAM budget), from the model's shape and the calibration's tokens.
 
 Time: the dense pass multiplies every weight for each calibration token (the C kernel) and
-scores every FFN neuron in f32 (numpy); each perplexity check runs the model over the bundles
-for QUALITY_TOKENS; the predictor trains one layer at a time. The rates are measured on a
+scores every FFN neuron in f32 (numpy); each target checked runs the model over the bundles
+on each text's check tokens (sparsity/quality.check_spans); the predictor trains one layer at a
+time. The rates are measured on a
 2-core x86 machine (Qwen2.5-Coder-1.5B and SmolLM2-135M, docs/PREDICTOR.md, "Calibrating in
 bounded memory"): an estimate, within a factor of about 1.5.
 
@@ -29,7 +30,8 @@ def layer_weights(cfg) -> int:
 
 def seconds(cfg, n_tokens: int, check_tokens: int, checks: int, predictor: bool) -> float:
     """Rough seconds of a calibration with `checks` perplexity checks (2 when the asked target
-    holds) on check_tokens each, and a predictor."""
+    holds: the FFN without thresholds, then with) on check_tokens each (all its texts'), and a
+    predictor."""
     matmul = 2 * layer_weights(cfg) * cfg.n_layers                   # flops a token
     score = 2 * (2 if cfg.glu else 1) * cfg.n_ff * cfg.d_model * cfg.n_layers
     t = (n_tokens + checks * check_tokens) * matmul / (KERNEL_GFLOPS * 1e9)

@@ -2,21 +2,23 @@
 cost the model more than a bound of perplexity.
 
 A target sparsity s drops, in each layer, the FFN terms whose |h| lies below the layer's
-threshold (a share s of the calibration activations). What that costs depends on the model:
-Qwen2.5-Coder-1.5B at s = 0.5 costs ~1% of perplexity against llama.cpp on held-out text, Gemma
-3 270M ~6%, SmolLM2-135M ~3% (docs/PREDICTOR.md, "The sparsity a calibration keeps"). So
-calibrate measures it: the perplexity of the model with each candidate's thresholds against the
-same FFN with none (the bundles a budgeted run multiplies; the caller measures: session/calibration.py
-bundle_ppl) on the calibration tokens' first QUALITY_TOKENS, and keeps the largest target within
-the bound. A budgeted run reads the same bundles whatever the thresholds (they only skip
-compute), so a lower target costs time, not bytes.
+threshold (a share s of the calibration activations). What that costs depends on the model and
+on the text: Qwen2.5-Coder-1.5B at s = 0.5 costs ~1% of perplexity against llama.cpp on held-out
+code but ~5% on English prose, Gemma 3 270M ~6% (docs/PREDICTOR.md, "The sparsity a calibration
+keeps"). So calibrate measures it on each text it calibrated on (a mix: code, prose, English;
+check_spans): the perplexity of the model with each candidate's thresholds against the same FFN
+with none (the bundles a budgeted run multiplies; the caller measures: sparsity/calibrate.py
+_quality), and keeps the largest target whose cost is within the bound on every text. A budgeted
+run reads the same bundles whatever the thresholds (they only skip compute), so a lower target
+costs time, not bytes.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 QUALITY_STEP = 0.1       # targets tried: the asked one, then this much lower each time, to 0
-QUALITY_TOKENS = 1024    # calibration tokens the perplexities are measured on (chunks of n_ctx)
+QUALITY_TOKENS = 1024    # tokens the perplexities are measured on: one text's first ones ...
+PART_TOKENS = 512        # ... or the first ones of each text of a mix
 
 
 def quality_steps(sparsity: float, criterion: str) -> list[float]:
@@ -29,20 +31,44 @@ def quality_steps(sparsity: float, criterion: str) -> list[float]:
     return [sparsity] + [t for t in lower if t > 1e-9] + [0.0]
 
 
-def keep_quality(candidates: dict, ppl: Callable[[list], float], max_cost: float,
-                 log: Callable[[str], None]) -> dict:
-    """{"target", "ppl_cost", "bound"}: the largest target of candidates ({target: (thresholds
-    [L], ...)}) whose thresholds cost at most max_cost of perplexity, ppl(thresholds) against
-    ppl(zeros); 0.0 (no term dropped) when none does."""
+def check_spans(parts: Sequence[tuple[str, int]]) -> list[tuple[str, int, int]]:
+    """(name, first token, tokens) of each text the checks measure, from the calibration
+    tokens' parts ((name, tokens) in order): one text's first QUALITY_TOKENS, or each text's
+    first PART_TOKENS of a mix."""
+    each = QUALITY_TOKENS if len(parts) == 1 else PART_TOKENS
+    spans, start = [], 0
+    for name, n in parts:
+        spans.append((name, start, min(n, each)))
+        start += n
+    return spans
+
+
+def keep_quality(candidates: dict, ppl: Callable[[str, list], float], names: Sequence[str],
+                 max_cost: float, log: Callable[[str], None]) -> dict:
+    """{"target", "ppl_cost", "bound", "checked"}: the largest target of candidates ({target:
+    (thresholds [L], ...)}) whose thresholds cost at most max_cost of perplexity on every text
+    of names, ppl(name, thresholds) against ppl(name, zeros); 0.0 (no term dropped) when none
+    does. checked: {name: cost} of the kept target; ppl_cost: the largest. A target stops at
+    the first text over the bound, and the next starts with that text."""
     targets = sorted((t for t in candidates if t > 0), reverse=True)
-    kept = {"target": 0.0, "ppl_cost": 0.0, "bound": max_cost}
+    kept = {"target": 0.0, "ppl_cost": 0.0, "bound": max_cost,
+            "checked": {name: 0.0 for name in names}}
     if not targets:
         return kept
-    base = ppl([0.0] * len(candidates[targets[0]][0]))
+    zeros = [0.0] * len(candidates[targets[0]][0])
+    base = {name: ppl(name, zeros) for name in names}
+    order = list(names)
     for target in targets:
-        cost = ppl(list(candidates[target][0])) / base - 1.0
-        log(f"sparsity {target:g}: perplexity {cost:+.2%} on the calibration text "
-            f"(bound {max_cost:.0%})")
-        if cost <= max_cost:
-            return {**kept, "target": target, "ppl_cost": round(cost, 5)}
+        costs = {}
+        for name in order:
+            costs[name] = ppl(name, list(candidates[target][0])) / base[name] - 1.0
+            if costs[name] > max_cost:
+                break
+        log(f"sparsity {target:g}: perplexity " + ", ".join(
+            f"{c:+.2%} on {name}" for name, c in costs.items()) + f" (bound {max_cost:.0%})")
+        worst = max(costs, key=costs.__getitem__)
+        if costs[worst] <= max_cost:
+            return {**kept, "target": target, "ppl_cost": round(costs[worst], 5),
+                    "checked": {name: round(costs[name], 5) for name in names}}
+        order = [worst] + [name for name in order if name != worst]
     return kept

@@ -52,7 +52,7 @@ from scripts.bench.stats import parse_stats_table, stat_cells
 MiB = 1 << 20
 # name -> (local GGUF file name, flash dtype); the GGUF is looked up in --models-dir, else pulled
 # (once: `flashllm pull` keeps it in the user cache). The 1.5B runs at its default conversion (native:
-# the GGUF's own Q4_K / Q6_K tensors, down columns re-quantized; BENCHMARKS.md "## Quality"), as
+# the GGUF's own Q4_K / Q6_K tensors, down columns re-quantized; docs/QUALITY.md), as
 # `flashllm run NAME` makes it; SmolLM2 at q4_1, which re-quantizes its Q4_1 blocks exactly.
 MODELS = {"qwen2.5-coder-1.5b": ("qwen2.5-coder-1.5b.gguf", "native"),
           "qwen2.5-coder-0.5b": ("qwen2.5-coder-0.5b.gguf", "native"),
@@ -357,6 +357,7 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     fl = Flashllm.find(sys.executable)
     opts = fl.options()
+    fl.fixed_length = opts["--ignore-eos"]          # every row makes its -n tokens
     info = machine_info(args)
     log(f"flashllm run options: {opts}; cgroup: {unavailable_reason() or 'available'}")
     sections, raw = {}, {"info": info, "options": opts}

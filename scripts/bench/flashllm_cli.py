@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]    # the repository: every command ru
 TIMING = re.compile(r"(prompt eval|eval) time\s*=\s*([0-9.]+) ms /\s*(\d+) (?:tokens|runs)")
 # the options of `flashllm run` a benchmark row may need
 RUN_OPTIONS = ("--json", "--stats", "--dram-budget", "--naive", "--dense", "--window",
-               "--sparse-head", "--draft-kind")
+               "--sparse-head", "--draft-kind", "--ignore-eos")
 
 
 @dataclass
@@ -28,6 +28,7 @@ class Flashllm:
     """How to call the flashllm CLI here: argv prefix for subprocesses and its display name."""
     argv: List[str]
     shown: str = "flashllm"
+    fixed_length: bool = False     # run --ignore-eos: -n tokens, as llama.cpp's rows decode
 
     @classmethod
     def find(cls, python: str) -> "Flashllm":
@@ -51,7 +52,8 @@ class Flashllm:
                  extra: Sequence[str] = (), as_json: bool = False) -> List[str]:
         ctx = 64 * ((n_tokens_max(n_gen) + 63) // 64)  # KV cache sized like llama.cpp's n_ctx
         tail = ["run", str(model), "-f", str(prompt_file), "-n", str(n_gen), "-t", str(threads),
-                "-c", str(ctx), "--temp", "0", *extra]
+                "-c", str(ctx), "--temp", "0", *(["--ignore-eos"] if self.fixed_length else []),
+                *extra]
         return self.argv + tail + (["--json"] if as_json else [])
 
     def show(self, argv: Sequence[str]) -> str:
@@ -99,7 +101,8 @@ def ensure_calibrated(fl: Flashllm, src: Path, log) -> tuple[Path, str]:
     out = src.with_name(src.name + "-cal")
     argv = fl.argv + ["calibrate", str(out)]
     if not (out / ".calibrated").is_file() or _bundles(out) != _bundles(src) or \
-            any(_sparsity(out).get(k) is None for k in ("order_by", "head", "quality")):
+            any(_sparsity(out).get(k) is None for k in ("order_by", "head", "quality")) or \
+            "checked" not in _sparsity(out)["quality"]:   # checked on each text (issue 50)
         log(f"calibrating {out}")
         shutil.rmtree(out, ignore_errors=True)
         shutil.copytree(src, out)
