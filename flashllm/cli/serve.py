@@ -42,6 +42,8 @@ def serve(
     from flashllm.session.options import parse_budget
     log = lambda m: err.print(m, markup=False, soft_wrap=True)          # noqa: E731
     budget = parse_budget(dram_budget) if dram_budget is not None else None   # one line if bad
+    if not host.strip():
+        fail("--host is empty: give an address to listen on (0.0.0.0: every address)")
     if not is_loopback(host) and api_key is None:
         log(f"warning: serving on {host} without --api-key: anyone who reaches this address "
             "can use the model")
@@ -51,8 +53,8 @@ def serve(
                       calibrate="" if Path(model).is_dir() else model)   # ours: a name's, a .gguf's
     try:
         engine = open_engine(spec, cache_dir(), log)
-    except FlashError as e:
-        if budget is None or "least --dram-budget" not in str(e):
+    except FlashError as e:          # a size that counts every stream's context: say so
+        if "least --dram-budget" not in str(e) and "of KV cache" not in str(e):
             raise
         fail(f"{e} — with --parallel {parallel} streams of --ctx-size {ctx_size} tokens each")
     try:
