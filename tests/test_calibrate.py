@@ -336,7 +336,8 @@ def test_cli_calibrates_on_the_mix_and_inspect_says_what_it_checked(tiny, tmp_pa
     checked = sec["quality"]["checked"]
     assert [(c["text"], c["tokens"]) for c in checked] == [("code", 16), ("prose", 16),
                                                            ("english", 16)]
-    assert sec["calibration"]["seconds"] > 0 and sec["calibration"]["text"]["source"] == "mix"
+    took = sec["calibration"]["seconds"]          # tenths: a tiny model's can round to 0.0
+    assert isinstance(took, float) and took >= 0 and sec["calibration"]["text"]["source"] == "mix"
     r = CliRunner().invoke(app, ["inspect", str(path)])
     shown = " ".join(r.output.replace("│", " ").split())
     assert r.exit_code == 0 and f"target {sec['target']}" in shown, r.output

@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SOURCES = ["tests/native/qdot_isa.c", "native/qdot.c", "native/qgemm.c", "native/act.c",
            "native/quant.c", "native/vec.c", "native/q4k.c", "native/qk.c", "native/q3k.c",
            "native/act_quant.c", "native/kquant.c", "native/kaxpy.c", "native/gemm_f32.c",
-           "native/traits.c", "native/q0pack.c", "native/q4kpack.c", "native/q6kpack.c"]
+           "native/traits.c", "native/q0pack.c", "native/q4kpack.c", "native/q6kpack.c",
+           "native/q5kpack.c", "native/q23pack.c"]
 ISAS = {
     "avx512vnni": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx2", "-mfma",
                    "-mf16c"],
