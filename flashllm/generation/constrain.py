@@ -42,6 +42,7 @@ class ConstrainedSampler(Sampler):
 
     def begin(self, n_context: int) -> None:
         """The constrained text starts after the first n_context tokens of the history."""
+        super().begin(n_context)
         self.matcher.reset()
         self.start, self.consumed, self._mask = n_context, [], None
 

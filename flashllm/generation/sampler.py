@@ -1,6 +1,10 @@
 """Token sampling in llama.cpp's chain order: banned tokens → penalties → top-k → top-p → min-p →
 temperature → draw.
 
+The penalties: llama.cpp's repeat penalty over the last repeat_last_n tokens of the history, then
+OpenAI's presence and frequency penalties over the tokens made since begin() (the answer so far:
+logit[j] -= count[j] * frequency + (count[j] > 0) * presence).
+
 Each stage narrows a candidate set (token ids with their logits). temp <= 0 is greedy: the
 penalized argmax. The draw uses a numpy Generator seeded from SamplerParams.seed (None: random).
 """
@@ -27,6 +31,8 @@ class SamplerParams:
     repeat_penalty: float = 1.0  # 1 disables
     repeat_last_n: int = 64      # 0 disables, -1 means the whole history
     seed: int | None = None
+    presence_penalty: float = 0.0   # OpenAI's, over the answer's tokens (0 disables)
+    frequency_penalty: float = 0.0  # OpenAI's, over the answer's tokens (0 disables)
     banned: tuple[int, ...] = ()  # never drawn (llama.cpp's --ignore-eos: the end-of-generation
                                   # tokens' logits -inf)
 
@@ -49,6 +55,18 @@ def apply_repeat_penalty(logits: np.ndarray, recent: np.ndarray, penalty: float)
     ids = np.unique(recent)                             # (n_distinct,)
     vals = out[ids]                                     # (n_distinct,)
     out[ids] = np.where(vals > 0, vals / penalty, vals * penalty)
+    return out
+
+
+def apply_presence_frequency(logits: np.ndarray, made: np.ndarray, presence: float,
+                             frequency: float) -> np.ndarray:
+    """OpenAI's penalties: logit[j] - count[j] * frequency - (count[j] > 0) * presence, count[j]
+    how often token j is in made (n,). logits (vocab,) is not modified; returns a copy."""
+    out = logits.astype(np.float32, copy=True)          # (vocab,)
+    ids, counts = np.unique(made, return_counts=True)   # (n_distinct,), (n_distinct,)
+    keep = ids < len(out)
+    ids, counts = ids[keep], counts[keep]
+    out[ids] -= (counts * frequency + presence).astype(np.float32)
     return out
 
 
@@ -95,10 +113,13 @@ class Sampler:
     def __init__(self, params: SamplerParams):
         self.params = params.validate()
         self.rng = np.random.default_rng(params.seed)
+        self.made_from = 0                  # history index where the answer starts (begin)
 
     def begin(self, n_context: int) -> None:
         """A new text starts after the first n_context tokens of the history (a constrained
-        sampler's grammar starts there: generation/constrain.py); nothing for this one."""
+        sampler's grammar starts there: generation/constrain.py; the presence and frequency
+        penalties count the tokens from there)."""
+        self.made_from = n_context
 
     def finished(self, history: Sequence[int]) -> bool:
         """Whether nothing but the end may follow history (a complete grammar); never here."""
@@ -174,7 +195,18 @@ class Sampler:
         recent = self._recent(history)                  # (n_recent,)
         if self.params.repeat_penalty != 1.0 and len(recent):
             logits = apply_repeat_penalty(logits, recent, self.params.repeat_penalty)
+        prm = self.params
+        if (prm.presence_penalty or prm.frequency_penalty) and len(history) > self.made_from:
+            made = np.asarray(history[self.made_from:], dtype=np.int64)    # (n_made,)
+            logits = apply_presence_frequency(logits, made, prm.presence_penalty,
+                                              prm.frequency_penalty)
         return logits
+
+    def penalized(self, logits: np.ndarray, history: Sequence[int] = ()) -> np.ndarray:
+        """The logits (vocab,) the chain starts from: the penalties applied, banned tokens and
+        (a constrained sampler's) tokens a grammar forbids at -inf; before top-k / top-p /
+        min-p and the temperature."""
+        return self._penalized(logits, history)
 
     def _recent(self, history: Sequence[int]) -> np.ndarray:
         n = self.params.repeat_last_n
