@@ -42,15 +42,16 @@ def server(tiny):
     assert served.stop() == 0, served.output()
 
 
-def client(served, key: str = "none"):
-    return openai.OpenAI(base_url=served.url + "/v1", api_key=key, max_retries=0, timeout=120)
+def client(served, key: str = "none", timeout: float = 120):
+    return openai.OpenAI(base_url=served.url + "/v1", api_key=key, max_retries=0,
+                         timeout=timeout)
 
 
-def run_cli(model, prompt: str, n: int) -> str:
-    """What `flashllm run MODEL -p PROMPT -n N --temp 0` writes to stdout (into a pipe: the
-    tokens alone, no newline added)."""
+def run_cli(model, prompt: str, n: int, *extra: str) -> str:
+    """What `flashllm run MODEL -p PROMPT -n N --temp 0 EXTRA...` writes to stdout (into a
+    pipe: the tokens alone, no newline added)."""
     out = subprocess.run([sys.executable, "-m", "flashllm", "run", str(model), "-p", prompt,
-                          "-n", str(n), "--temp", "0", "--no-timings", "-t", "1"],
+                          "-n", str(n), "--temp", "0", "--no-timings", "-t", "1", *extra],
                          capture_output=True, text=True, timeout=600, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT)}, stdin=subprocess.DEVNULL)
     assert out.returncode == 0, out.stderr

@@ -54,8 +54,8 @@ def test_checked_requests():
     for body, param in [({"prompt": "x", "top_k": -1}, "top_k"),
                         ({"prompt": "x", "min_p": 1.5}, "min_p"),
                         ({"prompt": "x", "seed": 1.5}, "seed"),
-                        ({"prompt": "x", "logprobs": 2}, "logprobs"),
-                        ({"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty"),
+                        ({"prompt": "x", "logprobs": 21}, "logprobs"),
+                        ({"prompt": "x", "frequency_penalty": 2.5}, "frequency_penalty"),
                         ({"prompt": ["a", "b"]}, "prompt"),
                         ({"prompt": "x", "max_tokens": 65}, "max_tokens")]:
         with pytest.raises(ApiError) as e:

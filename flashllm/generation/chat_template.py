@@ -22,7 +22,7 @@ from flashllm.model.archs import REGISTRY
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
           " + '<|im_end|>' + '\n' }}{% endfor %}"
           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 
 class ChatError(FlashError):
@@ -60,15 +60,19 @@ class ChatTemplate:
         self.name = name
         self.bos_token, self.eos_token = bos_token, eos_token
 
-    def render(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
-        """The conversation as text; ChatError when the template fails or refuses it."""
+    def render(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+               tools: Sequence[dict] | None = None) -> str:
+        """The conversation as text; ChatError when the template fails or refuses it. tools:
+        OpenAI's function tools ({"type": "function", "function": {...}}), given to the template
+        as transformers' apply_chat_template gives them (None: no `tools` variable)."""
         for m in messages:
             if m.get("role") not in ROLES or not isinstance(m.get("content"), str):
                 raise ChatError(f"bad chat message {m!r}: needs a role in {ROLES} and text content")
+        extra = {} if tools is None else {"tools": [dict(t) for t in tools]}
         try:
             text = bounded_render(self._template, messages=[dict(m) for m in messages],
                                   add_generation_prompt=add_generation_prompt,
-                                  bos_token=self.bos_token, eos_token=self.eos_token)
+                                  bos_token=self.bos_token, eos_token=self.eos_token, **extra)
         except TemplateLimit as e:
             raise ChatError(f"chat {self.name} refused: {e}") from None
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, OverflowError,

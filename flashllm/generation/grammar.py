@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from flashllm.errors import FlashError
 from flashllm.ffi.heap import trim_heap
 
-KINDS = ("json_schema", "gbnf")
+KINDS = ("json_schema", "gbnf", "lark")
 JSON_WHITESPACE = r"( |\n[ \t]{0,20})?"
 LEAN_BYTES, FULL_BYTES = 168, 392   # a token table's bytes a token (table_bytes)
 SPECIAL_PREFIX = b"\xff"      # llguidance marks a special (control) token's bytes with it
@@ -45,8 +45,9 @@ def one_line(message: str) -> str:
 
 
 def compile_grammar(kind: str, text: str) -> str:
-    """llguidance's grammar text of a JSON schema (kind "json_schema": its JSON text) or a GBNF
-    grammar ("gbnf"), checked: GrammarError naming what does not compile."""
+    """llguidance's grammar text of a JSON schema (kind "json_schema": its JSON text), a GBNF
+    grammar ("gbnf") or llguidance's Lark syntax ("lark": serve's tool calls), checked:
+    GrammarError naming what does not compile."""
     llg = llguidance()
     if kind == "json_schema":
         try:
@@ -60,9 +61,9 @@ def compile_grammar(kind: str, text: str) -> str:
                 schema, defaults={"whitespace_pattern": JSON_WHITESPACE})
         except ValueError as e:
             raise GrammarError(f"the JSON schema does not compile: {one_line(e)}") from None
-    elif kind == "gbnf":
+    elif kind in ("gbnf", "lark"):
         try:
-            grammar = llg.grammar_from("gbnf", text)
+            grammar = llg.grammar_from(kind, text)
         except ValueError as e:
             raise GrammarError(f"the grammar does not compile: {one_line(e)}") from None
     else:

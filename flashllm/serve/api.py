@@ -1,37 +1,25 @@
-"""The OpenAI request bodies checked into an Ask, and the response objects built from a result.
+"""The OpenAI request bodies checked into an Ask (the response objects: serve/responses.py).
 
 Validation follows OpenAI's API: a field of the wrong type or out of range is a 400 naming it
 (`param`); unknown fields are ignored (as llama.cpp's server and vLLM do, so clients that send
-their own extensions still work); fields we know but cannot honour (n > 1, logprobs, echo,
-tools, presence/frequency penalties) are a 400. response_format (json_object, json_schema) is
-compiled here: a schema that does not compile is a 400. Sampling defaults are `flashllm run`'s.
+their own extensions still work); fields we know but cannot honour (n > 1, echo, suffix,
+best_of, legacy functions) are a 400. response_format (json_object, json_schema) and a forced
+tool_choice are compiled here: a schema that does not compile is a 400. Sampling defaults are
+`flashllm run`'s.
 """
 from __future__ import annotations
 
 import json
-import time
-import uuid
 from dataclasses import dataclass
 from typing import Optional
 
 from flashllm.generation.sampler import SamplerParams
+from flashllm.serve.errors import ApiError
+from flashllm.serve.messages import parse_messages
+from flashllm.serve.tools import Tools, call_grammar, parse_tools
 
 MAX_STOPS = 4                       # OpenAI's limit on `stop` strings
-ROLES = ("system", "user", "assistant")
-
-
-class ApiError(Exception):
-    """An error response: HTTP status and OpenAI's {"error": {...}} body."""
-
-    def __init__(self, status: int, message: str, param: Optional[str] = None,
-                 code: Optional[str] = None, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, \
-            code, kind
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
-                          "code": self.code}}
+MAX_LOGPROBS = 20                   # OpenAI's limit on top_logprobs
 
 
 @dataclass(frozen=True)
@@ -47,7 +35,11 @@ class Ask:
     stops: tuple
     stream: bool
     include_usage: bool = False
-    grammar: Optional[str] = None       # response_format's, compiled (generation/grammar.py)
+    grammar: Optional[str] = None       # response_format's or a forced tool_choice's, compiled
+                                        # (generation/grammar.py)
+    tools: Optional[Tools] = None       # chat: the request's tools (serve/tools.py)
+    logprobs: Optional[int] = None      # the alternatives a token's logprobs list (0: the
+                                        # token's own alone); None: no logprobs
 
 
 def parse_ask(body, chat: bool, model_ids: tuple, max_tokens_cap: int) -> Ask:
@@ -62,11 +54,7 @@ def parse_ask(body, chat: bool, model_ids: tuple, max_tokens_cap: int) -> Ask:
         raise ApiError(404, f"The model `{model}` does not exist (this server serves "
                        f"`{model_ids[0]}`)", "model", "model_not_found")
     _refuse_unsupported(body, chat)
-    params = SamplerParams(temp=_number(body, "temperature", 0.8, 0.0, 2.0),
-                           top_p=_number(body, "top_p", 0.95, 0.0, 1.0, low_open=True),
-                           top_k=_integer(body, "top_k", 40, 0, None),
-                           min_p=_number(body, "min_p", 0.05, 0.0, 1.0),
-                           seed=_integer(body, "seed", None, None, None))
+    params = _sampling(body)
     limit_key = "max_completion_tokens" if chat and "max_completion_tokens" in body \
         else "max_tokens"
     max_tokens = _integer(body, limit_key, None, 1, max_tokens_cap)
@@ -75,9 +63,45 @@ def parse_ask(body, chat: bool, model_ids: tuple, max_tokens_cap: int) -> Ask:
     if options is not None and not isinstance(options, dict):
         raise ApiError(400, "stream_options must be an object", "stream_options")
     usage = stream and bool((options or {}).get("include_usage", False))
-    prompt, messages = (None, _messages(body)) if chat else (_prompt(body), None)
+    prompt, messages = (None, parse_messages(body.get("messages"))) if chat \
+        else (_prompt(body), None)
+    tools = parse_tools(body) if chat else None
+    grammar = _response_format(body)
+    if tools is not None and tools.forced is not None:
+        if grammar is not None:
+            raise ApiError(400, "response_format and a tool_choice that forces a call cannot "
+                           "both constrain the answer", "tool_choice")
+        grammar = call_grammar(tools)
     return Ask(chat, prompt, messages, params, max_tokens, _stops(body), stream, usage,
-               _response_format(body))
+               grammar, tools, _logprobs(body, chat))
+
+
+def _sampling(body: dict) -> SamplerParams:
+    """The sampler of a body: run's defaults, OpenAI's penalties (-2..2) and llama.cpp's
+    repeat_penalty / repeat_last_n."""
+    return SamplerParams(temp=_number(body, "temperature", 0.8, 0.0, 2.0),
+                         top_p=_number(body, "top_p", 0.95, 0.0, 1.0, low_open=True),
+                         top_k=_integer(body, "top_k", 40, 0, None),
+                         min_p=_number(body, "min_p", 0.05, 0.0, 1.0),
+                         seed=_integer(body, "seed", None, None, None),
+                         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+                         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+                         repeat_penalty=_number(body, "repeat_penalty", 1.0, 0.0, 10.0,
+                                                low_open=True),
+                         repeat_last_n=_integer(body, "repeat_last_n", 64, -1, None))
+
+
+def _logprobs(body: dict, chat: bool) -> Optional[int]:
+    """How many alternatives each token's logprobs list: chat's logprobs (a boolean) and
+    top_logprobs (0..20), completions' logprobs (0..20); None: none asked."""
+    if not chat:
+        return _integer(body, "logprobs", None, 0, MAX_LOGPROBS)
+    top = _integer(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+    if not _flag(body, "logprobs"):
+        if top is not None:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        return None
+    return top or 0
 
 
 def _response_format(body: dict) -> Optional[str]:
@@ -111,19 +135,13 @@ def _response_format(body: dict) -> Optional[str]:
 def _refuse_unsupported(body: dict, chat: bool) -> None:
     """400 for the fields we know and cannot honour."""
     n = body.get("n", 1)
-    if n != 1 or isinstance(n, bool):
+    if n is not None and (n != 1 or isinstance(n, bool)):
         raise ApiError(400, "only n = 1 is supported", "n")
-    for key in ("logprobs", "echo", "tools", "functions", "top_logprobs", "suffix",
-                "best_of"):
+    for key in ("echo", "functions", "function_call", "suffix", "best_of"):
         value = body.get(key)
-        if value not in (None, False, 1) or (key == "best_of" and value not in (None, 1)):
-            raise ApiError(400, f"{key} is not supported", key)
-    for key in ("presence_penalty", "frequency_penalty"):
-        value = body.get(key, 0)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ApiError(400, f"{key} must be a number", key)
-        if value != 0:
-            raise ApiError(400, f"{key} is not supported (only 0)", key)
+        if value not in (None, False) and not (key == "best_of" and value == 1):
+            raise ApiError(400, f"{key} is not supported" + (" (use tools)" if key.startswith(
+                "function") else ""), key)
 
 
 def _number(body: dict, key: str, default, low: float, high: float,
@@ -181,70 +199,3 @@ def _prompt(body: dict) -> str:
     if not isinstance(prompt, str):
         raise ApiError(400, "prompt must be a string (one prompt per request)", "prompt")
     return prompt
-
-
-def _messages(body: dict) -> tuple:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "messages must be a non-empty array", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise ApiError(400, f"messages[{i}] must be an object with a role in "
-                           f"{', '.join(ROLES)}", "messages")
-        out.append({"role": m["role"], "content": _content(m.get("content"), i)})
-    return tuple(out)
-
-
-def _content(content, i: int) -> str:
-    """A message's text: a string, or an array of {"type": "text", "text": ...} parts."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
-    raise ApiError(400, f"messages[{i}].content must be a string or an array of text parts",
-                   "messages")
-
-
-# ---- responses -------------------------------------------------------------------------------
-
-def new_id(chat: bool) -> str:
-    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-
-
-def usage(n_prompt: int, n_gen: int, n_cached: int = 0) -> dict:
-    """OpenAI's usage object; cached_tokens: the prompt's start a stream's KV cache held."""
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_gen,
-            "total_tokens": n_prompt + n_gen, "prompt_tokens_details": {"cached_tokens": n_cached}}
-
-
-def response(ask: Ask, rid: str, model: str, text: str, finish: str, use: dict) -> dict:
-    """The whole (not streamed) response object."""
-    choice = {"index": 0, "finish_reason": finish, "logprobs": None}
-    if ask.chat:
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
-    return {"id": rid, "object": "chat.completion" if ask.chat else "text_completion",
-            "created": int(time.time()), "model": model, "choices": [choice], "usage": use}
-
-
-def chunk(ask: Ask, rid: str, model: str, text: Optional[str], finish: Optional[str],
-          first: bool = False, use: Optional[dict] = None) -> dict:
-    """One streamed chunk: a piece of text, or (text None) the closing one with finish_reason;
-    with use and no choice, the usage chunk of stream_options.include_usage."""
-    choices = []
-    if use is None or text is not None or finish is not None:
-        choice = {"index": 0, "finish_reason": finish, "logprobs": None}
-        if ask.chat:
-            delta = {} if text is None else {"content": text}
-            choice["delta"] = {"role": "assistant", **delta} if first else delta
-        else:
-            choice["text"] = text or ""
-        choices.append(choice)
-    out = {"id": rid, "object": "chat.completion.chunk" if ask.chat else "text_completion",
-           "created": int(time.time()), "model": model, "choices": choices}
-    if use is not None:
-        out["usage"] = use
-    return out

@@ -8,10 +8,11 @@ touch the model: they put a Job in the queue and read its events.
 
 A job's events, in order: ("start", n_prompt), ("text", piece)..., ("done", finish_reason,
 n_prompt, n_gen, n_cached); or one ("error", ApiError). n_cached: the prompt tokens whose keys
-and values the slot already held. A job whose client went away (cancelled) leaves
-its slot at the next pass. A slot keeps its KV cache after a job: the next job whose prompt
-starts with the same tokens prefills only the rest (the slot with the longest such prefix is
-chosen).
+and values the slot already held. A job that asks for logprobs also gets ("logprob", entry)
+for each token made, before its text (serve/logprobs.py). A job whose client went away
+(cancelled) leaves its slot at the next pass. A slot keeps its KV cache after a job: the next
+job whose prompt starts with the same tokens prefills only the rest (the slot with the longest
+such prefix is chosen).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from flashllm.generation.sampler import Sampler
 from flashllm.runtime.batch import ROW_TILE, pass_rows
 from flashllm.serve.api import ApiError, Ask
 from flashllm.serve.stops import StopText
+from flashllm.serve.tools import render
 
 PREFILL_CHUNK = 256          # prompt tokens a round prefills (of all slots)
 FORGET_EVERY = 256           # decode passes between drops of the FFN's per-pass records
@@ -206,7 +208,7 @@ class Worker:
     def _prompt_ids(self, ask: Ask) -> list:
         eng, param = self.engine, "messages" if ask.chat else "prompt"
         try:
-            text = eng.template.render(list(ask.messages), add_generation_prompt=True) \
+            text = render(eng.template, list(ask.messages), ask.tools, eng.name) \
                 if ask.chat else ask.prompt
             n = None if len(text) <= PIECE_CHARS else count_over(eng.tok, text, eng.n_ctx)
             ids = [] if n is not None else eng.tok.encode(text, add_special=not ask.chat)
@@ -290,6 +292,8 @@ class Worker:
         token = slot.sampler.sample(logits, slot.history)
         if token in self.engine.tok.eos_ids:
             return self._finish(slot, "stop")
+        if slot.job.ask.logprobs is not None:
+            self._logprob(slot, logits, token)
         slot.history.append(token)
         slot.n_gen += 1
         text, stopped = slot.stop.push(slot.detok.push(token))
@@ -301,6 +305,13 @@ class Worker:
             return self._finish(slot, "stop")
         if slot.n_gen >= slot.limit or slot.fed >= self.engine.n_ctx:
             self._finish(slot, "length")
+
+    def _logprob(self, slot: Slot, logits, token: int) -> None:
+        """The logprobs of the token the slot just sampled from logits (vocab,), sent before
+        its text."""
+        from flashllm.serve.logprobs import entry
+        slot.job.emit(("logprob", entry(slot.sampler, self.engine.tok, logits, slot.history,
+                                        token, slot.job.ask.logprobs)))
 
     def _finish(self, slot: Slot, reason: str, flush: bool = True) -> None:
         job = slot.job
