@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from flashllm.serve.api import ApiError, parse_ask
+from flashllm.serve.ollama_app import OllamaRoutes
 from flashllm.serve.relay import Events, collect, json_body
 from flashllm.serve.responses import Chunks, new_id, response, usage
 from flashllm.serve.worker import Busy, Job
@@ -39,7 +40,8 @@ class Server:
         routes = [Route("/health", self.health, methods=["GET"]),
                   Route("/v1/models", self.models, methods=["GET"]),
                   Route("/v1/chat/completions", self.chat, methods=["POST"]),
-                  Route("/v1/completions", self.completions, methods=["POST"])]
+                  Route("/v1/completions", self.completions, methods=["POST"]),
+                  *OllamaRoutes(self).routes()]
         return Starlette(routes=routes, lifespan=lifespan,
                          exception_handlers={HTTPException: self._http_error})
 
