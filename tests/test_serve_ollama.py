@@ -38,6 +38,8 @@ def test_generate_raw_is_what_run_prints(server, tiny):
     whole = httpx.post(server.url + "/api/generate", json={**body, "stream": False},
                        timeout=120).json()
     assert whole["response"] == want and whole["done"] and whole["eval_count"] == 12
+    assert 0 < whole["prompt_eval_duration"] < whole["total_duration"]
+    assert 0 < whole["eval_duration"] < whole["total_duration"]
 
 
 def test_chat_is_what_run_i_answers(server, tiny):

@@ -177,7 +177,10 @@ class Lines:
         last.update(self._stats(finish, counts))
         return out + [last]
 
-    def whole(self, pieces: list, entries: list, finish: str, counts: tuple) -> dict:
+    def whole(self, pieces: list, entries: list, finish: str, counts: tuple,
+              first_ns: Optional[int] = None) -> dict:
+        """The one object of stream false; first_ns: when the first token was made."""
+        self.t_first = first_ns
         for e in entries:
             self.logprob(e)
         lines = [line for p in pieces for line in self.text(p)] + self.done(finish, counts)

@@ -109,7 +109,8 @@ class OllamaRoutes:
             events, job = await srv.submit(request, ask)
             if not ask.stream:
                 pieces, entries, finish, counts = await collect(events, request, job)
-                return JSONResponse(lines.whole(pieces, entries, finish, counts))
+                return JSONResponse(lines.whole(pieces, entries, finish, counts,
+                                                events.first_ns))
         except ApiError as e:
             return _error(e)
         except ClientDisconnect:
@@ -124,6 +125,7 @@ async def _ndjson(events, job, lines: "ollama.Lines"):
     try:
         while True:
             event = await events.queue.get()
+            lines.t_first = lines.t_first or events.first_ns
             if event[0] == "text":
                 for obj in lines.text(event[1]):
                     yield line(obj)

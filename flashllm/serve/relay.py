@@ -4,6 +4,7 @@ request's event loop, and a whole answer collected from them."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 from starlette.requests import ClientDisconnect, Request
 
@@ -34,8 +35,11 @@ class Events:
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop, self.queue = loop, asyncio.Queue()
+        self.first_ns = None            # time.monotonic_ns() of the first token's event
 
     def emit(self, event: tuple) -> None:
+        if self.first_ns is None and event[0] in ("text", "logprob"):
+            self.first_ns = time.monotonic_ns()
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
         except RuntimeError:           # the loop is closed: the server is gone

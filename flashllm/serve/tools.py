@@ -51,14 +51,16 @@ def parse_tools(body: dict) -> Optional[Tools]:
         raise ApiError(400, "tools must be an array of function tools", "tools")
     checked = tuple(_tool(t, i) for i, t in enumerate(tools))
     names = [t["function"]["name"] for t in checked]
-    parallel = body.get("parallel_tool_calls", True)
+    parallel = body.get("parallel_tool_calls")
+    parallel = True if parallel is None else parallel
     if not isinstance(parallel, bool):
         raise ApiError(400, "parallel_tool_calls must be a boolean", "parallel_tool_calls")
     choice = "auto" if choice is None else choice
     if isinstance(choice, str):
         if choice not in CHOICES:
             raise ApiError(400, f"tool_choice must be one of {', '.join(CHOICES)} or "
-                           "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
+                           "{\"type\": \"function\", \"function\": {\"name\": ...}}",
+                           "tool_choice")
         forced = tuple(names) if choice == "required" else None
         return Tools(checked, None if choice == "none" else checked, forced, choice != "none",
                      single=not parallel)
