@@ -7,7 +7,7 @@ import json
 import re
 
 import pytest
-from hypothesis import example, given, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from flashllm.generation.chat_template import CHATML, ChatTemplate
 from flashllm.serve.api import ApiError, parse_ask
@@ -128,6 +128,7 @@ def reference(text: str) -> tuple:
     return ((text.rstrip() or None), calls) if calls else (text, calls)
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from(ANSWERS), st.lists(st.integers(0, 200), max_size=8))
 @example(ANSWERS[2], [3, 10, 11, 40]).via("a mark cut in three")
 def test_streamed_calls_are_read_as_the_whole_answer(text, cuts):
@@ -141,3 +142,31 @@ def test_streamed_calls_are_read_as_the_whole_answer(text, cuts):
     want = reference(text)
     assert ((content or None) if calls else content, calls) == want
     assert split_answer(text) == want
+
+
+BARE = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}'
+
+
+@pytest.mark.parametrize("text, want", [
+    (BARE, (None, [("get_weather", '{"city": "Paris", "unit": "C"}')])),
+    ("\n " + BARE + "\n" + BARE.replace("Paris", "Rome"),
+     (None, [("get_weather", '{"city": "Paris", "unit": "C"}'),
+             ("get_weather", '{"city": "Rome", "unit": "C"}')])),
+    (BARE + " and more", (BARE + " and more", [])),               # not calls alone: content
+    (BARE.replace("get_weather", "rm_rf"), (BARE.replace("get_weather", "rm_rf"), [])),
+    ('{"a": 1}', ('{"a": 1}', [])),
+    ("The answer: " + BARE, ("The answer: " + BARE, [])),        # JSON after text: content
+])
+def test_an_answer_of_bare_call_objects_is_its_calls(text, want):
+    """A small model may answer a call without the <tool_call> tags (Qwen2.5-Coder-0.5B does,
+    greedy, to tests/test_serve_tools.py's question): an answer that is nothing but JSON
+    objects naming the request's functions is read as their calls, streamed or whole."""
+    names = ("get_weather", "get_time")
+    assert split_answer(text, names) == want
+    stream, events = ToolText(names), []
+    for i in range(0, len(text), 3):
+        events += stream.push(text[i:i + 3])
+    events += stream.flush()
+    content = "".join(e[1] for e in events if e[0] == "content")
+    calls = [e[1:] for e in events if e[0] == "call"]
+    assert ((content or None) if calls else content, calls) == want

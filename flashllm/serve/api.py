@@ -95,7 +95,8 @@ def _logprobs(body: dict, chat: bool) -> Optional[int]:
     """How many alternatives each token's logprobs list: chat's logprobs (a boolean) and
     top_logprobs (0..20), completions' logprobs (0..20); None: none asked."""
     if not chat:
-        return _integer(body, "logprobs", None, 0, MAX_LOGPROBS)
+        return None if body.get("logprobs") is False else \
+            _integer(body, "logprobs", None, 0, MAX_LOGPROBS)
     top = _integer(body, "top_logprobs", None, 0, MAX_LOGPROBS)
     if not _flag(body, "logprobs"):
         if top is not None:

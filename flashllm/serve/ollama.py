@@ -126,11 +126,12 @@ class Lines:
     """A job's events as Ollama's objects: text(piece) and done(finish, counts) return the
     objects to send (a stream's lines), whole(pieces, finish, counts) the one object of
     `stream: false`. chat: /api/chat's message objects, else /api/generate's response ones;
-    tools: the answer's calls are read (message.tool_calls, arguments as objects)."""
+    names: the request's functions, whose calls are read out of the answer (message.tool_calls,
+    arguments as objects); None: no tools."""
 
-    def __init__(self, model: str, chat: bool, tools: bool):
+    def __init__(self, model: str, chat: bool, names: Optional[tuple]):
         self.model, self.chat = model, chat
-        self.tools = ToolText() if tools else None
+        self.tools = ToolText(names) if names is not None else None
         self.t0 = time.monotonic_ns()
         self.t_first: Optional[int] = None
         self.entries: list = []            # logprobs not sent yet

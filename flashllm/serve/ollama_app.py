@@ -104,8 +104,8 @@ class OllamaRoutes:
                     return JSONResponse({"model": body["model"], "created_at": ollama.stamp(),
                                          "response": "", "done": True, "done_reason": "load"})
             ask = parse_ask(openai_body, chat, srv.model_ids, cap)
-            lines = ollama.Lines(body["model"], chat_route, ask.tools is not None and
-                                 ask.tools.parse)
+            lines = ollama.Lines(body["model"], chat_route, ask.tools.names if ask.tools
+                                 is not None and ask.tools.parse else None)
             events, job = await srv.submit(request, ask)
             if not ask.stream:
                 pieces, entries, finish, counts = await collect(events, request, job)

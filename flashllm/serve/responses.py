@@ -44,7 +44,7 @@ def response(ask: Ask, rid: str, model: str, text: str, finish: str, use: dict,
     if ask.chat:
         message = {"role": "assistant", "content": text}
         if parses_calls(ask):
-            message["content"], calls = split_answer(text)
+            message["content"], calls = split_answer(text, ask.tools.names)
             if calls:
                 message["tool_calls"] = openai_calls(calls)
                 choice["finish_reason"] = "tool_calls" if finish == "stop" else finish
@@ -85,7 +85,7 @@ class Chunks:
 
     def __init__(self, ask: Ask, rid: str, model: str):
         self.ask, self.rid, self.model = ask, rid, model
-        self.tools = ToolText() if parses_calls(ask) else None
+        self.tools = ToolText(ask.tools.names) if parses_calls(ask) else None
         self.entries: list = []           # logprobs not sent yet
         self.offset = 0                   # characters sent (completions' text_offset)
         self.calls = 0

@@ -37,6 +37,10 @@ class Tools:
     single: bool = False           # one call at most (a named function, or
                                    # parallel_tool_calls false)
 
+    @property
+    def names(self) -> tuple:
+        return tuple(t["function"]["name"] for t in self.tools)
+
 
 def parse_tools(body: dict) -> Optional[Tools]:
     """The Tools of a chat body (None when it has none); 400 naming `tools` or `tool_choice`
@@ -141,9 +145,14 @@ def new_call_id() -> str:
 def read_call(block: str) -> Optional[tuple]:
     """(name, arguments as JSON text) of a call block's JSON, or None when it is not a call."""
     try:
-        obj = json.loads(block)
+        return _call_of(json.loads(block))
     except ValueError:
         return None
+
+
+def _call_of(obj) -> Optional[tuple]:
+    """(name, arguments JSON text) of {"name", "arguments" (an object or its JSON text)}; None
+    for anything else."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
@@ -155,18 +164,62 @@ def read_call(block: str) -> Optional[tuple]:
     return obj["name"], json.dumps(args, ensure_ascii=False)
 
 
+def bare_calls(text: str, names: tuple) -> Optional[list]:
+    """The calls of an answer that is nothing but JSON call objects naming functions of names
+    (a small model may leave out the <tool_call> tags); None when it is anything else."""
+    decoder, text, at, calls = json.JSONDecoder(), text.strip(), 0, []
+    while at < len(text):
+        try:
+            obj, at = decoder.raw_decode(text, at)
+        except ValueError:
+            return None
+        call = _call_of(obj)
+        if call is None or call[0] not in names:
+            return None
+        calls.append(call)
+        while at < len(text) and text[at].isspace():
+            at += 1
+    return calls or None
+
+
 class ToolText:
     """push(piece) / flush() -> events in order: ("content", text) or ("call", name,
-    arguments_json). Text that could begin a call block is held until it does or cannot."""
+    arguments_json). Text that could begin a call block is held until it does or cannot. With
+    the request's function names, an answer that begins with "{" is held to its end: when it is
+    nothing but call objects naming those functions (bare_calls), they are its calls."""
 
-    def __init__(self):
+    def __init__(self, names: tuple = ()):
         self.pending = ""         # text not yet told apart
         self.inside = False       # pending is a call block's body
         self.space = ""           # trailing whitespace of the content, held
         self.after_call = False
         self.calls = 0
+        self.names = names
+        self.bare: Optional[bool] = None if names else False   # may be bare JSON calls
+        self.held = ""            # the answer so far while bare is not False
 
     def push(self, piece: str) -> list:
+        if self.bare is not False:
+            self.held += piece
+            head = self.held.lstrip()
+            if not head or head[0] == "{":
+                self.bare = True if head else None
+                return []
+            self.bare, piece, self.held = False, self.held, ""
+        return self._push(piece)
+
+    def flush(self) -> list:
+        if self.bare is not False:
+            calls = bare_calls(self.held, self.names) if self.held.strip() else None
+            if calls:
+                self.calls += len(calls)
+                self.held = ""
+                return [("call", *c) for c in calls]
+            self.bare, text, self.held = False, self.held, ""
+            return self._push(text) + self._flush()
+        return self._flush()
+
+    def _push(self, piece: str) -> list:
         self.pending += piece
         out = []
         while True:
@@ -186,7 +239,7 @@ class ToolText:
             self.pending = self.pending[len(self.pending) - keep:]
         return out
 
-    def flush(self) -> list:
+    def _flush(self) -> list:
         out = []
         if self.inside:
             self._block(self.pending, out, closed=False)
@@ -228,9 +281,9 @@ def _held(text: str, mark: str) -> int:
     return 0
 
 
-def split_answer(text: str) -> tuple:
-    """(content or None, [(name, arguments_json)]) of a whole answer."""
-    stream = ToolText()
+def split_answer(text: str, names: tuple = ()) -> tuple:
+    """(content or None, [(name, arguments_json)]) of a whole answer (names: as ToolText's)."""
+    stream = ToolText(names)
     events = stream.push(text) + stream.flush()
     content = "".join(e[1] for e in events if e[0] == "content")
     calls = [e[1:] for e in events if e[0] == "call"]
