@@ -84,7 +84,7 @@ fuzz: setup-test
 	  $(BIN)/pytest -q -s -p no:cacheprovider tests/test_fuzz.py
 
 .PHONY: bench
-## bench: docs/DESIGN.md's benchmark protocol into BENCHMARKS.md and docs/budget.png: dense decode and flash inference under cgroup memory caps (root), next to llama.cpp (llama-cpp-python in the venv); QUICK=1: SmolLM2 only, short
+## bench: docs/DESIGN.md's benchmark protocol into BENCHMARKS.md and docs/budget.png: dense decode, every GGUF in DRAM, flash inference and MoE under cgroup memory caps (root), speculative decoding, serving, structured output, next to llama.cpp (llama-cpp-python in the venv; ~100 min quiet); QUICK=1: SmolLM2 only, short
 bench: $(VENV)/bench-stamp $(BIN)/llama-cpp-stamp
 	$(BIN)/python -m scripts.bench.bench $(if $(QUICK),--quick)
 

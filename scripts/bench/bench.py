@@ -1,18 +1,20 @@
 """`make bench`: docs/DESIGN.md's benchmark protocol, written to BENCHMARKS.md (sections "Dense
-decode", "Flash inference", "Speculative decoding", "Serving" and "Structured output"; every other
-section of the file is kept).
+decode", "GGUFs in DRAM", "Flash inference", "Mixture of experts under a cap", "Speculative
+decoding", "Serving" and "Structured output"; every other section of the file is kept).
 
-Run:  python -m scripts.bench.bench [--quick] [--sections dense,flash,draft,serve,grammar]
-                                    [--out BENCHMARKS.md]
+Run:  python -m scripts.bench.bench [--quick] [--sections dense,gguf,flash,moe,draft,serve,grammar]
+                                    [--models NAME,...] [--out BENCHMARKS.md]
 
 Dense decode (issue 2): SmolLM2-135M converted at f16 / q8_0 / q4_0 / q4_1, `flashllm run` decode and
 prefill tok/s (median of 3), next to llama.cpp on the same GGUF with both OMP wait policies (the
 faster is the reference).
+GGUFs in DRAM (issue 50): every GGUF's default conversion against llama.cpp in DRAM (gguf_dram.py).
 Flash inference (issues 4/5): Qwen2.5-Coder-1.5B and SmolLM2-135M under cgroup-v1 memory caps, cold
 cache, flashllm (default) / --naive / dense and llama.cpp; the rows whose `flashllm run` option does
 not exist yet say "not available yet". --quick: SmolLM2 only, 32 tokens, one run each.
 Each capped flashllm row is bracketed by two 4-s read probes (read_probe.py) so its read rate
 can be set against the device's rate of those minutes.
+Mixture of experts under a cap (issue 52): moe.py's table of the OLMoE-shape fixtures (moe_caps.py).
 Speculative decoding: draft.py's editing prompt, flashllm --draft 0 / 8 and llama.cpp
 plain / prompt lookup, uncapped, 560 MiB and 280 MiB (not with --quick).
 Serving (issue 49): `flashllm serve` on the 1.5B with 1, 2, 4 and 8 concurrent streaming
@@ -20,6 +22,10 @@ clients, uncapped, 560 MiB and 280 MiB (serve.py; not with --quick).
 Structured output (issue 51): scripts/bench/grammar.py's JSON schemas at temperature 0.8 (valid /
 cut / invalid), the mask's cost in DRAM and a constrained token's head bytes under 560 MiB
 (--quick: SmolLM2, 5 prompts, no budget run).
+--models: only the rows of these models or files (GGUFs in DRAM, the MoE fixtures as
+olmoe-shape-q4_0 / olmoe-shape-q4_k_m), e.g. to check a section on its smallest case.
+Each section is a function of the run's context (harness.Bench) in its module, returning its
+title, text and raw rows, or None when it does not run here.
 Paths in BENCHMARKS.md are written portably (report.portable: $FLASHLLM_CACHE/..., build/...).
 Raw results (stderr tails, stats JSON) go to build/bench.json.
 """
@@ -31,42 +37,33 @@ import json
 import os
 import platform
 import re
-import statistics
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 from flashllm.cli.app import cache_dir
 from flashllm.storage.profile import device_of
+from scripts.bench import budget_plot, draft, grammar, gguf_dram, moe_caps, serve
 from scripts.bench.cgroup_run import unavailable_reason
-from scripts.bench.draft import draft_rows, draft_section
 from scripts.bench.flashllm_cli import (ROOT, Flashllm, converted_dir, ensure_calibrated, ensure_converted,
-                                        make_prompt, parse_run, run_cmd)
+                                        make_prompt)
+from scripts.bench.harness import MiB, Bench, capped, flashllm_row, gguf_for, llamacpp_row, loadavg
 from scripts.bench.read_probe import probe
 from scripts.bench.report import dense_section, flash_section, header, merge, portable
-from scripts.bench.serve import serve_rows, serve_section
-from scripts.bench import budget_plot
-from scripts.bench.stats import parse_stats_table, stat_cells
+from scripts.bench.stats import stat_cells
 
-MiB = 1 << 20
-# name -> (local GGUF file name, flash dtype); the GGUF is looked up in --models-dir, else pulled
+# name -> flash dtype; the GGUF (NAME.gguf) is looked up in --models-dir, else pulled
 # (once: `flashllm pull` keeps it in the user cache). The 1.5B runs at its default conversion (native:
 # the GGUF's own Q4_K / Q6_K tensors, down columns re-quantized; docs/QUALITY.md), as
 # `flashllm run NAME` makes it; SmolLM2 at q4_1, which re-quantizes its Q4_1 blocks exactly.
-MODELS = {"qwen2.5-coder-1.5b": ("qwen2.5-coder-1.5b.gguf", "native"),
-          "qwen2.5-coder-0.5b": ("qwen2.5-coder-0.5b.gguf", "native"),
-          "smollm2-135m": ("smollm2-135m.gguf", "q4_1")}
+MODELS = {"qwen2.5-coder-1.5b": "native", "qwen2.5-coder-0.5b": "native", "smollm2-135m": "q4_1"}
 CAPS = {"qwen2.5-coder-1.5b": [560 * MiB, 280 * MiB],     # issues 4/5/15: 560 MiB / 280 MiB
         "qwen2.5-coder-0.5b": [280 * MiB]}                # issue 14: the 0.5B in RAM, and one cap
 
 
 def log(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
-
-
-def loadavg() -> str:
-    return " / ".join(open("/proc/loadavg").read().split()[:3])
 
 
 def disk_words(path: Path) -> str:
@@ -99,73 +96,6 @@ def machine_info(args) -> Dict[str, str]:
             "machine": machine_words(args.work), "git": git, "llama_cpp": llv,
             "mode": "quick" if args.quick else "full", "reps": str(args.reps),
             "n_gen": "32" if args.quick else "128", "load": loadavg()}
-
-
-def gguf_for(fl: Flashllm, name: str, models_dir: Optional[Path]) -> Path:
-    local = models_dir / MODELS[name][0] if models_dir else None
-    if local and local.is_file():
-        return local
-    res = subprocess.run(fl.argv + ["pull", name], capture_output=True, text=True, cwd=ROOT, check=True)
-    return Path(res.stdout.strip().splitlines()[-1])
-
-
-def failure(raw: dict) -> str:
-    if raw.get("error"):
-        return raw["error"]
-    if raw.get("oom"):
-        return f"OOM-killed under the cap (peak {raw.get('peak', 0) / MiB:.0f} MiB)"
-    tail = (raw.get("stderr") or "").strip().splitlines()[-1:] or ["no output"]
-    return f"failed (exit {raw['rc']}): {tail[0][:120]}"
-
-
-def llamacpp_argv(gguf: Path, policy: str, reps: int, n_gen: int, warm: bool,
-                  repack: bool) -> List[str]:
-    argv = [sys.executable, "-m", "scripts.bench.llamacpp", "--model", str(gguf), "--threads", "2",
-            "--reps", str(reps), "--n-gen", str(n_gen), "--omp-wait-policy", policy, "--json"]
-    return argv + ([] if warm else ["--no-warmup"]) + (["--repack"] if repack else [])
-
-
-def show_py(argv: List[str]) -> str:
-    return " ".join(["python"] + argv[1:])
-
-
-def capped(cmd: str, cap: Optional[int]) -> str:
-    """cmd as run by the flash section: in its own memory cgroup, cold cache."""
-    limit = f" --limit {cap // MiB}MiB" if cap else ""
-    return f"python -m scripts.bench.cgroup_run --cold{limit} -- {cmd}"
-
-
-def llamacpp_row(gguf: Path, policy: str, reps: int, n_gen: int, cap: Optional[int], warm: bool,
-                 timeout: float) -> dict:
-    argv = llamacpp_argv(gguf, policy, reps, n_gen, warm, repack=cap is None)
-    raw = run_cmd(argv, cap, cold=True, timeout=timeout)  # warm: the warm-up runs in-process
-    row = {"cmd": show_py(argv), "raw": raw, "peak": raw.get("peak"), "failcnt": raw.get("failcnt")}
-    try:
-        data = json.loads(raw["stdout"].strip().splitlines()[-1])
-    except (KeyError, IndexError, ValueError, AttributeError):
-        return {**row, "error": failure(raw)}
-    return {**row, "decode_tps": data["decode_tps"], "prefill_tps": data["prefill_tps"],
-            "runs": [(a, b) for a, b in data["runs"]]}
-
-
-def flashllm_row(fl: Flashllm, model: Path, prompt: Path, n_gen: int, extra: List[str], reps: int,
-                 cap: Optional[int], cold: bool, as_json: bool, timeout: float) -> dict:
-    argv = fl.run_argv(model, prompt, n_gen, 2, extra, as_json=as_json)
-    row = {"cmd": fl.show(argv), "runs": [], "raws": []}
-    for _ in range(reps):
-        raw = run_cmd(argv, cap, cold=cold, timeout=timeout)
-        row["raws"].append({k: v for k, v in raw.items() if k != "stdout"})
-        text = (raw.get("stderr") or "") + "\n" + (raw.get("stdout") or "")  # --json may use either
-        parsed = parse_run(text) if raw.get("rc") == 0 else None
-        if parsed is None:
-            return {**row, "error": failure(raw)}
-        parsed.update(parse_stats_table(raw["stderr"]))
-        row["runs"].append((parsed["prefill_tps"], parsed["decode_tps"]))
-        row.update(peak=max(row.get("peak") or 0, raw.get("peak") or 0), failcnt=raw.get("failcnt"),
-                   parsed=parsed, n_decode=parsed.get("n_decode"))
-    row["prefill_tps"] = statistics.median(a for a, _ in row["runs"])
-    row["decode_tps"] = statistics.median(b for _, b in row["runs"])
-    return row
 
 
 def dense_rows(args, fl: Flashllm, opts: Dict[str, bool]) -> tuple:
@@ -254,7 +184,7 @@ def flash_rows(args, fl: Flashllm, opts: Dict[str, bool]) -> tuple:
     threads = 8                  # reads in flight of the first probe; then the last run's
     for name in names:
         gguf = gguf_for(fl, name, args.models_dir)
-        dtype = MODELS[name][1]
+        dtype = MODELS[name]
         out = converted_dir(args.cache, name, dtype)
         conv = ensure_converted(fl, gguf, out, dtype, log)
         out, cal = ensure_calibrated(fl, out, log)        # every flashllm row runs the calibrated copy
@@ -340,62 +270,77 @@ def draw_picture(rows: List[dict], info: Dict[str, str]) -> None:
         log("matplotlib is not installed (pip install -e '.[bench]'): docs/budget.png not redrawn")
 
 
-def main() -> None:
+def dense(b: Bench) -> tuple:
+    start = loadavg()
+    rows, notes = dense_rows(b.args, b.fl, b.opts)
+    return "## Dense decode", dense_section(b.info, rows, (start, loadavg()), notes), rows
+
+
+def flash(b: Bench) -> tuple:
+    start = loadavg()
+    profiled = reprofile(b.fl, b.args.work) if not b.args.quick else None
+    rows, notes = flash_rows(b.args, b.fl, b.opts)
+    notes += [profiled] if profiled else []
+    reason = unavailable_reason()
+    notes += [f"- cgroup: {reason}: capped rows skipped."] if reason else []
+    draw_picture(rows, b.info)
+    return "## Flash inference", flash_section(b.info, rows, (start, loadavg()), notes), rows
+
+
+# --sections name -> the section: (title, markdown, raw rows) or None where it does not run
+SECTIONS: Dict[str, Callable[[Bench], Optional[tuple]]] = {
+    "dense": dense, "gguf": gguf_dram.section, "flash": flash, "moe": moe_caps.section,
+    "draft": draft.section, "serve": serve.section, "grammar": grammar.section}
+
+
+def arguments() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="SmolLM2 only, 32 tokens, one run each")
-    ap.add_argument("--sections", default="dense,flash,draft,serve,grammar")
+    ap.add_argument("--sections", default=",".join(SECTIONS), help="any of " + ", ".join(SECTIONS))
+    ap.add_argument("--models", default="", help="only these rows of the GGUF and MoE sections "
+                    "(e.g. smollm2-135m,olmoe-shape-q4_0)")
     ap.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
     ap.add_argument("--models-dir", type=Path, default=None,
-                    help="a folder of GGUF files named as in MODELS (default: `flashllm pull` them)")
+                    help="a folder of GGUF files named NAME.gguf (default: `flashllm pull` them)")
     ap.add_argument("--cache", type=Path, default=None, help="flashllm's user cache (default: the CLI's)")
-    ap.add_argument("--timeout", type=float, default=1200.0, help="seconds per capped run")
+    ap.add_argument("--timeout", type=float, default=1200.0, help="seconds per run")
     args = ap.parse_args()
+    unknown = [s for s in args.sections.split(",") if s not in SECTIONS]
+    if unknown:
+        ap.error(f"unknown section {', '.join(unknown)} (known: {', '.join(SECTIONS)})")
+    args.models = [m for m in args.models.split(",") if m]
     args.reps = 1 if args.quick else 3
-    if args.cache is None:
-        args.cache = cache_dir()
+    args.cache = args.cache or cache_dir()
     args.work = ROOT / "build" / "bench"
+    return args
+
+
+def main() -> None:
+    args = arguments()
     args.work.mkdir(parents=True, exist_ok=True)
     fl = Flashllm.find(sys.executable)
     opts = fl.options()
     fl.fixed_length = opts["--ignore-eos"]          # every row makes its -n tokens
-    info = machine_info(args)
+    b = Bench(args, fl, opts, machine_info(args), log)
     log(f"flashllm run options: {opts}; cgroup: {unavailable_reason() or 'available'}")
-    sections, raw = {}, {"info": info, "options": opts}
-    wanted = args.sections.split(",")
-    if "dense" in wanted:
-        start = loadavg()
-        rows, notes = dense_rows(args, fl, opts)
-        sections["## Dense decode"] = dense_section(info, rows, (start, loadavg()), notes)
-        raw["dense"] = rows
-    if "flash" in wanted:
-        start = loadavg()
-        profiled = reprofile(fl, args.work) if not args.quick else None
-        rows, notes = flash_rows(args, fl, opts)
-        notes += [profiled] if profiled else []
-        reason = unavailable_reason()
-        notes += [f"- cgroup: {reason}: capped rows skipped."] if reason else []
-        sections["## Flash inference"] = flash_section(info, rows, (start, loadavg()), notes)
-        raw["flash"] = rows
-    if "draft" in wanted and not args.quick:
-        start = loadavg()
-        caps = [None] + (["560MiB", "280MiB"] if not unavailable_reason() else [])
-        raw["draft"] = draft_rows(args.cache, caps, 128, 8, log)
-        sections["## Speculative decoding"] = draft_section(raw["draft"], (start, loadavg()))
-    if "serve" in wanted and not args.quick:
-        start = loadavg()
-        caps = [None] + (["560MiB", "280MiB"] if not unavailable_reason() else [])
-        raw["serve"] = serve_rows(args.cache, caps, 64, log)
-        sections["## Serving"] = serve_section(raw["serve"], (start, loadavg()))
-    if "grammar" in wanted:
-        from scripts.bench import grammar
-        raw["grammar"] = grammar.collect(grammar.QUICK if args.quick else grammar.FULL, log)
-        sections["## Structured output"] = grammar.grammar_section(raw["grammar"])
-    sections = {title: portable(text, args.cache, ROOT) for title, text in sections.items()}
-    args.out.write_text(merge(args.out, header(info), sections), encoding="utf-8")
-    (ROOT / "build" / "bench.json").write_text(json.dumps(raw, indent=1, default=str))
-    draw_picture(raw.get("flash", []), info)
-    log(f"wrote {args.out} and build/bench.json")
+    raw = {"info": b.info, "options": opts}
+    every = set(args.sections.split(",")) == set(SECTIONS)   # else the file's header stays
+    for name in (s for s in SECTIONS if s in args.sections.split(",")):
+        done = SECTIONS[name](b)
+        if not done:
+            continue
+        title, text, raw[name] = done      # written as each ends: a later failure keeps it
+        write(args.out, merge(args.out, header(b.info) if every else None,
+                              {title: portable(text, args.cache, ROOT)}))
+        write(ROOT / "build" / "bench.json", json.dumps(raw, indent=1, default=str))
+        log(f"wrote {title} into {args.out} (raw results: build/bench.json)")
 
+
+def write(path: Path, text: str) -> None:
+    """path's new text, whole or not at all."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
 
 if __name__ == "__main__":
     main()

@@ -21,6 +21,7 @@ from pathlib import Path
 from flashllm.cli.app import cache_dir
 from scripts.bench.cgroup_run import parse_size
 from scripts.bench.flashllm_cli import ROOT, parse_run, run_cmd
+from scripts.bench.harness import Bench, under_caps
 from scripts.bench.report import portable
 
 MODEL = Path("converted") / "qwen2.5-coder-1.5b-native-cal"    # in the user cache: bench.py's
@@ -127,6 +128,12 @@ def draft_section(rows: list, load: tuple) -> str:
                 else f" (in `python -m scripts.bench.cgroup_run --cold --limit {r['cap']}`)")
              for r in rows]
     return "\n".join(text) + "\n"
+
+
+def section(b: Bench):
+    """make bench's (title, text, raw rows), or None with --quick."""
+    return under_caps(b, "## Speculative decoding",
+                      lambda caps: draft_rows(b.args.cache, caps, 128, 8, b.log), draft_section)
 
 
 def main() -> None:

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from scripts.bench.flashllm_cli import ROOT, parse_run
+from scripts.bench.harness import Bench
 
 SCHEMAS = {
     "object": {"type": "object", "properties": {
@@ -290,6 +291,13 @@ def grammar_section(raw: dict) -> str:
                      f"--sparse-head`, greedy, the head's bytes (sketch + rows, `--stats`) a "
                      "token made: " + "; ".join(cells) + ".")
     return "\n".join(lines) + "\n"
+
+
+def section(b: Bench):
+    """make bench's (title, text, raw): QUICK's parts with --quick, else FULL's."""
+    raw = collect(QUICK if b.args.quick else FULL, b.log)
+    return "## Structured output", grammar_section(raw), raw
+
 
 if __name__ == "__main__":
     main()

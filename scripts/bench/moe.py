@@ -21,7 +21,8 @@ passive; it feeds varying token ids), flashllm `run` on a 64-byte prompt with --
 the cap, sampling at temperature 1 (greedy decoding of random weights repeats one token, and with
 it the same experts: a best case, not the one measured), --stats --json. Rows:
 decode tok/s, flashllm × llama.cpp, cgroup peak, bytes read per token against the routed experts'
-bytes, the read-ahead's figures. Raw results: BUILD/results.json.
+bytes, the read-ahead's figures. Raw results: BUILD/results.json. `make bench`'s "Mixture of
+experts under a cap" section is collect() and row() (moe_caps.py).
 """
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ def converted(fl: Flashllm, gguf: Path, model: Path, dtype: str) -> Path:
     r = run_cmd(fl.argv + ["convert", str(gguf), "-o", str(model), "--force"] + extra, None,
                 cold=False, timeout=7200)
     if r.get("rc") != 0:
-        raise SystemExit(f"converting {gguf} failed: {(r.get('stderr') or r.get('error'))[-400:]}")
+        raise RuntimeError(f"converting {gguf} failed: {(r.get('stderr') or r.get('error'))[-400:]}")
     return model
 
 
@@ -95,20 +96,66 @@ def flashllm(fl: Flashllm, model: Path, prompt: Path, cap: int, n_gen: int) -> d
             "summary": s, "plan": ((out.get("flash") or {}).get("plan") or {}).get("summary")}
 
 
+def outcome(r: dict) -> str:
+    """A row's decode tok/s, else the last line of why it has none (one table cell)."""
+    if r.get("decode_tps"):
+        return f"{r['decode_tps']:.2f}"
+    why = (r.get("error") or "").strip().splitlines()[-1:] or [f"exit {r.get('rc')}"]
+    return why[0].replace("|", "/")[:100]
+
+
 def row(label: str, cap_name: str, cap: int, ll: dict, fl: dict, active: int) -> str:
     mib = lambda n: "–" if n is None else f"{n / 2**20:.0f}"               # noqa: E731
     s, ratio = fl["summary"], "–"
     if fl["decode_tps"] and ll["decode_tps"]:
         ratio = f"{fl['decode_tps'] / ll['decode_tps']:.1f}"
+    head = (f"| {label} | {cap_name} ({mib(cap)} MiB) | {outcome(ll)} | {outcome(fl)} | {ratio} | "
+            f"{mib(ll['peak'])} / {mib(fl['peak'])} |")
     per_tok = s.get("io_bytes_per_token")
+    if per_tok is None:
+        return head + " – | – | – |"
     pf = s.get("prefetch_hit_rate")
-    return (f"| {label} | {cap_name} ({mib(cap)} MiB) | {ll['decode_tps'] or ll['error']} | "
-            f"{fl['decode_tps'] or fl['error']} | {ratio} | {mib(ll['peak'])} / {mib(fl['peak'])} | "
-            f"{mib(per_tok)} / {mib(active)} = {per_tok / active:.2f} | "
+    return (f"{head} {mib(per_tok)} / {mib(active)} = {per_tok / active:.2f} | "
             f"{s.get('experts_cached_per_token', 0):.1f} / {s.get('experts_read_per_token', 0):.1f} / "
             f"{s.get('experts_prefetched_per_token', 0):.1f} | "
-            f"{'–' if pf is None else f'{pf:.0%}'} / {s.get('guess_recall') or 0:.0%} |"
-            if per_tok is not None else f"| {label} | {cap_name} | {ll} | {fl} |")
+            f"{'–' if pf is None else f'{pf:.0%}'} / {s.get('guess_recall') or 0:.0%} |")
+
+
+HEADER = ["| GGUF, conversion | cap | llama.cpp tok/s | flashllm tok/s | × llama.cpp | peak MiB "
+          "(llama.cpp / flashllm) | MiB read per token / routed experts' MiB | experts per token "
+          "cached / read / prefetched | prefetch used / guess recall |",
+          "|---|---|---:|---:|---:|---|---|---|---|"]
+
+
+def label(kind: str, dtype: str) -> str:
+    return f"{kind.upper()}, " + ("default (native)" if dtype == NATIVE else f"--dtype {dtype}")
+
+
+def collect(fl: Flashllm, build: Path, kinds: list, dtypes: list, caps: list, n_gen: int,
+            log=print) -> list:
+    """Per fixture kind (made into build when absent, converted there per dtype) and cap (a
+    fraction of the GGUF's size, as text): llama.cpp once, then flashllm per conversion; one
+    result each (log gets its table row as it comes)."""
+    prompt = build / "prompt.txt"
+    build.mkdir(parents=True, exist_ok=True)
+    prompt.write_text(PROMPT, encoding="utf-8")
+    results = []
+    for kind in kinds:
+        gguf = build / f"olmoe-shape-{kind}.gguf"
+        if not gguf.is_file():
+            write_gguf(gguf, kind)
+        models = {dt: converted(fl, gguf, build / f"olmoe-{kind}-{dt}", dt) for dt in dtypes}
+        size = gguf.stat().st_size
+        for text in caps:
+            cap = int(size * Fraction(text))
+            ll = llamacpp(gguf, cap, n_gen)
+            for dt, model in models.items():
+                fr = flashllm(fl, model, prompt, cap, n_gen)
+                results.append({"gguf": kind, "dtype": dt, "cap": text, "cap_bytes": cap,
+                                "model": str(model), "active": active_bytes(model),
+                                "llama.cpp": ll, "flashllm": fr})
+                log(row(label(kind, dt), text, cap, ll, fr, results[-1]["active"]))
+    return results
 
 
 def main() -> None:
@@ -119,31 +166,13 @@ def main() -> None:
     ap.add_argument("--n-gen", type=int, default=16)
     ap.add_argument("--caps", default="1/2,1/4", help="fractions of the GGUF's size")
     args = ap.parse_args()
-    fl = Flashllm.find(sys.executable)
-    prompt = args.build / "prompt.txt"
-    args.build.mkdir(parents=True, exist_ok=True)
-    prompt.write_text(PROMPT, encoding="utf-8")
-    print("| GGUF, conversion | cap | llama.cpp tok/s | flashllm tok/s | × llama.cpp | peak MiB "
-          "(llama.cpp / flashllm) | MiB read per token / routed experts' MiB | experts per token "
-          "cached / read / prefetched | prefetch used / guess recall |")
-    print("|---|---|---:|---:|---:|---|---|---|---|")
-    results = []
-    for kind in args.kinds.split(","):
-        gguf = args.build / f"olmoe-shape-{kind}.gguf"
-        if not gguf.is_file():
-            write_gguf(gguf, kind)
-        models = {dt: converted(fl, gguf, args.build / f"olmoe-{kind}-{dt}", dt)
-                  for dt in args.dtypes.split(",")}
-        size = gguf.stat().st_size
-        for text in args.caps.split(","):
-            cap = int(size * Fraction(text))
-            ll = llamacpp(gguf, cap, args.n_gen)
-            for dt, model in models.items():
-                fr = flashllm(fl, model, prompt, cap, args.n_gen)
-                label = f"{kind.upper()}, " + ("default (native)" if dt == NATIVE else f"--dtype {dt}")
-                results.append({"gguf": kind, "dtype": dt, "cap": text, "cap_bytes": cap,
-                                "llama.cpp": ll, "flashllm": fr})
-                print(row(label, text, cap, ll, fr, active_bytes(model)), flush=True)
+    print("\n".join(HEADER))
+    try:
+        results = collect(Flashllm.find(sys.executable), args.build, args.kinds.split(","),
+                          args.dtypes.split(","), args.caps.split(","), args.n_gen,
+                          lambda line: print(line, flush=True))
+    except RuntimeError as e:                   # a conversion that failed
+        sys.exit(f"moe: {e}")
     (args.build / "results.json").write_text(json.dumps(results, indent=1, default=str))
 
 

@@ -1,13 +1,15 @@
 """BENCHMARKS.md writing for bench.py: the header, the "## Dense decode" and
 "## Flash inference" sections, the merge that keeps every other section (## I/O, ## Quality,
-owned by other scripts) as it is in the file, and the portable form of the paths in them."""
+owned by other scripts) as it is in the file, and the portable form of the paths in them.
+The other sections of make bench are written by their own modules (MINE lists them all)."""
 from __future__ import annotations
 
 import re
 from pathlib import Path
 from typing import Dict, List, Optional
 
-MINE = ("## Dense decode", "## Flash inference", "## Speculative decoding", "## Serving",
+MINE = ("## Dense decode", "## GGUFs in DRAM", "## Flash inference",
+        "## Mixture of experts under a cap", "## Speculative decoding", "## Serving",
         "## Structured output")
 TITLE = "# flashllm benchmarks"
 PICTURE = "![decode tok/s against the DRAM cap, flashllm and llama.cpp](docs/budget.png)"
@@ -55,11 +57,14 @@ def header(info: Dict[str, str]) -> str:
         "`$FLASHLLM_CACHE` flashllm's user cache (the FLASHLLM_CACHE environment variable, else "
         "the platform's user cache folder, e.g. ~/.cache/flashllm on Linux), where `flashllm "
         "pull` puts models/NAME.gguf and the benchmark its converted/NAME-DTYPE folders.", "",
-        "`make bench` (scripts/bench/bench.py) writes the sections \"Dense decode\", \"Flash "
-        "inference\", \"Speculative decoding\", \"Serving\" and \"Structured output\", and draws the "
-        "1.5B's rows of \"Flash "
-        "inference\" as docs/budget.png (the README's picture); `make bench QUICK=1` is the "
-        "SmolLM2-only development mode (no speculative section, no picture). \"## I/O\" and "
+        "`make bench` (scripts/bench/bench.py) writes the sections \"Dense decode\", \"GGUFs in "
+        "DRAM\", \"Flash inference\", \"Mixture of experts under a cap\", \"Speculative "
+        "decoding\", \"Serving\" and \"Structured output\" (about 100 min on this machine, "
+        "quiet: \"GGUFs in DRAM\" ~15, \"Mixture of experts under a cap\" ~12; a first run also "
+        "converts their files, ~10 more; `--sections gguf,moe` runs some, each dated by its own "
+        "lines, this header kept), and draws the 1.5B's rows of \"Flash inference\" as docs/budget.png (the README's "
+        "picture); `make bench QUICK=1` is the SmolLM2-only development mode (no speculative, "
+        "serving or MoE section, no picture). \"## I/O\" and "
         "\"## Quality\" come from their own scripts (the command is given with each table); the "
         "protocol is docs/DESIGN.md's \"Benchmark protocol\". This file is the reference, not the "
         "log: dated studies and the session notes that read these tables are in docs/history/ "
@@ -163,11 +168,14 @@ def plan_label(parsed: dict) -> Optional[str]:
     return plan if isinstance(plan, str) else None
 
 
-def merge(path: Path, head: str, sections: Dict[str, str]) -> str:
-    """The new file: head, then my sections (new text where given, else the file's), then every
-    other section of the existing file in its order."""
+def merge(path: Path, head: Optional[str], sections: Dict[str, str]) -> str:
+    """The new file: head (None: the file's own, as a run of some sections keeps it), then my
+    sections (new text where given, else the file's), then every other section of the existing
+    file in its order."""
     old = path.read_text(encoding="utf-8") if path.exists() else ""
     parts = re.split(r"(?m)^(?=## )", old)
+    if head is None:
+        head = parts[0].rstrip() + "\n" if parts[0].strip() else TITLE + "\n"
     kept: Dict[str, str] = {}
     others: List[str] = []
     for part in parts[1:]:

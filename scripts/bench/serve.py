@@ -30,6 +30,8 @@ import threading
 import time
 from pathlib import Path
 
+from scripts.bench.harness import Bench, under_caps
+
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["def fibonacci(n):", "def quicksort(items):", "class Stack:\n    def __init__(self):",
            "def is_prime(n):", "def read_csv(path):", "def binary_search(a, x):",
@@ -244,6 +246,12 @@ def serve_section(runs: list, load: tuple) -> str:
 def server_args(parallel: int, ctx: int, threads: int, budget=None) -> list:
     return ["--parallel", str(parallel), "-c", str(ctx), "-t", str(threads), "--queue-size",
             "64"] + (["--dram-budget", budget] if budget else [])
+
+
+def section(b: Bench):
+    """make bench's (title, text, raw runs), or None with --quick."""
+    return under_caps(b, "## Serving", lambda caps: serve_rows(b.args.cache, caps, 64, b.log),
+                      serve_section)
 
 
 def main() -> None:
