@@ -9,13 +9,17 @@
 #include "base.h"
 #include "flashllm.h"
 
+#pragma GCC visibility push(hidden)
+/* ggml's GELU table (GGML_GELU_FP16): entry h the GELU (tanh form) of the f16 value h, rounded
+ * to f16, as f32; filled on first use */
+const float *fli_gelu_f16_table(void);
+#pragma GCC visibility pop
+
 /* ggml's GELU value of v through its f16 table: v and the result rounded to f16 */
 static inline float fli_gelu_f16(float v) {
     if (v <= -10.0f) return 0.0f;
     if (v >= 10.0f) return v;
-    const float x = fl_fp16_to_fp32(fl_fp32_to_fp16(v));
-    const float y = 0.5f * x * (1.0f + tanhf(0.79788456080286536f * x * (1.0f + 0.044715f * x * x)));
-    return fl_fp16_to_fp32(fl_fp32_to_fp16(y));
+    return fli_gelu_f16_table()[fl_fp32_to_fp16(v)];
 }
 
 /* one FFN activation (FL_ACT_*): SiLU x*sigmoid(x); GELU the erf form; GELU_TANH the tanh
