@@ -31,11 +31,18 @@ static void kv_store(void *cache, int32_t kv_dtype, int64_t pos, int64_t n, cons
     for (int64_t j = 0; j < n; j++) dst[j] = fl_fp32_to_fp16(src[j]);
 }
 
+/* q / k / v fused (k.w, v.w NULL) or three matrices, of the block's shapes */
+static int qkv_ok(const fl_attn_block *b, int64_t d, int64_t nq, int64_t nk) {
+    if (!b->k.w && !b->v.w) return b->qkv.w && b->qkv.rows == nq + 2 * nk && b->qkv.cols == d;
+    return b->qkv.w && b->k.w && b->v.w && b->qkv.rows == nq && b->qkv.cols == d &&
+           b->k.rows == nk && b->k.cols == d && b->v.rows == nk && b->v.cols == d;
+}
+
 static int attn_ok(const fl_attn_block *b, int64_t d, int64_t pos) {
     const int64_t nq = b->n_heads * b->head_dim, nk = b->n_kv * b->head_dim;
-    return b->norm && b->qkv.w && b->o.w && b->k_cache && b->v_cache && d > 0 &&
+    return b->norm && b->o.w && b->k_cache && b->v_cache && d > 0 &&
            b->n_heads > 0 && b->n_kv > 0 && b->n_heads % b->n_kv == 0 && b->head_dim > 0 &&
-           b->qkv.rows == nq + 2 * nk && b->qkv.cols == d && b->o.rows == d && b->o.cols == nq &&
+           qkv_ok(b, d, nq, nk) && b->o.rows == d && b->o.cols == nq &&
            (b->kv_dtype == FL_F32 || b->kv_dtype == FL_F16) && pos >= 0 && pos < b->n_ctx &&
            (!b->inv_freq || (b->n_rot > 0 && b->n_rot <= b->head_dim && b->n_rot % 2 == 0));
 }
@@ -65,11 +72,14 @@ int32_t fl_attn_token(const fl_attn_block *b, float *x, int64_t d, int64_t pos,
                       int32_t n_threads) {
     if (!b || !x || n_threads < 1 || !attn_ok(b, d, pos)) return FL_EINVAL;
     const int64_t nq = b->n_heads * b->head_dim;
-    float *buf = malloc((size_t)(2 * d + b->qkv.rows + nq) * sizeof(float));
+    const int64_t n_qkv = nq + 2 * b->n_kv * b->head_dim;
+    float *buf = malloc((size_t)(2 * d + n_qkv + nq) * sizeof(float));
     if (!buf) return FL_ENOMEM;
-    float *h = buf, *y = buf + d, *qkv = buf + 2 * d, *o = qkv + b->qkv.rows;
+    float *h = buf, *y = buf + d, *qkv = buf + 2 * d, *o = qkv + n_qkv;
     int32_t st = fl_rmsnorm(x, b->norm, h, 1, d, b->eps);
-    if (st == FL_OK) st = mat_vec(&b->qkv, h, qkv, n_threads);
+    if (st == FL_OK) st = mat_vec(&b->qkv, h, qkv, n_threads);        // q (and k, v when fused)
+    if (st == FL_OK && b->k.w) st = mat_vec(&b->k, h, qkv + nq, n_threads);
+    if (st == FL_OK && b->v.w) st = mat_vec(&b->v, h, qkv + nq + b->k.rows, n_threads);
     if (st == FL_OK) st = attend(b, qkv, o, y, d, pos, n_threads);
     if (st == FL_OK)
         for (int64_t i = 0; i < d; i++) x[i] += y[i];

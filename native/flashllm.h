@@ -163,12 +163,14 @@ typedef struct {
     const float *bias;   /* (rows) or NULL */
 } fl_mat;
 
-/* A transformer block's attention for one token: RMSNorm, q / k / v as one matrix, optional
- * per-head RMSNorm of q and k, rotate-half RoPE, the layer's KV cache, output projection,
- * optional RMSNorm of the output (sandwich-norm models). */
+/* A transformer block's attention for one token: RMSNorm, q / k / v as one matrix (or three,
+ * when their dtypes differ), optional per-head RMSNorm of q and k, rotate-half RoPE, the layer's
+ * KV cache, output projection, optional RMSNorm of the output (sandwich-norm models). */
 typedef struct {
     const float *norm;               /* (d) */
-    fl_mat qkv;                      /* (n_heads * head_dim + 2 * n_kv * head_dim, d) */
+    fl_mat qkv;                      /* (n_heads * head_dim + 2 * n_kv * head_dim, d), or with
+                                        k and v given q's (n_heads * head_dim, d) */
+    fl_mat k, v;                     /* (n_kv * head_dim, d) each, or both w NULL (fused) */
     fl_mat o;                        /* (d, n_heads * head_dim) */
     const float *q_norm, *k_norm;    /* (head_dim) per-head RMSNorm weights, or NULL */
     const float *post_norm;          /* (d) or NULL */

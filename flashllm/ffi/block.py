@@ -66,7 +66,8 @@ class AttnToken(_Struct):
                  n_heads: int, head_dim: int, eps: float, scale: float,
                  rope: Optional[RopeFreqs] = None, window: int = 0, q_norm=None, k_norm=None,
                  post_norm=None):
-        """qkv (n_heads hd + 2 n_kv hd, d) and o (d, n_heads hd) matrices; k_cache, v_cache the
+        """qkv (n_heads hd + 2 n_kv hd, d) and o (d, n_heads hd) matrices (qkv may be the three
+        matrices q, k, v as a tuple, bqkv then their three biases or None); k_cache, v_cache the
         layer's (n_ctx, n_kv, hd) f32 or f16 caches; norms as the forward pass holds them."""
         super().__init__("fl_attn_block *")
         b, d = self.c, o.rows
@@ -75,7 +76,12 @@ class AttnToken(_Struct):
                 not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
             raise KernelError("the KV caches must be contiguous (n_ctx, n_kv, hd) f32 or f16")
         b.norm = self.vec(norm, d, "norm")
-        self.mat(b.qkv, qkv, bqkv, "qkv")
+        if isinstance(qkv, tuple):                    # q, k, v of different dtypes: 3 products
+            biases = bqkv or (None, None, None)
+            for field, w, bias, name in zip((b.qkv, b.k, b.v), qkv, biases, "qkv"):
+                self.mat(field, w, bias, name)
+        else:
+            self.mat(b.qkv, qkv, bqkv, "qkv")
         self.mat(b.o, o, bo, "o")
         b.q_norm, b.k_norm = self.vec(q_norm, head_dim, "q_norm"), self.vec(k_norm, head_dim, "k_norm")
         b.post_norm = self.vec(post_norm, d, "post_norm")

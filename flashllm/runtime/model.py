@@ -240,7 +240,7 @@ class Model:
     def _token_blocks(self) -> list:
         """Per layer (AttnToken or None, FfnToken or None): the sub-blocks a one-token pass runs
         in one C call each (ffi/block.py, the same bits as _attention_block / _ffn_block) —
-        an RMSNorm, RoPE model's resident attention with q / k / v fused (runtime/layer.py),
+        an RMSNorm, RoPE model's resident attention (q / k / v fused, runtime/layer.py, or three),
         a DenseFfn of matrix rows; int8 activations (not exact). Built on first use."""
         if self._blocks is None:
             self._blocks = [self._blocks_of(i) for i in range(self.config.n_layers)]
@@ -250,8 +250,10 @@ class Model:
         cfg, L, f = self.config, self.w.resident_layer(i), self.ffn   # never a streamed layer
         if self.exact or cfg.norm != "rms" or L is None or cfg.residual_scale != 1.0:
             return None, None                    # the C blocks add unscaled outputs
-        attn = None if L.wqkv is None or cfg.qk_norm_full or cfg.pos != "rope" else AttnToken(
-            L.attn_norm, L.wqkv, L.bqkv, L.wo, L.bo, self.k_cache[i], self.v_cache[i],
+        qkv, bqkv = (L.wqkv, L.bqkv) if L.wqkv is not None else \
+            ((L.wq, L.wk, L.wv), (L.bq, L.bk, L.bv))          # q, k, v of different dtypes
+        attn = None if cfg.qk_norm_full or cfg.pos != "rope" else AttnToken(
+            L.attn_norm, qkv, bqkv, L.wo, L.bo, self.k_cache[i], self.v_cache[i],
             cfg.n_heads, cfg.head_dim, cfg.norm_eps, self.attn_scale, self.rope_inv[i],
             self.windows[i], L.q_norm, L.k_norm, L.post_attn_norm)
         ffn = None if not isinstance(f, DenseFfn) or not f.rows else FfnToken(
