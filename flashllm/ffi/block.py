@@ -21,8 +21,8 @@ from flashllm.model.tensor import PackedTensor, QTensor
 class _Struct:
     """A cffi struct and the buffers its pointers point into."""
 
-    def __init__(self, ctype: str):
-        self.c = ffi.new(ctype)
+    def __init__(self, ctype: str, n: Optional[int] = None):
+        self.c = ffi.new(ctype) if n is None else ffi.new(ctype, n)   # n: an array's length
         self._alive: list = []
 
     def ptr(self, a: Optional[np.ndarray], ctype: str = "float[]"):
@@ -65,9 +65,10 @@ class AttnToken(_Struct):
     def __init__(self, norm, qkv, bqkv, o, bo, k_cache: np.ndarray, v_cache: np.ndarray,
                  n_heads: int, head_dim: int, eps: float, scale: float,
                  rope: Optional[RopeFreqs] = None, window: int = 0, q_norm=None, k_norm=None,
-                 post_norm=None):
+                 post_norm=None, qk_norm_full: bool = False):
         """qkv (n_heads hd + 2 n_kv hd, d) and o (d, n_heads hd) matrices; k_cache, v_cache the
-        layer's (n_ctx, n_kv, hd) f32 or f16 caches; norms as the forward pass holds them."""
+        layer's (n_ctx, n_kv, hd) f32 or f16 caches; norms as the forward pass holds them (q_norm
+        and k_norm (hd,), or (n_heads hd,) and (n_kv hd,) when qk_norm_full: OLMoE)."""
         super().__init__("fl_attn_block *")
         b, d = self.c, o.rows
         if k_cache.dtype not in (np.float32, np.float16) or v_cache.dtype != k_cache.dtype or \
@@ -77,7 +78,10 @@ class AttnToken(_Struct):
         b.norm = self.vec(norm, d, "norm")
         self.mat(b.qkv, qkv, bqkv, "qkv")
         self.mat(b.o, o, bo, "o")
-        b.q_norm, b.k_norm = self.vec(q_norm, head_dim, "q_norm"), self.vec(k_norm, head_dim, "k_norm")
+        n_kv = k_cache.shape[1]
+        nq, nk = (n_heads * head_dim, n_kv * head_dim) if qk_norm_full else (head_dim, head_dim)
+        b.q_norm, b.k_norm = self.vec(q_norm, nq, "q_norm"), self.vec(k_norm, nk, "k_norm")
+        b.qk_norm_full = int(qk_norm_full)
         b.post_norm = self.vec(post_norm, d, "post_norm")
         self._alive.append(rope)
         b.inv_freq = ffi.NULL if rope is None else rope.ptr

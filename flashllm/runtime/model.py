@@ -250,10 +250,10 @@ class Model:
         cfg, L, f = self.config, self.w.resident_layer(i), self.ffn   # never a streamed layer
         if self.exact or cfg.norm != "rms" or L is None or cfg.residual_scale != 1.0:
             return None, None                    # the C blocks add unscaled outputs
-        attn = None if L.wqkv is None or cfg.qk_norm_full or cfg.pos != "rope" else AttnToken(
+        attn = None if L.wqkv is None or cfg.pos != "rope" else AttnToken(
             L.attn_norm, L.wqkv, L.bqkv, L.wo, L.bo, self.k_cache[i], self.v_cache[i],
             cfg.n_heads, cfg.head_dim, cfg.norm_eps, self.attn_scale, self.rope_inv[i],
-            self.windows[i], L.q_norm, L.k_norm, L.post_attn_norm)
+            self.windows[i], L.q_norm, L.k_norm, L.post_attn_norm, cfg.qk_norm_full)
         ffn = None if not isinstance(f, DenseFfn) or not f.rows else FfnToken(
             L.ffn_norm, f.gate_up[i], f.down[i], f.act, f.glu, cfg.norm_eps, f.up_b[i],
             L.post_ffn_norm, L.down_b)
