@@ -18,7 +18,7 @@ from flashllm.ffi.lib import check as _check, ffi, native as _native
 from flashllm.model.tensor import PackedTensor, QTensor
 
 
-class _Struct:
+class CStruct:
     """A cffi struct and the buffers its pointers point into."""
 
     def __init__(self, ctype: str, n: Optional[int] = None):
@@ -59,7 +59,7 @@ def _x(x: np.ndarray, d: int):
     return ffi.from_buffer("float[]", x)
 
 
-class AttnToken(_Struct):
+class AttnToken(CStruct):
     """A block's attention for one token (fl_attn_token): x (1, d) += it, in place."""
 
     def __init__(self, norm, qkv, bqkv, o, bo, k_cache: np.ndarray, v_cache: np.ndarray,
@@ -97,7 +97,7 @@ class AttnToken(_Struct):
                "attn_token")
 
 
-class FfnToken(_Struct):
+class FfnToken(CStruct):
     """A dense FFN of matrix rows for one token (fl_ffn_token): x (1, d) += it, in place."""
 
     def __init__(self, norm, gate_up, down, act: str, glu: bool, eps: float, up_bias=None,

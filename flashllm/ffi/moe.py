@@ -11,7 +11,7 @@ from typing import Sequence
 import numpy as np
 
 from flashllm.errors import KernelError
-from flashllm.ffi.block import _Struct
+from flashllm.ffi.block import CStruct
 from flashllm.ffi.kernel import ACT_CODES
 from flashllm.ffi.lib import check as _check, ffi, native as _native
 
@@ -31,7 +31,7 @@ def route(logits: np.ndarray, k: int, norm: bool) -> tuple[np.ndarray, np.ndarra
     return experts, weights
 
 
-class ExpertSet(_Struct):
+class ExpertSet(CStruct):
     """A layer's experts (and its shared expert, last) as moe.c takes them: x += their FFN."""
 
     def __init__(self, experts: Sequence[tuple], act: str):

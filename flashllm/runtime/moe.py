@@ -20,6 +20,7 @@ import numpy as np
 
 from flashllm.model.archs.tensors import ROUTER, SHARED_GATE
 from flashllm.ffi import kernel, moe as moe_kernel
+from flashllm.ffi.heap import huge_empty, trim_heap
 from flashllm.format.reader import FlashModel
 from flashllm.runtime.expert_math import ExpertMath
 from flashllm.runtime.interfaces import FfnStrategy
@@ -96,15 +97,18 @@ class MoeFfn(FfnStrategy):
         self.experts = [self._load(flash, i) for i in range(cfg.n_layers)]  # per layer, expert
         self.sets = [moe_kernel.ExpertSet(held, cfg.act) for held in self.experts] \
             if flash.ffn.expert_rows else None                          # per layer, or None
+        trim_heap()                     # the read buffers and packed copies let go
 
     def _load(self, flash: FlashModel, layer: int) -> list:
         """Layer's experts (then the shared one, if any), each what ExpertMath.run takes, in
-        arrays of their own (the layer's read buffer is let go)."""
+        memory of their own (the layer's read buffer is let go): expert rows in one buffer of
+        huge pages (ffi/heap.py: a decode token streams 8 of them a layer)."""
         rows, n = flash.read_ffn_layer(layer), self.n_ff                 # (slots, stride) uint8
         spans = [(e * n, (e + 1) * n) for e in range(self.n_experts)]
         if len(rows) > self.n_experts * n:
             spans.append((self.n_experts * n, len(rows)))
-        return [own(self.math.matrices(layer, rows[a:b], pack=True), rows) for a, b in spans]
+        held = [self.math.matrices(layer, rows[a:b], pack=True) for a, b in spans]
+        return [own(e, rows) for e in held] if not flash.ffn.expert_rows else on_huge_pages(held)
 
     def start_pass(self, n_tokens: int, prefill: bool, pos0: int = 0) -> None:
         pass
@@ -126,6 +130,22 @@ class MoeFfn(FfnStrategy):
 
     def stats(self) -> dict:
         return {"ffn": "moe (dense)"}
+
+
+def on_huge_pages(experts: list) -> list:
+    """experts (tuples of matrices) copied into one huge-page buffer, each matrix on a 64-byte
+    boundary."""
+    sizes = [-(-m.data.nbytes // 64) * 64 for e in experts for m in e]
+    buf, off, out = huge_empty(sum(sizes)), 0, []                       # (Σ sizes,) uint8
+    for e in experts:
+        mats = []
+        for m in e:
+            dst = buf[off:off + m.data.nbytes]                          # (m's bytes,)
+            dst[:] = m.data.reshape(-1)
+            mats.append(dataclasses.replace(m, data=dst.reshape(m.data.shape)))
+            off += -(-m.data.nbytes // 64) * 64
+        out.append(tuple(mats))
+    return out
 
 
 def own(expert, buf: np.ndarray):
