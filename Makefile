@@ -60,7 +60,8 @@ BENCH_DIR ?= .
 bench-io: setup
 	$(BIN)/python -m scripts.bench.bundle_reads $(if $(MODEL),$(MODEL),--synthetic $(BENCH_DIR))
 
-## test-asan: the direct-I/O reader and read-ahead ring (native/io.c, io_plan.c, io_uring.c, readahead.c) under AddressSanitizer + UBSan, and the compute kernel's worker threads (native/pool.c) under ASan + UBSan and ThreadSanitizer, through C test drivers
+COMPUTE_C = $(filter-out native/io.c native/io_plan.c native/io_uring.c native/readahead.c,$(wildcard native/*.c))
+## test-asan: the direct-I/O reader and read-ahead ring (native/io.c, io_plan.c, io_uring.c, readahead.c) under AddressSanitizer + UBSan, the compute kernel's worker threads (native/pool.c) under ASan + UBSan and ThreadSanitizer, and a mixture of experts' layer (native/moe.c and the compute kernels it calls) under ASan + UBSan, through C test drivers
 test-asan:
 	@mkdir -p build/asan
 	$(CC) -g -O1 -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer \
@@ -74,6 +75,10 @@ test-asan:
 	$(CC) -g -O1 -fsanitize=thread -std=c11 -Wall -Wextra -Werror -D_GNU_SOURCE -Inative \
 	  tests/native/pool_driver.c native/pool.c -o build/asan/pool_tsan -lpthread
 	TSAN_OPTIONS=halt_on_error=1 build/asan/pool_tsan
+	$(CC) -g -O1 -march=native -fsanitize=address,undefined -fno-sanitize-recover=all \
+	  -fno-omit-frame-pointer -std=c11 -Wall -Wextra -Werror -D_GNU_SOURCE -Inative \
+	  tests/native/moe_driver.c $(COMPUTE_C) -o build/asan/moe_driver -lpthread -lm
+	ASAN_OPTIONS=detect_leaks=1 build/asan/moe_driver
 
 .PHONY: fuzz
 FUZZ_EXAMPLES ?= 1200

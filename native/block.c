@@ -47,14 +47,16 @@ static int attn_ok(const fl_attn_block *b, int64_t d, int64_t pos) {
            (!b->inv_freq || (b->n_rot > 0 && b->n_rot <= b->head_dim && b->n_rot % 2 == 0));
 }
 
-/* the steps after q / k / v: per-head norms, RoPE, the caches, attention, the output */
+/* the steps after q / k / v: QK norms, RoPE, the caches, attention, the output */
 static int32_t attend(const fl_attn_block *b, float *qkv, float *o, float *y, int64_t d,
                       int64_t pos, int32_t n_threads) {
     const int64_t hd = b->head_dim, nq = b->n_heads * hd, nk = b->n_kv * hd;
     float *q = qkv, *k = qkv + nq, *v = qkv + nq + nk;   // (n_heads, hd), (n_kv, hd) x 2
     int32_t st = FL_OK;
-    if (b->q_norm) st = fl_rmsnorm(q, b->q_norm, q, b->n_heads, hd, b->eps);
-    if (st == FL_OK && b->k_norm) st = fl_rmsnorm(k, b->k_norm, k, b->n_kv, hd, b->eps);
+    const int full = b->qk_norm_full != 0;  // one row of the whole projection, else per head
+    if (b->q_norm) st = fl_rmsnorm(q, b->q_norm, q, full ? 1 : b->n_heads, full ? nq : hd, b->eps);
+    if (st == FL_OK && b->k_norm)
+        st = fl_rmsnorm(k, b->k_norm, k, full ? 1 : b->n_kv, full ? nk : hd, b->eps);
     const int32_t p = (int32_t)pos;
     if (st == FL_OK && b->inv_freq) st = fl_rope(q, 1, b->n_heads, hd, b->n_rot, &p, b->inv_freq);
     if (st == FL_OK && b->inv_freq) st = fl_rope(k, 1, b->n_kv, hd, b->n_rot, &p, b->inv_freq);

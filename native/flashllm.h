@@ -164,8 +164,9 @@ typedef struct {
 } fl_mat;
 
 /* A transformer block's attention for one token: RMSNorm, q / k / v as one matrix (or three,
- * when their dtypes differ), optional per-head RMSNorm of q and k, rotate-half RoPE, the layer's
- * KV cache, output projection, optional RMSNorm of the output (sandwich-norm models). */
+ * when their dtypes differ), optional RMSNorm of q and k (per head, or each whole), rotate-half
+ * RoPE, the layer's KV cache, output projection, optional RMSNorm of the output (sandwich-norm
+ * models). */
 typedef struct {
     const float *norm;               /* (d) */
     fl_mat qkv;                      /* (n_heads * head_dim + 2 * n_kv * head_dim, d), or with
@@ -173,6 +174,8 @@ typedef struct {
     fl_mat k, v;                     /* (n_kv * head_dim, d) each, or both w NULL (fused) */
     fl_mat o;                        /* (d, n_heads * head_dim) */
     const float *q_norm, *k_norm;    /* (head_dim) per-head RMSNorm weights, or NULL */
+    int32_t qk_norm_full;            /* 1: q_norm (n_heads * head_dim) and k_norm (n_kv *
+                                        head_dim) norm the whole q and k (OLMoE) */
     const float *post_norm;          /* (d) or NULL */
     const double *inv_freq;          /* (n_rot / 2) as fl_rope takes it, or NULL: no RoPE */
     int64_t n_rot;
@@ -202,6 +205,35 @@ typedef struct {
 int32_t fl_attn_token(const fl_attn_block *b, float *x, int64_t d, int64_t pos,
                       int32_t n_threads);
 int32_t fl_ffn_token(const fl_ffn_block *b, float *x, int64_t d, int32_t n_threads);
+
+/* ---- a mixture of experts' layer (moe.c) ------------------------------------------------- */
+
+/* Routing as llama.cpp's MoE graph: p = softmax(logits) per token (expf of the logit less the
+ * largest, summed in double, times 1 / sum), the k largest p in falling order (the lower expert of
+ * equals first) and their p, divided by their sum when norm != 0.
+ * logits (T, n_experts); experts (T, k) int32 and weights (T, k) f32 written. FL_EINVAL for a
+ * logit that is not finite. */
+int32_t fl_moe_route(const float *logits, int64_t T, int64_t n_experts, int64_t k, int32_t norm,
+                     int32_t *experts, float *weights);
+
+/* One expert: its gate rows then its up rows, and its down rows, each as fl_matmul (packed == 0)
+ * or fl_matmul_packed (packed != 0) takes it (int8 activations; exact: fl_matmul's f32). */
+typedef struct {
+    fl_mat gate_up;      /* (2 n_ff, d) */
+    fl_mat down;         /* (d, n_ff) */
+} fl_expert;
+
+/* x (T, d) += sum over j < k of weights[t, j] * expert_{ids[t, j]}(h[t]), expert(h) =
+ * down . (act(gate . h) * (up . h)), for the T tokens of a pass at once: the pairs grouped by
+ * expert, so each expert's rows meet all of its tokens in one pass over them (llama.cpp's
+ * mul_mat_id). Each product is the one-token product of fl_matmul_packed (packed) or fl_matmul
+ * on the expert's tokens (not packed), and x[t] gets x[t] + w * (0 + y) for its experts in
+ * ascending id order (a pair with an id of another's, in j order): a token's result does not
+ * depend on the other tokens of the pass when the experts are packed.
+ * experts (n_experts); ids (T, k) in [0, n_experts); weights (T, k); h (T, d). */
+int32_t fl_moe_ffn(const fl_expert *experts, int64_t n_experts, const int32_t *ids,
+                   const float *weights, int64_t T, int64_t k, int32_t act, const float *h,
+                   float *x, int64_t d, int32_t exact, int32_t n_threads);
 
 /* ---- bundled FFN (ffn.c) ----------------------------------------------------------------- */
 

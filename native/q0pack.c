@@ -31,6 +31,9 @@
 #include "q0pack.h"
 
 #define Q0_R 16
+#ifndef Q0_AHEAD
+#define Q0_AHEAD 8
+#endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define Q0_SIMD 512
@@ -256,7 +259,7 @@ static inline __attribute__((always_inline)) void group0(int K, const uint8_t *g
     for (int t = 0; t < NT; t++) out[t] = v_fzero();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *v = vals + (size_t)b * vb;
-        fli_prefetch(v + 2 * vb, vb);  // two blocks on, across groups (the next follows)
+        fli_prefetch(v + Q0_AHEAD * vb, vb);  // Q0_AHEAD blocks on, across groups
         vi acc[4][Q0_CHAINS];
         const int8_t *q[4];
         for (int t = 0; t < NT; t++) {  // AVX2's q8_0 sums are signed: no correction

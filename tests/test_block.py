@@ -1,8 +1,9 @@
 """A decode token through a block in one C call each for attention and FFN (native/block.c,
 flashllm/ffi/block.py, Model._token_blocks) against the sequence of kernel calls model.py runs
 otherwise, bit for bit: the tiny GGUFs of every RMSNorm architecture (biases, QK norms, sandwich
-norms, GeGLU, sliding windows) converted natively, and (realmodel) SmolLM2, the 0.5B and Gemma 3
-with their packed and unpacked quantized matrices; f16 and f32 KV caches."""
+norms, GeGLU, sliding windows) converted natively, OLMoE's whole-projection QK norm, and
+(realmodel) SmolLM2, the 0.5B and Gemma 3 with their packed and unpacked quantized matrices; f16
+and f32 KV caches."""
 from __future__ import annotations
 
 import numpy as np
@@ -65,6 +66,20 @@ def test_real_native_blocks_give_the_kernel_sequence_bits(name):
     assert all(a is not None and f is not None for a, f in blocks)   # Gemma's q8_0 / q5_0 v too
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
+
+
+def test_moe_attention_normed_whole_gives_the_kernel_sequence_bits(tmp_path):
+    """OLMoE's QK norm over the whole q and k (scripts/fixtures/make_moe_gguf.py's small
+    fixture): its attention runs in C too (the experts: one fl_moe_ffn call a layer either way)."""
+    from scripts.fixtures.make_moe_gguf import SMALL, write as write_moe
+    gguf = write_moe(tmp_path / "m.gguf", "q4_0", shape=SMALL, log=lambda m: None)
+    flash = open_flash(convert(gguf, tmp_path / "m", None))
+    assert flash.config.qk_norm_full
+    for kv in ("f16", "f32"):
+        blocks, got, want = both_ways(flash, kv, prompt=list(range(40, 48)))
+        assert all(a is not None and f is None for a, f in blocks)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
 
 
 def test_a_block_checks_its_vectors(hf_tiny, tmp_path):

@@ -18,11 +18,11 @@ from flashllm.ffi.lib import check as _check, ffi, native as _native
 from flashllm.model.tensor import PackedTensor, QTensor
 
 
-class _Struct:
+class CStruct:
     """A cffi struct and the buffers its pointers point into."""
 
-    def __init__(self, ctype: str):
-        self.c = ffi.new(ctype)
+    def __init__(self, ctype: str, n: Optional[int] = None):
+        self.c = ffi.new(ctype) if n is None else ffi.new(ctype, n)   # n: an array's length
         self._alive: list = []
 
     def ptr(self, a: Optional[np.ndarray], ctype: str = "float[]"):
@@ -59,16 +59,17 @@ def _x(x: np.ndarray, d: int):
     return ffi.from_buffer("float[]", x)
 
 
-class AttnToken(_Struct):
+class AttnToken(CStruct):
     """A block's attention for one token (fl_attn_token): x (1, d) += it, in place."""
 
     def __init__(self, norm, qkv, bqkv, o, bo, k_cache: np.ndarray, v_cache: np.ndarray,
                  n_heads: int, head_dim: int, eps: float, scale: float,
                  rope: Optional[RopeFreqs] = None, window: int = 0, q_norm=None, k_norm=None,
-                 post_norm=None):
+                 post_norm=None, qk_norm_full: bool = False):
         """qkv (n_heads hd + 2 n_kv hd, d) and o (d, n_heads hd) matrices (qkv may be the three
         matrices q, k, v as a tuple, bqkv then their three biases or None); k_cache, v_cache the
-        layer's (n_ctx, n_kv, hd) f32 or f16 caches; norms as the forward pass holds them."""
+        layer's (n_ctx, n_kv, hd) f32 or f16 caches; norms as the forward pass holds them (q_norm
+        and k_norm (hd,), or (n_heads hd,) and (n_kv hd,) when qk_norm_full: OLMoE)."""
         super().__init__("fl_attn_block *")
         b, d = self.c, o.rows
         if k_cache.dtype not in (np.float32, np.float16) or v_cache.dtype != k_cache.dtype or \
@@ -83,7 +84,10 @@ class AttnToken(_Struct):
         else:
             self.mat(b.qkv, qkv, bqkv, "qkv")
         self.mat(b.o, o, bo, "o")
-        b.q_norm, b.k_norm = self.vec(q_norm, head_dim, "q_norm"), self.vec(k_norm, head_dim, "k_norm")
+        n_kv = k_cache.shape[1]
+        nq, nk = (n_heads * head_dim, n_kv * head_dim) if qk_norm_full else (head_dim, head_dim)
+        b.q_norm, b.k_norm = self.vec(q_norm, nq, "q_norm"), self.vec(k_norm, nk, "k_norm")
+        b.qk_norm_full = int(qk_norm_full)
         b.post_norm = self.vec(post_norm, d, "post_norm")
         self._alive.append(rope)
         b.inv_freq = ffi.NULL if rope is None else rope.ptr
@@ -99,7 +103,7 @@ class AttnToken(_Struct):
                "attn_token")
 
 
-class FfnToken(_Struct):
+class FfnToken(CStruct):
     """A dense FFN of matrix rows for one token (fl_ffn_token): x (1, d) += it, in place."""
 
     def __init__(self, norm, gate_up, down, act: str, glu: bool, eps: float, up_bias=None,

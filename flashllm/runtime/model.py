@@ -252,10 +252,10 @@ class Model:
             return None, None                    # the C blocks add unscaled outputs
         qkv, bqkv = (L.wqkv, L.bqkv) if L.wqkv is not None else \
             ((L.wq, L.wk, L.wv), (L.bq, L.bk, L.bv))          # q, k, v of different dtypes
-        attn = None if cfg.qk_norm_full or cfg.pos != "rope" else AttnToken(
+        attn = None if cfg.pos != "rope" else AttnToken(
             L.attn_norm, qkv, bqkv, L.wo, L.bo, self.k_cache[i], self.v_cache[i],
             cfg.n_heads, cfg.head_dim, cfg.norm_eps, self.attn_scale, self.rope_inv[i],
-            self.windows[i], L.q_norm, L.k_norm, L.post_attn_norm)
+            self.windows[i], L.q_norm, L.k_norm, L.post_attn_norm, cfg.qk_norm_full)
         ffn = None if not isinstance(f, DenseFfn) or not f.rows else FfnToken(
             L.ffn_norm, f.gate_up[i], f.down[i], f.act, f.glu, cfg.norm_eps, f.up_b[i],
             L.post_ffn_norm, L.down_b)
