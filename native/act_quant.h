@@ -37,6 +37,25 @@ void fli_xq_quantize(int32_t dtype, const float *x, int64_t n, uint8_t *buf);
 
 #pragma GCC visibility pop
 
+/* a token quantized by fli_xq_quantize for a k-quant (n values): q (n), scales (one d per
+ * superblock in lane 0 of its first block), sums of q per 32 values (bsum) and per 16 (bsum16);
+ * the k-quant kernels' operand (qk.c, q2k.c) */
+typedef struct {
+    const int8_t *q;
+    const float *scale;
+    const int16_t *bsum, *bsum16;
+} fli_xq_view;
+
+static inline fli_xq_view fli_xq_token(const uint8_t *buf, int64_t n) {
+    const int64_t nb = n / FL_QK;
+    fli_xq_view t;
+    t.q = (const int8_t *)buf;                                    /* (n) */
+    t.scale = (const float *)(buf + n);                           /* (nb, 8) */
+    t.bsum = (const int16_t *)(t.scale + 3 * nb * FL_XQ_LANES);   /* (nb) */
+    t.bsum16 = t.bsum + (nb + 7) / 8 * 8;                         /* (2 nb) */
+    return t;
+}
+
 /* superblock s (256 values) of a token quantized for a k-quant into buf (n values): its int8
  * values, d and the int16 sums of its values per 32 and per 16 (the packed kernels' operand) */
 typedef struct {
@@ -47,11 +66,9 @@ typedef struct {
 } fli_xq_sb;
 
 static inline fli_xq_sb fli_xq_superblock(const uint8_t *buf, int64_t n, int64_t s) {
-    const int64_t nb = n / FL_QK;
-    const float *scale = (const float *)(buf + n);                            /* (nb, 8) */
-    const int16_t *bsum = (const int16_t *)(scale + 3 * nb * FL_XQ_LANES);    /* (nb) */
-    const fli_xq_sb o = {(const int8_t *)buf + s * FL_QK_K, bsum + 8 * s,
-                         bsum + (nb + 7) / 8 * 8 + 16 * s, scale[s * 8 * FL_XQ_LANES]};
+    const fli_xq_view t = fli_xq_token(buf, n);
+    const fli_xq_sb o = {t.q + s * FL_QK_K, t.bsum + 8 * s, t.bsum16 + 16 * s,
+                         t.scale[s * 8 * FL_XQ_LANES]};
     return o;
 }
 

@@ -31,6 +31,7 @@
 #include "act_quant.h"
 #include "base.h"
 #include "dtype.h"
+#include "packloop.h"
 #include "q23pack.h"
 
 #define Q23_R 16   /* rows per group: the int32 lanes of a zmm */
@@ -140,7 +141,7 @@ static inline __attribute__((always_inline)) void dots(const uint8_t *qs, const 
 
 /* out[t] (16 lanes) += Q2_K superblock blk of the group against NT tokens */
 static inline __attribute__((always_inline)) void q2_sb(const uint8_t *blk, const fli_xq_sb *x,
-                                                        int NT, __m512 out[4]) {
+                                                        int NT, __m512 out[FLI_PACK_T]) {
     __m512i isum[4], msum[4], acc[4][2][2];
     for (int t = 0; t < NT; t++) isum[t] = msum[t] = _mm512_setzero_si512();
 #pragma GCC unroll 2
@@ -159,13 +160,7 @@ static inline __attribute__((always_inline)) void q2_sb(const uint8_t *blk, cons
                 }
             }
         }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
-    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)));
-    for (int t = 0; t < NT; t++) {
-        const __m512 dx = _mm512_set1_ps(x[t].dx);
-        out[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]), _mm512_mul_ps(d, dx), out[t]);
-        out[t] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum[t]), _mm512_mul_ps(dmin, dx), out[t]);
-    }
+    fli_pack_scale(blk, x, NT, isum, msum, out);
 }
 
 /* sc (256) = the signed scales sc_k - 32 of the group's 16 rows, sub-blocks 2i, 2i + 1 of row r
@@ -187,7 +182,7 @@ static inline void q3_scales(const uint8_t *blk, int8_t *sc) {
 
 /* out[t] (16 lanes) += Q3_K superblock blk of the group against NT tokens */
 static inline __attribute__((always_inline)) void q3_sb(const uint8_t *blk, const fli_xq_sb *x,
-                                                        int NT, __m512 out[4]) {
+                                                        int NT, __m512 out[FLI_PACK_T]) {
     int8_t sc[256] __attribute__((aligned(64)));
     q3_scales(blk, sc);
     __m512i isum[4], osum[4], acc[4][2][2];
@@ -212,46 +207,15 @@ static inline __attribute__((always_inline)) void q3_sb(const uint8_t *blk, cons
         out[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(d, _mm512_set1_ps(x[t].dx)), out[t]);
     }
 }
-
-/* y[t * ld + r] (+ bias) for the 16 rows of group gp (Q3_K when q3) and NT tokens xq */
-static inline __attribute__((always_inline)) void group_tokens(int q3, const uint8_t *gp, int64_t n,
-                                                               const uint8_t *xq, size_t xb,
-                                                               int NT, float *y, int64_t ld,
-                                                               const float *bias) {
-    const size_t gb = q3 ? Q3_SB : Q2_SB;
-    __m512 out[4];
-    for (int t = 0; t < NT; t++) out[t] = _mm512_setzero_ps();
-    for (int64_t s = 0; s < n / FL_QK_K; s++) {
-        fli_xq_sb x[4];
-        for (int t = 0; t < NT; t++) x[t] = fli_xq_superblock(xq + (size_t)t * xb, n, s);
-        // half a superblock on, across groups too: the next group follows in memory
-        fli_prefetch(gp + (size_t)s * gb + gb / 2, gb);
-        if (q3)
-            q3_sb(gp + (size_t)s * gb, x, NT, out);
-        else
-            q2_sb(gp + (size_t)s * gb, x, NT, out);
-    }
-    const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-    for (int t = 0; t < NT; t++) _mm512_storeu_ps(y + t * ld, _mm512_add_ps(out[t], b));
-}
-
-#define Q23_TOKENS(q3)                                                                         \
-    switch (NT) {                                                                              \
-    case 1: group_tokens(q3, gp, n, xq, xb, 1, y, ld, bias); break;                            \
-    case 2: group_tokens(q3, gp, n, xq, xb, 2, y, ld, bias); break;                            \
-    case 3: group_tokens(q3, gp, n, xq, xb, 3, y, ld, bias); break;                            \
-    default: group_tokens(q3, gp, n, xq, xb, 4, y, ld, bias); break;                           \
-    }
 #endif
 
 void fli_q23_group(int32_t dtype, const uint8_t *gp, int64_t n, const uint8_t *xq, size_t xb,
                    int NT, float *y, int64_t ld, const float *bias) {
 #if defined(HAS_Q23_PACK)
-    if (dtype == FL_Q3_K) {
-        Q23_TOKENS(1)
-    } else {
-        Q23_TOKENS(0)
-    }
+    if (dtype == FL_Q3_K)
+        fli_pack_group(q3_sb, Q3_SB, gp, n, xq, xb, NT, y, ld, bias);
+    else
+        fli_pack_group(q2_sb, Q2_SB, gp, n, xq, xb, NT, y, ld, bias);
 #else
     (void)dtype, (void)gp, (void)n, (void)xq, (void)xb, (void)NT, (void)y, (void)ld, (void)bias;
 #endif

@@ -20,11 +20,11 @@
 #include "base.h"
 #include "dtype.h"
 #include "kblock.h"
+#include "packloop.h"
 #include "q4kpack.h"
 
 #define PACK_R 16     /* rows per group: the int32 lanes of a zmm */
 #define PACK_SB 2368  /* bytes of one superblock of a group */
-#define PACK_T 4      /* tokens per kernel call at most */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define HAS_PACK 1
@@ -65,21 +65,14 @@ void fli_q4k_pack_group(const uint8_t *w, size_t rb, int64_t cols, uint8_t *dst)
 }
 
 #if defined(HAS_PACK)
-/* the token side of one superblock: q (256), d_x, the int16 sums of q per 32 values (8) */
-typedef struct {
-    const int8_t *q;
-    const int16_t *bsum;
-    float dx;
-} tok_sb;
-
 /* out[t] (16 lanes: the group's rows) += superblock blk of the group against NT tokens */
-static inline __attribute__((always_inline)) void group_sb(const uint8_t *blk, const tok_sb *x,
-                                                           int NT, __m512 out[PACK_T]) {
+static inline __attribute__((always_inline)) void group_sb(const uint8_t *blk, const fli_xq_sb *x,
+                                                           int NT, __m512 out[FLI_PACK_T]) {
     const __m512i lo4 = _mm512_set1_epi8(0x0F);
-    __m512i isum[PACK_T];
+    __m512i isum[FLI_PACK_T];
     for (int t = 0; t < NT; t++) isum[t] = _mm512_setzero_si512();
     for (int p = 0; p < 4; p++) {
-        __m512i a[PACK_T][2][2];  // token, sub-block 2p / 2p+1, chain (k even / odd for 1 token)
+        __m512i a[FLI_PACK_T][2][2];  // token, sub-block 2p / 2p+1, chain (k even / odd for 1 token)
         for (int t = 0; t < NT; t++)
             a[t][0][0] = a[t][0][1] = a[t][1][0] = a[t][1][1] = _mm512_setzero_si512();
         for (int k = 0; k < 8; k++) {
@@ -109,7 +102,7 @@ static inline __attribute__((always_inline)) void group_sb(const uint8_t *blk, c
         for (int i = 0; i < 4; i++) {
             const __m512i m = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 192 + 32 * i)));
             int32_t bs;
-            memcpy(&bs, x[t].bsum + 2 * i, 4);
+            memcpy(&bs, x[t].bs32 + 2 * i, 4);
             msum = _mm512_dpwssd_epi32(msum, m, _mm512_set1_epi32(bs));
         }
         const __m512 dx = _mm512_set1_ps(x[t].dx);
@@ -117,43 +110,12 @@ static inline __attribute__((always_inline)) void group_sb(const uint8_t *blk, c
         out[t] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(dmin, dx), out[t]);
     }
 }
-
-/* y[t * ld + r] (+ bias) for the 16 rows of group g and NT tokens xq (xb bytes apart) */
-static inline __attribute__((always_inline)) void group_tokens(const uint8_t *gp, int64_t n,
-                                                               const uint8_t *xq, size_t xb,
-                                                               int NT, float *y, int64_t ld,
-                                                               const float *bias) {
-    const int64_t nb = n / FL_QK;
-    __m512 out[PACK_T];
-    for (int t = 0; t < NT; t++) out[t] = _mm512_setzero_ps();
-    for (int64_t s = 0; s < n / FL_QK_K; s++) {
-        tok_sb x[PACK_T];
-        for (int t = 0; t < NT; t++) {
-            const uint8_t *xt = xq + (size_t)t * xb;
-            const float *scale = (const float *)(xt + n);
-            x[t].q = (const int8_t *)xt + s * FL_QK_K;
-            x[t].dx = scale[s * 8 * FL_XQ_LANES];
-            x[t].bsum = (const int16_t *)(scale + 3 * nb * FL_XQ_LANES) + 8 * s;
-        }
-        // half a superblock on and across groups: the next group follows in memory, and a
-        // prefetch stopped at the group's end left the stream to stall (docs/MEASUREMENTS.md)
-        fli_prefetch(gp + (size_t)s * PACK_SB + PACK_SB / 2, PACK_SB);
-        group_sb(gp + (size_t)s * PACK_SB, x, NT, out);
-    }
-    const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-    for (int t = 0; t < NT; t++) _mm512_storeu_ps(y + t * ld, _mm512_add_ps(out[t], b));
-}
 #endif
 
 void fli_q4k_group(const uint8_t *gp, int64_t n, const uint8_t *xq, size_t xb, int NT, float *y,
                    int64_t ld, const float *bias) {
 #if defined(HAS_PACK)
-    switch (NT) {
-    case 1: group_tokens(gp, n, xq, xb, 1, y, ld, bias); break;
-    case 2: group_tokens(gp, n, xq, xb, 2, y, ld, bias); break;
-    case 3: group_tokens(gp, n, xq, xb, 3, y, ld, bias); break;
-    default: group_tokens(gp, n, xq, xb, 4, y, ld, bias); break;
-    }
+    fli_pack_group(group_sb, PACK_SB, gp, n, xq, xb, NT, y, ld, bias);
 #else
     (void)gp, (void)n, (void)xq, (void)xb, (void)NT, (void)y, (void)ld, (void)bias;
 #endif

@@ -21,6 +21,7 @@
 #include "act_quant.h"
 #include "base.h"
 #include "dtype.h"
+#include "packloop.h"
 #include "q5kpack.h"
 
 #define Q5_R 16    /* rows per group: the int32 lanes of a zmm */
@@ -86,7 +87,7 @@ static inline __m512i bit4(__m512i qh, int j) {
 
 /* out[t] (16 lanes: the group's rows) += superblock blk of the group against NT tokens */
 static inline __attribute__((always_inline)) void group_sb(const uint8_t *blk, const fli_xq_sb *x,
-                                                           int NT, __m512 out[4]) {
+                                                           int NT, __m512 out[FLI_PACK_T]) {
     uint8_t sm[256] __attribute__((aligned(64)));
     q5_scales(blk, sm);
     const __m512i m4 = _mm512_set1_epi8(0x0F);
@@ -121,42 +122,14 @@ static inline __attribute__((always_inline)) void group_sb(const uint8_t *blk, c
             msum[t] = _mm512_dpwssd_epi32(msum[t], mn, _mm512_set1_epi32(bs));
         }
     }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
-    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)));
-    for (int t = 0; t < NT; t++) {
-        const __m512 dx = _mm512_set1_ps(x[t].dx);
-        out[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]), _mm512_mul_ps(d, dx), out[t]);
-        out[t] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum[t]), _mm512_mul_ps(dmin, dx), out[t]);
-    }
-}
-
-/* y[t * ld + r] (+ bias) for the 16 rows of group gp and NT tokens xq (xb bytes apart) */
-static inline __attribute__((always_inline)) void group5(const uint8_t *gp, int64_t n,
-                                                         const uint8_t *xq, size_t xb, int NT,
-                                                         float *y, int64_t ld, const float *bias) {
-    __m512 out[4];
-    for (int t = 0; t < NT; t++) out[t] = _mm512_setzero_ps();
-    for (int64_t s = 0; s < n / FL_QK_K; s++) {
-        fli_xq_sb x[4];
-        for (int t = 0; t < NT; t++) x[t] = fli_xq_superblock(xq + (size_t)t * xb, n, s);
-        // half a superblock on, across groups too: the next group follows in memory
-        fli_prefetch(gp + (size_t)s * Q5_SB + Q5_SB / 2, Q5_SB);
-        group_sb(gp + (size_t)s * Q5_SB, x, NT, out);
-    }
-    const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-    for (int t = 0; t < NT; t++) _mm512_storeu_ps(y + t * ld, _mm512_add_ps(out[t], b));
+    fli_pack_scale(blk, x, NT, isum, msum, out);
 }
 #endif
 
 void fli_q5k_group(const uint8_t *gp, int64_t n, const uint8_t *xq, size_t xb, int NT, float *y,
                    int64_t ld, const float *bias) {
 #if defined(HAS_Q5_PACK)
-    switch (NT) {
-    case 1: group5(gp, n, xq, xb, 1, y, ld, bias); break;
-    case 2: group5(gp, n, xq, xb, 2, y, ld, bias); break;
-    case 3: group5(gp, n, xq, xb, 3, y, ld, bias); break;
-    default: group5(gp, n, xq, xb, 4, y, ld, bias); break;
-    }
+    fli_pack_group(group_sb, Q5_SB, gp, n, xq, xb, NT, y, ld, bias);
 #else
     (void)gp, (void)n, (void)xq, (void)xb, (void)NT, (void)y, (void)ld, (void)bias;
 #endif

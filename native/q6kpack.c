@@ -18,6 +18,7 @@
 #include "act_quant.h"
 #include "base.h"
 #include "dtype.h"
+#include "packloop.h"
 #include "q6kpack.h"
 
 #define Q6_R 16
@@ -57,15 +58,9 @@ void fli_q6k_pack_group(const uint8_t *w, size_t rb, int64_t cols, uint8_t *dst)
 }
 
 #if defined(HAS_Q6_PACK)
-typedef struct {  // the token side of one superblock
-    const int8_t *q;        // (256)
-    const int16_t *bsum16;  // (16) sums of q per sub-block
-    float dx;
-} tok6;
-
 /* out[t] (16 lanes: the group's rows) += superblock blk of the group against NT tokens */
-static inline __attribute__((always_inline)) void group_sb6(const uint8_t *blk, const tok6 *x,
-                                                            int NT, __m512 out[4]) {
+static inline __attribute__((always_inline)) void group_sb6(const uint8_t *blk, const fli_xq_sb *x,
+                                                            int NT, __m512 out[FLI_PACK_T]) {
     const __m512i lo4 = _mm512_set1_epi8(0x0F), hi2 = _mm512_set1_epi8(0x30);
     __m512i isum[4];
     for (int t = 0; t < NT; t++) isum[t] = _mm512_setzero_si512();
@@ -94,7 +89,7 @@ static inline __attribute__((always_inline)) void group_sb6(const uint8_t *blk, 
                 const int j = 8 * c + 2 * g + h;
                 const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * j)));
                 for (int t = 0; t < NT; t++) {
-                    const __m512i v = _mm512_sub_epi32(acc[t][g], _mm512_set1_epi32(32 * x[t].bsum16[j]));
+                    const __m512i v = _mm512_sub_epi32(acc[t][g], _mm512_set1_epi32(32 * x[t].bs16[j]));
                     isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(v, sc));
                 }
             }
@@ -104,42 +99,12 @@ static inline __attribute__((always_inline)) void group_sb6(const uint8_t *blk, 
         out[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]), _mm512_mul_ps(d, _mm512_set1_ps(x[t].dx)),
                                  out[t]);
 }
-
-static inline __attribute__((always_inline)) void group6(const uint8_t *gp, int64_t n,
-                                                         const uint8_t *xq, size_t xb, int NT,
-                                                         float *y, int64_t ld, const float *bias) {
-    const int64_t nb = n / FL_QK;
-    __m512 out[4];
-    for (int t = 0; t < NT; t++) out[t] = _mm512_setzero_ps();
-    for (int64_t s = 0; s < n / FL_QK_K; s++) {
-        tok6 x[4];
-        for (int t = 0; t < NT; t++) {
-            const uint8_t *xt = xq + (size_t)t * xb;
-            const float *scale = (const float *)(xt + n);
-            const int16_t *bsum = (const int16_t *)(scale + 3 * nb * FL_XQ_LANES);
-            x[t].q = (const int8_t *)xt + s * FL_QK_K;
-            x[t].dx = scale[s * 8 * FL_XQ_LANES];
-            x[t].bsum16 = bsum + (nb + 7) / 8 * 8 + 16 * s;
-        }
-        // half a superblock on and across groups: the next group follows in memory, and a
-        // prefetch stopped at the group's end left the stream to stall (docs/MEASUREMENTS.md)
-        fli_prefetch(gp + (size_t)s * Q6_PACK_SB + Q6_PACK_SB / 2, Q6_PACK_SB);
-        group_sb6(gp + (size_t)s * Q6_PACK_SB, x, NT, out);
-    }
-    const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-    for (int t = 0; t < NT; t++) _mm512_storeu_ps(y + t * ld, _mm512_add_ps(out[t], b));
-}
 #endif
 
 void fli_q6k_group(const uint8_t *gp, int64_t n, const uint8_t *xq, size_t xb, int NT, float *y,
                    int64_t ld, const float *bias) {
 #if defined(HAS_Q6_PACK)
-    switch (NT) {
-    case 1: group6(gp, n, xq, xb, 1, y, ld, bias); break;
-    case 2: group6(gp, n, xq, xb, 2, y, ld, bias); break;
-    case 3: group6(gp, n, xq, xb, 3, y, ld, bias); break;
-    default: group6(gp, n, xq, xb, 4, y, ld, bias); break;
-    }
+    fli_pack_group(group_sb6, Q6_PACK_SB, gp, n, xq, xb, NT, y, ld, bias);
 #else
     (void)gp, (void)n, (void)xq, (void)xb, (void)NT, (void)y, (void)ld, (void)bias;
 #endif

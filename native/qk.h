@@ -1,5 +1,5 @@
-/* qk.h — q2_k / q3_k / q5_k / q6_k rows (qk.c; n a multiple of FL_QK_K). Reached by dtype
- * through the traits table (traits.h). Internal: not seen by cffi. */
+/* qk.h — q2_k / q3_k / q5_k / q6_k rows (qk.c; n a multiple of FL_QK_K; the q2_k tile: q2k.h).
+ * Reached by dtype through the traits table (traits.h). Internal: not seen by cffi. */
 #ifndef FLASHLLM_QK_H
 #define FLASHLLM_QK_H
 
@@ -22,10 +22,6 @@ float fli_qk_qdot(int32_t dtype, const uint8_t *w, const uint8_t *x, int64_t n);
  * fli_qk_qdot's bits; under AVX-512 BW each superblock's 6-bit values are unpacked once for all
  * the tokens */
 void fli_q6k_tile(const uint8_t *const w[FL_QT], const uint8_t *const x[FL_QT], int32_t n_tok,
-                  int64_t n, float out[FL_QT][FL_QT]);
-/* the same for q2_k rows (the output head's sketch): each product fli_qk_qdot's bits, each
- * superblock's 2-bit values and scales unpacked once for all the tokens under AVX2 */
-void fli_q2k_tile(const uint8_t *const w[FL_QT], const uint8_t *const x[FL_QT], int32_t n_tok,
                   int64_t n, float out[FL_QT][FL_QT]);
 
 #pragma GCC visibility pop

@@ -1,6 +1,6 @@
 /* traits.c — the dtype traits table (traits.h): per storage dtype the kernels of the modules
- * below (vec.c, q4k.c, qk.c, kaxpy.c, quant.c, kquant.c, qdot.c and the packed layouts), bound to
- * the table's signatures where a kernel takes its dtype as an argument; and the row API of
+ * below (vec.c, q4k.c, qk.c, q2k.c, kaxpy.c, quant.c, kquant.c, qdot.c and the packed layouts),
+ * bound to the table's signatures where a kernel takes its dtype as an argument; and the row API of
  * flashllm.h that reads it: fl_row_bytes, fl_quantize_row, fl_dequantize_row, fl_get_rows.
  */
 #include "flashllm.h"
@@ -8,6 +8,7 @@
 #include "kaxpy.h"
 #include "kquant.h"
 #include "q0pack.h"
+#include "q2k.h"
 #include "q23pack.h"
 #include "q4k.h"
 #include "q4kpack.h"

@@ -6,6 +6,7 @@ which skips it), greedy constrained text equals the whole head's and --stats cou
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -20,16 +21,26 @@ from test_sparse_head import cli, hidden_and_logits, smollm2  # noqa: E402,F401
 MiB = 1 << 20
 
 
+@contextmanager
+def streamed_head(flash):
+    """(x (64, d), the whole head's logits (64, vocab), the dense weights, a SparseHead keeping
+    the top 40 over the head streamed by its own reader), closed after."""
+    from flashllm.ffi.reader import Reader
+    x, full, weights = hidden_and_logits(flash, 64)
+    name = "output.weight" if flash.has("output.weight") else "token_embd.weight"
+    streamed = DenseWeights(flash, 2, streamed=[name],
+                            reader=Reader(flash.dense_file, n_threads=4, stage_bytes=1 << 18))
+    try:
+        head = SparseHead(flash, streamed, HeadNeed(40), n_threads=2)
+        head.exact_dims(x[1:])
+        yield x, full, weights, head
+    finally:
+        streamed.close()
+
+
 @pytest.mark.realmodel
 def test_allowed_rows_are_read_alone_and_exact(smollm2):  # noqa: F811
-    from flashllm.ffi.reader import Reader
-    x, full, weights = hidden_and_logits(smollm2, 64)
-    name = "output.weight" if smollm2.has("output.weight") else "token_embd.weight"
-    streamed = DenseWeights(smollm2, 2, streamed=[name],
-                            reader=Reader(smollm2.dense_file, n_threads=4, stage_bytes=1 << 18))
-    try:
-        head = SparseHead(smollm2, streamed, HeadNeed(40), n_threads=2)
-        head.exact_dims(x[1:])
+    with streamed_head(smollm2) as (x, full, weights, head):
         vocab = full.shape[1]
         rng = np.random.default_rng(0)
         few = np.zeros(vocab, bool)
@@ -51,8 +62,31 @@ def test_allowed_rows_are_read_alone_and_exact(smollm2):  # noqa: F811
             top = np.flatnonzero(many)[np.argsort(-full[2 + t][many])[:40]]   # allowed top 40
             assert kept[t, top].all()
         np.testing.assert_array_equal(out[kept], whole[kept])
-    finally:
-        streamed.close()
+
+
+@pytest.mark.realmodel
+def test_a_mixed_pass_ranks_only_the_rows_that_allow_many(smollm2):  # noqa: F811
+    """A pass whose rows mix a forced token, a few digits (no more than top-k) and a string's
+    many tokens: the sketch's estimate runs for the string's row alone, the other two read all
+    their allowed rows, and every kept logit is the whole head's."""
+    with streamed_head(smollm2) as (x, full, weights, head):
+        vocab = full.shape[1]
+        forced, digits, many = np.zeros((3, vocab), bool)                 # (vocab,) each
+        forced[123] = True
+        digits[np.arange(500, 540)] = True                                # 40 = top-k
+        many[1000:8000] = True
+        seen, estimate = [], head.estimate
+        head.estimate = lambda xs: seen.append(len(xs)) or estimate(xs)
+        out = head.logits(x[3:6], [np.array([], np.int64)] * 3, False,
+                          allowed=[forced, many, digits])                 # (3, vocab)
+        assert seen == [1] and head.allowed_only == 2 and head.sketch_read > 0
+        kept, whole = np.isfinite(out), weights.output(x[3:6])           # (3, vocab) each
+        assert (kept[0] >= forced).all() and (kept[2] >= digits).all()
+        top = np.flatnonzero(many)[np.argsort(-full[4][many])[:40]]       # row 1's allowed top 40
+        assert kept[1, top].all() and head.fallbacks == 0
+        np.testing.assert_array_equal(out[kept], whole[kept])
+        head.logits(x[6:8], [np.array([], np.int64)] * 2, False, allowed=[forced, digits])
+        assert seen == [1] and head.allowed_only == 4        # no row to rank: no sketch at all
 
 
 @pytest.mark.realmodel

@@ -17,18 +17,19 @@ from pathlib import Path
 import numpy as np
 
 from flashllm import __version__
+from flashllm.format.expert_rows import check_downs, expert_slots
 from flashllm.format.files import check_target, fsync_dir, install, sweep_leftovers, sync_close, why
 from flashllm.format.side_files import TokenizerFile, write_file, write_order
-from flashllm.format.layout import (NATIVE, DENSE_ALIGN, DENSE_FILE, DENSE_HEADER, DENSE_MAGIC, DTYPE_CODES,
-                            DOWN_ALIGN, DOWN_FILE, FFN_ALIGN, FFN_FILE, FFN_HEADER, FFN_MAGIC, EXPERT_ROWS, MAGIC,
-                            MANIFEST_FILE, align_up, crc32_array,
-                            expert_rows_version, ffn_part_bytes, ffn_part_dtypes, ffn_parts, ffn_stride,
-                            ffn_weight,
-                            fits, required_tensors, tensor_dtype)
+from flashllm.format.layout import (NATIVE, DENSE_ALIGN, DENSE_FILE, DENSE_HEADER, DENSE_MAGIC,
+                                    DTYPE_CODES, DOWN_ALIGN, DOWN_FILE, FFN_ALIGN, FFN_FILE,
+                                    FFN_HEADER, FFN_MAGIC, EXPERT_ROWS, MAGIC, MANIFEST_FILE,
+                                    align_up, crc32_array, expert_rows_version, ffn_part_bytes,
+                                    ffn_part_dtypes, ffn_parts, ffn_stride, ffn_weight, fits,
+                                    required_tensors, tensor_dtype)
 from flashllm.model.config import ModelConfig
 from flashllm.errors import FormatError
 from flashllm.ffi.quant import quantize_rows
-from flashllm.model.tensor import (BLOCK_SIZE, DOWN_DTYPES, QUANTIZABLE, QTensor, companion,
+from flashllm.model.tensor import (BLOCK_SIZE, QUANTIZABLE, QTensor, companion,
                                    row_bytes)
 
 
@@ -64,11 +65,11 @@ class FlashWriter:
                                   f"{BLOCK_SIZE.get(dt, '?')}: the FFN cannot be stored as {dt} "
                                   "(use f16 or f32)")
         self.expert_rows = expert_rows
-        _check_downs(config, self.downs, expert_rows)
+        check_downs(config, self.downs, expert_rows)
         self.version = expert_rows_version(expert_rows)
         self.out, self.cfg, self.dtype, self.force = Path(out), config.validate(), dtype, force
         self.source = source or {}
-        self._check_target()
+        check_target(self.out, self.force)
         self.tmp = self.out.parent / f".{self.out.name}.tmp-{os.getpid()}"
         self.tensors: list[dict] = []
         self.layers: list[dict] = []
@@ -227,21 +228,10 @@ class FlashWriter:
         self._require(WriterState.DENSE, WriterState.FFN, what=f"add_expert_rows({layer})")
         if not self.expert_rows:
             raise FormatError(f"FFN layer {layer}: this folder's experts are bundles (add_ffn_rows)")
-        n, d, dd = gate.rows, self.cfg.d_model, self.downs[min(layer, len(self.downs) - 1)]
-        for part, w, want in (("gate", gate, (n, d, self.ffn_dtype)), ("up", up, (n, d, self.ffn_dtype)),
-                              ("down", down, (d, n, dd))):
-            if (w.rows, w.cols, w.dtype) != want:
-                raise FormatError(f"layer {layer}: expert {part} rows are {(w.rows, w.cols, w.dtype)}, "
-                                  f"expected {want}")
-        if n > self.cfg.ffn_slots - self._rows[0]:
-            raise FormatError(f"layer {layer}: {n} FFN slots given, "
-                              f"{self.cfg.ffn_slots - self._rows[0]} left to write")
-        block = np.zeros(n * self.strides[layer], np.uint8)                    # (n stride,)
-        at = 0
-        for w in (gate, up, down):
-            block[at:at + w.data.nbytes] = w.data.reshape(-1)
-            at += w.data.nbytes
-        self._append(layer, block.reshape(n, -1), None, origin)
+        dd = self.downs[min(layer, len(self.downs) - 1)]
+        slots = expert_slots(layer, gate, up, down, self.cfg.d_model, (self.ffn_dtype, dd),
+                             self.strides[layer], self.cfg.ffn_slots - self._rows[0])  # (n, stride)
+        self._append(layer, slots, None, origin)
 
     def _append(self, layer: int, bundles: np.ndarray, order, origin: dict | None) -> None:
         """Write the next slots (n, stride) of layer `layer`; complete at cfg.ffn_slots slots."""
@@ -382,9 +372,6 @@ class FlashWriter:
         shutil.rmtree(self.tmp, ignore_errors=True)
         self.state = WriterState.ABORTED
 
-    def _check_target(self) -> None:
-        check_target(self.out, self.force)
-
     def _require(self, *states: WriterState, what: str) -> None:
         if self.state not in states:
             raise FormatError(f"{what} in writer state {self.state.value} "
@@ -396,21 +383,6 @@ class FlashWriter:
             action(f)
         except OSError as e:
             raise FormatError(f"cannot write {f.name}: {why(e)}") from None
-
-
-def _check_downs(cfg: ModelConfig, downs: list[str], expert_rows: bool) -> None:
-    """FormatError unless every layer's down dtype can hold its part: a bundle's column of
-    d_model values, or with expert rows (a mixture of experts) rows of n_ff values."""
-    if not expert_rows:
-        if not set(downs) <= set(DOWN_DTYPES):
-            raise FormatError(f"a bundle's down column cannot be {sorted(set(downs))}")
-        return
-    if not cfg.n_experts:
-        raise FormatError("expert rows need a mixture of experts")
-    for n in filter(None, (cfg.n_ff, cfg.n_ff_shared)):
-        bad = sorted(dt for dt in set(downs) if not fits(dt, n))
-        if bad:
-            raise FormatError(f"an expert's down rows of {n} values cannot be {bad}")
 
 
 def _part_rows(layer: int, w, dtype: str, order) -> np.ndarray:

@@ -12,6 +12,7 @@ blank lines until -n runs out.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import dataclass
 
@@ -28,6 +29,11 @@ MISSING = ("structured output (--json-schema, --grammar-file, response_format) n
 
 class GrammarError(FlashError):
     """A schema or grammar that does not compile, or a model it cannot constrain."""
+
+
+def installed() -> bool:
+    """Whether llguidance can be imported (a server sets its token table aside only then)."""
+    return importlib.util.find_spec("llguidance") is not None
 
 
 def llguidance():

@@ -166,7 +166,8 @@ class SparseHead:
         self.columns = None        # (k, vocab) f16 those columns of the head
         self.col_max = None        # (k,) f32 the largest |value| of each
         self.tokens = self.rows = self.pages = self.fallbacks = 0
-        self.allowed_only = 0      # tokens whose allowed rows were read without the sketch
+        self.allowed_only = 0      # rows whose allowed rows were read without the sketch ranking
+                                   # them (in a pass that read none of it, or for other rows)
         self.sketch_read = 0       # bytes of the sketch read (streamed)
         self.sketch_s = self.exact_s = 0.0
 
@@ -176,43 +177,64 @@ class SparseHead:
         recent[t] (n,) the tokens fed up to row t that a repeat penalty looks at. allowed[t]
         (vocab,) bool: a grammar's mask of row t (None: any token), every candidate within it;
         when reading all the allowed rows costs fewer bytes than the sketch, exactly those are
-        read and the sketch is not (prepare told a read-ahead ring to skip it)."""
+        read and the sketch is not (prepare told a read-ahead ring to skip it); else the sketch
+        ranks only the rows that allow more tokens than the sampler keeps (ranked_candidates)."""
         T = len(x)
         if self.dims is None:
             self.exact_dims(x)
         t0 = time.perf_counter()
-        few = self.allowed_rows(allowed, recent)                          # (k,) or None
-        if few is not None:
-            s, cand = np.empty((T, self.vocab), np.float32), few         # (T, vocab), (k,)
+        cand = self.allowed_rows(allowed, recent)                         # (k,) or None
+        if cand is not None:
             self.allowed_only += T
             if self._in_ring():                 # skipped (prepare), or read all the same
                 drained = self.stream.drain_head()
                 self.w.count(drained)
                 self.sketch_read += drained.get("bytes_requested", 0)
         else:
-            read0 = self.w.bytes_read
-            s, xb, slack = self.estimate(x)               # (T, vocab) (T, d_pad / 256) (T,)
-            self.sketch_read += self.w.bytes_read - read0
-            cand = np.unique(np.concatenate(
-                [self.candidates(*self.bounds_of(s[t], xb[t], slack[t]),
-                                 allowed=None if allowed is None else allowed[t])
-                 for t in range(T)] + [self._recent(r, allowed) for r in recent]))   # (k,)
+            cand, unranked = self.ranked_candidates(x, allowed, recent)  # (k,), rows
+            self.allowed_only += unranked
         self.sketch_s += time.perf_counter() - t0
         self.tokens += T
         pages = self.pages_of(cand)
         if pages * PAGE > MAX_READ_SHARE * self.head_bytes or len(cand) == 0:
             self.fallbacks += T
-            del s
             return self.w.output(x, exact)                               # (T, vocab)
         t1 = time.perf_counter()
         buf = np.empty((len(cand), self.row_bytes), np.uint8)            # (k, row_bytes)
         self.w.read_rows(self.w.head_name, cand, buf)
         rows = QTensor(buf, self.dtype, len(cand), self.cols)
-        s.fill(-np.inf)                                   # the sketch's array becomes the logits
+        s = np.full((T, self.vocab), -np.inf, np.float32)                # (T, vocab)
         s[:, cand] = kernel.matmul(rows, x, None, self.n_threads, exact)  # (T, k)
         self.exact_s += time.perf_counter() - t1
         self.rows, self.pages = self.rows + len(cand), self.pages + pages
         return s
+
+    def ranked_candidates(self, x: np.ndarray, allowed: Optional[list],
+                          recent: list) -> tuple[np.ndarray, int]:
+        """(the candidate ids (k,) of a pass whose rows x (T, cols) the sketch ranks, how many
+        rows it did not rank). A row whose grammar allows no more tokens than the sampler keeps
+        (a forced token, a digit under top-k) has them all as candidates whatever the sketch
+        says: they are read, and the sketch's estimate and bounds run only for the other rows
+        (the sketch itself is read once for the pass all the same)."""
+        ranked = self.ranked_rows(allowed, len(x))                       # (T,) bool
+        rows = np.flatnonzero(ranked)                                     # (T',)
+        fixed = [np.flatnonzero(allowed[t]) for t in np.flatnonzero(~ranked)]   # each (n_t,)
+        read0 = self.w.bytes_read
+        s, xb, slack = self.estimate(x if len(rows) == len(x) else x[rows])  # (T', vocab)
+        self.sketch_read += self.w.bytes_read - read0               # (T', d_pad / 256) (T',)
+        cand = np.unique(np.concatenate(
+            [self.candidates(*self.bounds_of(s[i], xb[i], slack[i]),
+                             allowed=None if allowed is None else allowed[t])
+             for i, t in enumerate(rows)] + fixed + [self._recent(r, allowed) for r in recent]))
+        return cand, len(fixed)                                           # (k,)
+
+    def ranked_rows(self, allowed: Optional[list], T: int) -> np.ndarray:
+        """(T,) bool: which rows of a pass of T the sketch must rank: all, but those whose mask
+        allows at most max(top, 1) tokens (every one of them is a candidate)."""
+        if allowed is None:
+            return np.ones(T, bool)
+        most = max(self.need.top, 1)
+        return np.array([np.count_nonzero(a) > most for a in allowed], bool)
 
     def prepare(self, allowed: Optional[list]) -> None:
         """Before a pass whose rows a grammar masks (allowed, as logits'): when only the allowed
@@ -225,17 +247,19 @@ class SparseHead:
 
     def allowed_rows(self, allowed: Optional[list], recent: list) -> Optional[np.ndarray]:
         """The ids (k,) of every row a grammar allows in any of a pass's rows, when reading them
-        costs fewer bytes than the sketch; else None (the sketch ranks them). recent: as
-        logits' (the penalty's tokens; those the grammar allows are read too)."""
+        costs fewer bytes than ALLOWED_SHARE of the sketch, or when no row needs the sketch to
+        rank them (ranked_rows); else None (the sketch ranks them). recent: as logits' (the
+        penalty's tokens; those the grammar allows are read too)."""
         if allowed is None:
             return None
         union = np.logical_or.reduce(allowed)                            # (vocab,)
         most = ALLOWED_SHARE * self.sketch_bytes
-        if np.count_nonzero(union) * self.row_bytes >= most:
+        ranks = self.ranked_rows(allowed, len(allowed)).any()
+        if ranks and np.count_nonzero(union) * self.row_bytes >= most:
             return None
         rows = np.unique(np.concatenate([np.flatnonzero(union)] +
                                         [self._recent(r, allowed) for r in recent]))  # (k,)
-        return rows if self.pages_of(rows) * PAGE < most else None
+        return rows if not ranks or self.pages_of(rows) * PAGE < most else None
 
     @staticmethod
     def _recent(tokens, allowed: Optional[list]) -> np.ndarray:

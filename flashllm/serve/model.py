@@ -64,12 +64,15 @@ class Engine:
 def open_engine(spec: EngineSpec, cache: Path, log: Log) -> Engine:
     """The run assembled by the session layer with a network per stream (its plan holds every
     stream's KV cache: a budget that cannot is refused before anything loads, naming the least
-    that can), all over one FFN, one set of dense weights and one head."""
+    that can), all over one FFN, one set of dense weights and one head. With llguidance
+    installed, the plan also sets aside the one token table response_format's grammars share
+    (built at the first request that has one: Engine.token_env)."""
+    from flashllm.generation.grammar import installed
     from flashllm.runtime.plan import FlashOptions
     from flashllm.session.run import Drafting, RunRequest, assemble
     fopts = FlashOptions(spec.dram_budget, keep_tokenizer=True)
     req = RunRequest(spec.path, fopts, None, spec.threads, spec.n_ctx, Drafting(0, "lookup"), 0,
-                     None, spec.calibrate, streams=spec.parallel)
+                     None, spec.calibrate, streams=spec.parallel, constrained=installed())
     parts = assemble(req, cache, log)
     return Engine(spec.name, parts.flash, parts.tok, chat_template(parts.flash, parts.tok),
                   parts.nets, parts.net.n_ctx, parts,

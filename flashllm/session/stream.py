@@ -107,7 +107,7 @@ def flash_stats_lines(parts) -> list[str]:
     if head is not None:
         h = head.stats()
         n = max(1, h["head_tokens"])
-        only = f", {h['head_allowed_only']} only a grammar's allowed rows (no sketch)" \
+        only = f", {h['head_allowed_only']} read all a grammar's allowed rows (unranked)" \
             if h["head_allowed_only"] else ""
         lines.append(f"sparse head: {h['head_rows'] / n:.0f} rows ({h['head_pages'] * 4 / n:.0f} "
                      f"KiB) and {h['head_sketch_bytes'] / n / 2**20:.1f} MiB of sketch read a "
