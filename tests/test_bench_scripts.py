@@ -206,20 +206,23 @@ def test_budget_picture_points_from_the_flash_table():
 
 def test_the_serving_section_sets_each_round_against_one_client():
     """scripts/bench/serve.py's "## Serving" table: one line per round, the ratio column each
-    round's aggregate decode rate over its server's 1-client round, the cap's peak from the
-    cgroup (else the process's RSS), a server that did not start one line saying why."""
+    round's aggregate decode rate over its server's 1-client round, the draft guesses kept of
+    those checked, the cap's peak from the cgroup (else the process's RSS), a server that did
+    not start one line saying why."""
     from scripts.bench import serve
     row = dict(aggregate_tps=1.0, per_stream_decode_tps=2.0, ttft_p50_s=0.5, ttft_p95_s=0.9,
                streams_per_pass=1.0, mib_read_per_token=500.0, peak_rss_mib=300)
     runs = [{"cap": "560MiB", "cmd": "flashllm serve M", "outcome": {"peak_mib": 501.5,
              "failcnt": 0, "oom_kills": 0},
              "rows": [{**row, "clients": 1, "aggregate_decode_tps": 2.0},
-                      {**row, "clients": 4, "aggregate_decode_tps": 6.5}]},
+                      {**row, "clients": 4, "aggregate_decode_tps": 6.5, "draft_proposed": 40,
+                       "draft_accepted": 30}]},
             {"cap": "280MiB", "cmd": "flashllm serve M", "rows": [], "outcome": {},
              "error": "serve exited with 1"}]
     text = serve.serve_section(runs, ("1.0", "2.0"))
     lines = [ln for ln in text.splitlines() if ln.startswith("| 560MiB") or
              ln.startswith("| 280MiB")]
     assert [ln.split(" | ")[4] for ln in lines[:2]] == ["1.00", "3.25"]
+    assert [ln.split(" | ")[8] for ln in lines[:2]] == ["–", "30 / 40 (75%)"]   # guesses kept
     assert lines[0].rstrip(" |").endswith("501.5 / 300") and "serve exited with 1" in lines[2]
     assert text.startswith("## Serving\n") and "peak 501.5 MiB, failcnt 0" in text

@@ -26,6 +26,7 @@ from flashllm.runtime.model import Model  # noqa: E402
 from serve_helpers import ROOT, Served, build_tiny  # noqa: E402
 
 PROMPT = "hello there how are you"
+OTHERS = ["Once upon a time", "The capital of Italy is", "def add(a, b):"]   # a real model's
 CTX = 2048
 
 
@@ -52,10 +53,26 @@ def run_cli(model, prompt: str, n: int, *extra: str) -> str:
     pipe: the tokens alone, no newline added)."""
     out = subprocess.run([sys.executable, "-m", "flashllm", "run", str(model), "-p", prompt,
                           "-n", str(n), "--temp", "0", "--no-timings", "-t", "1", *extra],
-                         capture_output=True, text=True, timeout=600, cwd=ROOT,
+                         capture_output=True, text=True, timeout=1200, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT)}, stdin=subprocess.DEVNULL)
     assert out.returncode == 0, out.stderr
     return out.stdout
+
+
+def at_once(c, prompts: list, **ask) -> dict:
+    """{prompt: its completion's text}, the prompts requested at the same time (a thread each)
+    through the openai client c with ask's fields."""
+    out = {}
+
+    def one(p):
+        out[p] = c.completions.create(prompt=p, **ask).choices[0].text
+
+    threads = [threading.Thread(target=one, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
 
 
 def chat_answer(folder, messages: list, n: int) -> str:
@@ -283,19 +300,62 @@ def test_smollm2_answers_as_run_does():
         chat = c.chat.completions.create(model="smollm2-135m", messages=messages,
                                          max_tokens=24, temperature=0)
         assert chat.choices[0].message.content == answer and answer
-        together = {}                     # alongside three others: the same answer
-
-        def one(p):
-            together[p] = c.completions.create(model="smollm2-135m", prompt=p, max_tokens=24,
-                                               temperature=0).choices[0].text
-
-        others = ["Once upon a time", "The capital of Italy is", "def add(a, b):"]
-        threads = [threading.Thread(target=one, args=(p,)) for p in [prompt] + others]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        together = at_once(c, [prompt] + OTHERS, model="smollm2-135m", max_tokens=24,
+                           temperature=0)     # alongside three others: the same answer
         assert together[prompt] == want
+    finally:
+        assert served.stop() == 0, served.output()
+
+
+def test_a_drafting_server_answers_as_run_does_alone_and_among_three(tmp_path):
+    """serve --draft 6 --draft-kind lookup (q8_0 weights: a row's sums are its own in a pass of
+    up to 10 rows): a greedy answer is what `run` prints without drafting, alone and among
+    three other requests in flight, and /health counts the guesses the passes checked and
+    kept."""
+    from test_serve_batch import QUANT
+    tiny = build_tiny(tmp_path / "tiny", "q8_0", **QUANT)
+    want = run_cli(tiny, PROMPT, 60)
+    served = Served(tiny, "--parallel", "4", "-c", "256", "-t", "1", "--draft", "6",
+                    "--draft-kind", "lookup")
+    ask = dict(model="tiny", max_tokens=60, temperature=0)
+    try:
+        c = client(served)
+        assert c.completions.create(prompt=PROMPT, **ask).choices[0].text == want
+        alone = httpx.get(served.url + "/health").json()
+        assert 0 < alone["draft_accepted"] <= alone["draft_proposed"], alone
+        assert alone["decode_passes"] < 59, alone        # kept guesses: fewer passes than tokens
+        together = at_once(c, [PROMPT, "a b c", "fine thanks", "how are you"], **ask)
+        assert together[PROMPT] == want
+        assert together["a b c"] == run_cli(tiny, "a b c", 60)
+        health = httpx.get(served.url + "/health").json()
+        assert health["draft_accepted"] > alone["draft_accepted"], health
+    finally:
+        assert served.stop() == 0, served.output()
+
+
+@pytest.mark.realmodel
+def test_smollm2_self_drafts_under_a_budget_as_run_does():
+    """Under a --dram-budget whose caches hold part of the FFN, serve's streams draft with the
+    model's resident part (--draft-kind self, as `run` drafts there): a greedy answer is what
+    `run` prints under the budget, alone and among three other requests; /health counts the
+    guesses checked and kept, and the process stays within the budget (VmHWM)."""
+    from conftest import gguf_path
+    from test_serve_memory import MiB, peak_rss
+    gguf = gguf_path("smollm2-135m")
+    prompt, budget = "The three primary colors are", 200
+    want = run_cli(gguf, prompt, 24, "--dram-budget", f"{budget}MiB", "--draft-kind", "self")
+    served = Served(gguf, "--parallel", "4", "-c", "256", "-t", "1", "--dram-budget",
+                    f"{budget}MiB", "--draft-kind", "self")
+    ask = dict(model="smollm2-135m", max_tokens=24, temperature=0)
+    try:
+        assert "drafting: self" in served.output(), served.output()
+        c = client(served)
+        assert c.completions.create(prompt=prompt, **ask).choices[0].text == want
+        assert at_once(c, [prompt] + OTHERS, **ask)[prompt] == want
+        health = httpx.get(served.url + "/health").json()
+        assert 0 < health["draft_accepted"] <= health["draft_proposed"], health
+        peak = peak_rss(served.proc.pid)
+        assert peak <= budget * MiB, f"peak {peak / MiB:.1f} MiB over the {budget} MiB budget"
     finally:
         assert served.stop() == 0, served.output()
 

@@ -18,7 +18,7 @@ from flashllm.format.reader import open_flash
 from flashllm.format.manifest import read_manifest
 from flashllm.runtime.assemble import make_parts
 from flashllm.runtime.plan import FlashOptions, choose_plan
-from flashllm.runtime.batch import pass_rows
+from flashllm.runtime.batch import pass_rows, verify_rows
 from flashllm.runtime.model import Model
 from serve_helpers import ROOT
 from tiny_sources import ArraySource, tiny_arrays, tiny_config
@@ -71,6 +71,46 @@ def test_a_batched_pass_gives_each_stream_its_own_logits(folder, tmp_path, naive
             if part is not None:
                 part.close()
     assert np.array_equal(runs[0], runs[1])
+
+
+@pytest.mark.parametrize("naive", [False, True])
+def test_a_pass_of_draft_guesses_gives_each_stream_its_own_rows(folder, tmp_path, naive):
+    """Three streams' fed tokens with draft guesses and siblings in one pass of 9 rows
+    (runtime/batch.verify_rows, what serve runs when it drafts), against each stream's own
+    verifying pass through Model.forward (`run`'s decode_pass): every row's logits bit for
+    bit; a kept sibling's keys and values enter its stream's cache as forward's do, so the
+    next tokens' logits agree too."""
+    prompts = [[1, 2, 3], [5, 6, 7, 8], [4]]
+    chunks = [[9, 10, 11, 12], [13, 14], [15, 16, 17]]   # fed token, guesses, then a sibling
+    sibs = [[2], [], [1]]            # stream 0's sibling stands at its pos + 2, stream 2's + 1
+    keep = [(0, 2), None, (0, 1)]    # (sibling kept, its offset)
+    runs = []
+    for batched in (False, True):
+        nets, parts = _nets(folder, 3, naive=naive, cache=tmp_path)
+        pos = [len(p) for p in prompts]
+        if batched:
+            pass_rows(nets, prompts, [0] * 3, prefill=True)
+            rows = verify_rows(nets, chunks, pos, sibs)                  # [(T_b, vocab)]
+        else:
+            for n, p in zip(nets, prompts):
+                n.forward(np.array(p, np.int32), 0, last_only=True)
+            rows = [n.forward(np.array(c, np.int32), p, siblings=s)     # (T_b, vocab)
+                    for n, c, p, s in zip(nets, chunks, pos, sibs)]
+        for n, p, k in zip(nets, pos, keep):
+            if k is not None:
+                n.keep_sibling(k[0], p + k[1])
+        after = [p + 1 + (k[1] if k else len(c) - 1) for p, k, c in zip(pos, keep, chunks)]
+        nxt = pass_rows(nets, [[18], [19], [20]], after) if batched else np.stack(
+            [n.forward(np.array([t], np.int32), p)[0]
+             for n, t, p in zip(nets, (18, 19, 20), after)])              # (3, vocab)
+        runs.append((rows, nxt))
+        for part in parts:
+            if part is not None:
+                part.close()
+    (alone, a_next), (together, t_next) = runs
+    assert [r.shape[0] for r in together] == [4, 2, 3]
+    assert all(np.array_equal(a, t) for a, t in zip(alone, together))
+    assert np.array_equal(a_next, t_next)
 
 
 def test_the_budget_holds_every_stream_and_names_the_least(folder):

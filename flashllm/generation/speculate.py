@@ -230,6 +230,20 @@ class Guesses(list):
         super().__init__(tokens)
         self.siblings: dict[int, int] = dict(siblings or {})
 
+    @property
+    def rows(self) -> int:
+        """The rows they add to a pass: every guess and every sibling."""
+        return len(self) + len(self.siblings)
+
+    def cut(self, n: int) -> "Guesses":
+        """These guesses in at most n rows: the first guesses, then the siblings of the ones
+        kept, first guess first."""
+        kept = Guesses(self[:max(n, 0)])
+        for j in sorted(self.siblings):
+            if j < len(kept) and kept.rows < n:
+                kept.siblings[j] = self.siblings[j]
+        return kept
+
 
 def verify(sampler, rows: np.ndarray, guesses: Sequence[int], history: Sequence[int]) -> list[int]:
     """The tokens a pass over [fed token] + guesses yields: the guesses kept, then one more.

@@ -138,8 +138,7 @@ class Model:
         if len(sib) and (last_only or sib.min() < 1 or sib.max() >= n):
             raise ContextError(f"siblings {sib.tolist()} must stand at chain positions 1..{n - 1}")
         pos = np.concatenate([np.arange(pos0, pos0 + n, dtype=np.int32), pos0 + sib])  # (T,)
-        self.fed[pos0:pos0 + n] = tokens[:n]
-        self._sibling_kv(tokens[n:])
+        self.feed(tokens, pos0, n)
         self.ffn.start_pass(T, prefill=last_only, pos0=pos0)
         if allowed is not None and self.head is not None:
             self.head.prepare(allowed)      # a grammar's few rows: the sketch's reads skipped
@@ -186,9 +185,10 @@ class Model:
 
     def attention_rows(self, i: int, layer: Layer, x: np.ndarray, pos: np.ndarray,
                        spans: Sequence[tuple]) -> None:
-        """x (T, d_model) += layer i's attention of x, whose rows a .. e-1 are net's chain at
-        positions pos[a:e] for each (net, a, e) of spans (networks over this one's weights:
-        runtime/batch.py). The norm and the q / k / v and output products run over all rows
+        """x (T, d_model) += layer i's attention of x, whose rows a .. e-1 are net's at
+        positions pos[a:e] for each (net, a, e[, n]) of spans (networks over this one's weights:
+        runtime/batch.py): its chain, the first n of them (all when n is not given), then its
+        siblings (forward). The norm and the q / k / v and output products run over all rows
         at once, ROW_TILE rows a call (a streamed layer read once for every stream, a resident
         one's weights streamed from DRAM once); the attention on each net's KV cache."""
         cfg, nt, ex = self.config, self.n_threads, self.exact
@@ -197,8 +197,10 @@ class Model:
         parts = [self.qkv_rows(i, layer, h[t], pos[t]) for t in tiles]   # [(q, k, v)] a tile
         q, k, v = (np.concatenate(p) for p in zip(*parts))   # (T, n_heads, hd), (T, n_kv, hd) x 2
         o = np.empty((len(h), cfg.n_heads * cfg.head_dim), np.float32)  # (T, n_heads * hd)
-        for net, a, e in spans:
-            o[a:e] = net.attend(i, q[a:e], k[a:e], v[a:e], pos[a:e], e - a)
+        for span in spans:
+            net, a, e = span[:3]
+            n = span[3] if len(span) > 3 else e - a
+            o[a:e] = net.attend(i, q[a:e], k[a:e], v[a:e], pos[a:e], n)
         a = np.concatenate([kernel.matmul(layer.wo, o[t], layer.bo, nt, ex)
                             for t in tiles])                              # (T, d_model)
         if layer.post_attn_norm is not None:                             # sandwich norm
@@ -260,6 +262,13 @@ class Model:
             L.ffn_norm, f.gate_up[i], f.down[i], f.act, f.glu, cfg.norm_eps, f.up_b[i],
             L.post_ffn_norm, L.down_b)
         return attn, ffn
+
+    def feed(self, tokens: np.ndarray, pos0: int, n: int) -> None:
+        """A pass is about to run tokens (T,) whose first n are the chain at pos0 ..: they
+        become the context's tokens there; the rest are siblings (forward), whose keys and
+        values are set aside."""
+        self.fed[pos0:pos0 + n] = tokens[:n]
+        self._sibling_kv(tokens[n:])
 
     def keep_sibling(self, s: int, pos: int) -> None:
         """Sibling s of the last pass becomes the context's token at pos (its position there):

@@ -77,11 +77,13 @@ class Choice:
 
 
 def choose_plan(man, opts: FlashOptions, n_ctx: int, process: int,
-                auto_rows: int = 0) -> Choice:
+                auto_rows: int = 0, streams: int = 1) -> Choice:
     """The plan of a run (man: the folder's Manifest): each candidate built once. With
     auto_rows (a run without --draft) a self draft holding those head rows (AUTO_ROWS: as
     draft_head_rows gives) when drafts_by_default finds it pays in the plain plan and in its
-    own; BudgetError naming the least budget that works when none fits."""
+    own; BudgetError naming the least budget that works when none fits. streams: the
+    networks sharing the model (a server's: n_ctx counts all their positions), each with its
+    own self draft."""
     _check(opts)
     if opts.dram_budget is None and not opts.naive:
         return Choice(None, opts)
@@ -90,12 +92,13 @@ def choose_plan(man, opts: FlashOptions, n_ctx: int, process: int,
     plain = _plan_or_least(man, budget, n_ctx, process, base)
     plan, chosen, auto = plain, opts, False
     if opts.draft_rows and not opts.naive:                       # asked: it must fit
-        plan = _drafted(man, budget, n_ctx, process, base, plain, opts.draft_rows, least=True)
+        plan = _drafted(man, budget, n_ctx, process, base, plain, opts.draft_rows, streams,
+                        least=True)
     plan = _predictor(man, budget, n_ctx, process, plan, opts)
     if auto_rows and not opts.draft_rows and drafts_by_default(man, opts, plan):
         drafted = dataclasses.replace(opts, draft_rows=auto_rows)
         try:
-            with_rows = _drafted(man, budget, n_ctx, process, base, plain, auto_rows)
+            with_rows = _drafted(man, budget, n_ctx, process, base, plain, auto_rows, streams)
         except BudgetError:          # the head rows do not fit: plain decoding
             with_rows = None
         if with_rows is not None and drafts_by_default(man, drafted, with_rows):
@@ -222,10 +225,10 @@ def draft_head_rows(man, plan: BudgetPlan, n_ctx: int) -> int:
 
 
 def _drafted(man, budget: Budget, n_ctx: int, process: int, base: dict, plain: BudgetPlan,
-             rows: int, least: bool = False) -> BudgetPlan:
-    """The candidate with a self draft's DRAM (_draft_bytes; plain itself when it needs none);
-    with `least` a refusal names the least budget that holds it."""
-    draft, held = _draft_bytes(man, plain, n_ctx, rows)
+             rows: int, streams: int = 1, least: bool = False) -> BudgetPlan:
+    """The candidate with the self drafts' DRAM (_draft_bytes; plain itself when they need
+    none); with `least` a refusal names the least budget that holds it."""
+    draft, held = _draft_bytes(man, plain, n_ctx, rows, streams)
     if not draft:
         return dataclasses.replace(plain, draft_rows=held)
     kwargs = {**base, "draft": draft}
@@ -234,16 +237,18 @@ def _drafted(man, budget: Budget, n_ctx: int, process: int, base: dict, plain: B
     return dataclasses.replace(plan, draft_rows=held)
 
 
-def _draft_bytes(man, plain: BudgetPlan, n_ctx: int, rows: int) -> tuple[int, int]:
-    """(DRAM of a self draft, the head rows it holds) by the plain plan: its head rows when the
-    head streams (rows; AUTO_ROWS: draft_head_rows), and the cold output it borrows where the
-    plain plan's caches hold enough to lend it (resident.carries)."""
+def _draft_bytes(man, plain: BudgetPlan, n_ctx: int, rows: int,
+                 streams: int = 1) -> tuple[int, int]:
+    """(DRAM of the self drafts of streams networks, the head rows they hold) by the plain
+    plan: their head rows when the head streams (rows; AUTO_ROWS: draft_head_rows), shared
+    with the context's tokens of all (n_ctx: every stream's positions), and the cold output
+    each borrows where the plain plan's caches hold enough to lend it (resident.carries)."""
     held = 0
     if head_name(man) in plain.streamed:
         held = draft_head_rows(man, plain, n_ctx) if rows == AUTO_ROWS else rows
     draft = head_rows_bytes(man, held, n_ctx) if held else 0
     if not man["config"].get("n_experts") and carries(plain.capacity, plain.n_ff):
-        draft += carry_bytes(man)
+        draft += streams * carry_bytes(man)
     return draft, held
 
 

@@ -110,6 +110,24 @@ class ColdCarry:
             x += self.alpha[layer] * self.rows[layer, min(q - 1 - self.first, self.n - 1)]
 
 
+class SpanCarry:
+    """Several streams' ColdCarry over one pass of their stacked rows (runtime/batch.py):
+    spans [(carry or None, (a, e, pos0))], the stream's rows a .. e-1 standing at pos0 ..
+    (a decode pass's chain first), each recorded as its own pass."""
+
+    def __init__(self, spans: list):
+        self.spans = [(c, a, e, p) for c, (a, e, p) in spans if c is not None]
+
+    def start_pass(self, n_tokens: int, prefill: bool, pos0: int) -> None:
+        for carry, a, e, p in self.spans:
+            carry.start_pass(e - a, prefill, p)
+
+    def record(self, layer: int, x: np.ndarray, x_hot: np.ndarray) -> None:
+        """x (T, d), x_hot (T, d): the pass's rows of every stream."""
+        for carry, a, e, _ in self.spans:
+            carry.record(layer, x[a:e], x_hot[a:e])
+
+
 class ResidentFfn(FfnStrategy):
     """The FFN strategy of the resident model: each layer over its neuron cache's rows only,
     plus what a ColdCarry lends."""
@@ -228,14 +246,30 @@ class ResidentWeights(DenseSource):
 def resident_model(model, head_rows: int = 0):
     """The resident sub-network of model (a Model over a SparseFlashFfn): a Model sharing its
     KV cache; head_rows: the candidate rows to hold when the output head streams."""
+    return stream_residents([model], head_rows, attach=True)[0]
+
+
+def stream_residents(nets: list, head_rows: int = 0, attach: bool = False) -> list:
+    """The resident sub-network of each of a server's streams (Models over one SparseFlashFfn,
+    each its own KV cache: Model.new_stream), each its own ColdCarry, and one HeadRows of
+    head_rows + every stream's context shared by all when the output head streams. attach:
+    the FFN records its passes for the (one) carry; else the passes that carry several
+    streams record each one's rows (runtime/batch.py)."""
+    sparse = _sparse_of(nets[0])
+    w = nets[0].w
+    rows = HeadRows(w, head_rows, sum(n.n_ctx for n in nets)) if w.head is None else None
+    return [net.sibling(ResidentFfn(sparse, _carry(sparse, attach)), ResidentWeights(w, rows))
+            for net in nets]
+
+
+def _sparse_of(model) -> SparseFlashFfn:
+    """model's SparseFlashFfn; ResidentError when its FFN is not one with neuron caches."""
     from flashllm.runtime.sparse_ffn import SparseFlashFfn
     sparse = model.ffn
     if not isinstance(sparse, SparseFlashFfn) or not sparse.caches:
         raise ResidentError("self-speculation needs a model whose FFN streams from flash "
                             "(--dram-budget) with neuron caches")
-    w = model.w
-    rows = HeadRows(w, head_rows, model.n_ctx) if w.head is None else None
-    return model.sibling(ResidentFfn(sparse, _carry(sparse)), ResidentWeights(w, rows))
+    return sparse
 
 
 def carries(cached: int, n_ff: int) -> bool:
@@ -249,11 +283,14 @@ def carry_bytes(manifest: dict) -> int:
     return ColdCarry.nbytes(c["n_layers"], c["d_model"])
 
 
-def _carry(sparse: SparseFlashFfn) -> Optional[ColdCarry]:
-    """A ColdCarry recording sparse's static passes, where its caches hold CARRY_MIN_SHARE of
-    every layer's neurons (below it the lent output misleads the draft: PREDICTOR.md)."""
+def _carry(sparse: SparseFlashFfn, attach: bool = True) -> Optional[ColdCarry]:
+    """A ColdCarry recording sparse's static passes (attach: set as the one it records for),
+    where its caches hold CARRY_MIN_SHARE of every layer's neurons (below it the lent output
+    misleads the draft: PREDICTOR.md)."""
     if sparse.naive or sparse.stream is None or \
             not carries(min(c.n_pinned for c in sparse.caches), sparse.f.n_ff):
         return None
-    sparse.carry = ColdCarry(len(sparse.caches), sparse.d)
-    return sparse.carry
+    carry = ColdCarry(len(sparse.caches), sparse.d)
+    if attach:
+        sparse.carry = carry
+    return carry

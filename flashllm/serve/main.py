@@ -12,6 +12,7 @@ import signal
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from flashllm.serve.model import drafting_note
 from flashllm.serve.worker import Worker
 
 Log = Callable[[str], None]
@@ -48,7 +49,7 @@ def serve(engine, listen: Listen, log: Log) -> None:
     async def lifespan(app):
         worker.start()
         log(f"serving {engine.name} on http://{listen.host}:{listen.port} "
-            f"({len(engine.nets)} streams of {engine.n_ctx} tokens)")
+            f"({len(engine.nets)} streams of {engine.n_ctx} tokens; {drafting_note(engine)})")
         yield
         worker.stop()
 

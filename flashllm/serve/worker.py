@@ -18,22 +18,25 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from flashllm.errors import FlashError
 from flashllm.generation.chat import common_prefix
 from flashllm.generation.sampler import Sampler
-from flashllm.runtime.batch import ROW_TILE, pass_rows
+from flashllm.generation.speculate import Guesses, verify_tree
+from flashllm.runtime.batch import ROW_TILE, pass_rows, verify_rows
 from flashllm.serve.api import ApiError, Ask
 from flashllm.serve.stops import StopText
 from flashllm.serve.tools import render
 
 PREFILL_CHUNK = 256          # prompt tokens a round prefills (of all slots)
 FORGET_EVERY = 256           # decode passes between drops of the FFN's per-pass records
-SHARED_ROWS = ROW_TILE       # prompts' chunks share a pass up to this many rows: the FFN's
-                             # quantized paths give each row its own numbers up to 10 tokens
-                             # (GEMM panels above: docs/KERNELS.md, ffn_quant.c)
+SHARED_ROWS = ROW_TILE       # prompts' chunks, and answers' tokens with their draft guesses,
+                             # share a pass up to this many rows: the FFN's quantized paths
+                             # give each row its own numbers up to 10 tokens (GEMM panels
+                             # above: docs/KERNELS.md, ffn_quant.c)
 
 
 PIECE_CHARS = 16384          # a longer prompt is first counted in pieces of this many characters
@@ -75,6 +78,7 @@ class Slot:
     job it is running (None: free)."""
 
     net: object
+    stream: int = 0                               # its index (its drafts' resident model)
     cached: list = field(default_factory=list)    # token ids at positions 0 .. len-1
     job: Optional[Job] = None
     history: list = field(default_factory=list)   # prompt + answer ids
@@ -86,6 +90,7 @@ class Slot:
     sampler: object = None
     detok: object = None
     stop: object = None
+    draft: object = None                          # the job's drafter (None: no guesses)
 
     @property
     def prefilling(self) -> bool:
@@ -97,10 +102,14 @@ class Worker:
 
     def __init__(self, engine, queue_size: int = 64, chunk: int = PREFILL_CHUNK):
         self.engine = engine
-        self.slots = [Slot(net) for net in engine.nets]
+        self.slots = [Slot(net, i) for i, net in enumerate(engine.nets)]
+        self.carries = engine.drafts.carries() if engine.drafts is not None else \
+            [None] * len(engine.nets)           # each stream's ColdCarry (a self draft's)
         self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self.chunk = chunk
-        self.passes = self.rows = 0         # decode passes run, and the tokens they carried
+        self.passes = self.rows = 0         # decode passes run, and the streams they carried
+        self.proposed = self.accepted = 0   # draft guesses checked, and kept
+        self._turn = 0                      # which stream of a pass drafts first
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="flashllm-model", daemon=True)
 
@@ -119,7 +128,8 @@ class Worker:
         busy = sum(s.job is not None for s in self.slots)
         return {"slots_idle": len(self.slots) - busy, "slots_processing": busy,
                 "queued": self.queue.qsize(), "decode_passes": self.passes,
-                "decode_rows": self.rows}
+                "decode_rows": self.rows, "draft_proposed": self.proposed,
+                "draft_accepted": self.accepted}
 
     def start(self) -> None:
         self.thread.start()
@@ -192,7 +202,18 @@ class Worker:
         slot.sampler.begin(len(ids))
         slot.detok = self.engine.tok.detokenizer()
         slot.stop = StopText(job.ask.stops)
+        slot.draft = self._drafter(slot, job.ask)
         job.emit(("start", len(ids)))
+
+    def _drafter(self, slot: Slot, ask: Ask):
+        """The job's drafter, as `run` drafts (session StreamDrafts: None when off); a
+        response_format's forced tokens are guessed first (session/structured.py)."""
+        drafts = self.engine.drafts
+        inner = drafts.new(slot.stream, slot.sampler) if drafts is not None else None
+        if ask.grammar is None:
+            return inner
+        from flashllm.session.structured import grammar_draft
+        return grammar_draft(slot.sampler, inner)
 
     def _sampler(self, ask: Ask) -> Sampler:
         """The job's sampler: constrained by its response_format's grammar (each stream its own
@@ -244,20 +265,71 @@ class Worker:
             for slot in slots:
                 slot.job.emit(("error", ApiError(500, f"the model failed: {e}",
                                                  kind="server_error")))
-                slot.fed, slot.job, slot.cached = 0, None, []
+                slot.fed, slot.job, slot.cached, slot.draft = 0, None, [], None
 
     def _decode(self, slots: list) -> None:
         """The next token of every slot, ROW_TILE slots a pass (more would change each row's
         sums: runtime/batch.py)."""
         for a in range(0, len(slots), ROW_TILE):
-            group = slots[a:a + ROW_TILE]
-            rows = pass_rows([s.net for s in group], [s.history[-1:] for s in group],
-                             [s.fed for s in group])                     # (B, vocab)
-            self.passes += 1
-            self.rows += len(group)
-            for slot, logits in zip(group, rows):
-                slot.fed += 1
-                self._advance(slot, logits)
+            self._decode_pass(slots[a:a + ROW_TILE])
+
+    def _decode_pass(self, group: list) -> None:
+        """One pass over each slot's fed token and its draft's guesses (generation/speculate:
+        the tokens kept are distributed as without them), then each slot's new tokens."""
+        proposals = self._propose(group)                  # [(Guesses, drafting seconds)]
+        chunks, sibs = [], []
+        for slot, (g, _) in zip(group, proposals):
+            order = sorted(g.siblings)
+            chunks.append(slot.history[-1:] + list(g) + [g.siblings[j] for j in order])
+            sibs.append([1 + j for j in order])
+        t0 = time.perf_counter()
+        rows = verify_rows([s.net for s in group], chunks, [s.fed for s in group], sibs,
+                           [self.carries[s.stream] for s in group])   # [(1 + k + S, vocab)]
+        seconds = time.perf_counter() - t0
+        self.passes += 1
+        self.rows += len(group)
+        for slot, (guesses, drafting), logits in zip(group, proposals, rows):
+            self._verified(slot, guesses, logits, seconds + drafting, drafting)
+
+    def _propose(self, group: list) -> list:
+        """[(guesses, drafting seconds)] a slot: the rows a pass may carry beyond the fed
+        tokens (SHARED_ROWS in all) shared fairly, a share each in turn (the first in turn
+        changes each pass), what one leaves going to the next: a lone stream gets `run`'s
+        nine."""
+        spare, out = SHARED_ROWS - len(group), [(Guesses(), 0.0)] * len(group)
+        self._turn += 1
+        for n in range(len(group)):
+            i = (self._turn + n) % len(group)
+            slot = group[i]
+            if slot.draft is None:
+                continue
+            t0 = time.perf_counter()
+            share = -(-spare // (len(group) - n))                           # ceil
+            room = min(share, slot.limit - slot.n_gen - 1, self.engine.n_ctx - slot.fed - 1)
+            guesses = slot.draft.propose(slot.history, max(room, 0), slot.fed).cut(share)
+            spare -= guesses.rows
+            out[i] = (guesses, time.perf_counter() - t0)
+        return out
+
+    def _verified(self, slot: Slot, guesses: Guesses, rows, seconds: float,
+                  drafting: float) -> None:
+        """The tokens a pass's rows (1 + k + S, vocab) give slot (speculate.verify_tree: its
+        guesses kept, then one more), each sent until the answer ends."""
+        sib, pos = guesses.siblings, slot.fed
+        new, kept = verify_tree(slot.sampler, rows, guesses, sib, slot.history)
+        if kept is not None:                  # the sibling of guess j stands at pos + 1 + j
+            slot.net.keep_sibling(kept, pos + 1 + sorted(sib)[kept])
+        if slot.draft is not None:
+            slot.draft.observe(len(guesses), len(new) - 1, seconds,
+                               (len(sib), int(kept is not None)), drafting)
+        self.proposed += len(guesses)
+        self.accepted += len(new) - 1
+        for j, token in enumerate(new):
+            slot.fed = pos + 1 + j       # the token after a taken sibling: from its row
+            row = rows[1 + len(guesses) + kept] if kept is not None and j == len(new) - 1 \
+                else rows[j]                                              # (vocab,)
+            if not self._emit(slot, token, row):
+                return
 
     def _prefill(self, slots: list) -> None:
         """The next chunks of the prompts waiting, self.chunk tokens in all a round (at least
@@ -281,7 +353,8 @@ class Worker:
     def _prefill_pass(self, group: list) -> None:
         """One pass over [(slot, its chunk)]; a slot whose prompt is done samples."""
         rows = pass_rows([s.net for s, _ in group], [c for _, c in group],
-                         [s.fed for s, _ in group], prefill=True)        # (B, vocab)
+                         [s.fed for s, _ in group], prefill=True,
+                         carries=[self.carries[s.stream] for s, _ in group])   # (B, vocab)
         for (slot, chunk), logits in zip(group, rows):
             slot.fed += len(chunk)
             if not slot.prefilling:
@@ -289,9 +362,14 @@ class Worker:
 
     def _advance(self, slot: Slot, logits) -> None:
         """Sample the slot's next token from logits (vocab,) and send its text, or finish."""
-        token = slot.sampler.sample(logits, slot.history)
+        self._emit(slot, slot.sampler.sample(logits, slot.history), logits)
+
+    def _emit(self, slot: Slot, token: int, logits) -> bool:
+        """Send the slot's next token's text (and its logprobs from logits (vocab,), the row it
+        was drawn from, when the job asks), or finish; False when the answer has ended."""
         if token in self.engine.tok.eos_ids:
-            return self._finish(slot, "stop")
+            self._finish(slot, "stop")
+            return False
         if slot.job.ask.logprobs is not None:
             self._logprob(slot, logits, token)
         slot.history.append(token)
@@ -300,11 +378,12 @@ class Worker:
         if text:
             slot.job.emit(("text", text))
         if stopped:
-            return self._finish(slot, "stop", flush=False)
-        if slot.sampler.finished(slot.history):       # a complete response_format
-            return self._finish(slot, "stop")
-        if slot.n_gen >= slot.limit or slot.fed >= self.engine.n_ctx:
+            self._finish(slot, "stop", flush=False)
+        elif slot.sampler.finished(slot.history):     # a complete response_format
+            self._finish(slot, "stop")
+        elif slot.n_gen >= slot.limit or slot.fed >= self.engine.n_ctx:
             self._finish(slot, "length")
+        return slot.job is not None
 
     def _logprob(self, slot: Slot, logits, token: int) -> None:
         """The logprobs of the token the slot just sampled from logits (vocab,), sent before
@@ -322,5 +401,5 @@ class Worker:
                 job.emit(("text", text))
         job.emit(("done", reason, slot.n_prompt, slot.n_gen, slot.n_cached))
         slot.cached = slot.history[:slot.fed]
-        slot.job = None
+        slot.job = slot.draft = None
 

@@ -179,7 +179,7 @@ def assemble(req: RunRequest, cache: Path, log: Log) -> Parts:
             "on: text beyond them may lose coherence")
     drafting = req.drafting
     choice = choose_plan(man, req.flash, n_ctx * req.streams, process,
-                         auto_rows=req.head_rows if drafting.auto else 0)
+                         auto_rows=req.head_rows if drafting.auto else 0, streams=req.streams)
     if drafting.auto:
         drafting = Drafting(AUTO_DRAFT, "self") if choice.auto_drafted else \
             Drafting(0, drafting.kind)
@@ -229,16 +229,41 @@ def prompt_ids(tok, text: str, n_predict: int, ctx_size: int,
     return ids
 
 
-def drafter(net, sampler, drafting: Drafting, p_min: float, head_rows: int):
-    """The --draft guesser of one stream: None (off), prompt lookup, or the resident model."""
+def drafter(net, sampler, drafting: Drafting, p_min: float, head_rows: int, resident=None):
+    """The --draft guesser of one stream: None (off), prompt lookup, or the resident model
+    (resident: the stream's, already built; None: built for net here)."""
     from flashllm.generation.speculate import NgramDraft
     if not drafting.n:
         return None
     if drafting.kind == "lookup":
         return NgramDraft(drafting.n)
     from flashllm.generation.self_draft import SelfDraft
-    from flashllm.runtime.resident import resident_model
-    return SelfDraft(resident_model(net, head_rows), sampler, drafting.n, p_min)
+    if resident is None:
+        from flashllm.runtime.resident import resident_model
+        resident = resident_model(net, head_rows)
+    return SelfDraft(resident, sampler, drafting.n, p_min)
+
+
+class StreamDrafts:
+    """A server's drafting (the plan's, as `run` drafts): each stream's self draft computes
+    from its resident model, built once a stream over its KV cache (runtime/resident.py's
+    stream_residents: one head-rows table for all, the plan holds it), and each request gets
+    a new drafter with its sampler."""
+
+    def __init__(self, parts: Parts, p_min: float):
+        from flashllm.runtime.resident import stream_residents
+        self.drafting, self.p_min = parts.drafting, p_min
+        self.residents = stream_residents(parts.nets, parts.head_rows) \
+            if parts.drafting.is_self else [None] * len(parts.nets)
+
+    def carries(self) -> list:
+        """Each stream's ColdCarry (None: none), which its passes record for its draft."""
+        return [getattr(r.ffn, "carry", None) if r is not None else None
+                for r in self.residents]
+
+    def new(self, stream: int, sampler):
+        """The drafter of a request on stream (None: drafting is off)."""
+        return drafter(None, sampler, self.drafting, self.p_min, 0, self.residents[stream])
 
 
 def load_code() -> None:

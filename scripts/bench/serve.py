@@ -4,13 +4,15 @@ made, the server's peak memory.
 
 Run:  python -m scripts.bench.serve MODEL [--dram-budget 560MiB] [--cap 560MiB] [--clients 1,4]
                                           [--tokens 64] [--parallel 4] [--ctx-size 512] [-t 2]
+                                          [--draft N] [--draft-kind lookup|self]
 
 The server starts in a subprocess on a free loopback port (as `flashllm serve MODEL --parallel
 P`), answers one warm-up request, then for each K in --clients (a list: 1,4,1,4 alternates), K
 openai-client streams start at once, each a different code prompt completed greedily for
 --tokens tokens. Aggregate tok/s: all tokens made / the round's wall time; decode tok/s: the
 tokens after each stream's first / (the last token of any stream - the first token of any), and
-per stream its own (last - first). MiB a token: the server's device reads in the round
+per stream its own (last - first). Draft guesses checked and kept, and tokens a pass made
+(/health). MiB a token: the server's device reads in the round
 (/proc/PID/io read_bytes: direct I/O included) / the tokens made. --cap: the server runs under a
 cgroup-v1 memory cap (scripts/bench/cgroup_run.py, root), whose peak (anonymous memory and page
 cache) and failcnt are printed once the server has stopped.
@@ -113,6 +115,8 @@ def round_of(url: str, k: int, tokens: int, pid: int) -> dict:
         sys.exit(f"{k - len(out)} of {k} streams failed")
     per = [(s["tokens"] - 1) / (s["end"] - s["first"]) for s in out if s["end"] > s["first"]]
     passes = after["decode_passes"] - before["decode_passes"]
+    proposed, accepted = (after.get(k, 0) - before.get(k, 0)
+                          for k in ("draft_proposed", "draft_accepted"))
     return {"clients": k, "tokens": sum(s["tokens"] for s in out), "wall_s": round(wall, 2),
             "aggregate_tps": round(sum(s["tokens"] for s in out) / wall, 2),
             "aggregate_decode_tps": round(sum(s["tokens"] - 1 for s in out) / (
@@ -122,7 +126,10 @@ def round_of(url: str, k: int, tokens: int, pid: int) -> dict:
             "ttft_p95_s": round(ttft[min(len(ttft) - 1, int(0.95 * len(ttft)))], 2),
             "streams_per_pass": round((after["decode_rows"] - before["decode_rows"])
                                       / max(1, passes), 2),
-            "mib_read_per_token": round(io / 2**20 / max(1, sum(s["tokens"] for s in out)), 1)}
+            "mib_read_per_token": round(io / 2**20 / max(1, sum(s["tokens"] for s in out)), 1),
+            "draft_proposed": proposed, "draft_accepted": accepted,
+            "tokens_per_pass": round((after["decode_rows"] - before["decode_rows"] + accepted)
+                                     / max(1, passes), 2)}
 
 
 def server_pid(proc, cap) -> int:
@@ -191,12 +198,13 @@ def serve_rows(cache: Path, caps: list, tokens: int = 64, log=lambda m: None) ->
 
 def serve_table(runs: list) -> list:
     out = ["| cap | clients | aggregate tok/s | aggregate decode tok/s | × 1 client | per-stream "
-           "decode tok/s | TTFT p50 / p95 (s) | streams a pass | MiB read a token | peak MiB |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "decode tok/s | TTFT p50 / p95 (s) | streams a pass | guesses kept | MiB read a token "
+           "| peak MiB |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in runs:
         cap = run["cap"] or "none"
         if run.get("error"):
-            out.append(f"| {cap} | – | {run['error'][:100]} | | | | | | | |")
+            out.append(f"| {cap} | – | {run['error'][:100]} | | | | | | | | |")
             continue
         one = next((r["aggregate_decode_tps"] for r in run["rows"] if r["clients"] == 1), None)
         peak = run["outcome"].get("peak_mib")
@@ -206,9 +214,16 @@ def serve_table(runs: list) -> list:
                        f"{r['aggregate_decode_tps']:.2f} | {ratio} | "
                        f"{r['per_stream_decode_tps']:.2f} | {r['ttft_p50_s']:.2f} / "
                        f"{r['ttft_p95_s']:.2f} | {r['streams_per_pass']:.2f} | "
-                       f"{r['mib_read_per_token']:.1f} | "
+                       f"{kept(r)} | {r['mib_read_per_token']:.1f} | "
                        f"{'' if peak is None else f'{peak} / '}{r['peak_rss_mib']} |")
     return out
+
+
+def kept(row: dict) -> str:
+    """A round's draft guesses kept of those checked (/health's draft_accepted /
+    draft_proposed), or – without drafting."""
+    n = row.get("draft_proposed", 0)
+    return f"{row['draft_accepted']} / {n} ({100 * row['draft_accepted'] / n:.0f}%)" if n else "–"
 
 
 def serve_section(runs: list, load: tuple) -> str:
@@ -225,7 +240,9 @@ def serve_section(runs: list, load: tuple) -> str:
             "(the last token of any stream - the first of any), and × 1 client its ratio to the "
             "1-client round; per-stream: each stream's own (tokens - 1) / (last - first), "
             "averaged; TTFT from the request to its first text; streams a pass: the rows a "
-            "decode pass carried (/health); MiB read a token: the server's device reads in the "
+            "decode pass carried (/health); guesses kept: the draft guesses the passes kept of "
+            "those they checked (/health; the server drafts as `run` does, --draft); MiB read a "
+            "token: the server's device reads in the "
             "round (/proc/PID/io read_bytes) / the tokens made. A cap: `--dram-budget CAP` and "
             "the server in a memory cgroup of CAP from a cold page cache "
             "(scripts/bench/cgroup_run.py); peak MiB: the group's peak over the server's life "
@@ -264,8 +281,12 @@ def main() -> None:
     ap.add_argument("--parallel", type=int, default=4)
     ap.add_argument("--ctx-size", type=int, default=512)
     ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--draft", help="the server's --draft (default: its own, as `run`'s)")
+    ap.add_argument("--draft-kind", help="the server's --draft-kind")
     a = ap.parse_args()
-    args = server_args(a.parallel, a.ctx_size, a.threads, a.dram_budget)
+    args = server_args(a.parallel, a.ctx_size, a.threads, a.dram_budget) + \
+        (["--draft", a.draft] if a.draft else []) + \
+        (["--draft-kind", a.draft_kind] if a.draft_kind else [])
     rows, outcome = measure(a.model, args, a.cap, [int(c) for c in a.clients.split(",")],
                             a.tokens, log=lambda m: print(m, flush=True))
     if outcome:
