@@ -119,3 +119,19 @@ def test_a_refused_draft_names_the_least_budget_that_holds_it(monkeypatch):
     calls.clear()
     assert choose_plan(man, opts(least(e), 150_000), 512, 40 * MiB).plan.draft_rows == 150_000
     assert calls == [("plain", 512), ("draft", 512)]
+
+
+def test_a_servers_plan_holds_every_streams_self_draft():
+    """serve's 4 streams of 256 positions on the 1.5B at 560 MiB (--draft-kind self): the
+    draft's DRAM is one table of head rows with every stream's context (the streams share it:
+    runtime/resident.stream_residents) and a ColdCarry per stream, counted from the manifest
+    (n_layers x 8 rows x d_model f32 each)."""
+    man = parse_manifest(json.loads(Q15.read_text()), Q15)
+    cfg = man["config"]
+    carry = cfg["n_layers"] * 8 * cfg["d_model"] * 4
+    opts = FlashOptions(parse_budget("560MiB"), draft_rows=5000)
+    one = choose_plan(man, opts, 256, 40 * MiB).plan
+    four = choose_plan(man, opts, 4 * 256, 40 * MiB, streams=4).plan
+    assert carry > 0 and one.cache_fraction > 0.4          # the caches hold enough to lend
+    assert one.resident["draft"] == head_rows_bytes(man, 5000, 256) + carry
+    assert four.resident["draft"] == head_rows_bytes(man, 5000, 4 * 256) + 4 * carry

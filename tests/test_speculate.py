@@ -13,7 +13,8 @@ from flashllm.cli import app
 from flashllm.generation.generate import generate
 from flashllm.runtime.model import Model
 from flashllm.generation.sampler import Sampler, SamplerParams
-from flashllm.generation.speculate import DraftError, DraftLength, NgramDraft, verify, verify_tree
+from flashllm.generation.speculate import (DraftError, DraftLength, Guesses, NgramDraft, verify,
+                                           verify_tree)
 from test_chat import tiny  # noqa: F401  (the tiny converted model fixture)
 from test_generate import ScriptedModel, greedy
 
@@ -190,3 +191,15 @@ def test_chat_answers_are_the_same_with_drafts(tiny):  # noqa: F811
         assert (drafted > 0) == (draft is not None)     # the template's tokens repeat: guesses
         assert sum(t.n_accepted for t in turns) <= drafted
     assert answers[0] == answers[1]
+
+
+def test_guesses_cut_to_a_pass_share_keep_the_chain_first():
+    """A server's share of a pass's rows (serve/worker.py): the first guesses, then the
+    siblings of the guesses kept, first guess first; no more rows than the share."""
+    g = Guesses([7, 8, 9], {0: 4, 2: 5})
+    assert g.rows == 5
+    assert (g.cut(5), g.cut(5).siblings) == ([7, 8, 9], {0: 4, 2: 5})
+    assert (g.cut(4), g.cut(4).siblings) == ([7, 8, 9], {0: 4})
+    assert (g.cut(2), g.cut(2).siblings) == ([7, 8], {})
+    assert (g.cut(0), g.cut(0).siblings) == ([], {})
+    assert all(g.cut(n).rows <= n for n in range(6))

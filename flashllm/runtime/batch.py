@@ -14,6 +14,10 @@ a trained predictor chooses the FFN's neurons: a decode pass takes the union of 
 predictions, so a batched row may get neurons its own prediction left out (as draft guesses do
 in `run`). Above ROW_TILE rows the FFN's and the head's GEMM panels sum in another order, so
 the server never puts more rows in one pass (serve/worker.py).
+
+A stream's chunk may also be its fed token with its draft's guesses and siblings (verify_rows:
+every row's logits, Model.forward's siblings), so one pass verifies each stream's guesses; a
+self draft's ColdCarry records its own stream's rows of the pass (resident.SpanCarry).
 """
 from __future__ import annotations
 
