@@ -29,3 +29,12 @@ def test_a_context_no_machine_holds_names_the_streams(tmp_path):
     code, lines = _serve([str(build_tiny(tmp_path / "m")), "-c", "999999999", "--parallel", "4"])
     assert code == 1 and len(lines) == 1, lines
     assert "of KV cache" in lines[0] and "--parallel 4 streams of --ctx-size 999999999" in lines[0]
+
+
+def test_a_self_draft_without_a_budget_is_refused_as_run_refuses_it(tmp_path):
+    """--draft-kind self drafts from what a --dram-budget keeps in DRAM: without one, `serve`
+    says so in run's words before it loads anything."""
+    code, lines = _serve([str(build_tiny(tmp_path / "m")), "--draft-kind", "self"])
+    assert code == 1 and len(lines) == 1, lines
+    assert lines[0].startswith("error: --draft-kind self drafts from the part of the model a "
+                               "--dram-budget keeps in DRAM"), lines
