@@ -28,6 +28,7 @@ from flashllm.generation.sampler import Sampler
 from flashllm.generation.speculate import Guesses, verify_tree
 from flashllm.runtime.batch import ROW_TILE, pass_rows, verify_rows
 from flashllm.serve.api import ApiError, Ask
+from flashllm.serve.drafting import job_drafter, propose
 from flashllm.serve.stops import StopText
 from flashllm.serve.tools import render
 
@@ -202,18 +203,8 @@ class Worker:
         slot.sampler.begin(len(ids))
         slot.detok = self.engine.tok.detokenizer()
         slot.stop = StopText(job.ask.stops)
-        slot.draft = self._drafter(slot, job.ask)
+        slot.draft = job_drafter(self.engine.drafts, slot.stream, slot.sampler, job.ask.grammar)
         job.emit(("start", len(ids)))
-
-    def _drafter(self, slot: Slot, ask: Ask):
-        """The job's drafter, as `run` drafts (session StreamDrafts: None when off); a
-        response_format's forced tokens are guessed first (session/structured.py)."""
-        drafts = self.engine.drafts
-        inner = drafts.new(slot.stream, slot.sampler) if drafts is not None else None
-        if ask.grammar is None:
-            return inner
-        from flashllm.session.structured import grammar_draft
-        return grammar_draft(slot.sampler, inner)
 
     def _sampler(self, ask: Ask) -> Sampler:
         """The job's sampler: constrained by its response_format's grammar (each stream its own
@@ -276,7 +267,8 @@ class Worker:
     def _decode_pass(self, group: list) -> None:
         """One pass over each slot's fed token and its draft's guesses (generation/speculate:
         the tokens kept are distributed as without them), then each slot's new tokens."""
-        proposals = self._propose(group)                  # [(Guesses, drafting seconds)]
+        self._turn += 1
+        proposals = propose(group, SHARED_ROWS, self._turn, self.engine.n_ctx)   # [(Guesses, s)]
         chunks, sibs = [], []
         for slot, (g, _) in zip(group, proposals):
             order = sorted(g.siblings)
@@ -290,26 +282,6 @@ class Worker:
         self.rows += len(group)
         for slot, (guesses, drafting), logits in zip(group, proposals, rows):
             self._verified(slot, guesses, logits, seconds + drafting, drafting)
-
-    def _propose(self, group: list) -> list:
-        """[(guesses, drafting seconds)] a slot: the rows a pass may carry beyond the fed
-        tokens (SHARED_ROWS in all) shared fairly, a share each in turn (the first in turn
-        changes each pass), what one leaves going to the next: a lone stream gets `run`'s
-        nine."""
-        spare, out = SHARED_ROWS - len(group), [(Guesses(), 0.0)] * len(group)
-        self._turn += 1
-        for n in range(len(group)):
-            i = (self._turn + n) % len(group)
-            slot = group[i]
-            if slot.draft is None:
-                continue
-            t0 = time.perf_counter()
-            share = -(-spare // (len(group) - n))                           # ceil
-            room = min(share, slot.limit - slot.n_gen - 1, self.engine.n_ctx - slot.fed - 1)
-            guesses = slot.draft.propose(slot.history, max(room, 0), slot.fed).cut(share)
-            spare -= guesses.rows
-            out[i] = (guesses, time.perf_counter() - t0)
-        return out
 
     def _verified(self, slot: Slot, guesses: Guesses, rows, seconds: float,
                   drafting: float) -> None:
