@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 
 httpx = pytest.importorskip("httpx")
@@ -324,6 +325,12 @@ def test_a_drafting_server_answers_as_run_does_alone_and_among_three(tmp_path):
         alone = httpx.get(served.url + "/health").json()
         assert 0 < alone["draft_accepted"] <= alone["draft_proposed"], alone
         assert alone["decode_passes"] < 59, alone        # kept guesses: fewer passes than tokens
+        from test_serve_logprobs import reference       # each token's logprobs: from its row
+        lp = c.completions.create(prompt=PROMPT, logprobs=2, **ask).choices[0].logprobs
+        _, ref = reference(tiny, PROMPT, 60)
+        assert np.allclose(lp.token_logprobs, [w for _, w, _ in ref], atol=1e-3)
+        assert httpx.get(served.url + "/health").json()["draft_accepted"] > \
+            alone["draft_accepted"]
         together = at_once(c, [PROMPT, "a b c", "fine thanks", "how are you"], **ask)
         assert together[PROMPT] == want
         assert together["a b c"] == run_cli(tiny, "a b c", 60)
