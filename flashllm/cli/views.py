@@ -93,8 +93,7 @@ def summary_table(s: dict) -> Table:
 def calibration_words(s: dict) -> str:
     """`inspect`'s calibration row: the target kept, what it costs on each text checked, the
     texts and tokens calibrated on, how long it took."""
-    from flashllm.session.calibration import checked_words
-    from flashllm.sparsity.quality import CHECK_VERSION
+    from flashllm.session.calibration import checked_by_older_rule, checked_words
     sec = s["sparsity"] or {}
     if not s["calibrated"]:
         return "not calibrated (dense: every neuron is read)"
@@ -105,7 +104,7 @@ def calibration_words(s: dict) -> str:
     words = [f"target {sec['target']}{asked}"]
     if "bound" in q:
         words.append(f"perplexity {checked_words(q)}")
-        if q.get("version", 0) < CHECK_VERSION:
+        if checked_by_older_rule(q):
             words.append("checked by an older rule (no literature, against the bundles): "
                          "calibrate again")
     text = cal.get("text") or {}
