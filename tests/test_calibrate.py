@@ -367,6 +367,7 @@ def test_calibrate_lowers_the_target_while_it_costs_perplexity(tiny, tmp_path):
         return perplexity(Model(flash, n_ctx=N_CTX, ffn=ffn), TOKENS, n_ctx=N_CTX).ppl
 
     base = ppl(None)
+    bundles = ppl([0.0] * len(scores)) / base - 1                 # no term dropped
     cost = {s: ppl([threshold(x, s) for x in scores]) / base - 1 for s in (0.5, 0.4, 0.3, 0.2, 0.1)}
     bound = sorted(cost.values())[2] + 1e-9                # three targets within, two not
     want = max(s for s, c in cost.items() if c <= bound)
@@ -378,6 +379,7 @@ def test_calibrate_lowers_the_target_while_it_costs_perplexity(tiny, tmp_path):
     path = _fresh(tiny, "llama", tmp_path / "b")
     sec = calibrate_model(*_flash_and_model(path), TOKENS, {}, 0.5, max_cost=-1.0)
     assert sec["target"] == 0.0 and sec["thresholds"] == [0.0] * len(scores)   # none within
+    assert sec["quality"]["ppl_cost"] == pytest.approx(bundles, abs=1e-4)   # their own cost
     path = _fresh(tiny, "llama", tmp_path / "c")
     assert calibrate_model(*_flash_and_model(path), TOKENS, {}, 0.5)["target"] == 0.5
 

@@ -57,9 +57,9 @@ def keep_quality(candidates: dict, ppl: Callable[[str, list], float], names: Seq
     """{"target", "ppl_cost", "bound", "checked", "version"}: the largest target of candidates
     ({target: (thresholds [L], ...)}) whose thresholds cost at most max_cost of perplexity on
     every text of names, ppl(name, thresholds) against ppl(name, None) (the dense model); 0.0
-    (no term dropped) when none does. checked: {name: cost} of the kept target; ppl_cost: the
-    largest. A target stops at the first text over the bound, and the next starts with that
-    text."""
+    (no term dropped) when none does, its cost then measured on each text (the bundles' own,
+    over the bound). checked: {name: cost} of the kept target; ppl_cost: the largest. A target
+    stops at the first text over the bound, and the next starts with that text."""
     targets = sorted((t for t in candidates if t > 0), reverse=True)
     kept = {"target": 0.0, "ppl_cost": 0.0, "bound": max_cost,
             "checked": {name: 0.0 for name in names}, "version": CHECK_VERSION}
@@ -80,4 +80,8 @@ def keep_quality(candidates: dict, ppl: Callable[[str, list], float], names: Seq
             return {**kept, "target": target, "ppl_cost": round(costs[worst], 5),
                     "checked": {name: round(costs[name], 5) for name in names}}
         order = [worst] + [name for name in order if name != worst]
-    return kept
+    zeros = [0.0] * len(candidates[targets[0]][0])
+    costs = {name: round(ppl(name, zeros) / base[name] - 1.0, 5) for name in names}
+    log("sparsity 0: perplexity " + ", ".join(f"{c:+.2%} on {name}" for name, c in costs.items())
+        + " (no target within the bound: the bundles' down columns cost this alone)")
+    return {**kept, "ppl_cost": max(costs.values()), "checked": costs}
