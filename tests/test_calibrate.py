@@ -334,23 +334,24 @@ def test_cli_calibrates_on_the_mix_and_inspect_says_what_it_checked(tiny, tmp_pa
     assert "sparsity 0.5: perplexity" in said and " on english" in said
     sec = open_flash(path).manifest["sparsity"]
     checked = sec["quality"]["checked"]
-    assert [(c["text"], c["tokens"]) for c in checked] == [("code", 16), ("prose", 16),
-                                                           ("english", 16)]
+    assert [(c["text"], c["tokens"]) for c in checked] == [("code", 12), ("prose", 12),
+                                                           ("english", 12), ("literature", 12)]
     took = sec["calibration"]["seconds"]          # tenths: a tiny model's can round to 0.0
     assert isinstance(took, float) and took >= 0 and sec["calibration"]["text"]["source"] == "mix"
     r = CliRunner().invoke(app, ["inspect", str(path)])
     shown = " ".join(r.output.replace("│", " ").split())
     assert r.exit_code == 0 and f"target {sec['target']}" in shown, r.output
     for c in checked:
-        assert f"{c['ppl_cost']:+.1%} on {c['text']} (16 tokens)" in shown, shown
-    assert "48 tokens of code (python-stdlib, 16 tokens), prose" in shown and " took " in shown
+        assert f"{c['ppl_cost']:+.1%} on {c['text']} (12 tokens)" in shown, shown
+    assert "48 tokens of code (python-stdlib, 12 tokens), prose" in shown and " took " in shown
+    assert "literature (public-domain-literature, 12 tokens)" in shown
 
 
 def test_calibrate_lowers_the_target_while_it_costs_perplexity(tiny, tmp_path):
     """With a bound, calibrate keeps the largest of the targets 0.5, 0.4, ..., 0 whose thresholds
     (numpy quantiles of the activations, layer by layer) cost at most the bound of perplexity
-    against the same FFN without thresholds on the calibration tokens — each cost measured here
-    on its own models; without a bound the target stays."""
+    against the dense model on the calibration tokens — each cost measured here on its own
+    models; without a bound the target stays."""
     from flashllm.generation.perplexity import perplexity
     from flashllm.runtime.ffn import DenseFfn
     path = _fresh(tiny, "llama", tmp_path)
@@ -358,30 +359,35 @@ def test_calibrate_lowers_the_target_while_it_costs_perplexity(tiny, tmp_path):
     inputs = collect_ffn_inputs(Model(flash, n_ctx=N_CTX), TOKENS, n_ctx=N_CTX)
     scores = [ffn_activations(flash, i, h) for i, h in enumerate(inputs)]   # per layer (N, n_ff)
 
-    def ppl(ths):
-        ffn = DenseFfn(flash, 1, threshold=[1.0] * len(ths))             # the bundles' FFN
-        ffn.threshold = ths
+    def ppl(ths):             # None: the dense model's own FFN
+        ffn = None
+        if ths is not None:
+            ffn = DenseFfn(flash, 1, threshold=[1.0] * len(ths))         # the bundles' FFN
+            ffn.threshold = ths
         return perplexity(Model(flash, n_ctx=N_CTX, ffn=ffn), TOKENS, n_ctx=N_CTX).ppl
 
-    base = ppl([0.0] * len(scores))
+    base = ppl(None)
+    bundles = ppl([0.0] * len(scores)) / base - 1                 # no term dropped
     cost = {s: ppl([threshold(x, s) for x in scores]) / base - 1 for s in (0.5, 0.4, 0.3, 0.2, 0.1)}
     bound = sorted(cost.values())[2] + 1e-9                # three targets within, two not
     want = max(s for s, c in cost.items() if c <= bound)
     sec = calibrate_model(*_flash_and_model(path), TOKENS, {}, 0.5, max_cost=bound)
     assert sec["target"] == want and sec["quality"]["requested"] == 0.5
     assert sec["quality"]["ppl_cost"] == pytest.approx(cost[want], abs=1e-4)
+    assert sec["quality"]["version"] == 2             # is_calibrated's stamp
     assert sec["thresholds"] == pytest.approx([threshold(x, want) for x in scores], rel=1e-5)
     path = _fresh(tiny, "llama", tmp_path / "b")
     sec = calibrate_model(*_flash_and_model(path), TOKENS, {}, 0.5, max_cost=-1.0)
     assert sec["target"] == 0.0 and sec["thresholds"] == [0.0] * len(scores)   # none within
+    assert sec["quality"]["ppl_cost"] == pytest.approx(bundles, abs=1e-4)   # their own cost
     path = _fresh(tiny, "llama", tmp_path / "c")
     assert calibrate_model(*_flash_and_model(path), TOKENS, {}, 0.5)["target"] == 0.5
 
 
 def test_calibrate_keeps_a_target_within_the_bound_on_every_text(tiny, tmp_path):
     """Calibrated on two texts (parts), each target's thresholds (numpy quantiles over all the
-    tokens) are checked on each text's own tokens against the same FFN without thresholds,
-    each cost measured here on its own models; the largest target within the bound on both is
+    tokens) are checked on each text's own tokens against the dense model, each cost
+    measured here on its own models; the largest target within the bound on both is
     kept — with a bound one text alone would have let a higher target through — and the
     section says what it costs on each."""
     from flashllm.generation.perplexity import perplexity
@@ -392,13 +398,14 @@ def test_calibrate_keeps_a_target_within_the_bound_on_every_text(tiny, tmp_path)
     scores = [ffn_activations(flash, i, h) for i, h in enumerate(inputs)]   # per layer (N, n_ff)
     parts = {"a": TOKENS[:24], "b": TOKENS[24:]}
 
-    def ppl(ths, ids):
-        ffn = DenseFfn(flash, 1, threshold=[1.0] * len(ths))             # the bundles' FFN
-        ffn.threshold = ths
+    def ppl(ths, ids):        # None: the dense model's own FFN
+        ffn = None
+        if ths is not None:
+            ffn = DenseFfn(flash, 1, threshold=[1.0] * len(ths))         # the bundles' FFN
+            ffn.threshold = ths
         return perplexity(Model(flash, n_ctx=N_CTX, ffn=ffn), ids, n_ctx=N_CTX).ppl
 
-    zeros = [0.0] * len(scores)
-    cost = {s: {name: ppl([threshold(x, s) for x in scores], ids) / ppl(zeros, ids) - 1
+    cost = {s: {name: ppl([threshold(x, s) for x in scores], ids) / ppl(None, ids) - 1
                 for name, ids in parts.items()} for s in (0.5, 0.4, 0.3, 0.2, 0.1)}
     kept = lambda bound, names: max((s for s, c in cost.items()            # noqa: E731
                                      if all(c[n] <= bound for n in names)), default=0.0)
@@ -425,26 +432,35 @@ def test_a_mix_is_every_shipped_kind_in_equal_shares(tmp_path):
     from flashllm.generation.tokenizer import Tokenizer
     write_tokenizer(tmp_path)
     tok = Tokenizer.from_json((tmp_path / "tokenizer.json").read_bytes())
-    text, ids, parts = calibration_texts(tok, None, "mix", 2048)
-    assert parts == [("code", 683), ("prose", 683), ("english", 682)]
+    text, ids, parts = calibration_texts(tok, None, "mix", 2050)
+    assert parts == [("code", 513), ("prose", 513), ("english", 512), ("literature", 512)]
     assert ids == sum((calibration_ids(tok, None, kind, n)[1] for kind, n in parts), [])
-    assert [t["kind"] for t in text["texts"]] == ["code", "prose", "english"]
+    assert [t["kind"] for t in text["texts"]] == ["code", "prose", "english", "literature"]
     text, ids, parts = calibration_texts(tok, None, "english", 300)
     assert parts == [("english", 300)] and text["source"] == "flashllm-english"
-    with pytest.raises(CalibrationError, match="at least 12 tokens"):
+    with pytest.raises(CalibrationError, match="at least 16 tokens"):
         calibration_texts(tok, None, "mix", 5)
 
 
-def test_a_calibration_checked_on_its_code_alone_is_calibrated_again():
-    """A conversion whose target was checked before every text was (no "checked") is not
-    calibrated for a budgeted run; one checked on each text, or kept as asked, is."""
+def test_a_calibration_checked_by_an_older_rule_is_calibrated_again():
+    """A conversion whose target was checked before every text was (no "checked"), or on the
+    mix without literature against the bundles (no version 2 stamp), is not calibrated for a
+    budgeted run; one checked by the current rule, or kept as asked, is."""
     from flashllm.session.calibration import is_calibrated
     man = lambda q: {"config": {}, "ffn": {"neuron_order": {"file": "o"}},   # noqa: E731
                      "sparsity": {"quality": q}}
+    checked = [{"text": "code", "tokens": 512, "ppl_cost": 0.01}]
     assert not is_calibrated(man({"requested": 0.5, "ppl_cost": 0.01, "bound": 0.02}))
+    assert not is_calibrated(man({"requested": 0.5, "ppl_cost": 0.01, "bound": 0.02,
+                                  "checked": checked}))
     assert is_calibrated(man({"requested": 0.5, "ppl_cost": 0.01, "bound": 0.02,
-                              "checked": [{"text": "code", "tokens": 512, "ppl_cost": 0.01}]}))
+                              "checked": checked, "version": 2}))
     assert is_calibrated(man({"requested": 0.4}))                   # --keep-target
+    from flashllm.cli.views import calibration_words                 # and inspect says so
+    shown = lambda q: calibration_words({"calibrated": True, "sparsity": {   # noqa: E731
+        "target": 0.4, "quality": {"requested": 0.5, "ppl_cost": 0.01, "bound": 0.02,
+                                   "checked": checked, **q}, "calibration": {"n_tokens": 2048}}})
+    assert "older rule" in shown({}) and "older rule" not in shown({"version": 2})
 
 
 def _flash_and_model(path):

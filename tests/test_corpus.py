@@ -5,8 +5,9 @@ import hashlib
 
 import pytest
 
-from flashllm.sparsity.corpus import (CODE_FILES, CorpusError, builtin_text, code_text,
-                                     english_text, file_text, prose_text, stdlib_dir)
+from flashllm.sparsity.corpus import (CODE_FILES, KINDS, PIECE_BREAK, TEXTS, CorpusError,
+                                     builtin_text, code_text, english_text, file_text,
+                                     literature_text, prose_text, stdlib_dir)
 
 
 def test_code_sets_are_disjoint_and_exist():
@@ -27,7 +28,7 @@ def test_code_text_is_the_files_in_order():
 
 
 def test_texts_are_deterministic_and_disjoint():
-    for kind in ("code", "prose", "english"):
+    for kind in KINDS:
         a1, a2 = builtin_text("calibration", kind), builtin_text("calibration", kind)
         b = builtin_text("evaluation", kind)
         assert a1.text == a2.text and a1.description == a2.description
@@ -74,3 +75,26 @@ def test_english_splits_share_no_piece_and_are_long_enough(tmp_path):
     assert cal.text.startswith(cut.text) and len(cut.text) <= 1000
     with pytest.raises(CorpusError, match="cannot read the shipped text"):
         english_text("calibration", root=tmp_path)
+
+
+def test_literature_splits_share_no_author_and_a_short_text_holds_every_piece(tmp_path):
+    """The shipped public-domain literature: the evaluation split holds no author (title line)
+    of the calibration split and a fixture's 4 chunks of 512 tokens; cut to max_chars, each
+    calibration piece contributes its beginning (whole paragraphs, an equal share)."""
+    cal, ev = literature_text("calibration"), literature_text("evaluation")
+    author = lambda title: title.split(", by ")[1].split(" (")[0]          # noqa: E731
+    titles = cal.description["titles"]
+    assert len(titles) >= 3 and not {author(t) for t in titles} & \
+        {author(t) for t in ev.description["titles"]}
+    assert len(ev.text) > 4 * 512 * 4.3 and len(cal.text) < 64_000
+    pieces = (TEXTS / "literature-calibration.txt").read_text(encoding="utf-8").strip() \
+        .split(PIECE_BREAK)
+    assert cal.text == "\n".join(p.strip() + "\n" for p in pieces)
+    cut = literature_text("calibration", max_chars=4096)
+    assert len(cut.text) <= 4096 + len(pieces)
+    for piece in pieces:
+        title, first = piece.split("\n\n")[:2]
+        assert f"{title}\n\n{first}\n" in cut.text
+    assert cut.description["sha256"] == hashlib.sha256(cut.text.encode()).hexdigest()
+    with pytest.raises(CorpusError, match="cannot read the shipped text"):
+        literature_text("calibration", root=tmp_path)

@@ -51,7 +51,8 @@ def perplexity(
     sparsity: Optional[float] = typer.Option(None, "--sparsity", callback=finite, help="Drop FFN terms below the "
                                              "thresholds for this sparsity (0..1)."),
     corpus: Corpus = typer.Option("code", "--corpus", help="Shipped text: code (Python), prose "
-                                  "(Python's documentation) or english (stories, letters, essays)."),
+                                  "(Python's documentation), english (stories, letters, essays) or "
+                                  "literature (public-domain classics)."),
     threads: int = typer.Option(DEFAULT_THREADS, "-t", "--threads", min=1, max=MAX_THREADS,
                                help="Compute threads."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
@@ -94,15 +95,16 @@ def calibrate(
     sparsity: float = typer.Option(0.5, "--sparsity", callback=finite, help="Target fraction of inactive FFN neurons "
                                    "(lowered while it costs more than --max-ppl-cost)."),
     max_ppl_cost: float = typer.Option(2.0, "--max-ppl-cost", min=0.0, callback=finite, help="Percent of perplexity on "
-                                       "each calibration text the thresholds may cost; the target "
+                                       "each calibration text the thresholds may cost against the "
+                                       "dense model; the target "
                                        "is lowered in steps of 0.1 until they cost no more on any."),
     keep_target: bool = typer.Option(False, "--keep-target", help="Keep --sparsity as given (no "
                                      "perplexity check)."),
     tokens: int = typer.Option(CALIBRATION_TOKENS, "--tokens", min=1, help="Calibration tokens."),
     ctx: int = typer.Option(512, "-c", "--ctx", "--ctx-size", min=1, help="Tokens per pass."),
     corpus: CalibrationCorpus = typer.Option("mix", "--corpus", help="Shipped text: mix (code, "
-                                             "prose and english in equal shares, each checked), "
-                                             "or one of them."),
+                                             "prose, english and literature in equal shares, "
+                                             "each checked), or one of them."),
     criterion: Optional[Criterion] = typer.Option(None, "--criterion", help="glu_product (GLU default), "
                                             "gate (CATS), relu, magnitude."),
     reorder: bool = typer.Option(True, "--reorder/--no-reorder", help="Rewrite the FFN hot-first."),

@@ -93,7 +93,7 @@ def summary_table(s: dict) -> Table:
 def calibration_words(s: dict) -> str:
     """`inspect`'s calibration row: the target kept, what it costs on each text checked, the
     texts and tokens calibrated on, how long it took."""
-    from flashllm.session.calibration import checked_words
+    from flashllm.session.calibration import checked_by_older_rule, checked_words
     sec = s["sparsity"] or {}
     if not s["calibrated"]:
         return "not calibrated (dense: every neuron is read)"
@@ -104,6 +104,9 @@ def calibration_words(s: dict) -> str:
     words = [f"target {sec['target']}{asked}"]
     if "bound" in q:
         words.append(f"perplexity {checked_words(q)}")
+        if checked_by_older_rule(q):
+            words.append("checked by an older rule (no literature, against the bundles): "
+                         "calibrate again")
     text = cal.get("text") or {}
     texts = text.get("texts") or [text]
     tokens = {p["text"]: p["n_tokens"] for p in text.get("parts", [])}

@@ -148,14 +148,13 @@ class LayerPass:
                    on_layer: Callable[[int], None] = lambda i: None) -> float:
         """generation/perplexity.perplexity of the model (no BOS swap) on tokens in chunks of
         n_ctx (or one chunk of them all when fewer; whole chunks only), its FFN over the
-        bundles with thresholds (run)."""
+        bundles with thresholds (zeros: none), or with None the dense model's own (run)."""
         ctx = min(self.n_ctx, len(tokens))
         if ctx < 4:
             raise ValueError(f"perplexity needs at least 4 tokens, got {len(tokens)}")
         n = len(tokens) // ctx * ctx
         ids = np.asarray(tokens[:n], dtype=np.int32)                         # (n,)
-        x = self.run(ids, thresholds=thresholds or [0.0] * self.config.n_layers,
-                     on_layer=on_layer, n_ctx=ctx)                           # (n, d_model)
+        x = self.run(ids, thresholds=thresholds, on_layer=on_layer, n_ctx=ctx)   # (n, d_model)
         first = ctx // 2
         rows = np.concatenate([np.arange(a + first, a + ctx - 1)
                                for a in range(0, n, ctx)])                   # (scored,)

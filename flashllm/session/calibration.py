@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
 from flashllm.sparsity.corpus import KINDS, MIX, builtin_text, file_text
+from flashllm.sparsity.quality import CHECK_VERSION
 
 if TYPE_CHECKING:
     from flashllm.runtime.budget_given import Budget
@@ -30,7 +31,7 @@ class CalibrationOptions:
     """What `flashllm calibrate` takes; the defaults are its own."""
 
     text: Optional[Path] = None      # a calibration text file; None: the shipped corpus
-    corpus: str = MIX                # the shipped corpus: code, prose, english or their mix
+    corpus: str = MIX                # the shipped corpus: one of corpus.KINDS or their mix
     sparsity: float = 0.5            # target fraction of inactive FFN neurons
     tokens: int = CALIBRATION_TOKENS
     ctx: int = 512                   # tokens a pass
@@ -44,13 +45,20 @@ class CalibrationOptions:
 
 def is_calibrated(manifest: dict) -> bool:
     """Whether a budgeted run finds what calibrate writes: a dense FFN's hot-first order and a
-    target checked against perplexity on each text calibrated on, or kept as asked (a
-    conversion calibrated before that check, or checked on its code text alone, is not; a
-    mixture of experts needs neither: its router names the neurons)."""
+    target checked against perplexity by the current rule (sparsity/quality.CHECK_VERSION: each
+    text of the mix, literature too, against the dense model), or kept as asked (a conversion
+    calibrated before that, or checked on its code text alone, is not; a mixture of experts
+    needs neither: its router names the neurons)."""
     quality = (manifest.get("sparsity") or {}).get("quality")
     return bool(manifest["config"].get("n_experts")) or (
         manifest["ffn"].get("neuron_order") is not None and quality is not None and
-        ("bound" not in quality or "checked" in quality))
+        not checked_by_older_rule(quality))
+
+
+def checked_by_older_rule(quality: dict) -> bool:
+    """Whether a manifest's sparsity.quality was checked against perplexity by a rule before
+    sparsity/quality.CHECK_VERSION (False for a target kept as asked)."""
+    return "bound" in quality and quality.get("version", 0) < CHECK_VERSION
 
 
 def calibration_texts(tok, file: Optional[Path], corpus: str, n_tokens: int):

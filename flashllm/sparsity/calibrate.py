@@ -221,7 +221,7 @@ def _quality(net, tokens: Sequence[int], spans: list,
     n_layers = net.config.n_layers
 
     def ppl(name: str, thresholds: list) -> float:
-        what = f"perplexity check on {name}" + (" (dense)" if not any(thresholds) else "")
+        what = f"perplexity check on {name}" + (" (dense)" if thresholds is None else "")
         return net.perplexity(ids[name], thresholds,
                               on_layer=lambda i: progress(what, i + 1, n_layers))
     return ppl

@@ -4,10 +4,13 @@ Code: the running Python's standard-library sources, calibration and evaluation 
 fixed sets of modules. Prose: the English documentation in `pydoc_data.topics`, the sorted topic
 names split alternately. English: general English prose (stories, letters, essays, reports)
 written for flashllm and placed in the public domain, shipped beside this module (texts/), one
-file of pieces per split, no piece in both. Calibration's default is their mix (MIX: every kind
-in equal shares, each checked on its own). Users pass their own text with `--text FILE`
-(`file_text`). Every text carries a description (source, files, Python version, sha256) that
-calibration records in the manifest and the benchmarks print.
+file of pieces per split, no piece in both. Literature: public-domain classics (a Gothic
+letter, a novel's dialogue, an essay, a tale; evaluation: another author's novel), excerpts
+shipped beside it (texts/literature-SPLIT.txt; sources in texts/README.md). Calibration's
+default is their mix (MIX: every kind in equal shares, each checked on its own). Users pass
+their own text with `--text FILE` (`file_text`). Every text carries a description (source,
+files, Python version, sha256) that calibration records in the manifest and the benchmarks
+print.
 """
 from __future__ import annotations
 
@@ -23,9 +26,10 @@ from flashllm.limits import read_capped
 
 SPLITS = ("calibration", "evaluation")
 MAX_TEXT_BYTES = 64 << 20     # a user's text file (wikitext-2's test set: 1.3 MiB)
-KINDS = ("code", "prose", "english")
+KINDS = ("code", "prose", "english", "literature")
 MIX = "mix"           # calibrate's default corpus: every kind of KINDS, in equal shares
-TEXTS = Path(__file__).resolve().parent / "texts"     # english-{split}.txt
+TEXTS = Path(__file__).resolve().parent / "texts"     # {english,literature}-{split}.txt
+PIECE_BREAK = "\n\n\n"   # between the pieces of a literature file (two empty lines)
 
 # Present in CPython 3.11 .. 3.13; the two sets share no file.
 CODE_FILES = {
@@ -97,17 +101,38 @@ def prose_text(split: str, max_chars: Optional[int] = None) -> Text:
                        "chars": len(text), "sha256": _sha256(text)})
 
 
+def _shipped(path: Path) -> str:
+    """A text file shipped beside this module."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise CorpusError(f"cannot read the shipped text {path}: {e}") from None
+
+
 def english_text(split: str, max_chars: Optional[int] = None, root: Path = TEXTS) -> Text:
     """The shipped English prose of `split` (texts/english-SPLIT.txt), cut to max_chars."""
     if split not in SPLITS:
         raise CorpusError(f"unknown text split {split!r} (expected one of {', '.join(SPLITS)})")
     name = f"english-{split}.txt"
-    try:
-        text = _prefix((root / name).read_text(encoding="utf-8"), max_chars)
-    except (OSError, UnicodeDecodeError) as e:
-        raise CorpusError(f"cannot read the shipped text {root / name}: {e}") from None
+    text = _prefix(_shipped(root / name), max_chars)
     return Text(text, {"source": "flashllm-english", "kind": "english", "split": split,
                        "file": name, "chars": len(text), "sha256": _sha256(text)})
+
+
+def literature_text(split: str, max_chars: Optional[int] = None, root: Path = TEXTS) -> Text:
+    """The shipped literature of `split` (texts/literature-SPLIT.txt): its pieces (PIECE_BREAK
+    apart), with max_chars each one's beginning in an equal share, so a short text still holds
+    every style."""
+    if split not in SPLITS:
+        raise CorpusError(f"unknown text split {split!r} (expected one of {', '.join(SPLITS)})")
+    name = f"literature-{split}.txt"
+    pieces = _shipped(root / name).strip().split(PIECE_BREAK)
+    share = None if max_chars is None else max(1, max_chars // len(pieces))
+    text = "\n".join(_prefix(p.strip() + "\n", share) for p in pieces)
+    return Text(text, {"source": "public-domain-literature", "kind": "literature",
+                       "split": split, "file": name,
+                       "titles": [p.split("\n", 1)[0] for p in pieces],
+                       "chars": len(text), "sha256": _sha256(text)})
 
 
 def builtin_text(split: str, kind: str = "code", max_chars: Optional[int] = None,
@@ -119,6 +144,8 @@ def builtin_text(split: str, kind: str = "code", max_chars: Optional[int] = None
         return prose_text(split, max_chars)
     if kind == "english":
         return english_text(split, max_chars)
+    if kind == "literature":
+        return literature_text(split, max_chars)
     raise CorpusError(f"unknown text kind {kind!r} (expected one of {', '.join(KINDS)})")
 
 
