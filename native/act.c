@@ -107,9 +107,9 @@ const float *fli_gelu_f16_table(void) {
 /* h (n) = gelu_f16(g) * u: fli_gelu_f16 of each value, 16 lanes at a time with AVX-512 (the
  * same f16 rounding, table entries and product) */
 static void gelu_f16_mul(const float *g, const float *u, float *h, int64_t n) {
-    const float *tab = fli_gelu_f16_table();
     int64_t i = 0;
 #if defined(__AVX512F__)
+    const float *tab = fli_gelu_f16_table();
     const __m512 lo = _mm512_set1_ps(-10.0f), hi = _mm512_set1_ps(10.0f);
     for (; i + 16 <= n; i += 16) {
         const __m512 v = _mm512_loadu_ps(g + i);

@@ -14,7 +14,7 @@ SOURCES = ["tests/native/qdot_isa.c", "native/qdot.c", "native/qgemm.c", "native
            "native/quant.c", "native/vec.c", "native/q4k.c", "native/qk.c", "native/q3k.c",
            "native/act_quant.c", "native/kquant.c", "native/kaxpy.c", "native/gemm_f32.c",
            "native/traits.c", "native/q0pack.c", "native/q4kpack.c", "native/q6kpack.c",
-           "native/q5kpack.c", "native/q23pack.c"]
+           "native/q5kpack.c", "native/q23pack.c", "native/q2k.c"]
 ISAS = {
     "avx512vnni": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx2", "-mfma",
                    "-mf16c"],
