@@ -185,3 +185,26 @@ def test_a_later_convert_sweeps_what_killed_ones_left(tmp_path):
     assert flashllm("convert", src, "-o", tmp_path / "m", "--dtype", "f32").returncode == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         ["src", "m", f".m.tmp-{os.getpid()}x", ".other.tmp-1"])       # only the dead writers' of m
+
+
+@pytest.mark.realmodel
+def test_ctrl_c_after_one_job_finished_prints_no_traceback(tmp_path):
+    """A terminal's Ctrl-C reaches every worker; one whose job has finished sits idle and used to
+    die with a traceback. SmolLM2 finishes long before the 0.5B: signal the group once it has."""
+    import signal
+    import time
+    from conftest import gguf_path
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "flashllm", "convert", str(gguf_path("qwen2.5-coder-0.5b")),
+                             str(gguf_path("smollm2-135m")), "-o", str(out), "--jobs", "2"], cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + 240
+    while not (out / "smollm2-135m" / "manifest.json").exists():
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    time.sleep(0.3)                                         # its worker is idle now
+    os.killpg(proc.pid, signal.SIGINT)
+    stderr = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130 and stderr.rstrip().endswith("interrupted") and "Traceback" not in stderr
+    assert sorted(p.name for p in out.iterdir()) == ["smollm2-135m"]

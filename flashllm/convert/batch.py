@@ -166,8 +166,12 @@ def _job(queue, index: int, src: Path, dest: Path | str, dtype: str | None, forc
             shown[0] = pct
             tell(done, total)
 
-    tell(-1, os.getpid())
-    return _one(src, dest, dtype, force, progress)
+    _interrupt_once()                       # Ctrl-C interrupts this job, not an idle worker
+    try:
+        tell(-1, os.getpid())
+        return _one(src, dest, dtype, force, progress)
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _run_pool(pairs, dtype, force, jobs, bar, tasks, report) -> list[JobResult]:
@@ -177,7 +181,7 @@ def _run_pool(pairs, dtype, force, jobs, bar, tasks, report) -> list[JobResult]:
     results: list[JobResult | None] = [None] * len(pairs)
     pids: dict[int, int] = {}                  # job index -> worker pid, while it runs
     with ctx.Manager() as manager, ProcessPoolExecutor(max_workers=jobs, mp_context=ctx,
-                                                       initializer=_interrupt_once) as pool:
+                                                       initializer=_ignore_interrupts) as pool:
         queue = manager.Queue()
         futures = {pool.submit(_job, queue, i, src, dest, dtype, force): i
                    for i, (src, dest) in enumerate(pairs)}
@@ -199,10 +203,17 @@ def _run_pool(pairs, dtype, force, jobs, bar, tasks, report) -> list[JobResult]:
     return results
 
 
+def _ignore_interrupts() -> None:
+    """Worker setup: an idle worker ignores SIGINT (a terminal's Ctrl-C reaches the whole process
+    group; one that met a finished job's worker printed its traceback); `_job` listens."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _interrupt_once() -> None:
-    """Worker setup: the first SIGINT interrupts the conversion (its writer removes the temporary
-    folder); later ones — a terminal's Ctrl-C reaches the whole process group and the parent
-    forwards one too — are ignored, so the worker can report back instead of dying mid-handler."""
+    """While a job runs: the first SIGINT interrupts the conversion (its writer removes the
+    temporary folder); later ones — a terminal's Ctrl-C reaches the whole process group and the
+    parent forwards one too — are ignored, so the worker can report back instead of dying
+    mid-handler."""
     def once(signum, frame):
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         raise KeyboardInterrupt
