@@ -135,15 +135,15 @@ class MoeFfn(FfnStrategy):
 def on_huge_pages(experts: list) -> list:
     """experts (tuples of matrices) copied into one huge-page buffer, each matrix on a 64-byte
     boundary."""
-    sizes = [-(-m.data.nbytes // 64) * 64 for e in experts for m in e]
-    buf, off, out = huge_empty(sum(sizes)), 0, []                       # (Σ sizes,) uint8
+    step = lambda m: -(-m.data.nbytes // 64) * 64                       # noqa: E731
+    buf, off, out = huge_empty(sum(step(m) for e in experts for m in e)), 0, []  # (Σ,) uint8
     for e in experts:
         mats = []
         for m in e:
             dst = buf[off:off + m.data.nbytes]                          # (m's bytes,)
             dst[:] = m.data.reshape(-1)
             mats.append(dataclasses.replace(m, data=dst.reshape(m.data.shape)))
-            off += -(-m.data.nbytes // 64) * 64
+            off += step(m)
         out.append(tuple(mats))
     return out
 
