@@ -1,11 +1,11 @@
 /* packloop.h — the token loop of the 16-row packed k-quant layouts (q4kpack.c, q5kpack.c,
  * q6kpack.c, q23pack.c). A layout gives its superblock body, out[t] (16 lanes: the group's rows)
  * += one superblock of SB bytes against NT tokens; the loop gives each superblock the tokens'
- * operands (act_quant.h's fli_xq_sb), prefetches half a superblock on and stores the rows (+
- * bias). fli_pack_scale is the f32 end of a superblock with mins (Q2_K, Q5_K). All are always
- * inline, the body a constant function pointer and NT a constant in each case of
- * fli_pack_group, so every layout and token count compiles to a loop of its own with the body
- * inlined, as when each file wrote its own. Internal: not seen by cffi; AVX-512 VNNI builds
+ * operands (act_quant.h's fli_xq_sb), prefetches half a superblock on (the layouts that gain
+ * from it: pf) and stores the rows (+ bias). fli_pack_scale is the f32 end of a superblock with
+ * mins (Q2_K, Q5_K). All are always inline, the body a constant function pointer and NT a
+ * constant in each case of fli_pack_group, so every layout and token count compiles to a loop of
+ * its own with the body inlined, as when each file wrote its own. Internal: not seen by cffi; AVX-512 VNNI builds
  * only (the layouts' group bytes are 0 elsewhere). */
 #ifndef FLASHLLM_PACKLOOP_H
 #define FLASHLLM_PACKLOOP_H
@@ -40,8 +40,10 @@ static inline __attribute__((always_inline)) void fli_pack_scale(const uint8_t *
 }
 
 /* y[t * ld + r] (+ bias (16)) for the 16 rows of group gp (n / 256 superblocks of sb bytes)
- * and NT tokens xq (xb bytes apart) */
+ * and NT tokens xq (xb bytes apart); pf: prefetch a superblock's bytes half a superblock on,
+ * else the hardware's prefetchers alone read ahead */
 static inline __attribute__((always_inline)) void fli_pack_tokens(fli_pack_body body, size_t sb,
+                                                                  int pf,
                                                                   const uint8_t *gp, int64_t n,
                                                                   const uint8_t *xq, size_t xb,
                                                                   int NT, float *y, int64_t ld,
@@ -52,8 +54,10 @@ static inline __attribute__((always_inline)) void fli_pack_tokens(fli_pack_body 
         fli_xq_sb x[FLI_PACK_T];
         for (int t = 0; t < NT; t++) x[t] = fli_xq_superblock(xq + (size_t)t * xb, n, s);
         // half a superblock on and across groups: the next group follows in memory, and a
-        // prefetch stopped at the group's end left the stream to stall (docs/MEASUREMENTS.md)
-        fli_prefetch(gp + (size_t)s * sb + sb / 2, sb);
+        // prefetch stopped at the group's end left the stream to stall (docs/MEASUREMENTS.md).
+        // q4_k's body is the lightest: there the prefetches cost more than they bring
+        // (docs/KERNELS.md, "Prefetch across groups")
+        if (pf) fli_prefetch(gp + (size_t)s * sb + sb / 2, sb);
         body(gp + (size_t)s * sb, x, NT, out);
     }
     const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
@@ -62,15 +66,16 @@ static inline __attribute__((always_inline)) void fli_pack_tokens(fli_pack_body 
 
 /* fli_pack_tokens for NT = 1, 2, 3 or 4 (more: 4), each its own specialization */
 static inline __attribute__((always_inline)) void fli_pack_group(fli_pack_body body, size_t sb,
+                                                                 int pf,
                                                                  const uint8_t *gp, int64_t n,
                                                                  const uint8_t *xq, size_t xb,
                                                                  int NT, float *y, int64_t ld,
                                                                  const float *bias) {
     switch (NT) {
-    case 1: fli_pack_tokens(body, sb, gp, n, xq, xb, 1, y, ld, bias); break;
-    case 2: fli_pack_tokens(body, sb, gp, n, xq, xb, 2, y, ld, bias); break;
-    case 3: fli_pack_tokens(body, sb, gp, n, xq, xb, 3, y, ld, bias); break;
-    default: fli_pack_tokens(body, sb, gp, n, xq, xb, 4, y, ld, bias); break;
+    case 1: fli_pack_tokens(body, sb, pf, gp, n, xq, xb, 1, y, ld, bias); break;
+    case 2: fli_pack_tokens(body, sb, pf, gp, n, xq, xb, 2, y, ld, bias); break;
+    case 3: fli_pack_tokens(body, sb, pf, gp, n, xq, xb, 3, y, ld, bias); break;
+    default: fli_pack_tokens(body, sb, pf, gp, n, xq, xb, 4, y, ld, bias); break;
     }
 }
 #endif

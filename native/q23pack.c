@@ -213,9 +213,9 @@ void fli_q23_group(int32_t dtype, const uint8_t *gp, int64_t n, const uint8_t *x
                    int NT, float *y, int64_t ld, const float *bias) {
 #if defined(HAS_Q23_PACK)
     if (dtype == FL_Q3_K)
-        fli_pack_group(q3_sb, Q3_SB, gp, n, xq, xb, NT, y, ld, bias);
+        fli_pack_group(q3_sb, Q3_SB, 1, gp, n, xq, xb, NT, y, ld, bias);
     else
-        fli_pack_group(q2_sb, Q2_SB, gp, n, xq, xb, NT, y, ld, bias);
+        fli_pack_group(q2_sb, Q2_SB, 1, gp, n, xq, xb, NT, y, ld, bias);
 #else
     (void)dtype, (void)gp, (void)n, (void)xq, (void)xb, (void)NT, (void)y, (void)ld, (void)bias;
 #endif

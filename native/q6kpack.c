@@ -104,7 +104,7 @@ static inline __attribute__((always_inline)) void group_sb6(const uint8_t *blk, 
 void fli_q6k_group(const uint8_t *gp, int64_t n, const uint8_t *xq, size_t xb, int NT, float *y,
                    int64_t ld, const float *bias) {
 #if defined(HAS_Q6_PACK)
-    fli_pack_group(group_sb6, Q6_PACK_SB, gp, n, xq, xb, NT, y, ld, bias);
+    fli_pack_group(group_sb6, Q6_PACK_SB, 1, gp, n, xq, xb, NT, y, ld, bias);
 #else
     (void)gp, (void)n, (void)xq, (void)xb, (void)NT, (void)y, (void)ld, (void)bias;
 #endif
