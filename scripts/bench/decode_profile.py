@@ -1,4 +1,4 @@
-"""Where a dense decode token's time goes, per op, in process (the model fully in DRAM).
+"""Where a decode token's time goes, per op, in process (the model fully in DRAM).
 
 Run:  python -m scripts.bench.decode_profile MODEL [--tokens 64] [--threads 2] [--prompt FILE]
 MODEL: a converted folder (or a models.toml name already converted in the user cache).
@@ -8,7 +8,9 @@ cache), prefills a prompt, then decodes --tokens tokens greedily while every cal
 compute kernel (flashllm/ffi/kernel.py) is timed and charged to an op: the attention's q / k / v
 (or fused qkv: runtime/layer.py) / o matmuls, attention itself, the FFN (its gate+up and down
 matmuls and activation when it multiplies rows, else its bundles), the output head, norms,
-RoPE, embeddings. What the decode loop spends outside those calls is "python" (numpy adds, KV cache writes, the loop,
+RoPE, embeddings; a decode token's one-call attention and FFN blocks (ffi/block.py) and a mixture
+of experts' layer (its router's matmul, the routing, fl_moe_ffn) are ops of their own. What the
+decode loop spends outside those calls is "python" (numpy adds, KV cache writes, the loop,
 sampling's argmax). Prints ms per token per op and tok/s, and the process's CPU time per token
 (with one thread, what a token costs whatever else runs: a loaded machine stretches the wall
 time, not this); --json one JSON object.
@@ -23,14 +25,17 @@ from pathlib import Path
 
 import numpy as np
 
-from flashllm.ffi import kernel
+from flashllm.ffi import block, kernel, moe as moe_kernel
 from flashllm.format.reader import open_flash
 from flashllm.generation.tokenizer import Tokenizer
 from flashllm.runtime.ffn import DenseFfn
 from flashllm.runtime.model import Model
+from flashllm.runtime.moe import Routers
 
 WRAPPED = ("matmul", "ffn_bundles", "attention", "rmsnorm", "layernorm", "rope", "get_rows",
            "act_mul")
+CALLS = ((block.AttnToken, "__call__", "attn block"), (block.FfnToken, "__call__", "ffn block"),
+         (moe_kernel.ExpertSet, "__call__", "moe experts"), (Routers, "route", "moe route"))
 
 
 class Timers:
@@ -52,6 +57,8 @@ class Timers:
             return "ffn down" if rows == cfg.d_model else "ffn gate+up"
         if rows == cfg.vocab_size:
             return "head"
+        if rows == cfg.n_experts:
+            return "moe router"
         nq, nk = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
         return {nq: "attn_q/o", nk: "attn_k/v", cfg.d_model: "attn_q/o",
                 nq + 2 * nk: "attn_qkv (fused)"}.get(rows, "matmul_other")
@@ -68,6 +75,22 @@ class Timers:
             return out
         return timed
 
+
+    def wrap_call(self, op: str, call):
+        """call (a method: a block's or a mixture of experts' one C call) charged to op, less
+        what the ops it calls were charged (the router's matmul is "moe router")."""
+        def timed(*args, **kw):
+            if not self.on:
+                return call(*args, **kw)
+            before = sum(self.s.values())
+            t0 = self.clock()
+            try:
+                return call(*args, **kw)
+            finally:
+                inner = sum(self.s.values()) - before
+                self.s[op] += self.clock() - t0 - inner
+                self.n[op] += 1
+        return timed
 
     def wrap_ffn(self, call):
         """DenseFfn.__call__ charged to "ffn (python)" beyond its kernel calls."""
@@ -115,6 +138,8 @@ def main() -> None:
     for name in WRAPPED:
         setattr(kernel, name, timers.wrap(name, getattr(kernel, name)))
     DenseFfn.__call__ = timers.wrap_ffn(DenseFfn.__call__)
+    for cls, name, op in CALLS:
+        setattr(cls, name, timers.wrap_call(op, getattr(cls, name)))
     c0, t0 = time.process_time(), time.perf_counter()
     logits = net.forward(np.asarray(ids, np.int32), 0, last_only=True)       # (1, vocab)
     prefill, prefill_cpu = time.perf_counter() - t0, time.process_time() - c0
