@@ -89,6 +89,32 @@ void fli_q0_pack_group(int32_t dtype, const uint8_t *w, size_t rb, int64_t cols,
         pack_block(dtype, w + (size_t)b * bb, rb, dst + 32 * b, dst + 32 * nb + vb * (size_t)b);
 }
 
+/* row r of a group (gp, cols values) back into its bytes as on file (row: its blocks), the
+ * inverse of pack_block */
+void fli_q0_unpack_row(int32_t dtype, const uint8_t *gp, int64_t cols, int r, uint8_t *row) {
+    const int64_t nb = cols / FL_QK;
+    const size_t vb = value_bytes(dtype), bb = fli_block_bytes(dtype);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *v = gp + 32 * nb + vb * (size_t)b;
+        uint8_t *blk = row + (size_t)b * bb;
+        memcpy(blk, gp + 32 * b + 2 * r, 2);
+        if (dtype == FL_Q8_0 || dtype == FL_Q4_0) {
+            for (int k = 0; k < (dtype == FL_Q8_0 ? 8 : 4); k++)
+                memcpy(blk + 2 + 4 * k, v + 64 * k + 4 * r, 4);
+            continue;
+        }
+        uint32_t qh = 0;
+        for (int j = 0; j < 16; j++) {  // values j (lo) and 16 + j (hi), 5 bits each
+            const int a = v[64 * (j / 4) + 4 * r + j % 4];
+            const int top = (v[256 + 4 * r + j % 4] >> (2 * (j / 4))) & 3;
+            const int lo = a & 0x1F, hi = (a >> 5) | top << 3;
+            blk[6 + j] = (uint8_t)((lo & 0x0F) | (hi & 0x0F) << 4);
+            qh |= (uint32_t)(lo >> 4) << j | (uint32_t)(hi >> 4) << (j + 16);
+        }
+        memcpy(blk + 2, &qh, 4);
+    }
+}
+
 #if defined(Q0_SIMD)
 #if Q0_SIMD == 512
 static inline vi v_zero(void) { return _mm512_setzero_si512(); }
