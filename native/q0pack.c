@@ -32,7 +32,7 @@
 
 #define Q0_R 16
 #ifndef Q0_AHEAD
-#define Q0_AHEAD 8
+#define Q0_AHEAD 32768 /* bytes of values a group's block prefetches ahead (into L2) */
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -285,7 +285,9 @@ static inline __attribute__((always_inline)) void group0(int K, const uint8_t *g
     for (int t = 0; t < NT; t++) out[t] = v_fzero();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *v = vals + (size_t)b * vb;
-        fli_prefetch(v + Q0_AHEAD * vb, vb);  // Q0_AHEAD blocks on, across groups
+        // Q0_AHEAD bytes on, across groups, into L2: prefetcht0 8 blocks on held L1's misses
+        // and one core streamed the q8_0 head at 13-14 GB/s, this at 20-21 (docs/KERNELS.md)
+        fli_prefetch_l2(v + Q0_AHEAD, vb);
         vi acc[4][Q0_CHAINS];
         const int8_t *q[4];
         for (int t = 0; t < NT; t++) {  // AVX2's q8_0 sums are signed: no correction
