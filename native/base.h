@@ -89,6 +89,11 @@ static inline void fli_prefetch(const uint8_t *p, size_t n) {
     for (size_t off = 0; off < n; off += 64) __builtin_prefetch(p + off, 0, 3);
 }
 
+/* the same into L2 only (prefetcht1): what a long stream far ahead wants (q0pack.c) */
+static inline void fli_prefetch_l2(const uint8_t *p, size_t n) {
+    for (size_t off = 0; off < n; off += 64) __builtin_prefetch(p + off, 0, 2);
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 /* 4 activation bytes in every int32 lane: what the packed kernels' vpdpbusd meets */
 static inline __m512i fli_bcast4(const int8_t *p) {

@@ -121,6 +121,12 @@ int32_t fl_matmul(const void *w, int32_t dtype, int64_t rows, int64_t cols, cons
  * activations as fl_matmul's (its sums in another order, so not fl_matmul's bits). */
 size_t fl_packed_bytes(int32_t dtype, int64_t rows, int64_t cols);
 int32_t fl_pack(int32_t dtype, const void *w, int64_t rows, int64_t cols, void *out);
+/* Rows ids (n_ids) of a packed p (fl_pack's, rows x cols of dtype) back into their bytes as on
+ * file, out (n_ids, fl_row_bytes): what a tied head's packed token_embd gives the embedding
+ * lookup (fl_get_rows on them). q8_0, q5_0, q4_0, q4_k and q6_k layouts; FL_EUNSUPPORTED for the
+ * others (then n_ids 0 answers whether the layout unpacks), FL_EINVAL for an id out of range. */
+int32_t fl_unpack_rows(const void *p, int32_t dtype, int64_t rows, int64_t cols,
+                       const int32_t *ids, int64_t n_ids, void *out);
 int32_t fl_matmul_packed(const void *p, int32_t dtype, int64_t rows, int64_t cols,
                          const float *bias, const float *x, int64_t T, float *y,
                          int32_t n_threads);

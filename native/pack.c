@@ -47,6 +47,20 @@ int32_t fl_pack(int32_t dtype, const void *w, int64_t rows, int64_t cols, void *
     return FL_OK;
 }
 
+int32_t fl_unpack_rows(const void *p, int32_t dtype, int64_t rows, int64_t cols,
+                       const int32_t *ids, int64_t n_ids, void *out) {
+    if (fl_packed_bytes(dtype, rows, cols) == 0 || !fli_traits_of(dtype)->unpack_row)
+        return FL_EUNSUPPORTED;
+    if (n_ids < 0 || (n_ids > 0 && (!p || !ids || !out))) return FL_EINVAL;
+    for (int64_t i = 0; i < n_ids; i++)
+        if (ids[i] < 0 || ids[i] >= rows) return FL_EINVAL;
+    const size_t rb = fl_row_bytes(dtype, cols), gb = group_bytes(dtype, cols);
+    for (int64_t i = 0; i < n_ids; i++)
+        fli_traits_of(dtype)->unpack_row((const uint8_t *)p + (size_t)(ids[i] / PACK_R) * gb, cols,
+                                         ids[i] % PACK_R, (uint8_t *)out + (size_t)i * rb);
+    return FL_OK;
+}
+
 typedef struct {
     const uint8_t *p;
     int32_t dtype;

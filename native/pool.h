@@ -53,14 +53,15 @@ static inline void fli_split_init(fli_split *s, int64_t n, int32_t n_threads) {
         atomic_init(&s->part[i].span, (uint64_t)(n * i / p) << 32 | (uint64_t)(n * (i + 1) / p));
 }
 
-/* up to chunk items [*lo, *hi) off part i's front (front != 0) or back; 0 when it is empty */
-static inline int fli_split_cut(fli_split *s, int i, int front, int64_t chunk, int64_t *lo,
-                                int64_t *hi) {
+/* up to chunk items [*lo, *hi) off part i's front (front != 0) or back (half: half of what is
+ * left when that is more); 0 when it is empty */
+static inline int fli_split_cut(fli_split *s, int i, int front, int half, int64_t chunk,
+                                int64_t *lo, int64_t *hi) {
     uint64_t v = atomic_load_explicit(&s->part[i].span, memory_order_relaxed);
     for (;;) {
         const int64_t a = (int64_t)(v >> 32), b = (int64_t)(v & 0xFFFFFFFFu);
         if (a >= b) return 0;
-        const int64_t c = b - a < chunk ? b - a : chunk;
+        const int64_t c = half && (b - a) / 2 > chunk ? (b - a) / 2 : b - a < chunk ? b - a : chunk;
         const uint64_t nv = front ? (uint64_t)(a + c) << 32 | (uint64_t)b
                                   : (uint64_t)a << 32 | (uint64_t)(b - c);
         if (atomic_compare_exchange_weak(&s->part[i].span, &v, nv)) {
@@ -71,14 +72,34 @@ static inline int fli_split_cut(fli_split *s, int i, int front, int64_t chunk, i
     }
 }
 
+/* a taker whose part m is empty steals the back half of part i (a chunk when less is left):
+ * its first chunk [*lo, *hi), the rest of that half made part m, taken from its front. Taken a
+ * chunk at a time from the back instead, a part whose thread did not run (its core held by
+ * another process) was read backwards, and the one thread left ran 1.3-1.6x its one-thread
+ * time (docs/KERNELS.md, "Threads"). Safe: nothing changes an empty part but its taker. */
+static inline int fli_split_steal(fli_split *s, int i, int m, int64_t chunk, int64_t *lo,
+                                  int64_t *hi) {
+    int64_t end;
+    if (!fli_split_cut(s, i, 0, 1, chunk, lo, &end)) return 0;
+    *hi = end - *lo > chunk ? *lo + chunk : end;
+    if (*hi < end) atomic_store(&s->part[m].span, (uint64_t)*hi << 32 | (uint64_t)end);
+    return 1;
+}
+
 /* the next chunk [*lo, *hi) for a taker whose part is *mine (-1 before its first take, kept on
  * the taker's stack); 0 when no item is left */
 static inline int fli_split_take(fli_split *s, int *mine, int64_t chunk, int64_t *lo,
                                  int64_t *hi) {
     if (*mine < 0) *mine = atomic_fetch_add(&s->claimed, 1);
-    if (*mine < s->n_parts && fli_split_cut(s, *mine, 1, chunk, lo, hi)) return 1;
-    for (int k = 1; k <= s->n_parts; k++)
-        if (fli_split_cut(s, (*mine + k) % s->n_parts, 0, chunk, lo, hi)) return 1;
+    *lo = *hi = 0;  // (an empty chunk when none is left; gcc -O1 cannot see every path sets them)
+    const int own = *mine < s->n_parts;
+    if (own && fli_split_cut(s, *mine, 1, 0, chunk, lo, hi)) return 1;
+    for (int k = 1; k <= s->n_parts; k++) {
+        const int i = (*mine + k) % s->n_parts;
+        if (own ? fli_split_steal(s, i, *mine, chunk, lo, hi)
+                : fli_split_cut(s, i, 0, 0, chunk, lo, hi))
+            return 1;
+    }
     return 0;
 }
 

@@ -32,7 +32,7 @@
 
 #define Q0_R 16
 #ifndef Q0_AHEAD
-#define Q0_AHEAD 8
+#define Q0_AHEAD 32768 /* bytes of values a group's block prefetches ahead (into L2) */
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -87,6 +87,32 @@ void fli_q0_pack_group(int32_t dtype, const uint8_t *w, size_t rb, int64_t cols,
     const size_t vb = value_bytes(dtype), bb = fli_block_bytes(dtype);
     for (int64_t b = 0; b < nb; b++)
         pack_block(dtype, w + (size_t)b * bb, rb, dst + 32 * b, dst + 32 * nb + vb * (size_t)b);
+}
+
+/* row r of a group (gp, cols values) back into its bytes as on file (row: its blocks), the
+ * inverse of pack_block */
+void fli_q0_unpack_row(int32_t dtype, const uint8_t *gp, int64_t cols, int r, uint8_t *row) {
+    const int64_t nb = cols / FL_QK;
+    const size_t vb = value_bytes(dtype), bb = fli_block_bytes(dtype);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *v = gp + 32 * nb + vb * (size_t)b;
+        uint8_t *blk = row + (size_t)b * bb;
+        memcpy(blk, gp + 32 * b + 2 * r, 2);
+        if (dtype == FL_Q8_0 || dtype == FL_Q4_0) {
+            for (int k = 0; k < (dtype == FL_Q8_0 ? 8 : 4); k++)
+                memcpy(blk + 2 + 4 * k, v + 64 * k + 4 * r, 4);
+            continue;
+        }
+        uint32_t qh = 0;
+        for (int j = 0; j < 16; j++) {  // values j (lo) and 16 + j (hi), 5 bits each
+            const int a = v[64 * (j / 4) + 4 * r + j % 4];
+            const int top = (v[256 + 4 * r + j % 4] >> (2 * (j / 4))) & 3;
+            const int lo = a & 0x1F, hi = (a >> 5) | top << 3;
+            blk[6 + j] = (uint8_t)((lo & 0x0F) | (hi & 0x0F) << 4);
+            qh |= (uint32_t)(lo >> 4) << j | (uint32_t)(hi >> 4) << (j + 16);
+        }
+        memcpy(blk + 2, &qh, 4);
+    }
 }
 
 #if defined(Q0_SIMD)
@@ -259,7 +285,9 @@ static inline __attribute__((always_inline)) void group0(int K, const uint8_t *g
     for (int t = 0; t < NT; t++) out[t] = v_fzero();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *v = vals + (size_t)b * vb;
-        fli_prefetch(v + Q0_AHEAD * vb, vb);  // Q0_AHEAD blocks on, across groups
+        // Q0_AHEAD bytes on, across groups, into L2: prefetcht0 8 blocks on held L1's misses
+        // and one core streamed the q8_0 head at 13-14 GB/s, this at 20-21 (docs/KERNELS.md)
+        fli_prefetch_l2(v + Q0_AHEAD, vb);
         vi acc[4][Q0_CHAINS];
         const int8_t *q[4];
         for (int t = 0; t < NT; t++) {  // AVX2's q8_0 sums are signed: no correction

@@ -11,6 +11,7 @@
 
 size_t fli_q0_group_bytes(int32_t dtype, int64_t cols);
 void fli_q0_pack_group(int32_t dtype, const uint8_t *w, size_t rb, int64_t cols, uint8_t *dst);
+void fli_q0_unpack_row(int32_t dtype, const uint8_t *gp, int64_t cols, int r, uint8_t *row);
 void fli_q0_group(int32_t dtype, const uint8_t *gp, int64_t n, const uint8_t *xq, size_t xb,
                   int NT, float *y, int64_t ld, const float *bias);
 

@@ -64,6 +64,30 @@ void fli_q4k_pack_group(const uint8_t *w, size_t rb, int64_t cols, uint8_t *dst)
     for (int64_t s = 0; s < cols / FL_QK_K; s++) pack_sb(w, rb, 0, s, dst + (size_t)s * PACK_SB);
 }
 
+/* row r of a group (cols values) back into its superblocks as on file: pack_sb's inverse, the
+ * 6-bit scales and mins put back in their 12 bytes (kblock.h's fli_q4k_unpack undone) */
+void fli_q4k_unpack_row(const uint8_t *gp, int64_t cols, int r, uint8_t *row) {
+    for (int64_t s = 0; s < cols / FL_QK_K; s++) {
+        const uint8_t *src = gp + (size_t)s * PACK_SB;
+        uint8_t *sb = row + (size_t)s * FL_Q4_K_BYTES;
+        uint8_t sc[8], m[8];
+        for (int j = 0; j < 8; j++) {
+            sc[j] = src[64 + 16 * j + r];
+            m[j] = src[192 + 32 * (j / 2) + 2 * r + j % 2];
+        }
+        memcpy(sb, src + 2 * r, 2);
+        memcpy(sb + 2, src + 32 + 2 * r, 2);
+        for (int j = 0; j < 4; j++) {
+            sb[4 + j] = (uint8_t)(sc[j] | (sc[j + 4] >> 4) << 6);
+            sb[8 + j] = (uint8_t)(m[j] | (m[j + 4] >> 4) << 6);
+            sb[12 + j] = (uint8_t)((sc[j + 4] & 0x0F) | (m[j + 4] & 0x0F) << 4);
+        }
+        for (int p = 0; p < 4; p++)
+            for (int k = 0; k < 8; k++)
+                memcpy(sb + 16 + 32 * p + 4 * k, src + 320 + 512 * p + 64 * k + 4 * r, 4);
+    }
+}
+
 #if defined(HAS_PACK)
 /* out[t] (16 lanes: the group's rows) += superblock blk of the group against NT tokens */
 static inline __attribute__((always_inline)) void group_sb(const uint8_t *blk, const fli_xq_sb *x,

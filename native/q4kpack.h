@@ -13,6 +13,7 @@
 
 size_t fli_q4k_group_bytes(int64_t cols);
 void fli_q4k_pack_group(const uint8_t *w, size_t rb, int64_t cols, uint8_t *dst);
+void fli_q4k_unpack_row(const uint8_t *gp, int64_t cols, int r, uint8_t *row);
 void fli_q4k_group(const uint8_t *gp, int64_t n, const uint8_t *xq, size_t xb, int NT, float *y,
                    int64_t ld, const float *bias);
 

@@ -57,6 +57,23 @@ void fli_q6k_pack_group(const uint8_t *w, size_t rb, int64_t cols, uint8_t *dst)
     for (int64_t s = 0; s < cols / FL_QK_K; s++) pack_sb(w, rb, 0, s, dst + (size_t)s * Q6_PACK_SB);
 }
 
+/* row r of a group (cols values) back into its superblocks as on file: pack_sb's inverse */
+void fli_q6k_unpack_row(const uint8_t *gp, int64_t cols, int r, uint8_t *row) {
+    for (int64_t s = 0; s < cols / FL_QK_K; s++) {
+        const uint8_t *src = gp + (size_t)s * Q6_PACK_SB;
+        uint8_t *sb = row + (size_t)s * FL_Q6_K_BYTES;
+        memcpy(sb + 208, src + 2 * r, 2);
+        for (int j = 0; j < 16; j++) sb[192 + j] = src[32 + 16 * j + r];
+        for (int c = 0; c < 2; c++)
+            for (int k = 0; k < 8; k++) {
+                const uint8_t *o = src + 288 + 192 * (8 * c + k) + 4 * r;
+                memcpy(sb + 64 * c + 4 * k, o, 4);
+                memcpy(sb + 64 * c + 32 + 4 * k, o + 64, 4);
+                memcpy(sb + 128 + 32 * c + 4 * k, o + 128, 4);
+            }
+    }
+}
+
 #if defined(HAS_Q6_PACK)
 /* out[t] (16 lanes: the group's rows) += superblock blk of the group against NT tokens */
 static inline __attribute__((always_inline)) void group_sb6(const uint8_t *blk, const fli_xq_sb *x,

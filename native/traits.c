@@ -84,11 +84,20 @@ QK_ROWS_TILE(q3k, FL_Q3_K)
 QK_ROWS_TILE(q5k, FL_Q5_K)
 QK_TILE(q2k, fli_q2k_tile)
 QK_TILE(q6k, fli_q6k_tile)
+/* q0pack.c's row unpacking bound to dtype DT */
+#define DT_UNPACK(t, DT)                                                                       \
+    static void t##_unpack_row(const uint8_t *gp, int64_t cols, int r, uint8_t *row) {         \
+        fli_q0_unpack_row(DT, gp, cols, r, row);                                               \
+    }
+
 DT_PACK(q8_0, FL_Q8_0, q0)
 DT_PACK(q5_0, FL_Q5_0, q0)
 DT_PACK(q4_0, FL_Q4_0, q0)
 DT_PACK(q2k, FL_Q2_K, q23)
 DT_PACK(q3k, FL_Q3_K, q23)
+DT_UNPACK(q8_0, FL_Q8_0)
+DT_UNPACK(q5_0, FL_Q5_0)
+DT_UNPACK(q4_0, FL_Q4_0)
 
 #if defined(FLI_Q4K_TILEN)
 #define Q4K_PANEL 0 /* AVX2: q4_k's integer tiles beat its expanded panels */
@@ -113,18 +122,22 @@ const fli_traits fli_type_traits[FLI_N_DTYPES] = {
     [FL_F16] = {.name = "f16", .dequant = fli_f16_dequant, .quantize = fli_f16_quantize,
                 .dot = fli_f16_dot, .axpy = fli_f16_axpy, .axpy4 = fli_f16_axpy4},
     [FL_Q8_0] = {BLOCK32(q8_0), .group_bytes = q8_0_group_bytes,
-                 .pack_group = q8_0_pack_group, .group = q8_0_group},
+                 .pack_group = q8_0_pack_group, .group = q8_0_group,
+                 .unpack_row = q8_0_unpack_row},
     [FL_Q4_0] = {BLOCK32(q4_0), .group_bytes = q4_0_group_bytes,
-                 .pack_group = q4_0_pack_group, .group = q4_0_group},
+                 .pack_group = q4_0_pack_group, .group = q4_0_group,
+                 .unpack_row = q4_0_unpack_row},
     [FL_Q4_1] = {BLOCK32(q4_1)},
     [FL_Q5_0] = {BLOCK32(q5_0), .group_bytes = q5_0_group_bytes,
-                 .pack_group = q5_0_pack_group, .group = q5_0_group},
+                 .pack_group = q5_0_pack_group, .group = q5_0_group,
+                 .unpack_row = q5_0_unpack_row},
     [FL_Q5_1] = {BLOCK32(q5_1)},
     [FL_Q4_K] = {.name = "q4_k", .dequant = fli_q4k_dequant, .quantize = fli_q4k_quantize,
                  .dot = fli_q4k_dot, .axpy = q4k_axpy, .axpy4 = q4k_axpy4,
                  .qdot_tile = fli_q4k_qtile, .panel = Q4K_PANEL,
                  .tile_exact = Q4K_TILE_EXACT, .group_bytes = fli_q4k_group_bytes,
-                 .pack_group = fli_q4k_pack_group, .group = fli_q4k_group},
+                 .pack_group = fli_q4k_pack_group, .group = fli_q4k_group,
+                 .unpack_row = fli_q4k_unpack_row},
     [FL_Q5_K] = {.name = "q5_k", .dequant = q5k_dequant, .quantize = fli_q5k_quantize,
                  .dot = q5k_dot, .axpy = q5k_axpy, .axpy4 = q5k_axpy4,
                  .qdot_tile = q5k_tile, .group_bytes = fli_q5k_group_bytes,
@@ -132,7 +145,8 @@ const fli_traits fli_type_traits[FLI_N_DTYPES] = {
     [FL_Q6_K] = {.name = "q6_k", .dequant = fli_q6k_dequant, .quantize = fli_q6k_quantize,
                  .dot = q6k_dot, .axpy = q6k_axpy, .axpy4 = q6k_axpy4,
                  .qdot_tile = q6k_tile, .tile_exact = 1, .group_bytes = fli_q6k_group_bytes,
-                 .pack_group = fli_q6k_pack_group, .group = fli_q6k_group},
+                 .pack_group = fli_q6k_pack_group, .group = fli_q6k_group,
+                 .unpack_row = fli_q6k_unpack_row},
     [FL_Q2_K] = {.name = "q2_k", .dequant = q2k_dequant, .quantize = fli_q2k_quantize,
                  .dot = q2k_dot, .axpy = q2k_axpy, .axpy4 = q2k_axpy4,
                  .qdot_tile = q2k_tile, .tile_exact = 1, .group_bytes = q2k_group_bytes,

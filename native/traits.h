@@ -46,6 +46,9 @@ typedef struct {
     void (*pack_group)(const uint8_t *w, size_t rb, int64_t cols, uint8_t *dst);
     void (*group)(const uint8_t *gp, int64_t n, const uint8_t *xq, size_t xb, int NT, float *y,
                   int64_t ld, const float *bias);
+    /* row r (< 16) of a packed group gp back into its bytes as on file; NULL: the layout is not
+     * undone here (fl_unpack_rows) */
+    void (*unpack_row)(const uint8_t *gp, int64_t cols, int r, uint8_t *row);
 } fli_traits;
 
 #pragma GCC visibility push(hidden)

@@ -6,7 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from flashllm.ffi import kernel
 from flashllm.format.reader import open_flash
+from flashllm.model.tensor import PackedTensor
 from flashllm.runtime.layer import attn_names
 from flashllm.runtime.weights import DenseWeights
 from flashllm.ffi.reader import Reader
@@ -84,3 +86,21 @@ def test_streamed_dense_gives_the_same_tokens_smollm2():
     model, w = streamed_model(path, streamed, n_ctx=64, chunk_bytes=4 << 20)
     assert [int(np.argmax(r[-1])) for r in run(model, prompt, 8)] == want
     assert w.bytes_read > 0
+
+
+@pytest.mark.parametrize("dtype", ["q8_0", "q4_0"])
+def test_a_packed_tied_head_embeds_its_rows_unpacked(tmp_path, dtype):
+    """A tied head packed for the matmul (no second copy of token_embd): embeddings exactly the
+    unpacked rows', logits those of the rows as stored up to the packed kernel's sum order."""
+    cfg = tiny_config(glu=True, tied_embeddings=True, vocab_size=160)   # 10 groups of 16 rows
+    write_arrays(tmp_path / "m", cfg, tiny_arrays(cfg, seed=3), dtype)
+    flash = open_flash(tmp_path / "m")
+    plain, packed = DenseWeights(flash, 1), DenseWeights(flash, 2, pack=True)
+    if not kernel.unpacks(dtype, cfg.vocab_size, cfg.d_model):
+        pytest.skip("this build has no packed layout")
+    assert isinstance(packed.head, PackedTensor) and packed.token_embd is None
+    tokens = np.array([5, 159, 0, 5, 77, 16])                             # (6,)
+    np.testing.assert_array_equal(packed.embed(tokens), plain.embed(tokens))
+    x = np.random.default_rng(1).standard_normal((3, cfg.d_model)).astype(np.float32)
+    want = plain.output(x)                                                # (3, vocab)
+    np.testing.assert_allclose(packed.output(x), want, atol=1e-5 * np.abs(want).max())

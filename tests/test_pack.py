@@ -142,3 +142,25 @@ def test_the_largest_sub_block_dots(name):
     want = x.astype(np.float64) @ reference(data, TYPES[name], rows, cols).T  # (2, rows)
     y = kernel.matmul(p, x, None, 1)                                      # (2, rows)
     assert np.abs(y - want).max() <= 1e-5 * np.abs(want).max()
+
+
+UNPACKS = {"q4_k", "q6_k", "q8_0", "q5_0", "q4_0"}   # the layouts fl_unpack_rows undoes
+
+
+def test_unpacked_rows_are_the_rows_as_on_file(weight):
+    w, ref, p = weight
+    if p is None:
+        pytest.skip("this build has no packed layout (AVX-512 VNNI)")
+    ids = np.array([0, 47, 17, 17, 5, 31, 16, 15])                        # (8,)
+    if w.dtype not in UNPACKS:
+        assert not kernel.unpacks(w.dtype, ROWS, COLS)
+        with pytest.raises(KernelError):
+            kernel.unpack_rows(p, ids)
+        return
+    assert kernel.unpacks(w.dtype, ROWS, COLS)
+    got = kernel.unpack_rows(p, ids)                                      # QTensor (8, COLS)
+    np.testing.assert_array_equal(got.data, w.data[ids])                  # the bytes as written
+    emb = kernel.get_rows(got, np.arange(len(ids)))                       # (8, COLS)
+    np.testing.assert_allclose(emb, ref[ids], rtol=1e-6, atol=1e-7)       # gguf-py's values
+    with pytest.raises(KernelError):
+        kernel.unpack_rows(p, [ROWS])

@@ -67,7 +67,8 @@ def hidden_and_logits(flash, n: int = 192):
     tok = Tokenizer.from_flash(flash)
     ids = np.array(sum((text_tokens(tok, builtin_text("evaluation", k, 20000).text, n // 2)
                         for k in ("code", "prose")), []), np.int32)    # (n,)
-    net = Model(flash, n_threads=2, n_ctx=n)
+    net = Model(flash, n_threads=2, n_ctx=n, weights=DenseWeights(flash, 2))  # rows as stored:
+    # the kernels of a streamed head (a run without a budget packs the head: other sums' order)
     got = []
     real = net.w.output
     net.w.output = lambda x, exact=False: (got.append(x.copy()), real(x, exact))[1]

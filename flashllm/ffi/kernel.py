@@ -120,6 +120,25 @@ def pack(w: QTensor, in_place: bool = False) -> PackedTensor | None:
     return PackedTensor(out, w.dtype, w.rows, w.cols)
 
 
+def unpacks(dtype: str, rows: int, cols: int) -> bool:
+    """Whether pack() repacks a (rows, cols) `dtype` matrix in a layout unpack_rows undoes
+    (q8_0, q5_0, q4_0, q4_k, q6_k in this build)."""
+    return _native().fl_unpack_rows(ffi.NULL, dtype_code(dtype), rows, cols, ffi.NULL, 0,
+                                    ffi.NULL) == 0
+
+
+def unpack_rows(p: PackedTensor, ids) -> QTensor:
+    """Rows ids (n,) of the packed p as they were before pack(): a (n, cols) QTensor of p's dtype
+    (fl_unpack_rows; a tied head's embedding rows). KernelError when p's layout does not unpack."""
+    k = _native()
+    idx = _ids(ids, "ids", p.rows)                                              # (n,)
+    out = np.empty((idx.size, k.fl_row_bytes(p.code, p.cols)), np.uint8)        # (n, row bytes)
+    _check(k.fl_unpack_rows(ffi.from_buffer(p.data), p.code, p.rows, p.cols,
+                            ffi.from_buffer("int32_t[]", idx), idx.size, ffi.from_buffer(out)),
+           "unpack_rows")
+    return QTensor(out, p.dtype, idx.size, p.cols)
+
+
 def matmul(w: QTensor | PackedTensor, x, bias=None, n_threads: int = 1,
            exact: bool = False) -> np.ndarray:
     """y (T, rows) = x (T, cols) @ w^T [+ bias (rows)]; a 1-D x gives a 1-D y.

@@ -163,8 +163,10 @@ def dense_groups(manifest: dict) -> tuple[int, list[tuple[list[str], int]], tupl
     entries = {t["name"]: t for t in manifest["dense"]["tensors"]}
     tensors = {n: int(t["nbytes"]) for n, t in entries.items()}
     head = head_name(manifest)
+    h = entries[head]
     packs = [n for i in range(manifest["config"]["n_layers"]) for n in attn_names(i)] + \
-        (["output.weight"] if head == "output.weight" else [])    # what DenseWeights(pack) packs
+        ([head] if head == "output.weight" or kernel.unpacks(h["dtype"], *h["shape"]) else [])
+    # ^ what DenseWeights(pack) packs: a tied head when embed() can unpack its rows
     tensors.update({n: packed_nbytes(entries[n]) for n in packs if n in entries})
     groups = [(attn_names(i), sum(tensors[n] for n in attn_names(i)))
               for i in range(manifest["config"]["n_layers"])] + [([head], tensors[head])]

@@ -108,8 +108,12 @@ class DenseWeights(DenseSource):
         self.out_norm_b = own["out_norm_b"]                              # (d_model,)
         self.token_embd = self._resident("token_embd.weight")            # QTensor (vocab, embed_dim)
         self.head = (self.token_embd if self.tied else self._resident("output.weight"))
-        if pack and not self.tied and self.head is not None:   # q6_k / q8_0 in place: no 2nd copy
-            self.head = kernel.pack(self.head, in_place=True) or self.head
+        if pack and self.head is not None and (not self.tied or kernel.unpacks(
+                self.head.dtype, self.head.rows, self.head.cols)):
+            self.head = kernel.pack(self.head, in_place=True) or self.head  # q6_k / q8_0 in place
+            if self.tied and self.head is not self.token_embd:   # embed() unpacks its rows
+                self.token_embd = None
+                trim_heap()                  # q4_k's rows (a new array) returned at once
         self.layers = [self._load_layer(i, pack) for i in range(cfg.n_layers)]
         self._layer_bufs = self._buffers(max((self._layer_span(i)[1] for i in self._stream_layers()),
                                              default=0))
@@ -137,15 +141,19 @@ class DenseWeights(DenseSource):
     # ---- what the forward pass asks ---------------------------------------------------------
 
     def embed(self, tokens: np.ndarray) -> np.ndarray:
-        """(T, embed_dim) f32 embedding rows of tokens (T,)."""
+        """(T, embed_dim) f32 embedding rows of tokens (T,): a tied head packed for the matmul
+        gives its rows unpacked, a streamed token_embd its rows read."""
         if self.token_embd is not None:
             return kernel.get_rows(self.token_embd, tokens)               # (T, embed_dim)
-        t = self.flash.dense_entry("token_embd.weight")
-        rows, cols = t["shape"]
         uniq, inverse = np.unique(tokens, return_inverse=True)           # (U,) (T,)
-        buf = np.empty((len(uniq), t["nbytes"] // rows), dtype=np.uint8)  # (U, row_bytes)
-        self.read_rows("token_embd.weight", uniq, buf)
-        sub = QTensor(buf, t["dtype"], len(uniq), cols)
+        if self.tied and self.head is not None:
+            sub = kernel.unpack_rows(self.head, uniq)                     # QTensor (U, embed_dim)
+        else:
+            t = self.flash.dense_entry("token_embd.weight")
+            rows, cols = t["shape"]
+            buf = np.empty((len(uniq), t["nbytes"] // rows), dtype=np.uint8)  # (U, row_bytes)
+            self.read_rows("token_embd.weight", uniq, buf)
+            sub = QTensor(buf, t["dtype"], len(uniq), cols)
         return kernel.get_rows(sub, inverse.astype(np.int32))             # (T, embed_dim)
 
     def read_rows(self, name: str, ids: np.ndarray, out: np.ndarray) -> None:

@@ -1,7 +1,8 @@
 /* pool_driver.c — native/pool.c under AddressSanitizer / ThreadSanitizer (make test-asan):
  * many short sections back to back (workers spinning), sections after the team fell asleep,
  * and sections asked for from several threads at once; work shared by fli_take and by
- * fli_split (each item taken exactly once, however many threads claim parts or steal).
+ * fli_split (each item taken exactly once, however many threads claim parts or steal; a lone
+ * taker reads a part it stole mostly forwards).
  * Exit 0 when every sum is right. */
 #include <pthread.h>
 #include <stdatomic.h>
@@ -53,6 +54,19 @@ static int split_sections(split_job *j, int32_t threads, int reps) {
     return 0;
 }
 
+/* the one taker left when the other part's thread never runs reads that part mostly forwards:
+ * halves stolen from its back, each taken from its front (one backwards jump a half, ~log2 of
+ * its chunks; a chunk at a time from the back made 125 here) */
+static int lone_taker_reads_forwards(void) {
+    fli_split s;
+    fli_split_init(&s, 1000, 2);
+    int mine = -1, jumps = 0;
+    int64_t end = 0, taken = 0;
+    for (int64_t lo, hi; fli_split_take(&s, &mine, 4, &lo, &hi); end = hi, taken += hi - lo)
+        jumps += lo < end;
+    return taken != 1000 || jumps > 10;
+}
+
 static int sections(int32_t threads, int reps) {
     for (int r = 0; r < reps; r++) {
         count_job j = {0, 0, 1000 + r};
@@ -67,7 +81,8 @@ static void *caller(void *arg) {
 }
 
 int main(void) {
-    int bad = sections(2, 20000) + sections(4, 2000) + sections(3, 2000);
+    int bad = sections(2, 20000) + sections(4, 2000) + sections(3, 2000) +
+              lone_taker_reads_forwards();
     for (int32_t threads = 1; threads <= FLI_PARTS + 3; threads++)  // more threads than parts too
         bad += split_sections(&shared_split, threads, 300);
     const struct timespec nap = {0, 5 * 1000 * 1000};  // past the spin: the workers sleep
