@@ -128,7 +128,7 @@ def own_files(folder: Path) -> set[str]:
     names = {MANIFEST_FILE, STAMP, REPLACING}
     names |= {p.name for p in folder.iterdir() if _TEMPORARY.fullmatch(p.name)}
     try:
-        names |= _named_files(read_manifest(folder, validate=False).to_dict())
+        names |= named_files(read_manifest(folder, validate=False).to_dict())
     except FormatError:
         pass
     try:
@@ -139,14 +139,14 @@ def own_files(folder: Path) -> set[str]:
     return {n for n in names if n and "/" not in n and n not in (".", "..")}
 
 
-def _named_files(section) -> set[str]:
+def named_files(section) -> set[str]:
     """Every "file" value of a manifest's sections, at any depth."""
     if isinstance(section, list):
-        return set().union(*map(_named_files, section)) if section else set()
+        return set().union(*map(named_files, section)) if section else set()
     if not isinstance(section, dict):
         return set()
     found = {section["file"]} if isinstance(section.get("file"), str) else set()
-    return found.union(*map(_named_files, section.values()))
+    return found.union(*map(named_files, section.values()))
 
 
 def replace_own_files(new: Path, out: Path, trash: Path) -> None:

@@ -108,7 +108,6 @@ def calibrate_folder(path: Path, opts: CalibrationOptions = CalibrationOptions()
     number of calibration tokens). The model runs layer by layer from its folder
     (runtime/layer_pass.py); progress(what, done, of) after each step of a long stage."""
     from flashllm.ffi.heap import trim_heap
-    from flashllm.format.files import update_manifest
     from flashllm.format.reader import open_flash
     from flashllm.generation.tokenizer import Tokenizer
     from flashllm.runtime.layer_pass import LayerPass
@@ -129,24 +128,24 @@ def calibrate_folder(path: Path, opts: CalibrationOptions = CalibrationOptions()
         ctx = flash.config.max_positions
         log(f"passes of {ctx} tokens: the model's learned positions end there")
     predictor = plan_calibration(flash, len(ids), opts.max_cost is not None, predictor,
-                                 opts.dram_budget, log, parts)
+                                 opts.dram_budget, log, parts, opts.reorder)
     net = LayerPass(flash, opts.threads, ctx)
     head: list = []
     final = lambda x: head.append(head_reads(flash, net, x[:min(HEAD_POSITIONS, ctx)],
                                              opts.threads, log))          # noqa: E731
+
+    def amend(section: dict) -> dict:             # what this call measured, in the one switch
+        section = {**section, **({"head": head[0]} if head and head[0] else {})}
+        return {**section, "calibration": {**section["calibration"],
+                                           "seconds": round(time.perf_counter() - t0, 1)}}
     try:
         section = calibrate_model(flash, net, ids, text, opts.sparsity,
                                   opts.criterion, reorder=opts.reorder, n_threads=opts.threads,
                                   log=log, predictor=predictor,
                                   max_cost=opts.max_cost, on_final=final, parts=parts,
-                                  **({"progress": progress} if progress else {}))
+                                  amend=amend, **({"progress": progress} if progress else {}))
     finally:
         net.close()
-    if head and head[0]:
-        section = {**section, "head": head[0]}
-    section = {**section, "calibration": {**section["calibration"],
-                                          "seconds": round(time.perf_counter() - t0, 1)}}
-    update_manifest(flash.path, sparsity=section)
     return section, len(ids)
 
 
@@ -200,6 +199,7 @@ def calibrate_once(out: Path, log: Log, name: str = "", budget: Optional["Budget
     from flashllm.convert.resolve import in_child
     from flashllm.errors import FlashError
     from flashllm.sparsity.attempt import clear_failure, hold, known_failure, record_failure
+    from flashllm.sparsity.reorder import sweep_temporaries
     if _calibrated(out):
         return False
     nbytes = _budget_bytes(out, budget)
@@ -218,6 +218,7 @@ def calibrate_once(out: Path, log: Log, name: str = "", budget: Optional["Budget
         try:
             in_child(_calibrate_work, (str(out), nbytes), f"calibrating {out.name}")
         except FlashError as e:
+            sweep_temporaries(out)          # the dead child's files: its folder is the old one
             record_failure(out, str(e), nbytes)
             log(f"{e}; running {out.name} uncalibrated (not tried again; by hand: {by_hand})")
             return False

@@ -15,17 +15,17 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from flashllm.format.manifest import parse_manifest
 from flashllm.format.reader import FlashModel, open_flash
 from flashllm.sparsity import cost
 from flashllm.units import format_size
-from flashllm.format.files import update_manifest
 from flashllm.sparsity.activations import (CalibrationError, check_criterion, contribution,
                                            default_criterion, down_norms, ffn_activations,
                                            ffn_weights, frequencies, hot_share, threshold)
-from flashllm.sparsity.predictor import save_predictor
+from flashllm.sparsity.predictor import write_predictor
 from flashllm.sparsity.layer_stats import InputStore, LastLayer, LayerStats, layer_scores
 from flashllm.sparsity.quality import check_spans, keep_quality, quality_steps
-from flashllm.sparsity.reorder import rewrite_hot_first, sweep_temporaries, write_frequency
+from flashllm.sparsity.reorder import switch, sweep_temporaries, write_frequency, write_hot_first
 from flashllm.sparsity.train import DEFAULT_OPTIONS, train_predictor
 
 class RecordingFfn:
@@ -147,7 +147,8 @@ def calibrate_model(flash: FlashModel, net, tokens: Sequence[int], text: dict, s
                     max_cost: Optional[float] = None,
                     on_final: Optional[Callable[[np.ndarray], None]] = None,
                     progress: Progress = lambda what, done, of: None,
-                    parts: Optional[Sequence[tuple[str, int]]] = None) -> dict:
+                    parts: Optional[Sequence[tuple[str, int]]] = None,
+                    amend: Callable[[dict], dict] = lambda section: section) -> dict:
     """Calibrate the model folder of `flash` on tokens, run through `net` (a
     runtime/layer_pass.LayerPass over flash: layer by layer, in bounded memory): thresholds for
     the target sparsity — lowered in steps while they cost more than max_cost of perplexity on
@@ -155,8 +156,10 @@ def calibrate_model(flash: FlashModel, net, tokens: Sequence[int], text: dict, s
     its kind; sparsity/quality.py, measured by net on each text's first tokens, check_spans;
     None: the target as asked) —, per-slot frequencies, (reorder) the hot-first FFN rewrite, and
     (predictor: a kind of flashllm.sparsity.train) a trained predictor. on_final gets the final
-    hidden states (N, d_model) of the dense pass. Writes and returns the manifest's sparsity
-    section; the model stays valid if this is interrupted."""
+    hidden states (N, d_model) of the dense pass; amend(section) the sparsity section to write
+    (calibrate_folder adds what it measured). Writes and returns the manifest's sparsity
+    section, every file before the manifest's one switch (_commit): interrupted, killed or out
+    of disk space, the folder is the old one or the new one, never a mix."""
     cfg = flash.config
     if cfg.n_experts:
         raise CalibrationError("calibrate finds the neurons a dense FFN needs; in a mixture of "
@@ -188,17 +191,42 @@ def calibrate_model(flash: FlashModel, net, tokens: Sequence[int], text: dict, s
         if steps:
             kept.update(_checked(net, tokens, per, parts, max_cost, log, progress))
         text = {**text, "parts": [{"text": name, "n_tokens": n} for name, n in parts]}
-        if reorder and flash.manifest.get("predictor"):   # trained in the slots it reorders
-            update_manifest(flash.path, predictor={})
-        section = _write(flash, tokens, text, criterion, kept, per, reorder, by, contrib,
-                         net.n_ctx)
+        sections, stale = _write(flash, tokens, text, criterion, kept, per, reorder, by,
+                                 contrib, net.n_ctx)
         if predictor:
-            fit_predictor(flash.path, store, per[section["target"]][0], criterion, predictor,
-                          n_threads, log, progress)
+            fit = lambda pending, current: fit_predictor(                      # noqa: E731
+                pending, store, per[kept["target"]][0], criterion, predictor, n_threads, log,
+                progress, current)
+        return _commit(flash, sections, stale, fit if predictor else None, reorder, amend)
     finally:
         if store is not None:
             store.close()
-    return section
+
+
+def _commit(flash: FlashModel, sections: dict, stale: list[str], fit, reorder: bool,
+            amend: Callable[[dict], dict]) -> dict:
+    """The predictor trained on the written files (fit(pending flash, its current file) -> its
+    section; None: none, and a rewrite drops the old one, trained in the slots it reorders),
+    the sparsity section amended, then the manifest switched to every new file at once
+    (reorder.switch): a calibration killed before leaves the old folder. Returns the sparsity
+    section written."""
+    old = flash.manifest.get("predictor") or {}
+    if fit is not None:
+        sections["predictor"] = fit(_pending(flash, sections), old.get("file"))
+    elif reorder and old:
+        sections["predictor"] = {}
+    if old.get("file") and old["file"] != sections.get("predictor", old).get("file"):
+        stale.append(old["file"])                                 # replaced, or dropped
+    sections["sparsity"] = amend(sections["sparsity"])
+    switch(flash.path, stale, **sections)
+    return sections["sparsity"]
+
+
+def _pending(flash: FlashModel, sections: dict) -> FlashModel:
+    """The model folder as the manifest with these sections will describe it (its new files are
+    written, the manifest is not switched yet)."""
+    man = flash.manifest
+    return open_flash(flash.path, manifest=parse_manifest({**man.to_dict(), **sections}, man.path))
 
 
 def _checked(net, tokens: Sequence[int], per: dict, parts: list, max_cost: float,
@@ -228,11 +256,14 @@ def _quality(net, tokens: Sequence[int], spans: list,
 
 
 def _write(flash, tokens, text: dict, criterion: str, kept: dict, per: dict, reorder: bool,
-           by: str, contrib, n_ctx: int) -> dict:
-    """The sparsity section of the kept target written (with the hot-first rewrite)."""
+           by: str, contrib, n_ctx: int) -> tuple[dict, list[str]]:
+    """The files of the kept target's sparsity section written (with the hot-first rewrite's),
+    the manifest left as it is: (the manifest sections that name them, the files they replace;
+    reorder.switch's arguments)."""
     thresholds, freq, achieved = per[kept["target"]]
     ids = np.asarray(tokens, dtype="<i4")                          # (N,)
-    section = {"criterion": criterion, "target": kept.pop("target"), "quality": kept,
+    section = {"criterion": criterion, "target": kept["target"],
+               "quality": {k: v for k, v in kept.items() if k != "target"},
                "thresholds": thresholds, "achieved": achieved,
                "calibration": {"text": text, "n_tokens": len(ids), "n_ctx": n_ctx,
                                "tokens_sha256": hashlib.sha256(ids.tobytes()).hexdigest()},
@@ -240,26 +271,24 @@ def _write(flash, tokens, text: dict, criterion: str, kept: dict, per: dict, reo
                "frequency": {"hot20_share": [hot_share(f) for f in freq],
                              "never_active": [int((f == 0).sum()) for f in freq]}}
     if reorder:   # the caches hold each layer's first slots
-        return rewrite_hot_first(flash, freq, {**section, "order_by": by}, key=contrib)
+        return write_hot_first(flash, freq, {**section, "order_by": by}, key=contrib)
     prev = flash.manifest.get("sparsity", {}).get("order_by")
     if prev and flash.ffn.neuron_order is not None:     # an earlier rewrite's order stays
         section["order_by"] = prev
     old = (flash.manifest.get("sparsity", {}).get("frequency") or {}).get("file")
     section["frequency"].update(write_frequency(flash.path, freq, old))
-    update_manifest(flash.path, sparsity=section)
-    if old and old != section["frequency"]["file"]:
-        (flash.path / old).unlink(missing_ok=True)
-    return section
+    return {"sparsity": section}, [old] if old and old != section["frequency"]["file"] else []
 
 
-def fit_predictor(path, inputs, thresholds: list, criterion: str, kind: str, n_threads: int,
-                  log: Callable[[str], None],
-                  progress: Progress = lambda what, done, of: None) -> None:
+def fit_predictor(flash: FlashModel, inputs, thresholds: list, criterion: str, kind: str,
+                  n_threads: int, log: Callable[[str], None],
+                  progress: Progress = lambda what, done, of: None,
+                  current: Optional[str] = None) -> dict:
     """Train a `kind` predictor on the calibration inputs h (per layer (N, d_model): a list or
-    an InputStore) against the thresholded masks, in the model's current slot order (after any
-    hot-first rewrite), at 95% recall, and store it in the model folder; one layer's inputs and
-    activations in DRAM at a time."""
-    flash = open_flash(path)                                       # the reordered slots
+    an InputStore) against the thresholded masks, in flash's slot order (calibrate's: after the
+    hot-first rewrite, before the manifest's switch), at 95% recall, and write it into the
+    model folder under the name that is not current (predictor.write_predictor); one layer's
+    inputs and activations in DRAM at a time. Returns the manifest's predictor section."""
     n = len(inputs)
     log(f"training a {kind} predictor on {len(inputs[0])} tokens x {n} layers "
         f"(numpy; tens of seconds on a 1B model)")
@@ -271,33 +300,27 @@ def fit_predictor(path, inputs, thresholds: list, criterion: str, kind: str, n_t
     acts = LastLayer(n, lambda i: layer_scores(flash, i, hs[i], criterion, n_threads))
     pred = train_predictor(flash, hs, acts, kind, thresholds, recall=0.95,
                            n_threads=n_threads, **DEFAULT_OPTIONS.get(kind, {}))
-    save_predictor(path, pred, pred.metrics)
     m = pred.metrics
     log(f"predictor {kind}: held-out recall {np.mean(m['recall']):.3f}, precision "
         f"{np.mean(m['precision']):.3f}, load {np.mean(m['load']):.3f}, "
         f"{pred.nbytes / 2**20:.1f} MiB in DRAM")
+    return write_predictor(flash.path, pred, m, current)
 
 
 def plan_calibration(flash, n_tokens: int, check: bool, predictor: Optional[str],
                      budget: Optional[int], log: Callable[[str], None],
-                     parts: Optional[Sequence[tuple[str, int]]] = None) -> Optional[str]:
+                     parts: Optional[Sequence[tuple[str, int]]] = None,
+                     reorder: bool = True) -> Optional[str]:
     """Say how long calibrating flash on n_tokens (parts: the texts they hold, as
     calibrate_model takes them) will take (sparsity/cost.py); refuse a DRAM budget (bytes,
-    None: none) it cannot fit in; the predictor kind to train ("none": None): none when the
-    budget could not hold it (no run under that budget would use it)."""
+    None: none) it cannot fit in, and a disk without room for its new files (reorder: the
+    hot-first FFN file among them); the predictor kind to train ("none": None): none when the
+    budget could not hold it or its training (no run under that budget would use it)."""
     cfg = flash.config
     predictor = None if predictor == "none" else predictor
     if budget is not None:
-        need = cost.peak_bytes(flash, n_tokens)
-        if need > budget:
-            raise CalibrationError(f"calibrating on {n_tokens} tokens needs about "
-                                   f"{format_size(need, 'MiB', up=True)}, more than the "
-                                   f"{format_size(budget, 'MiB')} budget: give a larger "
-                                   "--dram-budget or fewer --tokens")
-        if predictor and cost.predictor_bytes(cfg, predictor) > budget:
-            log(f"no {predictor} predictor: its {format_size(cost.predictor_bytes(cfg, predictor))}"
-                f" would not fit a run's {format_size(budget, 'MiB')} budget")
-            predictor = None
+        predictor = _within_budget(flash, n_tokens, predictor, budget, log)
+    _check_disk(flash, n_tokens, predictor, reorder)
     checked = sum(n for _, _, n in check_spans(parts or [("text", n_tokens)]))
     t = cost.seconds(cfg, n_tokens, checked, 2 if check else 0, predictor is not None)
     step = cost.seconds(cfg, 0, checked, 1, False)        # one more target tried, at most
@@ -305,6 +328,41 @@ def plan_calibration(flash, n_tokens: int, check: bool, predictor: Optional[str]
         + (f" (up to {step / 60:.1f} min more for each step the target is lowered)"
            if check else ""))
     return predictor
+
+
+def _within_budget(flash, n_tokens: int, predictor: Optional[str], budget: int,
+                   log: Callable[[str], None]) -> Optional[str]:
+    """CalibrationError when calibrating on n_tokens needs more than budget bytes; the
+    predictor kind to train: None when it or its training would not fit."""
+    cfg, mib = flash.config, format_size(budget, "MiB")
+    need = cost.peak_bytes(flash, n_tokens)
+    if need > budget:
+        raise CalibrationError(f"calibrating on {n_tokens} tokens needs about "
+                               f"{format_size(need, 'MiB', up=True)}, more than the {mib} "
+                               "budget: give a larger --dram-budget or fewer --tokens")
+    if predictor and cost.predictor_bytes(cfg, predictor) > budget:
+        log(f"no {predictor} predictor: its {format_size(cost.predictor_bytes(cfg, predictor))}"
+            f" would not fit a run's {mib} budget")
+        return None
+    if predictor and cost.training_bytes(cfg, predictor, n_tokens) > budget:
+        log(f"no {predictor} predictor: training it needs about "
+            f"{format_size(cost.training_bytes(cfg, predictor, n_tokens), 'MiB', up=True)}, "
+            f"more than the {mib} budget")
+        return None
+    return predictor
+
+
+def _check_disk(flash, n_tokens: int, predictor: Optional[str], reorder: bool) -> None:
+    """CalibrationError, before any work, when the folder's file system has no room for the
+    files calibrating writes beside the old ones until its switch (cost.disk_bytes)."""
+    import shutil
+    need = cost.disk_bytes(flash, n_tokens, predictor, reorder)
+    free = shutil.disk_usage(flash.path).free
+    if need > free:
+        raise CalibrationError(f"calibrating {flash.path} writes about "
+                               f"{format_size(need, 'MiB', up=True)} of new files beside the old "
+                               f"ones, and its disk has {format_size(free, 'MiB')} free: free "
+                               "some space")
 
 
 def text_tokens(tok, text: str, n_tokens: Optional[int] = None) -> list[int]:

@@ -14,7 +14,9 @@ Kinds (the score of slot j for one token with FFN input h):
   lr_gate_up |act(Gb_j · (Ga h)) · (Ub_j · (Ua h))|  rank-r estimates of both gate and up
 Everything works in slots: row j of every (n_ff, ·) matrix belongs to bundle slot j of ffn.bin.
 
-On disk (next to the model): predictor.bin, a 64-byte header then 64-byte-aligned tensors, and
+On disk (next to the model): predictor.bin (or predictor-new.bin: a new predictor goes under
+the name the manifest does not use, so the old one stays valid until the manifest's switch), a
+64-byte header then 64-byte-aligned tensors, and
 the manifest's `predictor` section: {"kind", "file", "nbytes", "thresholds", "tensors": [{"name",
 "dtype", "shape", "offset", "nbytes", "crc32"}], ...metrics}. An empty section means none.
 """
@@ -35,12 +37,14 @@ from flashllm.ffi import kernel
 from flashllm.sparsity.activations import activation
 from flashllm.format.layout import DTYPE_CODES, MANIFEST_FILE, align_up, fits, tensor_nbytes
 from flashllm.format.files import update_manifest
+from flashllm.format.manifest import read_manifest
 from flashllm.format.reader import FlashModel
 from flashllm.model.config import ModelConfig
 from flashllm.errors import FormatError
 from flashllm.model.tensor import QTensor
 
 PREDICTOR_FILE = "predictor.bin"
+PREDICTOR_NAMES = (PREDICTOR_FILE, "predictor-new.bin")   # a new one goes under the free name
 PRED_MAGIC = b"FLPRED\0\0"
 PRED_VERSION = 1
 PRED_ALIGN = 64
@@ -176,11 +180,23 @@ def _shapes(cfg: ModelConfig, kind: str, parts: dict) -> dict[str, tuple[int, ..
 # ---- saving -----------------------------------------------------------------------------------
 
 def save_predictor(path: Path, predictor: Predictor, metrics: dict) -> None:
-    """Write predictor.bin into the model folder at path and point the manifest at it.
-
-    The model stays valid when interrupted: the manifest's predictor section is emptied first,
-    the file is written to a temporary name, fsync'd and renamed, then the section is set."""
+    """Write the predictor into the model folder at path and point the manifest at it: the file
+    under the name the manifest does not use (write_predictor), the manifest switched to it in
+    one atomic rename, then the old file removed. Interrupted, the folder keeps its old predictor."""
     path = Path(path)
+    old = (read_manifest(path).get("predictor") or {}).get("file")
+    section = write_predictor(path, predictor, metrics, old)
+    update_manifest(path, predictor=section)
+    if old and old != section["file"]:
+        (path / old).unlink(missing_ok=True)
+
+
+def write_predictor(path: Path, predictor: Predictor, metrics: dict,
+                    current: Optional[str]) -> dict:
+    """The predictor written into the model folder at path under the one of PREDICTOR_NAMES that
+    is not current (the file the manifest names now; temporary name, fsync, rename), the manifest
+    left as it is; its `predictor` section."""
+    name = PREDICTOR_NAMES[1] if current == PREDICTOR_NAMES[0] else PREDICTOR_NAMES[0]
     entries, blobs, off = [], [], PRED_ALIGN
     for i, parts in enumerate(predictor.layers):
         for role in KINDS[predictor.kind]:
@@ -191,12 +207,11 @@ def save_predictor(path: Path, predictor: Predictor, metrics: dict) -> None:
             blobs.append((off, data))
             off += data.size
     header = PRED_HEADER.pack(PRED_MAGIC, PRED_VERSION, PRED_ALIGN, len(entries), off)
-    update_manifest(path, predictor={})
-    _write_atomic(path / PREDICTOR_FILE, header, blobs, off)
-    section = {**metrics, "kind": predictor.kind, "file": PREDICTOR_FILE, "nbytes": off,
+    _write_atomic(Path(path) / name, header, blobs, off)
+    section = {**metrics, "kind": predictor.kind, "file": name, "nbytes": off,
                "bytes": predictor.nbytes, "thresholds": [float(t) for t in predictor.thresholds],
                "tensors": entries}
-    update_manifest(path, predictor=json.loads(json.dumps(section)))
+    return json.loads(json.dumps(section))
 
 
 def _raw(part) -> tuple[np.ndarray, str, tuple[int, ...]]:

@@ -3,10 +3,13 @@ contribution E|h| * ||down||), so the ones the caches hold sit together (pinned 
 larger merged chunks), and the per-slot frequency file (in the new slot order).
 
 A rewrite never touches the files the manifest names: the reordered FFN file, order file and
-frequency file go under the other name of each pair below (temporary name, fsync, rename), the
-manifest is switched to them in one atomic rename (format/writer.update_manifest), and only then
-are the old files removed. An interrupted rewrite leaves the old model valid; the stray new files
-are overwritten by the next calibration.
+frequency file go under the other name of each pair below (temporary name, fsync, rename), and
+calibrate trains its predictor on them (sparsity/predictor.write_predictor, also under a free
+name) before the manifest is switched to all of them in one atomic rename (switch:
+format/files.update_manifest); only then are the old files removed. A calibration killed at any
+point (SIGKILL, the OOM killer) or failing on a full disk leaves the old folder, valid, or the new
+one, complete; the stray new or old files are removed by the next calibration (sweep_temporaries)
+or by `run` after its calibration child failed.
 """
 from __future__ import annotations
 
@@ -17,7 +20,8 @@ from typing import Optional
 import numpy as np
 
 from flashllm.format.layout import FFN_ALIGN, MANIFEST_FILE, crc32_array
-from flashllm.format.files import sweep_leftovers, update_manifest
+from flashllm.format.files import named_files, sweep_leftovers, update_manifest
+from flashllm.format.manifest import read_manifest
 from flashllm.format.reader import FlashModel
 from flashllm.errors import FormatError
 
@@ -27,11 +31,22 @@ FREQ_NAMES = ("frequency.bin", "frequency-hot.bin")
 
 
 def sweep_temporaries(folder: Path) -> None:
-    """Remove the temporary files a killed calibration (an OOM-killed child) left in folder:
-    those of the files calibration writes whose writer is gone (format/files.sweep_leftovers)."""
-    from flashllm.sparsity.predictor import PREDICTOR_FILE
-    for name in (*FFN_NAMES, *ORDER_NAMES, *FREQ_NAMES, PREDICTOR_FILE, MANIFEST_FILE):
+    """Remove what a killed calibration (an OOM-killed child) left in folder: the temporary
+    files of the files calibration writes whose writer is gone (format/files.sweep_leftovers),
+    and those of its files, complete, that the manifest does not name (written before the
+    switch, or stale ones after it: reorder's module doc). Call it holding the folder's lock
+    (sparsity/attempt.hold): a live calibration's files are not yet named."""
+    from flashllm.sparsity.predictor import PREDICTOR_NAMES
+    names = (*FFN_NAMES, *ORDER_NAMES, *FREQ_NAMES, *PREDICTOR_NAMES)
+    for name in (*names, MANIFEST_FILE):
         sweep_leftovers(Path(folder) / name)
+    try:
+        named = named_files(read_manifest(folder, validate=False).to_dict())
+    except FormatError:                  # no manifest: nothing known to be unused
+        return
+    for name in names:
+        if name not in named:
+            (Path(folder) / name).unlink(missing_ok=True)
 
 
 def hot_first_permutation(key: np.ndarray) -> np.ndarray:
@@ -95,10 +110,20 @@ def _write_ffn(flash: FlashModel, perm: np.ndarray, name: str) -> list[dict]:
 
 def rewrite_hot_first(flash: FlashModel, freq: np.ndarray, sparsity: dict,
                       key: Optional[np.ndarray] = None) -> dict:
+    """write_hot_first, then the manifest switched to its files (switch). Returns the new
+    sparsity section."""
+    sections, stale = write_hot_first(flash, freq, sparsity, key)
+    switch(flash.path, stale, **sections)
+    return sections["sparsity"]
+
+
+def write_hot_first(flash: FlashModel, freq: np.ndarray, sparsity: dict,
+                    key: Optional[np.ndarray] = None) -> tuple[dict, list[str]]:
     """Reorder every layer's slots by key (n_layers, n_ff) (per current slot, highest first;
-    default freq), write the new FFN, order and frequency (freq, n_layers x n_ff, in the new slot
-    order) files, switch the manifest (ffn + sparsity sections, sparsity gets hot_first and the
-    frequency entry), remove the old files. Returns the new sparsity section."""
+    default freq): the new FFN, order and frequency (freq, n_layers x n_ff, in the new slot
+    order) files written under their free names, the manifest left as it is. Returns (the
+    manifest sections that name them: ffn, and sparsity with hot_first and the frequency entry;
+    the files they replace, for switch)."""
     path, man = flash.path, flash.manifest
     perm = hot_first_permutation(freq if key is None else key)               # (n_layers, n_ff)
     old_order = flash.ffn.neuron_order
@@ -115,9 +140,16 @@ def rewrite_hot_first(flash: FlashModel, freq: np.ndarray, sparsity: dict,
                              **write_frequency(path, freq_sorted, old["freq"])}}
     ffn = {**man["ffn"], "file": ffn_name, "layers": layers,
            "neuron_order": _array_entry(order_name, order, "int32")}
-    update_manifest(path, ffn=ffn, sparsity=section)
-    for key, new in (("ffn", ffn_name), ("order", order_name), ("freq", section["frequency"]["file"])):
-        if old[key] and old[key] != new:
-            (path / old[key]).unlink(missing_ok=True)
-    return section
+    stale = [n for n, new in zip(old.values(), (ffn_name, order_name, section["frequency"]["file"]))
+             if n and n != new]
+    return {"ffn": ffn, "sparsity": section}, stale
 
+
+def switch(path: Path, stale: list[str], **sections: dict) -> None:
+    """The manifest's sections replaced in one atomic rename (format/files.update_manifest: the
+    files they name are complete and fsync'd), then the stale files (named by the old sections
+    only) removed. Killed before the rename, the folder is the old one; after it, the new one
+    (stale files left behind are swept by the next calibration: sweep_temporaries)."""
+    update_manifest(path, **sections)
+    for name in stale:
+        (Path(path) / name).unlink(missing_ok=True)
