@@ -19,19 +19,22 @@ from flashllm.format.files import named_files
 from flashllm.format.reader import open_flash
 from flashllm.sparsity.predictor import load_predictor
 
-# `flashllm ARGV...` that SIGKILLs itself at the Nth audit event EVENT (open, os.rename,
-# os.remove) whose path holds PART: a real kill at a real point of the real code
+# `flashllm ARGV...` that SIGKILLs itself (or, with "full", fails as a full disk does) at the
+# Nth audit event EVENT (open, os.rename, os.remove) whose path holds PART: a real kill at a real
+# point of the real code
 KILL_AT = """
-import os, runpy, signal, sys
-event, part, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+import errno, os, runpy, signal, sys
+event, part, n, how = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 seen = []
 def hook(ev, args):
     if ev == event and args and part in str(args[0]):
         seen.append(1)
+        if len(seen) == n and how == "full":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(args[0]))
         if len(seen) == n:
             os.kill(os.getpid(), signal.SIGKILL)
 sys.addaudithook(hook)
-sys.argv = ["flashllm"] + sys.argv[4:]
+sys.argv = ["flashllm"] + sys.argv[5:]
 runpy.run_module("flashllm", run_name="__main__")
 """
 
@@ -82,7 +85,7 @@ def test_a_calibration_killed_leaves_the_old_folder_or_the_new_one(tiny, calibra
     path, text = calibrated
     hf = tiny("llama")[0]
     before = (path / "manifest.json").read_bytes()
-    r = _child(_calibrate_args(path, text, 0.4), POINTS[point])
+    r = _child(_calibrate_args(path, text, 0.4), (*POINTS[point], "kill"))
     assert r.returncode == -signal.SIGKILL, r.stderr
     man = _check_old_or_new(hf, path, before)
     assert ((path / "manifest.json").read_bytes() == before) == (point != "after the switch")
@@ -111,3 +114,16 @@ def test_a_calibration_out_of_space_says_so_and_keeps_the_old_folder(tiny, calib
     assert "Traceback" not in r.stderr and (path / "manifest.json").read_bytes() == before
     assert not [p.name for p in path.iterdir() if ".tmp-" in p.name]
     _check_old_or_new(hf, path, before)
+
+
+@pytest.mark.parametrize("point", ["predictor", "switch"])
+def test_a_full_disk_after_the_new_ffn_file_leaves_nothing_behind(tiny, calibrated, point):  # noqa: F811
+    """No space for the predictor or the manifest, once the new FFN file is written: one line,
+    exit code 1, the old folder, and none of the new files left to fill the disk."""
+    path, text = calibrated
+    before = (path / "manifest.json").read_bytes()
+    r = _child(_calibrate_args(path, text, 0.4), (*POINTS[point], "full"))
+    assert r.returncode == 1 and "No space left on device" in r.stderr.splitlines()[-1], r.stderr
+    assert "Traceback" not in r.stderr and (path / "manifest.json").read_bytes() == before
+    man = _check_old_or_new(tiny("llama")[0], path, before)
+    assert {p.name for p in path.iterdir()} - {".verified"} == named_files(man) | {"manifest.json"}

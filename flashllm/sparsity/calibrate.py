@@ -198,6 +198,9 @@ def calibrate_model(flash: FlashModel, net, tokens: Sequence[int], text: dict, s
                 pending, store, per[kept["target"]][0], criterion, predictor, n_threads, log,
                 progress, current)
         return _commit(flash, sections, stale, fit if predictor else None, reorder, amend)
+    except BaseException:                  # a full disk, Ctrl-C: no new file left unnamed
+        sweep_temporaries(flash.path)
+        raise
     finally:
         if store is not None:
             store.close()

@@ -8,8 +8,8 @@ calibrate trains its predictor on them (sparsity/predictor.write_predictor, also
 name) before the manifest is switched to all of them in one atomic rename (switch:
 format/files.update_manifest); only then are the old files removed. A calibration killed at any
 point (SIGKILL, the OOM killer) or failing on a full disk leaves the old folder, valid, or the new
-one, complete; the stray new or old files are removed by the next calibration (sweep_temporaries)
-or by `run` after its calibration child failed.
+one, complete; the stray new or old files are removed at once after an error (a full disk), else
+by the next calibration (sweep_temporaries) or by `run` after its calibration child failed.
 """
 from __future__ import annotations
 
