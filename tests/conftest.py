@@ -58,10 +58,11 @@ def _converted(name: str, dtype: str, log) -> Path:
     from flashllm.convert.convert import convert
     from flashllm.format.reader import open_flash
     from flashllm.errors import FormatError
-    from flashllm.convert.native import outdated
+    from flashllm.convert.native import coarser, outdated
     out = cache_dir() / "converted" / f"{name}-{dtype}"
     try:
-        why = outdated(open_flash(out).manifest)      # a native conversion of an older recipe
+        m = open_flash(out).manifest                  # a native conversion of an older recipe
+        why = outdated(m) or coarser(m)
         if why is None:
             return out
         log(f"{out}: {why}")

@@ -4,8 +4,8 @@ The references are the GGUF's own bytes (what gguf-py's reader gives) and gguf-p
 every tensor the kernel has a type for must be stored byte for byte (llama-arch attn_q / attn_k
 rows back in Hugging Face order), the FFN down columns re-quantized from the source's values,
 and the model must compute what an f32 conversion of the same file computes, up to the down
-columns' re-quantization (each layer's in its source's k-quant: the bytes ggml's own quantizer
-makes, tests/test_kquant.py). Folders written before `down_dtype` existed still load.
+columns' re-quantization (each layer's in the k-quant one step finer than its source's: the
+bytes ggml's own quantizer makes, tests/test_kquant.py). Folders written before `down_dtype` existed still load.
 """
 import json
 import subprocess
@@ -112,15 +112,15 @@ def test_dense_tensors_are_the_sources_bytes(mixed):
 
 
 def test_ffn_rows_copied_and_down_columns_requantized(mixed):
-    """Layer 0's Q6_K down goes to q6_k columns, layer 1's Q4_K to q4_k: each layer has its own
-    stride (2 * 176 + 210 = 562 -> 576, 2 * 176 + 144 = 496 -> 512) and region."""
+    """Layer 0's Q6_K down goes to q6_k columns (none finer), layer 1's Q4_K to q5_k: each layer
+    has its own stride (2 * 176 + 210 = 562 -> 576, 2 * 176 + 176 = 528 -> 544) and region."""
     _, stored, out = mixed
     flash = open_flash(out, verify=True)
     f = flash.ffn
     assert (f.dtype, f.part_bytes, f.down_dtypes, f.strides) == \
-        ("q5_k", 176, ("q6_k", "q4_k"), (576, 512))
+        ("q5_k", 176, ("q6_k", "q5_k"), (576, 544))
     assert f.stride == 576 and f.layer_offsets == [4096, 4096 + 36 * 4096]  # 256 * 576 = 36 pages
-    for layer, (dd, err) in enumerate((("q6_k", 0.03), ("q4_k", 0.12))):
+    for layer, (dd, err) in enumerate((("q6_k", 0.03), ("q5_k", 0.06))):
         b = flash.read_ffn_layer(layer)                                   # (FF, stride)
         assert b.shape == (FF, f.strides[layer])
         for k, part in enumerate(("gate", "up")):
@@ -128,8 +128,8 @@ def test_ffn_rows_copied_and_down_columns_requantized(mixed):
                                           stored[f"blk.{layer}.ffn_{part}.weight"][1])
         qtype, down = stored[f"blk.{layer}.ffn_down.weight"]
         cols = dequantize(down, qtype).reshape(D, FF).T                   # (FF, D)
-        nb = 210 if dd == "q6_k" else 144
-        back = dequantize(b[:, 352:352 + nb], Q.Q6_K if dd == "q6_k" else Q.Q4_K)  # gguf-py's
+        nb = 210 if dd == "q6_k" else 176
+        back = dequantize(b[:, 352:352 + nb], Q.Q6_K if dd == "q6_k" else Q.Q5_K)  # gguf-py's
         assert not b[:, 352 + nb:].any()                                  # zero padding
         origin = flash.manifest["ffn"]["layers"][layer]["origin"]
         assert origin["gate"] == {"from": "Q5_K", "how": "copied"}
@@ -143,10 +143,10 @@ def test_down_columns_are_ggml_s_own_quantization(mixed):
     from test_kquant import ggml_quantize
     _, stored, out = mixed
     flash = open_flash(out)
-    for layer, dd in enumerate(("q6_k", "q4_k")):
+    for layer, dd in enumerate(("q6_k", "q5_k")):
         qtype, down = stored[f"blk.{layer}.ffn_down.weight"]
         cols = np.ascontiguousarray(dequantize(down, qtype).reshape(D, FF).T, np.float32)
-        nb = 210 if dd == "q6_k" else 144
+        nb = 210 if dd == "q6_k" else 176
         np.testing.assert_array_equal(flash.read_ffn_layer(layer)[:, 352:352 + nb],
                                       ggml_quantize(cols, dd))
 
@@ -215,13 +215,13 @@ def test_convert_and_inspect_report_what_was_copied(mixed, tmp_path):
     assert "widened to f32: 1 BF16" in said
     assert "re-quantized Q2_K" not in said
     assert "re-quantized Q6_K -> q6_k: 1 tensor, relative RMS error" in said
-    assert "re-quantized Q4_K -> q4_k: 1 tensor, relative RMS error" in said
+    assert "re-quantized Q4_K -> q5_k: 1 tensor, relative RMS error" in said
     run = subprocess.run([sys.executable, "-m", "flashllm", "inspect", str(out), "--json"],
                          capture_output=True, text=True, cwd=ROOT)
     rows = {t["name"]: t for t in json.loads(run.stdout)["tensors"]}
     assert rows["blk.0.attn_v.weight"]["origin"] == {"from": "Q5_1", "how": "copied"}
     assert rows["output.weight"]["origin"] == {"from": "BF16", "how": "widened"}
-    assert (rows["blk.0.ffn_down"]["dtype"], rows["blk.1.ffn_down"]["dtype"]) == ("q6_k", "q4_k")
+    assert (rows["blk.0.ffn_down"]["dtype"], rows["blk.1.ffn_down"]["dtype"]) == ("q6_k", "q5_k")
     assert rows["blk.1.ffn_down"]["origin"]["how"] == "requantized"
 
 
@@ -246,17 +246,10 @@ def test_a_folder_without_gguf_types_refuses_native(tmp_path):
         convert(src, tmp_path / "out", "native")
 
 
-def test_a_cached_conversion_of_an_older_recipe_is_made_again(mixed, tmp_path):
-    """`run NAME` reuses a cached native conversion only while it is what this flashllm makes:
-    one whose down columns an older flashllm wrote in q8_0 is converted again."""
+def tiny_registry(gguf_path: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """(a user cache holding gguf_path as models.toml model "tiny", that models.toml)."""
     import hashlib
-    import shutil
-    from flashllm.convert import native
-    from flashllm.convert.resolve import resolve_model
-    tmp, _, out = mixed
-    manifest = json.loads((out / "manifest.json").read_text())
-    assert native.outdated(manifest) is None
-    gguf = (tmp / "m.gguf").read_bytes()
+    gguf = gguf_path.read_bytes()
     cache = tmp_path / "cache"
     (cache / "models").mkdir(parents=True)
     (cache / "models" / "tiny.gguf").write_bytes(gguf)
@@ -265,6 +258,19 @@ def test_a_cached_conversion_of_an_older_recipe_is_made_again(mixed, tmp_path):
                     f'default_dtype = "native"\nsize = {len(gguf)}\n'
                     f'sha256 = "{hashlib.sha256(gguf).hexdigest()}"\n[models.tiny.source]\n'
                     f'kind = "pypi"\npackages = ["x==1"]\nmembers = ["x/m.gguf"]\n')
+    return cache, toml
+
+
+def test_a_cached_conversion_of_an_older_recipe_is_made_again(mixed, tmp_path):
+    """`run NAME` reuses a cached native conversion only while it is what this flashllm makes:
+    one whose down columns an older flashllm wrote in q8_0 is converted again."""
+    import shutil
+    from flashllm.convert import native
+    from flashllm.convert.resolve import resolve_model
+    tmp, _, out = mixed
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert native.outdated(manifest) is None and native.coarser(manifest) is None
+    cache, toml = tiny_registry(tmp / "m.gguf", tmp_path)
     cached = cache / "converted" / "tiny-native"
     shutil.copytree(out, cached)
     said = []
@@ -275,4 +281,46 @@ def test_a_cached_conversion_of_an_older_recipe_is_made_again(mixed, tmp_path):
     assert "layer 1's Q4_K down columns are q8_0" in native.outdated(old)
     assert resolve_model("tiny", cache, toml, said.append) == cached
     assert any("converted by an older flashllm" in m for m in said)
-    assert open_flash(cached).ffn.down_dtypes == ("q6_k", "q4_k")     # made again
+    assert open_flash(cached).ffn.down_dtypes == ("q6_k", "q5_k")     # made again
+
+
+def test_a_calibrated_conversion_with_the_sources_own_k_quant_is_kept_and_said(mixed, tmp_path):
+    """A cached conversion of the recipe before (Q4_K down columns in q4_k, as flashllm made them
+    until the step up) is converted again while nothing was calibrated in it (a minute); once
+    calibrated (an hour) it is kept: `run` says once on stderr what it lacks and how to get it,
+    `inspect` says it too."""
+    from flashllm.convert import native
+    from flashllm.convert.convert import convert_source
+    from flashllm.convert.resolve import resolve_model
+    from flashllm.convert.sources import open_source
+    tmp, _, _ = mixed
+    cache, toml = tiny_registry(tmp / "m.gguf", tmp_path)
+    cached = cache / "converted" / "tiny-native"
+
+    def convert_before() -> None:
+        source = open_source(tmp / "m.gguf")
+        try:
+            convert_source(source, cached, "native", force=True, kquants=native.SAME_KQUANT)
+        finally:
+            source.close()
+        assert open_flash(cached).ffn.down_dtypes == ("q6_k", "q4_k")
+    convert_before()
+    said = []
+    assert resolve_model("tiny", cache, toml, said.append) == cached
+    assert any("converted by an older flashllm" in m for m in said)
+    assert open_flash(cached).ffn.down_dtypes == ("q6_k", "q5_k")     # uncalibrated: made again
+    convert_before()
+    m = json.loads((cached / "manifest.json").read_text())
+    (cached / "manifest.json").write_text(json.dumps({**m, "sparsity": {"target": 0.5}}))
+    before = (cached / "ffn.bin").stat().st_mtime_ns
+    said.clear()
+    assert resolve_model("tiny", cache, toml, said.append) == cached
+    assert len(said) == 1 and "1 Q4_K layers in q4_k where this flashllm makes q5_k" in said[0]
+    assert "convert its GGUF again" in said[0]
+    assert (cached / "ffn.bin").stat().st_mtime_ns == before           # kept as it is
+    assert open_flash(cached).ffn.down_dtypes == ("q6_k", "q4_k")
+    run = subprocess.run([sys.executable, "-m", "flashllm", "inspect", str(cached), "--json"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    assert "one k-quant coarser" in json.loads(run.stdout)["older_recipe"]
+    assert run.stderr.count("one k-quant coarser") == 1

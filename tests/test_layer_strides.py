@@ -26,7 +26,7 @@ def mixed(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("strides")
     write_mixed_gguf(tmp / "m.gguf", np.random.default_rng(7))
     out = convert(tmp / "m.gguf", tmp / "native", None)
-    assert open_flash(out).ffn.strides == (576, 512)                    # q6_k, q4_k columns
+    assert open_flash(out).ffn.strides == (576, 544)                    # q6_k, q5_k columns
     return out
 
 
@@ -38,7 +38,7 @@ def rising(tmp_path_factory):
     write_mixed_gguf(tmp / "m.gguf", np.random.default_rng(7),
                      {**TYPES, "down0": Q.Q4_K, "down1": Q.Q6_K})
     out = convert(tmp / "m.gguf", tmp / "native", None)
-    assert open_flash(out).ffn.strides == (512, 576)
+    assert open_flash(out).ffn.strides == (544, 576)
     return out
 
 
@@ -56,7 +56,7 @@ def test_static_ring_gives_the_dense_logits(mixed, capacity, pinned):
     a, b = sparse.forward(np.array(prompt), 0), dense.forward(np.array(prompt), 0)   # (4, 40)
     assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max()
     t = ffn.stats()["tokens"][-1]
-    assert t["bytes_requested"] == (FF - pinned) * (576 + 512)          # each layer its stride
+    assert t["bytes_requested"] == (FF - pinned) * (576 + 544)          # each layer its stride
 
 
 @pytest.mark.parametrize("folder", ["mixed", "rising"])
@@ -90,8 +90,8 @@ def test_predicted_decode_and_streamed_prefill_give_the_dense_ffn(folder, reques
 def test_the_budget_counts_each_layers_stride(mixed):
     man = read_manifest(mixed)
     plan = plan_budget(man, parse_budget("64MiB"), 16, process=0)
-    assert (plan.stride, plan.strides) == (576, 576 + 512)
-    assert plan.cache_bytes == plan.capacity * (576 + 512 + 2 * ROW_MAP_BYTES) + 2 * 4 * FF
+    assert (plan.stride, plan.strides) == (576, 576 + 544)
+    assert plan.cache_bytes == plan.capacity * (576 + 544 + 2 * ROW_MAP_BYTES) + 2 * 4 * FF
 
 
 def test_hot_first_rewrite_keeps_each_layers_stride(mixed, tmp_path):
@@ -113,7 +113,7 @@ def test_hot_first_rewrite_keeps_each_layers_stride(mixed, tmp_path):
     for layer, e in enumerate(flash.manifest["ffn"]["layers"]):
         assert {k: e[k] for k in ("stride", "down_dtype", "origin", "offset")} == \
             {k: old[layer][k] for k in ("stride", "down_dtype", "origin", "offset")}
-    assert flash.ffn.neuron_order is not None and flash.ffn.strides == (576, 512)
+    assert flash.ffn.neuron_order is not None and flash.ffn.strides == (576, 544)
     after = Model(flash, n_threads=1, n_ctx=16, exact=True)
     for layer in range(2):
         y = np.zeros_like(x)

@@ -85,6 +85,8 @@ def summary_table(s: dict) -> Table:
         rows.append(("checksums", f"all verified ({s['verified_s']:.2f} s)"))
     if s["origin"]:
         rows.append(("from the source", "\n".join(s["origin"]) + "\n(per tensor: --tensors)"))
+    if s.get("older_recipe"):
+        rows.append(("older recipe", s["older_recipe"]))
     for field, value in rows:
         table.add_row(field, escape(value))
     return table

@@ -43,9 +43,9 @@ def convert(src: Path, out: Path, dtype: str | None, force: bool = False,
 
 def convert_source(source, out: Path, dtype: str, *, force: bool = False,
                    progress: ProgressFn | None = None, description: dict | None = None,
-                   step_up: bool = False) -> Path:
+                   kquants: dict = native.KQUANT_DOWN) -> Path:
     """Write an opened Source (sources.Source protocol) as a flash model folder at out
-    (step_up: a native conversion's k-quant down columns one type finer, native.plan)."""
+    (kquants: a native conversion's down columns' k-quant per stored type, native.plan)."""
     cfg = source.config
     dense, ffn = _plan(source)
     if dtype == "q4_k" and cfg.n_experts:
@@ -56,7 +56,7 @@ def convert_source(source, out: Path, dtype: str, *, force: bool = False,
     plan = None
     if dtype == NATIVE:
         plan = native_moe.plan_experts(source, ffn) if cfg.n_experts else \
-            native.plan(source, ffn, step_up)
+            native.plan(source, ffn, kquants)
     nbytes = {n: source.tensor_nbytes(n) for n in source.tensor_names()}   # as the source stores them
     total, done = sum(nbytes.values()), 0
     tick = progress or (lambda done, total: None)

@@ -8,11 +8,13 @@ re-quantized, and how each tensor was made is recorded in the manifest (`origin`
 - FFN gate / up rows are the source's rows: copied when every layer stores both in one type the
   kernel has and d_model is whole blocks of it; else re-quantized to q8_0.
 - FFN down columns cut across the source's row blocks, so they are always re-quantized, per
-  layer (down_column): a k-quant source layer's (Q4_K, Q5_K, Q6_K; Q2_K and Q3_K as q4_k) to
-  the same k-quant (ggml's reference quantizer, native/kquant.c) when d_model is whole
-  superblocks of 256, so a Q4_K_M model keeps its Q6_K layers' columns in q6_k and its Q4_K
-  layers' in q4_k; any other to q8_0 (f16 when d_model is not whole blocks of 32): at least as
-  precise as the 32-block types a GGUF stores them in. A smaller 32-block type was measured:
+  layer (down_column): a k-quant source layer's to the k-quant one step finer than its own
+  (ggml's reference quantizer, native/kquant.c) when d_model is whole superblocks of 256: Q4_K
+  to q5_k, Q5_K and Q6_K to q6_k (none finer), Q2_K and Q3_K to q4_k (the smallest flashllm
+  makes), so a Q4_K_M model's columns are q6_k and q5_k; a second rounding to the source's own
+  grid cost prose +2.3% perplexity (docs/QUALITY.md). Any other layer's to q8_0 (f16 when
+  d_model is not whole blocks of 32): at least as precise as the 32-block types a GGUF stores
+  them in. A smaller 32-block type was measured:
   q5_1 columns (one bit per weight more than SmolLM2's Q4_1, 3.9% relative RMS error) cost its
   perplexity 3.8% (11.38 against 10.97 with q8_0 columns, 8 chunks of the evaluation text).
   Each layer has its own bundle stride (docs/FORMAT.md), so a smaller column is fewer bytes read.
@@ -21,6 +23,7 @@ tensor (the source's dequantized values are the reference).
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,9 +34,11 @@ from flashllm.format.layout import EXPERT_ROWS, NATIVE, SKETCH, fits
 from flashllm.model.tensor import FROM_GGML, QTensor
 
 FALLBACK = "q8_0"     # the down columns, and what any type the kernel lacks becomes
-# a k-quant source's down columns: the same k-quant (Q2_K / Q3_K: the smallest flashllm makes)
-KQUANT_DOWN = {"Q2_K": "q4_k", "Q3_K": "q4_k", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}
-STEP_UP = {"q4_k": "q5_k", "q5_k": "q6_k", "q6_k": "q6_k"}
+# a k-quant source's down columns: one k-quant finer (Q6_K: none is; Q2_K / Q3_K: the smallest
+# flashllm makes)
+KQUANT_DOWN = {"Q2_K": "q4_k", "Q3_K": "q4_k", "Q4_K": "q5_k", "Q5_K": "q6_k", "Q6_K": "q6_k"}
+# what flashllm made before: the source's own k-quant (a folder of it is kept, said coarser)
+SAME_KQUANT = {"Q2_K": "q4_k", "Q3_K": "q4_k", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}
 BLOCK_VALUES = 1 << 18   # values of a tensor made at a time (1 MiB as f32): whole rows, or
                          # whole neurons of an FFN layer
 
@@ -46,13 +51,13 @@ class NativePlan:
     down_rows: bool = False  # the down matrices are also kept as the source stores them
 
 
-def down_column(stored: str, d_model: int, step_up: bool = False) -> str:
+def down_column(stored: str, d_model: int, kquants: dict = KQUANT_DOWN) -> str:
     """The dtype of a down column of d_model values whose source tensor is a `stored` ggml type:
-    its own k-quant (one step finer with step_up) when d_model is whole superblocks, else q8_0
-    (f16 when not whole blocks of 32)."""
-    dt = KQUANT_DOWN.get(stored)
+    the k-quant kquants names for it when d_model is whole superblocks, else q8_0 (f16 when not
+    whole blocks of 32)."""
+    dt = kquants.get(stored)
     if dt is not None and fits(dt, d_model):
-        return STEP_UP[dt] if step_up else dt
+        return dt
     return FALLBACK if fits(FALLBACK, d_model) else "f16"
 
 
@@ -63,17 +68,17 @@ def check_source(source) -> None:
                           "source has none (choose --dtype)")
 
 
-def plan(source, ffn: list[dict[str, dict[str, str]]], step_up: bool = False) -> NativePlan:
+def plan(source, ffn: list[dict[str, dict[str, str]]], kquants: dict = KQUANT_DOWN) -> NativePlan:
     """The FFN dtypes of a native conversion of source (ffn: per layer {"": {part: tensor
-    name}}; a mixture of experts': convert/native_moe.py). step_up: k-quant down columns one
-    type finer than the source's (down_column)."""
+    name}}; a mixture of experts': convert/native_moe.py); kquants: the down columns' k-quant
+    per stored type (down_column; SAME_KQUANT: the recipe before)."""
     check_source(source)
     d = source.config.d_model
     stored = [source.stored_type(g[""]["down"]) for g in ffn]
     types = {source.stored_type(n) for groups in ffn for p, n in groups[""].items() if p != "down"}
     dt = FROM_GGML.get(types.pop()) if len(types) == 1 else None
     copied = dt is not None and fits(dt, d)
-    downs = tuple(down_column(t, d, step_up) for t in stored)
+    downs = tuple(down_column(t, d, kquants) for t in stored)
     return NativePlan(dt if copied else FALLBACK, copied, downs,
                       keeps_rows(stored, source.config.n_ff))
 
@@ -195,15 +200,39 @@ def outdated(manifest: dict) -> str | None:
         return None if manifest["ffn"].get("experts") == EXPERT_ROWS else \
             "its experts are re-quantized q8_0 bundles; this flashllm keeps the GGUF's own rows"
     d = manifest["config"]["d_model"]
-    stored = [(e.get("origin") or {}).get("down", {}).get("from") for e in manifest["ffn"]["layers"]]
+    stored = [(o or {}).get("from") for o in _downs(manifest)]
     if "down_rows" not in manifest and keeps_rows(stored, manifest["config"]["n_ff"]):
         return "it lacks the GGUF's own FFN down rows (down.bin), which runs in DRAM multiply"
-    for i, layer in enumerate(manifest["ffn"]["layers"]):
-        o = (layer.get("origin") or {}).get("down")
-        if o and o.get("to") != down_column(o["from"], d):
+    for i, o in enumerate(_downs(manifest)):
+        made = (down_column(o["from"], d), down_column(o["from"], d, SAME_KQUANT)) if o else ()
+        if o and o.get("to") not in made:          # the recipe before is kept (coarser says it)
             return f"layer {i}'s {o['from']} down columns are {o.get('to')}, this flashllm " \
                    f"makes {down_column(o['from'], d)}"
     return None
+
+
+def coarser(manifest: dict) -> str | None:
+    """What a native conversion of the recipe before (down columns in the source's own k-quant,
+    SAME_KQUANT) lacks, in a sentence, or None. Kept, not made again: converting takes minutes
+    and calibrating the folder again an hour; the user is told (resolve, inspect)."""
+    if manifest.get("dtype") != NATIVE or manifest["config"].get("n_experts") or \
+            outdated(manifest) is not None:          # experts: their down rows are copied
+        return None
+    d = manifest["config"]["d_model"]
+    older = Counter((o["from"], o["to"]) for o in _downs(manifest)
+                    if o and "to" in o and o["to"] != down_column(o["from"], d))
+    if not older:
+        return None
+    layers = ", ".join(f"{n} {src} layers in {to} where this flashllm makes {down_column(src, d)}"
+                       for (src, to), n in sorted(older.items()))
+    return f"its FFN down columns are an older flashllm's, one k-quant coarser ({layers}: about " \
+           "2% more perplexity on prose); to get them, convert its GGUF again (flashllm " \
+           "convert GGUF -o FOLDER --force) and calibrate"
+
+
+def _downs(manifest: dict) -> list:
+    """Per FFN layer: the down columns' origin ({"from", "to", ...}), or None."""
+    return [(e.get("origin") or {}).get("down") for e in manifest["ffn"]["layers"]]
 
 
 def report(manifest: dict) -> list[str]:

@@ -26,12 +26,12 @@ def resolve_model(model: str, cache_dir: Path, registry_path: Path, log: Log,
         from flashllm.convert.paths import check_path
         check_path(path)
     if path.is_dir() and (path / "manifest.json").is_file():
-        return path
+        return _told(path, log)
     if path.is_file() and _is_gguf(path):                # by content, as convert decides
         out = gguf_conversion(path, cache_dir, dtype or "native")
         if not _current(out):
             _convert_once(path.name, path, out, dtype or "native", log, apart)
-        return out
+        return _told(out, log)
     if path.exists():
         raise RegistryError(_not_converted(path))
     registry = load_registry(registry_path)
@@ -45,7 +45,7 @@ def resolve_model(model: str, cache_dir: Path, registry_path: Path, log: Log,
     out = Path(cache_dir) / "converted" / f"{entry.name}-{dtype}"
     if not _current(out):
         _convert_once(entry.name, pull(entry, cache_dir, log), out, dtype, log, apart)
-    return out
+    return _told(out, log)
 
 
 def gguf_conversion(gguf: Path, cache_dir: Path, dtype: str) -> Path:
@@ -57,7 +57,28 @@ def gguf_conversion(gguf: Path, cache_dir: Path, dtype: str) -> Path:
 
 
 def _current(out: Path) -> bool:
-    return (out / "manifest.json").is_file() and conversion_outdated(out) is None
+    return (out / "manifest.json").is_file() and _stale(out) is None
+
+
+def _stale(out: Path) -> str | None:
+    """Why the cached conversion at out is made again: another recipe than this flashllm's
+    (native.outdated), or the recipe before (native.coarser) while nothing was calibrated in it
+    (converting again takes a minute; a calibration an hour: that folder is kept, and said)."""
+    why = conversion_outdated(out)
+    if why is None and not _calibrated_in(out):
+        why = conversion_outdated(out, coarser=True)
+    return why
+
+
+def _calibrated_in(out: Path) -> bool:
+    """Whether calibrate wrote anything into the conversion at out (thresholds, an order, a
+    predictor); an unreadable manifest: True, left to the reader to report."""
+    from flashllm.format.manifest import read_manifest
+    try:
+        m = read_manifest(out)
+        return bool(m.get("sparsity") or m.get("predictor") or m["ffn"].get("neuron_order"))
+    except (FlashError, KeyError, TypeError):
+        return True
 
 
 def _convert_once(name: str, gguf: Path, out: Path, dtype: str, log: Log, apart: bool) -> None:
@@ -66,7 +87,7 @@ def _convert_once(name: str, gguf: Path, out: Path, dtype: str, log: Log, apart:
     with locked(out.parent / f".{out.name}.lock", log,   # one conversion at a time: a second
                 f"{name}: waiting for another flashllm process converting it to {out}"):
         if (out / "manifest.json").is_file():            # run waits, then uses the first's
-            why = conversion_outdated(out)
+            why = _stale(out)
             if why is None:
                 return
             log(f"{name}: {out} was converted by an older flashllm ({why}): converting again")
@@ -80,13 +101,23 @@ def _convert_once(name: str, gguf: Path, out: Path, dtype: str, log: Log, apart:
             _convert_work(str(gguf), str(out), dtype, name, log)
 
 
-def conversion_outdated(out: Path) -> str | None:
+def _told(out: Path, log: Log) -> Path:
+    """out, after one line on log when it is a conversion of the recipe before, kept rather than
+    made again (native.coarser: its calibration may have taken an hour)."""
+    why = conversion_outdated(out, coarser=True)
+    if why is not None:
+        log(f"{out}: {why}")
+    return out
+
+
+def conversion_outdated(out: Path, coarser: bool = False) -> str | None:
     """Why the converted folder at out is not what this flashllm makes (native.outdated), or
-    None; an absent or unreadable manifest is left to the reader to report."""
+    None; an absent or unreadable manifest is left to the reader to report. With coarser, only
+    what a conversion of the recipe before lacks (native.coarser)."""
     from flashllm.convert import native
     from flashllm.format.manifest import read_manifest
     try:
-        return native.outdated(read_manifest(out))
+        return (native.coarser if coarser else native.outdated)(read_manifest(out))
     except (FlashError, KeyError, TypeError):
         return None
 

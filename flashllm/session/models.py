@@ -74,7 +74,7 @@ def folder_bytes(path: Path) -> int:
 
 def flash_summary(flash, verify: bool = False) -> dict:
     """A converted model's manifest in brief; verify=True checks every checksum first."""
-    from flashllm.convert.native import report as native_report
+    from flashllm.convert.native import coarser, report as native_report
     from flashllm.format.layout import NATIVE
     verified = None
     if verify:
@@ -102,6 +102,7 @@ def flash_summary(flash, verify: bool = False) -> dict:
         "sparsity": m["sparsity"], "predictor": m["predictor"],
         "disk_bytes": folder_bytes(flash.path), "verified_s": verified,
         "origin": native_report(m) if flash.dtype == NATIVE else [], "tensors": tensor_rows(m),
+        "older_recipe": coarser(m),
     }
 
 

@@ -81,11 +81,11 @@ def convert_argv(fl: Flashllm, gguf: Path, out: Path, dtype: str) -> List[str]:
 
 def ensure_converted(fl: Flashllm, gguf: Path, out: Path, dtype: str, log) -> str:
     """Convert gguf to out at dtype unless done already (by this flashllm's recipe:
-    native.outdated); the command, for the report."""
+    native.outdated, nor the one before it: native.coarser); the command, for the report."""
     from flashllm.convert.resolve import conversion_outdated
     argv = convert_argv(fl, gguf, out, dtype)
     done = (out / "manifest.json").is_file()
-    why = done and conversion_outdated(out)
+    why = done and (conversion_outdated(out) or conversion_outdated(out, coarser=True))
     if not done or why:
         log(f"converting {gguf.name} -> {out} ({dtype})" + (f": again, {why}" if why else ""))
         res = subprocess.run(argv + ["--force"] * bool(why), capture_output=True, text=True,
