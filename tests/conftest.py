@@ -58,7 +58,7 @@ def _converted(name: str, dtype: str, log) -> Path:
     from flashllm.convert.convert import convert
     from flashllm.format.reader import open_flash
     from flashllm.errors import FormatError
-    from flashllm.convert.native import coarser, outdated
+    from flashllm.convert.recipe import coarser, outdated
     out = cache_dir() / "converted" / f"{name}-{dtype}"
     try:
         m = open_flash(out).manifest                  # a native conversion of an older recipe

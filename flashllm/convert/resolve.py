@@ -62,7 +62,7 @@ def _current(out: Path) -> bool:
 
 def _stale(out: Path) -> str | None:
     """Why the cached conversion at out is made again: another recipe than this flashllm's
-    (native.outdated), or the recipe before (native.coarser) while nothing was calibrated in it
+    (recipe.outdated), or the recipe before (recipe.coarser) while nothing was calibrated in it
     (converting again takes a minute; a calibration an hour: that folder is kept, and said)."""
     why = conversion_outdated(out)
     if why is None and not _calibrated_in(out):
@@ -103,7 +103,7 @@ def _convert_once(name: str, gguf: Path, out: Path, dtype: str, log: Log, apart:
 
 def _told(out: Path, log: Log) -> Path:
     """out, after one line on log when it is a conversion of the recipe before, kept rather than
-    made again (native.coarser: its calibration may have taken an hour)."""
+    made again (recipe.coarser: its calibration may have taken an hour)."""
     why = conversion_outdated(out, coarser=True)
     if why is not None:
         log(f"{out}: {why}")
@@ -111,13 +111,13 @@ def _told(out: Path, log: Log) -> Path:
 
 
 def conversion_outdated(out: Path, coarser: bool = False) -> str | None:
-    """Why the converted folder at out is not what this flashllm makes (native.outdated), or
+    """Why the converted folder at out is not what this flashllm makes (recipe.outdated), or
     None; an absent or unreadable manifest is left to the reader to report. With coarser, only
-    what a conversion of the recipe before lacks (native.coarser)."""
-    from flashllm.convert import native
+    what a conversion of the recipe before lacks (recipe.coarser)."""
+    from flashllm.convert import recipe
     from flashllm.format.manifest import read_manifest
     try:
-        return (native.coarser if coarser else native.outdated)(read_manifest(out))
+        return (recipe.coarser if coarser else recipe.outdated)(read_manifest(out))
     except (FlashError, KeyError, TypeError):
         return None
 

@@ -74,7 +74,8 @@ def folder_bytes(path: Path) -> int:
 
 def flash_summary(flash, verify: bool = False) -> dict:
     """A converted model's manifest in brief; verify=True checks every checksum first."""
-    from flashllm.convert.native import coarser, report as native_report
+    from flashllm.convert.native import report as native_report
+    from flashllm.convert.recipe import coarser
     from flashllm.format.layout import NATIVE
     verified = None
     if verify:
