@@ -9,6 +9,7 @@ import typer
 
 from flashllm.cli.app import (finite, MODEL_HELP, DEFAULT_THREADS, MAX_THREADS, choice, command, err, fail,
                               model_path)
+from flashllm.session.calibration import MAX_PPL_COST
 from flashllm.session.options import (CALIBRATION_CORPORA, CALIBRATION_TOKENS, CORPORA, CRITERIA,
                                       PREDICTOR_KINDS)
 
@@ -94,7 +95,7 @@ def calibrate(
                                         "the shipped texts, --corpus)."),
     sparsity: float = typer.Option(0.5, "--sparsity", callback=finite, help="Target fraction of inactive FFN neurons "
                                    "(lowered while it costs more than --max-ppl-cost)."),
-    max_ppl_cost: float = typer.Option(2.0, "--max-ppl-cost", min=0.0, callback=finite, help="Percent of perplexity on "
+    max_ppl_cost: float = typer.Option(MAX_PPL_COST * 100, "--max-ppl-cost", min=0.0, callback=finite, help="Percent of perplexity on "
                                        "each calibration text the thresholds may cost against the "
                                        "dense model; the target "
                                        "is lowered in steps of 0.1 until they cost no more on any."),

@@ -74,7 +74,7 @@ def keep_quality(candidates: dict, ppl: Callable[[str, list], float], names: Seq
             if costs[name] > max_cost:
                 break
         log(f"sparsity {target:g}: perplexity " + ", ".join(
-            f"{c:+.2%} on {name}" for name, c in costs.items()) + f" (bound {max_cost:.0%})")
+            f"{c:+.2%} on {name}" for name, c in costs.items()) + f" (bound {max_cost:.1%})")
         worst = max(costs, key=costs.__getitem__)
         if costs[worst] <= max_cost:
             return {**kept, "target": target, "ppl_cost": round(costs[worst], 5),
