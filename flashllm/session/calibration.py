@@ -185,7 +185,7 @@ def checked_words(quality: dict) -> str:
     checked (the largest alone for a calibration before the texts were checked one by one)."""
     costs = [f"{c['ppl_cost']:+.1%} on {c['text']} ({c['tokens']} tokens)"
              for c in quality.get("checked", [])] or [f"{quality['ppl_cost']:+.1%}"]
-    return ", ".join(costs) + f" (bound {quality['bound']:.0%})"
+    return ", ".join(costs) + f" (bound {quality['bound']:.1%})"
 
 
 def calibrate_once(out: Path, log: Log, name: str = "", budget: Optional["Budget"] = None) -> bool:

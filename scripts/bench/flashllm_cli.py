@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from scripts.bench.cgroup_run import CgroupUnavailable, run_capped
+from flashllm.session.calibration import MAX_PPL_COST
 
 ROOT = Path(__file__).resolve().parents[2]    # the repository: every command runs from here
 TIMING = re.compile(r"(prompt eval|eval) time\s*=\s*([0-9.]+) ms /\s*(\d+) (?:tokens|runs)")
@@ -97,12 +98,14 @@ def ensure_converted(fl: Flashllm, gguf: Path, out: Path, dtype: str, log) -> st
 
 def ensure_calibrated(fl: Flashllm, src: Path, log) -> tuple[Path, str]:
     """(src + "-cal", the command): a copy of the converted model run through `flashllm
-    calibrate` with its defaults (thresholds, hot-first order, predictor), done once."""
+    calibrate` with its defaults (thresholds, hot-first order, predictor), done once, again
+    when the bundles or the default cost bound have changed since."""
     out = src.with_name(src.name + "-cal")
     argv = fl.argv + ["calibrate", str(out)]
     if not (out / ".calibrated").is_file() or _bundles(out) != _bundles(src) or \
             any(_sparsity(out).get(k) is None for k in ("order_by", "head", "quality")) or \
-            "checked" not in _sparsity(out)["quality"]:   # checked on each text (issue 50)
+            "checked" not in _sparsity(out)["quality"] or \
+            _sparsity(out)["quality"].get("bound") != MAX_PPL_COST:   # each text, today's bound
         log(f"calibrating {out}")
         shutil.rmtree(out, ignore_errors=True)
         shutil.copytree(src, out)
