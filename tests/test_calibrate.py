@@ -265,7 +265,8 @@ def test_interrupted_calibration_leaves_the_model_valid(tiny, tmp_path, monkeypa
     else:                       # stop just before the manifest switch
         def switch(*args, **kwargs):
             raise KeyboardInterrupt
-        monkeypatch.setattr(reorder, "update_manifest", switch)
+        import flashllm.format.files as files
+        monkeypatch.setattr(files, "update_manifest", switch)
     with pytest.raises(KeyboardInterrupt):
         calibrate_model(*_flash_and_model(path), TOKENS, {}, 0.5)
     assert (path / "manifest.json").read_bytes() == before

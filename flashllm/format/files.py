@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import Iterable, Optional
 
 from flashllm.limits import loads_json
 from flashllm.errors import FormatError
@@ -44,6 +45,22 @@ def update_manifest(path: Path, **sections: dict) -> None:
         tmp.unlink(missing_ok=True)
         raise FormatError(f"cannot update {file}: {e}") from None
 
+
+
+def switch(path: Path, stale: Iterable[str], **sections: dict) -> None:
+    """The manifest's sections replaced in one atomic rename (update_manifest: the files they
+    name are complete and fsync'd), then the stale files (named by the old sections only)
+    removed. Killed before the rename, the folder is the old one; after it, the new one (stale
+    files left behind are swept by the next calibration: sparsity/reorder.sweep_temporaries)."""
+    update_manifest(path, **sections)
+    for name in stale:
+        (Path(path) / name).unlink(missing_ok=True)
+
+
+def free_name(current: Optional[str], names: tuple[str, str]) -> str:
+    """The one of a file's two names that the manifest does not use now (current: the one it
+    names, or None), so a new file is written beside the old one until switch."""
+    return names[1] if current == names[0] else names[0]
 
 def sync_close(f) -> None:
     f.flush()

@@ -25,7 +25,8 @@ from flashllm.sparsity.activations import (CalibrationError, check_criterion, co
 from flashllm.sparsity.predictor import write_predictor
 from flashllm.sparsity.layer_stats import InputStore, LastLayer, LayerStats, layer_scores
 from flashllm.sparsity.quality import check_spans, keep_quality, quality_steps
-from flashllm.sparsity.reorder import switch, sweep_temporaries, write_frequency, write_hot_first
+from flashllm.format.files import switch
+from flashllm.sparsity.reorder import sweep_temporaries, write_frequency, write_hot_first
 from flashllm.sparsity.train import DEFAULT_OPTIONS, train_predictor
 
 class RecordingFfn:
@@ -211,7 +212,7 @@ def _commit(flash: FlashModel, sections: dict, stale: list[str], fit, reorder: b
     """The predictor trained on the written files (fit(pending flash, its current file) -> its
     section; None: none, and a rewrite drops the old one, trained in the slots it reorders),
     the sparsity section amended, then the manifest switched to every new file at once
-    (reorder.switch): a calibration killed before leaves the old folder. Returns the sparsity
+    (format/files.switch): a calibration killed before leaves the old folder. Returns the sparsity
     section written."""
     old = flash.manifest.get("predictor") or {}
     if fit is not None:
@@ -262,7 +263,7 @@ def _write(flash, tokens, text: dict, criterion: str, kept: dict, per: dict, reo
            by: str, contrib, n_ctx: int) -> tuple[dict, list[str]]:
     """The files of the kept target's sparsity section written (with the hot-first rewrite's),
     the manifest left as it is: (the manifest sections that name them, the files they replace;
-    reorder.switch's arguments)."""
+    format/files.switch's arguments)."""
     thresholds, freq, achieved = per[kept["target"]]
     ids = np.asarray(tokens, dtype="<i4")                          # (N,)
     section = {"criterion": criterion, "target": kept["target"],

@@ -36,7 +36,7 @@ import numpy as np
 from flashllm.ffi import kernel
 from flashllm.sparsity.activations import activation
 from flashllm.format.layout import DTYPE_CODES, MANIFEST_FILE, align_up, fits, tensor_nbytes
-from flashllm.format.files import update_manifest
+from flashllm.format.files import free_name, switch
 from flashllm.format.manifest import read_manifest
 from flashllm.format.reader import FlashModel
 from flashllm.model.config import ModelConfig
@@ -186,9 +186,7 @@ def save_predictor(path: Path, predictor: Predictor, metrics: dict) -> None:
     path = Path(path)
     old = (read_manifest(path).get("predictor") or {}).get("file")
     section = write_predictor(path, predictor, metrics, old)
-    update_manifest(path, predictor=section)
-    if old and old != section["file"]:
-        (path / old).unlink(missing_ok=True)
+    switch(path, [old] if old and old != section["file"] else [], predictor=section)
 
 
 def write_predictor(path: Path, predictor: Predictor, metrics: dict,
@@ -196,7 +194,7 @@ def write_predictor(path: Path, predictor: Predictor, metrics: dict,
     """The predictor written into the model folder at path under the one of PREDICTOR_NAMES that
     is not current (the file the manifest names now; temporary name, fsync, rename), the manifest
     left as it is; its `predictor` section."""
-    name = PREDICTOR_NAMES[1] if current == PREDICTOR_NAMES[0] else PREDICTOR_NAMES[0]
+    name = free_name(current, PREDICTOR_NAMES)
     entries, blobs, off = [], [], PRED_ALIGN
     for i, parts in enumerate(predictor.layers):
         for role in KINDS[predictor.kind]:

@@ -5,11 +5,11 @@ larger merged chunks), and the per-slot frequency file (in the new slot order).
 A rewrite never touches the files the manifest names: the reordered FFN file, order file and
 frequency file go under the other name of each pair below (temporary name, fsync, rename), and
 calibrate trains its predictor on them (sparsity/predictor.write_predictor, also under a free
-name) before the manifest is switched to all of them in one atomic rename (switch:
-format/files.update_manifest); only then are the old files removed. A calibration killed at any
-point (SIGKILL, the OOM killer) or failing on a full disk leaves the old folder, valid, or the new
-one, complete; the stray new or old files are removed at once after an error (a full disk), else
-by the next calibration (sweep_temporaries) or by `run` after its calibration child failed.
+name) before the manifest is switched to all of them in one atomic rename (format/files.switch);
+only then are the old files removed. A calibration killed at any point (SIGKILL, the OOM
+killer) or failing on a full disk leaves the old folder, valid, or the new one, complete; the
+stray new or old files are removed at once after an error (a full disk), else by the next
+calibration (sweep_temporaries) or by `run` after its calibration child failed.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from typing import Optional
 import numpy as np
 
 from flashllm.format.layout import FFN_ALIGN, MANIFEST_FILE, crc32_array
-from flashllm.format.files import named_files, sweep_leftovers, update_manifest
+from flashllm.format.files import free_name, named_files, sweep_leftovers, switch
 from flashllm.format.manifest import read_manifest
 from flashllm.format.reader import FlashModel
 from flashllm.errors import FormatError
@@ -55,10 +55,6 @@ def hot_first_permutation(key: np.ndarray) -> np.ndarray:
     return np.argsort(-np.asarray(key), axis=1, kind="stable").astype(np.int32)
 
 
-def _other(current: Optional[str], names: tuple[str, str]) -> str:
-    return names[1] if current == names[0] else names[0]
-
-
 def _sync_write(path: Path, write) -> None:
     """write(f) into path via a temporary name, fsync, rename; nothing at path on failure."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -84,7 +80,7 @@ def write_frequency(path: Path, freq: np.ndarray, current: Optional[str]) -> dic
     """Write per-slot frequencies (n_layers, n_ff) as little-endian f32 under the free name;
     return its table entry for the sparsity section."""
     a = np.ascontiguousarray(freq, dtype="<f4")                               # (n_layers, n_ff)
-    name = _other(current, FREQ_NAMES)
+    name = free_name(current, FREQ_NAMES)
     _sync_write(Path(path) / name, lambda f: f.write(a.tobytes()))
     return {**_array_entry(name, a, "float32"), "index": "slot"}
 
@@ -131,7 +127,7 @@ def write_hot_first(flash: FlashModel, freq: np.ndarray, sparsity: dict,
     order = np.ascontiguousarray(order, dtype="<i4")                         # (n_layers, n_ff)
     old = {"ffn": man["ffn"]["file"], "order": (man["ffn"].get("neuron_order") or {}).get("file"),
            "freq": (man.get("sparsity", {}).get("frequency") or {}).get("file")}
-    ffn_name, order_name = _other(old["ffn"], FFN_NAMES), _other(old["order"], ORDER_NAMES)
+    ffn_name, order_name = free_name(old["ffn"], FFN_NAMES), free_name(old["order"], ORDER_NAMES)
     layers = _write_ffn(flash, perm, ffn_name)
     _sync_write(path / order_name, lambda f: f.write(order.tobytes()))
     freq_sorted = np.take_along_axis(np.asarray(freq, np.float32), perm, axis=1)  # (n_layers, n_ff)
@@ -143,13 +139,3 @@ def write_hot_first(flash: FlashModel, freq: np.ndarray, sparsity: dict,
     stale = [n for n, new in zip(old.values(), (ffn_name, order_name, section["frequency"]["file"]))
              if n and n != new]
     return {"ffn": ffn, "sparsity": section}, stale
-
-
-def switch(path: Path, stale: list[str], **sections: dict) -> None:
-    """The manifest's sections replaced in one atomic rename (format/files.update_manifest: the
-    files they name are complete and fsync'd), then the stale files (named by the old sections
-    only) removed. Killed before the rename, the folder is the old one; after it, the new one
-    (stale files left behind are swept by the next calibration: sweep_temporaries)."""
-    update_manifest(path, **sections)
-    for name in stale:
-        (Path(path) / name).unlink(missing_ok=True)
