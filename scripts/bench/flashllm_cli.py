@@ -102,10 +102,7 @@ def ensure_calibrated(fl: Flashllm, src: Path, log) -> tuple[Path, str]:
     when the bundles or the default cost bound have changed since."""
     out = src.with_name(src.name + "-cal")
     argv = fl.argv + ["calibrate", str(out)]
-    if not (out / ".calibrated").is_file() or _bundles(out) != _bundles(src) or \
-            any(_sparsity(out).get(k) is None for k in ("order_by", "head", "quality")) or \
-            "checked" not in _sparsity(out)["quality"] or \
-            _sparsity(out)["quality"].get("bound") != MAX_PPL_COST:   # each text, today's bound
+    if not _calibrated_as_today(out, src):
         log(f"calibrating {out}")
         shutil.rmtree(out, ignore_errors=True)
         shutil.copytree(src, out)
@@ -114,6 +111,17 @@ def ensure_calibrated(fl: Flashllm, src: Path, log) -> tuple[Path, str]:
             raise RuntimeError(f"calibrate failed: {res.stderr.strip()[-400:]}")
         (out / ".calibrated").write_text(res.stderr[-4000:], encoding="utf-8")
     return out, f"cp -r {src} {out} && " + fl.show(argv)
+
+
+def _calibrated_as_today(out: Path, src: Path) -> bool:
+    """Whether the copy out was calibrated from src's bundles by today's defaults: hot-first
+    order, a sparse head, the target checked on each text within today's bound (issue 50)."""
+    if not (out / ".calibrated").is_file() or _bundles(out) != _bundles(src):
+        return False
+    sp = _sparsity(out)
+    if any(sp.get(k) is None for k in ("order_by", "head", "quality")):
+        return False
+    return "checked" in sp["quality"] and sp["quality"].get("bound") == MAX_PPL_COST
 
 
 def _sparsity(model: Path) -> dict:
