@@ -14,6 +14,7 @@
 
 #include "flashllm.h"
 #include "act_quant.h"
+#include "attend.h"
 #include "gemm_f32.h"
 #include "pool.h"
 #include "qgemm.h"
@@ -290,46 +291,6 @@ int32_t fl_rope(float *x, int64_t T, int64_t n_heads, int64_t head_dim, int64_t 
     return FL_OK;
 }
 
-/* out_h (head_dim) = softmax(scale * q_h . K[0..n_keys)) @ V[0..n_keys) for one query head;
- * K and V rows of kv_dtype, row_bytes apart. With an f16 cache the operands meet as in
- * llama.cpp's attention over its f16 cache (without flash attention: two matrix products whose
- * f32 operand ggml converts to the cache's type): q_h rounded to f16, the weights softmax in f32
- * (its sum in double) rounded to f16, then their products with V summed in f32. q16: head_dim
- * floats of scratch. */
-static void attend_one(const float *qh, const uint8_t *k, const uint8_t *v, int32_t kv_dtype,
-                       float *outh, int64_t n_keys, int64_t row_bytes, int64_t head_dim,
-                       float scale, float *scores, float *q16) {
-    const int f16 = kv_dtype == FL_F16;
-    if (f16)
-        for (int64_t i = 0; i < head_dim; i++) q16[i] = fl_fp16_to_fp32(fl_fp32_to_fp16(qh[i]));
-    const float *q = f16 ? q16 : qh;
-    float mx = -INFINITY;
-    for (int64_t s = 0; s < n_keys; s++) {
-        scores[s] = scale * fli_dot(kv_dtype, k + s * row_bytes, q, head_dim);
-        if (scores[s] > mx) mx = scores[s];
-    }
-    float sum = 0.0f;
-    double sum_d = 0.0;
-    for (int64_t s = 0; s < n_keys; s++) {
-        scores[s] = expf(scores[s] - mx);
-        sum += scores[s];
-        sum_d += scores[s];
-    }
-    memset(outh, 0, (size_t)head_dim * sizeof(float));
-    if (f16) {
-        const float inv = (float)(1.0 / sum_d);
-        for (int64_t s = 0; s < n_keys; s++) {
-            const float w = fl_fp16_to_fp32(fl_fp32_to_fp16(scores[s] * inv));
-            if (w != 0.0f) fli_axpy(kv_dtype, v + s * row_bytes, w, outh, head_dim);
-        }
-        return;
-    }
-    for (int64_t s = 0; s < n_keys; s++)
-        fli_axpy(kv_dtype, v + s * row_bytes, scores[s], outh, head_dim);
-    const float inv = 1.0f / sum;
-    for (int64_t i = 0; i < head_dim; i++) outh[i] *= inv;
-}
-
 typedef struct {
     const float *q;  // (T, n_heads, head_dim)
     const uint8_t *kc, *vc;
@@ -354,9 +315,9 @@ static void attention_part(void *p) {
         const int64_t n_keys = j->pos0 + tok + 1;
         const int64_t first = j->window > 0 && n_keys > j->window ? n_keys - j->window : 0;
         const int64_t off = first * j->row_bytes + (h / j->group) * j->head_dim * j->esize;
-        attend_one(j->q + i * j->head_dim, j->kc + off, j->vc + off, j->kv_dtype,
-                   j->out + i * j->head_dim, n_keys - first, j->row_bytes, j->head_dim,
-                   j->scale, scores, scores + j->pos0 + j->T);
+        fli_attend_one(j->q + i * j->head_dim, j->kc + off, j->vc + off, j->kv_dtype,
+                       j->out + i * j->head_dim, n_keys - first, j->row_bytes, j->head_dim,
+                       j->scale, scores, scores + j->pos0 + j->T);
     }
     free(scores);
 }

@@ -1,4 +1,4 @@
-"""native/qdot.c, qgemm.c and act.c built for each instruction set it has a path for (AVX-512 VNNI, AVX2 + AVX-VNNI,
+"""native/qdot.c, qgemm.c, act.c and attend.c built for each instruction set it has a path for (AVX-512 VNNI, AVX2 + AVX-VNNI,
 AVX2 alone, plain C) and run through tests/native/qdot_isa.c, which checks every tile variant
 against a double reference on the same quantized activations (see there). The extension itself
 is built for this CPU only, so without this the other paths would go untested here. A build the
@@ -51,3 +51,17 @@ def test_qdot_tiles_on_every_instruction_set(isa, tmp_path):
                     *SOURCES, "-lm", "-o", str(exe)], cwd=ROOT, check=True)
     run = subprocess.run([str(exe)], capture_output=True, text=True)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout
+
+
+@pytest.mark.parametrize("isa", ["avx512vnni", "avx2", "plain"])
+def test_attention_on_every_instruction_set(isa, tmp_path):
+    """native/attend.c's register path (AVX-512, AVX2) and its per-row kernels (plain C, and an
+    odd head_dim everywhere) against tests/native/attend_isa.c's rule of f16 attention."""
+    cc = isa_compiler(isa)
+    exe = tmp_path / f"attend_{isa}"
+    sources = ["tests/native/attend_isa.c", "native/attend.c", *SOURCES[1:]]
+    subprocess.run([cc, "-O2", "-std=c11", "-Wall", "-Wextra", "-Werror", "-Inative", *ISAS[isa],
+                    *sources, "-lm", "-o", str(exe)], cwd=ROOT, check=True)
+    run = subprocess.run([str(exe)], capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout
+
