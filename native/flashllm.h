@@ -241,6 +241,20 @@ int32_t fl_moe_ffn(const fl_expert *experts, int64_t n_experts, const int32_t *i
                    const float *weights, int64_t T, int64_t k, int32_t act, const float *h,
                    float *x, int64_t d, int32_t exact, int32_t n_threads);
 
+/* A mixture of experts' layer for one token: its RMSNorm, router (run as fl_matmul's exact f32
+ * product), routing (fl_moe_route) and experts (fl_moe_ffn, int8 activations), the calls
+ * runtime/moe.py makes, in its order, so their bits. x (d) += the layer's FFN of x. */
+typedef struct {
+    const float *norm;          /* (d) */
+    fl_mat router;              /* (n_experts, d), not packed */
+    const fl_expert *experts;   /* (n_experts) */
+    int64_t n_experts, k;
+    int32_t norm_topk, act;     /* act: FL_ACT_* */
+    float eps;
+} fl_moe_block;
+
+int32_t fl_moe_token(const fl_moe_block *b, float *x, int64_t d, int32_t n_threads);
+
 /* ---- bundled FFN (ffn.c) ----------------------------------------------------------------- */
 
 /* One FFN neuron is one bundle of `stride` bytes: [gate row | up row | down column], gate and up

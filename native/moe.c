@@ -336,3 +336,24 @@ int32_t fl_moe_ffn(const fl_expert *experts, int64_t n_experts, const int32_t *i
     free_pass(&p);
     return st;
 }
+
+int32_t fl_moe_token(const fl_moe_block *b, float *x, int64_t d, int32_t n_threads) {
+    if (!b || !x || !b->norm || !b->router.w || b->router.packed || !b->experts || d <= 0 ||
+        b->n_experts <= 0 || b->router.rows != b->n_experts || b->router.cols != d ||
+        b->k <= 0 || b->k > b->n_experts || n_threads < 1)
+        return FL_EINVAL;
+    float *buf = malloc((size_t)(d + b->n_experts + b->k) * sizeof(float));
+    int32_t *ids = malloc((size_t)b->k * sizeof(int32_t));
+    int32_t st = buf && ids ? FL_OK : FL_ENOMEM;
+    float *h = buf, *logits = buf + d, *w = logits + b->n_experts;  // (d), (n_experts), (k)
+    if (st == FL_OK) st = fl_rmsnorm(x, b->norm, h, 1, d, b->eps);
+    if (st == FL_OK)
+        st = fl_matmul(b->router.w, b->router.dtype, b->n_experts, d, b->router.bias, h, 1,
+                       logits, 1, n_threads);
+    if (st == FL_OK) st = fl_moe_route(logits, 1, b->n_experts, b->k, b->norm_topk, ids, w);
+    if (st == FL_OK)
+        st = fl_moe_ffn(b->experts, b->n_experts, ids, w, 1, b->k, b->act, h, x, d, 0, n_threads);
+    free(buf), free(ids);
+    return st;
+}
+

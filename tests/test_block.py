@@ -17,6 +17,7 @@ from flashllm.convert.convert import convert
 from flashllm.errors import KernelError
 from flashllm.ffi.block import FfnToken
 from flashllm.ffi.lib import ffi
+from flashllm.ffi.moe import MoeToken
 from flashllm.format.reader import open_flash
 from flashllm.runtime.model import Model
 
@@ -70,14 +71,15 @@ def test_real_native_blocks_give_the_kernel_sequence_bits(name):
 
 def test_moe_attention_normed_whole_gives_the_kernel_sequence_bits(tmp_path):
     """OLMoE's QK norm over the whole q and k (scripts/fixtures/make_moe_gguf.py's small
-    fixture): its attention runs in C too (the experts: one fl_moe_ffn call a layer either way)."""
+    fixture): its attention runs in C too, and its experts' layer (fl_moe_token: the norm,
+    router and routing in C too, against model.py's calls)."""
     from scripts.fixtures.make_moe_gguf import SMALL, write as write_moe
     gguf = write_moe(tmp_path / "m.gguf", "q4_0", shape=SMALL, log=lambda m: None)
     flash = open_flash(convert(gguf, tmp_path / "m", None))
     assert flash.config.qk_norm_full
     for kv in ("f16", "f32"):
         blocks, got, want = both_ways(flash, kv, prompt=list(range(40, 48)))
-        assert all(a is not None and f is None for a, f in blocks)
+        assert all(a is not None and isinstance(f, MoeToken) for a, f in blocks)
         for g, w in zip(got, want):
             np.testing.assert_array_equal(g, w)
 

@@ -3,6 +3,8 @@ expert of a pass with the weighted sum of their outputs (fl_moe_ffn), one call e
 
 ExpertSet checks a layer's expert matrices once and keeps the fl_expert array that points into
 them (and the arrays, so the pointers stay valid); a call passes the pass's routing and rows.
+MoeToken is a decode token's whole layer in one call (fl_moe_token): norm, router, routing and
+experts, the bits of runtime/model.py's calls.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from typing import Sequence
 import numpy as np
 
 from flashllm.errors import KernelError
-from flashllm.ffi.block import CStruct
+from flashllm.ffi.block import CStruct, _x
 from flashllm.ffi.kernel import ACT_CODES
 from flashllm.ffi.lib import check as _check, ffi, native as _native
 
@@ -63,3 +65,25 @@ class ExpertSet(CStruct):
                                     ffi.from_buffer("float[]", w), T, ids.shape[1], self.act,
                                     ffi.from_buffer("float[]", h), ffi.from_buffer("float[]", x),
                                     d, int(exact), int(n_threads)), "moe_ffn")
+
+
+class MoeToken(CStruct):
+    """A mixture of experts' layer for one token (fl_moe_token): x (1, d) += it, in place."""
+
+    def __init__(self, norm: np.ndarray, router, experts: ExpertSet, k: int, norm_topk: bool,
+                 eps: float):
+        """router (n_experts, d) QTensor, run as an exact f32 product; experts: the layer's."""
+        super().__init__("fl_moe_block *")
+        b, d = self.c, experts.d
+        if router.rows != experts.n or router.cols != d or not 1 <= k <= experts.n:
+            raise KernelError(f"moe_token: router {router.rows}x{router.cols}, k={k} for "
+                              f"{experts.n} experts of d_model {d}")
+        b.norm = self.vec(norm, d, "norm")
+        self.mat(b.router, router, None, "router")
+        b.experts, b.n_experts, b.k = experts.c, experts.n, k
+        b.norm_topk, b.act, b.eps = int(norm_topk), experts.act, eps
+        self._alive.append(experts)
+        self.d = d
+
+    def __call__(self, x: np.ndarray, n_threads: int) -> None:
+        _check(_native().fl_moe_token(self.c, _x(x, self.d), self.d, int(n_threads)), "moe_token")

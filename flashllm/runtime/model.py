@@ -30,6 +30,7 @@ import numpy as np
 
 from flashllm.ffi import kernel
 from flashllm.ffi.block import AttnToken, FfnToken
+from flashllm.ffi.moe import MoeToken
 from flashllm.format.reader import FlashModel
 from flashllm.model.rope import inv_freq
 from flashllm.runtime.interfaces import DenseSource, FfnStrategy
@@ -243,7 +244,8 @@ class Model:
         """Per layer (AttnToken or None, FfnToken or None): the sub-blocks a one-token pass runs
         in one C call each (ffi/block.py, the same bits as _attention_block / _ffn_block) —
         an RMSNorm, RoPE model's resident attention (q / k / v fused, runtime/layer.py, or three),
-        a DenseFfn of matrix rows; int8 activations (not exact). Built on first use."""
+        a DenseFfn of matrix rows, a MoeFfn's packed experts without a shared one (ffi/moe.py:
+        norm, router, routing and experts); int8 activations (not exact). Built on first use."""
         if self._blocks is None:
             self._blocks = [self._blocks_of(i) for i in range(self.config.n_layers)]
         return self._blocks
@@ -261,6 +263,10 @@ class Model:
         ffn = None if not isinstance(f, DenseFfn) or not f.rows else FfnToken(
             L.ffn_norm, f.gate_up[i], f.down[i], f.act, f.glu, cfg.norm_eps, f.up_b[i],
             L.post_ffn_norm, L.down_b)
+        if isinstance(f, MoeFfn) and f.sets is not None and f.routers.shared_gate[i] is None \
+                and L.post_ffn_norm is None and L.down_b is None:
+            ffn = MoeToken(L.ffn_norm, f.routers.weights[i], f.sets[i], f.routers.k,
+                           f.routers.norm_topk, cfg.norm_eps)
         return attn, ffn
 
     def feed(self, tokens: np.ndarray, pos0: int, n: int) -> None:

@@ -9,9 +9,9 @@ compute kernel (flashllm/ffi/kernel.py) is timed and charged to an op: the atten
 (or fused qkv: runtime/layer.py) / o matmuls, attention itself, the FFN (its gate+up and down
 matmuls and activation when it multiplies rows, else its bundles), the output head, norms,
 RoPE, embeddings; a decode token's one-call attention and FFN blocks (ffi/block.py) and a mixture
-of experts' layer (its router's matmul, the routing, fl_moe_ffn) are ops of their own. What the
-decode loop spends outside those calls is "python" (numpy adds, KV cache writes, the loop,
-sampling's argmax). Prints ms per token per op and tok/s, and the process's CPU time per token
+of experts' layer (its router's matmul, the routing, fl_moe_ffn; a decode token's one-call
+layer, fl_moe_token, "moe block") are ops of their own. What the decode loop spends outside
+those calls is "python" (numpy adds, KV cache writes, the loop, sampling's argmax). Prints ms per token per op and tok/s, and the process's CPU time per token
 (with one thread, what a token costs whatever else runs: a loaded machine stretches the wall
 time, not this); --json one JSON object.
 """
@@ -35,7 +35,8 @@ from flashllm.runtime.moe import Routers
 WRAPPED = ("matmul", "ffn_bundles", "attention", "rmsnorm", "layernorm", "rope", "get_rows",
            "act_mul")
 CALLS = ((block.AttnToken, "__call__", "attn block"), (block.FfnToken, "__call__", "ffn block"),
-         (moe_kernel.ExpertSet, "__call__", "moe experts"), (Routers, "route", "moe route"))
+         (moe_kernel.ExpertSet, "__call__", "moe experts"), (Routers, "route", "moe route"),
+         (moe_kernel.MoeToken, "__call__", "moe block"))
 
 
 class Timers:
