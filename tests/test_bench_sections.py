@@ -62,6 +62,17 @@ def test_each_gguf_figure_is_set_against_llama_cpps_faster_policy():
     assert len(notes) == 1 and "runs (prefill, decode) (200.0, 30.0)" in notes[0]
 
 
+def test_rounds_taken_in_turn_merge_into_one_row_of_medians():
+    """gguf_dram.measure takes one run of each engine a round: the row is every round's run,
+    their median prefill and decode, the first round's command; a failed round is the row."""
+    one = lambda a, d: {"cmd": f"run {a}", "runs": [(a, d)], "prefill_tps": a, "decode_tps": d}  # noqa: E731
+    row = gguf_dram.merged([one(100.0, 30.0), one(300.0, 10.0), one(200.0, 50.0)])
+    assert row["runs"] == [(100.0, 30.0), (300.0, 10.0), (200.0, 50.0)]
+    assert (row["prefill_tps"], row["decode_tps"], row["cmd"]) == (200.0, 30.0, "run 100.0")
+    failed = {"cmd": "run x", "runs": [], "error": "failed (exit 1): x"}
+    assert gguf_dram.merged([one(100.0, 30.0), failed]) is failed
+
+
 def moe_result(kind: str, dtype: str, cap: str, fl_tps, error: str = "") -> dict:
     summary = {"io_bytes_per_token": 300 * 2**20, "experts_cached_per_token": 40.0,
                "experts_read_per_token": 88.0, "experts_prefetched_per_token": 3.5,

@@ -7,12 +7,15 @@ re-quantized by llama.cpp to Q2_K and Q3_K_M (scripts/bench/requantize_gguf.py i
 when absent) and the OLMoE-shape Q4_0 fixture (scripts/fixtures/make_moe_gguf.py into build/moe
 when absent, converted there as the "Mixture of experts under a cap" section converts it).
 flashllm: `run` on a 64-token code prompt, -n 128 --ignore-eos, 2 threads, greedy, one
-discarded run (the page cache warm) then the median of 3. llama.cpp: scripts/bench/llamacpp.py,
-repacked weights, one warm-up then the median of 3, OpenMP passive and default (spinning); per
-figure the faster is the reference. --quick: SmolLM2 only, 32 tokens, one run each.
+discarded run first (the page cache warm). llama.cpp: scripts/bench/llamacpp.py, repacked
+weights, one warm-up and one measured run a process, OpenMP passive and default (spinning); per
+figure the faster is the reference. The two take turns, 3 rounds of one flashllm run and one
+llama.cpp run per policy, each the median of its 3: this machine's speed drifts by a quarter over
+minutes, and runs taken in turn see the same spells. --quick: SmolLM2 only, 32 tokens, 1 round.
 """
 from __future__ import annotations
 
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -73,15 +76,27 @@ def measure(b: Bench, name: str, n_gen: int) -> dict:
     conv = ensure_converted(b.fl, gguf, out, NATIVE, b.log)
     prompt = b.args.work / f"prompt-{name}-{NATIVE}.txt"
     n = make_prompt(out, 64, "code", prompt)
-    b.log(f"gguf: flashllm {name} ({n}-token prompt)")
-    fl = flashllm_row(b.fl, out, prompt, n_gen, [], b.args.reps, None, False, b.opts["--json"],
-                      b.args.timeout, warmup=True)
-    ll = {}
-    for policy in POLICIES:
-        b.log(f"gguf: llama.cpp {name} (OMP wait {policy})")
-        ll[policy] = llamacpp_row(gguf, policy, b.args.reps, n_gen, None, True, b.args.timeout)
+    b.log(f"gguf: {name} ({n}-token prompt), {b.args.reps} rounds of flashllm and llama.cpp")
+    fl, ll = [], {p: [] for p in POLICIES}
+    for r in range(b.args.reps):     # in turn: a slow spell of the machine falls on both alike
+        fl.append(flashllm_row(b.fl, out, prompt, n_gen, [], 1, None, False, b.opts["--json"],
+                               b.args.timeout, warmup=r == 0))
+        for policy in POLICIES:
+            ll[policy].append(llamacpp_row(gguf, policy, 1, n_gen, None, True, b.args.timeout))
     return {"name": name, "weights": ROWS[name], "mib": gguf.stat().st_size / MiB, "made": made,
-            "conv": conv, "n_prompt": n, "flashllm": fl, "llama.cpp": ll}
+            "conv": conv, "n_prompt": n, "flashllm": merged(fl),
+            "llama.cpp": {p: merged(rows) for p, rows in ll.items()}}
+
+
+def merged(rows: List[dict]) -> dict:
+    """One row of one-run rows: the first's command, every run, their median prefill and
+    decode tok/s; the first failed row as it is."""
+    for r in rows:
+        if r.get("error"):
+            return r
+    runs = [run for r in rows for run in r["runs"]]
+    return {**rows[0], "runs": runs, "prefill_tps": statistics.median(a for a, _ in runs),
+            "decode_tps": statistics.median(d for _, d in runs)}
 
 
 def ratio(r: dict, key: str) -> Tuple[str, str]:
@@ -117,12 +132,13 @@ def notes(rows: List[dict]) -> List[str]:
     """Per row: how the file was had, its conversion, flashllm's and llama.cpp's commands and
     each run's figures."""
     out = []
+    show = lambda row: ", ".join(f"({a:.1f}, {d:.1f})" for a, d in row.get("runs", [])) or "–"  # noqa: E731
     for r in (r for r in rows if not r.get("error")):
-        fl, ll = r["flashllm"], r["llama.cpp"]["passive"]
-        runs = ", ".join(f"({a:.1f}, {d:.1f})" for a, d in fl.get("runs", []))
+        fl, ll = r["flashllm"], r["llama.cpp"]
         out.append(f"- {r['name']}: {r['made']}; `{r['conv']}`; `{fl['cmd']}` ({r['n_prompt']}-token "
-                   f"prompt; runs (prefill, decode) {runs or '–'}); `{ll['cmd']}` and the same with "
-                   f"`--omp-wait-policy default`.")
+                   f"prompt; runs (prefill, decode) {show(fl)}); `{ll['passive']['cmd']}` (runs "
+                   f"{show(ll['passive'])}) and the same with `--omp-wait-policy default` (runs "
+                   f"{show(ll['default'])}).")
     return out
 
 
@@ -132,11 +148,14 @@ def section_text(b: Bench, rows: List[dict], load: tuple, n_gen: int) -> str:
             "2 threads, on the same file. flashllm: the default conversion (`flashllm convert "
             "X.gguf`, what `run X.gguf` does: native, each tensor in the GGUF's own type), `run` "
             f"on a 64-token code prompt (the evaluation split's heapq.py), -n {n_gen} "
-            "--ignore-eos, greedy, one discarded run first (the page cache warm), then the median "
-            f"of {b.args.reps}. llama.cpp: scripts/bench/llamacpp.py, its default of repacked "
-            f"weights, 64 fixed token ids then tg{n_gen}, one warm-up then the median of "
-            f"{b.args.reps}, its OpenMP threads passive and spinning (default); each ratio is "
-            "against the faster of the two on that figure.", ""]
+            "--ignore-eos, greedy, one discarded run first (the page cache warm). llama.cpp: "
+            f"scripts/bench/llamacpp.py, its default of repacked weights, 64 fixed token ids then "
+            f"tg{n_gen}, one warm-up and one measured run a process, its OpenMP threads passive "
+            "and spinning (default). The engines take turns: "
+            f"{b.args.reps} rounds of one flashllm run and one llama.cpp run per policy (this "
+            "machine's speed drifts over minutes; runs in turn share its spells), each figure "
+            "the median of its rounds; each ratio is against the faster policy on that figure.",
+            ""]
     text += table(rows) + ["", "Commands (the file; its conversion; the runs):", ""] + notes(rows)
     return "\n".join(text) + "\n"
 
