@@ -52,7 +52,8 @@ class CStruct:
         field.bias = self.vec(bias, w.rows, name + " bias")
 
 
-def _x(x: np.ndarray, d: int):
+def token_row(x: np.ndarray, d: int):
+    """x, a writable contiguous float32 (1, d) row (checked), as a C pointer."""
     if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.shape != (1, d) or \
             not x.flags.c_contiguous or not x.flags.writeable:
         raise KernelError(f"x must be a writable contiguous float32 (1, {d}) array")
@@ -99,7 +100,7 @@ class AttnToken(CStruct):
         self.d = d
 
     def __call__(self, x: np.ndarray, pos: int, n_threads: int) -> None:
-        _check(_native().fl_attn_token(self.c, _x(x, self.d), self.d, int(pos), int(n_threads)),
+        _check(_native().fl_attn_token(self.c, token_row(x, self.d), self.d, int(pos), int(n_threads)),
                "attn_token")
 
 
@@ -123,4 +124,4 @@ class FfnToken(CStruct):
         self.d = d
 
     def __call__(self, x: np.ndarray, n_threads: int) -> None:
-        _check(_native().fl_ffn_token(self.c, _x(x, self.d), self.d, int(n_threads)), "ffn_token")
+        _check(_native().fl_ffn_token(self.c, token_row(x, self.d), self.d, int(n_threads)), "ffn_token")

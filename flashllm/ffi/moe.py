@@ -13,7 +13,7 @@ from typing import Sequence
 import numpy as np
 
 from flashllm.errors import KernelError
-from flashllm.ffi.block import CStruct, _x
+from flashllm.ffi.block import CStruct, token_row
 from flashllm.ffi.kernel import ACT_CODES
 from flashllm.ffi.lib import check as _check, ffi, native as _native
 
@@ -86,4 +86,4 @@ class MoeToken(CStruct):
         self.d = d
 
     def __call__(self, x: np.ndarray, n_threads: int) -> None:
-        _check(_native().fl_moe_token(self.c, _x(x, self.d), self.d, int(n_threads)), "moe_token")
+        _check(_native().fl_moe_token(self.c, token_row(x, self.d), self.d, int(n_threads)), "moe_token")
