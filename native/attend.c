@@ -110,22 +110,20 @@ void fli_attend_one(const float *qh, const uint8_t *k, const uint8_t *v, int32_t
             scores[s] = scale * fli_dot(kv_dtype, k + s * row_bytes, q, head_dim);
     double sum_d;
     const float sum = softmax_exp(scores, n_keys, &sum_d);
-    if (f16) {
+    if (f16) {                              // the weights as ggml rounds them to f16
         const float inv = (float)(1.0 / sum_d);
-        for (int64_t s = 0; s < n_keys; s++)   // the weights as ggml rounds them to f16
+        for (int64_t s = 0; s < n_keys; s++)
             scores[s] = fl_fp16_to_fp32(fl_fp32_to_fp16(scores[s] * inv));
         if (nv) {
             f16_mix_nv(nv, scores, v, n_keys, row_bytes, outh);
             return;
         }
-        memset(outh, 0, (size_t)head_dim * sizeof(float));
-        for (int64_t s = 0; s < n_keys; s++)
-            if (scores[s] != 0.0f) fli_axpy(kv_dtype, v + s * row_bytes, scores[s], outh, head_dim);
-        return;
     }
     memset(outh, 0, (size_t)head_dim * sizeof(float));
-    for (int64_t s = 0; s < n_keys; s++)
-        fli_axpy(kv_dtype, v + s * row_bytes, scores[s], outh, head_dim);
-    const float inv = 1.0f / sum;
+    for (int64_t s = 0; s < n_keys; s++)    // f16: a weight rounded to 0 adds nothing
+        if (!f16 || scores[s] != 0.0f)
+            fli_axpy(kv_dtype, v + s * row_bytes, scores[s], outh, head_dim);
+    if (f16) return;
+    const float inv = 1.0f / sum;           // f32: the weights normalised at the end
     for (int64_t i = 0; i < head_dim; i++) outh[i] *= inv;
 }

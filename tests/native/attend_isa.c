@@ -55,9 +55,8 @@ static int check(int hd, int n) {
     reference(q, kh, vh, n, rb, hd, scale, ref);
     int bad = 0;
     for (int i = 0; i < hd; i++)
-        if (!(fabs(out[i] - ref[i]) <= 1e-3 * (1.0 + fabs(ref[i])))) {
-            if (bad++ < 4) printf("hd %d, %d keys: out[%d] %g, reference %g\n", hd, n, i, out[i], ref[i]);
-        }
+        if (!(fabs(out[i] - ref[i]) <= 1e-3 * (1.0 + fabs(ref[i]))) && bad++ < 4)
+            printf("hd %d, %d keys: out[%d] %g, reference %g\n", hd, n, i, out[i], ref[i]);
     free(k), free(v);
     return bad;
 }
