@@ -100,8 +100,8 @@ class AttnToken(CStruct):
         self.d = d
 
     def __call__(self, x: np.ndarray, pos: int, n_threads: int) -> None:
-        _check(_native().fl_attn_token(self.c, token_row(x, self.d), self.d, int(pos), int(n_threads)),
-               "attn_token")
+        _check(_native().fl_attn_token(self.c, token_row(x, self.d), self.d, int(pos),
+                                       int(n_threads)), "attn_token")
 
 
 class FfnToken(CStruct):
@@ -124,4 +124,5 @@ class FfnToken(CStruct):
         self.d = d
 
     def __call__(self, x: np.ndarray, n_threads: int) -> None:
-        _check(_native().fl_ffn_token(self.c, token_row(x, self.d), self.d, int(n_threads)), "ffn_token")
+        _check(_native().fl_ffn_token(self.c, token_row(x, self.d), self.d, int(n_threads)),
+               "ffn_token")

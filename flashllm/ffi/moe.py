@@ -86,4 +86,5 @@ class MoeToken(CStruct):
         self.d = d
 
     def __call__(self, x: np.ndarray, n_threads: int) -> None:
-        _check(_native().fl_moe_token(self.c, token_row(x, self.d), self.d, int(n_threads)), "moe_token")
+        _check(_native().fl_moe_token(self.c, token_row(x, self.d), self.d, int(n_threads)),
+               "moe_token")

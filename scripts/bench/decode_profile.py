@@ -11,9 +11,10 @@ matmuls and activation when it multiplies rows, else its bundles), the output he
 RoPE, embeddings; a decode token's one-call attention and FFN blocks (ffi/block.py) and a mixture
 of experts' layer (its router's matmul, the routing, fl_moe_ffn; a decode token's one-call
 layer, fl_moe_token, "moe block") are ops of their own. What the decode loop spends outside
-those calls is "python" (numpy adds, KV cache writes, the loop, sampling's argmax). Prints ms per token per op and tok/s, and the process's CPU time per token
-(with one thread, what a token costs whatever else runs: a loaded machine stretches the wall
-time, not this); --json one JSON object.
+those calls is "python" (numpy adds, KV cache writes, the loop, sampling's argmax). Prints ms
+per token per op and tok/s, and the process's CPU time per token (with one thread, what a token
+costs whatever else runs: a loaded machine stretches the wall time, not this); --json one JSON
+object.
 """
 from __future__ import annotations
 

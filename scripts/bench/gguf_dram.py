@@ -128,11 +128,15 @@ def table(rows: List[dict]) -> List[str]:
     return out
 
 
+def show(row: dict) -> str:
+    """A row's runs as "(prefill, decode), ...", or "–" without any."""
+    return ", ".join(f"({a:.1f}, {d:.1f})" for a, d in row.get("runs", [])) or "–"
+
+
 def notes(rows: List[dict]) -> List[str]:
     """Per row: how the file was had, its conversion, flashllm's and llama.cpp's commands and
     each run's figures."""
     out = []
-    show = lambda row: ", ".join(f"({a:.1f}, {d:.1f})" for a, d in row.get("runs", [])) or "–"  # noqa: E731
     for r in (r for r in rows if not r.get("error")):
         fl, ll = r["flashllm"], r["llama.cpp"]
         out.append(f"- {r['name']}: {r['made']}; `{r['conv']}`; `{fl['cmd']}` ({r['n_prompt']}-token "
