@@ -286,8 +286,10 @@ static inline __attribute__((always_inline)) void group0(int K, const uint8_t *g
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *v = vals + (size_t)b * vb;
         // Q0_AHEAD bytes on, across groups, into L2: prefetcht0 8 blocks on held L1's misses
-        // and one core streamed the q8_0 head at 13-14 GB/s, this at 20-21 (docs/KERNELS.md)
-        fli_prefetch_l2(v + Q0_AHEAD, vb);
+        // and one core streamed the q8_0 head at 13-14 GB/s, this at 20-21 (docs/KERNELS.md).
+        // The group's bytes (its d and values) at the pace a block takes them: a pointer at the
+        // values' pace would skip the next groups' d lines, which then missed
+        fli_prefetch_l2(gp + (size_t)b * (vb + 32) + Q0_AHEAD, vb + 32);
         vi acc[4][Q0_CHAINS];
         const int8_t *q[4];
         for (int t = 0; t < NT; t++) {  // AVX2's q8_0 sums are signed: no correction
