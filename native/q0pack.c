@@ -281,6 +281,7 @@ static inline __attribute__((always_inline)) void group0(int K, const uint8_t *g
     const int Q8 = K == Q0_Q8;
     const size_t vb = Q8 ? 16 * 32 : K == Q0_Q4 ? 16 * 16 : 16 * 20;
     const uint8_t *vals = gp + 32 * nb;
+    const size_t step = 32 + vb;  // a block's bytes in the group: its 16 d, its values
     vf out[4];
     for (int t = 0; t < NT; t++) out[t] = v_fzero();
     for (int64_t b = 0; b < nb; b++) {
@@ -289,7 +290,7 @@ static inline __attribute__((always_inline)) void group0(int K, const uint8_t *g
         // and one core streamed the q8_0 head at 13-14 GB/s, this at 20-21 (docs/KERNELS.md).
         // The group's bytes (its d and values) at the pace a block takes them: a pointer at the
         // values' pace would skip the next groups' d lines, which then missed
-        fli_prefetch_l2(gp + (size_t)b * (vb + 32) + Q0_AHEAD, vb + 32);
+        fli_prefetch_l2(gp + (size_t)b * step + Q0_AHEAD, step);
         vi acc[4][Q0_CHAINS];
         const int8_t *q[4];
         for (int t = 0; t < NT; t++) {  // AVX2's q8_0 sums are signed: no correction
